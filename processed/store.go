@@ -1,0 +1,157 @@
+package processed
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// DefaultTable is the processed-event table used when Config.Table is empty.
+const DefaultTable = "processed_event"
+
+// Config configures a Store.
+type Config struct {
+	// Table is the processed-event table, "name" or "schema.name"; each part
+	// must match [A-Za-z_][A-Za-z0-9_]{0,62}. It is validated and quoted once,
+	// in NewStore. Defaults to DefaultTable.
+	Table string
+
+	// Dialect is the SQL dialect. Defaults to sqldb.PostgreSQL.
+	Dialect sqldb.Dialect
+}
+
+func (c *Config) setDefaults() {
+	if c.Table == "" {
+		c.Table = DefaultTable
+	}
+}
+
+// Validate reports the first invalid field of c, naming it.
+func (c Config) Validate() error {
+	if c.Table != "" {
+		if _, err := sqldb.ParseIdent(c.Table); err != nil {
+			return fmt.Errorf("processed: Config.Table: %w", err)
+		}
+	}
+	if err := c.Dialect.Validate(); err != nil {
+		return fmt.Errorf("processed: Config.Dialect: %w", err)
+	}
+	return nil
+}
+
+// Store is the processed-event store of one table: it claims (consumer,
+// event_id) pairs, answers whether one was processed, migrates its schema and
+// purges rows older than a replay horizon. It holds no connection: every
+// method takes the sqldb.Querier (transaction or pool) to run on, so the claim
+// shares the transaction of the effect. A Store is safe for concurrent use.
+type Store struct {
+	table   sqldb.Ident
+	dialect sqldb.Dialect
+
+	claimSQL  string
+	existsSQL string
+	purgeSQL  string
+}
+
+// NewStore validates cfg (on a copy with defaults applied) and builds the SQL
+// text once.
+func NewStore(cfg Config) (*Store, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	table, _ := sqldb.ParseIdent(cfg.Table)
+	q := table.Quoted(cfg.Dialect.QuoteChar())
+	return &Store{
+		table:     table,
+		dialect:   cfg.Dialect,
+		claimSQL:  fmt.Sprintf(pgClaim, q),
+		existsSQL: fmt.Sprintf(pgExists, q),
+		purgeSQL:  fmt.Sprintf(pgPurgeBatch, q),
+	}, nil
+}
+
+// Table is the store's validated table identifier.
+func (s *Store) Table() sqldb.Ident { return s.table }
+
+// Dialect is the store's SQL dialect.
+func (s *Store) Dialect() sqldb.Dialect { return s.dialect }
+
+// ClaimQuery returns the claim statement: parameters consumer (text) then
+// event_id (uuid), rows affected 1 for a claim and 0 for a duplicate. It is
+// exported for drivers that send it in a pipeline with BEGIN (see the
+// middleware's pgx beginner); most callers want Claim.
+func (s *Store) ClaimQuery() string { return s.claimSQL }
+
+// LockTimeoutQuery returns the statement that sets the lock timeout of the
+// current transaction only, with one text parameter such as "15000ms".
+func (s *Store) LockTimeoutQuery() string { return pgLockTimeout }
+
+// EventIDArg converts an event id to the driver-neutral parameter the claim
+// expects (a pgtype.UUID, which pgx encodes natively and database/sql drivers
+// receive as text through driver.Valuer).
+func EventIDArg(id uuid.UUID) any { return pgtype.UUID{Bytes: id, Valid: true} }
+
+// ErrNilEventID is returned by Claim for the nil UUID, which no producer may
+// use (RFC 9562 §5.9): a nil id would make every such event one duplicate.
+var ErrNilEventID = errors.New("processed: nil event_id")
+
+// ErrEmptyConsumer is returned by Claim when consumer is "".
+var ErrEmptyConsumer = errors.New("processed: empty consumer")
+
+// Claim records (consumer, eventID) in q's transaction with one INSERT … ON
+// CONFLICT DO NOTHING and reports whether this call inserted it. false means
+// the event was already processed by that consumer (or is being processed and
+// committed while we waited on the primary key): the caller must not apply
+// the effect. The row becomes visible to others, and final, only when q's
+// transaction commits; a rollback releases the claim with the effects.
+//
+// Run it on a transaction. On a pool the claim commits by itself at once,
+// which loses the guarantee (a failure after it would drop the event).
+func (s *Store) Claim(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) (bool, error) {
+	if consumer == "" {
+		return false, ErrEmptyConsumer
+	}
+	if eventID == uuid.Nil {
+		return false, ErrNilEventID
+	}
+	n, err := q.Exec(ctx, s.claimSQL, consumer, EventIDArg(eventID))
+	if err != nil {
+		return false, fmt.Errorf("processed: claim %s/%s: %w", consumer, eventID, err)
+	}
+	return n == 1, nil
+}
+
+// Processed reports whether (consumer, eventID) has a committed row visible to q.
+func (s *Store) Processed(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) (bool, error) {
+	var ok bool
+	if err := q.QueryRow(ctx, s.existsSQL, consumer, EventIDArg(eventID)).Scan(&ok); err != nil {
+		return false, fmt.Errorf("processed: lookup %s/%s: %w", consumer, eventID, err)
+	}
+	return ok, nil
+}
+
+// PurgeBatch deletes at most limit rows whose processed_at is older than the
+// database's now() minus horizon, in one statement (one short transaction when
+// q is a pool), and returns how many it deleted. Rows locked by a concurrent
+// transaction are skipped, never waited on. horizon is truncated to whole
+// microseconds; limit must be > 0.
+func (s *Store) PurgeBatch(ctx context.Context, q sqldb.Querier, horizon time.Duration, limit int) (int64, error) {
+	if limit <= 0 {
+		return 0, fmt.Errorf("processed: purge limit %d: must be > 0", limit)
+	}
+	if horizon < 0 {
+		return 0, fmt.Errorf("processed: purge horizon %s: must be ≥ 0", horizon)
+	}
+	n, err := q.Exec(ctx, s.purgeSQL, horizon.Microseconds(), limit)
+	if err != nil {
+		return 0, fmt.Errorf("processed: purge: %w", err)
+	}
+	return n, nil
+}

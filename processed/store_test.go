@@ -1,0 +1,224 @@
+package processed_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// drivers runs the same contract test once per driver on a fresh schema.
+func drivers(t *testing.T, fn func(t *testing.T, db sqldb.Querier, begin func(t *testing.T) (sqldb.Querier, func(commit bool)))) {
+	t.Run("pgx", func(t *testing.T) {
+		t.Parallel()
+		pool, _ := testenv.Pool(t)
+		fn(t, sqldb.Pgx(pool), func(t *testing.T) (sqldb.Querier, func(bool)) {
+			tx, err := pool.Begin(context.Background())
+			require.NoError(t, err)
+			return sqldb.Pgx(tx), func(commit bool) {
+				if commit {
+					require.NoError(t, tx.Commit(context.Background()))
+				} else {
+					require.NoError(t, tx.Rollback(context.Background()))
+				}
+			}
+		})
+	})
+	t.Run("stdlib", func(t *testing.T) {
+		t.Parallel()
+		schema := testenv.Schema(t)
+		db, err := sql.Open("pgx", testenv.SchemaURL(schema))
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = db.Close() })
+		fn(t, sqldb.Std(db), func(t *testing.T) (sqldb.Querier, func(bool)) {
+			tx, err := db.Begin()
+			require.NoError(t, err)
+			return sqldb.Std(tx), func(commit bool) {
+				if commit {
+					require.NoError(t, tx.Commit())
+				} else {
+					require.NoError(t, tx.Rollback())
+				}
+			}
+		})
+	})
+}
+
+func newStore(t *testing.T, db sqldb.Querier) *processed.Store {
+	t.Helper()
+	s, err := processed.NewStore(processed.Config{})
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(context.Background(), db))
+	return s
+}
+
+func TestClaimContract(t *testing.T) {
+	t.Parallel()
+	drivers(t, func(t *testing.T, db sqldb.Querier, begin func(*testing.T) (sqldb.Querier, func(bool))) {
+		ctx := context.Background()
+		s := newStore(t, db)
+		id := uuid.Must(uuid.NewV7())
+
+		// First claim inserts, rolled back: nothing remains.
+		tx, end := begin(t)
+		ok, err := s.Claim(ctx, tx, "stock", id)
+		require.NoError(t, err)
+		require.True(t, ok)
+		end(false)
+		done, err := s.Processed(ctx, db, "stock", id)
+		require.NoError(t, err)
+		require.False(t, done, "a rolled back claim must vanish")
+
+		// Claim and commit.
+		tx, end = begin(t)
+		ok, err = s.Claim(ctx, tx, "stock", id)
+		require.NoError(t, err)
+		require.True(t, ok)
+		end(true)
+
+		// Duplicate: 0 rows, no error, and the transaction stays usable
+		// (no 23505, so no 25P02 afterwards).
+		tx, end = begin(t)
+		ok, err = s.Claim(ctx, tx, "stock", id)
+		require.NoError(t, err)
+		require.False(t, ok)
+		var one int
+		require.NoError(t, tx.QueryRow(ctx, "SELECT 1").Scan(&one))
+		end(true)
+
+		// Another consumer claims the same event independently.
+		tx, end = begin(t)
+		ok, err = s.Claim(ctx, tx, "shipping", id)
+		require.NoError(t, err)
+		require.True(t, ok)
+		end(true)
+
+		_, err = s.Claim(ctx, db, "stock", uuid.Nil)
+		require.ErrorIs(t, err, processed.ErrNilEventID)
+		_, err = s.Claim(ctx, db, "", id)
+		require.ErrorIs(t, err, processed.ErrEmptyConsumer)
+	})
+}
+
+func TestConcurrentClaimsOneWinner(t *testing.T) {
+	t.Parallel()
+	drivers(t, func(t *testing.T, db sqldb.Querier, begin func(*testing.T) (sqldb.Querier, func(bool))) {
+		ctx := context.Background()
+		s := newStore(t, db)
+		id := uuid.Must(uuid.NewV7())
+		const n = 6
+		var wg sync.WaitGroup
+		results := make(chan bool, n)
+		for i := 0; i < n; i++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				tx, end := begin(t)
+				ok, err := s.Claim(ctx, tx, "c", id)
+				if err != nil {
+					t.Error(err)
+				}
+				end(true)
+				results <- ok
+			}()
+		}
+		wg.Wait()
+		close(results)
+		wins := 0
+		for ok := range results {
+			if ok {
+				wins++
+			}
+		}
+		require.Equal(t, 1, wins)
+	})
+}
+
+func TestMigrateConcurrentAndIdempotent(t *testing.T) {
+	t.Parallel()
+	pool, schema := testenv.Pool(t)
+	s, err := processed.NewStore(processed.Config{Table: schema + ".inbox"})
+	require.NoError(t, err)
+	var wg sync.WaitGroup
+	errs := make(chan error, 4)
+	for i := 0; i < 4; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			other := testenv.PoolOn(t, schema, 2)
+			errs <- s.Migrate(context.Background(), sqldb.Pgx(other))
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	require.NoError(t, s.Migrate(context.Background(), sqldb.Pgx(pool)))
+	var cols []string
+	rows, err := pool.Query(context.Background(),
+		`SELECT column_name || ':' || data_type FROM information_schema.columns WHERE table_schema = $1 AND table_name = 'inbox' ORDER BY ordinal_position`, schema)
+	require.NoError(t, err)
+	for rows.Next() {
+		var c string
+		require.NoError(t, rows.Scan(&c))
+		cols = append(cols, c)
+	}
+	require.NoError(t, rows.Err())
+	require.Equal(t, []string{"consumer:text", "event_id:uuid", "processed_at:timestamp with time zone"}, cols)
+	var idx int
+	require.NoError(t, pool.QueryRow(context.Background(),
+		`SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = 'inbox' AND indexdef LIKE '%(processed_at)%'`, schema).Scan(&idx))
+	require.Equal(t, 1, idx)
+	var recorded int
+	require.NoError(t, pool.QueryRow(context.Background(),
+		`SELECT count(*) FROM idempotency_migration WHERE component = $1`, "processed:"+schema+".inbox").Scan(&recorded))
+	require.Equal(t, 1, recorded)
+}
+
+func TestConfigValidateNamesField(t *testing.T) {
+	t.Parallel()
+	for _, bad := range []string{`x"; DROP TABLE y; --`, "a.b.c", "1abc", "a-b", "sch.", "tab le"} {
+		_, err := processed.NewStore(processed.Config{Table: bad})
+		require.ErrorContains(t, err, "Config.Table", bad)
+	}
+	s, err := processed.NewStore(processed.Config{Table: "inbox.processed_event"})
+	require.NoError(t, err)
+	require.Equal(t, `INSERT INTO "inbox"."processed_event" (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`, s.ClaimQuery())
+}
+
+func TestPurgeBatch(t *testing.T) {
+	t.Parallel()
+	pool, _ := testenv.Pool(t)
+	ctx := context.Background()
+	db := sqldb.Pgx(pool)
+	s := newStore(t, db)
+	// 5 rows 2h old, 3 rows 30 minutes old; horizon 1h.
+	for i := 0; i < 8; i++ {
+		age := "2 hours"
+		if i >= 5 {
+			age = "30 minutes"
+		}
+		_, err := pool.Exec(ctx, fmt.Sprintf(`INSERT INTO processed_event (consumer, event_id, processed_at) VALUES ('c', $1, now() - interval '%s')`, age), uuid.Must(uuid.NewV7()))
+		require.NoError(t, err)
+	}
+	n, err := s.PurgeBatch(ctx, db, time.Hour, 2)
+	require.NoError(t, err)
+	require.EqualValues(t, 2, n, "bounded by the batch size")
+	n, err = s.PurgeBatch(ctx, db, time.Hour, 100)
+	require.NoError(t, err)
+	require.EqualValues(t, 3, n)
+	var left int
+	require.NoError(t, pool.QueryRow(ctx, "SELECT count(*) FROM processed_event").Scan(&left))
+	require.Equal(t, 3, left)
+}
