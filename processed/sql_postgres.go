@@ -41,3 +41,11 @@ const (
 	// the implicit transaction the script runs in.
 	pgMigrationLock = `SELECT pg_advisory_xact_lock(%d)`
 )
+
+const (
+	// pgPurgeTryLock / pgPurgeUnlock: a session-level advisory lock, held by
+	// the purging connection for one whole run, so that one purger works at a
+	// time across processes; the others skip the run.
+	pgPurgeTryLock = `SELECT pg_try_advisory_lock($1)`
+	pgPurgeUnlock  = `SELECT pg_advisory_unlock($1)`
+)

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
@@ -221,4 +222,8 @@ func TestPurgeBatch(t *testing.T) {
 	var left int
 	require.NoError(t, pool.QueryRow(ctx, "SELECT count(*) FROM processed_event").Scan(&left))
 	require.Equal(t, 3, left)
+}
+
+func pgxpoolNew(cfg *pgxpool.Config) (*pgxpool.Pool, error) {
+	return pgxpool.NewWithConfig(context.Background(), cfg)
 }

@@ -1,0 +1,189 @@
+package middleware
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// TxBeginner opens the transaction of one attempt and claims the event in it.
+// It is the driver seam of the middleware; build one with NewPgxBeginner or
+// NewStdBeginner. The interface is sealed (its method is unexported) so the
+// library can change how transactions are begun without breaking callers.
+type TxBeginner interface {
+	beginClaim(ctx context.Context, c claimRequest) (attemptTx, bool, error)
+}
+
+type claimRequest struct {
+	store       *processed.Store
+	consumer    string
+	eventID     uuid.UUID
+	lockTimeout string // "" → leave the session's lock_timeout alone
+}
+
+// attemptTx is one attempt's transaction as the middleware sees it.
+type attemptTx interface {
+	// bind returns ctx carrying the transaction for the handler.
+	bind(ctx context.Context) context.Context
+	commit(ctx context.Context) error
+	// rollback ends the transaction; safe after commit (no-op) and twice.
+	rollback(ctx context.Context) error
+	// release returns the connection to its pool; it must be called once,
+	// after commit or rollback, on every path.
+	release()
+}
+
+// PgxBeginnerConfig configures NewPgxBeginner.
+type PgxBeginnerConfig struct {
+	// DisablePipeline makes each attempt begin with pgx's own BeginTx (one
+	// round trip) and then claim (a second one), instead of sending BEGIN and
+	// the claim together in one pgx.Batch. The handler then gets pgx's own
+	// transaction type. Defaults to false (pipelined): the claim costs no round
+	// trip of its own.
+	DisablePipeline bool
+}
+
+// NewPgxBeginner returns the pgx v5 TxBeginner over pool. By default BEGIN,
+// the transaction's lock timeout and the claim travel in one round trip (a
+// pgx.Batch on an acquired connection) and the handler receives a pgx.Tx of
+// this package that runs on that connection (see PgxTxFromContext).
+func NewPgxBeginner(pool *pgxpool.Pool, cfg PgxBeginnerConfig) TxBeginner {
+	return &pgxBeginner{pool: pool, pipeline: !cfg.DisablePipeline}
+}
+
+type pgxBeginner struct {
+	pool     *pgxpool.Pool
+	pipeline bool
+}
+
+func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx, bool, error) {
+	if !b.pipeline {
+		return b.beginClaimUnpipelined(ctx, c)
+	}
+	conn, err := b.pool.Acquire(ctx)
+	if err != nil {
+		return nil, false, fmt.Errorf("acquire connection: %w", err)
+	}
+	batch := &pgx.Batch{}
+	batch.Queue("begin")
+	if c.lockTimeout != "" {
+		batch.Queue(c.store.LockTimeoutQuery(), c.lockTimeout)
+	}
+	batch.Queue(c.store.ClaimQuery(), c.consumer, processed.EventIDArg(c.eventID))
+	br := conn.SendBatch(ctx, batch)
+	var tagErr error
+	var claimed bool
+	n := batch.Len()
+	for i := 0; i < n; i++ {
+		tag, err := br.Exec()
+		if err != nil {
+			tagErr = err
+			break
+		}
+		if i == n-1 {
+			claimed = tag.RowsAffected() == 1
+		}
+	}
+	closeErr := br.Close()
+	if tagErr == nil {
+		tagErr = closeErr
+	}
+	tx := &pgxTx{conn: conn, pc: conn.Conn()}
+	if tagErr != nil {
+		_ = tx.rollback(ctx)
+		tx.release()
+		return nil, false, tagErr
+	}
+	return tx, claimed, nil
+}
+
+func (b *pgxBeginner) beginClaimUnpipelined(ctx context.Context, c claimRequest) (attemptTx, bool, error) {
+	tx, err := b.pool.Begin(ctx)
+	if err != nil {
+		return nil, false, fmt.Errorf("begin: %w", err)
+	}
+	a := &pgxNativeTx{tx: tx}
+	if c.lockTimeout != "" {
+		if _, err := tx.Exec(ctx, c.store.LockTimeoutQuery(), c.lockTimeout); err != nil {
+			_ = a.rollback(ctx)
+			return nil, false, err
+		}
+	}
+	claimed, err := c.store.Claim(ctx, sqldb.Pgx(tx), c.consumer, c.eventID)
+	if err != nil {
+		_ = a.rollback(ctx)
+		return nil, false, err
+	}
+	return a, claimed, nil
+}
+
+// pgxNativeTx is an attempt on pgx's own transaction type.
+type pgxNativeTx struct{ tx pgx.Tx }
+
+func (a *pgxNativeTx) bind(ctx context.Context) context.Context {
+	ctx = context.WithValue(ctx, pgxTxKey{}, a.tx)
+	return context.WithValue(ctx, querierKey{}, sqldb.Pgx(a.tx))
+}
+func (a *pgxNativeTx) commit(ctx context.Context) error { return a.tx.Commit(ctx) }
+func (a *pgxNativeTx) rollback(ctx context.Context) error {
+	err := a.tx.Rollback(ctx)
+	if err == pgx.ErrTxClosed {
+		return nil
+	}
+	return err
+}
+
+// release is a no-op: pgxpool's Tx returns its connection on Commit/Rollback.
+func (a *pgxNativeTx) release() {}
+
+// NewStdBeginner returns the database/sql TxBeginner over db (tested with
+// pgx's stdlib driver on PostgreSQL). Each attempt costs BeginTx, the lock
+// timeout and the claim as separate round trips; use NewPgxBeginner for the
+// fast path. The handler gets the *sql.Tx (SQLTxFromContext).
+func NewStdBeginner(db *sql.DB) TxBeginner { return &stdBeginner{db: db} }
+
+type stdBeginner struct{ db *sql.DB }
+
+func (b *stdBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx, bool, error) {
+	tx, err := b.db.BeginTx(ctx, nil)
+	if err != nil {
+		return nil, false, fmt.Errorf("begin: %w", err)
+	}
+	a := &stdTx{tx: tx}
+	if c.lockTimeout != "" {
+		var ignored string
+		if err := tx.QueryRowContext(ctx, c.store.LockTimeoutQuery(), c.lockTimeout).Scan(&ignored); err != nil {
+			_ = a.rollback(ctx)
+			return nil, false, err
+		}
+	}
+	claimed, err := c.store.Claim(ctx, sqldb.Std(tx), c.consumer, c.eventID)
+	if err != nil {
+		_ = a.rollback(ctx)
+		return nil, false, err
+	}
+	return a, claimed, nil
+}
+
+type stdTx struct{ tx *sql.Tx }
+
+func (a *stdTx) bind(ctx context.Context) context.Context {
+	ctx = context.WithValue(ctx, sqlTxKey{}, a.tx)
+	return context.WithValue(ctx, querierKey{}, sqldb.Std(a.tx))
+}
+func (a *stdTx) commit(context.Context) error { return a.tx.Commit() }
+func (a *stdTx) rollback(context.Context) error {
+	err := a.tx.Rollback()
+	if err == sql.ErrTxDone {
+		return nil
+	}
+	return err
+}
+func (a *stdTx) release() {}

@@ -1,0 +1,131 @@
+package middleware
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+)
+
+// Chain defaults (ChainConfig).
+const (
+	DefaultMaxRetries      = 5
+	DefaultInitialInterval = 100 * time.Millisecond
+	DefaultMaxInterval     = 10 * time.Second
+	DefaultMultiplier      = 2.0
+)
+
+// ChainConfig configures NewChain: the recommended middleware chain around
+// the idempotent middleware.
+type ChainConfig struct {
+	// Idempotent is the innermost middleware. Required.
+	Idempotent *Idempotent
+
+	// PoisonPublisher and PoisonTopic receive messages that cannot be
+	// processed: permanent errors at once, other handler errors once retries
+	// are exhausted. Infrastructure (transient) errors never go there. Both
+	// required. Watermill's PoisonQueue adds the reason in metadata
+	// ("reason_poisoned") and the message is then acked.
+	PoisonPublisher message.Publisher
+	PoisonTopic     string
+
+	// MaxRetries is how many times Watermill's Retry re-runs a failing
+	// attempt in-process before giving up on it. Defaults to DefaultMaxRetries.
+	MaxRetries int
+	// InitialInterval, MaxInterval and Multiplier shape the exponential
+	// backoff between retries. Default to DefaultInitialInterval,
+	// DefaultMaxInterval, DefaultMultiplier.
+	InitialInterval time.Duration
+	MaxInterval     time.Duration
+	Multiplier      float64
+}
+
+func (c *ChainConfig) setDefaults() {
+	if c.MaxRetries == 0 {
+		c.MaxRetries = DefaultMaxRetries
+	}
+	if c.InitialInterval == 0 {
+		c.InitialInterval = DefaultInitialInterval
+	}
+	if c.MaxInterval == 0 {
+		c.MaxInterval = DefaultMaxInterval
+	}
+	if c.Multiplier == 0 {
+		c.Multiplier = DefaultMultiplier
+	}
+}
+
+// Validate reports the first invalid field of c, naming it.
+func (c ChainConfig) Validate() error {
+	switch {
+	case c.Idempotent == nil:
+		return errors.New("middleware: ChainConfig.Idempotent is required")
+	case c.PoisonPublisher == nil:
+		return errors.New("middleware: ChainConfig.PoisonPublisher is required")
+	case c.PoisonTopic == "":
+		return errors.New("middleware: ChainConfig.PoisonTopic is required")
+	case c.MaxRetries < 0:
+		return fmt.Errorf("middleware: ChainConfig.MaxRetries %d: must be ≥ 0", c.MaxRetries)
+	case c.Multiplier != 0 && c.Multiplier < 1:
+		return fmt.Errorf("middleware: ChainConfig.Multiplier %v: must be ≥ 1", c.Multiplier)
+	}
+	return nil
+}
+
+// NewChain returns the recommended chain, outermost first, to pass to
+// router.AddMiddleware(chain...) (Watermill runs the first added outermost):
+//
+//  1. PoisonQueue with a filter: a permanent error (IsPermanent) or any
+//     non-transient error that survived the retries is published to
+//     PoisonTopic with its reason and the message is acked, once. A transient
+//     (infrastructure) error is returned to the router, which nacks: the
+//     broker redelivers and the message waits, unacked, until the database
+//     is back.
+//  2. Retry with ResetContextOnRetry (Watermill issue #467) and ShouldRetry
+//     false for permanent errors, so they are not retried.
+//  3. Recoverer: a handler panic becomes an error (after the idempotent
+//     middleware rolled back).
+//  4. The idempotent middleware: each attempt in a fresh transaction.
+//
+// Putting Retry inside the transaction, or PoisonQueue inside Retry, breaks
+// these guarantees; this constructor exists so that the order is not the
+// caller's to get wrong.
+func NewChain(cfg ChainConfig, logger watermill.LoggerAdapter) ([]message.HandlerMiddleware, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.setDefaults()
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	poison, err := wmw.PoisonQueueWithFilter(cfg.PoisonPublisher, cfg.PoisonTopic, ShouldPoison)
+	if err != nil {
+		return nil, err
+	}
+	retry := wmw.Retry{
+		MaxRetries:          cfg.MaxRetries,
+		InitialInterval:     cfg.InitialInterval,
+		MaxInterval:         cfg.MaxInterval,
+		Multiplier:          cfg.Multiplier,
+		RandomizationFactor: 0.2,
+		ResetContextOnRetry: true,
+		ShouldRetry:         func(p wmw.RetryParams) bool { return !IsPermanent(p.Err) },
+		Logger:              logger,
+	}
+	return []message.HandlerMiddleware{
+		poison,
+		retry.Middleware,
+		wmw.Recoverer,
+		cfg.Idempotent.Middleware,
+	}, nil
+}
+
+// ShouldPoison is the chain's poison filter: true for every error except a
+// transient (infrastructure) one, which must leave the message unacked on the
+// broker rather than on the poison topic.
+func ShouldPoison(err error) bool {
+	return err != nil && !IsTransient(err)
+}

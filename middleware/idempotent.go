@@ -1,0 +1,291 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/processed"
+)
+
+// DefaultLockTimeout bounds how long an attempt waits for another transaction
+// that holds the claim of the same event (Config.LockTimeout).
+const DefaultLockTimeout = 15 * time.Second
+
+// rollbackTimeout bounds a rollback issued after the message context ended.
+const rollbackTimeout = 5 * time.Second
+
+// Config configures the idempotent middleware (NewIdempotent).
+type Config struct {
+	// Beginner opens each attempt's transaction and claims the event in it:
+	// NewPgxBeginner(pool, …) or NewStdBeginner(db). Required.
+	Beginner TxBeginner
+
+	// Store is the processed-event store (table and dialect). Defaults to
+	// processed.NewStore(processed.Config{}) (table processed_event).
+	Store *processed.Store
+
+	// Consumer is the first half of the claim key (consumer, event_id).
+	// Defaults to the Watermill handler name of the message's context
+	// (message.HandlerNameFromCtx), so two handlers of one service that
+	// receive the same event each apply it once. Set it to keep the key stable
+	// when handler names change. With neither, every message fails with the
+	// permanent ErrNoConsumer.
+	Consumer string
+
+	// LockTimeout bounds the wait on a claim held by another, uncommitted
+	// transaction (two deliveries of one event at once). When it expires the
+	// attempt fails with the transient ErrInFlight and is retried later. It
+	// is set with SET LOCAL semantics (set_config(…, true)) for the whole
+	// attempt's transaction, so a handler statement that waits longer than it
+	// on a lock also fails, transiently (SQLSTATE 55P03). Defaults to
+	// DefaultLockTimeout; a negative value leaves the session's lock_timeout
+	// untouched.
+	LockTimeout time.Duration
+
+	// Recorder receives one outcome per attempt (metrics). Defaults to none.
+	Recorder Recorder
+
+	// ReplayHorizon, when > 0, refuses a message older than it as permanent
+	// with reason "expired" (ErrExpired) before any SQL runs: its processed
+	// record may already be purged (processed.PurgerConfig.Horizon), so
+	// applying it could apply it twice. The message's age comes from its
+	// UUIDv7 event_id (RFC 9562 §5.7: 48-bit Unix milliseconds) or, for other
+	// UUID versions, from its occurred_at metadata; a message with neither is
+	// let through. Set it to the purger's horizon. Defaults to 0 (off).
+	ReplayHorizon time.Duration
+
+	// Now is the clock of the expiry check. Defaults to time.Now.
+	Now func() time.Time
+}
+
+func (c *Config) setDefaults() error {
+	if c.Store == nil {
+		s, err := processed.NewStore(processed.Config{})
+		if err != nil {
+			return err
+		}
+		c.Store = s
+	}
+	if c.LockTimeout == 0 {
+		c.LockTimeout = DefaultLockTimeout
+	}
+	if c.Recorder == nil {
+		c.Recorder = nopRecorder{}
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	return nil
+}
+
+// Validate reports the first invalid field of c, naming it.
+func (c Config) Validate() error {
+	if c.Beginner == nil {
+		return errors.New("middleware: Config.Beginner is required (NewPgxBeginner or NewStdBeginner)")
+	}
+	if c.ReplayHorizon < 0 {
+		return fmt.Errorf("middleware: Config.ReplayHorizon %s: must be ≥ 0", c.ReplayHorizon)
+	}
+	if c.LockTimeout > 0 && c.LockTimeout < time.Millisecond {
+		return fmt.Errorf("middleware: Config.LockTimeout %s: below 1ms", c.LockTimeout)
+	}
+	return nil
+}
+
+// Idempotent is the idempotent-consumer (inbox) middleware. See Middleware.
+type Idempotent struct {
+	cfg         Config
+	logger      watermill.LoggerAdapter
+	lockTimeout string
+}
+
+// NewIdempotent validates cfg (on a copy with defaults applied) and returns
+// the middleware. A nil logger is watermill.NopLogger.
+func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	m := &Idempotent{cfg: cfg, logger: logger}
+	if cfg.LockTimeout > 0 {
+		m.lockTimeout = fmt.Sprintf("%dms", cfg.LockTimeout.Milliseconds())
+	}
+	return m, nil
+}
+
+// Middleware wraps h so that its effect is applied once per (consumer,
+// event_id), however often the message is delivered. Per attempt:
+//
+//  1. A message flagged malformed by the marshaler, or whose msg.UUID is not
+//     a non-nil UUID, fails with a PermanentError before any SQL runs.
+//  2. A transaction is begun and (consumer, event_id) claimed in it with one
+//     INSERT … ON CONFLICT DO NOTHING (pipelined with BEGIN on pgx).
+//  3. Zero rows: a duplicate. The transaction is rolled back, h is not
+//     called, nil is returned (the router acks); logged at debug, recorded
+//     as OutcomeDuplicate.
+//  4. One row: h runs with the transaction in its context (PgxTxFromContext,
+//     SQLTxFromContext, QuerierFromContext). If h returns an error or panics,
+//     the transaction is rolled back (claim and effects vanish together) and
+//     the error is returned, or the panic re-raised, for Retry, PoisonQueue
+//     and Recoverer outside. Otherwise the transaction commits; a commit that
+//     did not commit is an error wrapping ErrCommit.
+//
+// The message's context is restored after the attempt, the connection is
+// returned to its pool on every path, and each attempt (Watermill's Retry
+// calls the chain again with the same message) gets a fresh transaction.
+// Messages h returns are returned after the commit, for the router to
+// publish: a crash between the commit and that publish loses them.
+func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) (produced []*message.Message, err error) {
+		start := time.Now()
+		origCtx := msg.Context()
+		consumer := m.cfg.Consumer
+		if consumer == "" {
+			consumer = message.HandlerNameFromCtx(origCtx)
+		}
+		fields := watermill.LogFields{
+			"event_id":   msg.UUID,
+			"event_name": marshaler.EventName(msg),
+			"consumer":   consumer,
+		}
+		if reason, bad := marshaler.Malformed(msg); bad {
+			m.finish(consumer, OutcomeRejected, start, 0, fields, nil)
+			return nil, permanent("malformed", fmt.Errorf("%w: %s", ErrMalformed, reason))
+		}
+		if consumer == "" {
+			m.finish(consumer, OutcomeRejected, start, 0, fields, nil)
+			return nil, permanent("no_consumer", ErrNoConsumer)
+		}
+		eventID, perr := uuid.Parse(msg.UUID)
+		if perr != nil || eventID == uuid.Nil {
+			m.finish(consumer, OutcomeRejected, start, 0, fields, nil)
+			return nil, permanent("invalid_event_id", fmt.Errorf("%w: %q", ErrInvalidEventID, msg.UUID))
+		}
+		fields["event_id"] = eventID.String()
+		if m.cfg.ReplayHorizon > 0 {
+			if at, ok := eventTime(msg, eventID); ok && m.cfg.Now().Sub(at) > m.cfg.ReplayHorizon {
+				m.finish(consumer, OutcomeExpired, start, 0, fields, nil)
+				return nil, permanent("expired", fmt.Errorf("%w: event %s from %s is older than the replay horizon %s",
+					ErrExpired, eventID, at.UTC().Format(time.RFC3339Nano), m.cfg.ReplayHorizon))
+			}
+		}
+
+		tx, claimed, err := m.cfg.Beginner.beginClaim(origCtx, claimRequest{
+			store:       m.cfg.Store,
+			consumer:    consumer,
+			eventID:     eventID,
+			lockTimeout: m.lockTimeout,
+		})
+		claimDur := time.Since(start)
+		if err != nil {
+			err = classifyClaimError(err)
+			m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
+			return nil, fmt.Errorf("idempotency: begin and claim %s/%s: %w", consumer, eventID, err)
+		}
+		defer tx.release()
+
+		if !claimed {
+			// Nothing was written: end the transaction and ack.
+			if rbErr := rollback(origCtx, tx); rbErr != nil {
+				m.logger.Debug("Rollback after duplicate failed", fields.Add(watermill.LogFields{"err": rbErr}))
+			}
+			m.finish(consumer, OutcomeDuplicate, start, claimDur, fields, nil)
+			return nil, nil
+		}
+
+		crashpoint.Reached(crashpoint.AfterClaim)
+		state := &attemptState{outcome: OutcomeProcessed}
+		msg.SetContext(context.WithValue(tx.bind(origCtx), attemptKey{}, state))
+		done := false
+		defer func() {
+			msg.SetContext(origCtx)
+			if done {
+				return
+			}
+			// h panicked: roll back, then let the panic continue outwards.
+			r := recover()
+			_ = rollback(origCtx, tx)
+			m.finish(consumer, OutcomeFailed, start, claimDur, fields, fmt.Errorf("panic: %v", r))
+			panic(r)
+		}()
+
+		produced, err = h(msg)
+		done = true
+		if err != nil {
+			if rbErr := rollback(origCtx, tx); rbErr != nil {
+				err = errors.Join(err, fmt.Errorf("idempotency: rollback: %w", rbErr))
+			}
+			m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
+			return produced, err
+		}
+		crashpoint.Reached(crashpoint.BeforeCommit)
+		if cErr := tx.commit(origCtx); cErr != nil {
+			_ = rollback(origCtx, tx)
+			err = fmt.Errorf("%w: %s/%s: %w", ErrCommit, consumer, eventID, cErr)
+			m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
+			return nil, err
+		}
+		crashpoint.Reached(crashpoint.AfterCommit)
+		m.finish(consumer, state.outcome, start, claimDur, fields, nil)
+		return produced, nil
+	}
+}
+
+// rollback ends tx on a context that survives the message context's
+// cancellation (a shutdown must still roll back), bounded by rollbackTimeout.
+func rollback(ctx context.Context, tx attemptTx) error {
+	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+	defer cancel()
+	return tx.rollback(c)
+}
+
+// eventTime is the message's production time: the UUIDv7 timestamp, else
+// occurred_at.
+func eventTime(msg *message.Message, id uuid.UUID) (time.Time, bool) {
+	if id.Version() == 7 {
+		sec, nsec := id.Time().UnixTime()
+		return time.Unix(sec, nsec), true
+	}
+	if at, err := marshaler.OccurredAt(msg); err == nil && !at.IsZero() {
+		return at, true
+	}
+	return time.Time{}, false
+}
+
+func classifyClaimError(err error) error {
+	if IsTransient(err) {
+		var pgCode interface{ SQLState() string }
+		if errors.As(err, &pgCode) && pgCode.SQLState() == "55P03" {
+			return fmt.Errorf("%w: %w", ErrInFlight, err)
+		}
+		return Transient(err)
+	}
+	return err
+}
+
+func (m *Idempotent) finish(consumer string, o Outcome, start time.Time, claim time.Duration, fields watermill.LogFields, err error) {
+	total := time.Since(start)
+	m.cfg.Recorder.RecordOutcome(Observation{Consumer: consumer, Outcome: o, Claim: claim, Total: total})
+	f := fields.Add(watermill.LogFields{"outcome": string(o), "duration": total})
+	switch o {
+	case OutcomeProcessed:
+		m.logger.Trace("Event processed", f)
+	case OutcomeDuplicate, OutcomeStale:
+		m.logger.Debug("Event skipped", f)
+	default:
+		m.logger.Info("Event not processed", f.Add(watermill.LogFields{"err": err}))
+	}
+}

@@ -1,0 +1,44 @@
+package middleware
+
+import (
+	"context"
+	"database/sql"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// Unexported key types: no other package can read or overwrite these values.
+type (
+	pgxTxKey   struct{}
+	sqlTxKey   struct{}
+	querierKey struct{}
+	attemptKey struct{}
+)
+
+// PgxTxFromContext returns the attempt's transaction when the middleware runs
+// on pgx (NewPgxBeginner). ok is false outside the middleware or on another
+// driver; it never panics. Do not Commit or Rollback it: the middleware does,
+// after the handler returns (a Commit from the handler would end the claim's
+// transaction early; the middleware then reports a failure).
+func PgxTxFromContext(ctx context.Context) (tx pgx.Tx, ok bool) {
+	tx, ok = ctx.Value(pgxTxKey{}).(pgx.Tx)
+	return tx, ok
+}
+
+// SQLTxFromContext returns the attempt's transaction when the middleware runs
+// on database/sql (NewStdBeginner). ok is false otherwise; it never panics.
+// Do not Commit or Rollback it.
+func SQLTxFromContext(ctx context.Context) (tx *sql.Tx, ok bool) {
+	tx, ok = ctx.Value(sqlTxKey{}).(*sql.Tx)
+	return tx, ok
+}
+
+// QuerierFromContext returns the attempt's transaction as a driver-neutral
+// sqldb.Querier, whichever driver the middleware runs on: what library
+// helpers (versioned.Upsert.Apply, …) take.
+func QuerierFromContext(ctx context.Context) (q sqldb.Querier, ok bool) {
+	q, ok = ctx.Value(querierKey{}).(sqldb.Querier)
+	return q, ok
+}

@@ -1,0 +1,209 @@
+package processed
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// Purger defaults (PurgerConfig).
+const (
+	DefaultMinHorizon     = time.Hour
+	DefaultPurgeInterval  = time.Minute
+	DefaultPurgeBatchSize = 1000
+)
+
+// PurgerConfig configures a Purger.
+//
+// Choosing the horizon: a processed row must outlive every redelivery of its
+// event, so Horizon ≥ the longest outbox replay window you will run (how far
+// back an operator may republish) + the longest time a message may wait in a
+// queue or dead-letter queue before it is re-driven + a margin for clock skew
+// and incidents. The middleware's ReplayHorizon must be set to the same value:
+// it refuses messages older than the horizon (their record may be gone), so a
+// purged event can never be applied twice.
+type PurgerConfig struct {
+	// Horizon: rows whose processed_at is older than the database's now()
+	// minus Horizon are deleted. Required; must be ≥ MinHorizon.
+	Horizon time.Duration
+	// MinHorizon guards against a mistyped horizon that would purge records
+	// still needed for deduplication. Defaults to DefaultMinHorizon (1 h).
+	MinHorizon time.Duration
+	// Interval between runs of Start's loop. Defaults to DefaultPurgeInterval.
+	Interval time.Duration
+	// Jitter: each wait is Interval plus a random duration in [0, Jitter), so
+	// that instances started together do not all wake at once. Defaults to
+	// Interval/10.
+	Jitter time.Duration
+	// BatchSize bounds each DELETE (one short transaction each), so the purge
+	// never holds locks on many rows at once. Defaults to DefaultPurgeBatchSize.
+	BatchSize int
+	// OnPurge, if set, is called after every run that held the lock, with the
+	// rows deleted (metrics).
+	OnPurge func(deleted int64, at time.Time)
+}
+
+func (c *PurgerConfig) setDefaults() {
+	if c.MinHorizon == 0 {
+		c.MinHorizon = DefaultMinHorizon
+	}
+	if c.Interval == 0 {
+		c.Interval = DefaultPurgeInterval
+	}
+	if c.Jitter == 0 {
+		c.Jitter = c.Interval / 10
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultPurgeBatchSize
+	}
+}
+
+// ErrHorizonTooShort is returned by NewPurger for a horizon below MinHorizon.
+var ErrHorizonTooShort = errors.New("processed: replay horizon below the configured minimum")
+
+// Validate reports the first invalid field, naming it (c with defaults applied).
+func (c PurgerConfig) Validate() error {
+	switch {
+	case c.Horizon <= 0:
+		return errors.New("processed: PurgerConfig.Horizon is required (> 0)")
+	case c.MinHorizon < 0:
+		return fmt.Errorf("processed: PurgerConfig.MinHorizon %s: must be ≥ 0", c.MinHorizon)
+	case c.Horizon < c.MinHorizon:
+		return fmt.Errorf("processed: PurgerConfig.Horizon %s < MinHorizon %s: %w", c.Horizon, c.MinHorizon, ErrHorizonTooShort)
+	case c.Interval < 0, c.Jitter < 0:
+		return errors.New("processed: PurgerConfig.Interval and Jitter must be ≥ 0")
+	case c.BatchSize < 0:
+		return fmt.Errorf("processed: PurgerConfig.BatchSize %d: must be > 0", c.BatchSize)
+	}
+	return nil
+}
+
+// Purger deletes processed rows older than the replay horizon, in bounded
+// batches, on one dedicated connection that holds a session-level advisory
+// lock for the run: however many instances run a Purger on the same table,
+// one works at a time and the others skip that run.
+type Purger struct {
+	store  *Store
+	pool   sqldb.Pool
+	cfg    PurgerConfig
+	logger watermill.LoggerAdapter
+	lockID int64
+
+	mu      sync.Mutex
+	cancel  context.CancelFunc
+	stopped chan struct{}
+}
+
+// NewPurger validates cfg (on a copy with defaults applied). pool is
+// sqldb.PgxPool(pool) or sqldb.StdPool(db). A nil logger is NopLogger.
+func NewPurger(store *Store, pool sqldb.Pool, cfg PurgerConfig, logger watermill.LoggerAdapter) (*Purger, error) {
+	if store == nil || pool == nil {
+		return nil, errors.New("processed: NewPurger needs a store and a pool")
+	}
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	h := fnv.New64a()
+	_, _ = h.Write([]byte("idempotency-purge:" + store.table.String()))
+	return &Purger{store: store, pool: pool, cfg: cfg, logger: logger, lockID: int64(h.Sum64())}, nil
+}
+
+// PurgeNow runs one purge: it takes the advisory lock (or returns ran=false
+// at once when another purger holds it), deletes batch after batch until a
+// batch comes back short, releases the lock and returns the rows deleted.
+func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err error) {
+	conn, err := p.pool.Acquire(ctx)
+	if err != nil {
+		return 0, false, fmt.Errorf("processed: purge: acquire: %w", err)
+	}
+	defer conn.Release()
+	var locked bool
+	if err := conn.QueryRow(ctx, pgPurgeTryLock, p.lockID).Scan(&locked); err != nil {
+		return 0, false, fmt.Errorf("processed: purge: lock: %w", err)
+	}
+	if !locked {
+		return 0, false, nil
+	}
+	defer func() {
+		var ok bool
+		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_ = conn.QueryRow(uctx, pgPurgeUnlock, p.lockID).Scan(&ok)
+	}()
+	for {
+		n, err := p.store.PurgeBatch(ctx, conn, p.cfg.Horizon, p.cfg.BatchSize)
+		deleted += n
+		if err != nil {
+			return deleted, true, err
+		}
+		if n < int64(p.cfg.BatchSize) {
+			break
+		}
+	}
+	if p.cfg.OnPurge != nil {
+		p.cfg.OnPurge(deleted, time.Now())
+	}
+	return deleted, true, nil
+}
+
+// Start runs PurgeNow every Interval (+ jitter) in a goroutine until Stop or
+// ctx ends. Errors are logged and the loop goes on. Start twice is an error.
+func (p *Purger) Start(ctx context.Context) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.cancel != nil {
+		return errors.New("processed: purger already started")
+	}
+	ctx, p.cancel = context.WithCancel(ctx)
+	p.stopped = make(chan struct{})
+	go p.loop(ctx, p.stopped)
+	return nil
+}
+
+// Stop ends Start's goroutine and waits for it (an ongoing batch is
+// cancelled through its context). Stop without Start is a no-op.
+func (p *Purger) Stop() {
+	p.mu.Lock()
+	cancel, stopped := p.cancel, p.stopped
+	p.cancel = nil
+	p.mu.Unlock()
+	if cancel == nil {
+		return
+	}
+	cancel()
+	<-stopped
+}
+
+func (p *Purger) loop(ctx context.Context, stopped chan struct{}) {
+	defer close(stopped)
+	for {
+		wait := p.cfg.Interval
+		if p.cfg.Jitter > 0 {
+			wait += rand.N(p.cfg.Jitter)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(wait):
+		}
+		n, ran, err := p.PurgeNow(ctx)
+		switch {
+		case err != nil && ctx.Err() == nil:
+			p.logger.Error("Purge failed", err, watermill.LogFields{"table": p.store.table.String(), "deleted": n})
+		case ran:
+			p.logger.Debug("Purged processed events", watermill.LogFields{"table": p.store.table.String(), "deleted": n})
+		}
+	}
+}

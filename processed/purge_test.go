@@ -1,0 +1,215 @@
+package processed_test
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+func TestPurgerConfigValidate(t *testing.T) {
+	t.Parallel()
+	pool, _ := testenv.Pool(t)
+	s, err := processed.NewStore(processed.Config{})
+	require.NoError(t, err)
+	_, err = processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{}, nil)
+	require.ErrorContains(t, err, "PurgerConfig.Horizon")
+	_, err = processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{Horizon: time.Minute}, nil)
+	require.ErrorIs(t, err, processed.ErrHorizonTooShort)
+	_, err = processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{Horizon: time.Minute, MinHorizon: time.Second}, nil)
+	require.NoError(t, err)
+}
+
+// Rows just inside and just outside the horizon, with the session time zone
+// set far from UTC in both directions: the cutoff is the database clock's.
+func TestPurgeHorizonAnyTimeZone(t *testing.T) {
+	t.Parallel()
+	for _, tz := range []string{"Pacific/Kiritimati", "America/Anchorage", "UTC"} {
+		t.Run(tz, func(t *testing.T) {
+			t.Parallel()
+			schema := testenv.Schema(t)
+			cfg := testenv.PoolConfig(t, testenv.PostgresURL(), schema, 4)
+			cfg.ConnConfig.RuntimeParams["timezone"] = tz
+			pool := testenv.PoolOn(t, schema, 4)
+			tzPool, err := pgxpoolNew(cfg)
+			require.NoError(t, err)
+			t.Cleanup(tzPool.Close)
+			ctx := context.Background()
+			s := newStore(t, sqldb.Pgx(pool))
+			inside, outside := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
+			_, err = pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, processed_at) VALUES
+				('c', $1, now() - interval '59 minutes'), ('c', $2, now() - interval '61 minutes')`, inside, outside)
+			require.NoError(t, err)
+			p, err := processed.NewPurger(s, sqldb.PgxPool(tzPool), processed.PurgerConfig{Horizon: time.Hour}, nil)
+			require.NoError(t, err)
+			n, ran, err := p.PurgeNow(ctx)
+			require.NoError(t, err)
+			require.True(t, ran)
+			require.EqualValues(t, 1, n)
+			ok, err := s.Processed(ctx, sqldb.Pgx(pool), "c", inside)
+			require.NoError(t, err)
+			require.True(t, ok, "a row inside the horizon stays")
+			ok, err = s.Processed(ctx, sqldb.Pgx(pool), "c", outside)
+			require.NoError(t, err)
+			require.False(t, ok, "a row outside the horizon goes")
+		})
+	}
+}
+
+// Two purgers at once: while one holds the lock, the other skips its run.
+func TestTwoPurgersOneWorks(t *testing.T) {
+	t.Parallel()
+	pool, schema := testenv.Pool(t)
+	ctx := context.Background()
+	s := newStore(t, sqldb.Pgx(pool))
+	_, err := pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, processed_at)
+		SELECT 'c', gen_random_uuid(), now() - interval '2 hours' FROM generate_series(1, 50)`)
+	require.NoError(t, err)
+	inRun := make(chan struct{})
+	release := make(chan struct{})
+	first, err := processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{
+		Horizon: time.Hour,
+		OnPurge: func(int64, time.Time) { close(inRun); <-release }, // called while holding the lock
+	}, nil)
+	require.NoError(t, err)
+	second, err := processed.NewPurger(s, sqldb.PgxPool(testenv.PoolOn(t, schema, 2)), processed.PurgerConfig{Horizon: time.Hour}, nil)
+	require.NoError(t, err)
+	done := make(chan int64, 1)
+	go func() {
+		n, _, err := first.PurgeNow(ctx)
+		require.NoError(t, err)
+		done <- n
+	}()
+	<-inRun
+	n, ran, err := second.PurgeNow(ctx)
+	require.NoError(t, err)
+	require.False(t, ran, "the second purger must skip while the first holds the lock")
+	require.Zero(t, n)
+	close(release)
+	require.EqualValues(t, 50, <-done)
+	_, ran, err = second.PurgeNow(ctx)
+	require.NoError(t, err)
+	require.True(t, ran, "the lock is released after the run")
+}
+
+func TestPurgerStartStop(t *testing.T) {
+	t.Parallel()
+	pool, _ := testenv.Pool(t)
+	ctx := context.Background()
+	s := newStore(t, sqldb.Pgx(pool))
+	_, err := pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, processed_at)
+		SELECT 'c', gen_random_uuid(), now() - interval '2 hours' FROM generate_series(1, 10)`)
+	require.NoError(t, err)
+	var total atomic.Int64
+	p, err := processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{
+		Horizon: time.Hour, Interval: 10 * time.Millisecond, BatchSize: 3,
+		OnPurge: func(n int64, _ time.Time) { total.Add(n) },
+	}, nil)
+	require.NoError(t, err)
+	require.NoError(t, p.Start(ctx))
+	require.Error(t, p.Start(ctx))
+	require.Eventually(t, func() bool { return total.Load() == 10 }, 10*time.Second, 10*time.Millisecond)
+	p.Stop()
+	p.Stop()
+}
+
+// Purge of 1M rows while consumers claim: every batch is its own short
+// transaction of at most BatchSize rows (a statement-level trigger records
+// each deleting transaction), so a claim can wait on at most one batch; and
+// claims, including re-claims of rows being purged, go on during the purge.
+func TestPurgeMillionRowsInBoundedBatchesWhileClaiming(t *testing.T) {
+	t.Parallel()
+	const rows, batch = 1_000_000, 20_000
+	pool, schema := testenv.Pool(t)
+	ctx := context.Background()
+	s := newStore(t, sqldb.Pgx(pool))
+	_, err := pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, processed_at)
+		SELECT 'old', gen_random_uuid(), now() - interval '2 hours' FROM generate_series(1, $1::int)`, rows)
+	require.NoError(t, err)
+	var sample []uuid.UUID
+	r, err := pool.Query(ctx, `SELECT event_id FROM processed_event TABLESAMPLE SYSTEM (0.1) LIMIT 200`)
+	require.NoError(t, err)
+	for r.Next() {
+		var id uuid.UUID
+		require.NoError(t, r.Scan(&id))
+		sample = append(sample, id)
+	}
+	require.NoError(t, r.Err())
+	_, err = pool.Exec(ctx, `
+		CREATE TABLE purge_log (xid xid8, deleted bigint);
+		CREATE FUNCTION log_purge() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN INSERT INTO purge_log SELECT pg_current_xact_id(), count(*) FROM old; RETURN NULL; END $$;
+		CREATE TRIGGER purge_logger AFTER DELETE ON processed_event
+		REFERENCING OLD TABLE AS old FOR EACH STATEMENT EXECUTE FUNCTION log_purge();`)
+	require.NoError(t, err)
+
+	purger, err := processed.NewPurger(s, sqldb.PgxPool(testenv.PoolOn(t, schema, 2)),
+		processed.PurgerConfig{Horizon: time.Hour, BatchSize: batch}, nil)
+	require.NoError(t, err)
+	purgeDone := make(chan struct{})
+	var claims atomic.Int64
+	var wg sync.WaitGroup
+	claimPool := testenv.PoolOn(t, schema, 4)
+	for w := 0; w < 2; w++ {
+		wg.Add(1)
+		go func(w int) {
+			defer wg.Done()
+			for i := 0; ; i++ {
+				select {
+				case <-purgeDone:
+					return
+				default:
+				}
+				tx, err := claimPool.Begin(ctx)
+				if !assertNoErr(t, err) {
+					return
+				}
+				id := uuid.Must(uuid.NewV7())
+				consumer := "new"
+				if i%2 == 1 && len(sample) > 0 { // an old key the purge is deleting
+					id, consumer = sample[(i+w)%len(sample)], "old"
+				}
+				_, err = s.Claim(ctx, sqldb.Pgx(tx), consumer, id)
+				if !assertNoErr(t, err) {
+					_ = tx.Rollback(ctx)
+					return
+				}
+				if !assertNoErr(t, tx.Commit(ctx)) {
+					return
+				}
+				claims.Add(1)
+			}
+		}(w)
+	}
+	n, ran, err := purger.PurgeNow(ctx)
+	close(purgeDone)
+	wg.Wait()
+	require.NoError(t, err)
+	require.True(t, ran)
+	require.GreaterOrEqual(t, n, int64(rows-len(sample)))
+	require.Positive(t, claims.Load(), "claims must progress during the purge")
+	var txs, maxDeleted int64
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(DISTINCT xid), max(deleted) FROM purge_log WHERE deleted > 0`).Scan(&txs, &maxDeleted))
+	require.LessOrEqual(t, maxDeleted, int64(batch), "no transaction deletes more than one batch")
+	require.GreaterOrEqual(t, txs, int64(rows/batch), "one transaction per batch")
+	var left int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE processed_at < now() - interval '1 hour'`).Scan(&left))
+	require.Zero(t, left)
+	t.Logf("purged %d rows in %d transactions while %d claims committed", n, txs, claims.Load())
+}
+
+func assertNoErr(t *testing.T, err error) bool {
+	if err != nil {
+		t.Error(err)
+		return false
+	}
+	return true
+}
