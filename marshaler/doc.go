@@ -1,0 +1,55 @@
+// Package marshaler defines the JSON envelope events travel in, the
+// watermill-amqp v3 marshaler that reads and writes it, and helpers for
+// producers.
+//
+// The envelope:
+//
+//	{"event_id": "0190a0c1-7c2e-7b61-9d4e-3f1f5a2b6c7d",
+//	 "event_name": "order.placed",
+//	 "occurred_at": "2024-07-01T10:00:00.000Z",
+//	 "payload": {"order_id": 42},
+//	 "tenant": "acme"}
+//
+// event_id is the deduplication key of the whole library: the producer sets it
+// once ([NewMessage] makes a UUIDv7) and every copy of the event carries it.
+// On a Watermill message it is msg.UUID; event_name, occurred_at and any extra
+// top-level fields are metadata (see the Metadata* keys).
+//
+// # Guaranteed
+//
+//   - An event id is accepted in any RFC 9562 text form (upper case, braces,
+//     32 hex digits, urn:uuid:) and canonicalised (lower case, hyphenated)
+//     before anything uses it; msg.UUID is always the canonical form. The nil
+//     UUID is refused ([ErrNilEventID]).
+//   - The payload travels byte for byte: it is never re-encoded, so number
+//     spelling, key order and spacing inside it are kept. Extra top-level
+//     fields survive a decode/encode round trip, as raw JSON.
+//   - occurred_at is kept at full precision (nanoseconds) with its offset, and
+//     the text received is written back unchanged (".000Z" stays ".000Z").
+//   - [Envelope.Encode] is deterministic and [Decode] accepts what it writes.
+//   - [AMQP.Unmarshal] never returns an error and never panics: watermill-amqp
+//     nacks with requeue on an Unmarshal error, which would redeliver the same
+//     bad message in a hot loop forever. A delivery that is not a valid
+//     envelope becomes a message flagged with [MetadataMalformed], its raw body
+//     as payload, its reason in [MetadataMalformedReason]; [AMQP.Marshal]
+//     publishes such a message to the dead-letter topic with the raw body
+//     unchanged.
+//   - Headers of every AMQP type are carried as metadata text, and headers
+//     cannot set the metadata this package derives from the delivery (a
+//     sender cannot flag, unflag or rename a message).
+//   - [AMQP.Marshal] never publishes a message without a valid event id.
+//
+// # Not guaranteed
+//
+//   - Whitespace around the payload value (outside it) is not kept: it is not
+//     part of the value. Whitespace and escapes elsewhere in the envelope, and
+//     the order of its top-level keys, are not kept either.
+//   - Decoding checks the envelope, not the payload's schema: any JSON value,
+//     null included, is a payload.
+//   - A flagged (malformed) message's UUID is the delivery's message-id or a
+//     random one: it identifies nothing and must not be used to deduplicate.
+//   - The AMQP timestamp property holds whole seconds; the envelope's
+//     occurred_at is the precise time.
+//   - Nothing here deduplicates: that is the middleware's job, keyed on the
+//     event id this package guarantees.
+package marshaler

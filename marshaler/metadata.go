@@ -1,0 +1,134 @@
+package marshaler
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// Metadata keys this package reads and writes on a Watermill message. The
+// event id is not among them: it is msg.UUID, in canonical form.
+//
+// On reception ([AMQP.Unmarshal]) the values of these keys are derived from
+// the delivery itself; incoming AMQP headers with the same names are dropped,
+// so a sender cannot flag or unflag a message or fake its event name.
+const (
+	// MetadataEventName holds the envelope's event_name, for example
+	// "order.placed". Set by [NewMessage], [FromEnvelope] and on reception;
+	// absent on a malformed delivery.
+	MetadataEventName = "event_name"
+
+	// MetadataOccurredAt holds the envelope's occurred_at as RFC 3339 text
+	// (the text received, or time.RFC3339Nano for messages built here). Read
+	// it with [OccurredAt]. Absent on a malformed delivery.
+	MetadataOccurredAt = "occurred_at"
+
+	// MetadataMalformed is "true" on a message whose delivery could not be
+	// decoded as an envelope (see [AMQP.Unmarshal]); its Payload is then the
+	// raw delivery body and its UUID is not an event id. Absent otherwise.
+	// Read it with [Malformed]. Such a message must never reach a handler: it
+	// is a permanent failure, for the dead-letter (poison) topic.
+	MetadataMalformed = "idempotency_malformed"
+
+	// MetadataMalformedReason holds why a malformed delivery was refused: the
+	// [DecodeError] text, for example "envelope: event_id: not a UUID (10
+	// characters)". Set only together with [MetadataMalformed].
+	MetadataMalformedReason = "idempotency_malformed_reason"
+
+	// MetadataRedelivered is "true" when the broker flagged the delivery as
+	// redelivered (AMQP basic.deliver redelivered bit: it may have been seen,
+	// though not necessarily processed, by a consumer before), else "false".
+	// Set on every message from [AMQP.Unmarshal].
+	MetadataRedelivered = "amqp_redelivered"
+
+	// MetadataDeliveryCount holds the decimal delivery count from the
+	// x-delivery-count header that RabbitMQ quorum queues add on redelivery.
+	// Absent when unknown (classic queues, first delivery on some versions).
+	MetadataDeliveryCount = "amqp_delivery_count"
+
+	// MetadataExtraPrefix prefixes one metadata key per extra top-level
+	// envelope field ([Envelope.Extra]): the field "tenant" is carried as the
+	// key "envelope.tenant", its value the field's raw JSON text (a string
+	// field keeps its quotes: `"acme"`). [ToEnvelope] turns these keys back
+	// into extra fields, so each value must be valid JSON.
+	MetadataExtraPrefix = "envelope."
+)
+
+// headerDeliveryCount is the header RabbitMQ quorum queues count deliveries in.
+const headerDeliveryCount = "x-delivery-count"
+
+// reservedKey reports whether key is derived from the delivery on reception,
+// so that an incoming header of that name must not set it.
+func reservedKey(key string) bool {
+	switch key {
+	case MetadataEventName, MetadataOccurredAt, MetadataMalformed, MetadataMalformedReason,
+		MetadataRedelivered, MetadataDeliveryCount:
+		return true
+	}
+	return strings.HasPrefix(key, MetadataExtraPrefix)
+}
+
+// Malformed reports whether msg was flagged as malformed on reception
+// ([MetadataMalformed] is "true"), and why ([MetadataMalformedReason]).
+// A nil msg is not malformed.
+func Malformed(msg *message.Message) (reason string, ok bool) {
+	if msg == nil || msg.Metadata.Get(MetadataMalformed) != "true" {
+		return "", false
+	}
+	return msg.Metadata.Get(MetadataMalformedReason), true
+}
+
+// EventName returns the message's event name ([MetadataEventName]), or "" when
+// it has none (a malformed delivery, a message not built by this package) or
+// msg is nil.
+func EventName(msg *message.Message) string {
+	if msg == nil {
+		return ""
+	}
+	return msg.Metadata.Get(MetadataEventName)
+}
+
+// OccurredAt parses the message's [MetadataOccurredAt] as an RFC 3339
+// date-time (RFC 3339 section 5.6; any number of fractional digits, kept to
+// the nanosecond; any offset, kept; "T" and "Z" in either case). It returns an
+// error when the key is absent or its value is not such a time.
+func OccurredAt(msg *message.Message) (time.Time, error) {
+	if msg == nil {
+		return time.Time{}, errors.New("marshaler: nil message")
+	}
+	s, ok := msg.Metadata[MetadataOccurredAt]
+	if !ok || s == "" {
+		return time.Time{}, fmt.Errorf("marshaler: metadata %s: missing", MetadataOccurredAt)
+	}
+	t, err := parseRFC3339(s)
+	if err != nil {
+		return time.Time{}, fmt.Errorf("marshaler: metadata %s: %w", MetadataOccurredAt, err)
+	}
+	return t, nil
+}
+
+// Redelivered reports whether [MetadataRedelivered] is "true".
+func Redelivered(msg *message.Message) bool {
+	return msg != nil && msg.Metadata.Get(MetadataRedelivered) == "true"
+}
+
+// DeliveryCount returns [MetadataDeliveryCount] as a number, and false when it
+// is absent or not a non-negative decimal integer.
+func DeliveryCount(msg *message.Message) (int64, bool) {
+	if msg == nil {
+		return 0, false
+	}
+	s, ok := msg.Metadata[MetadataDeliveryCount]
+	if !ok {
+		return 0, false
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || n < 0 {
+		return 0, false
+	}
+	return n, true
+}
