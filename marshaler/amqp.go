@@ -36,7 +36,8 @@ type AMQP struct {
 var _ amqp.Marshaler = AMQP{}
 
 // maxShortstr is the longest AMQP short string (table keys, message-id,
-// type). amqp091 silently truncates longer ones modulo 256.
+// type). Recent amqp091 versions fail the publish on a longer one; older ones
+// silently truncated it.
 const maxShortstr = 255
 
 // Marshal turns msg into an AMQP publishing.

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"fmt"
 
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -38,6 +39,8 @@ type attemptTx interface {
 	// release returns the connection to its pool; it must be called once,
 	// after commit or rollback, on every path.
 	release()
+	// outboxExec is the transaction as watermill-sql sees it (outbox writes).
+	outboxExec() wsql.ContextExecutor
 }
 
 // PgxBeginnerConfig configures NewPgxBeginner.
@@ -143,6 +146,8 @@ func (a *pgxNativeTx) rollback(ctx context.Context) error {
 // release is a no-op: pgxpool's Tx returns its connection on Commit/Rollback.
 func (a *pgxNativeTx) release() {}
 
+func (a *pgxNativeTx) outboxExec() wsql.ContextExecutor { return wsql.TxFromPgx(a.tx) }
+
 // NewStdBeginner returns the database/sql TxBeginner over db (tested with
 // pgx's stdlib driver on PostgreSQL). Each attempt costs BeginTx, the lock
 // timeout and the claim as separate round trips; use NewPgxBeginner for the
@@ -187,3 +192,5 @@ func (a *stdTx) rollback(context.Context) error {
 	return err
 }
 func (a *stdTx) release() {}
+
+func (a *stdTx) outboxExec() wsql.ContextExecutor { return wsql.TxFromStdSQL(a.tx) }

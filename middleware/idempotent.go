@@ -12,6 +12,7 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
 
@@ -64,6 +65,22 @@ type Config struct {
 
 	// Now is the clock of the expiry check. Defaults to time.Now.
 	Now func() time.Time
+
+	// Outbox, when set (recommended), makes the messages a handler produces
+	// part of its transaction: those it returns, and those it publishes
+	// through PublisherFromContext, are written to this outbox in the same
+	// transaction as the claim and the effects, and the middleware returns
+	// none to the router. A relay (outbox.NewRelay) publishes them after the
+	// commit, at least once, each with the event_id it was written with.
+	// Without an outbox, returned messages go back to the router, which
+	// publishes them after the commit: a crash or a failed publish in between
+	// loses them (the redelivery is a duplicate and produces nothing).
+	Outbox *outbox.Outbox
+
+	// OutboxTopic is the destination topic of returned messages written to
+	// the outbox. Defaults to the handler's publish topic
+	// (message.PublishTopicFromCtx).
+	OutboxTopic string
 }
 
 func (c *Config) setDefaults() error {
@@ -207,7 +224,7 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 
 		crashpoint.Reached(crashpoint.AfterClaim)
-		state := &attemptState{outcome: OutcomeProcessed}
+		state := &attemptState{outcome: OutcomeProcessed, outbox: m.cfg.Outbox, tx: tx}
 		msg.SetContext(context.WithValue(tx.bind(origCtx), attemptKey{}, state))
 		done := false
 		defer func() {
@@ -224,6 +241,11 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 
 		produced, err = h(msg)
 		done = true
+		if err == nil && m.cfg.Outbox != nil && len(produced) > 0 {
+			if err = m.writeOutbox(origCtx, state, produced); err == nil {
+				produced = nil
+			}
+		}
 		if err != nil {
 			if rbErr := rollback(origCtx, tx); rbErr != nil {
 				err = errors.Join(err, fmt.Errorf("idempotency: rollback: %w", rbErr))
@@ -250,6 +272,24 @@ func rollback(ctx context.Context, tx attemptTx) error {
 	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
 	defer cancel()
 	return tx.rollback(c)
+}
+
+func (m *Idempotent) writeOutbox(ctx context.Context, st *attemptState, msgs []*message.Message) error {
+	topic := m.cfg.OutboxTopic
+	if topic == "" {
+		topic = message.PublishTopicFromCtx(ctx)
+	}
+	if topic == "" {
+		return permanent("no_outbox_topic", errors.New("idempotency: the handler returned messages but neither Config.OutboxTopic nor the handler's publish topic names their destination"))
+	}
+	pub, err := st.publisher()
+	if err != nil {
+		return err
+	}
+	if err := pub.Publish(topic, msgs...); err != nil {
+		return fmt.Errorf("idempotency: write produced messages to the outbox: %w", err)
+	}
+	return nil
 }
 
 // eventTime is the message's production time: the UUIDv7 timestamp, else

@@ -3,6 +3,10 @@ package middleware
 import (
 	"context"
 	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-idempotency/idempotency/outbox"
 )
 
 // Outcome is what happened to one attempt, as recorded and logged.
@@ -24,7 +28,48 @@ const (
 	OutcomeStale Outcome = "stale"
 )
 
-type attemptState struct{ outcome Outcome }
+type attemptState struct {
+	outcome Outcome
+	outbox  *outbox.Outbox
+	tx      attemptTx
+	pub     message.Publisher
+}
+
+func (st *attemptState) publisher() (message.Publisher, error) {
+	if st.pub == nil {
+		pub, err := st.outbox.Publisher(st.tx.outboxExec())
+		if err != nil {
+			return nil, err
+		}
+		st.pub = pub
+	}
+	return st.pub, nil
+}
+
+// PublisherFromContext returns, inside a handler run by the middleware with
+// Config.Outbox set, a publisher that writes into that outbox in the
+// attempt's transaction: what it publishes is sent (by the relay) only if the
+// attempt commits. ok is false outside the middleware or without an outbox.
+func PublisherFromContext(ctx context.Context) (pub message.Publisher, ok bool) {
+	st, ok := ctx.Value(attemptKey{}).(*attemptState)
+	if !ok || st.outbox == nil {
+		return nil, false
+	}
+	return ctxPublisher{st}, true
+}
+
+type ctxPublisher struct{ st *attemptState }
+
+func (p ctxPublisher) Publish(topic string, msgs ...*message.Message) error {
+	pub, err := p.st.publisher()
+	if err != nil {
+		return err
+	}
+	return pub.Publish(topic, msgs...)
+}
+
+// Close is a no-op: the publisher lives as long as the attempt.
+func (ctxPublisher) Close() error { return nil }
 
 // MarkStale records, from inside a handler, that the event was superseded
 // (for example versioned.Upsert.Apply returned Stale): the attempt still

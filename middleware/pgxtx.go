@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -67,6 +68,8 @@ func (tx *pgxTx) release() {
 		tx.conn = nil
 	}
 }
+
+func (tx *pgxTx) outboxExec() wsql.ContextExecutor { return wsql.TxFromPgx(tx) }
 
 // Begin starts a savepoint inside the transaction.
 func (tx *pgxTx) Begin(ctx context.Context) (pgx.Tx, error) {
