@@ -1,0 +1,188 @@
+package middleware_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/metrics"
+	"github.com/watermill-idempotency/idempotency/middleware"
+)
+
+// capture publishes nothing anywhere but records what reaches the poison topic.
+type capture struct {
+	msgs chan *message.Message
+}
+
+func (c *capture) Publish(topic string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		c.msgs <- m
+	}
+	return nil
+}
+func (c *capture) Close() error { return nil }
+
+func TestChainPoisonRetryAndMetrics(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	reg := prometheus.NewRegistry()
+	prom, err := metrics.NewPrometheus(metrics.Config{Registerer: reg})
+	require.NoError(t, err)
+	idem, err := middleware.NewIdempotent(middleware.Config{
+		Beginner: middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{}),
+		Store:    e.store,
+		Consumer: "stock",
+		Recorder: prom,
+	}, nil)
+	require.NoError(t, err)
+	poison := &capture{msgs: make(chan *message.Message, 10)}
+	chain, err := middleware.NewChain(middleware.ChainConfig{
+		Idempotent:      idem,
+		PoisonPublisher: poison,
+		PoisonTopic:     "stock.poison",
+		MaxRetries:      2,
+		InitialInterval: time.Millisecond,
+		MaxInterval:     time.Millisecond,
+	}, nil)
+	require.NoError(t, err)
+
+	calls := map[string]*atomic.Int32{}
+	for _, k := range []string{"permanent", "flaky", "infra", "ok"} {
+		calls[k] = &atomic.Int32{}
+	}
+	handler := func(msg *message.Message) ([]*message.Message, error) {
+		kind := msg.Metadata.Get("kind")
+		calls[kind].Add(1)
+		if err := writeEffect(msg, kind); err != nil {
+			return nil, err
+		}
+		switch kind {
+		case "permanent":
+			return nil, middleware.Permanent(errors.New("order unknown"))
+		case "flaky":
+			return nil, errors.New("provider said 500")
+		case "infra":
+			return nil, &pgconn.PgError{Code: "57P01", Message: "terminating connection due to administrator command"}
+		}
+		return nil, nil
+	}
+	var h message.HandlerFunc = handler
+	for i := len(chain) - 1; i >= 0; i-- {
+		h = chain[i](h)
+	}
+	run := func(kind, id string) error {
+		m := newMsg(id)
+		m.Metadata.Set("kind", kind)
+		_, err := h(m)
+		return err
+	}
+
+	// Permanent: to the poison topic on the first attempt, acked (nil).
+	require.NoError(t, run("permanent", "01906dbc-ad00-70a1-8a1b-000000000001"))
+	require.EqualValues(t, 1, calls["permanent"].Load())
+	p := <-poison.msgs
+	require.Contains(t, p.Metadata.Get(wmw.ReasonForPoisonedKey), "order unknown")
+
+	// Ordinary handler error: retried MaxRetries times, then poisoned.
+	require.NoError(t, run("flaky", "01906dbc-ad00-70a1-8a1b-000000000002"))
+	require.EqualValues(t, 3, calls["flaky"].Load())
+	p = <-poison.msgs
+	require.Contains(t, p.Metadata.Get(wmw.ReasonForPoisonedKey), "provider said 500")
+
+	// Infrastructure error: retried, never poisoned, returned (nack).
+	err = run("infra", "01906dbc-ad00-70a1-8a1b-000000000003")
+	require.Error(t, err)
+	require.True(t, middleware.IsTransient(err))
+	require.EqualValues(t, 3, calls["infra"].Load())
+	select {
+	case m := <-poison.msgs:
+		t.Fatalf("an infrastructure error reached the poison topic: %v", m.Metadata)
+	default:
+	}
+
+	// Malformed: rejected, poisoned, handler never called.
+	bad := message.NewMessage("x", []byte("not json"))
+	bad.Metadata.Set("idempotency_malformed", "true")
+	bad.Metadata.Set("idempotency_malformed_reason", "envelope: not a JSON object")
+	_, err = h(bad)
+	require.NoError(t, err)
+	p = <-poison.msgs
+	require.Contains(t, p.Metadata.Get(wmw.ReasonForPoisonedKey), "not a JSON object")
+	require.Equal(t, "not json", string(p.Payload))
+
+	require.NoError(t, run("ok", E1))
+	require.NoError(t, run("ok", E1))
+
+	count := func(outcome string) float64 {
+		return testutil.ToFloat64(counterVec(t, reg, "idempotency_messages_total", map[string]string{"consumer": "stock", "outcome": outcome}))
+	}
+	require.EqualValues(t, 1, count("processed"))
+	require.EqualValues(t, 1, count("duplicate"))
+	require.EqualValues(t, 1+3+3, count("failed"))
+	require.EqualValues(t, 1, count("rejected"))
+	require.Equal(t, 1, e.effects(E1))
+	require.Equal(t, 0, e.count(`SELECT count(*) FROM effect WHERE note <> 'ok'`), "failed attempts left nothing")
+}
+
+// counterVec reads one series of a registered counter.
+func counterVec(t *testing.T, reg *prometheus.Registry, name string, labels map[string]string) prometheus.Collector {
+	t.Helper()
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	c := prometheus.NewCounter(prometheus.CounterOpts{Name: "x"})
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	next:
+		for _, m := range mf.GetMetric() {
+			for _, lp := range m.GetLabel() {
+				if v, ok := labels[lp.GetName()]; ok && v != lp.GetValue() {
+					continue next
+				}
+			}
+			c.Add(m.GetCounter().GetValue())
+		}
+	}
+	return c
+}
+
+func TestIsTransientClassification(t *testing.T) {
+	t.Parallel()
+	for _, code := range []string{"08000", "08006", "57P01", "40001", "40P01", "55P03", "53300"} {
+		require.True(t, middleware.IsTransient(&pgconn.PgError{Code: code}), code)
+		require.True(t, middleware.ShouldPoison(errors.New("x")))
+		require.False(t, middleware.ShouldPoison(&pgconn.PgError{Code: code}), code)
+	}
+	for _, code := range []string{"23505", "42P01", "22P02", "25P02"} {
+		require.False(t, middleware.IsTransient(&pgconn.PgError{Code: code}), code)
+	}
+	require.True(t, middleware.IsTransient(syscall.ECONNREFUSED))
+	require.True(t, middleware.IsTransient(context.Canceled))
+	require.True(t, middleware.IsTransient(middleware.ErrInFlight))
+	require.False(t, middleware.IsTransient(errors.New("connection refused"))) // never by message text
+	require.False(t, middleware.IsPermanent(errors.New("x")))
+	require.Nil(t, middleware.Permanent(nil))
+}
+
+func TestChainConfigValidate(t *testing.T) {
+	t.Parallel()
+	_, err := middleware.NewChain(middleware.ChainConfig{}, nil)
+	require.ErrorContains(t, err, "ChainConfig.Idempotent")
+	idem, err := middleware.NewIdempotent(middleware.Config{Beginner: middleware.NewStdBeginner(nil)}, nil)
+	require.NoError(t, err)
+	_, err = middleware.NewChain(middleware.ChainConfig{Idempotent: idem}, nil)
+	require.ErrorContains(t, err, "ChainConfig.PoisonPublisher")
+	_, err = middleware.NewChain(middleware.ChainConfig{Idempotent: idem, PoisonPublisher: &capture{}}, nil)
+	require.ErrorContains(t, err, "ChainConfig.PoisonTopic")
+}
