@@ -227,3 +227,10 @@ func TestPurgeBatch(t *testing.T) {
 func pgxpoolNew(cfg *pgxpool.Config) (*pgxpool.Pool, error) {
 	return pgxpool.NewWithConfig(context.Background(), cfg)
 }
+
+func mustV7(t *testing.T) uuid.UUID {
+	t.Helper()
+	id, err := uuid.NewV7()
+	require.NoError(t, err)
+	return id
+}

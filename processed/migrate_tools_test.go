@@ -1,0 +1,47 @@
+package processed_test
+
+import (
+	"context"
+	"database/sql"
+	"io/fs"
+	"testing"
+
+	"github.com/pressly/goose/v3"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// The exported migrations are applied as is by goose (and have the
+// NNNN_name.up.sql layout golang-migrate reads); the resulting table works
+// with the store.
+func TestMigrationsFSWithGoose(t *testing.T) {
+	t.Parallel()
+	schema := testenv.Schema(t)
+	db, err := sql.Open("pgx", testenv.SchemaURL(schema))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = db.Close() })
+
+	fsys, err := processed.MigrationsFS("", sqldb.PostgreSQL)
+	require.NoError(t, err)
+	names, err := fs.Glob(fsys, "*.up.sql")
+	require.NoError(t, err)
+	require.Equal(t, []string{"0001_create_processed_event.up.sql"}, names)
+
+	provider, err := goose.NewProvider(goose.DialectPostgres, db, fsys)
+	require.NoError(t, err)
+	results, err := provider.Up(context.Background())
+	require.NoError(t, err)
+	require.Len(t, results, 1)
+
+	s, err := processed.NewStore(processed.Config{})
+	require.NoError(t, err)
+	ok, err := s.Claim(context.Background(), sqldb.Std(db), "c", mustV7(t))
+	require.NoError(t, err)
+	require.True(t, ok)
+
+	_, err = processed.MigrationsFS("bad-name", sqldb.PostgreSQL)
+	require.Error(t, err)
+}
