@@ -186,3 +186,26 @@ func TestChainConfigValidate(t *testing.T) {
 	_, err = middleware.NewChain(middleware.ChainConfig{Idempotent: idem, PoisonPublisher: &capture{}}, nil)
 	require.ErrorContains(t, err, "ChainConfig.PoisonTopic")
 }
+
+func TestAttemptsAreCountedInMetadata(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	poison := &capture{msgs: make(chan *message.Message, 1)}
+	idem, err := middleware.NewIdempotent(middleware.Config{
+		Beginner: middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{}),
+		Store:    e.store, Consumer: "stock",
+	}, nil)
+	require.NoError(t, err)
+	chain, err := middleware.NewChain(middleware.ChainConfig{
+		Idempotent: idem, PoisonPublisher: poison, PoisonTopic: "p",
+		MaxRetries: 2, InitialInterval: time.Millisecond, MaxInterval: time.Millisecond,
+	}, nil)
+	require.NoError(t, err)
+	var h message.HandlerFunc = func(*message.Message) ([]*message.Message, error) { return nil, errors.New("always") }
+	for i := len(chain) - 1; i >= 0; i-- {
+		h = chain[i](h)
+	}
+	_, err = h(newMsg(E1))
+	require.NoError(t, err)
+	require.Equal(t, "3", (<-poison.msgs).Metadata.Get(middleware.MetadataAttempt))
+}

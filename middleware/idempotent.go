@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -177,6 +178,7 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			"event_id":   msg.UUID,
 			"event_name": marshaler.EventName(msg),
 			"consumer":   consumer,
+			"attempt":    nextAttempt(msg),
 		}
 		if reason, bad := marshaler.Malformed(msg); bad {
 			m.finish(consumer, OutcomeRejected, start, 0, fields, nil)
@@ -290,6 +292,18 @@ func (m *Idempotent) writeOutbox(ctx context.Context, st *attemptState, msgs []*
 		return fmt.Errorf("idempotency: write produced messages to the outbox: %w", err)
 	}
 	return nil
+}
+
+// MetadataAttempt is the metadata key in which the middleware counts its
+// attempts at a message ("1", "2", …): Watermill's Retry re-runs the chain
+// with the same message, and the count travels with it to the poison topic.
+const MetadataAttempt = "idempotency_attempt"
+
+func nextAttempt(msg *message.Message) int {
+	n, _ := strconv.Atoi(msg.Metadata.Get(MetadataAttempt))
+	n++
+	msg.Metadata.Set(MetadataAttempt, strconv.Itoa(n))
+	return n
 }
 
 // eventTime is the message's production time: the UUIDv7 timestamp, else
