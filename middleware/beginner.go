@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"time"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/google/uuid"
@@ -26,7 +27,15 @@ type claimRequest struct {
 	store       *processed.Store
 	consumer    string
 	eventID     uuid.UUID
-	lockTimeout string // "" → leave the session's lock_timeout alone
+	lockTimeout time.Duration // ≤ 0 → leave the session's lock timeout alone
+}
+
+// lockTimeoutQuery is the dialect's lock-timeout statement, if any.
+func (c claimRequest) lockTimeoutQuery() (string, []any, bool) {
+	if c.lockTimeout <= 0 {
+		return "", nil, false
+	}
+	return c.store.LockTimeoutQuery(c.lockTimeout)
 }
 
 // attemptTx is one attempt's transaction as the middleware sees it.
@@ -76,10 +85,11 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	}
 	batch := &pgx.Batch{}
 	batch.Queue("begin")
-	if c.lockTimeout != "" {
-		batch.Queue(c.store.LockTimeoutQuery(), c.lockTimeout)
+	if q, args, ok := c.lockTimeoutQuery(); ok {
+		batch.Queue(q, args...)
 	}
-	batch.Queue(c.store.ClaimQuery(), c.consumer, processed.EventIDArg(c.eventID))
+	claimSQL, claimArgs := c.store.ClaimQuery(c.consumer, c.eventID)
+	batch.Queue(claimSQL, claimArgs...)
 	br := conn.SendBatch(ctx, batch)
 	var tagErr error
 	var claimed bool
@@ -113,8 +123,8 @@ func (b *pgxBeginner) beginClaimUnpipelined(ctx context.Context, c claimRequest)
 		return nil, false, fmt.Errorf("begin: %w", err)
 	}
 	a := &pgxNativeTx{tx: tx}
-	if c.lockTimeout != "" {
-		if _, err := tx.Exec(ctx, c.store.LockTimeoutQuery(), c.lockTimeout); err != nil {
+	if q, args, ok := c.lockTimeoutQuery(); ok {
+		if _, err := tx.Exec(ctx, q, args...); err != nil {
 			_ = a.rollback(ctx)
 			return nil, false, err
 		}
@@ -162,9 +172,8 @@ func (b *stdBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 		return nil, false, fmt.Errorf("begin: %w", err)
 	}
 	a := &stdTx{tx: tx}
-	if c.lockTimeout != "" {
-		var ignored string
-		if err := tx.QueryRowContext(ctx, c.store.LockTimeoutQuery(), c.lockTimeout).Scan(&ignored); err != nil {
+	if q, args, ok := c.lockTimeoutQuery(); ok {
+		if _, err := tx.ExecContext(ctx, q, args...); err != nil {
 			_ = a.rollback(ctx)
 			return nil, false, err
 		}

@@ -3,6 +3,7 @@ package middleware_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -168,6 +170,9 @@ func TestIsTransientClassification(t *testing.T) {
 		require.False(t, middleware.IsTransient(&pgconn.PgError{Code: code}), code)
 	}
 	require.True(t, middleware.IsTransient(syscall.ECONNREFUSED))
+	require.True(t, middleware.IsTransient(fmt.Errorf("wrapped: %w", &mysql.MySQLError{Number: 1213})))
+	require.True(t, middleware.IsTransient(&mysql.MySQLError{Number: 1205}))
+	require.False(t, middleware.IsTransient(&mysql.MySQLError{Number: 1062}))
 	require.True(t, middleware.IsTransient(context.Canceled))
 	require.True(t, middleware.IsTransient(middleware.ErrInFlight))
 	require.False(t, middleware.IsTransient(errors.New("connection refused"))) // never by message text

@@ -2,11 +2,13 @@ package middleware
 
 import (
 	"context"
+	"database/sql/driver"
 	"errors"
 	"io"
 	"net"
 	"syscall"
 
+	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/puddle/v2"
 )
@@ -106,6 +108,8 @@ func Transient(err error) error {
 // failure), 40P01 (deadlock), 55P03 (lock timeout), 53300 (too many
 // connections); a closed pgx pool (puddle.ErrClosedPool); network errors
 // (net.Error, ECONNREFUSED, ECONNRESET, EPIPE, io.EOF, io.ErrUnexpectedEOF);
+// MySQL/MariaDB errors 1205 (lock wait timeout), 1213 (deadlock), 1040,
+// 1053, 2006, 2013; SQLite SQLITE_BUSY and SQLITE_LOCKED; driver.ErrBadConn;
 // pgconn.SafeToRetry and pgconn.Timeout errors; and a context deadline.
 // A cancelled context (shutdown) is transient too: the message is nacked and
 // redelivered.
@@ -123,6 +127,28 @@ func IsTransient(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		return transientSQLState(pgErr.Code)
+	}
+	var myErr *mysql.MySQLError
+	if errors.As(err, &myErr) {
+		// 1205 lock wait timeout, 1213 deadlock, 1040 too many connections,
+		// 1053 server shutdown, 2006/2013 server gone / lost connection.
+		switch myErr.Number {
+		case 1205, 1213, 1040, 1053, 2006, 2013:
+			return true
+		}
+		return false
+	}
+	var liteErr interface{ Code() int }
+	if errors.As(err, &liteErr) {
+		// SQLite primary result codes 5 SQLITE_BUSY and 6 SQLITE_LOCKED
+		// (the extended code's low byte), as modernc.org/sqlite reports them.
+		switch liteErr.Code() & 0xff {
+		case 5, 6:
+			return true
+		}
+	}
+	if errors.Is(err, driver.ErrBadConn) || errors.Is(err, mysql.ErrInvalidConn) {
+		return true
 	}
 	if errors.Is(err, puddle.ErrClosedPool) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
 		return true

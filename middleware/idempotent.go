@@ -15,6 +15,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // DefaultLockTimeout bounds how long an attempt waits for another transaction
@@ -120,9 +121,8 @@ func (c Config) Validate() error {
 
 // Idempotent is the idempotent-consumer (inbox) middleware. See Middleware.
 type Idempotent struct {
-	cfg         Config
-	logger      watermill.LoggerAdapter
-	lockTimeout string
+	cfg    Config
+	logger watermill.LoggerAdapter
 }
 
 // NewIdempotent validates cfg (on a copy with defaults applied) and returns
@@ -137,11 +137,10 @@ func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, err
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	m := &Idempotent{cfg: cfg, logger: logger}
-	if cfg.LockTimeout > 0 {
-		m.lockTimeout = fmt.Sprintf("%dms", cfg.LockTimeout.Milliseconds())
+	if _, pgxOnly := cfg.Beginner.(*pgxBeginner); pgxOnly && cfg.Store.Dialect() != sqldb.PostgreSQL {
+		return nil, fmt.Errorf("middleware: Config.Beginner: the pgx beginner needs a PostgreSQL store, not %s (use NewStdBeginner)", cfg.Store.Dialect())
 	}
-	return m, nil
+	return &Idempotent{cfg: cfg, logger: logger}, nil
 }
 
 // Middleware wraps h so that its effect is applied once per (consumer,
@@ -206,7 +205,7 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			store:       m.cfg.Store,
 			consumer:    consumer,
 			eventID:     eventID,
-			lockTimeout: m.lockTimeout,
+			lockTimeout: m.cfg.LockTimeout,
 		})
 		claimDur := time.Since(start)
 		if err != nil {

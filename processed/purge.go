@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"hash/fnv"
 	"math/rand/v2"
 	"sync"
 	"time"
@@ -95,7 +94,6 @@ type Purger struct {
 	pool   sqldb.Pool
 	cfg    PurgerConfig
 	logger watermill.LoggerAdapter
-	lockID int64
 
 	mu      sync.Mutex
 	cancel  context.CancelFunc
@@ -115,9 +113,7 @@ func NewPurger(store *Store, pool sqldb.Pool, cfg PurgerConfig, logger watermill
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	h := fnv.New64a()
-	_, _ = h.Write([]byte("idempotency-purge:" + store.table.String()))
-	return &Purger{store: store, pool: pool, cfg: cfg, logger: logger, lockID: int64(h.Sum64())}, nil
+	return &Purger{store: store, pool: pool, cfg: cfg, logger: logger}, nil
 }
 
 // PurgeNow runs one purge: it takes the advisory lock (or returns ran=false
@@ -129,19 +125,14 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 		return 0, false, fmt.Errorf("processed: purge: acquire: %w", err)
 	}
 	defer conn.Release()
-	var locked bool
-	if err := conn.QueryRow(ctx, pgPurgeTryLock, p.lockID).Scan(&locked); err != nil {
+	unlock, locked, err := p.lock(ctx, conn)
+	if err != nil {
 		return 0, false, fmt.Errorf("processed: purge: lock: %w", err)
 	}
 	if !locked {
 		return 0, false, nil
 	}
-	defer func() {
-		var ok bool
-		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		_ = conn.QueryRow(uctx, pgPurgeUnlock, p.lockID).Scan(&ok)
-	}()
+	defer unlock()
 	for {
 		n, err := p.store.PurgeBatch(ctx, conn, p.cfg.Horizon, p.cfg.BatchSize)
 		deleted += n
@@ -156,6 +147,54 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 		p.cfg.OnPurge(deleted, time.Now())
 	}
 	return deleted, true, nil
+}
+
+// processLocks stands in for advisory locks on SQLite (one file, normally
+// one process): one purger per table per process.
+var processLocks sync.Map // table name → *sync.Mutex
+
+// lock takes the purge lock for one run: a session-level advisory lock held
+// by conn (PostgreSQL pg_try_advisory_lock, MySQL GET_LOCK), or the
+// in-process lock where the dialect has none. unlock releases it.
+func (p *Purger) lock(ctx context.Context, conn sqldb.Conn) (unlock func(), ok bool, err error) {
+	d := p.store.sql
+	if d.tryLock == "" {
+		m, _ := processLocks.LoadOrStore(p.store.table.String(), &sync.Mutex{})
+		mu := m.(*sync.Mutex)
+		if !mu.TryLock() {
+			return nil, false, nil
+		}
+		return mu.Unlock, true, nil
+	}
+	arg := p.store.table.String()
+	var got any
+	if err := conn.QueryRow(ctx, d.tryLock, arg).Scan(&got); err != nil {
+		return nil, false, err
+	}
+	if !truthy(got) {
+		return nil, false, nil
+	}
+	return func() {
+		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		var ignored any
+		_ = conn.QueryRow(uctx, d.unlock, arg).Scan(&ignored)
+	}, true, nil
+}
+
+// truthy reads a lock function's answer: bool (PostgreSQL) or 1 (MySQL).
+func truthy(v any) bool {
+	switch x := v.(type) {
+	case bool:
+		return x
+	case int64:
+		return x == 1
+	case int32:
+		return x == 1
+	case []byte:
+		return string(x) == "1"
+	}
+	return false
 }
 
 // Start runs PurgeNow every Interval (+ jitter) in a goroutine until Stop or

@@ -1,51 +1,44 @@
 package processed
 
-// PostgreSQL SQL text of the processed-event store. Every statement of the
-// dialect is here; %[1]s is the quoted table name. $1 is always the consumer
-// (text), $2 the event_id (uuid) where present.
+import (
+	"fmt"
+	"time"
 
-const (
-	// pgClaim is the claim: one statement, one round trip. Zero rows affected
-	// means the (consumer, event_id) row exists (committed by someone else, or
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// postgresSQL is every PostgreSQL statement of the store; %[1]s is the quoted
+// table. $1 is the consumer (text), $2 the event_id (uuid) where present.
+var postgresSQL = dialectSQL{
+	// The claim: one statement, one round trip. Zero rows affected means
+	// the (consumer, event_id) row exists (committed by someone else, or
 	// committed after we waited on its uncommitted insert): a duplicate. A
 	// unique violation is never raised, so the transaction is never aborted
 	// (catching 23505 would leave it in state 25P02).
-	pgClaim = `INSERT INTO %[1]s (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`
-
-	pgExists = `SELECT EXISTS (SELECT 1 FROM %[1]s WHERE consumer = $1 AND event_id = $2)`
-
-	// pgPurgeBatch deletes at most $2 rows whose processed_at is older than
-	// the database clock minus $1 microseconds. now() is the statement's
-	// transaction start on the server, so neither the process's TZ nor the
-	// session's timezone enters the cutoff; a microsecond interval has no
-	// calendar (DST) component.
-	pgPurgeBatch = `DELETE FROM %[1]s WHERE ctid = ANY (ARRAY(
+	claim:  `INSERT INTO %[1]s (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
+	exists: `SELECT EXISTS (SELECT 1 FROM %[1]s WHERE consumer = $1 AND event_id = $2)`,
+	// Deletes at most $2 rows older than the database clock minus $1
+	// microseconds. now() is the server's transaction start, so neither the
+	// process's TZ nor the session's timezone enters the cutoff; a
+	// microsecond interval has no calendar (DST) component. Rows locked by a
+	// concurrent transaction are skipped, never waited on.
+	purgeBatch: `DELETE FROM %[1]s WHERE ctid = ANY (ARRAY(
     SELECT ctid FROM %[1]s
     WHERE processed_at < now() - ($1::bigint * interval '1 microsecond')
     LIMIT $2
-    FOR UPDATE SKIP LOCKED))`
-
-	// pgLockTimeout sets the lock timeout of the current transaction only;
-	// $1 is text such as '15000ms'.
-	pgLockTimeout = `SELECT set_config('lock_timeout', $1, true)`
-
-	// pgMigrationsTable records applied migrations of every component.
-	pgMigrationsTable = `CREATE TABLE IF NOT EXISTS idempotency_migration (
-    component  text        NOT NULL,
-    version    int         NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (component, version)
-)`
-
-	// pgMigrationLock serialises Migrate across processes for the rest of
-	// the implicit transaction the script runs in.
-	pgMigrationLock = `SELECT pg_advisory_xact_lock(%d)`
-)
-
-const (
-	// pgPurgeTryLock / pgPurgeUnlock: a session-level advisory lock, held by
-	// the purging connection for one whole run, so that one purger works at a
-	// time across processes; the others skip the run.
-	pgPurgeTryLock = `SELECT pg_try_advisory_lock($1)`
-	pgPurgeUnlock  = `SELECT pg_advisory_unlock($1)`
-)
+    FOR UPDATE SKIP LOCKED))`,
+	purgeArgs: func(h time.Duration, limit int) []any { return []any{h.Microseconds(), limit} },
+	// Sets lock_timeout for the current transaction only (set_config's
+	// is_local = true: SET LOCAL semantics).
+	lockTimeout: func(d time.Duration) (string, []any) {
+		return `SELECT set_config('lock_timeout', $1, true)`, []any{fmt.Sprintf("%dms", d.Milliseconds())}
+	},
+	// A session-level advisory lock held by the purging connection for one
+	// run. Its key is the table's OID (resolved through the search_path, so
+	// tables of one name in different schemas have different locks) under a
+	// constant high word that keeps it apart from other advisory-lock users.
+	tryLock: `SELECT pg_try_advisory_lock((x'1de0'::bigint << 32) | $1::regclass::oid::bigint)`,
+	unlock:  `SELECT pg_advisory_unlock((x'1de0'::bigint << 32) | $1::regclass::oid::bigint)`,
+	eventID: func(id uuid.UUID) any { return pgtype.UUID{Bytes: id, Valid: true} },
+}

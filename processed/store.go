@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
@@ -53,10 +52,32 @@ func (c Config) Validate() error {
 type Store struct {
 	table   sqldb.Ident
 	dialect sqldb.Dialect
+	sql     dialectSQL
 
 	claimSQL  string
 	existsSQL string
 	purgeSQL  string
+}
+
+// dialectSQL is one dialect's statements and argument encodings (one file per
+// dialect: sql_postgres.go, sql_mysql.go, sql_sqlite.go).
+type dialectSQL struct {
+	claim, exists, purgeBatch string
+	purgeArgs                 func(horizon time.Duration, limit int) []any
+	lockTimeout               func(time.Duration) (string, []any) // nil: none
+	tryLock, unlock           string                              // one parameter, the table; "": in-process lock only
+	eventID                   func(uuid.UUID) any
+}
+
+func sqlFor(d sqldb.Dialect) dialectSQL {
+	switch d {
+	case sqldb.MySQL:
+		return mysqlSQL
+	case sqldb.SQLite:
+		return sqliteSQL
+	default:
+		return postgresSQL
+	}
 }
 
 // NewStore validates cfg (on a copy with defaults applied) and builds the SQL
@@ -68,12 +89,14 @@ func NewStore(cfg Config) (*Store, error) {
 	}
 	table, _ := sqldb.ParseIdent(cfg.Table)
 	q := table.Quoted(cfg.Dialect.QuoteChar())
+	d := sqlFor(cfg.Dialect)
 	return &Store{
 		table:     table,
 		dialect:   cfg.Dialect,
-		claimSQL:  fmt.Sprintf(pgClaim, q),
-		existsSQL: fmt.Sprintf(pgExists, q),
-		purgeSQL:  fmt.Sprintf(pgPurgeBatch, q),
+		sql:       d,
+		claimSQL:  fmt.Sprintf(d.claim, q),
+		existsSQL: fmt.Sprintf(d.exists, q),
+		purgeSQL:  fmt.Sprintf(d.purgeBatch, q),
 	}, nil
 }
 
@@ -83,20 +106,25 @@ func (s *Store) Table() sqldb.Ident { return s.table }
 // Dialect is the store's SQL dialect.
 func (s *Store) Dialect() sqldb.Dialect { return s.dialect }
 
-// ClaimQuery returns the claim statement: parameters consumer (text) then
-// event_id (uuid), rows affected 1 for a claim and 0 for a duplicate. It is
-// exported for drivers that send it in a pipeline with BEGIN (see the
-// middleware's pgx beginner); most callers want Claim.
-func (s *Store) ClaimQuery() string { return s.claimSQL }
+// ClaimQuery returns the claim statement and its arguments for (consumer,
+// eventID): rows affected 1 for a claim and 0 for a duplicate. It is exported
+// for drivers that send it in a pipeline with BEGIN (see the middleware's pgx
+// beginner); most callers want Claim.
+func (s *Store) ClaimQuery(consumer string, eventID uuid.UUID) (string, []any) {
+	return s.claimSQL, []any{consumer, s.sql.eventID(eventID)}
+}
 
-// LockTimeoutQuery returns the statement that sets the lock timeout of the
-// current transaction only, with one text parameter such as "15000ms".
-func (s *Store) LockTimeoutQuery() string { return pgLockTimeout }
-
-// EventIDArg converts an event id to the driver-neutral parameter the claim
-// expects (a pgtype.UUID, which pgx encodes natively and database/sql drivers
-// receive as text through driver.Valuer).
-func EventIDArg(id uuid.UUID) any { return pgtype.UUID{Bytes: id, Valid: true} }
+// LockTimeoutQuery returns the statement that bounds lock waits to d in the
+// current transaction (PostgreSQL: set_config('lock_timeout', …, true);
+// MySQL: the session's innodb_lock_wait_timeout, whole seconds), or ok=false
+// when the dialect has none (SQLite: the driver's busy_timeout applies).
+func (s *Store) LockTimeoutQuery(d time.Duration) (query string, args []any, ok bool) {
+	if s.sql.lockTimeout == nil {
+		return "", nil, false
+	}
+	q, a := s.sql.lockTimeout(d)
+	return q, a, true
+}
 
 // ErrNilEventID is returned by Claim for the nil UUID, which no producer may
 // use (RFC 9562 §5.9): a nil id would make every such event one duplicate.
@@ -121,7 +149,7 @@ func (s *Store) Claim(ctx context.Context, q sqldb.Querier, consumer string, eve
 	if eventID == uuid.Nil {
 		return false, ErrNilEventID
 	}
-	n, err := q.Exec(ctx, s.claimSQL, consumer, EventIDArg(eventID))
+	n, err := q.Exec(ctx, s.claimSQL, consumer, s.sql.eventID(eventID))
 	if err != nil {
 		return false, fmt.Errorf("processed: claim %s/%s: %w", consumer, eventID, err)
 	}
@@ -131,7 +159,7 @@ func (s *Store) Claim(ctx context.Context, q sqldb.Querier, consumer string, eve
 // Processed reports whether (consumer, eventID) has a committed row visible to q.
 func (s *Store) Processed(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) (bool, error) {
 	var ok bool
-	if err := q.QueryRow(ctx, s.existsSQL, consumer, EventIDArg(eventID)).Scan(&ok); err != nil {
+	if err := q.QueryRow(ctx, s.existsSQL, consumer, s.sql.eventID(eventID)).Scan(&ok); err != nil {
 		return false, fmt.Errorf("processed: lookup %s/%s: %w", consumer, eventID, err)
 	}
 	return ok, nil
@@ -149,7 +177,7 @@ func (s *Store) PurgeBatch(ctx context.Context, q sqldb.Querier, horizon time.Du
 	if horizon < 0 {
 		return 0, fmt.Errorf("processed: purge horizon %s: must be ≥ 0", horizon)
 	}
-	n, err := q.Exec(ctx, s.purgeSQL, horizon.Microseconds(), limit)
+	n, err := q.Exec(ctx, s.purgeSQL, s.sql.purgeArgs(horizon, limit)...)
 	if err != nil {
 		return 0, fmt.Errorf("processed: purge: %w", err)
 	}

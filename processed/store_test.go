@@ -2,7 +2,6 @@ package processed_test
 
 import (
 	"context"
-	"database/sql"
 	"fmt"
 	"sync"
 	"testing"
@@ -18,131 +17,12 @@ import (
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
-// drivers runs the same contract test once per driver on a fresh schema.
-func drivers(t *testing.T, fn func(t *testing.T, db sqldb.Querier, begin func(t *testing.T) (sqldb.Querier, func(commit bool)))) {
-	t.Run("pgx", func(t *testing.T) {
-		t.Parallel()
-		pool, _ := testenv.Pool(t)
-		fn(t, sqldb.Pgx(pool), func(t *testing.T) (sqldb.Querier, func(bool)) {
-			tx, err := pool.Begin(context.Background())
-			require.NoError(t, err)
-			return sqldb.Pgx(tx), func(commit bool) {
-				if commit {
-					require.NoError(t, tx.Commit(context.Background()))
-				} else {
-					require.NoError(t, tx.Rollback(context.Background()))
-				}
-			}
-		})
-	})
-	t.Run("stdlib", func(t *testing.T) {
-		t.Parallel()
-		schema := testenv.Schema(t)
-		db, err := sql.Open("pgx", testenv.SchemaURL(schema))
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = db.Close() })
-		fn(t, sqldb.Std(db), func(t *testing.T) (sqldb.Querier, func(bool)) {
-			tx, err := db.Begin()
-			require.NoError(t, err)
-			return sqldb.Std(tx), func(commit bool) {
-				if commit {
-					require.NoError(t, tx.Commit())
-				} else {
-					require.NoError(t, tx.Rollback())
-				}
-			}
-		})
-	})
-}
-
 func newStore(t *testing.T, db sqldb.Querier) *processed.Store {
 	t.Helper()
 	s, err := processed.NewStore(processed.Config{})
 	require.NoError(t, err)
 	require.NoError(t, s.Migrate(context.Background(), db))
 	return s
-}
-
-func TestClaimContract(t *testing.T) {
-	t.Parallel()
-	drivers(t, func(t *testing.T, db sqldb.Querier, begin func(*testing.T) (sqldb.Querier, func(bool))) {
-		ctx := context.Background()
-		s := newStore(t, db)
-		id := uuid.Must(uuid.NewV7())
-
-		// First claim inserts, rolled back: nothing remains.
-		tx, end := begin(t)
-		ok, err := s.Claim(ctx, tx, "stock", id)
-		require.NoError(t, err)
-		require.True(t, ok)
-		end(false)
-		done, err := s.Processed(ctx, db, "stock", id)
-		require.NoError(t, err)
-		require.False(t, done, "a rolled back claim must vanish")
-
-		// Claim and commit.
-		tx, end = begin(t)
-		ok, err = s.Claim(ctx, tx, "stock", id)
-		require.NoError(t, err)
-		require.True(t, ok)
-		end(true)
-
-		// Duplicate: 0 rows, no error, and the transaction stays usable
-		// (no 23505, so no 25P02 afterwards).
-		tx, end = begin(t)
-		ok, err = s.Claim(ctx, tx, "stock", id)
-		require.NoError(t, err)
-		require.False(t, ok)
-		var one int
-		require.NoError(t, tx.QueryRow(ctx, "SELECT 1").Scan(&one))
-		end(true)
-
-		// Another consumer claims the same event independently.
-		tx, end = begin(t)
-		ok, err = s.Claim(ctx, tx, "shipping", id)
-		require.NoError(t, err)
-		require.True(t, ok)
-		end(true)
-
-		_, err = s.Claim(ctx, db, "stock", uuid.Nil)
-		require.ErrorIs(t, err, processed.ErrNilEventID)
-		_, err = s.Claim(ctx, db, "", id)
-		require.ErrorIs(t, err, processed.ErrEmptyConsumer)
-	})
-}
-
-func TestConcurrentClaimsOneWinner(t *testing.T) {
-	t.Parallel()
-	drivers(t, func(t *testing.T, db sqldb.Querier, begin func(*testing.T) (sqldb.Querier, func(bool))) {
-		ctx := context.Background()
-		s := newStore(t, db)
-		id := uuid.Must(uuid.NewV7())
-		const n = 6
-		var wg sync.WaitGroup
-		results := make(chan bool, n)
-		for i := 0; i < n; i++ {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				tx, end := begin(t)
-				ok, err := s.Claim(ctx, tx, "c", id)
-				if err != nil {
-					t.Error(err)
-				}
-				end(true)
-				results <- ok
-			}()
-		}
-		wg.Wait()
-		close(results)
-		wins := 0
-		for ok := range results {
-			if ok {
-				wins++
-			}
-		}
-		require.Equal(t, 1, wins)
-	})
 }
 
 func TestMigrateConcurrentAndIdempotent(t *testing.T) {
@@ -195,7 +75,8 @@ func TestConfigValidateNamesField(t *testing.T) {
 	}
 	s, err := processed.NewStore(processed.Config{Table: "inbox.processed_event"})
 	require.NoError(t, err)
-	require.Equal(t, `INSERT INTO "inbox"."processed_event" (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`, s.ClaimQuery())
+	q, _ := s.ClaimQuery("c", uuid.New())
+	require.Equal(t, `INSERT INTO "inbox"."processed_event" (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`, q)
 }
 
 func TestPurgeBatch(t *testing.T) {

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Brings up the local services the tests need (PostgreSQL, RabbitMQ, Redis)
+# Brings up the local services the tests need (PostgreSQL, RabbitMQ, Redis,
+# MariaDB)
 # when they are installed but stopped; fails with a one-line instruction when
 # one is neither running nor installed. Idempotent; safe to run repeatedly.
 set -uo pipefail
@@ -32,4 +33,6 @@ ensure RabbitMQ 5672 'rabbitmq-server -detached' \
   'apt-get install -y rabbitmq-server (then rerun)' 120 || ok=1
 ensure Redis 6379 'redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no' \
   'apt-get install -y redis-server (then rerun)' 30 || ok=1
+ensure MariaDB 3306 'start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd' \
+  'apt-get install -y mariadb-server (then rerun)' 60 || ok=1
 exit $ok

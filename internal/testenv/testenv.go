@@ -6,14 +6,19 @@ package testenv
 import (
 	"context"
 	"crypto/rand"
+	"database/sql"
 	"encoding/hex"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	_ "github.com/go-sql-driver/mysql" // database/sql driver "mysql"
 	"github.com/jackc/pgx/v5/pgxpool"
+	_ "github.com/jackc/pgx/v5/stdlib" // database/sql driver "pgx"
+	_ "modernc.org/sqlite"             // database/sql driver "sqlite"
 )
 
 // DefaultPostgresURL is used when DATABASE_URL is unset.
@@ -122,4 +127,69 @@ func SchemaURL(schema string) string {
 		sep = "&"
 	}
 	return fmt.Sprintf("%s%ssearch_path=%s", u, sep, schema)
+}
+
+// DefaultMySQLDSN is used when MYSQL_DSN is unset (go-sql-driver/mysql form,
+// without a database name).
+const DefaultMySQLDSN = "root@tcp(127.0.0.1:3306)/"
+
+// MySQLDSN is MYSQL_DSN or DefaultMySQLDSN.
+func MySQLDSN() string {
+	if u := os.Getenv("MYSQL_DSN"); u != "" {
+		return u
+	}
+	return DefaultMySQLDSN
+}
+
+// MySQLDB creates a fresh MySQL/MariaDB database for the test (dropped at the
+// end) and returns a *sql.DB on it (parseTime, UTC). It fails the test when
+// the server is unreachable.
+func MySQLDB(t testing.TB) *sql.DB {
+	t.Helper()
+	admin, err := sql.Open("mysql", MySQLDSN())
+	if err != nil {
+		t.Fatalf("testenv: MySQL DSN %s: %v", MySQLDSN(), err)
+	}
+	defer admin.Close()
+	name := UniqueName("t")
+	if _, err := admin.Exec("CREATE DATABASE " + name); err != nil {
+		t.Fatalf("testenv: MySQL/MariaDB at %s unreachable or refusing: %v (start it: start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd)", MySQLDSN(), err)
+	}
+	t.Cleanup(func() {
+		admin, err := sql.Open("mysql", MySQLDSN())
+		if err == nil {
+			_, _ = admin.Exec("DROP DATABASE IF EXISTS " + name)
+			_ = admin.Close()
+		}
+	})
+	db, err := sql.Open("mysql", MySQLDSN()+name+"?parseTime=true&loc=UTC")
+	if err != nil {
+		t.Fatalf("testenv: %v", err)
+	}
+	db.SetMaxOpenConns(8)
+	t.Cleanup(func() { _ = db.Close() })
+	return db
+}
+
+// SQLiteDSN is the modernc.org/sqlite DSN the library recommends for a file:
+// WAL (readers do not block the writer), busy_timeout 10 s (a second writer
+// waits instead of failing with SQLITE_BUSY), BEGIN IMMEDIATE for
+// transactions (the write lock is taken at BEGIN, so two transactions never
+// deadlock upgrading a read lock), foreign keys on.
+func SQLiteDSN(path string) string {
+	return "file:" + path + "?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_pragma=foreign_keys(1)&_txlock=immediate"
+}
+
+// SQLiteDB opens a fresh SQLite database file in the test's temp dir.
+func SQLiteDB(t testing.TB) *sql.DB {
+	t.Helper()
+	db, err := sql.Open("sqlite", SQLiteDSN(filepath.Join(t.TempDir(), "test.db")))
+	if err != nil {
+		t.Fatalf("testenv: sqlite: %v", err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	if err := db.Ping(); err != nil {
+		t.Fatalf("testenv: sqlite: %v", err)
+	}
+	return db
 }

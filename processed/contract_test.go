@@ -1,0 +1,283 @@
+package processed_test
+
+import (
+	"context"
+	"database/sql"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// target is one dialect and driver the contract suite runs against.
+type target struct {
+	name    string
+	dialect sqldb.Dialect
+	db      sqldb.Querier
+	pool    sqldb.Pool
+	// begin opens a transaction; end commits (true) or rolls back.
+	begin func(t *testing.T) (sqldb.Querier, func(commit bool))
+	// age sets every row's processed_at to now minus d (test setup).
+	age func(t *testing.T, d time.Duration)
+}
+
+func stdBegin(db *sql.DB) func(t *testing.T) (sqldb.Querier, func(bool)) {
+	return func(t *testing.T) (sqldb.Querier, func(bool)) {
+		tx, err := db.Begin()
+		require.NoError(t, err)
+		return sqldb.Std(tx), func(commit bool) {
+			if commit {
+				require.NoError(t, tx.Commit())
+			} else {
+				require.NoError(t, tx.Rollback())
+			}
+		}
+	}
+}
+
+// eachTarget runs fn once per dialect and driver, in parallel, each on a
+// fresh database: PostgreSQL through pgx and through database/sql, MariaDB,
+// SQLite.
+func eachTarget(t *testing.T, fn func(t *testing.T, tg target)) {
+	t.Run("postgres-pgx", func(t *testing.T) {
+		t.Parallel()
+		pool, _ := testenv.Pool(t)
+		fn(t, target{
+			name: "postgres-pgx", dialect: sqldb.PostgreSQL, db: sqldb.Pgx(pool), pool: sqldb.PgxPool(pool),
+			begin: func(t *testing.T) (sqldb.Querier, func(bool)) {
+				tx, err := pool.Begin(context.Background())
+				require.NoError(t, err)
+				return sqldb.Pgx(tx), func(commit bool) {
+					if commit {
+						require.NoError(t, tx.Commit(context.Background()))
+					} else {
+						require.NoError(t, tx.Rollback(context.Background()))
+					}
+				}
+			},
+			age: func(t *testing.T, d time.Duration) {
+				_, err := pool.Exec(context.Background(), `UPDATE processed_event SET processed_at = now() - $1::bigint * interval '1 microsecond'`, d.Microseconds())
+				require.NoError(t, err)
+			},
+		})
+	})
+	t.Run("postgres-stdlib", func(t *testing.T) {
+		t.Parallel()
+		db, err := sql.Open("pgx", testenv.SchemaURL(testenv.Schema(t)))
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = db.Close() })
+		fn(t, target{
+			name: "postgres-stdlib", dialect: sqldb.PostgreSQL, db: sqldb.Std(db), pool: sqldb.StdPool(db), begin: stdBegin(db),
+			age: func(t *testing.T, d time.Duration) {
+				_, err := db.Exec(`UPDATE processed_event SET processed_at = now() - $1::bigint * interval '1 microsecond'`, d.Microseconds())
+				require.NoError(t, err)
+			},
+		})
+	})
+	t.Run("mariadb", func(t *testing.T) {
+		t.Parallel()
+		db := testenv.MySQLDB(t)
+		fn(t, target{
+			name: "mariadb", dialect: sqldb.MySQL, db: sqldb.Std(db), pool: sqldb.StdPool(db), begin: stdBegin(db),
+			age: func(t *testing.T, d time.Duration) {
+				_, err := db.Exec(`UPDATE processed_event SET processed_at = UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND`, d.Microseconds())
+				require.NoError(t, err)
+			},
+		})
+	})
+	t.Run("sqlite", func(t *testing.T) {
+		t.Parallel()
+		db := testenv.SQLiteDB(t)
+		fn(t, target{
+			name: "sqlite", dialect: sqldb.SQLite, db: sqldb.Std(db), pool: sqldb.StdPool(db), begin: stdBegin(db),
+			age: func(t *testing.T, d time.Duration) {
+				_, err := db.Exec(`UPDATE processed_event SET processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?)`,
+					"-"+formatSeconds(d)+" seconds")
+				require.NoError(t, err)
+			},
+		})
+	})
+}
+
+func formatSeconds(d time.Duration) string { return strconv.FormatFloat(d.Seconds(), 'f', 3, 64) }
+
+func (tg target) store(t *testing.T) *processed.Store {
+	t.Helper()
+	s, err := processed.NewStore(processed.Config{Dialect: tg.dialect})
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(context.Background(), tg.db))
+	require.NoError(t, s.Migrate(context.Background(), tg.db), "Migrate is idempotent")
+	return s
+}
+
+func TestClaimContract(t *testing.T) {
+	t.Parallel()
+	eachTarget(t, func(t *testing.T, tg target) {
+		ctx := context.Background()
+		s := tg.store(t)
+		id := uuid.Must(uuid.NewV7())
+
+		// First claim inserts, rolled back: nothing remains.
+		tx, end := tg.begin(t)
+		ok, err := s.Claim(ctx, tx, "stock", id)
+		require.NoError(t, err)
+		require.True(t, ok)
+		end(false)
+		done, err := s.Processed(ctx, tg.db, "stock", id)
+		require.NoError(t, err)
+		require.False(t, done, "a rolled back claim must vanish")
+
+		// Claim and commit.
+		tx, end = tg.begin(t)
+		ok, err = s.Claim(ctx, tx, "stock", id)
+		require.NoError(t, err)
+		require.True(t, ok)
+		end(true)
+		done, err = s.Processed(ctx, tg.db, "stock", id)
+		require.NoError(t, err)
+		require.True(t, done)
+
+		// Duplicate: 0 rows, no error, and the transaction stays usable
+		// (no unique violation, so no aborted transaction afterwards).
+		tx, end = tg.begin(t)
+		ok, err = s.Claim(ctx, tx, "stock", id)
+		require.NoError(t, err)
+		require.False(t, ok)
+		var one int
+		require.NoError(t, tx.QueryRow(ctx, "SELECT 1").Scan(&one))
+		end(true)
+
+		// Another consumer claims the same event independently.
+		tx, end = tg.begin(t)
+		ok, err = s.Claim(ctx, tx, "shipping", id)
+		require.NoError(t, err)
+		require.True(t, ok)
+		end(true)
+
+		_, err = s.Claim(ctx, tg.db, "stock", uuid.Nil)
+		require.ErrorIs(t, err, processed.ErrNilEventID)
+		_, err = s.Claim(ctx, tg.db, "", id)
+		require.ErrorIs(t, err, processed.ErrEmptyConsumer)
+	})
+}
+
+// Other errors are never swallowed as "duplicate" (MySQL: no INSERT IGNORE).
+func TestClaimDoesNotSwallowErrors(t *testing.T) {
+	t.Parallel()
+	eachTarget(t, func(t *testing.T, tg target) {
+		s := tg.store(t)
+		if tg.dialect == sqldb.SQLite {
+			return // SQLite TEXT has no length limit to violate
+		}
+		tooLong := strings.Repeat("x", 300) // consumer is varchar(255) on MySQL
+		tx, end := tg.begin(t)
+		defer end(false)
+		if tg.dialect == sqldb.PostgreSQL {
+			// text has no limit either: use a table that is missing instead.
+			other, err := processed.NewStore(processed.Config{Table: "missing_table", Dialect: tg.dialect})
+			require.NoError(t, err)
+			_, err = other.Claim(context.Background(), tx, "c", uuid.Must(uuid.NewV7()))
+			require.Error(t, err)
+			return
+		}
+		_, err := s.Claim(context.Background(), tx, tooLong, uuid.Must(uuid.NewV7()))
+		require.Error(t, err, "a too-long consumer must be an error, not a silent 0 rows")
+	})
+}
+
+func TestConcurrentClaimsOneWinner(t *testing.T) {
+	t.Parallel()
+	eachTarget(t, func(t *testing.T, tg target) {
+		ctx := context.Background()
+		s := tg.store(t)
+		for round := 0; round < 3; round++ {
+			id := uuid.Must(uuid.NewV7())
+			const n = 5
+			var wg sync.WaitGroup
+			results := make(chan bool, n)
+			start := make(chan struct{})
+			for i := 0; i < n; i++ {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					<-start
+					tx, end := tg.begin(t)
+					ok, err := s.Claim(ctx, tx, "c", id)
+					if err != nil {
+						t.Error(err)
+						end(false)
+						return
+					}
+					end(true)
+					results <- ok
+				}()
+			}
+			close(start)
+			wg.Wait()
+			close(results)
+			wins := 0
+			for ok := range results {
+				if ok {
+					wins++
+				}
+			}
+			require.Equal(t, 1, wins, "exactly one claim wins")
+		}
+	})
+}
+
+// The purge contract: rows older than the horizon go in bounded batches,
+// rows inside stay, one purger at a time.
+func TestPurgeContract(t *testing.T) {
+	t.Parallel()
+	eachTarget(t, func(t *testing.T, tg target) {
+		ctx := context.Background()
+		s := tg.store(t)
+		for i := 0; i < 7; i++ {
+			_, err := s.Claim(ctx, tg.db, "c", uuid.Must(uuid.NewV7()))
+			require.NoError(t, err)
+		}
+		tg.age(t, 2*time.Hour)
+		fresh := uuid.Must(uuid.NewV7())
+		_, err := s.Claim(ctx, tg.db, "c", fresh)
+		require.NoError(t, err)
+
+		n, err := s.PurgeBatch(ctx, tg.db, time.Hour, 3)
+		require.NoError(t, err)
+		require.EqualValues(t, 3, n, "bounded by the batch size")
+
+		inRun := make(chan struct{})
+		release := make(chan struct{})
+		p, err := processed.NewPurger(s, tg.pool, processed.PurgerConfig{
+			Horizon: time.Hour, BatchSize: 2,
+			OnPurge: func(int64, time.Time) { close(inRun); <-release },
+		}, nil)
+		require.NoError(t, err)
+		other, err := processed.NewPurger(s, tg.pool, processed.PurgerConfig{Horizon: time.Hour}, nil)
+		require.NoError(t, err)
+		done := make(chan int64, 1)
+		go func() {
+			n, ran, err := p.PurgeNow(ctx)
+			require.NoError(t, err)
+			require.True(t, ran)
+			done <- n
+		}()
+		<-inRun
+		_, ran, err := other.PurgeNow(ctx)
+		require.NoError(t, err)
+		require.False(t, ran, "one purger at a time")
+		close(release)
+		require.EqualValues(t, 4, <-done)
+		ok, err := s.Processed(ctx, tg.db, "c", fresh)
+		require.NoError(t, err)
+		require.True(t, ok, "a row inside the horizon stays")
+	})
+}

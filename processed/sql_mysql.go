@@ -1,0 +1,37 @@
+package processed
+
+import (
+	"time"
+
+	"github.com/google/uuid"
+)
+
+// mysqlSQL is every MySQL/MariaDB statement of the store; %[1]s is the quoted
+// table, placeholders are ?.
+var mysqlSQL = dialectSQL{
+	// The claim without INSERT IGNORE (which would also swallow other errors,
+	// such as a too-long consumer): on a duplicate key the no-op update
+	// changes nothing, so rows affected is 0 (go-sql-driver/mysql reports
+	// changed rows unless clientFoundRows=true, which this store forbids), and
+	// 1 for an insert. A concurrent uncommitted claim of the same key makes
+	// InnoDB wait on its lock, as PostgreSQL does.
+	claim:  `INSERT INTO %[1]s (consumer, event_id) VALUES (?, ?) ON DUPLICATE KEY UPDATE consumer = consumer`,
+	exists: `SELECT EXISTS (SELECT 1 FROM %[1]s WHERE consumer = ? AND event_id = ?)`,
+	// Bounded delete; UTC_TIMESTAMP(6) is the server clock in UTC, as stored.
+	purgeBatch: `DELETE FROM %[1]s WHERE processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND ORDER BY processed_at LIMIT ?`,
+	purgeArgs:  func(h time.Duration, limit int) []any { return []any{h.Microseconds(), limit} },
+	// InnoDB has no per-transaction lock timeout: this sets the session's
+	// (whole seconds, at least 1), which stays on the pooled connection.
+	lockTimeout: func(d time.Duration) (string, []any) {
+		s := int64(d / time.Second)
+		if s < 1 {
+			s = 1
+		}
+		return `SET SESSION innodb_lock_wait_timeout = ?`, []any{s}
+	},
+	// A named lock held by the purging session for one run, per database
+	// and table (SHA1 keeps the name within GET_LOCK's 64 characters).
+	tryLock: `SELECT GET_LOCK(SHA1(CONCAT('idempotency-purge:', DATABASE(), '.', ?)), 0)`,
+	unlock:  `SELECT RELEASE_LOCK(SHA1(CONCAT('idempotency-purge:', DATABASE(), '.', ?)))`,
+	eventID: func(id uuid.UUID) any { b := id; return b[:] },
+}
