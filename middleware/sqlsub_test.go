@@ -92,7 +92,11 @@ func TestSQLSubscriberJoinsTransactionWithSavepoints(t *testing.T) {
 				mu.Unlock()
 				q, ok := middleware.QuerierFromContext(msg.Context())
 				require.True(t, ok)
-				if _, err := q.Exec(msg.Context(), b.insert, msg.UUID, "x"); err != nil {
+				note := "x"
+				if msg.UUID == ids[2] && n == 1 {
+					note = "failed-attempt"
+				}
+				if _, err := q.Exec(msg.Context(), b.insert, msg.UUID, note); err != nil {
 					return err
 				}
 				if msg.UUID == ids[2] && n == 1 {
@@ -117,6 +121,9 @@ func TestSQLSubscriberJoinsTransactionWithSavepoints(t *testing.T) {
 			var dup int
 			require.NoError(t, b.db.QueryRow(ctx, `SELECT count(*) FROM (SELECT event_id FROM effect GROUP BY event_id HAVING count(*) > 1) d`).Scan(&dup))
 			require.Zero(t, dup, "one effect each")
+			var leaked int
+			require.NoError(t, b.db.QueryRow(ctx, `SELECT count(*) FROM effect WHERE note = 'failed-attempt'`).Scan(&leaked))
+			require.Zero(t, leaked, "the failed attempt's write must roll back to its savepoint")
 			var claims int
 			require.NoError(t, b.db.QueryRow(ctx, `SELECT count(*) FROM processed_event`).Scan(&claims))
 			require.Equal(t, 5, claims)
