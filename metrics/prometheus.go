@@ -8,7 +8,7 @@
 //	idempotency_purged_rows_total                         counter
 //	idempotency_last_purge_timestamp_seconds              gauge (Unix seconds)
 //
-// outcome is one of middleware.Outcome: processed, duplicate, stale, failed,
+// outcome is one of middleware.Outcome: processed, duplicate, stale, obsolete, failed,
 // rejected, expired.
 package metrics
 

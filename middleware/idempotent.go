@@ -225,7 +225,7 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 
 		crashpoint.Reached(crashpoint.AfterClaim)
-		state := &attemptState{outcome: OutcomeProcessed, outbox: m.cfg.Outbox, tx: tx}
+		state := &attemptState{consumer: consumer, outcome: OutcomeProcessed, outbox: m.cfg.Outbox, tx: tx}
 		msg.SetContext(context.WithValue(tx.bind(origCtx), attemptKey{}, state))
 		done := false
 		defer func() {
@@ -336,7 +336,7 @@ func (m *Idempotent) finish(consumer string, o Outcome, start time.Time, claim t
 	switch o {
 	case OutcomeProcessed:
 		m.logger.Trace("Event processed", f)
-	case OutcomeDuplicate, OutcomeStale:
+	case OutcomeDuplicate, OutcomeStale, OutcomeObsolete:
 		m.logger.Debug("Event skipped", f)
 	default:
 		m.logger.Info("Event not processed", f.Add(watermill.LogFields{"err": err}))

@@ -26,10 +26,15 @@ const (
 	// OutcomeStale: claimed and committed, but the handler reported (MarkStale)
 	// that the event was superseded and changed nothing (versioned.Stale).
 	OutcomeStale Outcome = "stale"
+	// OutcomeObsolete: claimed and committed, but the handler reported
+	// (MarkObsolete) that a newer message of the same family was already
+	// published, so this one was dropped (versioned.LatestFilter).
+	OutcomeObsolete Outcome = "obsolete"
 )
 
 type attemptState struct {
-	outcome Outcome
+	consumer string
+	outcome  Outcome
 	outbox  *outbox.Outbox
 	tx      attemptTx
 	pub     message.Publisher
@@ -44,6 +49,28 @@ func (st *attemptState) publisher() (message.Publisher, error) {
 		st.pub = pub
 	}
 	return st.pub, nil
+}
+
+// MarkObsolete records, from inside a handler, that the event was superseded
+// by a newer message of its family and dropped: the attempt commits its claim
+// and is recorded and logged as OutcomeObsolete. It reports false outside
+// the middleware.
+func MarkObsolete(ctx context.Context) bool {
+	st, ok := ctx.Value(attemptKey{}).(*attemptState)
+	if ok {
+		st.outcome = OutcomeObsolete
+	}
+	return ok
+}
+
+// ConsumerFromContext returns, inside a handler run by the middleware, the
+// consumer name the claim used (Config.Consumer or the handler name).
+func ConsumerFromContext(ctx context.Context) (string, bool) {
+	st, ok := ctx.Value(attemptKey{}).(*attemptState)
+	if !ok {
+		return "", false
+	}
+	return st.consumer, true
 }
 
 // PublisherFromContext returns, inside a handler run by the middleware with

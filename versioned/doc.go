@@ -57,4 +57,93 @@
 //   - The table must have a primary key or unique constraint on exactly the key
 //     columns and a bigint version column; NewUpsert does not check the schema,
 //     so a mismatch surfaces as a database error on the first Apply.
+//
+// # Latest per family
+//
+// Idempotency keeps a second effect of one event from happening; the family
+// filter keeps superseded events from reaching the handler at all. A product
+// edited 100 times in a second queues 100 "reindex p-123" messages: only the
+// last one matters, and an older one that arrives late must not overwrite
+// newer work.
+//
+// A family is (kind, resource id), set by the producer in metadata
+// (MetadataFamilyKind, MetadataFamilyID, optional MetadataFamilySeq; see
+// SetFamily, SetFamilySeq). Its messages are totally ordered (Position): by
+// the producer's sequence number when present, else by occurred_at at full
+// precision (parsed, never compared as text; offsets and fractional digits do
+// not matter, nanoseconds do), ties broken by event_id in UUID byte order.
+//
+// Producer side: a LatestPublisher wraps the publisher of the producer's
+// transaction (typically the outbox publisher) and advances the family's
+// latest record, which never moves backwards:
+//
+//	inner, _ := ob.PgxPublisher(tx)
+//	pub, _ := versioned.NewLatestPublisher(inner, versioned.LatestPublisherConfig{
+//		Store: families, Querier: sqldb.Pgx(tx)}, logger)
+//	_ = versioned.SetFamilySeq(msg, versioned.Family{Kind: "catalogue.product", ID: sku}, rowVersion)
+//	_ = pub.Publish(topic, msg)
+//
+// Consumer side: a LatestFilter runs inside the idempotent middleware's
+// transaction, directly around the handler:
+//
+//	PoisonQueue → Retry → Recoverer → Idempotent → LatestFilter → handler
+//
+// It acks without calling the handler a message older than the family's
+// latest record ("obsolete"), and a message not newer than the last one this
+// consumer applied for the family ("stale"; the applied position is recorded
+// in the handler's transaction, so it commits or rolls back with the effect).
+// Both are marked with middleware.MarkStale and so logged and counted like
+// duplicates; a FilterRecorder (FilterCounter) counts them apart. Messages
+// without family metadata pass through untouched.
+//
+// Which store gives which guarantee:
+//
+//   - Applied positions are always in PostgreSQL (FamilyStore, the applied
+//     table), in the handler's transaction: whatever happens to the latest
+//     records, a consumer never applies an older message of a family after a
+//     newer one it committed, and one consumer's handlers of one family run
+//     one at a time (row lock; bounded by the idempotent middleware's
+//     LockTimeout).
+//   - Latest records in PostgreSQL (FamilyStore, the default): written in the
+//     producer's transaction with the outbox rows, so a record exists exactly
+//     when its message will be sent; durable; read in the consumer's
+//     transaction, in the same statement as the applied check. The producers'
+//     and the consumer's tables must be in one database, or the consumer sets
+//     LatestFilterConfig.LatestQuerier to a pool on the producers' database.
+//   - Latest records in Redis (RedisLatest): one key per family, advanced by a
+//     compare-and-set Lua script, expiring after a TTL; for producers and
+//     consumers that share a Redis but no database. Redis is outside the
+//     producer's transaction, so the record is written only once the message
+//     is out (after the broker accepted it, or after the producer's commit:
+//     LatestPublisherConfig.Deferred and Flush). When a key expires, is
+//     evicted or lost in a restart or flush, or when Redis is unreachable, the
+//     filter lets the family's messages through to the applied check: more
+//     handler runs, never a dropped latest message, never an older message
+//     applied after a newer one.
+//
+// Why the latest message is never dropped: a latest record only ever names a
+// message that exists (committed with it, or already sent), and a message is
+// dropped as obsolete only when that record is strictly newer; so the
+// family's newest message is never older than the record. Losing records only
+// lets more through.
+//
+// Retention: FamilyPurger deletes families idle for longer than a horizon
+// (both tables, bounded batches, one purger at a time under an advisory lock,
+// Start/Stop); RedisLatest keys expire by themselves. Choose the horizon ≥
+// the idempotent middleware's ReplayHorizon and the longest queue wait (see
+// FamilyPurgerConfig).
+//
+// Not guaranteed:
+//   - Latest-only is a choice about effects: messages must be snapshots (the
+//     newest carries everything the older ones did), not deltas or commands
+//     whose every instance matters.
+//   - If the newest message of a family fails permanently (poison topic), the
+//     older ones were already acked as obsolete: nothing of the family is
+//     applied until a newer message comes or the poisoned one is replayed.
+//   - Producers own the order: sequence numbers must grow per family, and
+//     occurred_at from several unsynchronised clocks only orders as well as
+//     those clocks agree. A producer must not stop sending sequence numbers
+//     once it started (numbered positions are newer than unnumbered ones).
+//   - Obsolete messages still commit their processed-event claim (they are
+//     acked); the handler's other effects do not happen for them.
 package versioned

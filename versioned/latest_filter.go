@@ -1,0 +1,335 @@
+package versioned
+
+import (
+	"errors"
+	"sync/atomic"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// FilterOutcome is what the LatestFilter did with one attempt.
+type FilterOutcome string
+
+const (
+	// FilterNoFamily: the message has no family metadata; the handler was
+	// called, the filter did nothing else.
+	FilterNoFamily FilterOutcome = "no_family"
+	// FilterHandled: the message is the newest of its family this consumer
+	// has seen and no newer one is recorded; the handler was called, and its
+	// position recorded as applied in the same transaction.
+	FilterHandled FilterOutcome = "handled"
+	// FilterObsolete: a newer message of the family was published (the
+	// latest record is newer): acked without calling the handler.
+	FilterObsolete FilterOutcome = "obsolete"
+	// FilterStale: the consumer already applied this message or a newer one
+	// of the family: acked without calling the handler.
+	FilterStale FilterOutcome = "stale"
+	// FilterRejected: the family metadata is invalid, or the filter runs
+	// outside the idempotent middleware; a permanent error was returned.
+	FilterRejected FilterOutcome = "rejected"
+	// FilterFailed: the store failed; the error was returned (retried).
+	FilterFailed FilterOutcome = "failed"
+)
+
+// FilterObservation is one attempt's outcome.
+type FilterObservation struct {
+	// Consumer is the consumer name the applied record is kept under.
+	Consumer string
+	// Family is the message's family (zero for FilterNoFamily and some
+	// FilterRejected).
+	Family Family
+	// EventID is msg.UUID.
+	EventID string
+	// Outcome is what the filter did.
+	Outcome FilterOutcome
+	// LatestUnknown is true when the latest record could not be read (a
+	// non-transactional store failed) and the message was let through on
+	// the applied check alone.
+	LatestUnknown bool
+}
+
+// FilterRecorder receives one FilterObservation per attempt (metrics);
+// implementations must be safe for concurrent use and fast.
+type FilterRecorder interface {
+	RecordFilter(FilterObservation)
+}
+
+// FilterCounter is a FilterRecorder that counts attempts per outcome. The
+// zero value is ready to use; safe for concurrent use.
+type FilterCounter struct {
+	noFamily, handled, obsolete, stale, rejected, failed, latestUnknown atomic.Int64
+}
+
+var _ FilterRecorder = (*FilterCounter)(nil)
+
+// RecordFilter counts o.
+func (c *FilterCounter) RecordFilter(o FilterObservation) {
+	if n := c.counter(o.Outcome); n != nil {
+		n.Add(1)
+	}
+	if o.LatestUnknown {
+		c.latestUnknown.Add(1)
+	}
+}
+
+// Count returns the number of attempts recorded with outcome o (0 for an
+// unknown outcome).
+func (c *FilterCounter) Count(o FilterOutcome) int64 {
+	if n := c.counter(o); n != nil {
+		return n.Load()
+	}
+	return 0
+}
+
+// LatestUnknown returns the number of attempts let through because the
+// latest record could not be read.
+func (c *FilterCounter) LatestUnknown() int64 { return c.latestUnknown.Load() }
+
+func (c *FilterCounter) counter(o FilterOutcome) *atomic.Int64 {
+	switch o {
+	case FilterNoFamily:
+		return &c.noFamily
+	case FilterHandled:
+		return &c.handled
+	case FilterObsolete:
+		return &c.obsolete
+	case FilterStale:
+		return &c.stale
+	case FilterRejected:
+		return &c.rejected
+	case FilterFailed:
+		return &c.failed
+	}
+	return nil
+}
+
+// LatestFilterConfig configures a LatestFilter.
+type LatestFilterConfig struct {
+	// Families is the PostgreSQL family store: its applied table is written
+	// in the handler's transaction. Required.
+	Families *FamilyStore
+
+	// Latest is where the producers' latest records are read. Defaults to
+	// Families (PostgreSQL, read in the handler's transaction). Set a
+	// *RedisLatest when producers record there.
+	Latest LatestStore
+
+	// LatestQuerier, when set, is where a Transactional Latest store is read
+	// instead of the handler's transaction: a pool on the producers'
+	// database when it is not the consumer's. Reads there are outside the
+	// handler's transaction, so their errors are tolerated like Redis's.
+	// Defaults to nil (read in the handler's transaction, in the same round
+	// trip as the applied record).
+	LatestQuerier sqldb.Querier
+
+	// Consumer names the consumer whose applied positions are recorded.
+	// Defaults to the consumer the idempotent middleware claimed with
+	// (middleware.ConsumerFromContext), else the Watermill handler name of
+	// the message's context. With none, every message with a family fails
+	// with the permanent ErrNoConsumer.
+	Consumer string
+
+	// Recorder receives one observation per attempt. Defaults to none.
+	Recorder FilterRecorder
+
+	// DisableMarkStale keeps the filter from calling middleware.MarkObsolete
+	// (obsolete messages) and middleware.MarkStale (stale ones) for the
+	// messages it skips. By default it does, so the idempotent middleware
+	// records and logs them as OutcomeObsolete / OutcomeStale, at debug
+	// level, like duplicates.
+	DisableMarkStale bool
+}
+
+// Validate reports the first invalid field of c, naming it.
+func (c LatestFilterConfig) Validate() error {
+	if c.Families == nil {
+		return errors.New("versioned: LatestFilterConfig.Families is required (NewFamilyStore)")
+	}
+	return nil
+}
+
+// LatestFilter is the consumer side of the latest-per-family filter. See
+// Middleware. Safe for concurrent use.
+type LatestFilter struct {
+	cfg    LatestFilterConfig
+	logger watermill.LoggerAdapter
+	// oneTrip: the latest table is the applied table's store, read in the
+	// handler's transaction: one statement gives the whole verdict.
+	oneTrip bool
+}
+
+var _ message.HandlerMiddleware = (*LatestFilter)(nil).Middleware
+
+// NewLatestFilter validates cfg (on a copy with defaults applied). A nil
+// logger is watermill.NopLogger.
+func NewLatestFilter(cfg LatestFilterConfig, logger watermill.LoggerAdapter) (*LatestFilter, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.Latest == nil {
+		cfg.Latest = cfg.Families
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	same, _ := cfg.Latest.(*FamilyStore)
+	return &LatestFilter{
+		cfg:     cfg,
+		logger:  logger,
+		oneTrip: same == cfg.Families && cfg.LatestQuerier == nil,
+	}, nil
+}
+
+// Middleware returns the filter as a Watermill handler middleware. It must
+// run inside the idempotent middleware's transaction, directly around the
+// handler; the recommended chain, outermost first, is
+//
+//	PoisonQueue → Retry → Recoverer → Idempotent → LatestFilter → handler
+//
+// (add it with router.AddMiddleware after the chain of middleware.NewChain,
+// or wrap the handler: filter.Middleware(handler)). Per attempt:
+//
+//  1. A message without family metadata goes to h untouched.
+//  2. Invalid family metadata (ErrFamilyInvalid), no transaction in the
+//     context (ErrNoTransaction) or no consumer name (ErrNoConsumer): a
+//     permanent error; h is not called.
+//  3. Obsolete: the latest record of the family is newer than the message.
+//     h is not called and nil is returned: the idempotent middleware commits
+//     its claim and the router acks. A redelivery is a duplicate, or
+//     obsolete again.
+//  4. Stale: the message is not newer than the last one this consumer
+//     applied for the family (recorded in the applied table). h is not
+//     called; nil is returned.
+//  5. Otherwise the message's position is recorded as applied, in the
+//     handler's transaction, and h is called. If h fails, the transaction
+//     rolls back and the record with it, so a retry is not stale.
+//
+// Skipped messages (3, 4) are logged at debug level, reported to the
+// Recorder, and marked with middleware.MarkStale so that the idempotent
+// middleware records them like duplicates.
+//
+// With the PostgreSQL store read in the handler's transaction, steps 3-5
+// cost one statement. With a store that is not Transactional (Redis), or a
+// LatestQuerier, the latest record is read first; if that read fails the
+// failure is logged and the message is judged by the applied check alone
+// (let through unless stale): the filter fails open, never dropping a
+// message it cannot prove superseded.
+//
+// Concurrency: the applied row of (consumer, family) stays locked until the
+// handler's transaction ends, so one consumer's handlers of one family run
+// one at a time, the later waiting for the earlier to commit (bounded by the
+// idempotent middleware's LockTimeout, after which the attempt fails
+// transiently and is retried). Different families never wait for each other.
+func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		fam, pos, ok, err := FamilyOf(msg)
+		if err != nil {
+			f.record(FilterObservation{Family: fam, EventID: msg.UUID, Outcome: FilterRejected})
+			return nil, err
+		}
+		if !ok {
+			f.record(FilterObservation{EventID: msg.UUID, Outcome: FilterNoFamily})
+			return h(msg)
+		}
+		ctx := msg.Context()
+		consumer := f.cfg.Consumer
+		if consumer == "" {
+			consumer, _ = middleware.ConsumerFromContext(ctx)
+		}
+		if consumer == "" {
+			consumer = message.HandlerNameFromCtx(ctx)
+		}
+		obs := FilterObservation{Consumer: consumer, Family: fam, EventID: msg.UUID}
+		if consumer == "" {
+			obs.Outcome = FilterRejected
+			f.record(obs)
+			return nil, ErrNoConsumer
+		}
+		q, ok := middleware.QuerierFromContext(ctx)
+		if !ok {
+			obs.Outcome = FilterRejected
+			f.record(obs)
+			return nil, ErrNoTransaction
+		}
+
+		var v verdict
+		if f.oneTrip {
+			v, err = f.cfg.Families.check(ctx, q, consumer, fam, pos)
+		} else {
+			v, err = f.twoSteps(msg, q, consumer, fam, pos, &obs)
+		}
+		if err != nil {
+			obs.Outcome = FilterFailed
+			f.record(obs)
+			return nil, err
+		}
+		fields := watermill.LogFields{
+			"event_id":    msg.UUID,
+			"consumer":    consumer,
+			"family_kind": fam.Kind,
+			"family_id":   fam.ID,
+			"position":    pos.String(),
+		}
+		switch v {
+		case verdictObsolete, verdictStale:
+			obs.Outcome = FilterObsolete
+			if v == verdictStale {
+				obs.Outcome = FilterStale
+			}
+			f.record(obs)
+			if !f.cfg.DisableMarkStale {
+				if v == verdictObsolete {
+					middleware.MarkObsolete(ctx)
+				} else {
+					middleware.MarkStale(ctx)
+				}
+			}
+			f.logger.Debug("Superseded message skipped", fields.Add(watermill.LogFields{"outcome": string(obs.Outcome)}))
+			return nil, nil
+		}
+		obs.Outcome = FilterHandled
+		f.record(obs)
+		f.logger.Trace("Latest message of its family handled", fields)
+		return h(msg)
+	}
+}
+
+// twoSteps reads the latest record from a separate store, then records the
+// applied position in the handler's transaction.
+func (f *LatestFilter) twoSteps(msg *message.Message, q sqldb.Querier, consumer string, fam Family, pos Position, obs *FilterObservation) (verdict, error) {
+	ctx := msg.Context()
+	lq := q
+	inTx := f.cfg.Latest.Transactional() && f.cfg.LatestQuerier == nil
+	if f.cfg.LatestQuerier != nil {
+		lq = f.cfg.LatestQuerier
+	}
+	latest, known, err := f.cfg.Latest.Latest(ctx, lq, fam)
+	switch {
+	case err != nil && inTx:
+		return 0, err
+	case err != nil:
+		obs.LatestUnknown = true
+		f.logger.Error("Latest-per-family record unreadable; judging the message by the applied check alone", err,
+			watermill.LogFields{"event_id": msg.UUID, "family_kind": fam.Kind, "family_id": fam.ID})
+	case known && latest.After(pos):
+		return verdictObsolete, nil
+	}
+	recorded, err := f.cfg.Families.RecordApplied(ctx, q, consumer, fam, pos)
+	if err != nil {
+		return 0, err
+	}
+	if !recorded {
+		return verdictStale, nil
+	}
+	return verdictHandle, nil
+}
+
+func (f *LatestFilter) record(o FilterObservation) {
+	if f.cfg.Recorder != nil {
+		f.cfg.Recorder.RecordFilter(o)
+	}
+}

@@ -1,0 +1,326 @@
+package versioned_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+	"github.com/watermill-idempotency/idempotency/versioned"
+)
+
+// lfRedisAddr is REDIS_URL (redis://… or host:port) or 127.0.0.1:6379.
+func lfRedisOptions(t testing.TB) *redis.Options {
+	t.Helper()
+	u := os.Getenv("REDIS_URL")
+	if u == "" {
+		return &redis.Options{Addr: "127.0.0.1:6379"}
+	}
+	if strings.Contains(u, "://") {
+		opt, err := redis.ParseURL(u)
+		require.NoError(t, err, "REDIS_URL")
+		return opt
+	}
+	return &redis.Options{Addr: u}
+}
+
+// lfRedis returns a client on the test Redis and a key prefix of the test's
+// own; the test fails when Redis is unreachable, and its keys are deleted
+// when it ends. Never FLUSHALL/FLUSHDB: other tests share the server.
+func lfRedis(t testing.TB) (*redis.Client, string) {
+	t.Helper()
+	opt := lfRedisOptions(t)
+	client := redis.NewClient(opt)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := client.Ping(ctx).Err(); err != nil {
+		_ = client.Close()
+		t.Fatalf("Redis at %s unreachable: %v (start it: bash scripts/services.sh)", opt.Addr, err)
+	}
+	prefix := testenv.UniqueName("t") + ":"
+	t.Cleanup(func() {
+		lfDeleteRedisPrefix(t, client, prefix)
+		_ = client.Close()
+	})
+	return client, prefix
+}
+
+// lfDeleteRedisPrefix deletes every key starting with prefix (the test's own).
+func lfDeleteRedisPrefix(t testing.TB, client *redis.Client, prefix string) int {
+	t.Helper()
+	ctx := context.Background()
+	deleted := 0
+	iter := client.Scan(ctx, 0, prefix+"*", 500).Iterator()
+	var keys []string
+	for iter.Next(ctx) {
+		keys = append(keys, iter.Val())
+	}
+	require.NoError(t, iter.Err())
+	for len(keys) > 0 {
+		n := min(len(keys), 500)
+		require.NoError(t, client.Del(ctx, keys[:n]...).Err())
+		deleted += n
+		keys = keys[n:]
+	}
+	return deleted
+}
+
+// lfQueue is a message.Publisher standing for the broker: it keeps copies of
+// what was published, in order. fail, when set, makes Publish fail.
+type lfQueue struct {
+	mu   sync.Mutex
+	msgs []*message.Message
+	fail error
+}
+
+func (q *lfQueue) Publish(_ string, msgs ...*message.Message) error {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.fail != nil {
+		return q.fail
+	}
+	for _, m := range msgs {
+		q.msgs = append(q.msgs, m.Copy())
+	}
+	return nil
+}
+
+func (q *lfQueue) Close() error { return nil }
+
+// take returns and forgets everything queued.
+func (q *lfQueue) take() []*message.Message {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	out := q.msgs
+	q.msgs = nil
+	return out
+}
+
+func (q *lfQueue) len() int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.msgs)
+}
+
+// lfOutcomes counts the idempotent middleware's outcomes.
+type lfOutcomes struct {
+	mu sync.Mutex
+	n  map[middleware.Outcome]int
+}
+
+func (o *lfOutcomes) RecordOutcome(obs middleware.Observation) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.n == nil {
+		o.n = map[middleware.Outcome]int{}
+	}
+	o.n[obs.Outcome]++
+}
+
+func (o *lfOutcomes) get(out middleware.Outcome) int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.n[out]
+}
+
+// lfEnv is one consumer service: a schema with the processed-event table,
+// the family tables and a state table, the idempotent middleware and the
+// latest filter over PostgreSQL or Redis.
+type lfEnv struct {
+	t        *testing.T
+	pool     *pgxpool.Pool
+	db       sqldb.Querier
+	schema   string
+	families *versioned.FamilyStore
+	latest   versioned.LatestStore
+	store    string // "postgres" or "redis"
+
+	redis       *redis.Client
+	redisPrefix string
+
+	outcomes *lfOutcomes
+	counter  *versioned.FilterCounter
+	beginner middleware.TxBeginner
+}
+
+// lfStores are the latest stores every filter test runs against.
+var lfStores = []string{"postgres", "redis"}
+
+func newLFEnv(t *testing.T, store string) *lfEnv {
+	return newLFEnvWith(t, store, "pgx")
+}
+
+// newLFEnvWith opens the environment with the given latest store and the
+// idempotent middleware on the given driver ("pgx" or "database/sql").
+func newLFEnvWith(t *testing.T, store, driverName string) *lfEnv {
+	t.Helper()
+	ctx := context.Background()
+	pool, schema := testenv.Pool(t)
+	e := &lfEnv{t: t, pool: pool, db: sqldb.Pgx(pool), schema: schema, store: store,
+		outcomes: &lfOutcomes{}, counter: &versioned.FilterCounter{}}
+	ps, err := processed.NewStore(processed.Config{})
+	require.NoError(t, err)
+	require.NoError(t, ps.Migrate(ctx, e.db))
+	e.families, err = versioned.NewFamilyStore(versioned.FamilyStoreConfig{})
+	require.NoError(t, err)
+	require.NoError(t, e.families.Migrate(ctx, e.db))
+	_, err = pool.Exec(ctx, `CREATE TABLE state_copy (family_id text PRIMARY KEY, value text NOT NULL, event_id uuid NOT NULL)`)
+	require.NoError(t, err)
+	switch store {
+	case "postgres":
+		e.latest = e.families
+	case "redis":
+		e.redis, e.redisPrefix = lfRedis(t)
+		e.latest, err = versioned.NewRedisLatest(versioned.RedisLatestConfig{Client: e.redis, Prefix: e.redisPrefix, TTL: time.Hour})
+		require.NoError(t, err)
+	default:
+		t.Fatalf("unknown store %q", store)
+	}
+	switch driverName {
+	case "pgx":
+		e.beginner = middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
+	case "database/sql":
+		db, err := sql.Open("pgx", testenv.SchemaURL(schema))
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = db.Close() })
+		e.beginner = middleware.NewStdBeginner(db)
+	default:
+		t.Fatalf("unknown driver %q", driverName)
+	}
+	return e
+}
+
+// forgetLatest drops every latest record (a purge, an expiry, a flush).
+func (e *lfEnv) forgetLatest() {
+	e.t.Helper()
+	if e.store == "redis" {
+		lfDeleteRedisPrefix(e.t, e.redis, e.redisPrefix)
+		return
+	}
+	_, err := e.pool.Exec(context.Background(), `DELETE FROM family_latest`)
+	require.NoError(e.t, err)
+}
+
+// publisher returns a LatestPublisher in front of q that records in the
+// environment's latest store (in the pool's autocommit for PostgreSQL: q
+// stands for a broker).
+func (e *lfEnv) publisher(q message.Publisher) *versioned.LatestPublisher {
+	e.t.Helper()
+	p, err := versioned.NewLatestPublisher(q, versioned.LatestPublisherConfig{Store: e.latest, Querier: e.db}, nil)
+	require.NoError(e.t, err)
+	return p
+}
+
+// filter builds a LatestFilter for consumer, recording into e.counter.
+func (e *lfEnv) filter(consumer string) *versioned.LatestFilter {
+	e.t.Helper()
+	f, err := versioned.NewLatestFilter(versioned.LatestFilterConfig{
+		Families: e.families,
+		Latest:   e.latest,
+		Consumer: consumer,
+		Recorder: e.counter,
+	}, watermill.NopLogger{})
+	require.NoError(e.t, err)
+	return f
+}
+
+// chain is Recoverer → Idempotent → LatestFilter → h, for consumer.
+func (e *lfEnv) chain(consumer string, h message.HandlerFunc) message.HandlerFunc {
+	e.t.Helper()
+	idem, err := middleware.NewIdempotent(middleware.Config{
+		Beginner: e.beginner,
+		Consumer: consumer,
+		Recorder: e.outcomes,
+	}, watermill.NopLogger{})
+	require.NoError(e.t, err)
+	return wmw.Recoverer(idem.Middleware(e.filter(consumer).Middleware(h)))
+}
+
+// stateHandler writes the message's payload "value" to state_copy,
+// unconditionally (the filter provides the order), and reports each call.
+func stateHandler(calls func(msg *message.Message)) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		calls(msg)
+		q, ok := middleware.QuerierFromContext(msg.Context())
+		if !ok {
+			return nil, fmt.Errorf("no transaction")
+		}
+		id := msg.Metadata.Get(versioned.MetadataFamilyID)
+		_, err := q.Exec(msg.Context(), `INSERT INTO state_copy (family_id, value, event_id) VALUES ($1, $2, $3)
+			ON CONFLICT (family_id) DO UPDATE SET value = EXCLUDED.value, event_id = EXCLUDED.event_id`,
+			id, string(msg.Payload), msg.UUID)
+		return nil, err
+	}
+}
+
+func (e *lfEnv) state(id string) (value, eventID string) {
+	e.t.Helper()
+	require.NoError(e.t, e.pool.QueryRow(context.Background(),
+		`SELECT value, event_id::text FROM state_copy WHERE family_id = $1`, id).Scan(&value, &eventID))
+	return value, eventID
+}
+
+func (e *lfEnv) count(query string, args ...any) int {
+	e.t.Helper()
+	var n int
+	require.NoError(e.t, e.pool.QueryRow(context.Background(), query, args...).Scan(&n))
+	return n
+}
+
+// deliver hands h a copy of msg, as the broker would (fresh context, same
+// event id, metadata and payload), under a handler name.
+func deliver(h message.HandlerFunc, msg *message.Message) error {
+	d := msg.Copy()
+	d.SetContext(context.Background())
+	_, err := h(d)
+	return err
+}
+
+// lfMsg builds an event with the given id, occurred_at text, family and
+// payload (a JSON string of value). seq < 0 means no sequence number.
+func lfMsg(t testing.TB, id string, occurredAt string, f versioned.Family, seq int64, value string) *message.Message {
+	t.Helper()
+	eventID := uuid.MustParse(id)
+	msg, err := marshaler.NewMessageWithID(eventID, "customer.status", time.Now(), value)
+	require.NoError(t, err)
+	msg.Payload = message.Payload(value)
+	if occurredAt != "" {
+		msg.Metadata.Set(marshaler.MetadataOccurredAt, occurredAt)
+	}
+	if seq >= 0 {
+		require.NoError(t, versioned.SetFamilySeq(msg, f, seq))
+	} else {
+		require.NoError(t, versioned.SetFamily(msg, f))
+	}
+	return msg
+}
+
+// lfSeqMsg is a numbered update with a fresh UUIDv7.
+func lfSeqMsg(t testing.TB, f versioned.Family, seq int64) *message.Message {
+	t.Helper()
+	return lfMsg(t, uuid.Must(uuid.NewV7()).String(), "", f, seq, fmt.Sprintf("v%d", seq))
+}
+
+// lfShuffle shuffles msgs deterministically.
+func lfShuffle(seed uint64, msgs []*message.Message) {
+	r := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	r.Shuffle(len(msgs), func(i, j int) { msgs[i], msgs[j] = msgs[j], msgs[i] })
+}

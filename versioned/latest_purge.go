@@ -1,0 +1,221 @@
+package versioned
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// FamilyPurger defaults (FamilyPurgerConfig).
+const (
+	// DefaultFamilyMinHorizon is the default FamilyPurgerConfig.MinHorizon.
+	DefaultFamilyMinHorizon = time.Hour
+	// DefaultFamilyPurgeInterval is the default wait between purge runs.
+	DefaultFamilyPurgeInterval = time.Minute
+	// DefaultFamilyPurgeBatchSize is the default number of rows per DELETE.
+	DefaultFamilyPurgeBatchSize = 1000
+)
+
+// FamilyPurgerConfig configures a FamilyPurger.
+//
+// Choosing the horizon: a family is idle when its latest record was not
+// advanced, or its applied record not written, for longer than Horizon; its
+// rows are then deleted. Losing a latest row only lets the family's older
+// messages through (more work). Losing an applied row is what could let an
+// old message be applied after a newer one, so every message of an idle
+// family must be gone from the queues by then: set Horizon ≥ the idempotent
+// middleware's ReplayHorizon (which refuses older messages as expired) and ≥
+// the longest time a message may wait in a queue or dead-letter queue.
+type FamilyPurgerConfig struct {
+	// Horizon: rows whose updated_at is older than the database's now()
+	// minus Horizon are deleted. Required; must be ≥ MinHorizon.
+	Horizon time.Duration
+	// MinHorizon guards against a mistyped horizon. Defaults to
+	// DefaultFamilyMinHorizon (1 h).
+	MinHorizon time.Duration
+	// Interval between runs of Start's loop. Defaults to
+	// DefaultFamilyPurgeInterval (1 min).
+	Interval time.Duration
+	// Jitter: each wait is Interval plus a random duration in [0, Jitter),
+	// so instances started together do not wake together. Defaults to
+	// Interval/10.
+	Jitter time.Duration
+	// BatchSize bounds each DELETE (one short transaction each). Defaults to
+	// DefaultFamilyPurgeBatchSize.
+	BatchSize int
+	// OnPurge, if set, is called after every run that held the lock, with
+	// the rows deleted (metrics), while the lock is still held.
+	OnPurge func(deleted int64, at time.Time)
+}
+
+func (c *FamilyPurgerConfig) setDefaults() {
+	if c.MinHorizon == 0 {
+		c.MinHorizon = DefaultFamilyMinHorizon
+	}
+	if c.Interval == 0 {
+		c.Interval = DefaultFamilyPurgeInterval
+	}
+	if c.Jitter == 0 {
+		c.Jitter = c.Interval / 10
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultFamilyPurgeBatchSize
+	}
+}
+
+// ErrFamilyHorizonTooShort is returned by NewFamilyPurger for a horizon
+// below MinHorizon.
+var ErrFamilyHorizonTooShort = errors.New("versioned: family purge horizon below the configured minimum")
+
+// Validate reports the first invalid field (c with defaults applied),
+// naming it.
+func (c FamilyPurgerConfig) Validate() error {
+	switch {
+	case c.Horizon <= 0:
+		return errors.New("versioned: FamilyPurgerConfig.Horizon is required (> 0)")
+	case c.MinHorizon < 0:
+		return fmt.Errorf("versioned: FamilyPurgerConfig.MinHorizon %s: must be ≥ 0", c.MinHorizon)
+	case c.Horizon < c.MinHorizon:
+		return fmt.Errorf("versioned: FamilyPurgerConfig.Horizon %s < MinHorizon %s: %w", c.Horizon, c.MinHorizon, ErrFamilyHorizonTooShort)
+	case c.Interval < 0, c.Jitter < 0:
+		return errors.New("versioned: FamilyPurgerConfig.Interval and Jitter must be ≥ 0")
+	case c.BatchSize < 0:
+		return fmt.Errorf("versioned: FamilyPurgerConfig.BatchSize %d: must be > 0", c.BatchSize)
+	}
+	return nil
+}
+
+// FamilyPurger deletes idle families' rows from a FamilyStore's two tables,
+// in bounded batches, on one dedicated connection that holds a
+// session-level advisory lock for the run: however many instances run one on
+// the same tables, one works at a time and the others skip that run. (A
+// RedisLatest needs none: its keys expire.)
+type FamilyPurger struct {
+	store  *FamilyStore
+	pool   sqldb.Pool
+	cfg    FamilyPurgerConfig
+	logger watermill.LoggerAdapter
+	lockID int64
+
+	mu      sync.Mutex
+	cancel  context.CancelFunc
+	stopped chan struct{}
+}
+
+// NewFamilyPurger validates cfg (on a copy with defaults applied). pool is
+// sqldb.PgxPool(pool) or sqldb.StdPool(db). A nil logger is NopLogger.
+func NewFamilyPurger(store *FamilyStore, pool sqldb.Pool, cfg FamilyPurgerConfig, logger watermill.LoggerAdapter) (*FamilyPurger, error) {
+	if store == nil || pool == nil {
+		return nil, errors.New("versioned: NewFamilyPurger needs a store and a pool")
+	}
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	h := fnv.New64a()
+	_, _ = h.Write([]byte("idempotency-purge:versioned-family:" + store.latest.String() + "," + store.applied.String()))
+	return &FamilyPurger{store: store, pool: pool, cfg: cfg, logger: logger, lockID: int64(h.Sum64())}, nil
+}
+
+// PurgeNow runs one purge: it takes the advisory lock (or returns ran=false
+// at once when another purger holds it), deletes batch after batch until a
+// batch comes back short, releases the lock and returns the rows deleted.
+func (p *FamilyPurger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err error) {
+	conn, err := p.pool.Acquire(ctx)
+	if err != nil {
+		return 0, false, fmt.Errorf("versioned: family purge: acquire: %w", err)
+	}
+	defer conn.Release()
+	var locked bool
+	if err := conn.QueryRow(ctx, pgFamilyTryLock, p.lockID).Scan(&locked); err != nil {
+		return 0, false, fmt.Errorf("versioned: family purge: lock: %w", err)
+	}
+	if !locked {
+		return 0, false, nil
+	}
+	defer func() {
+		var ok bool
+		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_ = conn.QueryRow(uctx, pgFamilyUnlock, p.lockID).Scan(&ok)
+	}()
+	for {
+		n, err := p.store.PurgeBatch(ctx, conn, p.cfg.Horizon, p.cfg.BatchSize)
+		deleted += n
+		if err != nil {
+			return deleted, true, err
+		}
+		if n < int64(p.cfg.BatchSize) {
+			break
+		}
+	}
+	if p.cfg.OnPurge != nil {
+		p.cfg.OnPurge(deleted, time.Now())
+	}
+	return deleted, true, nil
+}
+
+// Start runs PurgeNow every Interval (+ jitter) in a goroutine until Stop or
+// ctx ends. Errors are logged and the loop goes on. Start twice is an error.
+func (p *FamilyPurger) Start(ctx context.Context) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.cancel != nil {
+		return errors.New("versioned: family purger already started")
+	}
+	ctx, p.cancel = context.WithCancel(ctx)
+	p.stopped = make(chan struct{})
+	go p.loop(ctx, p.stopped)
+	return nil
+}
+
+// Stop ends Start's goroutine and waits for it (an ongoing batch is
+// cancelled through its context). Stop without Start is a no-op; after Stop
+// the purger can be started again.
+func (p *FamilyPurger) Stop() {
+	p.mu.Lock()
+	cancel, stopped := p.cancel, p.stopped
+	p.cancel = nil
+	p.mu.Unlock()
+	if cancel == nil {
+		return
+	}
+	cancel()
+	<-stopped
+}
+
+func (p *FamilyPurger) loop(ctx context.Context, stopped chan struct{}) {
+	defer close(stopped)
+	tables := p.store.latest.String() + "," + p.store.applied.String()
+	for {
+		wait := p.cfg.Interval
+		if p.cfg.Jitter > 0 {
+			wait += rand.N(p.cfg.Jitter)
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		n, ran, err := p.PurgeNow(ctx)
+		switch {
+		case err != nil && ctx.Err() == nil:
+			p.logger.Error("Family purge failed", err, watermill.LogFields{"tables": tables, "deleted": n})
+		case ran:
+			p.logger.Debug("Purged idle families", watermill.LogFields{"tables": tables, "deleted": n})
+		}
+	}
+}

@@ -1,0 +1,342 @@
+package versioned
+
+import (
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+	"path"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// LatestStore keeps the latest recorded position of each family: the
+// producer side advances it (LatestPublisher), the consumer side reads it
+// (LatestFilter). Two implementations ship: *FamilyStore (PostgreSQL, the
+// default) and *RedisLatest. Implementations must be safe for concurrent use.
+//
+// The invariant every implementation keeps, and on which "never drop the
+// latest message" rests: a record never moves backwards, and it only ever
+// names a message that exists (was published, or committed into an outbox).
+// Losing a record (expiry, restart, purge) is allowed: the filter then lets
+// messages through.
+type LatestStore interface {
+	// Advance sets f's latest position to pos when pos is newer than the
+	// recorded one (or none is recorded), atomically with respect to other
+	// Advance calls, and reports whether it did. q is the transaction to
+	// write in for a Transactional store; other stores ignore it.
+	Advance(ctx context.Context, q sqldb.Querier, f Family, pos Position) (advanced bool, err error)
+
+	// Latest returns f's latest recorded position; ok is false when none is
+	// recorded. q is as for Advance.
+	Latest(ctx context.Context, q sqldb.Querier, f Family) (pos Position, ok bool, err error)
+
+	// Transactional reports whether Advance and Latest run on q, so that
+	// they commit and roll back with the caller's transaction. For a store
+	// that is not, the publisher records after the message is out (or after
+	// the commit: LatestPublisherConfig.Deferred) and the filter tolerates
+	// its errors by letting the message through.
+	Transactional() bool
+}
+
+// Family store defaults (FamilyStoreConfig).
+const (
+	// DefaultLatestTable holds the latest position of each family.
+	DefaultLatestTable = "family_latest"
+	// DefaultAppliedTable holds each consumer's last applied position of each family.
+	DefaultAppliedTable = "family_applied"
+)
+
+// FamilyStoreConfig configures a FamilyStore.
+type FamilyStoreConfig struct {
+	// LatestTable is the table of latest positions, "name" or "schema.name"
+	// (each part [A-Za-z_][A-Za-z0-9_]{0,62}). Producers write it and
+	// consumers read it, so both must reach the same table: the same
+	// database, or see LatestFilterConfig.LatestQuerier. Defaults to
+	// DefaultLatestTable.
+	LatestTable string
+
+	// AppliedTable is the table of each consumer's last applied positions,
+	// in the consumer's database (written in its handler's transaction).
+	// Defaults to DefaultAppliedTable.
+	AppliedTable string
+
+	// Dialect is the SQL dialect. Defaults to sqldb.PostgreSQL, the only
+	// one supported so far.
+	Dialect sqldb.Dialect
+}
+
+func (c *FamilyStoreConfig) setDefaults() {
+	if c.LatestTable == "" {
+		c.LatestTable = DefaultLatestTable
+	}
+	if c.AppliedTable == "" {
+		c.AppliedTable = DefaultAppliedTable
+	}
+}
+
+// Validate reports the first invalid field of c, naming it.
+func (c FamilyStoreConfig) Validate() error {
+	if c.LatestTable != "" {
+		if _, err := sqldb.ParseIdent(c.LatestTable); err != nil {
+			return fmt.Errorf("versioned: FamilyStoreConfig.LatestTable: %w", err)
+		}
+	}
+	if c.AppliedTable != "" {
+		if _, err := sqldb.ParseIdent(c.AppliedTable); err != nil {
+			return fmt.Errorf("versioned: FamilyStoreConfig.AppliedTable: %w", err)
+		}
+	}
+	if c.LatestTable != "" && c.LatestTable == c.AppliedTable {
+		return fmt.Errorf("versioned: FamilyStoreConfig.AppliedTable %q: must differ from LatestTable", c.AppliedTable)
+	}
+	if c.Dialect != sqldb.PostgreSQL {
+		return fmt.Errorf("versioned: FamilyStoreConfig.Dialect %s: the family store supports PostgreSQL only", c.Dialect)
+	}
+	return nil
+}
+
+// FamilyStore is the PostgreSQL store of the latest-per-family filter: the
+// latest table (a LatestStore, Transactional) and the applied table. It holds
+// no connection: every method takes the sqldb.Querier to run on, so records
+// commit or roll back with the caller's transaction. Safe for concurrent use.
+type FamilyStore struct {
+	latest, applied sqldb.Ident
+	dialect         sqldb.Dialect
+	sql             familySQL
+}
+
+var _ LatestStore = (*FamilyStore)(nil)
+
+// NewFamilyStore validates cfg (on a copy with defaults applied) and builds
+// the SQL text once. It does not touch the database: run Migrate, or apply
+// FamilyMigrationsFS with a migration tool.
+func NewFamilyStore(cfg FamilyStoreConfig) (*FamilyStore, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	latest, _ := sqldb.ParseIdent(cfg.LatestTable)
+	applied, _ := sqldb.ParseIdent(cfg.AppliedTable)
+	q, err := familySQLFor(cfg.Dialect, latest, applied)
+	if err != nil {
+		return nil, fmt.Errorf("versioned: FamilyStoreConfig.Dialect: %w", err)
+	}
+	return &FamilyStore{latest: latest, applied: applied, dialect: cfg.Dialect, sql: q}, nil
+}
+
+// LatestTable is the store's validated latest table.
+func (s *FamilyStore) LatestTable() sqldb.Ident { return s.latest }
+
+// AppliedTable is the store's validated applied table.
+func (s *FamilyStore) AppliedTable() sqldb.Ident { return s.applied }
+
+// Transactional reports true: Advance and Latest run on the given Querier.
+func (s *FamilyStore) Transactional() bool { return true }
+
+// Advance moves f's latest record to pos when pos is newer, in one
+// statement on q (the producer's transaction, so the record commits with the
+// outbox row of the message), and reports whether it moved. Concurrent
+// producers of one family serialise on the row lock until their
+// transactions end; at READ COMMITTED the newest position wins whatever the
+// commit order. Errors: ErrFamilyInvalid (wrapped) for an invalid f or a nil
+// event id; database errors wrapped with %w.
+func (s *FamilyStore) Advance(ctx context.Context, q sqldb.Querier, f Family, pos Position) (bool, error) {
+	if err := checkArgs(f, pos); err != nil {
+		return false, err
+	}
+	var seq *int64
+	var at *time.Time
+	if pos.HasSeq {
+		seq = &pos.Seq
+	} else {
+		at = &pos.At
+	}
+	var moved bool
+	err := q.QueryRow(ctx, s.sql.advance, f.Kind, f.ID, pos.key(), uuidArg(pos.EventID), seq, at).Scan(&moved)
+	switch {
+	case errors.Is(err, sqldb.ErrNoRows):
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("versioned: advance latest of %s: %w", f, err)
+	}
+	return true, nil
+}
+
+// Latest returns f's latest recorded position as visible to q; ok is false
+// when none is.
+func (s *FamilyStore) Latest(ctx context.Context, q sqldb.Querier, f Family) (Position, bool, error) {
+	var key []byte
+	err := q.QueryRow(ctx, s.sql.latest, f.Kind, f.ID).Scan(&key)
+	switch {
+	case errors.Is(err, sqldb.ErrNoRows):
+		return Position{}, false, nil
+	case err != nil:
+		return Position{}, false, fmt.Errorf("versioned: latest of %s: %w", f, err)
+	}
+	var p Position
+	if err := p.UnmarshalBinary(key); err != nil {
+		return Position{}, false, fmt.Errorf("versioned: latest of %s: %w", f, err)
+	}
+	return p, true, nil
+}
+
+// RecordApplied records, on q (the handler's transaction), that consumer
+// applies the message at pos of family f, when pos is newer than the last
+// one it applied; recorded is false (stale) when it is not. The row stays
+// locked until q's transaction ends: a concurrent RecordApplied of the same
+// consumer and family waits (bounded by the transaction's lock_timeout), then
+// compares with what committed. LatestFilter calls it; call it directly
+// only when not using the filter.
+func (s *FamilyStore) RecordApplied(ctx context.Context, q sqldb.Querier, consumer string, f Family, pos Position) (recorded bool, err error) {
+	if consumer == "" {
+		return false, errors.New("versioned: RecordApplied: empty consumer")
+	}
+	if err := checkArgs(f, pos); err != nil {
+		return false, err
+	}
+	var ok bool
+	err = q.QueryRow(ctx, s.sql.applied, consumer, f.Kind, f.ID, pos.key(), uuidArg(pos.EventID)).Scan(&ok)
+	switch {
+	case errors.Is(err, sqldb.ErrNoRows):
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("versioned: record applied %s of %s: %w", consumer, f, err)
+	}
+	return true, nil
+}
+
+// verdict is what the filter decides for one message.
+type verdict int
+
+const (
+	verdictHandle verdict = iota + 1
+	verdictObsolete
+	verdictStale
+)
+
+// check is the filter's verdict with the latest table read on q, in one
+// round trip: obsolete (latest record newer, nothing written), stale (not
+// newer than the consumer's last applied one) or handle (recorded).
+func (s *FamilyStore) check(ctx context.Context, q sqldb.Querier, consumer string, f Family, pos Position) (verdict, error) {
+	var obsolete, recorded bool
+	err := q.QueryRow(ctx, s.sql.check, consumer, f.Kind, f.ID, pos.key(), uuidArg(pos.EventID)).Scan(&obsolete, &recorded)
+	switch {
+	case err != nil:
+		return 0, fmt.Errorf("versioned: filter %s of %s: %w", consumer, f, err)
+	case obsolete:
+		return verdictObsolete, nil
+	case !recorded:
+		return verdictStale, nil
+	}
+	return verdictHandle, nil
+}
+
+// PurgeBatch deletes at most limit rows idle for longer than horizon (by the
+// database clock: updated_at < now() - horizon) from the latest table, then,
+// within what is left of limit, from the applied table, and returns how many
+// it deleted. Each table's DELETE is one statement (one short transaction on
+// a pool); rows locked by a writer are skipped. horizon is truncated to whole
+// microseconds; limit must be > 0.
+func (s *FamilyStore) PurgeBatch(ctx context.Context, q sqldb.Querier, horizon time.Duration, limit int) (int64, error) {
+	if limit <= 0 {
+		return 0, fmt.Errorf("versioned: purge limit %d: must be > 0", limit)
+	}
+	if horizon < 0 {
+		return 0, fmt.Errorf("versioned: purge horizon %s: must be ≥ 0", horizon)
+	}
+	n, err := q.Exec(ctx, s.sql.purgeLatest, horizon.Microseconds(), limit)
+	if err != nil {
+		return 0, fmt.Errorf("versioned: purge %s: %w", s.latest, err)
+	}
+	if n >= int64(limit) {
+		return n, nil
+	}
+	m, err := q.Exec(ctx, s.sql.purgeApplied, horizon.Microseconds(), int64(limit)-n)
+	if err != nil {
+		return n, fmt.Errorf("versioned: purge %s: %w", s.applied, err)
+	}
+	return n + m, nil
+}
+
+func checkArgs(f Family, pos Position) error {
+	if err := f.Validate(); err != nil {
+		return err
+	}
+	if pos.EventID == uuid.Nil {
+		return fmt.Errorf("%w: nil event id", ErrFamilyInvalid)
+	}
+	return nil
+}
+
+// uuidArg binds a UUID for either driver (pgx encodes pgtype.UUID natively,
+// database/sql drivers receive its text through driver.Valuer).
+func uuidArg(id uuid.UUID) any { return pgtype.UUID{Bytes: id, Valid: true} }
+
+// Migrations.
+
+//go:embed migrations
+var familyMigrationFiles embed.FS
+
+// FamilyMigration is one versioned schema change of a FamilyStore, rendered
+// for its tables (Version, Name "0001_create_family_tables.up.sql", SQL).
+type FamilyMigration = sqldb.Migration
+
+// Migrations returns the store's migrations in version order, rendered for
+// its tables. Each is idempotent (IF NOT EXISTS), so running one twice is safe.
+func (s *FamilyStore) Migrations() ([]FamilyMigration, error) {
+	data := struct{ Latest, LatestName, Applied, AppliedName string }{
+		Latest:      s.latest.Quoted(s.dialect.QuoteChar()),
+		LatestName:  s.latest.Name(),
+		Applied:     s.applied.Quoted(s.dialect.QuoteChar()),
+		AppliedName: s.applied.Name(),
+	}
+	ms, err := sqldb.RenderMigrations(familyMigrationFiles, path.Join("migrations", s.dialect.String()), data)
+	if err != nil {
+		return nil, fmt.Errorf("versioned: %w", err)
+	}
+	return ms, nil
+}
+
+// FamilyMigrationsFS returns the migrations for the given tables (defaults
+// as in FamilyStoreConfig when "") as an fs.FS of files named
+// "NNNN_name.up.sql" at its root, the layout golang-migrate reads; each file
+// also starts with a "-- +goose Up" annotation for goose. Use it when a
+// migration tool, not Migrate, owns the schema.
+func FamilyMigrationsFS(latestTable, appliedTable string, dialect sqldb.Dialect) (fs.FS, error) {
+	s, err := NewFamilyStore(FamilyStoreConfig{LatestTable: latestTable, AppliedTable: appliedTable, Dialect: dialect})
+	if err != nil {
+		return nil, err
+	}
+	ms, err := s.Migrations()
+	if err != nil {
+		return nil, err
+	}
+	return sqldb.MigrationsFS(ms), nil
+}
+
+// Migrate applies the store's migrations in version order and records each
+// in the idempotency_migration table (component
+// "versioned-family:<latest>,<applied>"), with sqldb.Migrate: each migration
+// is one script in one implicit transaction behind a transaction-scoped
+// advisory lock derived from the component, and idempotent, so it is safe to
+// run from several instances at once. Run it on a pool or connection, not
+// inside a transaction of yours. Both tables are created in q's database:
+// where the latest table belongs to another service, the consumer's Migrate
+// creates an unused one, which is harmless.
+func (s *FamilyStore) Migrate(ctx context.Context, q sqldb.Querier) error {
+	ms, err := s.Migrations()
+	if err != nil {
+		return err
+	}
+	component := "versioned-family:" + s.latest.String() + "," + s.applied.String()
+	if err := sqldb.Migrate(ctx, q, s.dialect, component, ms); err != nil {
+		return fmt.Errorf("versioned: %w", err)
+	}
+	return nil
+}
