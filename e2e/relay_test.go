@@ -1,0 +1,254 @@
+package e2e_test
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/examples/order"
+	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/examples/stock"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
+)
+
+// producer is the order service on a schema of its own.
+type producer struct {
+	pool   *pgxpool.Pool
+	schema string
+	svc    *order.Service
+}
+
+func newProducer(t *testing.T) *producer {
+	t.Helper()
+	schema := testenv.Schema(t)
+	pool := testenv.PoolOn(t, schema, 8)
+	svc, err := order.New(order.Config{Pool: pool})
+	require.NoError(t, err)
+	require.NoError(t, svc.Migrate(context.Background()))
+	return &producer{pool: pool, schema: schema, svc: svc}
+}
+
+// write commits one outbox row per id, each in its own transaction.
+func (p *producer) write(t *testing.T, ids ...string) {
+	t.Helper()
+	for _, id := range ids {
+		tx, err := p.pool.Begin(context.Background())
+		require.NoError(t, err)
+		p.publishIn(t, tx, id)
+		require.NoError(t, tx.Commit(context.Background()))
+	}
+}
+
+func (p *producer) publishIn(t *testing.T, tx pgx.Tx, id string) {
+	t.Helper()
+	msg, err := marshaler.NewMessageWithID(uuid.MustParse(id), shop.EventOrderPlaced, time.Now().UTC(), placedPayload)
+	require.NoError(t, err)
+	require.NoError(t, p.svc.PublishInTx(context.Background(), tx, shop.EventOrderPlaced, msg))
+}
+
+func (p *producer) pending(t *testing.T) int {
+	t.Helper()
+	n, err := p.svc.Pending(context.Background(), "")
+	require.NoError(t, err)
+	return n
+}
+
+// countingOffsets counts the relay's reads (one NextOffsetQuery per poll) and
+// can fail the position update of chosen batches (a relay that dies after
+// the broker confirmed, before it stored its position).
+type countingOffsets struct {
+	wsql.DefaultPostgreSQLOffsetsAdapter
+	polls    atomic.Int64
+	failAcks atomic.Int64 // fail this many position updates
+}
+
+func (c *countingOffsets) NextOffsetQuery(p wsql.NextOffsetQueryParams) (wsql.Query, error) {
+	c.polls.Add(1)
+	return c.DefaultPostgreSQLOffsetsAdapter.NextOffsetQuery(p)
+}
+
+func (c *countingOffsets) AckMessageQuery(p wsql.AckMessageQueryParams) (wsql.Query, error) {
+	if c.failAcks.Add(-1) >= 0 {
+		return wsql.Query{Query: "SELECT 1/0"}, nil
+	}
+	return c.DefaultPostgreSQLOffsetsAdapter.AckMessageQuery(p)
+}
+
+// startRelay runs a relay of p to e's exchange until the test ends.
+func (e *env) startRelay(p *producer, offsets wsql.OffsetsAdapter, batch int) *order.Relay {
+	e.t.Helper()
+	relay, err := order.NewRelay(order.RelayConfig{
+		Pool:           p.pool,
+		Publisher:      e.publisher(),
+		BatchSize:      batch,
+		PollInterval:   10 * time.Millisecond,
+		RetryInterval:  10 * time.Millisecond,
+		OffsetsAdapter: offsets,
+		Logger:         watermill.NopLogger{},
+	})
+	require.NoError(e.t, err)
+	done := make(chan error, 1)
+	go func() { done <- relay.Run(context.Background()) }()
+	e.t.Cleanup(func() {
+		_ = relay.Close()
+		<-done
+	})
+	select {
+	case <-relay.Running():
+	case err := <-done:
+		e.t.Fatalf("relay stopped: %v", err)
+	case <-time.After(15 * time.Second):
+		e.t.Fatal("relay did not start")
+	}
+	return relay
+}
+
+// TestC13 — the outbox relay must not skip, lose or fork ids.
+func TestC13(t *testing.T) {
+	t.Parallel()
+
+	// Base: tx A writes E1 and stays open; tx B writes E2 and commits; the
+	// relay runs; A commits; the relay runs twice more. watermill-sql v4
+	// reads only rows of transactions older than the oldest one running
+	// (pg_snapshot_xmin), so while A is open it holds back E2 as well: that
+	// is how E1 is never skipped. Both arrive once A commits, once each.
+	t.Run("base", func(t *testing.T) {
+		t.Parallel()
+		e := newEnv(t, testConsumer)
+		p := newProducer(t)
+		pr := &probe{}
+		e.startConsumer(consumerOpts{middleware: []message.HandlerMiddleware{pr.middleware}})
+		ctx := context.Background()
+		txA, err := p.pool.Begin(ctx)
+		require.NoError(t, err)
+		p.publishIn(t, txA, E1)
+		p.write(t, E2)
+
+		offsets := &countingOffsets{}
+		e.startRelay(p, offsets, 0)
+		eventually(t, 10*time.Second, func() bool { return offsets.polls.Load() >= 3 }, "the relay runs")
+		require.Equal(t, 0, e.effects(E1), "E1 is not committed yet")
+		t.Logf("while tx A was open, E2 had %d effect(s) (watermill-sql v4 holds it back behind A)", e.effects(E2))
+		require.NoError(t, txA.Commit(ctx))
+
+		eventually(t, 15*time.Second, func() bool { return e.effects(E1) == 1 && e.effects(E2) == 1 }, "E1 and E2 both arrive")
+		n := offsets.polls.Load()
+		eventually(t, 10*time.Second, func() bool { return offsets.polls.Load() >= n+2 }, "the relay runs twice more")
+		require.Equal(t, 0, p.pending(t))
+		require.Len(t, pr.of(E1), 1)
+		require.Len(t, pr.of(E2), 1)
+		require.Equal(t, 1, e.processed(E1))
+		require.Equal(t, 1, e.processed(E2))
+	})
+
+	// V: the broker confirms E1, then the relay is killed (SIGKILL, child
+	// process) before it stores its position; the restarted relay publishes
+	// E1 again, same event_id, and the consumer's claim absorbs it.
+	t.Run("V", func(t *testing.T) {
+		t.Parallel()
+		e := newEnv(t, testConsumer)
+		p := newProducer(t)
+		pr, rec := &probe{}, &recorder{}
+		e.startConsumer(consumerOpts{middleware: []message.HandlerMiddleware{pr.middleware}, recorder: rec})
+		p.write(t, E1)
+		spawn(t, "relay", "E2E_SCHEMA="+p.schema, "E2E_PREFIX="+e.topo.Prefix)
+		eventually(t, 15*time.Second, func() bool { return e.effects(E1) == 1 }, "the killed relay's publish is processed")
+		require.Equal(t, 1, p.pending(t), "the position was not stored")
+
+		e.startRelay(p, nil, 0)
+		eventually(t, 15*time.Second, func() bool { return len(pr.of(E1)) == 2 && p.pending(t) == 0 }, "E1 republished")
+		require.Equal(t, 1, rec.get(middleware.OutcomeDuplicate))
+		require.Equal(t, 1, e.calls(E1))
+		require.Equal(t, 1, e.processed(E1))
+		require.Equal(t, 1, e.effects(E1))
+	})
+
+	// M: two relay instances drain 100 rows: 100 distinct event_ids reach
+	// the consumer, 100 effects.
+	t.Run("M", func(t *testing.T) {
+		t.Parallel()
+		e := newEnv(t, testConsumer)
+		p := newProducer(t)
+		pr := &probe{}
+		e.startConsumer(consumerOpts{middleware: []message.HandlerMiddleware{pr.middleware}})
+		ids := make([]string, 100)
+		want := map[string]bool{}
+		for i := range ids {
+			ids[i] = uuid.Must(uuid.NewV7()).String()
+			want[ids[i]] = true
+		}
+		p.write(t, ids...)
+		var wg sync.WaitGroup
+		for i := 0; i < 2; i++ {
+			wg.Add(1)
+			go func() { defer wg.Done(); e.startRelay(p, nil, 10) }()
+		}
+		wg.Wait()
+		eventually(t, 30*time.Second, func() bool { return e.count(`SELECT count(*) FROM processed_event`) == 100 && p.pending(t) == 0 },
+			"100 events processed")
+		require.Equal(t, 100, e.count(`SELECT count(*) FROM effect`))
+		require.Equal(t, 100, e.count(`SELECT count(DISTINCT event_id) FROM effect`))
+		for _, d := range pr.deliveries() {
+			require.True(t, want[d.uuid], "unknown event id %s reached the consumer", d.uuid)
+		}
+	})
+}
+
+// The relay publishes an order's event twice (its position update failed
+// after the publish), and an operator replays the range later: the stock
+// consumer reserves the order's lines once.
+func TestRelayDuplicateThenReplay(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, stock.Consumer)
+	require.NoError(t, stock.Migrate(ctx, e.pool, nil))
+	p := newProducer(t)
+	rec := &recorder{}
+	var calls atomic.Int32
+	e.startConsumer(consumerOpts{
+		handler: func(msg *message.Message) error {
+			calls.Add(1)
+			return stock.Handle(msg)
+		},
+		recorder: rec,
+	})
+	from := time.Now().Add(-time.Second)
+	evID, err := p.svc.PlaceOrder(ctx, "o-1", []shop.OrderLine{{SKU: "sku-1", Quantity: "2.000"}, {SKU: "sku-2", Quantity: "0.250"}})
+	require.NoError(t, err)
+
+	offsets := &countingOffsets{}
+	offsets.failAcks.Store(1)
+	e.startRelay(p, offsets, 0)
+	eventually(t, 15*time.Second, func() bool {
+		return rec.get(middleware.OutcomeDuplicate) == 1 && p.pending(t) == 0
+	}, "the relay republished the event")
+
+	pub := e.publisher()
+	n, err := p.svc.Replay(ctx, pub, from, time.Now().Add(time.Second))
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	eventually(t, 15*time.Second, func() bool { return rec.get(middleware.OutcomeDuplicate) == 2 }, "the replay is a duplicate too")
+
+	require.EqualValues(t, 1, calls.Load())
+	require.Equal(t, 1, e.processed(evID))
+	require.Equal(t, 2, e.count(`SELECT count(*) FROM reservation WHERE event_id = $1`, evID))
+	var q1, q2, total string
+	require.NoError(t, e.pool.QueryRow(ctx, `SELECT
+		(SELECT quantity::text FROM reservation WHERE line_no = 1),
+		(SELECT quantity::text FROM reservation WHERE line_no = 2),
+		(SELECT sum(reserved)::text FROM stock_level)`).Scan(&q1, &q2, &total))
+	require.Equal(t, []string{"2.000", "0.250", "2.250"}, []string{q1, q2, total})
+	require.Equal(t, 0, e.ready(e.topo.DeadLetterQueue(e.consumer)))
+}

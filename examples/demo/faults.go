@@ -1,0 +1,275 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+)
+
+// The demo's fault injectors. Each reproduces one way at-least-once delivery
+// shows up in production; none touches the shared services.
+
+// lockedRand is a seeded source shared by goroutines.
+type lockedRand struct {
+	mu sync.Mutex
+	r  *rand.Rand
+}
+
+func newLockedRand(seed uint64) *lockedRand {
+	return &lockedRand{r: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))}
+}
+
+func (l *lockedRand) chance(p float64) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.r.Float64() < p
+}
+
+func (l *lockedRand) intN(n int) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.r.IntN(n)
+}
+
+// flakyOffsets makes the relay fail to store its position after a share of
+// batches, as a relay that crashes after the broker confirmed the publishes
+// and before it marked the rows sent: the statement fails, the read
+// transaction rolls back, and the next read publishes the same rows again,
+// with the same event ids. It never fails two batches in a row, so the relay
+// always progresses.
+type flakyOffsets struct {
+	wsql.DefaultPostgreSQLOffsetsAdapter
+	share float64
+	rng   *lockedRand
+
+	mu          sync.Mutex
+	lastFailed  bool
+	republished atomic.Int64 // rows published again
+	failures    atomic.Int64 // batches
+}
+
+var _ wsql.OffsetsAdapter = (*flakyOffsets)(nil)
+
+func (f *flakyOffsets) AckMessageQuery(p wsql.AckMessageQueryParams) (wsql.Query, error) {
+	f.mu.Lock()
+	fail := !f.lastFailed && f.rng.chance(f.share)
+	f.lastFailed = fail
+	f.mu.Unlock()
+	if !fail {
+		return f.DefaultPostgreSQLOffsetsAdapter.AckMessageQuery(p)
+	}
+	published := len(p.Rows)
+	for i, r := range p.Rows {
+		if r.Offset == p.LastRow.Offset {
+			published = i + 1
+			break
+		}
+	}
+	f.republished.Add(int64(published))
+	f.failures.Add(1)
+	// A statement that fails on the server: division_by_zero (22012).
+	return wsql.Query{Query: "SELECT 1/0"}, nil
+}
+
+// reorderingPublisher sits between the relay and the broker and, for a
+// share of orders, holds back a status change until a later version of the
+// same order has been published, then publishes it: the consumer receives
+// v3 before v2, as when two relays, a retry or a replay overtake each other.
+// Only versions below finalVersion are held, so every held message has a
+// later one to wait for. Held messages live in memory: the demo flushes them
+// before it checks.
+type reorderingPublisher struct {
+	message.Publisher
+	share        float64
+	finalVersion int64
+	rng          *lockedRand
+
+	mu        sync.Mutex
+	held      map[string]heldStatus // order id → held message
+	reordered atomic.Int64
+}
+
+type heldStatus struct {
+	version int64
+	msg     *message.Message
+}
+
+var _ message.Publisher = (*reorderingPublisher)(nil)
+
+func (p *reorderingPublisher) Publish(topic string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		if err := p.publishOne(topic, m); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (p *reorderingPublisher) publishOne(topic string, m *message.Message) error {
+	if topic != shop.EventOrderStatusChanged {
+		return p.Publisher.Publish(topic, m)
+	}
+	var ev shop.OrderStatusChanged
+	if err := json.Unmarshal(m.Payload, &ev); err != nil {
+		return p.Publisher.Publish(topic, m)
+	}
+	p.mu.Lock()
+	h, holding := p.held[ev.OrderID]
+	switch {
+	case holding && h.msg.UUID == m.UUID:
+		// The relay republished the held message: it is still held.
+		p.mu.Unlock()
+		return nil
+	case holding && ev.Version > h.version:
+		delete(p.held, ev.OrderID)
+		p.mu.Unlock()
+		if err := p.Publisher.Publish(topic, m); err != nil {
+			p.hold(ev.OrderID, h)
+			return err
+		}
+		if err := p.Publisher.Publish(topic, h.msg); err != nil {
+			// The newer one went out; publish the held one with the next call.
+			p.hold(ev.OrderID, h)
+			return err
+		}
+		p.reordered.Add(1)
+		return nil
+	case !holding && ev.Version < p.finalVersion && p.rng.chance(p.share):
+		p.held[ev.OrderID] = heldStatus{version: ev.Version, msg: m.Copy()}
+		p.mu.Unlock()
+		return nil
+	}
+	p.mu.Unlock()
+	return p.Publisher.Publish(topic, m)
+}
+
+func (p *reorderingPublisher) hold(orderID string, h heldStatus) {
+	p.mu.Lock()
+	p.held[orderID] = h
+	p.mu.Unlock()
+}
+
+// flush publishes every message still held, in no particular order.
+func (p *reorderingPublisher) flush() error {
+	p.mu.Lock()
+	held := p.held
+	p.held = map[string]heldStatus{}
+	p.mu.Unlock()
+	for id, h := range held {
+		if err := p.Publisher.Publish(shop.EventOrderStatusChanged, h.msg); err != nil {
+			p.hold(id, h)
+			return err
+		}
+	}
+	return nil
+}
+
+func (p *reorderingPublisher) heldCount() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.held)
+}
+
+// consumerProbe is the outermost middleware of a consumer service: it counts
+// deliveries and deliveries in flight, and after every cutEvery-th delivery
+// whose handler committed it cuts the consumer's AMQP connection (through
+// the fault proxy) before the router acks: the ack is lost and the broker
+// redelivers the message with redelivered=true, which the claim must absorb.
+type consumerProbe struct {
+	name     string
+	proxy    *faultproxy.Proxy
+	cutEvery int64
+
+	deliveries  atomic.Int64
+	redelivered atomic.Int64
+	inFlight    atomic.Int64
+	commits     atomic.Int64
+	cuts        atomic.Int64
+	lastSeen    atomic.Int64 // unix nanos of the last delivery's end
+
+	mu       sync.Mutex
+	awaiting map[string]bool // event ids whose ack was cut, until redelivered
+	perID    map[string]int  // deliveries per message UUID (malformed ones)
+}
+
+type attemptKey struct{}
+
+// attempt is shared, through the message context, between the probe and
+// the handler wrapper inside the idempotent middleware.
+type attempt struct{ committed atomic.Bool }
+
+func (p *consumerProbe) middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		p.inFlight.Add(1)
+		p.deliveries.Add(1)
+		defer func() {
+			p.lastSeen.Store(nowNanos())
+			p.inFlight.Add(-1)
+		}()
+		if marshaler.Redelivered(msg) {
+			p.redelivered.Add(1)
+		}
+		id := msg.UUID // inner middleware may rewrite it (-id-at-reception)
+		p.mu.Lock()
+		delete(p.awaiting, id)
+		if _, bad := marshaler.Malformed(msg); bad {
+			p.perID[id]++
+		}
+		p.mu.Unlock()
+
+		a := &attempt{}
+		msg.SetContext(context.WithValue(msg.Context(), attemptKey{}, a))
+		out, err := h(msg)
+		if err == nil && a.committed.Load() {
+			n := p.commits.Add(1)
+			if p.cutEvery > 0 && n%p.cutEvery == 0 {
+				p.mu.Lock()
+				p.awaiting[id] = true
+				p.mu.Unlock()
+				p.proxy.Cut() // the router's ack now cannot reach the broker
+				p.cuts.Add(1)
+			}
+		}
+		return out, err
+	}
+}
+
+// handler wraps the service handler: a nil result means the middleware is
+// about to commit (a failed commit returns an error to the probe).
+func (p *consumerProbe) handler(h message.NoPublishHandlerFunc) message.NoPublishHandlerFunc {
+	return func(msg *message.Message) error {
+		err := h(msg)
+		if a, ok := msg.Context().Value(attemptKey{}).(*attempt); ok && err == nil {
+			a.committed.Store(true)
+		}
+		return err
+	}
+}
+
+func (p *consumerProbe) awaitingRedelivery() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.awaiting)
+}
+
+// idAtReception gives every delivery a fresh event id: the mistake the
+// library's contract forbids (event ids are set by the producer, once). Used
+// by -id-at-reception to show that the checks catch double effects.
+func idAtReception(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		if _, bad := marshaler.Malformed(msg); !bad {
+			msg.UUID = uuid.Must(uuid.NewV7()).String()
+		}
+		return h(msg)
+	}
+}

@@ -1,0 +1,159 @@
+// Command demo runs the example shop end to end on real RabbitMQ and
+// PostgreSQL and injects the faults of at-least-once delivery, then checks
+// from the databases and queues that every effect happened exactly once.
+//
+//	go run ./examples/demo            # 1000 orders, under a minute
+//	go run ./examples/demo -orders 100 -cut-every 20
+//
+// One process runs the order service (outbox), its relay (Watermill's
+// forwarder), and the stock and shipping consumers, each with the
+// idempotent middleware in the recommended chain. The faults:
+//
+//   - relay republish: the relay fails to store its position after a share of
+//     batches (-relay-fail), as after a crash between the broker's confirm and
+//     the commit of its position: those rows are published again, same ids;
+//   - lost ack: after every -cut-every-th committed delivery, the consumer's
+//     AMQP connection is cut (through a TCP fault proxy) before the ack: the
+//     broker redelivers the message with redelivered=true;
+//   - operator replay: the events of the first -replay share of the run are
+//     republished from the outbox with their original ids;
+//   - malformed messages: -malformed raw bodies (empty, truncated JSON,
+//     event_id missing, "not-a-uuid", "", 12345) published to the exchange;
+//   - out of order: for a share of orders (-reorder) a status change is held
+//     back until the next one was published.
+//
+// With -id-at-reception the consumers replace each delivery's event id by a
+// new one before the middleware sees it (the mistake of assigning ids on
+// reception): the duplicates then pass the claim and the checks fail.
+//
+// It prints a progress line on stderr, a table, and as the last line of
+// stdout one JSON object (orders, deliveries, reservations,
+// expected_reservations, duplicates_skipped, stale_skipped, poisoned, lost,
+// ok, …). The exit status is 1 when ok is false, 2 when the run could not be
+// set up. Each run uses its own PostgreSQL schemas and RabbitMQ exchange and
+// queues (a random prefix) and removes them at the end unless -keep.
+//
+// DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test?sslmode=disable)
+// and AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/) locate the services.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+)
+
+// config is the demo's sizes, fault rates and service URLs.
+type config struct {
+	DatabaseURL string
+	AMQPURL     string
+
+	Orders        int     // orders to place
+	MaxLines      int     // lines per order, 1..MaxLines
+	StatusChanges int     // status changes per order after "placed"
+	Producers     int     // concurrent producers
+	Workers       int     // subscriptions per consumer queue
+	Prefetch      int     // consumer prefetch
+	BatchSize     int     // relay batch size
+	RelayFail     float64 // share of relay batches whose position update fails
+	CutEvery      int     // cut a consumer's connection after every n-th commit (0: never)
+	ReplayShare   float64 // share of the run's time range replayed by the operator
+	Malformed     int     // malformed messages published raw
+	Reorder       float64 // share of orders whose status changes are reordered
+	Seed          uint64
+	Timeout       time.Duration
+	Keep          bool
+	Verbose       bool
+	IDAtReception bool          // the classic mistake, to show what the checks catch
+	Progress      time.Duration // progress line interval
+}
+
+func defaultConfig() config {
+	return config{
+		DatabaseURL:   envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"),
+		AMQPURL:       envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"),
+		Orders:        1000,
+		MaxLines:      3,
+		StatusChanges: 2,
+		Producers:     4,
+		Workers:       1,
+		Prefetch:      16,
+		BatchSize:     50,
+		RelayFail:     0.2,
+		CutEvery:      150,
+		ReplayShare:   0.1,
+		Malformed:     6,
+		Reorder:       0.05,
+		Seed:          uint64(time.Now().UnixNano()),
+		Timeout:       55 * time.Second,
+		Progress:      500 * time.Millisecond,
+	}
+}
+
+func envOr(key, def string) string {
+	if v := os.Getenv(key); v != "" {
+		return v
+	}
+	return def
+}
+
+func parseFlags(args []string, stderr io.Writer) (config, error) {
+	c := defaultConfig()
+	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.IntVar(&c.Orders, "orders", c.Orders, "orders to place")
+	fs.IntVar(&c.MaxLines, "lines", c.MaxLines, "maximum lines per order (1..n)")
+	fs.IntVar(&c.StatusChanges, "status-changes", c.StatusChanges, "status changes per order after it is placed (0..3)")
+	fs.IntVar(&c.Producers, "producers", c.Producers, "concurrent producers")
+	fs.IntVar(&c.Workers, "workers", c.Workers, "subscriptions per consumer queue (above 1, a cut may also break another worker's ack: a poisoned message may then reach the dead-letter queue twice)")
+	fs.IntVar(&c.Prefetch, "prefetch", c.Prefetch, "consumer prefetch")
+	fs.IntVar(&c.BatchSize, "batch", c.BatchSize, "relay batch size")
+	fs.Float64Var(&c.RelayFail, "relay-fail", c.RelayFail, "share of relay batches whose position update fails (republished)")
+	fs.IntVar(&c.CutEvery, "cut-every", c.CutEvery, "cut a consumer's AMQP connection after every n-th commit, before the ack (0: never)")
+	fs.Float64Var(&c.ReplayShare, "replay", c.ReplayShare, "share of the run's time range the operator replays")
+	fs.IntVar(&c.Malformed, "malformed", c.Malformed, "malformed messages published raw")
+	fs.Float64Var(&c.Reorder, "reorder", c.Reorder, "share of orders whose status changes arrive out of order")
+	fs.Uint64Var(&c.Seed, "seed", c.Seed, "random seed of the fault injection")
+	fs.DurationVar(&c.Timeout, "timeout", c.Timeout, "give up waiting for the work to settle after this")
+	fs.BoolVar(&c.Keep, "keep", c.Keep, "keep the run's schemas, exchange and queues")
+	fs.BoolVar(&c.Verbose, "v", c.Verbose, "log Watermill and the middleware to stderr")
+	fs.BoolVar(&c.IDAtReception, "id-at-reception", c.IDAtReception, "break it on purpose: give each delivery a new event id on reception (the classic mistake) and watch the checks fail")
+	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	switch {
+	case c.Orders < 1:
+		return c, fmt.Errorf("-orders %d: must be ≥ 1", c.Orders)
+	case c.MaxLines < 1:
+		return c, fmt.Errorf("-lines %d: must be ≥ 1", c.MaxLines)
+	case c.StatusChanges < 0 || c.StatusChanges > len(statuses):
+		return c, fmt.Errorf("-status-changes %d: must be 0..%d", c.StatusChanges, len(statuses))
+	case c.Producers < 1 || c.Workers < 1 || c.Prefetch < 1 || c.BatchSize < 1:
+		return c, fmt.Errorf("-producers, -workers, -prefetch and -batch must be ≥ 1")
+	case c.RelayFail < 0 || c.RelayFail > 1 || c.ReplayShare < 0 || c.ReplayShare > 1 || c.Reorder < 0 || c.Reorder > 1:
+		return c, fmt.Errorf("-relay-fail, -replay and -reorder are shares in [0, 1]")
+	case c.CutEvery < 0 || c.Malformed < 0:
+		return c, fmt.Errorf("-cut-every and -malformed must be ≥ 0")
+	}
+	return c, nil
+}
+
+func main() {
+	cfg, err := parseFlags(os.Args[1:], os.Stderr)
+	if err != nil {
+		if err == flag.ErrHelp {
+			os.Exit(0)
+		}
+		fmt.Fprintln(os.Stderr, "demo:", err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, cfg, os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}

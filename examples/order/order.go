@@ -1,0 +1,197 @@
+package order
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/components/forwarder"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+)
+
+// DefaultOutboxTopic is the forwarder topic of the outbox: its rows live in
+// the table "watermill_order_outbox", the relay's position in
+// "watermill_offsets_order_outbox".
+const DefaultOutboxTopic = "order_outbox"
+
+// Config configures the order service (New).
+type Config struct {
+	// Pool is the order service's database; its search_path must reach the
+	// tables Migrate creates. Required.
+	Pool *pgxpool.Pool
+	// OutboxTopic is the forwarder topic, i.e. the outbox table
+	// "watermill_<OutboxTopic>". Letters, digits and _ only. Defaults to
+	// DefaultOutboxTopic.
+	OutboxTopic string
+	// Logger defaults to watermill.NopLogger.
+	Logger watermill.LoggerAdapter
+}
+
+// Service places orders and changes their status, writing each event to the
+// outbox in the same transaction. Safe for concurrent use.
+type Service struct {
+	pool   *pgxpool.Pool
+	topic  string
+	schema wsql.DefaultPostgreSQLSchema
+	logger watermill.LoggerAdapter
+}
+
+// New validates cfg (on a copy with defaults applied) and returns the service.
+func New(cfg Config) (*Service, error) {
+	if cfg.Pool == nil {
+		return nil, errors.New("order: Config.Pool is required")
+	}
+	if cfg.OutboxTopic == "" {
+		cfg.OutboxTopic = DefaultOutboxTopic
+	}
+	if err := validateTopic(cfg.OutboxTopic); err != nil {
+		return nil, fmt.Errorf("order: Config.OutboxTopic: %w", err)
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = watermill.NopLogger{}
+	}
+	return &Service{pool: cfg.Pool, topic: cfg.OutboxTopic, schema: outboxSchema(0), logger: cfg.Logger}, nil
+}
+
+func validateTopic(t string) error {
+	for _, r := range t {
+		if !(r == '_' || r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9') {
+			return fmt.Errorf("%q: letters, digits and _ only", t)
+		}
+	}
+	if t == "" || len(t) > 40 {
+		return fmt.Errorf("%q: 1 to 40 characters", t)
+	}
+	return nil
+}
+
+func outboxSchema(batch int) wsql.DefaultPostgreSQLSchema {
+	return wsql.DefaultPostgreSQLSchema{SubscribeBatchSize: batch}
+}
+
+// Migrate creates the order tables and watermill-sql's outbox and offsets
+// tables for OutboxTopic (with watermill-sql's own DDL, run in a transaction
+// behind its advisory lock). Idempotent.
+func (s *Service) Migrate(ctx context.Context) error {
+	if _, err := s.pool.Exec(ctx, schemaSQL); err != nil {
+		return fmt.Errorf("order: migrate: %w", err)
+	}
+	sub, err := wsql.NewSubscriber(wsql.BeginnerFromPgx(s.pool), wsql.SubscriberConfig{
+		SchemaAdapter:  s.schema,
+		OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{},
+	}, s.logger)
+	if err != nil {
+		return fmt.Errorf("order: migrate outbox: %w", err)
+	}
+	defer sub.Close()
+	if err := sub.SubscribeInitialize(s.topic); err != nil {
+		return fmt.Errorf("order: migrate outbox: %w", err)
+	}
+	return nil
+}
+
+// OutboxTopic is the forwarder topic (the outbox table is "watermill_" + it).
+func (s *Service) OutboxTopic() string { return s.topic }
+
+// PlaceOrder inserts the order (status "placed", version 1) and its lines,
+// and writes an EventOrderPlaced event to the outbox, in one transaction. It
+// returns the event's id (a UUIDv7). Quantities must pass
+// shop.ValidateQuantity; lines are numbered 1…n in the given order when their
+// LineNo is 0. A duplicate OrderID fails (unique violation) and writes nothing.
+func (s *Service) PlaceOrder(ctx context.Context, orderID string, lines []shop.OrderLine) (eventID string, err error) {
+	if strings.TrimSpace(orderID) == "" {
+		return "", errors.New("order: empty order id")
+	}
+	if len(lines) == 0 {
+		return "", errors.New("order: an order needs at least one line")
+	}
+	ev := shop.OrderPlaced{OrderID: orderID, Version: 1, Status: "placed", Lines: make([]shop.OrderLine, len(lines))}
+	for i, l := range lines {
+		if l.LineNo == 0 {
+			l.LineNo = i + 1
+		}
+		if err := shop.ValidateQuantity(l.Quantity); err != nil {
+			return "", fmt.Errorf("order: line %d: %w", l.LineNo, err)
+		}
+		ev.Lines[i] = l
+	}
+	msg, err := marshaler.NewMessage(shop.EventOrderPlaced, ev)
+	if err != nil {
+		return "", err
+	}
+	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, insertOrderSQL, orderID, ev.Status); err != nil {
+			return err
+		}
+		for _, l := range ev.Lines {
+			if _, err := tx.Exec(ctx, insertLineSQL, orderID, l.LineNo, l.SKU, l.Quantity); err != nil {
+				return err
+			}
+		}
+		return s.writeOutbox(ctx, tx, shop.EventOrderPlaced, msg)
+	})
+	if err != nil {
+		return "", fmt.Errorf("order: place %s: %w", orderID, err)
+	}
+	return msg.UUID, nil
+}
+
+// ChangeStatus sets the order's status, increments its version, and writes
+// an EventOrderStatusChanged event carrying the new version to the outbox, in
+// one transaction. It returns the new version and the event's id. An unknown
+// order fails with an error wrapping pgx.ErrNoRows.
+func (s *Service) ChangeStatus(ctx context.Context, orderID, status string) (version int64, eventID string, err error) {
+	if status == "" {
+		return 0, "", errors.New("order: empty status")
+	}
+	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if err := tx.QueryRow(ctx, changeStatusSQL, orderID, status).Scan(&version); err != nil {
+			return err
+		}
+		msg, err := marshaler.NewMessage(shop.EventOrderStatusChanged,
+			shop.OrderStatusChanged{OrderID: orderID, Version: version, Status: status})
+		if err != nil {
+			return err
+		}
+		eventID = msg.UUID
+		return s.writeOutbox(ctx, tx, shop.EventOrderStatusChanged, msg)
+	})
+	if err != nil {
+		return 0, "", fmt.Errorf("order: change status of %s: %w", orderID, err)
+	}
+	return version, eventID, nil
+}
+
+// PublishInTx writes msgs to the outbox in the caller's transaction tx, for
+// the relay to publish to topic (an event name) once tx commits; nothing is
+// sent if tx rolls back. Build each message with marshaler.NewMessage, so its
+// event_id is fixed here, before the row is written. It is how PlaceOrder
+// and ChangeStatus publish, exported for code that owns its transaction.
+//
+// Under the hood: a watermill-sql v4 publisher on tx (sql.TxFromPgx; that
+// adapter must never commit or roll back: the caller owns tx), wrapped by
+// Watermill's forwarder publisher, so the row is the forwarder's envelope
+// in the table "watermill_<OutboxTopic>". The INSERT runs on ctx. The
+// publishers hold no resources; one per call is cheap.
+func (s *Service) PublishInTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error {
+	return s.writeOutbox(ctx, tx, topic, msgs...)
+}
+
+func (s *Service) writeOutbox(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error {
+	sqlPub, err := wsql.NewPublisher(wsql.TxFromPgx(tx), wsql.PublisherConfig{SchemaAdapter: s.schema}, s.logger)
+	if err != nil {
+		return err
+	}
+	for _, m := range msgs {
+		m.SetContext(ctx) // the SQL publisher runs its INSERT on the first message's context
+	}
+	return forwarder.NewPublisher(sqlPub, forwarder.PublisherConfig{ForwarderTopic: s.topic}).Publish(topic, msgs...)
+}

@@ -1,0 +1,217 @@
+package order_test
+
+import (
+	"context"
+	"encoding/json"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/examples/order"
+	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+)
+
+func newService(t *testing.T) (*order.Service, *pgxpool.Pool) {
+	t.Helper()
+	pool, _ := testenv.Pool(t)
+	svc, err := order.New(order.Config{Pool: pool})
+	require.NoError(t, err)
+	require.NoError(t, svc.Migrate(context.Background()))
+	require.NoError(t, svc.Migrate(context.Background()), "idempotent")
+	return svc, pool
+}
+
+// outboxRows returns the forwarder envelopes in the outbox, in order.
+func outboxRows(t *testing.T, pool *pgxpool.Pool) []map[string]json.RawMessage {
+	t.Helper()
+	rows, err := pool.Query(context.Background(), `SELECT payload::text FROM watermill_order_outbox ORDER BY transaction_id, "offset"`)
+	require.NoError(t, err)
+	defer rows.Close()
+	var out []map[string]json.RawMessage
+	for rows.Next() {
+		var s string
+		require.NoError(t, rows.Scan(&s))
+		var m map[string]json.RawMessage
+		require.NoError(t, json.Unmarshal([]byte(s), &m))
+		out = append(out, m)
+	}
+	require.NoError(t, rows.Err())
+	return out
+}
+
+// The order row and its outbox row commit together; the outbox row is the
+// forwarder envelope of a message whose UUID is a UUIDv7 event id set now.
+func TestPlaceOrderWritesOutbox(t *testing.T) {
+	t.Parallel()
+	svc, pool := newService(t)
+	ctx := context.Background()
+	id, err := svc.PlaceOrder(ctx, "o-1", []shop.OrderLine{{SKU: "a", Quantity: "2.000"}, {SKU: "b", Quantity: "0.250"}})
+	require.NoError(t, err)
+	u := uuid.MustParse(id)
+	require.Equal(t, uuid.Version(7), u.Version())
+
+	rows := outboxRows(t, pool)
+	require.Len(t, rows, 1)
+	var env struct {
+		DestinationTopic string            `json:"destination_topic"`
+		UUID             string            `json:"uuid"`
+		Payload          []byte            `json:"payload"`
+		Metadata         map[string]string `json:"metadata"`
+	}
+	b, _ := json.Marshal(rows[0])
+	require.NoError(t, json.Unmarshal(b, &env))
+	require.Equal(t, shop.EventOrderPlaced, env.DestinationTopic)
+	require.Equal(t, id, env.UUID)
+	require.Equal(t, shop.EventOrderPlaced, env.Metadata[marshaler.MetadataEventName])
+	require.NotEmpty(t, env.Metadata[marshaler.MetadataOccurredAt])
+	require.JSONEq(t, `{"order_id":"o-1","version":1,"status":"placed","lines":[
+		{"line_no":1,"sku":"a","quantity":"2.000"},{"line_no":2,"sku":"b","quantity":"0.250"}]}`, string(env.Payload))
+
+	var q string
+	require.NoError(t, pool.QueryRow(ctx, `SELECT quantity::text FROM order_line WHERE order_id = 'o-1' AND line_no = 1`).Scan(&q))
+	require.Equal(t, "2.000", q)
+
+	// A refused order writes nothing, outbox included.
+	_, err = svc.PlaceOrder(ctx, "o-2", []shop.OrderLine{{SKU: "a", Quantity: "1e3"}})
+	require.ErrorIs(t, err, shop.ErrBadQuantity)
+	_, err = svc.PlaceOrder(ctx, "o-1", []shop.OrderLine{{SKU: "a", Quantity: "1"}})
+	require.Error(t, err, "duplicate order id")
+	require.Len(t, outboxRows(t, pool), 1)
+}
+
+func TestChangeStatusVersionsAndRollback(t *testing.T) {
+	t.Parallel()
+	svc, pool := newService(t)
+	ctx := context.Background()
+	_, err := svc.PlaceOrder(ctx, "o-1", []shop.OrderLine{{SKU: "a", Quantity: "1"}})
+	require.NoError(t, err)
+	v, _, err := svc.ChangeStatus(ctx, "o-1", "packed")
+	require.NoError(t, err)
+	require.EqualValues(t, 2, v)
+	v, _, err = svc.ChangeStatus(ctx, "o-1", "shipped")
+	require.NoError(t, err)
+	require.EqualValues(t, 3, v)
+	_, _, err = svc.ChangeStatus(ctx, "nope", "shipped")
+	require.ErrorIs(t, err, pgx.ErrNoRows)
+	require.Len(t, outboxRows(t, pool), 3)
+
+	// PublishInTx in a transaction that rolls back leaves nothing.
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	msg, err := marshaler.NewMessage(shop.EventOrderStatusChanged, shop.OrderStatusChanged{OrderID: "o-1", Version: 9, Status: "x"})
+	require.NoError(t, err)
+	require.NoError(t, svc.PublishInTx(ctx, tx, shop.EventOrderStatusChanged, msg))
+	require.NoError(t, tx.Rollback(ctx))
+	require.Len(t, outboxRows(t, pool), 3)
+}
+
+// tap is a queue bound to both order events on a test topology.
+type tap struct {
+	topo  shop.Topology
+	queue string
+	ch    *amqp091.Channel
+}
+
+func newTap(t *testing.T) *tap {
+	t.Helper()
+	conn, err := amqp091.Dial(testenv.AMQPURL())
+	require.NoError(t, err)
+	c := shop.Consumer{Name: "tap", Bindings: []string{shop.EventOrderPlaced, shop.EventOrderStatusChanged}}
+	topo := shop.Topology{Prefix: testenv.UniqueName("order") + "."}
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	require.NoError(t, topo.Declare(ch, c))
+	t.Cleanup(func() { _ = topo.Delete(ch, c); _ = conn.Close() })
+	return &tap{topo: topo, queue: topo.Queue(c), ch: ch}
+}
+
+// next waits for the next delivery on the tap.
+func (tp *tap) next(t *testing.T) amqp091.Delivery {
+	t.Helper()
+	var d amqp091.Delivery
+	require.Eventually(t, func() bool {
+		var ok bool
+		var err error
+		d, ok, err = tp.ch.Get(tp.queue, true)
+		require.NoError(t, err)
+		return ok
+	}, 15*time.Second, 10*time.Millisecond)
+	return d
+}
+
+func (tp *tap) publisher(t *testing.T) *wamqp.Publisher {
+	t.Helper()
+	pub, err := wamqp.NewPublisher(tp.topo.PublisherConfig(testenv.AMQPURL()), watermill.NopLogger{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pub.Close() })
+	return pub
+}
+
+// The relay publishes each outbox message to the exchange with its event
+// name as routing key and the event id set when the row was written; Pending
+// drops to 0; Replay republishes a time range with the original ids.
+func TestRelayAndReplay(t *testing.T) {
+	t.Parallel()
+	svc, pool := newService(t)
+	tp := newTap(t)
+	ctx := context.Background()
+	t0 := time.Now()
+	id1, err := svc.PlaceOrder(ctx, "o-1", []shop.OrderLine{{SKU: "a", Quantity: "2.000"}})
+	require.NoError(t, err)
+	t1 := time.Now()
+	_, id2, err := svc.ChangeStatus(ctx, "o-1", "packed")
+	require.NoError(t, err)
+	n, err := svc.Pending(ctx, "")
+	require.NoError(t, err)
+	require.Equal(t, 2, n)
+
+	relay, err := order.NewRelay(order.RelayConfig{Pool: pool, Publisher: tp.publisher(t), PollInterval: 10 * time.Millisecond})
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { done <- relay.Run(ctx) }()
+	t.Cleanup(func() { _ = relay.Close(); <-done })
+
+	for i, want := range []struct{ id, name string }{{id1, shop.EventOrderPlaced}, {id2, shop.EventOrderStatusChanged}} {
+		d := tp.next(t)
+		require.Equal(t, want.name, d.RoutingKey, "delivery %d", i)
+		require.Equal(t, want.id, d.MessageId)
+		env, err := marshaler.Decode(d.Body, 0)
+		require.NoError(t, err)
+		require.Equal(t, want.id, env.EventID.String(), "the event id set when the outbox row was written")
+		require.Equal(t, want.name, env.EventName)
+	}
+	require.Eventually(t, func() bool { n, err := svc.Pending(ctx, ""); return err == nil && n == 0 }, 10*time.Second, 10*time.Millisecond)
+
+	// Replay [t0, t1): the placed event only, same id.
+	n, err = svc.Replay(ctx, tp.publisher(t), t0, t1)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	d := tp.next(t)
+	env, err := marshaler.Decode(d.Body, 0)
+	require.NoError(t, err)
+	require.Equal(t, id1, env.EventID.String())
+	require.JSONEq(t, `{"order_id":"o-1","version":1,"status":"placed","lines":[{"line_no":1,"sku":"a","quantity":"2.000"}]}`, string(env.Payload))
+
+	_, err = svc.Replay(ctx, tp.publisher(t), t1, t0)
+	require.Error(t, err, "empty range")
+}
+
+func TestConfigValidation(t *testing.T) {
+	t.Parallel()
+	_, err := order.New(order.Config{})
+	require.ErrorContains(t, err, "Config.Pool")
+	pool, _ := testenv.Pool(t)
+	_, err = order.New(order.Config{Pool: pool, OutboxTopic: "bad-topic"})
+	require.ErrorContains(t, err, "OutboxTopic")
+	_, err = order.NewRelay(order.RelayConfig{Pool: pool})
+	require.ErrorContains(t, err, "Publisher")
+}

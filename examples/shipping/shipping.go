@@ -1,0 +1,125 @@
+package shipping
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync/atomic"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+	"github.com/watermill-idempotency/idempotency/versioned"
+)
+
+// Consumer is the shipping service's subscription: queue "shipping.events",
+// bound to order.order.placed.v1 and order.order.status_changed.v1; claim key
+// consumer "shipping".
+var Consumer = shop.Consumer{Name: "shipping", Bindings: []string{shop.EventOrderPlaced, shop.EventOrderStatusChanged}}
+
+const schemaSQL = `
+CREATE TABLE IF NOT EXISTS order_status_copy (
+    order_id   text        PRIMARY KEY,
+    version    bigint,
+    status     text        NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT now()
+)`
+
+// Migrate creates the processed-event table of store (processed.DefaultTable
+// when nil) and the status copy table in pool's search_path. Idempotent.
+func Migrate(ctx context.Context, pool *pgxpool.Pool, store *processed.Store) error {
+	if store == nil {
+		var err error
+		if store, err = processed.NewStore(processed.Config{}); err != nil {
+			return err
+		}
+	}
+	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
+		return err
+	}
+	if _, err := pool.Exec(ctx, schemaSQL); err != nil {
+		return fmt.Errorf("shipping: migrate: %w", err)
+	}
+	return nil
+}
+
+// Handler applies order events to the status copy. Build it with NewHandler;
+// it is safe for concurrent use.
+type Handler struct {
+	upsert  *versioned.Upsert
+	applied atomic.Int64
+	stale   atomic.Int64
+}
+
+// NewHandler returns the handler of the order_status_copy table.
+func NewHandler() (*Handler, error) {
+	up, err := versioned.NewUpsert(versioned.UpsertConfig{
+		Table:         "order_status_copy",
+		KeyColumns:    []string{"order_id"},
+		VersionColumn: "version",
+		ValueColumns:  []string{"status"},
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &Handler{upsert: up}, nil
+}
+
+// statusEvent is what both event types carry for the copy. Version is a
+// pointer so that a missing or null version is told apart from 0.
+type statusEvent struct {
+	OrderID string `json:"order_id"`
+	Version *int64 `json:"version"`
+	Status  string `json:"status"`
+}
+
+// ErrNoTransaction is returned when Handle runs outside the idempotent
+// middleware (a wiring error). Permanent.
+var ErrNoTransaction = errors.New("shipping: no transaction in the message context (is the idempotent middleware in the chain?)")
+
+// Handle applies an EventOrderPlaced or EventOrderStatusChanged message to
+// the copy, in the attempt's transaction (middleware.QuerierFromContext, so
+// it works on pgx and database/sql). A version not greater than the stored
+// one is Stale: nothing is written, the attempt is marked stale
+// (middleware.MarkStale: recorded as middleware.OutcomeStale) and nil is
+// returned (the event is acked and its claim commits). A payload without order id or status, or with
+// a missing or null version (versioned.ErrVersionMissing), is a permanent
+// error: dead-letter queue, no retry.
+func (h *Handler) Handle(msg *message.Message) error {
+	q, ok := middleware.QuerierFromContext(msg.Context())
+	if !ok {
+		return middleware.Permanent(ErrNoTransaction)
+	}
+	var ev statusEvent
+	if err := json.Unmarshal(msg.Payload, &ev); err != nil {
+		return middleware.Permanent(fmt.Errorf("shipping: payload: %w", err))
+	}
+	if ev.OrderID == "" || ev.Status == "" {
+		return middleware.Permanent(errors.New("shipping: payload: order_id and status required"))
+	}
+	outcome, err := h.upsert.Apply(msg.Context(), q, []any{ev.OrderID}, ev.Version, []any{ev.Status})
+	if err != nil {
+		return err // ErrVersionMissing is permanent by itself
+	}
+	if outcome == versioned.Stale {
+		// Recorded and logged as middleware.OutcomeStale; the claim commits.
+		middleware.MarkStale(msg.Context())
+		h.stale.Add(1)
+	} else {
+		h.applied.Add(1)
+	}
+	return nil
+}
+
+// Stats returns how many attempts applied a newer version and how many found
+// the event stale, since NewHandler. They count attempts whose Apply
+// succeeded: an attempt whose commit then failed is counted and retried.
+func (h *Handler) Stats() (applied, stale int64) { return h.applied.Load(), h.stale.Load() }
+
+// Ensure Handle fits a router handler.
+var _ message.NoPublishHandlerFunc = (&Handler{}).Handle

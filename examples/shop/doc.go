@@ -1,0 +1,51 @@
+// Package shop is the shared plumbing of the example shop (examples/order,
+// examples/stock, examples/shipping and the demo): the RabbitMQ topology, the
+// event names and payloads the services exchange, and the wiring of one
+// consumer service (router, subscriber, poison publisher and the recommended
+// middleware chain around the idempotent middleware).
+//
+// # Topology
+//
+//	producer ──► exchange "events" (topic, durable)
+//	                 │ routing key = event name, e.g. "order.order.placed.v1"
+//	                 ├──► queue "stock.events"    (quorum, durable) ──► stock service
+//	                 │        x-dead-letter-exchange "stock.events.dlx"
+//	                 └──► queue "shipping.events" (quorum, durable) ──► shipping service
+//	                          x-dead-letter-exchange "shipping.events.dlx"
+//
+//	"<queue>.dlx" (fanout, durable) ──► "<queue>.dlq" (quorum, durable)
+//
+// Every name gets Topology.Prefix in front, so tests and demo runs use their
+// own exchanges and queues. The dead-letter exchange and queue of each
+// consumer queue are declared here (watermill-amqp's default topology builder
+// declares neither). They receive two kinds of messages:
+//
+//   - messages the middleware chain poisons (malformed deliveries, permanent
+//     handler errors, non-transient errors that outlived the retries): the
+//     chain's PoisonPublisher publishes them on the consumer's dead-letter
+//     exchange with the reason in the "reason_poisoned" header, with publisher
+//     confirms, and only then is the original delivery acked;
+//   - messages the broker itself dead-letters (a consumer rejecting without
+//     requeue, a quorum queue's delivery limit when Topology.DeliveryLimit is
+//     set), with RabbitMQ's x-death header.
+//
+// # Guarantees and windows
+//
+//   - A poisoned message reaches the dead-letter queue once per delivery that
+//     is poisoned. If the connection breaks after the poison publish was
+//     confirmed and before the original delivery's ack reached the broker,
+//     the broker redelivers it and it is poisoned again: the dead-letter
+//     queue is at-least-once, like every queue.
+//   - Transient (infrastructure) errors are never poisoned: the chain retries
+//     them in process with backoff, then returns the error, the router nacks
+//     and watermill-amqp requeues; the message loops with backoff until the
+//     database is back. Each requeue counts as a delivery of a quorum queue:
+//     RabbitMQ 4 applies a default delivery limit of 20, after which the
+//     broker dead-letters the message (to the same dead-letter queue, with
+//     x-death); set Topology.DeliveryLimit there to bound or widen that
+//     window explicitly. RabbitMQ 3.x has no default limit.
+//   - watermill-amqp hands a subscription's deliveries to the router one at a
+//     time (Prefetch only pipelines the network); Workers subscriptions give
+//     concurrency, and the claim key (consumer, event_id) keeps concurrent
+//     deliveries of one event to one effect.
+package shop

@@ -1,0 +1,100 @@
+package stock_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/examples/stock"
+	"github.com/watermill-idempotency/idempotency/idempotencytest"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
+)
+
+func setup(t *testing.T) (*pgxpool.Pool, idempotencytest.Subject) {
+	t.Helper()
+	pool, _ := testenv.Pool(t)
+	require.NoError(t, stock.Migrate(context.Background(), pool, nil))
+	idem, err := middleware.NewIdempotent(middleware.Config{
+		Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}),
+		Consumer: stock.Consumer.Name,
+	}, nil)
+	require.NoError(t, err)
+	return pool, idempotencytest.Subject{
+		Handler:    idempotencytest.NoPublish(stock.Handle),
+		Middleware: []message.HandlerMiddleware{idem.Middleware},
+		Effects: func(ctx context.Context, msg *message.Message) (int, error) {
+			var n int
+			err := pool.QueryRow(ctx, `SELECT count(*) FROM reservation WHERE event_id = $1`, msg.UUID).Scan(&n)
+			return n, err
+		},
+		WantEffects: 2, // one reservation per line
+	}
+}
+
+func placed(t *testing.T, orderID string) *message.Message {
+	t.Helper()
+	msg, err := marshaler.NewMessage(shop.EventOrderPlaced, shop.OrderPlaced{OrderID: orderID, Version: 1, Status: "placed",
+		Lines: []shop.OrderLine{{LineNo: 1, SKU: "sku-b", Quantity: "2.000"}, {LineNo: 2, SKU: "sku-a", Quantity: "0.250"}}})
+	require.NoError(t, err)
+	return msg
+}
+
+// A redelivered order reserves its lines once, quantities exact.
+func TestReserveOnce(t *testing.T) {
+	t.Parallel()
+	pool, s := setup(t)
+	idempotencytest.DeliverTwice(t, s, placed(t, "o-1"))
+	var q, total string
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT
+		(SELECT quantity::text FROM reservation WHERE order_id = 'o-1' AND line_no = 1),
+		(SELECT sum(reserved)::text FROM stock_level)`).Scan(&q, &total))
+	require.Equal(t, "2.000", q)
+	require.Equal(t, "2.250", total)
+}
+
+// Eight copies of one order at the same moment: one reservation per line.
+func TestReserveOnceConcurrently(t *testing.T) {
+	t.Parallel()
+	_, s := setup(t)
+	idempotencytest.DeliverConcurrently(t, s, placed(t, "o-1"), 8)
+}
+
+// A payload that is not an order is permanent (dead-letter queue, no
+// retry), and nothing is written, claim included.
+func TestBadPayloadIsPermanent(t *testing.T) {
+	t.Parallel()
+	pool, s := setup(t)
+	h := s.Middleware[0](s.Handler)
+	for _, p := range []string{
+		`not json`,
+		`{"order_id":"","lines":[{"line_no":1,"sku":"a","quantity":"1"}]}`,
+		`{"order_id":"o-1","lines":[]}`,
+		`{"order_id":"o-1","lines":[{"line_no":1,"sku":"a","quantity":"1e3"}]}`,
+		`{"order_id":"o-1","lines":[{"line_no":1,"sku":"a","quantity":2}]}`,
+		`{"order_id":"o-1","lines":[{"line_no":0,"sku":"a","quantity":"2"}]}`,
+	} {
+		msg, err := marshaler.NewMessage(shop.EventOrderPlaced, []byte(p))
+		if err != nil { // not JSON: build the message by hand
+			msg = message.NewMessage(placed(t, "x").UUID, []byte(p))
+		}
+		_, err = h(msg)
+		require.Error(t, err, p)
+		require.True(t, middleware.IsPermanent(err), "%s: %v", p, err)
+	}
+	var n int
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM reservation) + (SELECT count(*) FROM processed_event)`).Scan(&n))
+	require.Zero(t, n)
+}
+
+func TestHandleOutsideMiddleware(t *testing.T) {
+	t.Parallel()
+	err := stock.Handle(placed(t, "o-1"))
+	require.ErrorIs(t, err, stock.ErrNoTransaction)
+	require.True(t, middleware.IsPermanent(err))
+}

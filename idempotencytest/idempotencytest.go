@@ -1,0 +1,199 @@
+package idempotencytest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-idempotency/idempotency/middleware"
+)
+
+// DefaultTimeout bounds all deliveries of one helper call (Subject.Timeout).
+const DefaultTimeout = 30 * time.Second
+
+// TB is the part of testing.TB the helpers use. *testing.T, *testing.B and
+// *testing.F satisfy it.
+type TB interface {
+	Helper()
+	Errorf(format string, args ...any)
+}
+
+// Subject is the handler under test and what surrounds it in production.
+type Subject struct {
+	// Handler is the user's handler, without middleware. The helpers count
+	// how often it is entered. Required. NoPublish adapts a
+	// message.NoPublishHandlerFunc.
+	Handler message.HandlerFunc
+
+	// Middleware wraps Handler, outermost first, as router.AddMiddleware
+	// takes it: the idempotent middleware's Middleware alone, or the whole
+	// chain from middleware.NewChain. At least one is required: without the
+	// idempotent middleware nothing deduplicates.
+	Middleware []message.HandlerMiddleware
+
+	// Effects counts the effect of msg as committed in the database, outside
+	// any transaction, after all deliveries returned (for example
+	// SELECT count(*) FROM reservation WHERE event_id = $1). Required.
+	Effects func(ctx context.Context, msg *message.Message) (int, error)
+
+	// WantEffects is what Effects must return after one processing. Defaults
+	// to 1.
+	WantEffects int
+
+	// Timeout bounds all deliveries and the Effects call together; the
+	// message contexts are cancelled after it. Defaults to DefaultTimeout.
+	Timeout time.Duration
+}
+
+// Report is what happened during one helper call.
+type Report struct {
+	// Deliveries is how many copies were delivered.
+	Deliveries int
+	// Calls is how many times Subject.Handler was entered.
+	Calls int
+	// Errors holds the non-nil results of deliveries, in no particular order
+	// (for a router: the deliveries it would have nacked).
+	Errors []error
+	// Effects is what Subject.Effects returned after the deliveries (-1 when
+	// it failed).
+	Effects int
+}
+
+// NoPublish adapts a handler that produces no messages (what
+// router.AddNoPublisherHandler takes) to Subject.Handler.
+func NoPublish(h message.NoPublishHandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) { return nil, h(msg) }
+}
+
+// DeliverTwice delivers msg, then a copy of it again (a broker redelivery
+// after a lost ack), and checks through t that both deliveries returned nil
+// (the duplicate is acknowledged, not failed), that the handler ran once and
+// that Effects equals WantEffects.
+func DeliverTwice(t TB, s Subject, msg *message.Message) Report {
+	t.Helper()
+	return run(t, "DeliverTwice", s, msg, 2, false)
+}
+
+// DeliverConcurrently delivers n copies of msg at the same moment (n ≥ 2:
+// several consumers, or a redelivery racing the first delivery) and checks
+// through t that every delivery returned nil, that the handler ran once and
+// that Effects equals WantEffects. The copies that lose the race wait on the
+// claim's primary key until the winner commits, then skip: a Config.LockTimeout
+// shorter than the handler would make them fail with the transient
+// middleware.ErrInFlight instead, which is reported.
+func DeliverConcurrently(t TB, s Subject, msg *message.Message, n int) Report {
+	t.Helper()
+	if n < 2 {
+		t.Errorf("idempotencytest.DeliverConcurrently: n = %d, want ≥ 2", n)
+		return Report{}
+	}
+	return run(t, "DeliverConcurrently", s, msg, n, true)
+}
+
+func run(t TB, name string, s Subject, msg *message.Message, n int, concurrent bool) Report {
+	t.Helper()
+	switch {
+	case s.Handler == nil:
+		t.Errorf("idempotencytest.%s: Subject.Handler is nil", name)
+		return Report{}
+	case len(s.Middleware) == 0:
+		t.Errorf("idempotencytest.%s: Subject.Middleware is empty (the idempotent middleware is required)", name)
+		return Report{}
+	case s.Effects == nil:
+		t.Errorf("idempotencytest.%s: Subject.Effects is nil", name)
+		return Report{}
+	case msg == nil:
+		t.Errorf("idempotencytest.%s: nil message", name)
+		return Report{}
+	}
+	want := s.WantEffects
+	if want == 0 {
+		want = 1
+	}
+	timeout := s.Timeout
+	if timeout == 0 {
+		timeout = DefaultTimeout
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+
+	var calls atomic.Int32
+	h := message.HandlerFunc(func(m *message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		return s.Handler(m)
+	})
+	for i := len(s.Middleware) - 1; i >= 0; i-- {
+		h = s.Middleware[i](h)
+	}
+
+	var (
+		mu   sync.Mutex
+		errs []error
+	)
+	deliver := func() {
+		c := msg.Copy()
+		c.SetContext(ctx)
+		if err := safeCall(h, c); err != nil {
+			mu.Lock()
+			errs = append(errs, err)
+			mu.Unlock()
+		}
+	}
+	if concurrent {
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		for i := 0; i < n; i++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				deliver()
+			}()
+		}
+		close(start)
+		wg.Wait()
+	} else {
+		for i := 0; i < n; i++ {
+			deliver()
+		}
+	}
+
+	r := Report{Deliveries: n, Calls: int(calls.Load()), Errors: errs, Effects: -1}
+	for _, err := range errs {
+		hint := ""
+		if errors.Is(err, middleware.ErrNoConsumer) {
+			hint = " (set middleware.Config.Consumer: no router names the handler here)"
+		}
+		t.Errorf("idempotencytest.%s: a delivery of %s failed: %v%s", name, msg.UUID, err, hint)
+	}
+	if r.Calls != 1 {
+		t.Errorf("idempotencytest.%s: handler entered %d times for %d deliveries of %s, want 1", name, r.Calls, n, msg.UUID)
+	}
+	got, err := s.Effects(ctx, msg)
+	if err != nil {
+		t.Errorf("idempotencytest.%s: Effects: %v", name, err)
+		return r
+	}
+	r.Effects = got
+	if got != want {
+		t.Errorf("idempotencytest.%s: %d effects after %d deliveries of %s, want %d", name, got, n, msg.UUID, want)
+	}
+	return r
+}
+
+// safeCall runs h, turning a panic that escaped the middleware into an error,
+// so that one bad delivery does not kill the test binary from a goroutine.
+func safeCall(h message.HandlerFunc, msg *message.Message) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("panic: %v", r)
+		}
+	}()
+	_, err = h(msg)
+	return err
+}
