@@ -9,3 +9,18 @@ services:
 
 vet:
 	go vet ./...
+
+# The main job: the shop end to end on RabbitMQ + PostgreSQL with faults.
+demo: services
+	go run ./examples/demo
+
+# Benchmarks (bench/, results in bench/RESULTS.md): a table, then one JSON
+# line. Ratios come from variants interleaved in one process. bench-quick:
+# small sizes, under a minute; bench: the full sizes (1M/10M rows, 100k
+# messages), long.
+.PHONY: bench-quick bench
+bench-quick: services
+	PATH="$$PATH:/usr/local/go/bin" go run ./bench/cmd/idembench -quick
+
+bench: services
+	PATH="$$PATH:/usr/local/go/bin" go run ./bench/cmd/idembench
