@@ -32,6 +32,13 @@ type ChainConfig struct {
 	PoisonPublisher message.Publisher
 	PoisonTopic     string
 
+	// AfterPoison are extra middlewares placed just inside the poison
+	// middleware and outside Retry, outermost first: the place for routers
+	// that take some permanent errors elsewhere before the poison topic sees
+	// them (operation.RouteUncertain sends uncertain external outcomes to a
+	// reconciliation topic). Defaults to none.
+	AfterPoison []message.HandlerMiddleware
+
 	// MaxRetries is how many times Watermill's Retry re-runs a failing
 	// attempt in-process before giving up on it. Defaults to DefaultMaxRetries.
 	MaxRetries int
@@ -78,7 +85,7 @@ func (c ChainConfig) Validate() error {
 // NewChain returns the recommended chain, outermost first, to pass to
 // router.AddMiddleware(chain...) (Watermill runs the first added outermost):
 //
-//  1. PoisonQueue with a filter: a permanent error (IsPermanent) or any
+//  1. PoisonQueue with a filter (then ChainConfig.AfterPoison, if any): a permanent error (IsPermanent) or any
 //     non-transient error that survived the retries is published to
 //     PoisonTopic with its reason and the message is acked, once. A transient
 //     (infrastructure) error is returned to the router, which nacks: the
@@ -115,12 +122,9 @@ func NewChain(cfg ChainConfig, logger watermill.LoggerAdapter) ([]message.Handle
 		ShouldRetry:         func(p wmw.RetryParams) bool { return !IsPermanent(p.Err) },
 		Logger:              logger,
 	}
-	return []message.HandlerMiddleware{
-		poison,
-		retry.Middleware,
-		wmw.Recoverer,
-		cfg.Idempotent.Middleware,
-	}, nil
+	chain := []message.HandlerMiddleware{poison}
+	chain = append(chain, cfg.AfterPoison...)
+	return append(chain, retry.Middleware, wmw.Recoverer, cfg.Idempotent.Middleware), nil
 }
 
 // ShouldPoison is the chain's poison filter: true for every error except a

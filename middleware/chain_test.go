@@ -177,7 +177,40 @@ func TestIsTransientClassification(t *testing.T) {
 	require.True(t, middleware.IsTransient(middleware.ErrInFlight))
 	require.False(t, middleware.IsTransient(errors.New("connection refused"))) // never by message text
 	require.False(t, middleware.IsPermanent(errors.New("x")))
+	require.False(t, middleware.IsTransient(middleware.Permanent(context.DeadlineExceeded)), "permanent wins")
 	require.Nil(t, middleware.Permanent(nil))
+}
+
+func TestChainAfterPoisonSitsBetweenPoisonAndRetry(t *testing.T) {
+	t.Parallel()
+	idem, err := middleware.NewIdempotent(middleware.Config{Beginner: middleware.NewStdBeginner(nil), Consumer: "c"}, nil)
+	require.NoError(t, err)
+	poison := &capture{msgs: make(chan *message.Message, 2)}
+	var seen []error
+	router := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			seen = append(seen, err)
+			if err != nil && errors.Is(err, middleware.ErrInvalidEventID) {
+				return nil, nil // routed elsewhere: the poison topic never sees it
+			}
+			return out, err
+		}
+	}
+	chain, err := middleware.NewChain(middleware.ChainConfig{
+		Idempotent: idem, PoisonPublisher: poison, PoisonTopic: "p",
+		AfterPoison: []message.HandlerMiddleware{router}, MaxRetries: 2, InitialInterval: time.Millisecond,
+	}, nil)
+	require.NoError(t, err)
+	require.Len(t, chain, 5)
+	var h message.HandlerFunc = func(*message.Message) ([]*message.Message, error) { return nil, nil }
+	for i := len(chain) - 1; i >= 0; i-- {
+		h = chain[i](h)
+	}
+	_, err = h(newMsg("not-a-uuid"))
+	require.NoError(t, err)
+	require.Len(t, seen, 1, "outside Retry: sees the final error once")
+	require.Empty(t, poison.msgs)
 }
 
 func TestChainConfigValidate(t *testing.T) {

@@ -113,8 +113,11 @@ func Transient(err error) error {
 // pgconn.SafeToRetry and pgconn.Timeout errors; and a context deadline.
 // A cancelled context (shutdown) is transient too: the message is nacked and
 // redelivered.
+//
+// A permanent error (IsPermanent) is never transient, whatever it wraps: a
+// permanent error caused by a timeout must still go to the poison topic.
 func IsTransient(err error) bool {
-	if err == nil {
+	if err == nil || IsPermanent(err) {
 		return false
 	}
 	var t interface{ Transient() bool }

@@ -1,0 +1,70 @@
+package operation
+
+import (
+	"context"
+	"embed"
+	"fmt"
+	"io/fs"
+	"path"
+
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+//go:embed migrations
+var migrationTemplates embed.FS
+
+// Migration is one versioned schema change of the operations table, rendered
+// for its table name.
+type Migration = sqldb.Migration
+
+// Migrations returns the runner's migrations in version order, rendered for
+// its table. Each is idempotent (IF NOT EXISTS), so running one twice is safe.
+func (r *Runner) Migrations() ([]Migration, error) {
+	return renderMigrations(sqldb.PostgreSQL, r.table)
+}
+
+// MigrationsFS returns the migrations for table (DefaultTable when empty) as
+// an fs.FS of files named "NNNN_name.up.sql" at its root, the layout
+// golang-migrate reads; each file also starts with "-- +goose Up" so goose
+// applies it as is. Use it when a migration tool, not Migrate, owns the schema.
+func MigrationsFS(table string) (fs.FS, error) {
+	if table == "" {
+		table = DefaultTable
+	}
+	id, err := sqldb.ParseIdent(table)
+	if err != nil {
+		return nil, fmt.Errorf("operation: MigrationsFS table: %w", err)
+	}
+	ms, err := renderMigrations(sqldb.PostgreSQL, id)
+	if err != nil {
+		return nil, err
+	}
+	return sqldb.MigrationsFS(ms), nil
+}
+
+func renderMigrations(dialect sqldb.Dialect, table sqldb.Ident) ([]Migration, error) {
+	data := struct{ Table, Prefix string }{
+		Table:  table.Quoted(dialect.QuoteChar()),
+		Prefix: table.Name(),
+	}
+	ms, err := sqldb.RenderMigrations(migrationTemplates, path.Join("migrations", dialect.String()), data)
+	if err != nil {
+		return nil, fmt.Errorf("operation: %w", err)
+	}
+	return ms, nil
+}
+
+// Migrate applies the runner's migrations in version order on q (typically
+// sqldb.Pgx(pool)) and records each in the idempotency_migration table
+// (component "operation:<table>"), shared with the other stores of the
+// library. It is safe to run from several instances at once (sqldb.Migrate).
+func (r *Runner) Migrate(ctx context.Context, q sqldb.Querier) error {
+	ms, err := r.Migrations()
+	if err != nil {
+		return err
+	}
+	if err := sqldb.Migrate(ctx, q, sqldb.PostgreSQL, "operation:"+r.table.String(), ms); err != nil {
+		return fmt.Errorf("operation: %w", err)
+	}
+	return nil
+}
