@@ -5,7 +5,6 @@ import (
 	"embed"
 	"fmt"
 	"io/fs"
-	"path"
 
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
@@ -43,11 +42,7 @@ func MigrationsFS(table string, dialect sqldb.Dialect) (fs.FS, error) {
 }
 
 func renderMigrations(dialect sqldb.Dialect, table sqldb.Ident) ([]Migration, error) {
-	data := struct{ Table, Prefix string }{
-		Table:  table.Quoted(dialect.QuoteChar()),
-		Prefix: table.Name(),
-	}
-	ms, err := sqldb.RenderMigrations(migrationTemplates, path.Join("migrations", dialect.String()), data)
+	ms, err := sqldb.TableMigrations(migrationTemplates, "migrations", dialect, table)
 	if err != nil {
 		return nil, fmt.Errorf("processed: %w", err)
 	}

@@ -157,3 +157,11 @@ func SplitStatements(sql string) []string {
 	}
 	return out
 }
+
+// TableMigrations renders the templates under root/<dialect> (for example
+// "migrations/postgres") for one table: {{.Table}} is the quoted, possibly
+// schema-qualified name, {{.Prefix}} the bare name (for index names).
+func TableMigrations(fsys fs.FS, root string, d Dialect, table Ident) ([]Migration, error) {
+	data := struct{ Table, Prefix string }{Table: table.Quoted(d.QuoteChar()), Prefix: table.Name()}
+	return RenderMigrations(fsys, path.Join(root, d.String()), data)
+}
