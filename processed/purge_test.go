@@ -2,12 +2,17 @@ package processed_test
 
 import (
 	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
@@ -28,32 +33,32 @@ func TestPurgerConfigValidate(t *testing.T) {
 	require.NoError(t, err)
 }
 
-// Rows just inside and just outside the horizon, with the session time zone
-// set far from UTC in both directions: the cutoff is the database clock's.
+// Rows just inside and just outside the horizon, purged by a process whose
+// TZ and whose database session's timezone are set far from UTC and from
+// each other: the cutoff is the database clock's, nothing else.
 func TestPurgeHorizonAnyTimeZone(t *testing.T) {
 	t.Parallel()
-	for _, tz := range []string{"Pacific/Kiritimati", "America/Anchorage", "UTC"} {
-		t.Run(tz, func(t *testing.T) {
+	for _, zones := range [][2]string{
+		{"America/Anchorage", "Pacific/Kiritimati"}, // process −9/−8, session +14
+		{"Pacific/Kiritimati", "America/Anchorage"},
+		{"UTC", "UTC"},
+	} {
+		t.Run(zones[0]+"_"+zones[1], func(t *testing.T) {
 			t.Parallel()
-			schema := testenv.Schema(t)
-			cfg := testenv.PoolConfig(t, testenv.PostgresURL(), schema, 4)
-			cfg.ConnConfig.RuntimeParams["timezone"] = tz
-			pool := testenv.PoolOn(t, schema, 4)
-			tzPool, err := pgxpoolNew(cfg)
-			require.NoError(t, err)
-			t.Cleanup(tzPool.Close)
+			pool, schema := testenv.Pool(t)
 			ctx := context.Background()
 			s := newStore(t, sqldb.Pgx(pool))
 			inside, outside := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
-			_, err = pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, processed_at) VALUES
+			_, err := pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, processed_at) VALUES
 				('c', $1, now() - interval '59 minutes'), ('c', $2, now() - interval '61 minutes')`, inside, outside)
 			require.NoError(t, err)
-			p, err := processed.NewPurger(s, sqldb.PgxPool(tzPool), processed.PurgerConfig{Horizon: time.Hour}, nil)
-			require.NoError(t, err)
-			n, ran, err := p.PurgeNow(ctx)
-			require.NoError(t, err)
-			require.True(t, ran)
-			require.EqualValues(t, 1, n)
+
+			cmd := exec.Command(os.Args[0], "-test.run=^$")
+			cmd.Env = append(os.Environ(), "TZ="+zones[0], purgeChildEnv+"="+schema, "PURGE_SESSION_TZ="+zones[1])
+			out, err := cmd.CombinedOutput()
+			require.NoError(t, err, "child: %s", out)
+			require.Equal(t, "deleted=1", strings.TrimSpace(string(out)))
+
 			ok, err := s.Processed(ctx, sqldb.Pgx(pool), "c", inside)
 			require.NoError(t, err)
 			require.True(t, ok, "a row inside the horizon stays")
@@ -62,6 +67,47 @@ func TestPurgeHorizonAnyTimeZone(t *testing.T) {
 			require.False(t, ok, "a row outside the horizon goes")
 		})
 	}
+}
+
+const purgeChildEnv = "PROCESSED_TEST_PURGE_SCHEMA"
+
+func TestMain(m *testing.M) {
+	if schema := os.Getenv(purgeChildEnv); schema != "" {
+		os.Exit(purgeChild(schema, os.Getenv("PURGE_SESSION_TZ")))
+	}
+	os.Exit(m.Run())
+}
+
+// purgeChild runs one purge with a horizon of one hour from a process whose
+// TZ the parent set, on a session with the given timezone.
+func purgeChild(schema, sessionTZ string) int {
+	ctx := context.Background()
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
+	if err != nil {
+		fmt.Println(err)
+		return 2
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	cfg.ConnConfig.RuntimeParams["timezone"] = sessionTZ
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		fmt.Println(err)
+		return 2
+	}
+	defer pool.Close()
+	s, _ := processed.NewStore(processed.Config{})
+	p, err := processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{Horizon: time.Hour}, nil)
+	if err != nil {
+		fmt.Println(err)
+		return 2
+	}
+	n, ran, err := p.PurgeNow(ctx)
+	if err != nil || !ran {
+		fmt.Println(err, ran)
+		return 3
+	}
+	fmt.Printf("deleted=%d\n", n)
+	return 0
 }
 
 // Two purgers at once: while one holds the lock, the other skips its run.

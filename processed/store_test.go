@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
@@ -103,10 +102,6 @@ func TestPurgeBatch(t *testing.T) {
 	var left int
 	require.NoError(t, pool.QueryRow(ctx, "SELECT count(*) FROM processed_event").Scan(&left))
 	require.Equal(t, 3, left)
-}
-
-func pgxpoolNew(cfg *pgxpool.Config) (*pgxpool.Pool, error) {
-	return pgxpool.NewWithConfig(context.Background(), cfg)
 }
 
 func mustV7(t *testing.T) uuid.UUID {
