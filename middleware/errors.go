@@ -52,6 +52,7 @@ type PermanentError struct {
 	Err    error
 }
 
+// Error is the wrapped error's text (or "permanent (<reason>)").
 func (e *PermanentError) Error() string {
 	if e.Err == nil {
 		return "permanent (" + e.Reason + ")"
@@ -59,6 +60,7 @@ func (e *PermanentError) Error() string {
 	return e.Err.Error()
 }
 
+// Unwrap returns the wrapped error.
 func (e *PermanentError) Unwrap() error { return e.Err }
 
 // Permanent reports true: see IsPermanent.
@@ -86,7 +88,10 @@ func IsPermanent(err error) bool {
 // is retried with backoff and never sent to the poison topic for this reason.
 type TransientError struct{ Err error }
 
+// Error is the wrapped error's text.
 func (e *TransientError) Error() string { return e.Err.Error() }
+
+// Unwrap returns the wrapped error.
 func (e *TransientError) Unwrap() error { return e.Err }
 
 // Transient reports true: see IsTransient.
