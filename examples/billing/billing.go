@@ -29,8 +29,9 @@ import (
 const EventConfirmationRequested = "billing.payment.confirmation_requested.v1"
 
 // Consumer is the billing service's subscription to placed orders (claim key
-// consumer "billing").
-var Consumer = shop.Consumer{Name: "billing", Bindings: []string{shop.EventOrderPlaced}}
+// consumer "billing"), with a reconciliation queue ("billing.events.reconcile")
+// for the charges whose outcome stays uncertain.
+var Consumer = shop.Consumer{Name: "billing", Bindings: []string{shop.EventOrderPlaced}, Reconcile: true}
 
 // MailerConsumer is the subscription of the confirmation sender (claim key
 // consumer "billing-mailer").

@@ -60,9 +60,28 @@
 // # Wiring
 //
 // Two handlers, each under the recommended chain (middleware.NewChain) with
-// operation.RouteUncertain inserted right after the poison middleware:
-// HandleOrderPlaced on the order events (consumer Consumer.Name, publishing
-// to EventConfirmationRequested), and HandleConfirmation on those
-// (consumer MailerConsumer.Name). Provider.Charges should equal
-// ExpectedCharges, and Mailer.Count too, once every message is handled.
+// operation.RouteUncertain in its AfterPoison: HandleOrderPlaced on the
+// order events (consumer Consumer.Name, publishing to
+// EventConfirmationRequested through the consumer's outbox), and
+// HandleConfirmation on those (consumer MailerConsumer.Name). With the
+// example shop's plumbing, as the demo (examples/demo) wires it:
+//
+//	runner, _ := operation.NewRunner(operation.Config{Pool: runnerPool}, logger) // small pool of its own, same schema
+//	_ = billing.Migrate(ctx, pool, nil, runner)
+//	ob, _ := outbox.New(outbox.Config{ForwarderTopic: "billing_outbox"}, logger)
+//	_ = ob.InitializeSchema(ctx, wsql.BeginnerFromPgx(pool))
+//	svc, _ := billing.New(billing.Config{Runner: runner, Provider: provider, Mailer: mailer, Logger: logger})
+//	charge, _ := shop.NewService(shop.ServiceConfig{ // queue "billing.events" and its reconciliation queue
+//		AMQPURL: amqpURL, Consumer: billing.Consumer, Pool: pool,
+//		PublishHandler: svc.HandleOrderPlaced, PublishTopic: billing.EventConfirmationRequested,
+//		Outbox: ob, // the confirmation is written in the claim's transaction; the service relays it
+//	})
+//	mail, _ := shop.NewService(shop.ServiceConfig{ // queue "billing-mailer.events"
+//		AMQPURL: amqpURL, Consumer: billing.MailerConsumer, Pool: pool, Handler: svc.HandleConfirmation,
+//	})
+//
+// Consumer.Reconcile makes shop.NewService route uncertain charges to
+// "billing.events.reconcile" (operation.RouteUncertain). Provider.Charges
+// should equal ExpectedCharges, and Mailer.Count too, once every message is
+// handled.
 package billing

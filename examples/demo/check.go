@@ -11,8 +11,9 @@ import (
 
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
+	"github.com/watermill-idempotency/idempotency/examples/billing"
+	"github.com/watermill-idempotency/idempotency/examples/indexer"
 	"github.com/watermill-idempotency/idempotency/examples/shipping"
-	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/examples/stock"
 )
 
@@ -34,19 +35,32 @@ type result struct {
 	ConnectionCuts       int64   `json:"connection_cuts"`
 	Malformed            int     `json:"malformed"`
 	Reordered            int64   `json:"reordered"`
+	Charges              int     `json:"charges"`
+	ExpectedCharges      int     `json:"expected_charges"`
+	Mails                int     `json:"mails"`
+	ProviderTimeouts     int     `json:"provider_timeouts"`
+	ChargesReconciled    int     `json:"charges_reconciled"`
+	ReconcileRouted      int     `json:"reconcile_routed"`
+	Products             int     `json:"products"`
+	ProductUpdates       int     `json:"product_updates"`
+	IndexLatest          int     `json:"index_latest"`
+	IndexUpdates         int64   `json:"index_updates"`
+	ObsoleteSkipped      int64   `json:"obsolete_skipped"`
+	IndexStaleSkipped    int64   `json:"index_stale_skipped"`
 	WallSeconds          float64 `json:"wall_seconds"`
 	OK                   bool    `json:"ok"`
 
-	id     string
-	seed   uint64
-	rows   []checkRow
-	stock  counts
-	ship   counts
-	reason []string
+	id       string
+	seed     uint64
+	rows     []checkRow
+	counts   []counts // per consumer, in d.consumers() order
+	reason   []string
+	replayed int // order events; Replayed adds the catalogue's
 }
 
 type counts struct {
-	deliveries, redelivered, duplicates, processed, stale int64
+	name                                                            string
+	deliveries, redelivered, duplicates, processed, stale, obsolete int64
 }
 
 // checkRow is one verified invariant: expected and actual values.
@@ -57,32 +71,45 @@ type checkRow struct {
 
 func (r checkRow) ok() bool { return r.expected == r.actual }
 
-// check verifies, from the databases and the queues, after the shutdown:
-// every order line reserved once (rows, quantities, per-SKU totals), every
-// status copy at the order's version, every event processed once by each
-// consumer, every malformed message once in each dead-letter queue and
-// nothing else there, nothing left in the queues or in the outbox.
+// check verifies, from the databases, the fakes and the queues, after the
+// shutdown: every order line reserved once (rows, quantities, per-SKU
+// totals), every status copy at the order's version, every order charged
+// once at the provider for its amount and recorded once in the ledger, one
+// e-mail per charge, the index at every product's latest version, every
+// event processed once by each consumer, every malformed message once in
+// each dead-letter queue and nothing else there, nothing left in the queues
+// or in the outboxes, nothing routed to reconciliation.
 func (d *demo) check(ctx context.Context) (*result, error) {
-	o, s, sh := d.orderSchema, d.stock.schema, d.shipping.schema
-	one := func(q string) (int, error) {
+	o, s, sh, b, ix := d.orderSchema, d.stock.schema, d.shipping.schema, d.billing.charge.schema, d.catalogue.indexer.schema
+	bill, cat := d.billing, d.catalogue
+	one := func(q string, args ...any) (int, error) {
 		var n int
-		err := d.admin.QueryRow(ctx, q).Scan(&n)
+		err := d.admin.QueryRow(ctx, q, args...).Scan(&n)
 		return n, err
 	}
 	r := &result{
-		Orders:           d.cfg.Orders,
-		Malformed:        len(d.malformedIDs),
-		RelayRepublished: d.flaky.republished.Load(),
-		Replayed:         d.replayed,
-		Reordered:        d.reorder.reordered.Load(),
-		id:               d.id,
-		seed:             d.cfg.Seed,
+		Malformed:         len(d.malformedIDs),
+		RelayRepublished:  d.flaky.republished.Load() + bill.flaky.republished.Load() + cat.flaky.republished.Load(),
+		Replayed:          d.replayed + cat.replayed,
+		replayed:          d.replayed,
+		Reordered:         d.reorder.reordered.Load() + cat.reorder.reordered.Load(),
+		Charges:           bill.provider.Charges(),
+		Mails:             bill.mailer.Count(),
+		ChargesReconciled: bill.provider.Lookups(), // before the checks below look charges up
+		Products:          d.cfg.Products,
+		ProductUpdates:    int(cat.imported.Load()),
+		id:                d.id,
+		seed:              d.cfg.Seed,
+	}
+	if d.cfg.ProviderTimeoutEvery > 0 {
+		r.ProviderTimeouts = r.Charges / d.cfg.ProviderTimeoutEvery // every n-th charge made timed out
 	}
 	var err error
 	queries := []struct {
 		dst *int
 		sql string
 	}{
+		{&r.Orders, `SELECT count(*) FROM ` + o + `.orders`},
 		{&r.ExpectedReservations, `SELECT count(*) FROM ` + o + `.order_line`},
 		{&r.Reservations, `SELECT count(*) FROM ` + s + `.reservation`},
 		{&r.Events, `SELECT coalesce(sum(version), 0)::int FROM ` + o + `.orders`},
@@ -92,6 +119,7 @@ func (d *demo) check(ctx context.Context) (*result, error) {
 			return nil, err
 		}
 	}
+	r.ExpectedCharges = r.Orders
 	missingLines, err := one(`SELECT count(*) FROM ` + o + `.order_line l WHERE NOT EXISTS (
 		SELECT 1 FROM ` + s + `.reservation r WHERE r.order_id = l.order_id AND r.line_no = l.line_no AND r.sku = l.sku AND r.quantity = l.quantity)`)
 	if err != nil {
@@ -120,15 +148,93 @@ func (d *demo) check(ctx context.Context) (*result, error) {
 	if err != nil {
 		return nil, err
 	}
-	stockProcessed, err := one(`SELECT count(*) FROM ` + s + `.processed_event`)
+	claims := func(schema, consumer string) (int, error) {
+		return one(`SELECT count(*) FROM `+schema+`.processed_event WHERE consumer = $1`, consumer)
+	}
+	stockProcessed, err := claims(s, stock.Consumer.Name)
 	if err != nil {
 		return nil, err
 	}
-	shipProcessed, err := one(`SELECT count(*) FROM ` + sh + `.processed_event`)
+	shipProcessed, err := claims(sh, shipping.Consumer.Name)
 	if err != nil {
 		return nil, err
 	}
-	pending, err := d.orders.Pending(ctx, "")
+	billingProcessed, err := claims(b, billing.Consumer.Name)
+	if err != nil {
+		return nil, err
+	}
+	mailerProcessed, err := claims(b, billing.MailerConsumer.Name)
+	if err != nil {
+		return nil, err
+	}
+	indexerProcessed, err := claims(ix, indexer.Consumer.Name)
+	if err != nil {
+		return nil, err
+	}
+
+	// Billing: one ledger row per order, for the order's amount (Σ quantity
+	// × unit price, rounded half up), naming the provider's charge for the
+	// order's key with the same amount; one e-mail per order.
+	ledgerRows, err := one(`SELECT count(*) FROM ` + b + `.billing_payment`)
+	if err != nil {
+		return nil, err
+	}
+	type payment struct {
+		orderID, chargeID string
+		amount            int64
+	}
+	var payments []payment
+	rows, err := d.admin.Query(ctx, `SELECT p.order_id, p.charge_id, p.amount_minor FROM `+b+`.billing_payment p
+		JOIN (SELECT order_id, sum(quantity) AS q FROM `+o+`.order_line GROUP BY order_id) l USING (order_id)
+		WHERE p.amount_minor = round(l.q * $1) AND p.currency = $2`, int64(billing.DefaultUnitPriceMinor), billing.DefaultCurrency)
+	if err != nil {
+		return nil, err
+	}
+	for rows.Next() {
+		var p payment
+		if err := rows.Scan(&p.orderID, &p.chargeID, &p.amount); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		payments = append(payments, p)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	paymentsMatching := 0
+	for _, p := range payments {
+		key, err := billing.ChargeKey(p.orderID)
+		if err != nil {
+			return nil, err
+		}
+		c, ok, err := bill.provider.Lookup(ctx, key.String())
+		if err != nil {
+			return nil, err
+		}
+		if ok && c.ID == p.chargeID && c.AmountMinor == p.amount && c.Currency == billing.DefaultCurrency {
+			paymentsMatching++
+		}
+	}
+	mailedOrders := map[string]bool{}
+	for _, m := range bill.mailer.Sent() {
+		mailedOrders[m.Subject] = true
+	}
+
+	// Indexer: every product's document at the catalogue's version.
+	want, err := cat.cat.Versions(ctx)
+	if err != nil {
+		return nil, err
+	}
+	for sku, v := range want {
+		if doc, ok := cat.index.Get(sku); ok && doc.Version == v {
+			r.IndexLatest++
+		}
+	}
+	stats := cat.ix.Stats()
+	r.IndexUpdates, r.ObsoleteSkipped, r.IndexStaleSkipped = stats.IndexUpdates, stats.ObsoleteSkipped, stats.StaleSkipped
+
+	p, err := d.pending(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -136,61 +242,82 @@ func (d *demo) check(ctx context.Context) (*result, error) {
 	if err != nil {
 		return nil, err
 	}
+	if r.ReconcileRouted, err = d.reconcileQueued(); err != nil {
+		return nil, err
+	}
 	dlq, err := d.drainDeadLetters()
 	if err != nil {
 		return nil, err
 	}
 
-	// Dead letters: each malformed message once per queue, with a reason,
-	// and nothing else.
-	r.ExpectedPoisoned = 2 * len(d.malformedIDs)
-	dlqExact := 0
-	for _, c := range []string{stock.Consumer.Name, shipping.Consumer.Name} {
-		got := dlq[c]
+	// Dead letters: each malformed message reaches each queue once, is
+	// delivered once, and lands in the queue's dead-letter queue once, with
+	// a reason. A delivery is repeated only when a lost connection (a cut)
+	// lost its ack (the broker redelivers it, and it is dead-lettered again:
+	// the dead-letter queue is at-least-once); never because it was
+	// requeued. expected_poisoned counts those repeated deliveries too.
+	deliveredOnce, dlqExact := 0, 0
+	for _, c := range d.consumers() {
+		per := d.malformedPerQueue(c.consumer)
+		got := dlq[c.consumer.Name]
 		r.Poisoned += got.total
 		for _, id := range d.malformedIDs {
-			if got.byID[id] == 1 && got.withReason[id] == 1 {
-				dlqExact++
+			n, afterLost := c.probe.malformedDeliveries(id)
+			r.ExpectedPoisoned += max(n, per)
+			if n >= per && n-per <= afterLost {
+				deliveredOnce += per
+			}
+			if got.byID[id] == n && got.withReason[id] == n {
+				dlqExact += per
 			}
 		}
 	}
+	malformedCopies := len(d.malformedIDs) * func() int {
+		n := 0
+		for _, c := range d.consumers() {
+			n += d.malformedPerQueue(c.consumer)
+		}
+		return n
+	}()
 
-	r.Lost = missingLines + (d.cfg.Orders - copiesCurrent)
-	deliveredOnce := 0
-	for _, c := range []*consumerRun{d.stock, d.shipping} {
-		c.probe.mu.Lock()
-		for _, id := range d.malformedIDs {
-			if c.probe.perID[id] == 1 {
-				deliveredOnce++
-			}
-		}
-		c.probe.mu.Unlock()
-	}
+	r.Lost = missingLines + (r.Orders - copiesCurrent) + max(r.Orders-r.Charges, 0) + max(r.Orders-r.Mails, 0) + (len(want) - r.IndexLatest)
 	r.rows = []checkRow{
 		{"order lines reserved (rows, sku and quantity)", r.ExpectedReservations, r.ExpectedReservations - missingLines},
 		{"reservation rows", r.ExpectedReservations, r.Reservations},
 		{"duplicate reservations", 0, extraReservations},
 		{"reservations for no order line", 0, strayReservations},
 		{"SKUs whose reserved total matches the orders", skus, skus - skuMismatch},
-		{"status copies at the order's latest version", d.cfg.Orders, copiesCurrent},
-		{"events processed by stock (claims)", d.cfg.Orders, stockProcessed},
+		{"status copies at the order's latest version", r.Orders, copiesCurrent},
+		{"orders charged at the provider (charges)", r.ExpectedCharges, r.Charges},
+		{"ledger rows", r.Orders, ledgerRows},
+		{"ledger rows for the order's amount and its provider charge", r.Orders, paymentsMatching},
+		{"confirmation e-mails (mails = charges)", r.Charges, r.Mails},
+		{"orders with a confirmation e-mail", r.Orders, len(mailedOrders)},
+		{"uncertain charges routed to reconciliation", 0, r.ReconcileRouted},
+		{"products indexed at their latest version", len(want), r.IndexLatest},
+		{"index documents", len(want), cat.index.Len()},
+		{"product updates indexed or skipped, once each", r.ProductUpdates, int(stats.IndexUpdates + stats.ObsoleteSkipped + stats.StaleSkipped)},
+		{"events processed by stock (claims)", r.Orders, stockProcessed},
 		{"events processed by shipping (claims)", r.Events, shipProcessed},
+		{"events processed by billing (claims)", r.Orders, billingProcessed},
+		{"confirmations processed by billing-mailer (claims)", r.Orders, mailerProcessed},
+		{"product updates processed by indexer (claims)", r.ProductUpdates, indexerProcessed},
 	}
 	if d.cfg.Workers == 1 {
 		r.rows = append(r.rows,
-			checkRow{"malformed deliveries, once each per queue (never requeued)", r.ExpectedPoisoned, deliveredOnce},
-			checkRow{"malformed messages once in each dead-letter queue, with reason", r.ExpectedPoisoned, dlqExact},
+			checkRow{"malformed messages delivered once per queue (again only on a new connection)", malformedCopies, deliveredOnce},
+			checkRow{"malformed messages dead-lettered once per delivery, with reason", malformedCopies, dlqExact},
 			checkRow{"dead-lettered messages", r.ExpectedPoisoned, r.Poisoned})
 	} else {
 		// A cut can also break another worker's ack right after its poison
-		// publish: that message is delivered and dead-lettered again (the
-		// dead-letter queue is at-least-once). Count distinct ids.
+		// publish, before the cut is counted: that message is delivered and
+		// dead-lettered again. Count distinct ids.
 		r.rows = append(r.rows,
-			checkRow{"malformed messages in each dead-letter queue", r.ExpectedPoisoned, distinctDLQ(dlq, d.malformedIDs)})
+			checkRow{"malformed messages in each dead-letter queue", malformedCopies, distinctDLQ(dlq, d.malformedIDs)})
 	}
 	r.rows = append(r.rows,
 		checkRow{"messages left in the consumer queues", 0, queued},
-		checkRow{"outbox rows not relayed", 0, pending})
+		checkRow{"outbox rows not relayed (order, catalogue, billing)", 0, p.total()})
 	r.OK = d.settled
 	if !d.settled {
 		r.reason = append(r.reason, fmt.Sprintf("the work did not settle within -timeout %s", d.cfg.Timeout))
@@ -201,23 +328,27 @@ func (d *demo) check(ctx context.Context) (*result, error) {
 			r.reason = append(r.reason, fmt.Sprintf("%s: expected %d, got %d", row.name, row.expected, row.actual))
 		}
 	}
-	for _, c := range []struct {
-		dst *counts
-		run *consumerRun
-	}{{&r.stock, d.stock}, {&r.ship, d.shipping}} {
-		*c.dst = counts{
-			deliveries:  c.run.probe.deliveries.Load(),
-			redelivered: c.run.probe.redelivered.Load(),
-			duplicates:  c.run.rec.duplicate.Load(),
-			processed:   c.run.rec.processed.Load(),
-			stale:       c.run.rec.stale.Load(),
-		}
+	if err := indexer.CheckLatest(cat.index, want); err != nil {
+		r.OK = false
+		r.reason = append(r.reason, err.Error())
 	}
-	r.Deliveries = r.stock.deliveries + r.ship.deliveries
-	r.Redelivered = r.stock.redelivered + r.ship.redelivered
-	r.DuplicatesSkipped = r.stock.duplicates + r.ship.duplicates
-	r.StaleSkipped = r.ship.stale
-	r.ConnectionCuts = d.stock.probe.cuts.Load() + d.shipping.probe.cuts.Load()
+	for _, c := range d.consumers() {
+		n := counts{
+			name:        c.consumer.Name,
+			deliveries:  c.probe.deliveries.Load(),
+			redelivered: c.probe.redelivered.Load(),
+			duplicates:  c.rec.duplicate.Load(),
+			processed:   c.rec.processed.Load(),
+			stale:       c.rec.stale.Load(),
+			obsolete:    c.rec.obsolete.Load(),
+		}
+		r.counts = append(r.counts, n)
+		r.Deliveries += n.deliveries
+		r.Redelivered += n.redelivered
+		r.DuplicatesSkipped += n.duplicates
+		r.StaleSkipped += n.stale
+		r.ConnectionCuts += c.probe.cuts.Load()
+	}
 	r.WallSeconds = float64(time.Since(d.started).Milliseconds()) / 1000
 	return r, nil
 }
@@ -240,7 +371,7 @@ type dlqContent struct {
 	withReason map[string]int
 }
 
-// drainDeadLetters takes every message out of both dead-letter queues and
+// drainDeadLetters takes every message out of the dead-letter queues and
 // counts them by AMQP message id, and those that carry the poison reason.
 func (d *demo) drainDeadLetters() (map[string]dlqContent, error) {
 	ch, err := d.amqpConn.Channel()
@@ -249,10 +380,10 @@ func (d *demo) drainDeadLetters() (map[string]dlqContent, error) {
 	}
 	defer ch.Close()
 	out := map[string]dlqContent{}
-	for _, c := range []shop.Consumer{stock.Consumer, shipping.Consumer} {
+	for _, c := range d.consumers() {
 		got := dlqContent{byID: map[string]int{}, withReason: map[string]int{}}
 		for {
-			m, ok, err := ch.Get(d.topo.DeadLetterQueue(c), true)
+			m, ok, err := ch.Get(d.topo.DeadLetterQueue(c.consumer), true)
 			if err != nil {
 				return nil, err
 			}
@@ -265,15 +396,37 @@ func (d *demo) drainDeadLetters() (map[string]dlqContent, error) {
 				got.withReason[m.MessageId]++
 			}
 		}
-		out[c.Name] = got
+		out[c.consumer.Name] = got
 	}
 	return out, nil
 }
 
+// reconcileQueued is the number of messages in the reconciliation queues.
+func (d *demo) reconcileQueued() (int, error) {
+	ch, err := d.amqpConn.Channel()
+	if err != nil {
+		return 0, err
+	}
+	defer ch.Close()
+	total := 0
+	for _, c := range d.consumers() {
+		if !c.consumer.Reconcile {
+			continue
+		}
+		q, err := ch.QueueDeclarePassive(d.topo.ReconcileQueue(c.consumer), true, false, false, false, nil)
+		if err != nil {
+			return 0, err
+		}
+		total += q.Messages
+	}
+	return total, nil
+}
+
 func (r *result) print(w io.Writer) {
-	fmt.Fprintf(w, "\ndemo run %s (seed %d): %d orders, %d events, %d malformed messages\n", r.id, r.seed, r.Orders, r.Events, r.Malformed)
-	fmt.Fprintf(w, "faults: relay republished %d rows, %d consumer connections cut before the ack, operator replayed %d events, %d status changes reordered\n\n",
-		r.RelayRepublished, r.ConnectionCuts, r.Replayed, r.Reordered)
+	fmt.Fprintf(w, "\ndemo run %s (seed %d): %d orders, %d order events, %d products × %d updates, %d malformed messages\n",
+		r.id, r.seed, r.Orders, r.Events, r.Products, r.ProductUpdates/max(r.Products, 1), r.Malformed)
+	fmt.Fprintf(w, "faults: relays republished %d rows, %d consumer connections cut before the ack, operator replayed %d events (%d order, %d catalogue), %d messages reordered, %d provider timeouts after charging\n\n",
+		r.RelayRepublished, r.ConnectionCuts, r.Replayed, r.replayed, r.Replayed-r.replayed, r.Reordered, r.ProviderTimeouts)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "check\texpected\tactual\t\t")
 	for _, row := range r.rows {
@@ -285,10 +438,22 @@ func (r *result) print(w io.Writer) {
 	}
 	_ = tw.Flush()
 	fmt.Fprintln(w)
+	per := func(f func(counts) int64) string {
+		parts := make([]string, 0, len(r.counts))
+		for _, c := range r.counts {
+			if v := f(c); v > 0 {
+				parts = append(parts, fmt.Sprintf("%s %d", c.name, v))
+			}
+		}
+		return strings.Join(parts, ", ")
+	}
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintf(tw, "deliveries\t%d\t(stock %d, shipping %d; %d flagged redelivered by the broker)\n", r.Deliveries, r.stock.deliveries, r.ship.deliveries, r.Redelivered)
-	fmt.Fprintf(tw, "duplicates skipped by the claim\t%d\t(stock %d, shipping %d)\n", r.DuplicatesSkipped, r.stock.duplicates, r.ship.duplicates)
-	fmt.Fprintf(tw, "stale status events skipped\t%d\t(acked, copy not written)\n", r.StaleSkipped)
+	fmt.Fprintf(tw, "deliveries\t%d\t(%s; %d flagged redelivered by the broker)\n", r.Deliveries, per(func(c counts) int64 { return c.deliveries }), r.Redelivered)
+	fmt.Fprintf(tw, "duplicates skipped by the claim\t%d\t(%s)\n", r.DuplicatesSkipped, per(func(c counts) int64 { return c.duplicates }))
+	fmt.Fprintf(tw, "stale events skipped\t%d\t(%s; acked, not applied)\n", r.StaleSkipped, per(func(c counts) int64 { return c.stale }))
+	fmt.Fprintf(tw, "charges\t%d\t(expected %d; %d provider timeouts reconciled by key, %d routed to reconciliation)\n", r.Charges, r.ExpectedCharges, r.ChargesReconciled, r.ReconcileRouted)
+	fmt.Fprintf(tw, "mails\t%d\t(one per charge)\n", r.Mails)
+	fmt.Fprintf(tw, "index updates\t%d\t(of %d product updates; %d obsolete and %d stale skipped)\n", r.IndexUpdates, r.ProductUpdates, r.ObsoleteSkipped, r.IndexStaleSkipped)
 	fmt.Fprintf(tw, "dead-lettered\t%d\t(malformed, never reached a handler)\n", r.Poisoned)
 	fmt.Fprintf(tw, "lost effects\t%d\t\n", r.Lost)
 	fmt.Fprintf(tw, "wall time\t%.1f s\t\n", r.WallSeconds)

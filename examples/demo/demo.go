@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -16,17 +17,24 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/watermill-idempotency/idempotency/examples/billing"
+	"github.com/watermill-idempotency/idempotency/examples/indexer"
 	"github.com/watermill-idempotency/idempotency/examples/order"
 	"github.com/watermill-idempotency/idempotency/examples/shipping"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/examples/stock"
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/operation"
+	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
 // statuses are the status changes applied to every order, in order.
@@ -44,7 +52,7 @@ var malformedBodies = [][]byte{
 
 // recorder counts the idempotent middleware's outcomes of one consumer.
 type recorder struct {
-	processed, duplicate, stale, failed, rejected atomic.Int64
+	processed, duplicate, stale, obsolete, failed, rejected atomic.Int64
 }
 
 var _ middleware.Recorder = (*recorder)(nil)
@@ -57,6 +65,8 @@ func (r *recorder) RecordOutcome(o middleware.Observation) {
 		r.duplicate.Add(1)
 	case middleware.OutcomeStale:
 		r.stale.Add(1)
+	case middleware.OutcomeObsolete:
+		r.obsolete.Add(1)
 	case middleware.OutcomeFailed:
 		r.failed.Add(1)
 	default:
@@ -76,6 +86,46 @@ type consumerRun struct {
 	done     chan error
 }
 
+// consumerSpec is what startConsumer needs to know of a consumer service
+// beyond the demo's common settings.
+type consumerSpec struct {
+	consumer shop.Consumer
+	pool     *pgxpool.Pool // the service's database
+	schema   string        // pool's schema
+	// Exactly one of handler and publish (with publishTopic).
+	handler      message.NoPublishHandlerFunc
+	publish      message.HandlerFunc
+	publishTopic string
+	outbox       *outbox.Outbox // the service's outbox and relay, optional
+}
+
+// billingRun is the billing service's state beside its two consumers.
+type billingRun struct {
+	svc      *billing.Service
+	provider *billing.Provider
+	mailer   *billing.Mailer
+	outbox   *outbox.Outbox
+	flaky    *flakyOffsets
+	charge   *consumerRun // billing.Consumer: orders → charges + confirmations
+	mail     *consumerRun // billing.MailerConsumer: confirmations → e-mails
+}
+
+// catalogueRun is the catalogue (producer) and the indexer (consumer).
+type catalogueRun struct {
+	cat       *indexer.Catalogue
+	pool      *pgxpool.Pool
+	schema    string
+	flaky     *flakyOffsets
+	reorder   *reorderingPublisher
+	relay     *forwarder.Forwarder
+	relayDone chan error
+	ix        *indexer.Indexer
+	index     *indexer.SearchIndex
+	indexer   *consumerRun
+	imported  atomic.Int64
+	replayed  int
+}
+
 type demo struct {
 	cfg    config
 	stdout io.Writer
@@ -93,6 +143,8 @@ type demo struct {
 	stock       *consumerRun
 	shipping    *consumerRun
 	shipHandler *shipping.Handler
+	billing     *billingRun
+	catalogue   *catalogueRun
 
 	relay     *order.Relay
 	relayDone chan error
@@ -102,6 +154,7 @@ type demo struct {
 
 	placed, changed  atomic.Int64
 	malformedIDs     []string
+	malformedKeys    []string // routing keys each malformed message was published with
 	prodStart        time.Time
 	prodEnd          time.Time
 	replayFrom       time.Time
@@ -115,10 +168,22 @@ type demo struct {
 	progressTerminal bool
 }
 
+// consumers are the run's consumer services.
+func (d *demo) consumers() []*consumerRun {
+	var out []*consumerRun
+	for _, c := range []*consumerRun{d.stock, d.shipping, d.billing.charge, d.billing.mail, d.catalogue.indexer} {
+		if c != nil {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
 // run executes one demo run and prints its report; it returns the exit
 // status (0 ok, 1 not ok, 2 could not run).
 func run(ctx context.Context, cfg config, stdout, stderr io.Writer) int {
-	d := &demo{cfg: cfg, stdout: stdout, stderr: stderr, rng: newLockedRand(cfg.Seed), started: time.Now()}
+	d := &demo{cfg: cfg, stdout: stdout, stderr: stderr, rng: newLockedRand(cfg.Seed), started: time.Now(),
+		billing: &billingRun{}, catalogue: &catalogueRun{}}
 	d.logger = watermill.NopLogger{}
 	if cfg.Verbose {
 		d.logger = watermill.NewStdLoggerWithOut(stderr, false, false)
@@ -170,8 +235,51 @@ func randomID() string {
 	return hex.EncodeToString(b[:])
 }
 
+// newPool creates the schema "demo_<id>_<service>" (dropped at the end
+// unless -keep) and returns a pool of at most maxConns connections whose
+// search_path is that schema.
+func (d *demo) newPool(ctx context.Context, service string, maxConns int32) (*pgxpool.Pool, string, error) {
+	schema := "demo_" + d.id + "_" + service
+	if _, err := d.admin.Exec(ctx, "CREATE SCHEMA "+schema); err != nil {
+		return nil, "", err
+	}
+	if !d.cfg.Keep {
+		d.defer_(func() {
+			c, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			_, _ = d.admin.Exec(c, "DROP SCHEMA IF EXISTS "+schema+" CASCADE")
+		})
+	}
+	pool, err := d.poolOn(ctx, schema, maxConns)
+	return pool, schema, err
+}
+
+// poolOn returns another pool on schema, closed at the end.
+func (d *demo) poolOn(ctx context.Context, schema string, maxConns int32) (*pgxpool.Pool, error) {
+	pc, err := pgxpool.ParseConfig(d.cfg.DatabaseURL)
+	if err != nil {
+		return nil, err
+	}
+	pc.ConnConfig.RuntimeParams["search_path"] = schema
+	pc.MaxConns = maxConns
+	pool, err := pgxpool.NewWithConfig(ctx, pc)
+	if err != nil {
+		return nil, err
+	}
+	d.defer_(pool.Close)
+	return pool, nil
+}
+
+// relaySubscriber is the watermill-sql subscriber tuning of the demo's
+// outbox relays: short waits, so that a run is quick.
+var relaySubscriber = wsql.SubscriberConfig{
+	PollInterval:   20 * time.Millisecond,
+	ResendInterval: 20 * time.Millisecond,
+	RetryInterval:  20 * time.Millisecond,
+}
+
 // setup creates the run's schemas, tables, broker topology, services and
-// relay, and starts them.
+// relays, and starts them.
 func (d *demo) setup(ctx context.Context) error {
 	d.id = randomID()
 	var err error
@@ -184,33 +292,7 @@ func (d *demo) setup(ctx context.Context) error {
 		return fmt.Errorf("PostgreSQL at %s unreachable: %w (start it, or set DATABASE_URL)", d.cfg.DatabaseURL, err)
 	}
 
-	newPool := func(service string, maxConns int32) (*pgxpool.Pool, string, error) {
-		schema := "demo_" + d.id + "_" + service
-		if _, err := d.admin.Exec(ctx, "CREATE SCHEMA "+schema); err != nil {
-			return nil, "", err
-		}
-		if !d.cfg.Keep {
-			d.defer_(func() {
-				c, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-				defer cancel()
-				_, _ = d.admin.Exec(c, "DROP SCHEMA IF EXISTS "+schema+" CASCADE")
-			})
-		}
-		pc, err := pgxpool.ParseConfig(d.cfg.DatabaseURL)
-		if err != nil {
-			return nil, "", err
-		}
-		pc.ConnConfig.RuntimeParams["search_path"] = schema
-		pc.MaxConns = maxConns
-		pool, err := pgxpool.NewWithConfig(ctx, pc)
-		if err != nil {
-			return nil, "", err
-		}
-		d.defer_(pool.Close)
-		return pool, schema, nil
-	}
-
-	d.orderPool, d.orderSchema, err = newPool("order", int32(d.cfg.Producers+4))
+	d.orderPool, d.orderSchema, err = d.newPool(ctx, "order", int32(d.cfg.Producers+4))
 	if err != nil {
 		return err
 	}
@@ -228,45 +310,68 @@ func (d *demo) setup(ctx context.Context) error {
 		return fmt.Errorf("RabbitMQ at %s unreachable: %w (start it, or set AMQP_URL)", d.cfg.AMQPURL, err)
 	}
 	d.defer_(func() { _ = d.amqpConn.Close() })
+	all := []shop.Consumer{stock.Consumer, shipping.Consumer, billing.Consumer, billing.MailerConsumer, indexer.Consumer}
 	ch, err := d.amqpConn.Channel()
 	if err != nil {
 		return err
 	}
-	if err := d.topo.Declare(ch, stock.Consumer, shipping.Consumer); err != nil {
+	if err := d.topo.Declare(ch, all...); err != nil {
 		return err
 	}
 	_ = ch.Close()
 	if !d.cfg.Keep {
 		d.defer_(func() {
 			if ch, err := d.amqpConn.Channel(); err == nil {
-				_ = d.topo.Delete(ch, stock.Consumer, shipping.Consumer)
+				_ = d.topo.Delete(ch, all...)
 				_ = ch.Close()
 			}
 		})
 	}
-
-	d.shipHandler, err = shipping.NewHandler()
-	if err != nil {
-		return err
-	}
-	if d.stock, err = d.startConsumer(ctx, stock.Consumer, newPool, stock.Migrate, stock.Handle); err != nil {
-		return err
-	}
-	if d.shipping, err = d.startConsumer(ctx, shipping.Consumer, newPool, shipping.Migrate, d.shipHandler.Handle); err != nil {
-		return err
-	}
-
 	d.relayPub, err = wamqp.NewPublisher(d.topo.PublisherConfig(d.cfg.AMQPURL), d.logger)
 	if err != nil {
 		return fmt.Errorf("relay publisher: %w", err)
 	}
 	d.defer_(func() { _ = d.relayPub.Close() })
+
+	d.shipHandler, err = shipping.NewHandler()
+	if err != nil {
+		return err
+	}
+	for _, c := range []struct {
+		dst     **consumerRun
+		c       shop.Consumer
+		migrate func(context.Context, *pgxpool.Pool, *processed.Store) error
+		handler message.NoPublishHandlerFunc
+	}{
+		{&d.stock, stock.Consumer, stock.Migrate, stock.Handle},
+		{&d.shipping, shipping.Consumer, shipping.Migrate, d.shipHandler.Handle},
+	} {
+		pool, schema, err := d.newPool(ctx, c.c.Name, int32(d.cfg.Workers+2))
+		if err != nil {
+			return err
+		}
+		if err := c.migrate(ctx, pool, nil); err != nil {
+			return err
+		}
+		if *c.dst, err = d.startConsumer(ctx, consumerSpec{consumer: c.c, pool: pool, schema: schema, handler: c.handler}); err != nil {
+			return err
+		}
+	}
+	if err := d.setupBilling(ctx); err != nil {
+		return err
+	}
+	if err := d.setupCatalogue(ctx); err != nil {
+		return err
+	}
+
 	d.reorder = &reorderingPublisher{
 		Publisher:    d.relayPub,
+		topic:        shop.EventOrderStatusChanged,
+		version:      statusVersion,
 		share:        d.cfg.Reorder,
 		finalVersion: int64(1 + d.cfg.StatusChanges),
 		rng:          d.rng,
-		held:         map[string]heldStatus{},
+		held:         map[string]heldMessage{},
 	}
 	d.flaky = &flakyOffsets{share: d.cfg.RelayFail, rng: d.rng}
 	d.relay, err = order.NewRelay(order.RelayConfig{
@@ -284,30 +389,139 @@ func (d *demo) setup(ctx context.Context) error {
 	d.relayDone = make(chan error, 1)
 	go func() { d.relayDone <- d.relay.Run(context.WithoutCancel(ctx)) }()
 	d.defer_(func() { _ = d.relay.Close() })
-	select {
-	case <-d.relay.Running():
-	case err := <-d.relayDone:
-		return fmt.Errorf("relay: %w", err)
-	case <-time.After(10 * time.Second):
-		return errors.New("relay did not start within 10 s")
-	}
-	return nil
+	return waitRunning("order relay", d.relay.Running(), d.relayDone)
 }
 
-// startConsumer creates the consumer's schema, tables and fault proxy, and
-// starts its service with the probe outermost.
-func (d *demo) startConsumer(ctx context.Context, c shop.Consumer,
-	newPool func(string, int32) (*pgxpool.Pool, string, error),
-	migrate func(context.Context, *pgxpool.Pool, *processed.Store) error,
-	handler message.NoPublishHandlerFunc,
-) (*consumerRun, error) {
-	pool, schema, err := newPool(c.Name, int32(d.cfg.Workers+2))
+// setupBilling wires the billing example as users should: the operation
+// runner on a small pool of its own (same database and schema), the
+// provider with timeouts injected after charging, two consumer services on
+// the billing schema. The charging service is a publishing handler whose
+// confirmation requests go through its transactional outbox, relayed by the
+// service (with a relay that republishes, as the others); its consumer has a
+// reconciliation queue, where operation.RouteUncertain (in the chain's
+// AfterPoison) sends charges that stay uncertain.
+func (d *demo) setupBilling(ctx context.Context) error {
+	b := d.billing
+	pool, schema, err := d.newPool(ctx, billing.Consumer.Name, int32(2*d.cfg.Workers+4))
 	if err != nil {
-		return nil, err
+		return err
 	}
-	if err := migrate(ctx, pool, nil); err != nil {
-		return nil, err
+	runnerPool, err := d.poolOn(ctx, schema, int32(d.cfg.Workers+2))
+	if err != nil {
+		return err
 	}
+	runner, err := operation.NewRunner(operation.Config{Pool: runnerPool}, d.logger)
+	if err != nil {
+		return err
+	}
+	if err := billing.Migrate(ctx, pool, nil, runner); err != nil {
+		return err
+	}
+	b.flaky = &flakyOffsets{share: d.cfg.RelayFail, rng: d.rng}
+	b.outbox, err = outbox.New(outbox.Config{ForwarderTopic: "billing_outbox", OffsetsAdapter: b.flaky}, d.logger)
+	if err != nil {
+		return err
+	}
+	if err := b.outbox.InitializeSchema(ctx, wsql.BeginnerFromPgx(pool)); err != nil {
+		return err
+	}
+	b.provider = billing.NewProvider()
+	b.provider.InjectTimeouts(d.cfg.ProviderTimeoutEvery)
+	b.mailer = billing.NewMailer()
+	b.svc, err = billing.New(billing.Config{Runner: runner, Provider: b.provider, Mailer: b.mailer, Logger: d.logger})
+	if err != nil {
+		return err
+	}
+	b.charge, err = d.startConsumer(ctx, consumerSpec{
+		consumer: billing.Consumer, pool: pool, schema: schema,
+		publish: b.svc.HandleOrderPlaced, publishTopic: billing.EventConfirmationRequested, outbox: b.outbox,
+	})
+	if err != nil {
+		return err
+	}
+	b.mail, err = d.startConsumer(ctx, consumerSpec{consumer: billing.MailerConsumer, pool: pool, schema: schema, handler: b.svc.HandleConfirmation})
+	return err
+}
+
+// setupCatalogue wires the indexer example as users should: the catalogue
+// on its own schema and pool, migrated before the indexer (whose filter
+// reads the catalogue's latest table by its qualified name), the indexer
+// as a consumer service on a schema of its own, and the catalogue's relay
+// (through a reordering publisher, and republishing like the others).
+func (d *demo) setupCatalogue(ctx context.Context) error {
+	c := d.catalogue
+	var err error
+	c.pool, c.schema, err = d.newPool(ctx, "catalogue", int32(d.cfg.Producers+4))
+	if err != nil {
+		return err
+	}
+	c.flaky = &flakyOffsets{share: d.cfg.RelayFail, rng: d.rng}
+	c.cat, err = indexer.NewCatalogue(indexer.CatalogueConfig{Pool: c.pool, OffsetsAdapter: c.flaky, Logger: d.logger})
+	if err != nil {
+		return err
+	}
+	if err := c.cat.Migrate(ctx); err != nil {
+		return err
+	}
+	latency := d.cfg.IndexLatency
+	if latency == 0 {
+		latency = -1 // NewSearchIndex: none
+	}
+	c.index = indexer.NewSearchIndex(latency)
+	c.ix, err = indexer.NewIndexer(indexer.IndexerConfig{
+		Index:       c.index,
+		LatestTable: c.schema + "." + versioned.DefaultLatestTable,
+		Logger:      d.logger,
+	})
+	if err != nil {
+		return err
+	}
+	ixPool, ixSchema, err := d.newPool(ctx, indexer.Consumer.Name, int32(d.cfg.Workers+2))
+	if err != nil {
+		return err
+	}
+	if err := c.ix.Migrate(ctx, ixPool, nil); err != nil {
+		return err
+	}
+	c.indexer, err = d.startConsumer(ctx, consumerSpec{consumer: indexer.Consumer, pool: ixPool, schema: ixSchema, handler: c.ix.Handle})
+	if err != nil {
+		return err
+	}
+	c.reorder = &reorderingPublisher{
+		Publisher:    d.relayPub,
+		topic:        indexer.EventProductUpdated,
+		version:      productVersion,
+		share:        d.cfg.Reorder,
+		finalVersion: int64(d.cfg.Updates),
+		rng:          d.rng,
+		held:         map[string]heldMessage{},
+	}
+	c.relay, err = c.cat.NewRelay(c.reorder, outbox.RelayConfig{Subscriber: relaySubscriber})
+	if err != nil {
+		return err
+	}
+	c.relayDone = make(chan error, 1)
+	go func() { c.relayDone <- c.relay.Run(context.WithoutCancel(ctx)) }()
+	d.defer_(func() { _ = c.relay.Close() })
+	return waitRunning("catalogue relay", c.relay.Running(), c.relayDone)
+}
+
+// waitRunning waits for running, or for done to report that it stopped.
+func waitRunning(what string, running <-chan struct{}, done <-chan error) error {
+	select {
+	case <-running:
+		return nil
+	case err := <-done:
+		return fmt.Errorf("%s: %w", what, err)
+	case <-time.After(10 * time.Second):
+		return fmt.Errorf("%s did not start within 10 s", what)
+	}
+}
+
+// startConsumer creates the consumer's fault proxy and starts its service
+// with the probe outermost.
+func (d *demo) startConsumer(ctx context.Context, s consumerSpec) (*consumerRun, error) {
+	c := s.consumer
 	uri, err := amqp091.ParseURI(d.cfg.AMQPURL)
 	if err != nil {
 		return nil, fmt.Errorf("AMQP_URL: %w", err)
@@ -320,8 +534,8 @@ func (d *demo) startConsumer(ctx context.Context, c shop.Consumer,
 	uri.Host, uri.Port = "127.0.0.1", proxy.Port()
 	r := &consumerRun{
 		consumer: c,
-		pool:     pool,
-		schema:   schema,
+		pool:     s.pool,
+		schema:   s.schema,
 		proxy:    proxy,
 		rec:      &recorder{},
 		probe: &consumerProbe{
@@ -329,7 +543,7 @@ func (d *demo) startConsumer(ctx context.Context, c shop.Consumer,
 			proxy:    proxy,
 			cutEvery: int64(d.cfg.CutEvery),
 			awaiting: map[string]bool{},
-			perID:    map[string]int{},
+			perID:    map[string][]uint64{},
 		},
 		done: make(chan error, 1),
 	}
@@ -337,40 +551,45 @@ func (d *demo) startConsumer(ctx context.Context, c shop.Consumer,
 	if d.cfg.IDAtReception {
 		mws = append(mws, idAtReception)
 	}
-	r.svc, err = shop.NewService(shop.ServiceConfig{
+	cfg := shop.ServiceConfig{
 		AMQPURL:       d.cfg.AMQPURL,
 		SubscriberURL: uri.String(),
 		Topology:      d.topo,
 		Consumer:      c,
-		Pool:          pool,
-		Handler:       r.probe.handler(handler),
+		Pool:          s.pool,
+		Outbox:        s.outbox,
+		Relay:         outbox.RelayConfig{Subscriber: relaySubscriber},
 		Workers:       d.cfg.Workers,
 		Middleware:    mws,
 		Idempotent:    middleware.Config{Recorder: r.rec},
 		Chain:         middleware.ChainConfig{InitialInterval: 20 * time.Millisecond, MaxInterval: time.Second},
 		Logger:        d.logger,
-	})
+	}
+	if s.publish != nil {
+		cfg.PublishHandler, cfg.PublishTopic = r.probe.handler(s.publish), s.publishTopic
+	} else {
+		h := r.probe.handler(func(msg *message.Message) ([]*message.Message, error) { return nil, s.handler(msg) })
+		cfg.Handler = func(msg *message.Message) error { _, err := h(msg); return err }
+	}
+	r.svc, err = shop.NewService(cfg)
 	if err != nil {
 		return nil, err
 	}
 	d.defer_(func() { _ = r.svc.Close() })
 	go func() { r.done <- r.svc.Run(context.WithoutCancel(ctx)) }()
-	select {
-	case <-r.svc.Running():
-	case err := <-r.done:
-		return nil, fmt.Errorf("%s service: %w", c.Name, err)
-	case <-time.After(10 * time.Second):
-		return nil, fmt.Errorf("%s service did not start within 10 s", c.Name)
+	if err := waitRunning(c.Name+" service", r.svc.Running(), r.done); err != nil {
+		return nil, err
 	}
 	return r, nil
 }
 
 // produce places the orders and their status changes from cfg.Producers
-// goroutines, and publishes the malformed messages halfway through.
+// goroutines, imports the catalogue at the same time, and publishes the
+// malformed messages halfway through.
 func (d *demo) produce(ctx context.Context) error {
 	d.prodStart = time.Now()
 	var wg sync.WaitGroup
-	errs := make(chan error, d.cfg.Producers+1)
+	errs := make(chan error, d.cfg.Producers+2)
 	half := make(chan struct{})
 	var halfOnce sync.Once
 	for p := 0; p < d.cfg.Producers; p++ {
@@ -388,6 +607,17 @@ func (d *demo) produce(ctx context.Context) error {
 			}
 		}(p)
 	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		n, err := d.catalogue.cat.Import(ctx, indexer.ImportConfig{
+			Products: d.cfg.Products, UpdatesPerProduct: d.cfg.Updates, Workers: d.cfg.Producers,
+		})
+		d.catalogue.imported.Store(int64(n))
+		if err != nil {
+			errs <- err
+		}
+	}()
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -435,12 +665,19 @@ func (d *demo) placeOne(ctx context.Context, i int) error {
 }
 
 // publishMalformed publishes cfg.Malformed raw bodies to the events exchange
-// with the routing key of placed orders, so each reaches both queues. Each
-// has its own AMQP message id, "malformed-<n>", to find it in the
-// dead-letter queues.
+// with the first routing key of each consumer, so each reaches every
+// consumer queue once. Each has its own AMQP message id, "malformed-<n>", to
+// find it in the dead-letter queues.
 func (d *demo) publishMalformed(ctx context.Context) error {
 	if d.cfg.Malformed == 0 {
 		return nil
+	}
+	seen := map[string]bool{}
+	for _, c := range d.consumers() {
+		if k := c.consumer.Bindings[0]; !seen[k] {
+			seen[k] = true
+			d.malformedKeys = append(d.malformedKeys, k)
+		}
 	}
 	ch, err := d.amqpConn.Channel()
 	if err != nil {
@@ -452,30 +689,78 @@ func (d *demo) publishMalformed(ctx context.Context) error {
 	}
 	for i := 0; i < d.cfg.Malformed; i++ {
 		id := fmt.Sprintf("malformed-%d", i+1)
-		conf, err := ch.PublishWithDeferredConfirmWithContext(ctx, d.topo.ExchangeName(), shop.EventOrderPlaced, false, false,
-			amqp091.Publishing{MessageId: id, DeliveryMode: amqp091.Persistent, Body: malformedBodies[i%len(malformedBodies)]})
-		if err != nil {
-			return err
-		}
-		if ok, err := conf.WaitContext(ctx); err != nil || !ok {
-			return fmt.Errorf("malformed message %s not confirmed: %v", id, err)
+		for _, key := range d.malformedKeys {
+			conf, err := ch.PublishWithDeferredConfirmWithContext(ctx, d.topo.ExchangeName(), key, false, false,
+				amqp091.Publishing{MessageId: id, DeliveryMode: amqp091.Persistent, Body: malformedBodies[i%len(malformedBodies)]})
+			if err != nil {
+				return err
+			}
+			if ok, err := conf.WaitContext(ctx); err != nil || !ok {
+				return fmt.Errorf("malformed message %s not confirmed: %v", id, err)
+			}
 		}
 		d.malformedIDs = append(d.malformedIDs, id)
 	}
 	return nil
 }
 
-// replay waits until the relay has published everything once, releases any
-// message the reorder fault still holds, then republishes the events of the
-// first cfg.ReplayShare of the production time range, as an operator would.
+// malformedPerQueue is how many copies of each malformed message c's queue
+// receives: one per routing key it was published with that c binds.
+func (d *demo) malformedPerQueue(c shop.Consumer) int {
+	n := 0
+	for _, k := range d.malformedKeys {
+		if slices.Contains(c.Bindings, k) {
+			n++
+		}
+	}
+	return n
+}
+
+// outboxPending counts the rows of a watermill-sql outbox (default
+// PostgreSQL schema and offsets adapters) that the relay group has not yet
+// marked sent, as order.Service.Pending does for the order outbox.
+func outboxPending(ctx context.Context, pool *pgxpool.Pool, topic, group string) (int, error) {
+	q := `SELECT count(*) FROM ` + wsql.DefaultPostgreSQLSchema{}.MessagesTable(topic) + ` m
+	WHERE NOT EXISTS (SELECT 1 FROM ` + wsql.DefaultPostgreSQLOffsetsAdapter{}.MessagesOffsetsTable(topic) + ` o WHERE o.consumer_group = $1
+	  AND (m.transaction_id < o.last_processed_transaction_id
+	    OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked)))`
+	var n int
+	if err := pool.QueryRow(ctx, q, group).Scan(&n); err != nil {
+		return 0, fmt.Errorf("outbox %s: pending: %w", topic, err)
+	}
+	return n, nil
+}
+
+// pending is the outbox rows not yet relayed, per outbox.
+type pending struct{ order, catalogue, billing int }
+
+func (p pending) total() int { return p.order + p.catalogue + p.billing }
+
+func (d *demo) pending(ctx context.Context) (pending, error) {
+	var p pending
+	var err error
+	if p.order, err = d.orders.Pending(ctx, ""); err != nil {
+		return p, err
+	}
+	if p.catalogue, err = outboxPending(ctx, d.catalogue.pool, d.catalogue.cat.OutboxTopic(), ""); err != nil {
+		return p, err
+	}
+	p.billing, err = outboxPending(ctx, d.billing.charge.pool, d.billing.outbox.ForwarderTopic(), "")
+	return p, err
+}
+
+// replay waits until the order and catalogue relays have published
+// everything once, releases any message the reorder faults still hold, then
+// republishes the events of the first cfg.ReplayShare of the production
+// time range from both outboxes, as an operator would.
 func (d *demo) replay(ctx context.Context) error {
 	deadline := d.started.Add(d.cfg.Timeout)
 	for {
-		n, err := d.orders.Pending(ctx, "")
+		p, err := d.pending(ctx)
 		if err != nil {
 			return err
 		}
-		if n == 0 {
+		if p.order == 0 && p.catalogue == 0 {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -485,7 +770,7 @@ func (d *demo) replay(ctx context.Context) error {
 			return err
 		}
 	}
-	if err := d.reorder.flush(); err != nil {
+	if err := errors.Join(d.reorder.flush(), d.catalogue.reorder.flush()); err != nil {
 		return err
 	}
 	if d.cfg.ReplayShare == 0 {
@@ -493,36 +778,55 @@ func (d *demo) replay(ctx context.Context) error {
 	}
 	d.replayFrom = d.prodStart
 	d.replayTo = d.prodStart.Add(time.Duration(float64(d.prodEnd.Sub(d.prodStart)) * d.cfg.ReplayShare))
-	n, err := d.orders.Replay(ctx, d.relayPub, d.replayFrom, d.replayTo)
-	d.replayed = n
+	if !d.replayFrom.Before(d.replayTo) {
+		return nil
+	}
+	var err error
+	if d.replayed, err = d.orders.Replay(ctx, d.relayPub, d.replayFrom, d.replayTo); err != nil {
+		return err
+	}
+	d.catalogue.replayed, err = d.catalogue.cat.Replay(ctx, d.relayPub, d.replayFrom, d.replayTo)
 	return err
 }
 
-// waitSettled polls until all work is done: outbox relayed, queues empty, no
-// delivery in flight, every cut ack redelivered, every event processed by
-// both consumers, and no delivery for a quiet period. It reports false when
-// cfg.Timeout (from the start) passed first.
+// waitSettled polls until all work is done: outboxes relayed, queues empty,
+// no delivery in flight, every cut ack redelivered, every event processed
+// by its consumers, every charge confirmed, the index at the catalogue's
+// latest versions, and no delivery for a quiet period. It reports false
+// when cfg.Timeout (from the start) passed first.
 func (d *demo) waitSettled(ctx context.Context) bool {
 	const quiet = 300 * time.Millisecond
 	deadline := d.started.Add(d.cfg.Timeout)
-	wantStock := int64(d.cfg.Orders)
+	orders := int64(d.cfg.Orders)
 	wantShipping := int64(d.cfg.Orders * (1 + d.cfg.StatusChanges))
+	wantUpdates := int64(d.cfg.Products * d.cfg.Updates)
+	c := d.catalogue
 	for time.Now().Before(deadline) {
 		if sleep(ctx, 25*time.Millisecond) != nil {
 			return false
 		}
-		pending, err := d.orders.Pending(ctx, "")
-		if err != nil || pending > 0 || d.reorder.heldCount() > 0 {
+		p, err := d.pending(ctx)
+		if err != nil || p.total() > 0 || d.reorder.heldCount() > 0 || c.reorder.heldCount() > 0 {
 			continue
 		}
-		if d.stock.probe.inFlight.Load() > 0 || d.shipping.probe.inFlight.Load() > 0 ||
-			d.stock.probe.awaitingRedelivery() > 0 || d.shipping.probe.awaitingRedelivery() > 0 {
+		busy := false
+		var last int64
+		for _, r := range d.consumers() {
+			busy = busy || r.probe.inFlight.Load() > 0 || r.probe.awaitingRedelivery() > 0
+			last = max(last, r.probe.lastSeen.Load())
+		}
+		if busy {
 			continue
 		}
-		if d.stock.rec.processed.Load() < wantStock || d.shipping.rec.processed.Load()+d.shipping.rec.stale.Load() < wantShipping {
+		if d.stock.rec.processed.Load() < orders ||
+			d.shipping.rec.processed.Load()+d.shipping.rec.stale.Load() < wantShipping ||
+			d.billing.charge.rec.processed.Load() < orders || d.billing.mail.rec.processed.Load() < orders ||
+			c.indexer.rec.processed.Load()+c.indexer.rec.obsolete.Load()+c.indexer.rec.stale.Load() < wantUpdates {
 			continue
 		}
-		last := max(d.stock.probe.lastSeen.Load(), d.shipping.probe.lastSeen.Load())
+		if want, err := c.cat.Versions(ctx); err != nil || indexer.CheckLatest(c.index, want) != nil {
+			continue
+		}
 		if time.Since(time.Unix(0, last)) < quiet {
 			continue
 		}
@@ -534,7 +838,7 @@ func (d *demo) waitSettled(ctx context.Context) bool {
 	return false
 }
 
-// queued is the number of ready messages in both consumer queues.
+// queued is the number of ready messages in the consumer queues.
 func (d *demo) queued() (int, error) {
 	ch, err := d.amqpConn.Channel()
 	if err != nil {
@@ -542,8 +846,8 @@ func (d *demo) queued() (int, error) {
 	}
 	defer ch.Close()
 	total := 0
-	for _, c := range []shop.Consumer{stock.Consumer, shipping.Consumer} {
-		q, err := ch.QueueDeclarePassive(d.topo.Queue(c), true, false, false, false, nil)
+	for _, c := range d.consumers() {
+		q, err := ch.QueueDeclarePassive(d.topo.Queue(c.consumer), true, false, false, false, nil)
 		if err != nil {
 			return 0, err
 		}
@@ -552,9 +856,13 @@ func (d *demo) queued() (int, error) {
 	return total, nil
 }
 
-// shutdown stops the relay and the consumers gracefully.
+// shutdown stops the relays and the consumers gracefully.
 func (d *demo) shutdown() error {
-	return errors.Join(d.relay.Close(), d.stock.svc.Close(), d.shipping.svc.Close())
+	errs := []error{d.relay.Close(), d.catalogue.relay.Close()}
+	for _, c := range d.consumers() {
+		errs = append(errs, c.svc.Close())
+	}
+	return errors.Join(errs...)
 }
 
 func sleep(ctx context.Context, d time.Duration) error {
@@ -602,15 +910,21 @@ func (d *demo) startProgress() {
 }
 
 func (d *demo) printProgress() {
-	pending, _ := d.orders.Pending(context.Background(), "")
-	line := fmt.Sprintf("%5.1fs  orders %d/%d  status changes %d/%d  outbox pending %d  deliveries %d  duplicates %d  stale %d  poisoned %d  cuts %d",
+	p, _ := d.pending(context.Background())
+	var deliveries, duplicates, stale, poisoned, cuts int64
+	for _, c := range d.consumers() {
+		deliveries += c.probe.deliveries.Load()
+		duplicates += c.rec.duplicate.Load()
+		stale += c.rec.stale.Load() + c.rec.obsolete.Load()
+		poisoned += c.rec.rejected.Load()
+		cuts += c.probe.cuts.Load()
+	}
+	line := fmt.Sprintf("%5.1fs  orders %d/%d  status changes %d/%d  product updates %d/%d  outbox pending %d  deliveries %d  duplicates %d  stale/obsolete %d  poisoned %d  cuts %d  charges %d  mails %d  indexed %d",
 		time.Since(d.started).Seconds(),
-		d.placed.Load(), d.cfg.Orders, d.changed.Load(), d.cfg.Orders*d.cfg.StatusChanges, pending,
-		d.stock.probe.deliveries.Load()+d.shipping.probe.deliveries.Load(),
-		d.stock.rec.duplicate.Load()+d.shipping.rec.duplicate.Load(),
-		d.shipping.rec.stale.Load(),
-		d.stock.rec.rejected.Load()+d.shipping.rec.rejected.Load(),
-		d.stock.probe.cuts.Load()+d.shipping.probe.cuts.Load())
+		d.placed.Load(), d.cfg.Orders, d.changed.Load(), d.cfg.Orders*d.cfg.StatusChanges,
+		d.catalogue.indexer.rec.processed.Load()+d.catalogue.indexer.rec.obsolete.Load()+d.catalogue.indexer.rec.stale.Load(), d.cfg.Products*d.cfg.Updates,
+		p.total(), deliveries, duplicates, stale, poisoned, cuts,
+		d.billing.provider.Charges(), d.billing.mailer.Count(), d.catalogue.ix.Stats().IndexUpdates)
 	if d.progressTerminal {
 		fmt.Fprintf(d.stderr, "\r\033[K%s", line)
 	} else {

@@ -30,6 +30,10 @@ func smallConfig() config {
 	c.Reorder = 0.2
 	c.Progress = 0
 	c.Timeout = 45 * time.Second
+	c.Products = 10
+	c.Updates = 8
+	c.IndexLatency = 5 * time.Millisecond
+	c.ProviderTimeoutEvery = 7
 	c.Seed = 7
 	return c
 }
@@ -43,12 +47,35 @@ func TestDemo(t *testing.T) {
 	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", out.String(), errb.String())
 	require.Contains(t, out.String(), `"ok":true`)
 	m := lastJSON(t, out.String())
-	for _, k := range []string{"orders", "deliveries", "reservations", "expected_reservations", "duplicates_skipped", "stale_skipped", "poisoned", "lost", "ok"} {
+	for _, k := range []string{"orders", "deliveries", "reservations", "expected_reservations", "duplicates_skipped", "stale_skipped", "poisoned", "lost",
+		"charges", "expected_charges", "mails", "index_updates", "obsolete_skipped", "ok"} {
 		require.Contains(t, m, k)
 	}
 	require.Equal(t, m["expected_reservations"], m["reservations"])
 	require.EqualValues(t, 0, m["lost"])
-	require.EqualValues(t, 12, m["poisoned"])
+	// Each malformed message in each of the 5 dead-letter queues, once per
+	// delivery: again only when a connection cut lost the ack of its poisoned
+	// delivery (the demo's checks tell those from a requeue loop).
+	require.Equal(t, m["expected_poisoned"], m["poisoned"])
+	require.GreaterOrEqual(t, m["poisoned"].(float64), 6.0*5)
+
+	// Billing: each order charged once despite the provider's timeouts, one
+	// e-mail per charge, nothing left uncertain.
+	require.EqualValues(t, 60, m["expected_charges"])
+	require.Equal(t, m["expected_charges"], m["charges"])
+	require.Equal(t, m["charges"], m["mails"])
+	require.EqualValues(t, 60/7, m["provider_timeouts"])
+	require.Equal(t, m["provider_timeouts"], m["charges_reconciled"], "every timeout settled by a lookup, never a second charge")
+	require.EqualValues(t, 0, m["reconcile_routed"])
+
+	// Indexer: the index holds every product's latest version; every update
+	// was indexed or skipped once, and the filter skipped some.
+	require.EqualValues(t, 10, m["index_latest"])
+	require.EqualValues(t, 10*8, m["product_updates"])
+	require.EqualValues(t, 10*8, m["index_updates"].(float64)+m["obsolete_skipped"].(float64)+m["index_stale_skipped"].(float64))
+	require.GreaterOrEqual(t, m["index_updates"].(float64), 10.0)
+	require.Greater(t, m["obsolete_skipped"].(float64), 0.0)
+
 	require.Greater(t, m["duplicates_skipped"].(float64), 0.0, "relay republish, cuts and replay produce duplicates")
 	require.Greater(t, m["connection_cuts"].(float64), 0.0)
 	require.Greater(t, m["relay_republished"].(float64), 0.0)
@@ -69,6 +96,10 @@ func TestDemoCatchesIDsAssignedAtReception(t *testing.T) {
 	require.Equal(t, false, m["ok"])
 	require.Greater(t, m["reservations"].(float64), m["expected_reservations"].(float64))
 	require.Contains(t, out.String(), "duplicate reservations")
+	// The operation key still charges each order once; the e-mails, which
+	// rely on the claim alone, go out more than once.
+	require.Equal(t, m["expected_charges"], m["charges"])
+	require.Greater(t, m["mails"].(float64), m["charges"].(float64))
 }
 
 func TestDemoFlags(t *testing.T) {
@@ -77,7 +108,8 @@ func TestDemoFlags(t *testing.T) {
 	c, err := parseFlags([]string{"-orders", "5", "-relay-fail", "0"}, &errb)
 	require.NoError(t, err)
 	require.Equal(t, 5, c.Orders)
-	for _, bad := range [][]string{{"-orders", "0"}, {"-relay-fail", "2"}, {"-status-changes", "9"}, {"-workers", "0"}} {
+	for _, bad := range [][]string{{"-orders", "0"}, {"-relay-fail", "2"}, {"-status-changes", "9"}, {"-workers", "0"},
+		{"-products", "0"}, {"-updates", "0"}, {"-provider-timeout-every", "-1"}, {"-index-latency", "-1s"}} {
 		_, err := parseFlags(bad, &errb)
 		require.Error(t, err, bad)
 	}

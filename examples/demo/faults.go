@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
+	"github.com/watermill-idempotency/idempotency/examples/indexer"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/marshaler"
@@ -81,30 +82,50 @@ func (f *flakyOffsets) AckMessageQuery(p wsql.AckMessageQueryParams) (wsql.Query
 	return wsql.Query{Query: "SELECT 1/0"}, nil
 }
 
-// reorderingPublisher sits between the relay and the broker and, for a
-// share of orders, holds back a status change until a later version of the
-// same order has been published, then publishes it: the consumer receives
-// v3 before v2, as when two relays, a retry or a replay overtake each other.
-// Only versions below finalVersion are held, so every held message has a
-// later one to wait for. Held messages live in memory: the demo flushes them
-// before it checks.
+// reorderingPublisher sits between a relay and the broker and, for a share
+// of the entities of one topic (orders, products), holds back a versioned
+// message until a later version of the same entity has been published, then
+// publishes it: the consumer receives v3 before v2, as when two relays, a
+// retry or a replay overtake each other. Only versions below finalVersion
+// are held, so every held message has a later one to wait for. Held
+// messages live in memory: the demo flushes them before it checks.
 type reorderingPublisher struct {
 	message.Publisher
+	topic        string
+	version      func(*message.Message) (entity string, version int64, ok bool)
 	share        float64
 	finalVersion int64
 	rng          *lockedRand
 
 	mu        sync.Mutex
-	held      map[string]heldStatus // order id → held message
+	held      map[string]heldMessage // entity → held message
 	reordered atomic.Int64
 }
 
-type heldStatus struct {
+type heldMessage struct {
 	version int64
 	msg     *message.Message
 }
 
 var _ message.Publisher = (*reorderingPublisher)(nil)
+
+// statusVersion is the entity and version of an order status change.
+func statusVersion(m *message.Message) (string, int64, bool) {
+	var ev shop.OrderStatusChanged
+	if err := json.Unmarshal(m.Payload, &ev); err != nil {
+		return "", 0, false
+	}
+	return ev.OrderID, ev.Version, true
+}
+
+// productVersion is the entity and version of a product update.
+func productVersion(m *message.Message) (string, int64, bool) {
+	var ev indexer.ProductUpdated
+	if err := json.Unmarshal(m.Payload, &ev); err != nil {
+		return "", 0, false
+	}
+	return ev.SKU, ev.Version, true
+}
 
 func (p *reorderingPublisher) Publish(topic string, msgs ...*message.Message) error {
 	for _, m := range msgs {
@@ -116,36 +137,36 @@ func (p *reorderingPublisher) Publish(topic string, msgs ...*message.Message) er
 }
 
 func (p *reorderingPublisher) publishOne(topic string, m *message.Message) error {
-	if topic != shop.EventOrderStatusChanged {
+	if topic != p.topic {
 		return p.Publisher.Publish(topic, m)
 	}
-	var ev shop.OrderStatusChanged
-	if err := json.Unmarshal(m.Payload, &ev); err != nil {
+	entity, version, ok := p.version(m)
+	if !ok {
 		return p.Publisher.Publish(topic, m)
 	}
 	p.mu.Lock()
-	h, holding := p.held[ev.OrderID]
+	h, holding := p.held[entity]
 	switch {
 	case holding && h.msg.UUID == m.UUID:
 		// The relay republished the held message: it is still held.
 		p.mu.Unlock()
 		return nil
-	case holding && ev.Version > h.version:
-		delete(p.held, ev.OrderID)
+	case holding && version > h.version:
+		delete(p.held, entity)
 		p.mu.Unlock()
 		if err := p.Publisher.Publish(topic, m); err != nil {
-			p.hold(ev.OrderID, h)
+			p.hold(entity, h)
 			return err
 		}
 		if err := p.Publisher.Publish(topic, h.msg); err != nil {
 			// The newer one went out; publish the held one with the next call.
-			p.hold(ev.OrderID, h)
+			p.hold(entity, h)
 			return err
 		}
 		p.reordered.Add(1)
 		return nil
-	case !holding && ev.Version < p.finalVersion && p.rng.chance(p.share):
-		p.held[ev.OrderID] = heldStatus{version: ev.Version, msg: m.Copy()}
+	case !holding && version < p.finalVersion && p.rng.chance(p.share):
+		p.held[entity] = heldMessage{version: version, msg: m.Copy()}
 		p.mu.Unlock()
 		return nil
 	}
@@ -153,9 +174,9 @@ func (p *reorderingPublisher) publishOne(topic string, m *message.Message) error
 	return p.Publisher.Publish(topic, m)
 }
 
-func (p *reorderingPublisher) hold(orderID string, h heldStatus) {
+func (p *reorderingPublisher) hold(entity string, h heldMessage) {
 	p.mu.Lock()
-	p.held[orderID] = h
+	p.held[entity] = h
 	p.mu.Unlock()
 }
 
@@ -163,11 +184,11 @@ func (p *reorderingPublisher) hold(orderID string, h heldStatus) {
 func (p *reorderingPublisher) flush() error {
 	p.mu.Lock()
 	held := p.held
-	p.held = map[string]heldStatus{}
+	p.held = map[string]heldMessage{}
 	p.mu.Unlock()
-	for id, h := range held {
-		if err := p.Publisher.Publish(shop.EventOrderStatusChanged, h.msg); err != nil {
-			p.hold(id, h)
+	for entity, h := range held {
+		if err := p.Publisher.Publish(p.topic, h.msg); err != nil {
+			p.hold(entity, h)
 			return err
 		}
 	}
@@ -198,8 +219,8 @@ type consumerProbe struct {
 	lastSeen    atomic.Int64 // unix nanos of the last delivery's end
 
 	mu       sync.Mutex
-	awaiting map[string]bool // event ids whose ack was cut, until redelivered
-	perID    map[string]int  // deliveries per message UUID (malformed ones)
+	awaiting map[string]bool     // event ids whose ack was cut, until redelivered
+	perID    map[string][]uint64 // malformed message UUID → AMQP session of each of its deliveries
 }
 
 type attemptKey struct{}
@@ -223,7 +244,8 @@ func (p *consumerProbe) middleware(h message.HandlerFunc) message.HandlerFunc {
 		p.mu.Lock()
 		delete(p.awaiting, id)
 		if _, bad := marshaler.Malformed(msg); bad {
-			p.perID[id]++
+			session, _ := shop.SessionFromContext(msg.Context())
+			p.perID[id] = append(p.perID[id], session)
 		}
 		p.mu.Unlock()
 
@@ -244,16 +266,36 @@ func (p *consumerProbe) middleware(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
-// handler wraps the service handler: a nil result means the middleware is
+// handler wraps the service handler: a nil error means the middleware is
 // about to commit (a failed commit returns an error to the probe).
-func (p *consumerProbe) handler(h message.NoPublishHandlerFunc) message.NoPublishHandlerFunc {
-	return func(msg *message.Message) error {
-		err := h(msg)
+func (p *consumerProbe) handler(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		out, err := h(msg)
 		if a, ok := msg.Context().Value(attemptKey{}).(*attempt); ok && err == nil {
 			a.committed.Store(true)
 		}
-		return err
+		return out, err
 	}
+}
+
+// malformedDeliveries returns how many times the malformed message id was
+// delivered, and how many of its deliveries after the first came on another
+// AMQP connection than the previous one: the previous connection was lost
+// before the ack reached the broker, which redelivered the message. A cut
+// does that to the delivery it follows, and also to a delivery handled
+// just before it whose ack was still on its way, or to one the client had
+// already received on the connection when it was cut. Deliveries on the
+// same connection would be requeues: a loop.
+func (p *consumerProbe) malformedDeliveries(id string) (deliveries, afterLostConnection int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	sessions := p.perID[id]
+	for i := 1; i < len(sessions); i++ {
+		if sessions[i] != sessions[i-1] {
+			afterLostConnection++
+		}
+	}
+	return len(sessions), afterLostConnection
 }
 
 func (p *consumerProbe) awaitingRedelivery() int {

@@ -2,25 +2,49 @@
 // PostgreSQL and injects the faults of at-least-once delivery, then checks
 // from the databases and queues that every effect happened exactly once.
 //
-//	go run ./examples/demo            # 1000 orders, under a minute
+//	go run ./examples/demo            # 1000 orders, 100 products × 10 updates, under a minute
 //	go run ./examples/demo -orders 100 -cut-every 20
 //
-// One process runs the order service (outbox), its relay (Watermill's
-// forwarder), and the stock and shipping consumers, each with the
-// idempotent middleware in the recommended chain. The faults:
+// One process runs the producers and the consumers of the example shop, each
+// consumer a shop.Service with the idempotent middleware in the recommended
+// chain, on its own PostgreSQL schema:
 //
-//   - relay republish: the relay fails to store its position after a share of
-//     batches (-relay-fail), as after a crash between the broker's confirm and
-//     the commit of its position: those rows are published again, same ids;
+//   - order (producer): orders and their status changes, through its outbox
+//     and relay (Watermill's forwarder);
+//   - stock: reserves each order line once;
+//   - shipping: keeps a versioned copy of each order's status;
+//   - billing: charges each placed order once at a fake payment provider
+//     (operation keys; the provider times out after charging every
+//     -provider-timeout-every-th charge, and the retry reconciles by key), and
+//     produces a confirmation request through its own transactional outbox
+//     and relay; uncertain charges would go to its reconciliation queue;
+//   - billing-mailer: sends one e-mail per confirmation request (a fake
+//     mailer that does not honour idempotency keys);
+//   - catalogue (producer): imports -products products, each updated
+//     -updates times, through its outbox and relay, recording the latest
+//     update of each product;
+//   - indexer: pushes products to a slow fake search index, only the latest
+//     update of each (the others are acked as obsolete or stale).
+//
+// The faults:
+//
+//   - relay republish: each relay (order, catalogue, billing) fails to store
+//     its position after a share of batches (-relay-fail), as after a crash
+//     between the broker's confirm and the commit of its position: those rows
+//     are published again, same ids;
 //   - lost ack: after every -cut-every-th committed delivery, the consumer's
 //     AMQP connection is cut (through a TCP fault proxy) before the ack: the
-//     broker redelivers the message with redelivered=true;
-//   - operator replay: the events of the first -replay share of the run are
-//     republished from the outbox with their original ids;
+//     broker redelivers the message with redelivered=true; every consumer;
+//   - operator replay: the order and catalogue events of the first -replay
+//     share of the run are republished from the outboxes with their
+//     original ids;
 //   - malformed messages: -malformed raw bodies (empty, truncated JSON,
-//     event_id missing, "not-a-uuid", "", 12345) published to the exchange;
-//   - out of order: for a share of orders (-reorder) a status change is held
-//     back until the next one was published.
+//     event_id missing, "not-a-uuid", "", 12345) published to the exchange
+//     with each consumed event name, so every consumer queue gets each once;
+//   - out of order: for a share of orders and of products (-reorder) a
+//     status change or product update is held back until a later one was
+//     published;
+//   - provider timeouts: see billing above.
 //
 // With -id-at-reception the consumers replace each delivery's event id by a
 // new one before the middleware sees it (the mistake of assigning ids on
@@ -29,7 +53,7 @@
 // It prints a progress line on stderr, a table, and as the last line of
 // stdout one JSON object (orders, deliveries, reservations,
 // expected_reservations, duplicates_skipped, stale_skipped, poisoned, lost,
-// ok, …). The exit status is 1 when ok is false, 2 when the run could not be
+// charges, expected_charges, mails, index_updates, obsolete_skipped, ok, …). The exit status is 1 when ok is false, 2 when the run could not be
 // set up. Each run uses its own PostgreSQL schemas and RabbitMQ exchange and
 // queues (a random prefix) and removes them at the end unless -keep.
 //
@@ -46,6 +70,8 @@ import (
 	"os/signal"
 	"syscall"
 	"time"
+
+	"github.com/watermill-idempotency/idempotency/examples/indexer"
 )
 
 // config is the demo's sizes, fault rates and service URLs.
@@ -53,45 +79,53 @@ type config struct {
 	DatabaseURL string
 	AMQPURL     string
 
-	Orders        int     // orders to place
-	MaxLines      int     // lines per order, 1..MaxLines
-	StatusChanges int     // status changes per order after "placed"
-	Producers     int     // concurrent producers
-	Workers       int     // subscriptions per consumer queue
-	Prefetch      int     // consumer prefetch
-	BatchSize     int     // relay batch size
-	RelayFail     float64 // share of relay batches whose position update fails
-	CutEvery      int     // cut a consumer's connection after every n-th commit (0: never)
-	ReplayShare   float64 // share of the run's time range replayed by the operator
-	Malformed     int     // malformed messages published raw
-	Reorder       float64 // share of orders whose status changes are reordered
-	Seed          uint64
-	Timeout       time.Duration
-	Keep          bool
-	Verbose       bool
-	IDAtReception bool          // the classic mistake, to show what the checks catch
-	Progress      time.Duration // progress line interval
+	Orders               int           // orders to place
+	MaxLines             int           // lines per order, 1..MaxLines
+	StatusChanges        int           // status changes per order after "placed"
+	Producers            int           // concurrent producers
+	Workers              int           // subscriptions per consumer queue
+	Prefetch             int           // consumer prefetch
+	BatchSize            int           // relay batch size
+	RelayFail            float64       // share of relay batches whose position update fails
+	CutEvery             int           // cut a consumer's connection after every n-th commit (0: never)
+	ReplayShare          float64       // share of the run's time range replayed by the operator
+	Malformed            int           // malformed messages published raw
+	Reorder              float64       // share of orders (products) whose status changes (updates) are reordered
+	Products             int           // products of the catalogue import
+	Updates              int           // updates per product
+	IndexLatency         time.Duration // the fake search index's time per document (0: none)
+	ProviderTimeoutEvery int           // every n-th charge times out after it was made (0: never)
+	Seed                 uint64
+	Timeout              time.Duration
+	Keep                 bool
+	Verbose              bool
+	IDAtReception        bool          // the classic mistake, to show what the checks catch
+	Progress             time.Duration // progress line interval
 }
 
 func defaultConfig() config {
 	return config{
-		DatabaseURL:   envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"),
-		AMQPURL:       envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"),
-		Orders:        1000,
-		MaxLines:      3,
-		StatusChanges: 2,
-		Producers:     4,
-		Workers:       1,
-		Prefetch:      16,
-		BatchSize:     50,
-		RelayFail:     0.2,
-		CutEvery:      150,
-		ReplayShare:   0.1,
-		Malformed:     6,
-		Reorder:       0.05,
-		Seed:          uint64(time.Now().UnixNano()),
-		Timeout:       55 * time.Second,
-		Progress:      500 * time.Millisecond,
+		DatabaseURL:          envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"),
+		AMQPURL:              envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"),
+		Orders:               1000,
+		MaxLines:             3,
+		StatusChanges:        2,
+		Producers:            4,
+		Workers:              1,
+		Prefetch:             16,
+		BatchSize:            50,
+		RelayFail:            0.2,
+		CutEvery:             150,
+		ReplayShare:          0.1,
+		Malformed:            6,
+		Reorder:              0.05,
+		Products:             100,
+		Updates:              10,
+		IndexLatency:         indexer.DefaultIndexLatency,
+		ProviderTimeoutEvery: 40,
+		Seed:                 uint64(time.Now().UnixNano()),
+		Timeout:              55 * time.Second,
+		Progress:             500 * time.Millisecond,
 	}
 }
 
@@ -117,7 +151,11 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.IntVar(&c.CutEvery, "cut-every", c.CutEvery, "cut a consumer's AMQP connection after every n-th commit, before the ack (0: never)")
 	fs.Float64Var(&c.ReplayShare, "replay", c.ReplayShare, "share of the run's time range the operator replays")
 	fs.IntVar(&c.Malformed, "malformed", c.Malformed, "malformed messages published raw")
-	fs.Float64Var(&c.Reorder, "reorder", c.Reorder, "share of orders whose status changes arrive out of order")
+	fs.Float64Var(&c.Reorder, "reorder", c.Reorder, "share of orders (products) whose status changes (updates) arrive out of order")
+	fs.IntVar(&c.Products, "products", c.Products, "products of the catalogue import")
+	fs.IntVar(&c.Updates, "updates", c.Updates, "updates per product")
+	fs.DurationVar(&c.IndexLatency, "index-latency", c.IndexLatency, "time the fake search index takes per document (0: none)")
+	fs.IntVar(&c.ProviderTimeoutEvery, "provider-timeout-every", c.ProviderTimeoutEvery, "the payment provider times out after making every n-th charge (0: never)")
 	fs.Uint64Var(&c.Seed, "seed", c.Seed, "random seed of the fault injection")
 	fs.DurationVar(&c.Timeout, "timeout", c.Timeout, "give up waiting for the work to settle after this")
 	fs.BoolVar(&c.Keep, "keep", c.Keep, "keep the run's schemas, exchange and queues")
@@ -137,8 +175,10 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 		return c, fmt.Errorf("-producers, -workers, -prefetch and -batch must be ≥ 1")
 	case c.RelayFail < 0 || c.RelayFail > 1 || c.ReplayShare < 0 || c.ReplayShare > 1 || c.Reorder < 0 || c.Reorder > 1:
 		return c, fmt.Errorf("-relay-fail, -replay and -reorder are shares in [0, 1]")
-	case c.CutEvery < 0 || c.Malformed < 0:
-		return c, fmt.Errorf("-cut-every and -malformed must be ≥ 0")
+	case c.CutEvery < 0 || c.Malformed < 0 || c.ProviderTimeoutEvery < 0 || c.IndexLatency < 0:
+		return c, fmt.Errorf("-cut-every, -malformed, -provider-timeout-every and -index-latency must be ≥ 0")
+	case c.Products < 1 || c.Updates < 1:
+		return c, fmt.Errorf("-products and -updates must be ≥ 1")
 	}
 	return c, nil
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
@@ -78,6 +79,10 @@ type CatalogueConfig struct {
 	// *versioned.RedisLatest): after each transaction's commit
 	// (LatestPublisherConfig.Deferred). Defaults to Families.
 	Latest versioned.LatestStore
+	// OffsetsAdapter stores the relay's read position (NewRelay). Defaults
+	// to watermill-sql's DefaultPostgreSQLOffsetsAdapter; fault-injection
+	// tests and the demo wrap it.
+	OffsetsAdapter wsql.OffsetsAdapter
 	// Logger defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
@@ -113,7 +118,7 @@ func NewCatalogue(cfg CatalogueConfig) (*Catalogue, error) {
 	if cfg.Latest == nil {
 		cfg.Latest = cfg.Families
 	}
-	ob, err := outbox.New(outbox.Config{ForwarderTopic: cfg.OutboxTopic}, cfg.Logger)
+	ob, err := outbox.New(outbox.Config{ForwarderTopic: cfg.OutboxTopic, OffsetsAdapter: cfg.OffsetsAdapter}, cfg.Logger)
 	if err != nil {
 		return nil, fmt.Errorf("indexer: CatalogueConfig.OutboxTopic: %w", err)
 	}
@@ -143,6 +148,18 @@ func (c *Catalogue) OutboxTopic() string { return c.outbox.ForwarderTopic() }
 // close dest.
 func (c *Catalogue) NewRelay(dest message.Publisher, cfg outbox.RelayConfig) (*forwarder.Forwarder, error) {
 	return c.outbox.NewRelay(wsql.BeginnerFromPgx(c.pool), dest, cfg)
+}
+
+// Replay republishes, through pub (the relay's destination), every update of
+// the outbox whose occurred_at is in [from, to), with its original event id
+// and family metadata, as an operator does after an incident (see
+// shop.ReplayOutbox). The indexer skips them: duplicates by their event id.
+func (c *Catalogue) Replay(ctx context.Context, pub message.Publisher, from, to time.Time) (int, error) {
+	n, err := shop.ReplayOutbox(ctx, c.pool, wsql.DefaultPostgreSQLSchema{}.MessagesTable(c.outbox.ForwarderTopic()), pub, from, to)
+	if err != nil {
+		return n, fmt.Errorf("indexer: %w", err)
+	}
+	return n, nil
 }
 
 // Update sets a product's name and price in one transaction: the row's

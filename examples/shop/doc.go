@@ -1,8 +1,10 @@
 // Package shop is the shared plumbing of the example shop (examples/order,
-// examples/stock, examples/shipping and the demo): the RabbitMQ topology, the
-// event names and payloads the services exchange, and the wiring of one
-// consumer service (router, subscriber, poison publisher and the recommended
-// middleware chain around the idempotent middleware).
+// stock, shipping, billing, indexer and the demo): the RabbitMQ topology, the
+// event names and payloads the services exchange, the wiring of one
+// consumer service (router, subscriber, poison publisher, the recommended
+// middleware chain around the idempotent middleware, and for services that
+// produce messages their transactional outbox and its relay), and the
+// operator's replay of an outbox.
 //
 // # Topology
 //
@@ -10,8 +12,15 @@
 //	                 │ routing key = event name, e.g. "order.order.placed.v1"
 //	                 ├──► queue "stock.events"    (quorum, durable) ──► stock service
 //	                 │        x-dead-letter-exchange "stock.events.dlx"
-//	                 └──► queue "shipping.events" (quorum, durable) ──► shipping service
-//	                          x-dead-letter-exchange "shipping.events.dlx"
+//	                 ├──► queue "shipping.events" (quorum, durable) ──► shipping service
+//	                 │        x-dead-letter-exchange "shipping.events.dlx"
+//	                 ├──► queue "billing.events"  (quorum, durable) ──► billing service
+//	                 │        x-dead-letter-exchange "billing.events.dlx"       │ its outbox and relay publish
+//	                 │                                                          │ "billing.payment.confirmation_requested.v1"
+//	                 ├──► queue "billing-mailer.events" ◄── (by that name) ─────┘ ──► mailer service
+//	                 └──► queue "indexer.events" ◄── "catalogue.product.updated.v1" ──► indexer service
+//
+//	"billing.events.reconcile" (quorum, durable): billing's uncertain charges (Consumer.Reconcile)
 //
 //	"<queue>.dlx" (fanout, durable) ──► "<queue>.dlq" (quorum, durable)
 //
@@ -28,6 +37,29 @@
 //   - messages the broker itself dead-letters (a consumer rejecting without
 //     requeue, a quorum queue's delivery limit when Topology.DeliveryLimit is
 //     set), with RabbitMQ's x-death header.
+//
+// # A consumer service
+//
+// NewService builds one consumer service from a ServiceConfig:
+//
+//	ob, _ := outbox.New(outbox.Config{ForwarderTopic: "billing_outbox"}, logger)
+//	_ = ob.InitializeSchema(ctx, wsql.BeginnerFromPgx(pool)) // with the migrations
+//	svc, err := shop.NewService(shop.ServiceConfig{
+//		AMQPURL:        amqpURL,
+//		Consumer:       billing.Consumer, // queue, bindings, Reconcile
+//		Pool:           pool,             // the service's database
+//		PublishHandler: bill.HandleOrderPlaced, // or Handler, when it produces nothing
+//		PublishTopic:   billing.EventConfirmationRequested,
+//		Outbox:         ob, // produced messages written in the handler's transaction
+//		Logger:         logger,
+//	})
+//	go svc.Run(ctx) // consumes, and relays the outbox
+//	defer svc.Close()
+//
+// The router's chain, outermost first: ServiceConfig.Middleware, then
+// PoisonQueue (to the dead-letter exchange), operation.RouteUncertain (to
+// the reconciliation queue, with Consumer.Reconcile), Chain.AfterPoison,
+// Retry, Recoverer and the idempotent middleware around the handler.
 //
 // # Guarantees and windows
 //
@@ -48,4 +80,14 @@
 //     time (Prefetch only pipelines the network); Workers subscriptions give
 //     concurrency, and the claim key (consumer, event_id) keeps concurrent
 //     deliveries of one event to one effect.
+//   - With an outbox, a produced message exists if and only if the attempt
+//     that produced it commits, and the relay publishes it at least once,
+//     always with the event id it was written with: a crash of the relay
+//     between the broker's confirm and marking the row sent republishes it.
+//     A duplicate delivery of the input produces nothing (the claim skips
+//     the handler). Without an outbox, the router publishes after the
+//     commit and a crash in between loses the message.
+//   - The reconciliation queue is at-least-once too: a redelivery of a
+//     message whose operation is still uncertain routes it again; its
+//     consumer deduplicates by the operation key (operation.MetadataKey).
 package shop

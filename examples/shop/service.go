@@ -4,14 +4,19 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/operation"
+	"github.com/watermill-idempotency/idempotency/outbox"
 )
 
 // DefaultCloseTimeout bounds how long Service.Close waits for running handlers.
@@ -19,86 +24,126 @@ const DefaultCloseTimeout = 10 * time.Second
 
 // ServiceConfig wires one consumer service: see NewService.
 type ServiceConfig struct {
-	// AMQPURL is the broker of the poison publisher and, unless
-	// SubscriberURL is set, of the subscriber. Required.
+	// AMQPURL is the broker of the publishers (poison, events, reconciliation)
+	// and, unless SubscriberURL is set, of the subscriber. Required.
 	AMQPURL string
 	// SubscriberURL, when not "", is the subscriber's broker URL instead of
 	// AMQPURL: the demo and the tests route it through a fault proxy so they
 	// can cut the consumer's connection alone.
 	SubscriberURL string
-
 	// Topology names the broker objects. Its zero value is production's.
 	Topology Topology
-	// Consumer is the service's subscription. Required.
+	// Consumer is the service's subscription. Required. With
+	// Consumer.Reconcile, uncertain external operations are routed to
+	// Topology.ReconcileQueue(Consumer) (see Chain).
 	Consumer Consumer
-
 	// Pool is the service's database. The idempotent middleware claims each
 	// event on it and gives the handler the attempt's transaction
-	// (middleware.PgxTxFromContext). Required.
+	// (middleware.PgxTxFromContext); the outbox relay reads it. Required.
 	Pool *pgxpool.Pool
-
 	// Handler is the service's handler. It runs inside the attempt's
 	// transaction, at most once per event_id with a committed effect.
-	// Required.
+	// Exactly one of Handler and PublishHandler is required.
 	Handler message.NoPublishHandlerFunc
-
+	// PublishHandler, instead of Handler, is a handler that produces
+	// messages (billing's HandleOrderPlaced): those it returns are sent to
+	// PublishTopic on the events exchange. With Outbox (recommended) they are
+	// written to the outbox in the attempt's transaction and exist only if it
+	// commits; without, the router publishes them after the commit, and a
+	// crash or a failed publish in between loses them.
+	PublishHandler message.HandlerFunc
+	// PublishTopic is the event name of the messages PublishHandler returns:
+	// their routing key on the events exchange. Required with PublishHandler.
+	PublishTopic string
+	// Outbox, when set, is the service's transactional outbox, in Pool's
+	// database: NewService sets Idempotent.Outbox to it, so the messages the
+	// handler returns (or publishes through middleware.PublisherFromContext)
+	// are written in the attempt's transaction, and the service runs a relay
+	// (Outbox.NewRelay) that publishes them to the events exchange after the
+	// commit, at least once, each with the event id it was written with. Its
+	// tables must exist before Run (Outbox.InitializeSchema, a migration).
+	// Setting Idempotent.Outbox to another outbox is an error.
+	Outbox *outbox.Outbox
+	// Relay tunes the relay of Outbox (poll interval, consumer group, …).
+	Relay outbox.RelayConfig
 	// Workers is how many subscriptions (router handlers named
 	// "<consumer>-1", "<consumer>-2", …) consume the queue, each handling one
 	// delivery at a time. All share the claim key's consumer name
 	// Consumer.Name. Defaults to 1.
 	Workers int
-
 	// Middleware is added to the router before the recommended chain, so it
 	// runs outside it (outermost first): metrics, tracing, fault injection.
 	Middleware []message.HandlerMiddleware
-
 	// Idempotent configures the idempotent middleware. Beginner defaults to
-	// middleware.NewPgxBeginner(Pool, …) and Consumer to Consumer.Name.
+	// middleware.NewPgxBeginner(Pool, …), Consumer to Consumer.Name and
+	// Outbox to Outbox.
 	Idempotent middleware.Config
-
-	// Chain configures retries (MaxRetries, intervals). Idempotent,
-	// PoisonPublisher and PoisonTopic are set by NewService: the poison
-	// publisher publishes on the consumer's dead-letter exchange.
+	// Chain configures retries (MaxRetries, intervals) and AfterPoison, which
+	// is passed through. Idempotent, PoisonPublisher and PoisonTopic are set
+	// by NewService: the poison publisher publishes on the consumer's
+	// dead-letter exchange. With Consumer.Reconcile, NewService puts
+	// operation.RouteUncertain (to the consumer's reconciliation queue) first
+	// in AfterPoison, before the caller's.
 	Chain middleware.ChainConfig
-
 	// CloseTimeout bounds Close's wait for running handlers. Defaults to
 	// DefaultCloseTimeout.
 	CloseTimeout time.Duration
-
-	// Logger is used by the router, the subscriber, the publisher and the
-	// middleware. Defaults to watermill.NopLogger.
+	// Logger is used by the router, the subscriber, the publishers, the relay
+	// and the middleware. Defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
+}
+
+// Validate reports the first invalid field, naming it.
+func (c ServiceConfig) Validate() error {
+	switch {
+	case c.AMQPURL == "":
+		return errors.New("shop: ServiceConfig.AMQPURL is required")
+	case c.Pool == nil:
+		return errors.New("shop: ServiceConfig.Pool is required")
+	case c.Handler == nil && c.PublishHandler == nil:
+		return errors.New("shop: ServiceConfig.Handler or PublishHandler is required")
+	case c.Handler != nil && c.PublishHandler != nil:
+		return errors.New("shop: ServiceConfig.Handler and PublishHandler: set one, not both")
+	case c.PublishHandler != nil && c.PublishTopic == "":
+		return errors.New("shop: ServiceConfig.PublishTopic is required with PublishHandler")
+	case c.PublishHandler == nil && c.PublishTopic != "":
+		return errors.New("shop: ServiceConfig.PublishTopic is only for PublishHandler")
+	case c.Idempotent.Outbox != nil && c.Idempotent.Outbox != c.Outbox:
+		return errors.New("shop: ServiceConfig.Idempotent.Outbox: set ServiceConfig.Outbox instead (the service runs its relay)")
+	case c.Workers < 0:
+		return fmt.Errorf("shop: ServiceConfig.Workers %d: must be ≥ 0", c.Workers)
+	}
+	return c.Topology.Validate(c.Consumer)
 }
 
 // Service is one running consumer service: a Watermill router whose handlers
 // consume the service's queue through the recommended chain
-// PoisonQueue → Retry → Recoverer → Idempotent around the handler.
+// PoisonQueue → [RouteUncertain →] Retry → Recoverer → Idempotent around the
+// handler, and, with an outbox, the relay of its produced messages.
 type Service struct {
-	// Router is the service's router, exposed for Running and plugins; Run
-	// and Close drive it.
+	// Router is the service's router, exposed for plugins; Run and Close
+	// drive it.
 	Router *message.Router
 
 	subscriber *Subscriber
 	poison     *wamqp.Publisher
+	events     *wamqp.Publisher // router's publisher and relay's destination; nil without either
+	reconcile  *wamqp.Publisher // nil without Consumer.Reconcile
+	relay      *forwarder.Forwarder
+	running    chan struct{}
+	closeOnce  sync.Once
+	closeErr   error
 }
 
 // NewService validates cfg (on a copy) and builds the service: a
 // Subscriber on Topology.Queue(Consumer) (declaring the consumer's whole
 // topology when it subscribes), a poison publisher on the consumer's
-// dead-letter exchange, the idempotent middleware and the chain, and Workers
-// handlers. It connects to the broker; it does not start consuming (Run).
+// dead-letter exchange, a reconciliation publisher with Consumer.Reconcile,
+// an events publisher for PublishHandler and the outbox relay, the
+// idempotent middleware and the chain, and Workers handlers. It connects to
+// the broker; it does not start consuming or relaying (Run).
 func NewService(cfg ServiceConfig) (*Service, error) {
-	switch {
-	case cfg.AMQPURL == "":
-		return nil, errors.New("shop: ServiceConfig.AMQPURL is required")
-	case cfg.Pool == nil:
-		return nil, errors.New("shop: ServiceConfig.Pool is required")
-	case cfg.Handler == nil:
-		return nil, errors.New("shop: ServiceConfig.Handler is required")
-	case cfg.Workers < 0:
-		return nil, fmt.Errorf("shop: ServiceConfig.Workers %d: must be ≥ 0", cfg.Workers)
-	}
-	if err := cfg.Topology.Validate(cfg.Consumer); err != nil {
+	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
 	if cfg.Workers == 0 {
@@ -120,63 +165,143 @@ func NewService(cfg ServiceConfig) (*Service, error) {
 	if idem.Consumer == "" {
 		idem.Consumer = cfg.Consumer.Name
 	}
+	idem.Outbox = cfg.Outbox
 	mw, err := middleware.NewIdempotent(idem, cfg.Logger)
 	if err != nil {
 		return nil, err
 	}
+	s := &Service{running: make(chan struct{})}
+	if err := s.build(cfg, mw); err != nil {
+		s.closeAll()
+		return nil, err
+	}
+	return s, nil
+}
 
-	s := &Service{}
-	s.poison, err = wamqp.NewPublisher(cfg.Topology.PoisonPublisherConfig(cfg.AMQPURL, cfg.Consumer), cfg.Logger)
-	if err != nil {
-		return nil, fmt.Errorf("shop: poison publisher: %w", err)
+func (s *Service) build(cfg ServiceConfig, mw *middleware.Idempotent) error {
+	var err error
+	if s.poison, err = wamqp.NewPublisher(cfg.Topology.PoisonPublisherConfig(cfg.AMQPURL, cfg.Consumer), cfg.Logger); err != nil {
+		return fmt.Errorf("shop: poison publisher: %w", err)
 	}
 	chainCfg := cfg.Chain
 	chainCfg.Idempotent = mw
 	chainCfg.PoisonPublisher = s.poison
 	chainCfg.PoisonTopic = cfg.Topology.DeadLetterQueue(cfg.Consumer)
+	if cfg.Consumer.Reconcile {
+		if s.reconcile, err = wamqp.NewPublisher(cfg.Topology.ReconcilePublisherConfig(cfg.AMQPURL), cfg.Logger); err != nil {
+			return fmt.Errorf("shop: reconciliation publisher: %w", err)
+		}
+		route, err := operation.RouteUncertain(s.reconcile, cfg.Topology.ReconcileQueue(cfg.Consumer), cfg.Logger)
+		if err != nil {
+			return err
+		}
+		chainCfg.AfterPoison = append([]message.HandlerMiddleware{route}, cfg.Chain.AfterPoison...)
+	}
 	chain, err := middleware.NewChain(chainCfg, cfg.Logger)
 	if err != nil {
-		_ = s.poison.Close()
-		return nil, err
+		return err
 	}
-	s.subscriber, err = cfg.Topology.NewSubscriber(cfg.SubscriberURL, cfg.Consumer, cfg.Logger)
-	if err != nil {
-		_ = s.poison.Close()
-		return nil, fmt.Errorf("shop: subscriber: %w", err)
+	if cfg.PublishHandler != nil || cfg.Outbox != nil {
+		if s.events, err = wamqp.NewPublisher(cfg.Topology.PublisherConfig(cfg.AMQPURL), cfg.Logger); err != nil {
+			return fmt.Errorf("shop: events publisher: %w", err)
+		}
 	}
-	s.Router, err = message.NewRouter(message.RouterConfig{CloseTimeout: cfg.CloseTimeout}, cfg.Logger)
-	if err != nil {
-		_ = s.poison.Close()
-		_ = s.subscriber.Close()
-		return nil, err
+	if cfg.Outbox != nil {
+		if s.relay, err = cfg.Outbox.NewRelay(wsql.BeginnerFromPgx(cfg.Pool), s.events, cfg.Relay); err != nil {
+			return fmt.Errorf("shop: relay: %w", err)
+		}
+	}
+	if s.subscriber, err = cfg.Topology.NewSubscriber(cfg.SubscriberURL, cfg.Consumer, cfg.Logger); err != nil {
+		return fmt.Errorf("shop: subscriber: %w", err)
+	}
+	if s.Router, err = message.NewRouter(message.RouterConfig{CloseTimeout: cfg.CloseTimeout}, cfg.Logger); err != nil {
+		return err
 	}
 	s.Router.AddMiddleware(cfg.Middleware...)
 	s.Router.AddMiddleware(chain...)
 	queue := cfg.Topology.Queue(cfg.Consumer)
 	for i := 1; i <= cfg.Workers; i++ {
-		s.Router.AddNoPublisherHandler(fmt.Sprintf("%s-%d", cfg.Consumer.Name, i), queue, s.subscriber, cfg.Handler)
+		name := fmt.Sprintf("%s-%d", cfg.Consumer.Name, i)
+		if cfg.PublishHandler != nil {
+			s.Router.AddHandler(name, queue, s.subscriber, cfg.PublishTopic, s.events, cfg.PublishHandler)
+		} else {
+			s.Router.AddNoPublisherHandler(name, queue, s.subscriber, cfg.Handler)
+		}
 	}
-	return s, nil
+	return nil
 }
 
-// Run consumes until ctx is done or Close is called, then returns (after the
-// router has stopped its handlers). It returns the router's error, if any.
-// Call it once.
+// Run consumes, and relays the outbox, until ctx is done or Close is
+// called, then returns (after the router has stopped its handlers and the
+// relay has stopped). A relay that stops with an error stops the service.
+// It returns the router's and the relay's errors, if any. Call it once.
 func (s *Service) Run(ctx context.Context) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	relayDone := make(chan error, 1)
+	relayRunning := make(chan struct{})
+	if s.relay == nil {
+		relayDone <- nil
+		close(relayRunning)
+	} else {
+		relayRunning = s.relay.Running()
+		go func() {
+			err := s.relay.Run(ctx)
+			cancel()
+			relayDone <- err
+		}()
+	}
+	go func() {
+		for _, c := range []<-chan struct{}{s.Router.Running(), relayRunning} {
+			select {
+			case <-c:
+			case <-ctx.Done():
+				return
+			}
+		}
+		close(s.running)
+	}()
 	err := s.Router.Run(ctx)
 	if cerr := s.Router.Close(); err == nil {
 		err = cerr
 	}
+	cancel()
+	if rerr := <-relayDone; rerr != nil {
+		err = errors.Join(err, fmt.Errorf("shop: relay: %w", rerr))
+	}
 	return err
 }
 
-// Running is closed once every handler is subscribed.
-func (s *Service) Running() chan struct{} { return s.Router.Running() }
+// Running is closed once every handler is subscribed and the relay, if
+// any, reads the outbox.
+func (s *Service) Running() chan struct{} { return s.running }
 
 // Close stops the router (waiting up to CloseTimeout for running handlers),
-// the subscriber and the poison publisher. A delivery in flight is finished
-// and acked first (see Subscriber.Close); prefetched deliveries not yet
-// handed out are requeued by the broker. Safe to call twice.
+// the subscriber, the relay and the publishers. A delivery in flight is
+// finished and acked first (see Subscriber.Close); prefetched deliveries not
+// yet handed out are requeued by the broker. Outbox rows not yet relayed
+// stay in the outbox for the next run. Safe to call twice.
 func (s *Service) Close() error {
-	return errors.Join(s.Router.Close(), s.subscriber.Close(), s.poison.Close())
+	s.closeOnce.Do(func() { s.closeErr = s.closeAll() })
+	return s.closeErr
+}
+
+// closeAll closes what was built, in dependency order.
+func (s *Service) closeAll() error {
+	var errs []error
+	if s.Router != nil {
+		errs = append(errs, s.Router.Close())
+	}
+	if s.subscriber != nil {
+		errs = append(errs, s.subscriber.Close())
+	}
+	if s.relay != nil {
+		errs = append(errs, s.relay.Close())
+	}
+	for _, p := range []*wamqp.Publisher{s.events, s.reconcile, s.poison} {
+		if p != nil {
+			errs = append(errs, p.Close())
+		}
+	}
+	return errors.Join(errs...)
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
@@ -36,6 +37,7 @@ func TestNames(t *testing.T) {
 	test := shop.Topology{Prefix: "t_1.", Exchange: "ev"}
 	require.Equal(t, "t_1.ev", test.ExchangeName())
 	require.Equal(t, "t_1.stock.events.dlq", test.DeadLetterQueue(consumer))
+	require.Equal(t, "t_1.stock.events.reconcile", test.ReconcileQueue(consumer))
 
 	require.NoError(t, prod.Validate(consumer))
 	require.ErrorContains(t, prod.Validate(shop.Consumer{Bindings: []string{"x"}}), "Consumer.Name")
@@ -57,9 +59,10 @@ func TestValidateQuantity(t *testing.T) {
 
 // broker is one test's topology on the real RabbitMQ.
 type broker struct {
-	t    *testing.T
-	topo shop.Topology
-	conn *amqp091.Connection
+	t     *testing.T
+	topo  shop.Topology
+	conn  *amqp091.Connection
+	extra []shop.Consumer // deleted with consumer when the test ends
 }
 
 func newBroker(t *testing.T) *broker {
@@ -69,7 +72,7 @@ func newBroker(t *testing.T) *broker {
 	b := &broker{t: t, conn: conn, topo: shop.Topology{Prefix: testenv.UniqueName("shop") + ".", Prefetch: 2}}
 	t.Cleanup(func() {
 		if ch, err := conn.Channel(); err == nil {
-			_ = b.topo.Delete(ch, consumer)
+			_ = b.topo.Delete(ch, append([]shop.Consumer{consumer}, b.extra...)...)
 		}
 		_ = conn.Close()
 	})
@@ -263,4 +266,25 @@ func TestNewServiceValidates(t *testing.T) {
 	_, err = shop.NewService(shop.ServiceConfig{AMQPURL: "amqp://x"})
 	require.ErrorContains(t, err, "Pool")
 
+	pool, _ := testenv.Pool(t)
+	noop := func(*message.Message) error { return nil }
+	pub := func(*message.Message) ([]*message.Message, error) { return nil, nil }
+	ob, err := outbox.New(outbox.Config{}, nil)
+	require.NoError(t, err)
+	for field, cfg := range map[string]shop.ServiceConfig{
+		"Handler or PublishHandler": {},
+		"set one, not both":         {Handler: noop, PublishHandler: pub, PublishTopic: "x"},
+		"PublishTopic is required":  {PublishHandler: pub},
+		"only for PublishHandler":   {Handler: noop, PublishTopic: "x"},
+		"Idempotent.Outbox":         {Handler: noop, Idempotent: middleware.Config{Outbox: ob}},
+		"Workers":                   {Handler: noop, Workers: -1},
+		"Consumer.Name":             {Handler: noop, Consumer: shop.Consumer{Bindings: []string{"x"}}},
+	} {
+		cfg.AMQPURL, cfg.Pool = "amqp://x", pool
+		if cfg.Consumer.Bindings == nil {
+			cfg.Consumer = consumer
+		}
+		_, err := shop.NewService(cfg)
+		require.ErrorContains(t, err, field)
+	}
 }

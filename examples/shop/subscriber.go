@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -48,9 +49,24 @@ type Subscriber struct {
 	logger   watermill.LoggerAdapter
 	name     string
 
+	sessions atomic.Uint64 // connections made, for SessionFromContext
+
 	closeOnce sync.Once
 	closing   chan struct{}
 	wg        sync.WaitGroup
+}
+
+type sessionKey struct{}
+
+// SessionFromContext returns, from the context of a message a Subscriber
+// delivered, the number of the AMQP connection (session) it arrived on:
+// 1, 2, … per Subscriber, a new one on every connection and reconnection.
+// Two deliveries of one message on different sessions mean that the first
+// connection was lost before its ack reached the broker (the broker then
+// redelivers); on one session, that the message was requeued (a nack).
+func SessionFromContext(ctx context.Context) (uint64, bool) {
+	n, ok := ctx.Value(sessionKey{}).(uint64)
+	return n, ok
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)
@@ -115,6 +131,7 @@ func (s *Subscriber) Close() error {
 }
 
 type session struct {
+	id         uint64
 	conn       *amqp091.Connection
 	deliveries <-chan amqp091.Delivery
 }
@@ -143,7 +160,7 @@ func (s *Subscriber) connect() (*session, error) {
 		_ = conn.Close()
 		return nil, fmt.Errorf("shop: subscribe %s: %w", s.topology.Queue(s.consumer), err)
 	}
-	return &session{conn: conn, deliveries: deliveries}, nil
+	return &session{id: s.sessions.Add(1), conn: conn, deliveries: deliveries}, nil
 }
 
 func (s *Subscriber) run(ctx context.Context, sess *session, out chan<- *message.Message) {
@@ -197,7 +214,7 @@ func (s *Subscriber) consume(ctx context.Context, sess *session, out chan<- *mes
 		case <-ctx.Done():
 			return
 		}
-		if !s.handle(ctx, d, out) {
+		if !s.handle(ctx, sess.id, d, out) {
 			return
 		}
 	}
@@ -209,7 +226,7 @@ const drainTimeout = 30 * time.Second
 
 // handle hands one delivery to the router and settles it; false means stop
 // consuming on this session (closing, or the ack/nack could not be sent).
-func (s *Subscriber) handle(ctx context.Context, d amqp091.Delivery, out chan<- *message.Message) bool {
+func (s *Subscriber) handle(ctx context.Context, session uint64, d amqp091.Delivery, out chan<- *message.Message) bool {
 	msg, err := s.unmarsh.Unmarshal(d)
 	if err != nil {
 		s.logger.Error("Cannot unmarshal delivery, rejecting it to the dead-letter exchange", err, nil)
@@ -219,7 +236,7 @@ func (s *Subscriber) handle(ctx context.Context, d amqp091.Delivery, out chan<- 
 	// router cancels ctx as soon as it starts closing, and a handler (and the
 	// idempotent middleware's COMMIT) cut short there would turn completed
 	// work into a redelivery. The router bounds the wait (CloseTimeout).
-	msgCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	msgCtx, cancel := context.WithCancel(context.WithValue(context.WithoutCancel(ctx), sessionKey{}, session))
 	defer cancel()
 	msg.SetContext(msgCtx)
 

@@ -23,9 +23,10 @@ const (
 
 // Suffixes of the names derived from a consumer's name.
 const (
-	queueSuffix = ".events" // "stock" → "stock.events"
-	dlxSuffix   = ".dlx"    // "stock.events" → "stock.events.dlx"
-	dlqSuffix   = ".dlq"    // "stock.events" → "stock.events.dlq"
+	queueSuffix     = ".events"    // "stock" → "stock.events"
+	dlxSuffix       = ".dlx"       // "stock.events" → "stock.events.dlx"
+	dlqSuffix       = ".dlq"       // "stock.events" → "stock.events.dlq"
+	reconcileSuffix = ".reconcile" // "billing.events" → "billing.events.reconcile"
 )
 
 // amqpName is what RabbitMQ accepts for exchange and queue names that we
@@ -42,6 +43,14 @@ type Consumer struct {
 	// Bindings are the routing keys bound to the queue: event names such as
 	// "order.order.placed.v1", or AMQP topic patterns ("order.#"). At least one.
 	Bindings []string
+	// Reconcile gives the consumer a reconciliation queue, ReconcileQueue
+	// ("billing.events.reconcile"), declared and deleted with its other
+	// objects. A service of such a consumer (NewService) routes the messages
+	// whose external operation ended uncertain, and that no reconcile
+	// function could settle, there (operation.RouteUncertain) instead of
+	// retrying or poisoning them: for consumers with external effects, such
+	// as billing.
+	Reconcile bool
 }
 
 // Topology names and shapes the broker objects of the shop. The zero value
@@ -109,7 +118,7 @@ func (t Topology) Validate(consumers ...Consumer) error {
 		if c.Name == "" {
 			return errors.New("shop: Consumer.Name is required")
 		}
-		for _, n := range []string{t.Queue(c), t.DeadLetterExchange(c), t.DeadLetterQueue(c)} {
+		for _, n := range []string{t.Queue(c), t.DeadLetterExchange(c), t.DeadLetterQueue(c), t.ReconcileQueue(c)} {
 			if !amqpName.MatchString(n) {
 				return fmt.Errorf("shop: Consumer.Name %q: derived name %q must match %s", c.Name, n, amqpName)
 			}
@@ -140,6 +149,11 @@ func (t Topology) DeadLetterExchange(c Consumer) string { return t.Queue(c) + dl
 // ("stock.events.dlq").
 func (t Topology) DeadLetterQueue(c Consumer) string { return t.Queue(c) + dlqSuffix }
 
+// ReconcileQueue is the queue of c's uncertain operations, when c.Reconcile:
+// Queue(c) + ".reconcile" ("billing.events.reconcile"). Messages reach it
+// through the default exchange (routing key = the queue's name).
+func (t Topology) ReconcileQueue(c Consumer) string { return t.Queue(c) + reconcileSuffix }
+
 func (t Topology) queueArgs(c Consumer) amqp091.Table {
 	args := amqp091.Table{
 		"x-queue-type":           "quorum",
@@ -152,10 +166,10 @@ func (t Topology) queueArgs(c Consumer) amqp091.Table {
 }
 
 // Declare declares, idempotently, the events exchange and for each consumer
-// its dead-letter exchange and queue, its quorum queue (dead-lettering to
-// that exchange) and its bindings. Declaring an object that exists with other
-// arguments fails with a channel error (406 PRECONDITION_FAILED), which closes
-// ch.
+// its dead-letter exchange and queue, its reconciliation queue when
+// Consumer.Reconcile, its quorum queue (dead-lettering to that exchange) and
+// its bindings. Declaring an object that exists with other arguments fails
+// with a channel error (406 PRECONDITION_FAILED), which closes ch.
 func (t Topology) Declare(ch *amqp091.Channel, consumers ...Consumer) error {
 	if err := t.Validate(consumers...); err != nil {
 		return err
@@ -182,6 +196,12 @@ func (t Topology) declareConsumer(ch *amqp091.Channel, c Consumer) error {
 	if err := ch.QueueBind(dlq, "", dlx, false, nil); err != nil {
 		return fmt.Errorf("shop: bind %s to %s: %w", dlq, dlx, err)
 	}
+	if c.Reconcile {
+		rq := t.ReconcileQueue(c)
+		if _, err := ch.QueueDeclare(rq, true, false, false, false, amqp091.Table{"x-queue-type": "quorum"}); err != nil {
+			return fmt.Errorf("shop: declare reconciliation queue %s: %w", rq, err)
+		}
+	}
 	if _, err := ch.QueueDeclare(q, true, false, false, false, t.queueArgs(c)); err != nil {
 		return fmt.Errorf("shop: declare queue %s: %w", q, err)
 	}
@@ -193,14 +213,19 @@ func (t Topology) declareConsumer(ch *amqp091.Channel, c Consumer) error {
 	return nil
 }
 
-// Delete removes each consumer's queue, dead-letter queue and dead-letter
-// exchange, then the events exchange, with their messages. For tests and demo
-// runs that used a unique Prefix; never for a production topology. Objects
-// that do not exist are not an error.
+// Delete removes each consumer's queue, dead-letter queue, reconciliation
+// queue (when Consumer.Reconcile) and dead-letter exchange, then the events
+// exchange, with their messages. For tests and demo runs that used a unique
+// Prefix; never for a production topology. Objects that do not exist are not
+// an error.
 func (t Topology) Delete(ch *amqp091.Channel, consumers ...Consumer) error {
 	var errs []error
 	for _, c := range consumers {
-		for _, q := range []string{t.Queue(c), t.DeadLetterQueue(c)} {
+		queues := []string{t.Queue(c), t.DeadLetterQueue(c)}
+		if c.Reconcile {
+			queues = append(queues, t.ReconcileQueue(c))
+		}
+		for _, q := range queues {
 			if _, err := ch.QueueDelete(q, false, false, false); err != nil {
 				errs = append(errs, fmt.Errorf("shop: delete queue %s: %w", q, err))
 			}
@@ -250,6 +275,26 @@ func (t Topology) PoisonPublisherConfig(amqpURL string, c Consumer) wamqp.Config
 		Type:         amqp091.ExchangeFanout,
 		Durable:      true,
 	}
+	cfg.Publish = wamqp.PublishConfig{
+		GenerateRoutingKey: func(topic string) string { return topic },
+		ConfirmDelivery:    true,
+		ChannelPoolSize:    1,
+	}
+	return cfg
+}
+
+// ReconcilePublisherConfig is the watermill-amqp configuration of the
+// publisher of uncertain operations (operation.RouteUncertain, with topic
+// ReconcileQueue(c)): it publishes on the default exchange with the topic as
+// routing key, so a message lands in the queue of that name; with publisher
+// confirms, so the delivery is acked only after the broker holds the copy.
+// The queue must exist, or the broker drops the message: Declare declares it
+// for a consumer with Reconcile, and so does the consumer's Subscriber on
+// every connection, before any delivery can be routed there.
+func (t Topology) ReconcilePublisherConfig(amqpURL string) wamqp.Config {
+	t = t.withDefaults()
+	cfg := t.baseConfig(amqpURL)
+	cfg.Exchange = wamqp.ExchangeConfig{GenerateName: wamqp.GenerateExchangeNameConstant("")} // the default exchange, never declared
 	cfg.Publish = wamqp.PublishConfig{
 		GenerateRoutingKey: func(topic string) string { return topic },
 		ConfirmDelivery:    true,
