@@ -35,9 +35,9 @@ const (
 type attemptState struct {
 	consumer string
 	outcome  Outcome
-	outbox  *outbox.Outbox
-	tx      attemptTx
-	pub     message.Publisher
+	outbox   *outbox.Outbox
+	tx       attemptTx
+	pub      message.Publisher
 }
 
 func (st *attemptState) publisher() (message.Publisher, error) {

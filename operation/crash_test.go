@@ -18,7 +18,8 @@ import (
 
 // Environment of the crash child (TestCrashChild).
 const (
-	envCrashSchema   = "OPERATION_CRASH_SCHEMA"
+	envCrashTarget   = "OPERATION_CRASH_TARGET"
+	envCrashDatabase = "OPERATION_CRASH_DATABASE"
 	envCrashProvider = "OPERATION_CRASH_PROVIDER"
 	envCrashPoint    = "OPERATION_CRASH_POINT"
 )
@@ -27,8 +28,8 @@ const (
 // own: without its environment it returns at once. It runs one Do against the
 // parent's provider and SIGKILLs itself at the named crash point.
 func TestCrashChild(t *testing.T) {
-	schema := os.Getenv(envCrashSchema)
-	if schema == "" {
+	target, database := os.Getenv(envCrashTarget), os.Getenv(envCrashDatabase)
+	if target == "" {
 		return
 	}
 	point := os.Getenv(envCrashPoint)
@@ -38,22 +39,20 @@ func TestCrashChild(t *testing.T) {
 			select {} // the signal is on its way
 		}
 	})
-	pool := testenv.PoolOn(t, schema, 2)
-	r, err := operation.NewRunner(operation.Config{Pool: pool}, nil)
-	require.NoError(t, err)
+	r := runnerOn(t, testenv.OpenTarget(t, target, database, 2), operation.Config{}).r
 	hp := httpProvider{base: os.Getenv(envCrashProvider)}
-	_, err = r.Do(context.Background(), operation.MustKey("charge", "p-1"),
+	_, err := r.Do(context.Background(), operation.MustKey("charge", "p-1"),
 		map[string]any{"amount": 100, "currency": "EUR"}, hp.call("100", "EUR"))
 	t.Fatalf("the child was not killed at %s (Do returned %v)", point, err)
 }
 
-// runCrashChild runs TestCrashChild in a child process on schema and checks
-// that it died by SIGKILL.
-func runCrashChild(t *testing.T, schema, providerURL, point string) {
+// runCrashChild runs TestCrashChild in a child process on e's database and
+// checks that it died by SIGKILL.
+func runCrashChild(t *testing.T, e *runnerEnv, providerURL, point string) {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^TestCrashChild$", "-test.count=1")
-	cmd.Env = append(os.Environ(),
-		envCrashSchema+"="+schema, envCrashProvider+"="+providerURL, envCrashPoint+"="+point)
+	cmd.Env = append(os.Environ(), envCrashTarget+"="+e.Name, envCrashDatabase+"="+e.Database,
+		envCrashProvider+"="+providerURL, envCrashPoint+"="+point)
 	out, err := cmd.CombinedOutput()
 	require.Error(t, err, "child output:\n%s", out)
 	ws, ok := cmd.ProcessState.Sys().(syscall.WaitStatus)
@@ -68,47 +67,49 @@ func runCrashChild(t *testing.T, schema, providerURL, point string) {
 // records the charge. One charge in all.
 func TestCrashAfterProviderAccepted(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	r, _, schema := newRunner(t, operation.Config{})
-	p := newProvider()
-	srv := httptest.NewServer(p)
-	t.Cleanup(srv.Close)
-	key := operation.MustKey("charge", "p-1")
-	params := map[string]any{"amount": 100, "currency": "EUR"}
-	hp := httpProvider{base: srv.URL}
+	eachRunner(t, operation.Config{}, func(t *testing.T, e *runnerEnv) {
+		ctx := context.Background()
+		r := e.r
+		p := newProvider()
+		srv := httptest.NewServer(p)
+		t.Cleanup(srv.Close)
+		key := operation.MustKey("charge", "p-1")
+		params := map[string]any{"amount": 100, "currency": "EUR"}
+		hp := httpProvider{base: srv.URL}
 
-	runCrashChild(t, schema, srv.URL, operation.CrashAfterCall)
-	charges, calls, _ := p.counts()
-	require.Equal(t, 1, charges, "the provider accepted the charge")
-	require.Equal(t, 1, calls)
-	rec, err := r.Get(ctx, key)
-	require.NoError(t, err)
-	require.Equal(t, operation.StateStarted, rec.State, "the outcome was never recorded")
-	require.NotEmpty(t, rec.Owner)
+		runCrashChild(t, e, srv.URL, operation.CrashAfterCall)
+		charges, calls, _ := p.counts()
+		require.Equal(t, 1, charges, "the provider accepted the charge")
+		require.Equal(t, 1, calls)
+		rec, err := r.Get(ctx, key)
+		require.NoError(t, err)
+		require.Equal(t, operation.StateStarted, rec.State, "the outcome was never recorded")
+		require.NotEmpty(t, rec.Owner)
 
-	// No reconcile function: uncertain, for a person; nothing called.
-	_, err = r.Do(ctx, key, params, hp.call("100", "EUR"))
-	var u *operation.UncertainError
-	require.ErrorAs(t, err, &u)
-	require.Equal(t, "charge:p-1", u.Key)
-	require.True(t, middleware.IsPermanent(err))
-	rec, err = r.Get(ctx, key)
-	require.NoError(t, err)
-	require.Equal(t, operation.StateUncertain, rec.State)
+		// No reconcile function: uncertain, for a person; nothing called.
+		_, err = r.Do(ctx, key, params, hp.call("100", "EUR"))
+		var u *operation.UncertainError
+		require.ErrorAs(t, err, &u)
+		require.Equal(t, "charge:p-1", u.Key)
+		require.True(t, middleware.IsPermanent(err))
+		rec, err = r.Get(ctx, key)
+		require.NoError(t, err)
+		require.Equal(t, operation.StateUncertain, rec.State)
 
-	// With the lookup by key: reconciled, recorded, one charge.
-	res, err := r.Do(ctx, key, params, hp.call("100", "EUR"), operation.WithReconcile(hp.reconcile))
-	require.NoError(t, err)
-	require.Equal(t, operation.OriginReconciled, res.Origin)
-	require.Equal(t, "ch_1", res.Reference)
-	charges, calls, lookups := p.counts()
-	require.Equal(t, 1, charges)
-	require.Equal(t, 1, calls)
-	require.Equal(t, 1, lookups)
-	rec, err = r.Get(ctx, key)
-	require.NoError(t, err)
-	require.Equal(t, operation.StateSucceeded, rec.State)
-	require.Equal(t, "ch_1", rec.Reference)
+		// With the lookup by key: reconciled, recorded, one charge.
+		res, err := r.Do(ctx, key, params, hp.call("100", "EUR"), operation.WithReconcile(hp.reconcile))
+		require.NoError(t, err)
+		require.Equal(t, operation.OriginReconciled, res.Origin)
+		require.Equal(t, "ch_1", res.Reference)
+		charges, calls, lookups := p.counts()
+		require.Equal(t, 1, charges)
+		require.Equal(t, 1, calls)
+		require.Equal(t, 1, lookups)
+		rec, err = r.Get(ctx, key)
+		require.NoError(t, err)
+		require.Equal(t, operation.StateSucceeded, rec.State)
+		require.Equal(t, "ch_1", rec.Reference)
+	})
 }
 
 // The process dies after the started record was committed and before the
@@ -116,25 +117,27 @@ func TestCrashAfterProviderAccepted(t *testing.T) {
 // the lookup finds nothing and it calls, with the same key. One charge.
 func TestCrashBeforeProviderCalled(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	r, _, schema := newRunner(t, operation.Config{})
-	p := newProvider()
-	srv := httptest.NewServer(p)
-	t.Cleanup(srv.Close)
-	key := operation.MustKey("charge", "p-1")
-	hp := httpProvider{base: srv.URL}
+	eachRunner(t, operation.Config{}, func(t *testing.T, e *runnerEnv) {
+		ctx := context.Background()
+		r := e.r
+		p := newProvider()
+		srv := httptest.NewServer(p)
+		t.Cleanup(srv.Close)
+		key := operation.MustKey("charge", "p-1")
+		hp := httpProvider{base: srv.URL}
 
-	runCrashChild(t, schema, srv.URL, operation.CrashAfterBegin)
-	_, calls, _ := p.counts()
-	require.Zero(t, calls)
+		runCrashChild(t, e, srv.URL, operation.CrashAfterBegin)
+		_, calls, _ := p.counts()
+		require.Zero(t, calls)
 
-	res, err := r.Do(ctx, key, map[string]any{"amount": 100, "currency": "EUR"}, hp.call("100", "EUR"),
-		operation.WithReconcile(hp.reconcile))
-	require.NoError(t, err)
-	require.Equal(t, operation.OriginCall, res.Origin)
-	charges, calls, lookups := p.counts()
-	require.Equal(t, 1, charges)
-	require.Equal(t, 1, calls)
-	require.Equal(t, 1, lookups)
-	require.Equal(t, []string{"lookup charge:p-1", "charge charge:p-1"}, p.seenKeys())
+		res, err := r.Do(ctx, key, map[string]any{"amount": 100, "currency": "EUR"}, hp.call("100", "EUR"),
+			operation.WithReconcile(hp.reconcile))
+		require.NoError(t, err)
+		require.Equal(t, operation.OriginCall, res.Origin)
+		charges, calls, lookups := p.counts()
+		require.Equal(t, 1, charges)
+		require.Equal(t, 1, calls)
+		require.Equal(t, 1, lookups)
+		require.Equal(t, []string{"lookup charge:p-1", "charge charge:p-1"}, p.seenKeys())
+	})
 }

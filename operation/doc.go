@@ -57,11 +57,37 @@
 // a stored result without that comparison is the bug AWS Lambda Powertools
 // had in three runtimes: #3781, #2058, #2260.)
 //
+// # Databases
+//
+// PostgreSQL through pgx (Config.Pool) or database/sql (Config.DB with pgx's
+// stdlib); MySQL 8.0+ and MariaDB 10.11+ through database/sql
+// (go-sql-driver/mysql, Config.Dialect sqldb.MySQL); SQLite through
+// database/sql (modernc.org/sqlite, sqldb.SQLite). The protocol and the
+// guarantees below are the same on the three, with these differences:
+//
+//   - The key's lock: a session-level advisory lock on PostgreSQL; a
+//     user-level lock (GET_LOCK, also session-level, also surviving COMMIT)
+//     on MySQL, whose wait is in whole seconds (Config.Wait rounded up); on
+//     SQLite, which has no session locks, a lock of the process, per
+//     database file and key. SQLite's guarantee is therefore per process:
+//     run one process per database file (the usual way to use SQLite). Two
+//     processes on one file do not see each other's locks, so both could
+//     call the provider for one key at once. A crashed process's locks go
+//     with it, as a crashed session's do, and a record it left started is
+//     uncertain for the next attempt, as on the other databases.
+//   - The claim is one statement on PostgreSQL (a data-modifying CTE), an
+//     insert-or-nothing then a read on MySQL and SQLite; both under the
+//     key's lock, so no other attempt writes between them.
+//   - The window "the connection of a live attempt breaks during its call"
+//     below does not exist on SQLite (no session to lose).
+//
 // # Liveness: who holds a key
 //
-// Do holds a session-level PostgreSQL advisory lock on the key, on its own
-// pool connection, from before the started record is committed until the
-// outcome is recorded. Another worker that finds the lock taken knows the
+// Do holds the key's lock (see Databases; the words below are
+// PostgreSQL's), on its own pool connection, from before the started record
+// is committed until the outcome is recorded. Advisory lock numbers hash the
+// key with the table's OID: Runners on different tables, or schemas, never
+// wait for each other. Another worker that finds the lock taken knows the
 // holder's session is alive and waits (Config.Wait) or gets an
 // InProgressError (transient). A worker that gets the lock and finds the
 // record started with an owner knows that owner's session ended without
@@ -86,8 +112,10 @@
 //     keepalive or tcp_user_timeout ends it. Meanwhile other workers get
 //     InProgressError: safe, but the key is stuck for that long.
 //   - Each Do in flight holds one pool connection for the duration of the
-//     external call. A transaction-mode pooler (PgBouncer pool_mode=
-//     transaction) breaks session locks: use a direct or session-mode pool.
+//     external call (no transaction is open on it meanwhile). A
+//     transaction-mode pooler (PgBouncer pool_mode=transaction, ProxySQL
+//     with multiplexing) breaks session locks: use a direct or session-mode
+//     pool.
 //
 // # Guaranteed
 //

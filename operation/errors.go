@@ -88,8 +88,9 @@ func (e *ConflictError) Permanent() bool { return true }
 type InProgressError struct {
 	// Key is the operation key.
 	Key string
-	// Err is the database's answer when the wait timed out (SQLSTATE 55P03),
-	// nil when the call did not wait.
+	// Err describes the timeout when the call waited: PostgreSQL's answer
+	// (SQLSTATE 55P03), GET_LOCK's refusal (MySQL) or the process lock's
+	// (SQLite); nil when the call did not wait.
 	Err error
 }
 

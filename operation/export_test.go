@@ -7,5 +7,12 @@ const (
 	CrashAfterCall  = crashAfterCall
 )
 
-// LockID is the advisory lock number of k.
-func LockID(k Key) int64 { return lockID(k) }
+// PgLockKey is the SQL expression of a key's advisory lock number
+// (PostgreSQL): $1 the key, $2 the quoted table.
+const PgLockKey = pgLockKey
+
+// ProcessLockWaiters is the number of attempts of this process waiting for
+// k's lock (SQLite) on the database file and table.
+func ProcessLockWaiters(file, table string, k Key) int {
+	return processLockWaiters(processLockName(file, table, k.String()))
+}

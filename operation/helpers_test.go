@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
@@ -19,15 +18,33 @@ import (
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
-// newRunner returns a migrated Runner on a fresh schema, with its pool.
-func newRunner(t *testing.T, cfg operation.Config) (*operation.Runner, *pgxpool.Pool, string) {
+// runnerEnv is a migrated Runner on a fresh database of one target
+// (testenv.TargetNames), with the target's handles.
+type runnerEnv struct {
+	testenv.Target
+	r *operation.Runner
+}
+
+// runnerOn builds a Runner of cfg on tg (its Pool for postgres-pgx, its DB
+// otherwise) and migrates it.
+func runnerOn(t *testing.T, tg testenv.Target, cfg operation.Config) *runnerEnv {
 	t.Helper()
-	pool, schema := testenv.Pool(t)
-	cfg.Pool = pool
+	cfg.Dialect = tg.Dialect
+	if tg.Pgx != nil {
+		cfg.Pool = tg.Pgx
+	} else {
+		cfg.DB = tg.Std
+	}
 	r, err := operation.NewRunner(cfg, nil)
 	require.NoError(t, err)
-	require.NoError(t, r.Migrate(context.Background(), sqldb.Pgx(pool)))
-	return r, pool, schema
+	require.NoError(t, r.Migrate(context.Background(), tg.DB))
+	return &runnerEnv{Target: tg, r: r}
+}
+
+// eachRunner runs fn once per target, in parallel subtests, each with a
+// migrated Runner of cfg on a fresh database.
+func eachRunner(t *testing.T, cfg operation.Config, fn func(t *testing.T, e *runnerEnv)) {
+	testenv.EachTarget(t, func(t *testing.T, tg testenv.Target) { fn(t, runnerOn(t, tg, cfg)) })
 }
 
 // errTimeout is what the fake provider's client sees when the provider
@@ -244,15 +261,36 @@ func eventually(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-// lockWaiters counts sessions waiting for the advisory lock of key.
-func lockWaiters(t *testing.T, pool *pgxpool.Pool, key operation.Key) int {
+// lockWaiters counts attempts waiting for the lock of key: sessions
+// waiting for its advisory lock (PostgreSQL) or in GET_LOCK (MySQL: the
+// processlist's "User lock" state, in the target's database), or waiters of
+// the process lock (SQLite).
+func (e *runnerEnv) lockWaiters(t *testing.T, key operation.Key) int {
 	t.Helper()
-	id := uint64(operation.LockID(key))
+	ctx := context.Background()
 	var n int
-	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_locks
+	switch e.Dialect {
+	case sqldb.PostgreSQL:
+		id := e.pgLockID(t, key)
+		require.NoError(t, e.DB.QueryRow(ctx, `SELECT count(*) FROM pg_locks
 WHERE locktype = 'advisory' AND NOT granted AND classid::bigint = $1 AND objid::bigint = $2 AND objsubid = 1`,
-		int64(id>>32), int64(id&0xFFFFFFFF)).Scan(&n))
+			int64(id>>32), int64(id&0xFFFFFFFF)).Scan(&n))
+	case sqldb.MySQL:
+		require.NoError(t, e.DB.QueryRow(ctx, `SELECT count(*) FROM information_schema.PROCESSLIST
+WHERE db = ? AND state = 'User lock' AND info LIKE 'SELECT GET_LOCK%'`, e.Database).Scan(&n))
+	default:
+		n = operation.ProcessLockWaiters(e.Database, e.r.Table().String(), key)
+	}
 	return n
+}
+
+// pgLockID is the advisory lock number of key on the runner's table.
+func (e *runnerEnv) pgLockID(t *testing.T, key operation.Key) uint64 {
+	t.Helper()
+	var id int64
+	require.NoError(t, e.DB.QueryRow(context.Background(), `SELECT `+operation.PgLockKey,
+		key.String(), e.r.Table().Quoted('"')).Scan(&id))
+	return uint64(id)
 }
 
 func mustKey(t *testing.T, kind, entity string, intent ...string) operation.Key {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io/fs"
 	"path"
+	"strings"
 
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
@@ -18,16 +19,18 @@ var migrationTemplates embed.FS
 type Migration = sqldb.Migration
 
 // Migrations returns the runner's migrations in version order, rendered for
-// its table. Each is idempotent (IF NOT EXISTS), so running one twice is safe.
+// its table and dialect. Each is idempotent (IF NOT EXISTS), so running one
+// twice is safe.
 func (r *Runner) Migrations() ([]Migration, error) {
-	return renderMigrations(sqldb.PostgreSQL, r.table)
+	return renderMigrations(r.dialect, r.table)
 }
 
-// MigrationsFS returns the migrations for table (DefaultTable when empty) as
-// an fs.FS of files named "NNNN_name.up.sql" at its root, the layout
-// golang-migrate reads; each file also starts with "-- +goose Up" so goose
-// applies it as is. Use it when a migration tool, not Migrate, owns the schema.
-func MigrationsFS(table string) (fs.FS, error) {
+// MigrationsFS returns the migrations for table (DefaultTable when empty) in
+// dialect as an fs.FS of files named "NNNN_name.up.sql" at its root, the
+// layout golang-migrate reads; each file also starts with "-- +goose Up" so
+// goose applies it as is. Use it when a migration tool, not Migrate, owns
+// the schema.
+func MigrationsFS(table string, dialect sqldb.Dialect) (fs.FS, error) {
 	if table == "" {
 		table = DefaultTable
 	}
@@ -35,7 +38,10 @@ func MigrationsFS(table string) (fs.FS, error) {
 	if err != nil {
 		return nil, fmt.Errorf("operation: MigrationsFS table: %w", err)
 	}
-	ms, err := renderMigrations(sqldb.PostgreSQL, id)
+	if err := dialect.Validate(); err != nil {
+		return nil, fmt.Errorf("operation: MigrationsFS: %w", err)
+	}
+	ms, err := renderMigrations(dialect, id)
 	if err != nil {
 		return nil, err
 	}
@@ -43,9 +49,17 @@ func MigrationsFS(table string) (fs.FS, error) {
 }
 
 func renderMigrations(dialect sqldb.Dialect, table sqldb.Ident) ([]Migration, error) {
-	data := struct{ Table, Prefix string }{
+	// SQLite's CREATE INDEX takes the schema on the index's name and an
+	// unqualified table: IndexSchema is `"schema".` (or ""), Bare the table
+	// without its schema.
+	q := string(dialect.QuoteChar())
+	data := struct{ Table, Prefix, IndexSchema, Bare string }{
 		Table:  table.Quoted(dialect.QuoteChar()),
 		Prefix: table.Name(),
+		Bare:   q + table.Name() + q,
+	}
+	if schema, _, ok := strings.Cut(table.String(), "."); ok {
+		data.IndexSchema = q + schema + q + "."
 	}
 	ms, err := sqldb.RenderMigrations(migrationTemplates, path.Join("migrations", dialect.String()), data)
 	if err != nil {
@@ -55,15 +69,16 @@ func renderMigrations(dialect sqldb.Dialect, table sqldb.Ident) ([]Migration, er
 }
 
 // Migrate applies the runner's migrations in version order on q (typically
-// sqldb.Pgx(pool)) and records each in the idempotency_migration table
-// (component "operation:<table>"), shared with the other stores of the
-// library. It is safe to run from several instances at once (sqldb.Migrate).
+// sqldb.Pgx(pool) or sqldb.Std(db)) and records each in the
+// idempotency_migration table (component "operation:<table>"), shared with
+// the other stores of the library. It is safe to run from several instances
+// at once (sqldb.Migrate).
 func (r *Runner) Migrate(ctx context.Context, q sqldb.Querier) error {
 	ms, err := r.Migrations()
 	if err != nil {
 		return err
 	}
-	if err := sqldb.Migrate(ctx, q, sqldb.PostgreSQL, "operation:"+r.table.String(), ms); err != nil {
+	if err := sqldb.Migrate(ctx, q, r.dialect, "operation:"+r.table.String(), ms); err != nil {
 		return fmt.Errorf("operation: %w", err)
 	}
 	return nil

@@ -2,9 +2,11 @@ package operation
 
 import (
 	"context"
+	"database/sql"
+	"fmt"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/google/uuid"
 )
 
 // State is the recorded state of an operation.
@@ -77,8 +79,8 @@ type Record struct {
 	// Owner is the token (a UUID) of the attempt that owns the row, "" when
 	// none does.
 	Owner string
-	// CreatedAt and UpdatedAt are the database clock's times (now()) of the
-	// insert and of the last change.
+	// CreatedAt and UpdatedAt are the database clock's times (now(), UTC on
+	// MySQL and SQLite) of the insert and of the last change.
 	CreatedAt, UpdatedAt time.Time
 }
 
@@ -99,17 +101,22 @@ type CallFunc func(ctx context.Context, key string) (Result, error)
 // the effect itself.
 type ReconcileFunc func(ctx context.Context, rec Record) (Result, error)
 
+// recordScan reads a row of the record columns from any driver: pgx hands
+// the sql.Scanner fields its database/sql values (text for uuid), MySQL
+// bytes for VARBINARY and BINARY(16), SQLite text for times.
 type recordScan struct {
 	rec       Record
-	reference pgtype.Text
-	errText   pgtype.Text
-	attempts  int32
-	owner     pgtype.UUID
+	reference sql.NullString
+	errText   sql.NullString
+	attempts  int64
+	owner     ownerScan
+	created   timeScan
+	updated   timeScan
 }
 
 func (s *recordScan) dest() []any {
 	return []any{&s.rec.Key, &s.rec.Kind, &s.rec.Fingerprint, &s.rec.State, &s.reference,
-		&s.rec.Result, &s.errText, &s.attempts, &s.owner, &s.rec.CreatedAt, &s.rec.UpdatedAt}
+		&s.rec.Result, &s.errText, &s.attempts, &s.owner, &s.created, &s.updated}
 }
 
 func (s *recordScan) record() Record {
@@ -117,8 +124,68 @@ func (s *recordScan) record() Record {
 	r.Reference = s.reference.String
 	r.Error = s.errText.String
 	r.Attempts = int(s.attempts)
-	if s.owner.Valid {
-		r.Owner = s.owner.String()
-	}
+	r.Owner = s.owner.text
+	r.CreatedAt, r.UpdatedAt = s.created.t, s.updated.t
 	return r
+}
+
+// ownerScan reads an owner token: NULL, a UUID's text (PostgreSQL) or its
+// 16 bytes (MySQL BINARY(16), SQLite BLOB). text is the canonical form, ""
+// for NULL.
+type ownerScan struct{ text string }
+
+func (o *ownerScan) Scan(src any) error {
+	var (
+		id  uuid.UUID
+		err error
+	)
+	switch v := src.(type) {
+	case nil:
+		o.text = ""
+		return nil
+	case string:
+		id, err = uuid.Parse(v)
+	case []byte:
+		if len(v) == 16 {
+			id, err = uuid.FromBytes(v)
+		} else {
+			id, err = uuid.ParseBytes(v)
+		}
+	default:
+		err = fmt.Errorf("unsupported type %T", src)
+	}
+	if err != nil {
+		return fmt.Errorf("operation: owner: %w", err)
+	}
+	o.text = id.String()
+	return nil
+}
+
+// timeScan reads a timestamp: a time.Time (pgx, MySQL with parseTime), or
+// the text SQLite (ISO 8601, UTC) or MySQL without parseTime stores.
+type timeScan struct{ t time.Time }
+
+func (ts *timeScan) Scan(src any) error {
+	var text string
+	switch v := src.(type) {
+	case nil:
+		ts.t = time.Time{}
+		return nil
+	case time.Time:
+		ts.t = v
+		return nil
+	case string:
+		text = v
+	case []byte:
+		text = string(v)
+	default:
+		return fmt.Errorf("operation: time: unsupported type %T", src)
+	}
+	for _, layout := range []string{time.RFC3339Nano, "2006-01-02 15:04:05.999999999"} {
+		if t, err := time.Parse(layout, text); err == nil {
+			ts.t = t.UTC()
+			return nil
+		}
+	}
+	return fmt.Errorf("operation: time: cannot parse %q", text)
 }

@@ -2,16 +2,13 @@ package operation
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
-	"hash/fnv"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
@@ -42,16 +39,31 @@ const (
 
 // Config configures a Runner (NewRunner).
 type Config struct {
-	// Pool is where the Runner takes its connections: one per Do, held from
-	// the begin transaction until the outcome is recorded, including during
-	// the external call (it carries the key's session-level advisory lock).
-	// It must not be the connection of the caller's transaction, and it must
-	// be a direct connection or a session-mode pooler: a transaction-mode
-	// pooler (PgBouncer pool_mode=transaction) breaks session advisory locks.
+	// Pool (pgx, PostgreSQL) or DB (database/sql, any Dialect) is where the
+	// Runner takes its connections; exactly one is required. One connection
+	// per Do, held from the begin transaction until the outcome is
+	// recorded, including during the external call (on PostgreSQL and MySQL
+	// it carries the key's session lock). It must not be the connection of
+	// the caller's transaction, and it must be a direct connection or a
+	// session-mode pooler: a transaction-mode pooler (PgBouncer
+	// pool_mode=transaction, ProxySQL multiplexing) breaks session locks.
 	// Size it for the handlers that run at once, on top of the connections
 	// their own transactions use, or give the Runner a pool of its own.
-	// Required.
 	Pool *pgxpool.Pool
+
+	// DB is the database/sql handle to take connections from, instead of
+	// Pool: pgx's stdlib (PostgreSQL), go-sql-driver/mysql (MySQL; DSN with
+	// parseTime=true) or modernc.org/sqlite (SQLite; a file DSN with WAL and
+	// busy_timeout, see sqldb.SQLite).
+	DB *sql.DB
+
+	// Dialect is the SQL dialect of DB: sqldb.PostgreSQL, sqldb.MySQL
+	// (MySQL 8.0+, MariaDB 10.11+) or sqldb.SQLite. With Pool it must be
+	// sqldb.PostgreSQL. Defaults to sqldb.PostgreSQL (the zero value).
+	// What differs (see the package doc): the key's lock is an advisory
+	// lock on PostgreSQL, GET_LOCK on MySQL (Wait in whole seconds), and a
+	// lock of the process on SQLite (one process per database file).
+	Dialect sqldb.Dialect
 
 	// Table is the operations table, "name" or "schema.name"; each part must
 	// match [A-Za-z_][A-Za-z0-9_]{0,62}. Validated and quoted once, in
@@ -59,10 +71,12 @@ type Config struct {
 	Table string
 
 	// Wait bounds how long Do waits for the key when another live worker
-	// holds it (the database's lock_timeout on the lock wait). When it
-	// expires Do returns an InProgressError (transient). Defaults to
-	// DefaultWait; a negative value means do not wait (an InProgressError at
-	// once). Whole milliseconds; a positive value below 1ms counts as 1ms.
+	// holds it (PostgreSQL: lock_timeout on the lock wait; MySQL: GET_LOCK's
+	// timeout; SQLite: a timer). When it expires Do returns an
+	// InProgressError (transient). Defaults to DefaultWait; a negative value
+	// means do not wait (an InProgressError at once). Whole milliseconds (a
+	// positive value below 1ms counts as 1ms); on MySQL whole seconds,
+	// rounded up.
 	Wait time.Duration
 
 	// WriteTimeout bounds each write of a call's outcome. The writes run on
@@ -86,8 +100,17 @@ func (c *Config) setDefaults() {
 
 // Validate reports the first invalid field of c, naming it.
 func (c Config) Validate() error {
-	if c.Pool == nil {
-		return errors.New("operation: Config.Pool is required")
+	switch {
+	case c.Pool == nil && c.DB == nil:
+		return errors.New("operation: Config.Pool or Config.DB is required")
+	case c.Pool != nil && c.DB != nil:
+		return errors.New("operation: Config.Pool and Config.DB: set one, not both")
+	}
+	if err := c.Dialect.Validate(); err != nil {
+		return fmt.Errorf("operation: Config.Dialect: %w", err)
+	}
+	if c.Pool != nil && c.Dialect != sqldb.PostgreSQL {
+		return fmt.Errorf("operation: Config.Dialect %s: Config.Pool is a PostgreSQL pool (use Config.DB)", c.Dialect)
 	}
 	if c.Table != "" {
 		if _, err := sqldb.ParseIdent(c.Table); err != nil {
@@ -103,14 +126,13 @@ func (c Config) Validate() error {
 // Runner runs external operations effectively once per key (see Do). It is
 // safe for concurrent use; it holds no goroutine and needs no Close.
 type Runner struct {
-	pool         *pgxpool.Pool
+	pool         connPool
+	dialect      sqldb.Dialect
 	table        sqldb.Ident
 	wait         time.Duration
 	writeTimeout time.Duration
 	logger       watermill.LoggerAdapter
-
-	peekSQL, claimSQL, takeSQL, succeedSQL, failSQL          string
-	uncertainSQL, releaseSQL, restartSQL, resolveSQL, getSQL string
+	sql          dialectSQL
 }
 
 // NewRunner validates cfg (on a copy with defaults applied) and builds the
@@ -125,29 +147,28 @@ func NewRunner(cfg Config, logger watermill.LoggerAdapter) (*Runner, error) {
 		logger = watermill.NopLogger{}
 	}
 	table, _ := sqldb.ParseIdent(cfg.Table)
-	q := table.Quoted(sqldb.PostgreSQL.QuoteChar())
-	f := func(s string) string { return fmt.Sprintf(s, q, recordColumns) }
+	var pool connPool
+	if cfg.Pool != nil {
+		pool = newPgxConnPool(cfg.Pool)
+	} else {
+		pool = newStdConnPool(cfg.DB)
+	}
 	return &Runner{
-		pool:         cfg.Pool,
+		pool:         pool,
+		dialect:      cfg.Dialect,
 		table:        table,
 		wait:         cfg.Wait,
 		writeTimeout: cfg.WriteTimeout,
 		logger:       logger,
-		peekSQL:      f(pgPeek),
-		claimSQL:     f(pgClaim),
-		takeSQL:      f(pgTake),
-		succeedSQL:   f(pgSucceed),
-		failSQL:      f(pgFail),
-		uncertainSQL: f(pgUncertain),
-		releaseSQL:   f(pgRelease),
-		restartSQL:   f(pgRestart),
-		resolveSQL:   f(pgResolve),
-		getSQL:       f(pgGet),
+		sql:          sqlFor(cfg.Dialect).render(table.Quoted(cfg.Dialect.QuoteChar())),
 	}, nil
 }
 
 // Table is the runner's validated table identifier.
 func (r *Runner) Table() sqldb.Ident { return r.table }
+
+// Dialect is the runner's SQL dialect.
+func (r *Runner) Dialect() sqldb.Dialect { return r.dialect }
 
 // Option adjusts one Do call.
 type Option func(*options)
@@ -173,15 +194,16 @@ func WithWait(d time.Duration) Option { return func(o *options) { o.wait = d } }
 // of attempts, deliveries and workers, and returns its Result. params are
 // the request's defining parameters (see Fingerprint); call performs it.
 //
-// The protocol, each step on a connection of Config.Pool, never on the
-// caller's transaction:
+// The protocol, each step on a connection of Config.Pool (or Config.DB),
+// never on the caller's transaction:
 //
-//  1. Begin, in a short transaction of its own, committed before call runs:
-//     take the key's lock (a session-level advisory lock, held until Do
-//     returns), then insert the record as started, or read the existing one.
-//     If another live worker holds the lock: a record with another
-//     fingerprint is a ConflictError at once; otherwise wait up to
-//     Config.Wait, then an InProgressError (transient).
+//  1. Begin: take the key's lock (a session lock on PostgreSQL and MySQL, a
+//     lock of the process on SQLite; held until Do returns), then, in a
+//     short transaction of its own, committed before call runs, insert the
+//     record as started, or read the existing one. If another live worker
+//     holds the lock: a record with another fingerprint is a ConflictError
+//     at once; otherwise wait up to Config.Wait, then an InProgressError
+//     (transient).
 //  2. An existing record is first compared by fingerprint, whatever its
 //     state: another fingerprint is a ConflictError (permanent), returned
 //     before any call, and the record is left as it is. Then, by state:
@@ -203,9 +225,10 @@ func WithWait(d time.Duration) Option { return func(o *options) { o.wait = d } }
 //     WithReconcile, permanent without).
 //
 // A record is never deleted. Errors from the database are returned wrapped
-// (%w), for the middleware to classify (connection loss, 55P03, … are
-// transient). A zero key, a nil call or parameters Canonical refuses give a
-// permanent error wrapping ErrInvalidKey or ErrInvalidParams.
+// (%w), for the middleware to classify (connection loss, 55P03, MySQL 1205,
+// SQLITE_BUSY, … are transient). A zero key, a nil call or parameters
+// Canonical refuses give a permanent error wrapping ErrInvalidKey or
+// ErrInvalidParams.
 //
 // If call panics, the panic propagates after the lock is released; the
 // record stays started with this attempt as owner, so the next attempt
@@ -259,10 +282,10 @@ func (r *Runner) Get(ctx context.Context, key Key) (Record, error) {
 	return r.get(ctx, r.pool, key)
 }
 
-func (r *Runner) get(ctx context.Context, q sqldb.PgxQuerier, key Key) (Record, error) {
+func (r *Runner) get(ctx context.Context, q sqldb.Querier, key Key) (Record, error) {
 	var s recordScan
-	if err := q.QueryRow(ctx, r.getSQL, key.String()).Scan(s.dest()...); err != nil {
-		if errors.Is(err, pgx.ErrNoRows) {
+	if err := q.QueryRow(ctx, r.sql.get.sql, r.sql.get.args(key.String())...).Scan(s.dest()...); err != nil {
+		if errors.Is(err, sqldb.ErrNoRows) {
 			return Record{}, fmt.Errorf("operation %s: %w", key, ErrNoRecord)
 		}
 		return Record{}, fmt.Errorf("operation %s: get: %w", key, err)
@@ -313,14 +336,14 @@ func (r *Runner) Resolve(ctx context.Context, key Key, v Verdict) error {
 		return err
 	}
 	defer a.release()
-	tx, err := a.conn.Begin(ctx)
+	if err := a.lock(ctx, false); err != nil {
+		return err
+	}
+	tx, err := a.conn.begin(ctx)
 	if err != nil {
 		return fmt.Errorf("operation %s: resolve: begin: %w", key, err)
 	}
 	defer a.rollback(tx)
-	if err := a.lock(ctx, tx, false); err != nil {
-		return err
-	}
 	rec, err := r.get(ctx, tx, key)
 	if err != nil {
 		return err
@@ -328,25 +351,23 @@ func (r *Runner) Resolve(ctx context.Context, key Key, v Verdict) error {
 	if rec.State == StateSucceeded || rec.State == StateFailed {
 		return fmt.Errorf("operation %s: resolve: state %s: %w", key, rec.State, ErrFinal)
 	}
-	if _, err := tx.Exec(ctx, r.resolveSQL, key.String(), a.owner, string(v.state),
-		v.result.Reference, v.result.Data, v.reason); err != nil {
+	var owner, data any
+	if v.state != StateStarted {
+		owner = r.sql.owner(a.owner)
+	}
+	if v.state == StateSucceeded && v.result.Data != nil {
+		data = v.result.Data
+	}
+	final := v.state == StateSucceeded || v.state == StateFailed
+	if _, err := tx.Exec(ctx, r.sql.resolve.sql, r.sql.resolve.args(key.String(), string(v.state), owner,
+		v.result.Reference, data, v.reason, final)...); err != nil {
 		return fmt.Errorf("operation %s: resolve: %w", key, err)
 	}
-	if err := tx.Commit(ctx); err != nil {
+	if err := tx.commit(ctx); err != nil {
 		return fmt.Errorf("operation %s: resolve: commit: %w", key, err)
 	}
 	r.logger.Info("Operation resolved", watermill.LogFields{"key": key.String(), "from": string(rec.State), "to": string(v.state)})
 	return nil
-}
-
-// lockID is the key's advisory lock number: a 64-bit FNV-1a hash of the key
-// in a namespace of this package. Runners on different tables share the
-// numbers; a collision only makes two keys wait for each other.
-func lockID(k Key) int64 {
-	h := fnv.New64a()
-	_, _ = h.Write([]byte("watermill-idempotency/operation\x00"))
-	_, _ = h.Write([]byte(k.String()))
-	return int64(h.Sum64())
 }
 
 type decision int
@@ -360,15 +381,15 @@ const (
 )
 
 // attempt is one Do (or Resolve) call: its connection, its owner token and
-// whether its session holds the key's lock.
+// whether it holds the key's lock.
 type attempt struct {
 	r      *Runner
 	key    Key
 	fp     string
 	opts   options
-	owner  pgtype.UUID
-	lockID int64
-	conn   *pgxpool.Conn
+	owner  uuid.UUID
+	lk     lockKey
+	conn   conn
 	locked bool
 	// dirty: the session's lock state is unknown (a failed lock or unlock):
 	// the connection is closed rather than returned, which releases every
@@ -378,15 +399,14 @@ type attempt struct {
 }
 
 func (r *Runner) acquire(ctx context.Context, key Key, o options) (*attempt, error) {
-	conn, err := r.pool.Acquire(ctx)
+	conn, err := r.pool.acquire(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("operation %s: acquire connection: %w", key, err)
 	}
 	owner := uuid.New()
 	return &attempt{
-		r: r, key: key, opts: o, conn: conn,
-		owner:  pgtype.UUID{Bytes: owner, Valid: true},
-		lockID: lockID(key),
+		r: r, key: key, opts: o, conn: conn, owner: owner,
+		lk:     lockKey{key: key.String(), table: r.table.String(), quoted: r.table.Quoted('"')},
 		fields: watermill.LogFields{"key": key.String(), "owner": owner.String()},
 	}, nil
 }
@@ -398,36 +418,37 @@ func (a *attempt) detached(ctx context.Context) (context.Context, context.Cancel
 	return context.WithTimeout(context.WithoutCancel(ctx), a.r.writeTimeout)
 }
 
-func (a *attempt) rollback(tx pgx.Tx) {
+func (a *attempt) rollback(t tx) {
 	ctx, cancel := a.detached(context.Background())
 	defer cancel()
-	_ = tx.Rollback(ctx) // no-op after Commit
+	_ = t.rollback(ctx) // no-op after commit
 }
 
 // release unlocks the key and returns the connection; on any doubt about the
-// session's locks it closes the connection instead, which releases them.
+// session's locks it closes the connection instead, which releases them. A
+// lock of the process (SQLite) is always released here.
 func (a *attempt) release() {
 	ctx, cancel := a.detached(context.Background())
 	defer cancel()
-	if a.locked && !a.dirty {
-		var ok bool
-		if err := a.conn.QueryRow(ctx, pgUnlock, a.lockID).Scan(&ok); err != nil || !ok {
+	locker := a.r.sql.locker
+	if a.locked && (!a.dirty || !locker.session()) {
+		if ok, err := locker.unlock(ctx, a.conn, &a.lk); err != nil || !ok {
 			a.r.logger.Info("Operation unlock failed; closing the connection", a.fields.Add(watermill.LogFields{"err": err, "held": ok}))
 			a.dirty = true
 		}
 	}
-	if a.dirty {
-		_ = a.conn.Conn().Close(ctx)
-	}
-	a.conn.Release()
+	a.conn.release(ctx, a.dirty)
 }
 
-// lock takes the key's session lock inside tx. If another session holds it:
-// with peek, a recorded fingerprint other than a.fp is a ConflictError at
-// once; then wait up to opts.wait, or return an InProgressError.
-func (a *attempt) lock(ctx context.Context, tx pgx.Tx, peek bool) error {
-	var got bool
-	if err := tx.QueryRow(ctx, pgTryLock, a.lockID).Scan(&got); err != nil {
+// lock takes the key's lock on the attempt's connection, outside any
+// transaction (so that the begin transaction, and its snapshot, start once
+// the previous holder has committed and let go). If another worker holds
+// it: with peek, a recorded fingerprint other than a.fp is a ConflictError
+// at once; then wait up to opts.wait, or return an InProgressError.
+func (a *attempt) lock(ctx context.Context, peek bool) error {
+	locker := a.r.sql.locker
+	got, err := locker.try(ctx, a.conn, &a.lk)
+	if err != nil {
 		a.dirty = true
 		return fmt.Errorf("operation %s: lock: %w", a.key, err)
 	}
@@ -437,66 +458,83 @@ func (a *attempt) lock(ctx context.Context, tx pgx.Tx, peek bool) error {
 	}
 	if peek {
 		var stored string
-		err := tx.QueryRow(ctx, a.r.peekSQL, a.key.String()).Scan(&stored)
+		err := a.conn.QueryRow(ctx, a.r.sql.peek.sql, a.r.sql.peek.args(a.key.String())...).Scan(&stored)
 		switch {
 		case err == nil && stored != a.fp:
 			return &ConflictError{Key: a.key.String(), Fingerprint: a.fp, StoredFingerprint: stored}
-		case err != nil && !errors.Is(err, pgx.ErrNoRows):
+		case err != nil && !errors.Is(err, sqldb.ErrNoRows):
 			return fmt.Errorf("operation %s: peek: %w", a.key, err)
 		}
 	}
 	if a.opts.wait <= 0 {
 		return &InProgressError{Key: a.key.String()}
 	}
-	ms := max(a.opts.wait.Milliseconds(), 1)
-	if _, err := tx.Exec(ctx, pgLockTimeout, fmt.Sprintf("%dms", ms)); err != nil {
-		return fmt.Errorf("operation %s: set lock_timeout: %w", a.key, err)
-	}
-	if _, err := tx.Exec(ctx, pgLock, a.lockID); err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == "55P03" {
-			return &InProgressError{Key: a.key.String(), Err: err}
-		}
+	timedOut, err := locker.wait(ctx, a.conn, &a.lk, a.opts.wait)
+	switch {
+	case err != nil:
 		a.dirty = true // cancelled or broken: the lock may have been granted
 		return fmt.Errorf("operation %s: wait for lock: %w", a.key, err)
+	case timedOut != nil:
+		return &InProgressError{Key: a.key.String(), Err: timedOut}
 	}
 	a.locked = true
 	return nil
 }
 
-// begin is step 1 and 2 of Do, in one short transaction committed before
-// any call.
+// begin is step 1 and 2 of Do: the key's lock, then one short transaction
+// committed before any call.
 func (a *attempt) begin(ctx context.Context) (decision, Record, error) {
-	tx, err := a.conn.Begin(ctx)
+	if err := a.lock(ctx, true); err != nil {
+		return 0, Record{}, err
+	}
+	tx, err := a.conn.begin(ctx)
 	if err != nil {
 		return 0, Record{}, fmt.Errorf("operation %s: begin: %w", a.key, err)
 	}
 	defer a.rollback(tx)
-	if err := a.lock(ctx, tx, true); err != nil {
+	inserted, rec, err := a.claim(ctx, tx)
+	if err != nil {
 		return 0, Record{}, err
 	}
-	var (
-		inserted bool
-		s        recordScan
-	)
-	dest := append([]any{&inserted}, s.dest()...)
-	if err := tx.QueryRow(ctx, a.r.claimSQL, a.key.String(), a.owner, a.key.Kind(), a.fp).Scan(dest...); err != nil {
-		return 0, Record{}, fmt.Errorf("operation %s: claim: %w", a.key, err)
-	}
-	rec := s.record()
 	d, err := a.decide(ctx, tx, inserted, &rec)
 	if err != nil {
 		return 0, Record{}, err
 	}
-	if err := tx.Commit(ctx); err != nil {
+	if err := tx.commit(ctx); err != nil {
 		return 0, Record{}, fmt.Errorf("operation %s: commit begin: %w", a.key, err)
 	}
 	return d, rec, nil
 }
 
+// claim inserts the started record or reads the existing one, in tx, under
+// the key's lock, and reports whether this attempt inserted it.
+func (a *attempt) claim(ctx context.Context, tx tx) (bool, Record, error) {
+	q := a.r.sql.claim
+	args := q.args(a.key.String(), a.r.sql.owner(a.owner), a.key.Kind(), a.fp)
+	if a.r.sql.claimReturns {
+		var (
+			inserted bool
+			s        recordScan
+		)
+		if err := tx.QueryRow(ctx, q.sql, args...).Scan(append([]any{&inserted}, s.dest()...)...); err != nil {
+			return false, Record{}, fmt.Errorf("operation %s: claim: %w", a.key, err)
+		}
+		return inserted, s.record(), nil
+	}
+	if _, err := tx.Exec(ctx, q.sql, args...); err != nil {
+		return false, Record{}, fmt.Errorf("operation %s: claim: %w", a.key, err)
+	}
+	rec, err := a.r.get(ctx, tx, a.key)
+	if err != nil {
+		return false, Record{}, fmt.Errorf("operation %s: claim: %w", a.key, err)
+	}
+	// The owner token is fresh: only this attempt's insert can have set it.
+	return rec.Owner == a.owner.String(), rec, nil
+}
+
 // decide applies step 2 to the claimed or found record, under the lock,
 // taking ownership in tx where the attempt goes on.
-func (a *attempt) decide(ctx context.Context, tx pgx.Tx, inserted bool, rec *Record) (decision, error) {
+func (a *attempt) decide(ctx context.Context, tx tx, inserted bool, rec *Record) (decision, error) {
 	if inserted {
 		return decideCall, nil
 	}
@@ -505,21 +543,36 @@ func (a *attempt) decide(ctx context.Context, tx pgx.Tx, inserted bool, rec *Rec
 		return 0, &ConflictError{Key: a.key.String(), Fingerprint: a.fp, StoredFingerprint: rec.Fingerprint, State: rec.State}
 	}
 	take := func(to State) error {
-		prev := pgtype.UUID{}
+		var prev any
 		if rec.Owner != "" {
 			u, err := uuid.Parse(rec.Owner)
 			if err != nil {
 				return fmt.Errorf("operation %s: stored owner %q: %w", a.key, rec.Owner, err)
 			}
-			prev = pgtype.UUID{Bytes: u, Valid: true}
+			prev = a.r.sql.owner(u)
 		}
-		var attempts int32
-		err := tx.QueryRow(ctx, a.r.takeSQL, a.key.String(), a.owner, string(to), string(rec.State), prev).Scan(&attempts)
-		if errors.Is(err, pgx.ErrNoRows) {
-			return &transientError{fmt.Errorf("operation %s: record moved while locked (edited outside the Runner?)", a.key)}
-		}
-		if err != nil {
-			return fmt.Errorf("operation %s: take: %w", a.key, err)
+		q := a.r.sql.take
+		args := q.args(a.key.String(), a.r.sql.owner(a.owner), string(to), string(rec.State), prev)
+		moved := &transientError{fmt.Errorf("operation %s: record moved while locked (edited outside the Runner?)", a.key)}
+		attempts := int64(rec.Attempts + 1)
+		if a.r.sql.returning {
+			err := tx.QueryRow(ctx, q.sql, args...).Scan(&attempts)
+			if errors.Is(err, sqldb.ErrNoRows) {
+				return moved
+			}
+			if err != nil {
+				return fmt.Errorf("operation %s: take: %w", a.key, err)
+			}
+		} else {
+			// Under the key's lock the row is the one just read: its
+			// attempts count goes up by one.
+			n, err := tx.Exec(ctx, q.sql, args...)
+			if err != nil {
+				return fmt.Errorf("operation %s: take: %w", a.key, err)
+			}
+			if n != 1 {
+				return moved
+			}
 		}
 		rec.State, rec.Owner, rec.Attempts = to, a.owner.String(), int(attempts)
 		return nil
@@ -558,22 +611,23 @@ func (a *attempt) decide(ctx context.Context, tx pgx.Tx, inserted bool, rec *Rec
 // and, if that fails, once more on a fresh pool connection. want is the
 // state the statement moves to, used to recognise a first write that
 // committed but whose answer was lost.
-func (a *attempt) write(ctx context.Context, want State, sql string, args ...any) (bool, error) {
+func (a *attempt) write(ctx context.Context, want State, q stmt, args ...any) (bool, error) {
+	args = q.args(args...)
 	wctx, cancel := a.detached(ctx)
 	defer cancel()
-	tag, err := a.conn.Exec(wctx, sql, args...)
+	n, err := a.conn.Exec(wctx, q.sql, args...)
 	if err == nil {
-		return tag.RowsAffected() == 1, nil
+		return n == 1, nil
 	}
 	a.r.logger.Info("Operation outcome write failed; retrying on another connection", a.fields.Add(watermill.LogFields{"err": err}))
 	a.dirty = true
 	wctx2, cancel2 := a.detached(ctx)
 	defer cancel2()
-	tag, err2 := a.r.pool.Exec(wctx2, sql, args...)
+	n, err2 := a.r.pool.Exec(wctx2, q.sql, args...)
 	if err2 != nil {
 		return false, errors.Join(err, err2)
 	}
-	if tag.RowsAffected() == 1 {
+	if n == 1 {
 		return true, nil
 	}
 	rec, gerr := a.r.get(wctx2, a.r.pool, a.key)
@@ -601,7 +655,7 @@ func (a *attempt) outcomeErr(what string, ok bool, err error) error {
 func (a *attempt) call(ctx context.Context, rec Record, call CallFunc) (Result, error) {
 	k := a.key.String()
 	if err := ctx.Err(); err != nil {
-		ok, werr := a.write(ctx, StateStarted, a.r.releaseSQL, k, a.owner, "not called: "+err.Error())
+		ok, werr := a.write(ctx, StateStarted, a.r.sql.release, k, a.r.sql.owner(a.owner), "not called: "+err.Error())
 		if oerr := a.outcomeErr("release", ok, werr); oerr != nil {
 			return Result{}, oerr
 		}
@@ -612,14 +666,14 @@ func (a *attempt) call(ctx context.Context, rec Record, call CallFunc) (Result, 
 	crashpoint.Reached(crashAfterCall)
 	switch {
 	case err == nil:
-		ok, werr := a.write(ctx, StateSucceeded, a.r.succeedSQL, k, a.owner, res.Reference, res.Data)
+		ok, werr := a.write(ctx, StateSucceeded, a.r.sql.succeed, k, a.r.sql.owner(a.owner), res.Reference, res.Data)
 		if oerr := a.outcomeErr("succeeded", ok, werr); oerr != nil {
 			return Result{}, oerr
 		}
 		res.Origin = OriginCall
 		return res, nil
 	case classOf(err) == classRejected:
-		ok, werr := a.write(ctx, StateFailed, a.r.failSQL, k, a.owner, res.Reference, err.Error())
+		ok, werr := a.write(ctx, StateFailed, a.r.sql.fail, k, a.r.sql.owner(a.owner), res.Reference, err.Error())
 		if oerr := a.outcomeErr("failed", ok, werr); oerr != nil {
 			// The rejection is known and final for this message; the record
 			// stays started and a later attempt will reconcile it.
@@ -627,7 +681,7 @@ func (a *attempt) call(ctx context.Context, rec Record, call CallFunc) (Result, 
 		}
 		return Result{}, &FailedError{Key: k, Reason: err.Error(), Cause: err}
 	case classOf(err) == classTransient:
-		ok, werr := a.write(ctx, StateStarted, a.r.releaseSQL, k, a.owner, err.Error())
+		ok, werr := a.write(ctx, StateStarted, a.r.sql.release, k, a.r.sql.owner(a.owner), err.Error())
 		if oerr := a.outcomeErr("released", ok, werr); oerr != nil {
 			return Result{}, oerr
 		}
@@ -636,8 +690,7 @@ func (a *attempt) call(ctx context.Context, rec Record, call CallFunc) (Result, 
 		ref := res.Reference
 		wctx, cancel := a.detached(ctx)
 		defer cancel()
-		var stored string
-		werr := a.conn.QueryRow(wctx, a.r.uncertainSQL, k, a.owner, res.Reference, err.Error()).Scan(&stored)
+		stored, werr := a.markUncertain(wctx, res.Reference, err.Error())
 		if werr == nil {
 			ref = stored
 		} else {
@@ -652,6 +705,27 @@ func (a *attempt) call(ctx context.Context, rec Record, call CallFunc) (Result, 
 	}
 }
 
+// markUncertain moves the attempt's started record to uncertain, on its
+// connection, and returns the reference recorded.
+func (a *attempt) markUncertain(ctx context.Context, reference, reason string) (string, error) {
+	q := a.r.sql.uncertain
+	args := q.args(a.key.String(), a.r.sql.owner(a.owner), reference, reason)
+	if a.r.sql.returning {
+		var stored string
+		err := a.conn.QueryRow(ctx, q.sql, args...).Scan(&stored)
+		return stored, err
+	}
+	n, err := a.conn.Exec(ctx, q.sql, args...)
+	switch {
+	case err != nil:
+		return "", err
+	case n != 1:
+		return "", ErrLostOwnership
+	}
+	rec, err := a.r.get(ctx, a.conn, a.key)
+	return rec.Reference, err
+}
+
 // reconcile settles an uncertain record the attempt owns, through the
 // user's lookup.
 func (a *attempt) reconcile(ctx context.Context, rec Record, call CallFunc) (Result, error) {
@@ -659,7 +733,7 @@ func (a *attempt) reconcile(ctx context.Context, rec Record, call CallFunc) (Res
 	res, err := a.opts.reconcile(ctx, rec)
 	switch {
 	case err == nil:
-		ok, werr := a.write(ctx, StateSucceeded, a.r.succeedSQL, k, a.owner, res.Reference, res.Data)
+		ok, werr := a.write(ctx, StateSucceeded, a.r.sql.succeed, k, a.r.sql.owner(a.owner), res.Reference, res.Data)
 		if oerr := a.outcomeErr("reconciled", ok, werr); oerr != nil {
 			return Result{}, oerr
 		}
@@ -667,7 +741,7 @@ func (a *attempt) reconcile(ctx context.Context, rec Record, call CallFunc) (Res
 		res.Origin = OriginReconciled
 		return res, nil
 	case errors.Is(err, ErrNotFound):
-		ok, werr := a.write(ctx, StateStarted, a.r.restartSQL, k, a.owner)
+		ok, werr := a.write(ctx, StateStarted, a.r.sql.restart, k, a.r.sql.owner(a.owner))
 		if oerr := a.outcomeErr("restart", ok, werr); oerr != nil {
 			return Result{}, oerr
 		}
@@ -675,7 +749,7 @@ func (a *attempt) reconcile(ctx context.Context, rec Record, call CallFunc) (Res
 		rec.State = StateStarted
 		return a.call(ctx, rec, call)
 	case classOf(err) == classRejected:
-		ok, werr := a.write(ctx, StateFailed, a.r.failSQL, k, a.owner, res.Reference, err.Error())
+		ok, werr := a.write(ctx, StateFailed, a.r.sql.fail, k, a.r.sql.owner(a.owner), res.Reference, err.Error())
 		if oerr := a.outcomeErr("failed", ok, werr); oerr != nil {
 			a.r.logger.Info("Operation reconciled as rejected; not recorded", a.fields.Add(watermill.LogFields{"err": oerr}))
 		}

@@ -17,9 +17,9 @@ import (
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
-// target is one dialect and driver the contract suite runs against.
+// target is one dialect and driver the contract suite runs against
+// (testenv.EachTarget), with the suite's own setup helpers.
 type target struct {
-	name    string
 	dialect sqldb.Dialect
 	db      sqldb.Querier
 	pool    sqldb.Pool
@@ -29,81 +29,38 @@ type target struct {
 	age func(t *testing.T, d time.Duration)
 }
 
-func stdBegin(db *sql.DB) func(t *testing.T) (sqldb.Querier, func(bool)) {
-	return func(t *testing.T) (sqldb.Querier, func(bool)) {
-		tx, err := db.Begin()
-		require.NoError(t, err)
-		return sqldb.Std(tx), func(commit bool) {
-			if commit {
-				require.NoError(t, tx.Commit())
-			} else {
-				require.NoError(t, tx.Rollback())
-			}
-		}
-	}
-}
-
 // eachTarget runs fn once per dialect and driver, in parallel, each on a
 // fresh database: PostgreSQL through pgx and through database/sql, MariaDB,
-// SQLite.
+// SQLite (testenv.EachTarget).
 func eachTarget(t *testing.T, fn func(t *testing.T, tg target)) {
-	t.Run("postgres-pgx", func(t *testing.T) {
-		t.Parallel()
-		pool, _ := testenv.Pool(t)
-		fn(t, target{
-			name: "postgres-pgx", dialect: sqldb.PostgreSQL, db: sqldb.Pgx(pool), pool: sqldb.PgxPool(pool),
-			begin: func(t *testing.T) (sqldb.Querier, func(bool)) {
-				tx, err := pool.Begin(context.Background())
-				require.NoError(t, err)
-				return sqldb.Pgx(tx), func(commit bool) {
-					if commit {
-						require.NoError(t, tx.Commit(context.Background()))
-					} else {
-						require.NoError(t, tx.Rollback(context.Background()))
-					}
+	testenv.EachTarget(t, func(t *testing.T, et testenv.Target) {
+		tg := target{dialect: et.Dialect, db: et.DB, pool: et.Pool}
+		tg.begin = func(t *testing.T) (sqldb.Querier, func(bool)) {
+			tx, err := et.BeginTx(context.Background())
+			require.NoError(t, err)
+			return tx, func(commit bool) {
+				if commit {
+					require.NoError(t, tx.Commit())
+				} else {
+					require.NoError(t, tx.Rollback())
 				}
-			},
-			age: func(t *testing.T, d time.Duration) {
-				_, err := pool.Exec(context.Background(), `UPDATE processed_event SET processed_at = now() - $1::bigint * interval '1 microsecond'`, d.Microseconds())
-				require.NoError(t, err)
-			},
-		})
-	})
-	t.Run("postgres-stdlib", func(t *testing.T) {
-		t.Parallel()
-		db, err := sql.Open("pgx", testenv.SchemaURL(testenv.Schema(t)))
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = db.Close() })
-		fn(t, target{
-			name: "postgres-stdlib", dialect: sqldb.PostgreSQL, db: sqldb.Std(db), pool: sqldb.StdPool(db), begin: stdBegin(db),
-			age: func(t *testing.T, d time.Duration) {
-				_, err := db.Exec(`UPDATE processed_event SET processed_at = now() - $1::bigint * interval '1 microsecond'`, d.Microseconds())
-				require.NoError(t, err)
-			},
-		})
-	})
-	t.Run("mariadb", func(t *testing.T) {
-		t.Parallel()
-		db := testenv.MySQLDB(t)
-		fn(t, target{
-			name: "mariadb", dialect: sqldb.MySQL, db: sqldb.Std(db), pool: sqldb.StdPool(db), begin: stdBegin(db),
-			age: func(t *testing.T, d time.Duration) {
-				_, err := db.Exec(`UPDATE processed_event SET processed_at = UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND`, d.Microseconds())
-				require.NoError(t, err)
-			},
-		})
-	})
-	t.Run("sqlite", func(t *testing.T) {
-		t.Parallel()
-		db := testenv.SQLiteDB(t)
-		fn(t, target{
-			name: "sqlite", dialect: sqldb.SQLite, db: sqldb.Std(db), pool: sqldb.StdPool(db), begin: stdBegin(db),
-			age: func(t *testing.T, d time.Duration) {
-				_, err := db.Exec(`UPDATE processed_event SET processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?)`,
-					"-"+formatSeconds(d)+" seconds")
-				require.NoError(t, err)
-			},
-		})
+			}
+		}
+		tg.age = func(t *testing.T, d time.Duration) {
+			var query string
+			var arg any
+			switch et.Dialect {
+			case sqldb.PostgreSQL:
+				query, arg = `UPDATE processed_event SET processed_at = now() - $1::bigint * interval '1 microsecond'`, d.Microseconds()
+			case sqldb.MySQL:
+				query, arg = `UPDATE processed_event SET processed_at = UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND`, d.Microseconds()
+			default:
+				query, arg = `UPDATE processed_event SET processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?)`, "-"+formatSeconds(d)+" seconds"
+			}
+			_, err := et.DB.Exec(context.Background(), query, arg)
+			require.NoError(t, err)
+		}
+		fn(t, tg)
 	})
 }
 
@@ -280,4 +237,38 @@ func TestPurgeContract(t *testing.T) {
 		require.NoError(t, err)
 		require.True(t, ok, "a row inside the horizon stays")
 	})
+}
+
+// On MySQL a connection that counts found rows would make a duplicate claim
+// look new: Migrate refuses it.
+func TestMigrateRefusesMySQLFoundRows(t *testing.T) {
+	t.Parallel()
+	database := testenv.MySQLDatabase(t)
+	db, err := sql.Open("mysql", testenv.MySQLDatabaseDSN(database)+"&clientFoundRows=true")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = db.Close() })
+	s, err := processed.NewStore(processed.Config{Dialect: sqldb.MySQL})
+	require.NoError(t, err)
+	require.ErrorIs(t, s.Migrate(context.Background(), sqldb.Std(db)), sqldb.ErrMySQLFoundRows)
+}
+
+// Consumer names compare exactly on every dialect (MySQL's default
+// collations would ignore case and trailing spaces).
+func TestConsumerComparesExactly(t *testing.T) {
+	t.Parallel()
+	eachTarget(t, func(t *testing.T, tg target) {
+		s := tg.store(t)
+		id := uuid.Must(uuid.NewV7())
+		for _, c := range []string{"stock", "Stock", "stock "} {
+			ok, err := s.Claim(context.Background(), tg.db, c, id)
+			require.NoError(t, err)
+			require.True(t, ok, "%q is its own consumer", c)
+		}
+	})
+}
+
+func TestSQLiteRefusesSchemaQualifiedTable(t *testing.T) {
+	t.Parallel()
+	_, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite, Table: "main.inbox"})
+	require.ErrorContains(t, err, "Config.Table")
 }

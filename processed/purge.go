@@ -166,7 +166,7 @@ func (p *Purger) lock(ctx context.Context, conn sqldb.Conn) (unlock func(), ok b
 		}
 		return mu.Unlock, true, nil
 	}
-	arg := p.store.table.String()
+	arg := p.store.table.Quoted(p.store.dialect.QuoteChar())
 	var got any
 	if err := conn.QueryRow(ctx, d.tryLock, arg).Scan(&got); err != nil {
 		return nil, false, err

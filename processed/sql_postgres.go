@@ -35,9 +35,10 @@ var postgresSQL = dialectSQL{
 		return `SELECT set_config('lock_timeout', $1, true)`, []any{fmt.Sprintf("%dms", d.Milliseconds())}
 	},
 	// A session-level advisory lock held by the purging connection for one
-	// run. Its key is the table's OID (resolved through the search_path, so
-	// tables of one name in different schemas have different locks) under a
-	// constant high word that keeps it apart from other advisory-lock users.
+	// run. Its key is the table's OID ($1 is the quoted name, resolved
+	// through the search_path, so tables of one name in different schemas
+	// have different locks) under a constant high word that keeps it apart
+	// from other advisory-lock users.
 	tryLock: `SELECT pg_try_advisory_lock((x'1de0'::bigint << 32) | $1::regclass::oid::bigint)`,
 	unlock:  `SELECT pg_advisory_unlock((x'1de0'::bigint << 32) | $1::regclass::oid::bigint)`,
 	eventID: func(id uuid.UUID) any { return pgtype.UUID{Bytes: id, Valid: true} },

@@ -34,8 +34,12 @@ func (c *Config) setDefaults() {
 // Validate reports the first invalid field of c, naming it.
 func (c Config) Validate() error {
 	if c.Table != "" {
-		if _, err := sqldb.ParseIdent(c.Table); err != nil {
+		id, err := sqldb.ParseIdent(c.Table)
+		if err != nil {
 			return fmt.Errorf("processed: Config.Table: %w", err)
+		}
+		if c.Dialect == sqldb.SQLite && id.String() != id.Name() {
+			return fmt.Errorf("processed: Config.Table %q: SQLite tables take no schema qualifier (an attached database cannot carry the index)", c.Table)
 		}
 	}
 	if err := c.Dialect.Validate(); err != nil {

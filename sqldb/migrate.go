@@ -3,6 +3,7 @@ package sqldb
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"hash/fnv"
 	"io/fs"
@@ -114,8 +115,28 @@ func Migrate(ctx context.Context, q Querier, d Dialect, component string, ms []M
 			return fmt.Errorf("migrate %s version %d (%s): %w", component, m.Version, m.Name, err)
 		}
 	}
+	if d == MySQL && len(ms) > 0 {
+		// A no-op upsert of the record just written: 0 rows affected with
+		// the driver's default changed-rows count, 1 with clientFoundRows.
+		n, err := q.Exec(ctx, "INSERT INTO idempotency_migration (component, version) VALUES (?, ?) ON DUPLICATE KEY UPDATE version = version",
+			component, ms[len(ms)-1].Version)
+		switch {
+		case err != nil:
+			return fmt.Errorf("migrate %s: check changed rows: %w", component, err)
+		case n != 0:
+			return ErrMySQLFoundRows
+		}
+	}
 	return nil
 }
+
+// ErrMySQLFoundRows is returned by Migrate on MySQL when the connection
+// counts found rows rather than changed rows (go-sql-driver/mysql's
+// clientFoundRows=true). The library's MySQL claims and upserts read their
+// outcome from rows affected: with found rows a duplicate claim would read as
+// a new one and apply the effect again. Use the same DSN for Migrate as for
+// the consumers, so that this check covers them.
+var ErrMySQLFoundRows = errors.New("the MySQL connection reports found rows, not changed rows (remove clientFoundRows=true from the DSN)")
 
 func migrationsTable(d Dialect) string {
 	ts := "timestamptz NOT NULL DEFAULT now()"

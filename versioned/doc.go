@@ -29,14 +29,22 @@
 //     idempotency middleware routes to the poison topic instead of retrying).
 //     A NULL version is never written. Wrong argument counts (ErrArgCount) and
 //     nil keys (ErrKeyMissing) are permanent too.
-//   - One statement, one round trip, in the caller's transaction (sqldb.Pgx or
-//     sqldb.Std over pgx.Tx, *pgxpool.Pool, *sql.Tx, ...): the row commits or
-//     rolls back with the handler's other writes and the processed-event claim.
+//   - In the caller's transaction (sqldb.Pgx or sqldb.Std over pgx.Tx,
+//     *pgxpool.Pool, *sql.Tx, ...): the row commits or rolls back with the
+//     handler's other writes and the processed-event claim. One statement,
+//     one round trip, on PostgreSQL (ON CONFLICT … WHERE … RETURNING) and
+//     MySQL/MariaDB (ON DUPLICATE KEY UPDATE with IF() per column; rows
+//     affected tell inserted, updated and stale apart, so the DSN must not
+//     set clientFoundRows=true); two in-process statements on SQLite (insert
+//     or nothing, then a guarded update), atomic under SQLite's single
+//     writer. UpsertConfig.Dialect selects them.
 //   - Concurrent writers of one key serialise on the row lock. At READ
 //     COMMITTED (PostgreSQL's default) the highest version wins whatever the
 //     order in which the transactions commit. At REPEATABLE READ or
 //     SERIALIZABLE the losing writer gets SQLSTATE 40001, a transient error to
-//     retry, never a row moved backwards.
+//     retry, never a row moved backwards. On MySQL the highest version wins
+//     at every isolation level (InnoDB's upsert reads the latest committed
+//     row); on SQLite writers take turns for the whole transaction.
 //   - Identifiers are validated and quoted once, in NewUpsert; values are
 //     always bound parameters.
 //
@@ -56,7 +64,10 @@
 //     value columns.
 //   - The table must have a primary key or unique constraint on exactly the key
 //     columns and a bigint version column; NewUpsert does not check the schema,
-//     so a mismatch surfaces as a database error on the first Apply.
+//     so a mismatch surfaces as a database error on the first Apply
+//     (PostgreSQL, SQLite). MySQL cannot tell: its upsert reacts to any unique
+//     index, and without one every Apply inserts, so there the table's only
+//     unique index must be the primary key on the key columns.
 //
 // # Latest per family
 //
@@ -98,16 +109,18 @@
 //
 // Which store gives which guarantee:
 //
-//   - Applied positions are always in PostgreSQL (FamilyStore, the applied
-//     table), in the handler's transaction: whatever happens to the latest
-//     records, a consumer never applies an older message of a family after a
-//     newer one it committed, and one consumer's handlers of one family run
-//     one at a time (row lock; bounded by the idempotent middleware's
-//     LockTimeout).
-//   - Latest records in PostgreSQL (FamilyStore, the default): written in the
+//   - Applied positions are always in the handler's database (FamilyStore,
+//     the applied table: PostgreSQL, MySQL/MariaDB or SQLite), in its
+//     transaction: whatever happens to the latest records, a consumer never
+//     applies an older message of a family after a newer one it committed,
+//     and one consumer's handlers of one family run one at a time (row lock,
+//     bounded by the idempotent middleware's LockTimeout; on SQLite the
+//     database's single writer).
+//   - Latest records in SQL (FamilyStore, the default): written in the
 //     producer's transaction with the outbox rows, so a record exists exactly
 //     when its message will be sent; durable; read in the consumer's
-//     transaction, in the same statement as the applied check. The producers'
+//     transaction (on PostgreSQL in the same statement as the applied check,
+//     elsewhere just before it). The producers'
 //     and the consumer's tables must be in one database, or the consumer sets
 //     LatestFilterConfig.LatestQuerier to a pool on the producers' database.
 //   - Latest records in Redis (RedisLatest): one key per family, advanced by a
@@ -128,8 +141,8 @@
 // lets more through.
 //
 // Retention: FamilyPurger deletes families idle for longer than a horizon
-// (both tables, bounded batches, one purger at a time under an advisory lock,
-// Start/Stop); RedisLatest keys expire by themselves. Choose the horizon ≥
+// (both tables, bounded batches, one purger at a time under a lock: advisory
+// on PostgreSQL, GET_LOCK on MySQL, per process on SQLite; Start/Stop); RedisLatest keys expire by themselves. Choose the horizon ≥
 // the idempotent middleware's ReplayHorizon and the longest queue wait (see
 // FamilyPurgerConfig).
 //

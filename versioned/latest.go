@@ -37,7 +37,8 @@ const (
 )
 
 // MaxFamilyPartLen bounds Family.Kind and Family.ID, in bytes: both are
-// primary-key columns in PostgreSQL and parts of a Redis key.
+// primary-key columns of the family store (VARBINARY(255) on MySQL) and
+// parts of a Redis key.
 const MaxFamilyPartLen = 255
 
 // Family is a set of messages of which only the latest matters: one kind of
@@ -273,8 +274,8 @@ func (p Position) key() []byte {
 
 // MarshalBinary encodes p in 25 bytes (numbered) or 29 bytes (timestamped)
 // such that bytes.Compare of two encodings equals Compare of the positions.
-// The stores keep and compare this form: PostgreSQL as bytea (compared
-// bytewise), Redis as lower-case hex (compared byte by byte in the Lua
+// The stores keep and compare this form: PostgreSQL as bytea, MySQL as
+// VARBINARY, SQLite as a BLOB (each compared bytewise), Redis as lower-case hex (compared byte by byte in the Lua
 // script). The time is kept to the nanosecond (PostgreSQL's timestamptz
 // would round to microseconds). It never returns an error.
 func (p Position) MarshalBinary() ([]byte, error) { return p.key(), nil }

@@ -109,12 +109,13 @@ func (c *FilterCounter) counter(o FilterOutcome) *atomic.Int64 {
 
 // LatestFilterConfig configures a LatestFilter.
 type LatestFilterConfig struct {
-	// Families is the PostgreSQL family store: its applied table is written
-	// in the handler's transaction. Required.
+	// Families is the SQL family store (of the handler's database and
+	// dialect): its applied table is written in the handler's transaction.
+	// Required.
 	Families *FamilyStore
 
 	// Latest is where the producers' latest records are read. Defaults to
-	// Families (PostgreSQL, read in the handler's transaction). Set a
+	// Families (read in the handler's transaction). Set a
 	// *RedisLatest when producers record there.
 	Latest LatestStore
 
@@ -212,8 +213,9 @@ func NewLatestFilter(cfg LatestFilterConfig, logger watermill.LoggerAdapter) (*L
 // Recorder, and marked with middleware.MarkStale so that the idempotent
 // middleware records them like duplicates.
 //
-// With the PostgreSQL store read in the handler's transaction, steps 3-5
-// cost one statement. With a store that is not Transactional (Redis), or a
+// With the family store read in the handler's transaction, steps 3-5 cost
+// one statement on PostgreSQL, two (a read, then the applied upsert) on
+// MySQL and SQLite. With a store that is not Transactional (Redis), or a
 // LatestQuerier, the latest record is read first; if that read fails the
 // failure is logged and the message is judged by the applied check alone
 // (let through unless stale): the filter fails open, never dropping a

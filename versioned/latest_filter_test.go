@@ -17,6 +17,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
@@ -36,12 +37,13 @@ const (
 // 10:00:02.000 (the same instant as F2, written with fractional seconds, a
 // larger event_id) reactivated. F3 is obsolete (acked, handler not called,
 // its redelivery too); the F2/F4 tie is broken by event_id, so F4 wins;
-// another family is untouched. Run for both latest stores, and on both
-// drivers of the idempotent middleware.
+// another family is untouched. Run for both latest stores (the SQL family
+// store, Redis), on every target: PostgreSQL through both drivers of the
+// idempotent middleware, MariaDB, SQLite.
 func TestC15(t *testing.T) {
 	t.Parallel()
 	for _, store := range lfStores {
-		for _, drv := range []string{"pgx", "database/sql"} {
+		for _, drv := range testenv.TargetNames {
 			t.Run(store+"/"+drv, func(t *testing.T) {
 				t.Parallel()
 				exerciseC15(t, newLFEnvWith(t, store, drv))
@@ -66,7 +68,7 @@ func exerciseC15(t *testing.T, e *lfEnv) {
 
 	var mu sync.Mutex
 	var calls []string
-	h := e.chain("crm", stateHandler(func(msg *message.Message) {
+	h := e.chain("crm", e.stateHandler(func(msg *message.Message) {
 		mu.Lock()
 		defer mu.Unlock()
 		calls = append(calls, string(msg.Payload))
@@ -97,8 +99,7 @@ func exerciseC15(t *testing.T, e *lfEnv) {
 	// the filter itself.
 	require.NoError(t, deliver(h, f3))
 	require.EqualValues(t, 1, e.outcomes.get(middleware.OutcomeDuplicate))
-	_, err := e.pool.Exec(context.Background(), `DELETE FROM processed_event WHERE event_id = $1`, lfE3)
-	require.NoError(t, err)
+	e.forgetProcessed(lfE3)
 	require.NoError(t, deliver(h, f3))
 	require.EqualValues(t, 3, e.counter.Count(versioned.FilterObsolete))
 	require.Len(t, calls, 4, "the handler never saw F3")
@@ -106,7 +107,7 @@ func exerciseC15(t *testing.T, e *lfEnv) {
 	// Everything published before the consumer starts: only the latest of
 	// each family reaches the handler, F4 beating F2 on the tie again.
 	calls = nil
-	fresh := e.chain("crm-2", stateHandler(func(msg *message.Message) { calls = append(calls, string(msg.Payload)) }))
+	fresh := e.chain("crm-2", e.stateHandler(func(msg *message.Message) { calls = append(calls, string(msg.Payload)) }))
 	for _, m := range []*message.Message{f1, f2, f3, f4, g1, g2} {
 		require.NoError(t, deliver(fresh, m))
 	}
@@ -167,7 +168,7 @@ func TestLatestFilter100UpdatesQueued(t *testing.T) {
 			router.AddConsumerHandler("indexer", "products", broker, func(msg *message.Message) error {
 				calls.Add(1)
 				handled.Store(msg.UUID)
-				_, err := stateHandler(func(*message.Message) {})(msg)
+				_, err := e.stateHandler(func(*message.Message) {})(msg)
 				return err
 			})
 			runCtx, cancel := context.WithCancel(ctx)
@@ -216,7 +217,7 @@ func TestLatestFilterLateOlderIsStale(t *testing.T) {
 			e := newLFEnv(t, store)
 			f := versioned.Family{Kind: "product.index", ID: "p-1"}
 			var calls []string
-			h := e.chain("indexer", stateHandler(func(msg *message.Message) { calls = append(calls, string(msg.Payload)) }))
+			h := e.chain("indexer", e.stateHandler(func(msg *message.Message) { calls = append(calls, string(msg.Payload)) }))
 
 			// Published without a latest record (a plain publisher).
 			m1, m2 := lfSeqMsg(t, f, 1), lfSeqMsg(t, f, 2)
@@ -260,7 +261,7 @@ func TestLatestFilterHandlerFailureRollsBackApplied(t *testing.T) {
 		if calls.Add(1) == 1 {
 			return nil, errors.New("index unavailable")
 		}
-		return stateHandler(func(*message.Message) {})(msg)
+		return e.stateHandler(func(*message.Message) {})(msg)
 	})
 	m := lfSeqMsg(t, f, 7)
 	require.ErrorContains(t, deliver(h, m), "index unavailable")
@@ -362,7 +363,7 @@ func TestLatestFilterFamiliesIndependentConcurrent(t *testing.T) {
 			}
 
 			calls := newLFCalls()
-			h := e.chain("indexer", stateHandler(calls.add))
+			h := e.chain("indexer", e.stateHandler(calls.add))
 			runWorkers(t, workers, queue.take(), h)
 
 			require.EqualValues(t, families, e.counter.Count(versioned.FilterHandled))
@@ -381,15 +382,25 @@ func TestLatestFilterFamiliesIndependentConcurrent(t *testing.T) {
 // deliveries out of order: each family's handler calls happen in strictly
 // increasing order (never an older update after a newer one), and each
 // family ends at its latest update.
+// Run for both latest stores on PostgreSQL (pgx), and for the SQL family
+// store on MariaDB and SQLite.
 func TestLatestFilterConcurrentProducersAndWorkers(t *testing.T) {
 	t.Parallel()
 	const families, updates, workers = 12, 20, 4
-	for _, store := range lfStores {
-		t.Run(store, func(t *testing.T) {
+	for _, run := range [][2]string{
+		{"postgres", "pgx"}, {"redis", "pgx"},
+		{"postgres", testenv.TargetMariaDB}, {"postgres", testenv.TargetSQLite},
+	} {
+		store, target := run[0], run[1]
+		name := store
+		if target != "pgx" {
+			name = target
+		}
+		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			e := newLFEnv(t, store)
+			e := newLFEnvWith(t, store, target)
 			calls := newLFCalls()
-			h := e.chain("indexer", stateHandler(calls.add))
+			h := e.chain("indexer", e.stateHandler(calls.add))
 
 			deliveries := make(chan *message.Message, families*updates)
 			var producers sync.WaitGroup
@@ -455,7 +466,7 @@ func TestLatestFilterRedisFlushedMidRun(t *testing.T) {
 	all := queue.take()
 	lfShuffle(7, all)
 	calls := newLFCalls()
-	h := e.chain("indexer", stateHandler(calls.add))
+	h := e.chain("indexer", e.stateHandler(calls.add))
 
 	// First half with the records, then Redis loses everything.
 	runWorkers(t, workers, all[:len(all)/2], h)
@@ -500,7 +511,7 @@ func TestLatestFilterRedisDownFailsOpen(t *testing.T) {
 	t.Cleanup(func() { _ = down.Close() })
 	e.latest, _ = versioned.NewRedisLatest(versioned.RedisLatestConfig{Client: down, Prefix: e.redisPrefix})
 	var calls []string
-	h := e.chain("indexer", stateHandler(func(msg *message.Message) { calls = append(calls, string(msg.Payload)) }))
+	h := e.chain("indexer", e.stateHandler(func(msg *message.Message) { calls = append(calls, string(msg.Payload)) }))
 	require.NoError(t, deliver(h, m2))
 	require.NoError(t, deliver(h, m1))
 	require.Equal(t, []string{`v2`}, calls, "m2 let through, m1 stale")
@@ -524,7 +535,7 @@ func TestLatestFilterLatestQuerier(t *testing.T) {
 	idem, err := middleware.NewIdempotent(middleware.Config{Beginner: e.beginner, Consumer: "indexer"}, nil)
 	require.NoError(t, err)
 	var calls []string
-	h := idem.Middleware(filter.Middleware(stateHandler(func(msg *message.Message) { calls = append(calls, string(msg.Payload)) })))
+	h := idem.Middleware(filter.Middleware(e.stateHandler(func(msg *message.Message) { calls = append(calls, string(msg.Payload)) })))
 	require.NoError(t, deliver(h, m1))
 	require.NoError(t, deliver(h, m2))
 	require.Equal(t, []string{`v2`}, calls)

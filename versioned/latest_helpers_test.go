@@ -2,7 +2,6 @@ package versioned_test
 
 import (
 	"context"
-	"database/sql"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -146,7 +145,8 @@ func (o *lfOutcomes) get(out middleware.Outcome) int {
 // latest filter over PostgreSQL or Redis.
 type lfEnv struct {
 	t        *testing.T
-	pool     *pgxpool.Pool
+	tg       testenv.Target
+	pool     *pgxpool.Pool // the postgres-pgx target's; nil on the others
 	db       sqldb.Querier
 	schema   string
 	families *versioned.FamilyStore
@@ -155,6 +155,8 @@ type lfEnv struct {
 
 	redis       *redis.Client
 	redisPrefix string
+
+	processed *processed.Store
 
 	outcomes *lfOutcomes
 	counter  *versioned.FilterCounter
@@ -168,22 +170,38 @@ func newLFEnv(t *testing.T, store string) *lfEnv {
 	return newLFEnvWith(t, store, "pgx")
 }
 
-// newLFEnvWith opens the environment with the given latest store and the
-// idempotent middleware on the given driver ("pgx" or "database/sql").
-func newLFEnvWith(t *testing.T, store, driverName string) *lfEnv {
+// newLFEnvWith opens the environment with the given latest store
+// ("postgres": the SQL FamilyStore of the environment's database, whatever
+// its dialect; "redis") on the given target: "pgx" or "database/sql"
+// (PostgreSQL), or one of testenv.TargetNames. The idempotent middleware
+// runs on the target's driver.
+func newLFEnvWith(t *testing.T, store, target string) *lfEnv {
 	t.Helper()
 	ctx := context.Background()
-	pool, schema := testenv.Pool(t)
-	e := &lfEnv{t: t, pool: pool, db: sqldb.Pgx(pool), schema: schema, store: store,
+	switch target {
+	case "pgx":
+		target = testenv.TargetPostgresPgx
+	case "database/sql":
+		target = testenv.TargetPostgresStdlib
+	}
+	tg := testenv.NewTarget(t, target, 8)
+	e := &lfEnv{t: t, tg: tg, pool: tg.Pgx, db: tg.DB, schema: tg.Database, store: store,
 		outcomes: &lfOutcomes{}, counter: &versioned.FilterCounter{}}
-	ps, err := processed.NewStore(processed.Config{})
+	ps, err := processed.NewStore(processed.Config{Dialect: tg.Dialect})
 	require.NoError(t, err)
 	require.NoError(t, ps.Migrate(ctx, e.db))
-	e.families, err = versioned.NewFamilyStore(versioned.FamilyStoreConfig{})
+	e.processed = ps
+	e.families, err = versioned.NewFamilyStore(versioned.FamilyStoreConfig{Dialect: tg.Dialect})
 	require.NoError(t, err)
 	require.NoError(t, e.families.Migrate(ctx, e.db))
-	_, err = pool.Exec(ctx, `CREATE TABLE state_copy (family_id text PRIMARY KEY, value text NOT NULL, event_id uuid NOT NULL)`)
-	require.NoError(t, err)
+	ddl := `CREATE TABLE state_copy (family_id text PRIMARY KEY, value text NOT NULL, event_id uuid NOT NULL)`
+	switch tg.Dialect {
+	case sqldb.MySQL:
+		ddl = `CREATE TABLE state_copy (family_id varchar(255) PRIMARY KEY, value text NOT NULL, event_id char(36) NOT NULL)`
+	case sqldb.SQLite:
+		ddl = `CREATE TABLE state_copy (family_id text PRIMARY KEY, value text NOT NULL, event_id text NOT NULL)`
+	}
+	tg.Exec(t, ddl)
 	switch store {
 	case "postgres":
 		e.latest = e.families
@@ -194,16 +212,10 @@ func newLFEnvWith(t *testing.T, store, driverName string) *lfEnv {
 	default:
 		t.Fatalf("unknown store %q", store)
 	}
-	switch driverName {
-	case "pgx":
-		e.beginner = middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
-	case "database/sql":
-		db, err := sql.Open("pgx", testenv.SchemaURL(schema))
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = db.Close() })
-		e.beginner = middleware.NewStdBeginner(db)
-	default:
-		t.Fatalf("unknown driver %q", driverName)
+	if tg.Pgx != nil {
+		e.beginner = middleware.NewPgxBeginner(tg.Pgx, middleware.PgxBeginnerConfig{})
+	} else {
+		e.beginner = middleware.NewStdBeginner(tg.Std)
 	}
 	return e
 }
@@ -215,7 +227,19 @@ func (e *lfEnv) forgetLatest() {
 		lfDeleteRedisPrefix(e.t, e.redis, e.redisPrefix)
 		return
 	}
-	_, err := e.pool.Exec(context.Background(), `DELETE FROM family_latest`)
+	_, err := e.db.Exec(context.Background(), `DELETE FROM family_latest`)
+	require.NoError(e.t, err)
+}
+
+// forgetProcessed deletes the processed-event row of eventID (a purge).
+func (e *lfEnv) forgetProcessed(eventID string) {
+	e.t.Helper()
+	id := uuid.MustParse(eventID)
+	var arg any = eventID
+	if e.tg.Dialect != sqldb.PostgreSQL {
+		arg = id[:] // BINARY(16) / BLOB
+	}
+	_, err := e.db.Exec(context.Background(), e.tg.Rebind(`DELETE FROM processed_event WHERE event_id = $1`), arg)
 	require.NoError(e.t, err)
 }
 
@@ -247,6 +271,7 @@ func (e *lfEnv) chain(consumer string, h message.HandlerFunc) message.HandlerFun
 	e.t.Helper()
 	idem, err := middleware.NewIdempotent(middleware.Config{
 		Beginner: e.beginner,
+		Store:    e.processed,
 		Consumer: consumer,
 		Recorder: e.outcomes,
 	}, watermill.NopLogger{})
@@ -256,7 +281,14 @@ func (e *lfEnv) chain(consumer string, h message.HandlerFunc) message.HandlerFun
 
 // stateHandler writes the message's payload "value" to state_copy,
 // unconditionally (the filter provides the order), and reports each call.
-func stateHandler(calls func(msg *message.Message)) message.HandlerFunc {
+func (e *lfEnv) stateHandler(calls func(msg *message.Message)) message.HandlerFunc {
+	query := `INSERT INTO state_copy (family_id, value, event_id) VALUES ($1, $2, $3)
+			ON CONFLICT (family_id) DO UPDATE SET value = EXCLUDED.value, event_id = EXCLUDED.event_id`
+	if e.tg.Dialect == sqldb.MySQL {
+		query = `INSERT INTO state_copy (family_id, value, event_id) VALUES (?, ?, ?)
+			ON DUPLICATE KEY UPDATE value = VALUES(value), event_id = VALUES(event_id)`
+	}
+	query = e.tg.Rebind(query)
 	return func(msg *message.Message) ([]*message.Message, error) {
 		calls(msg)
 		q, ok := middleware.QuerierFromContext(msg.Context())
@@ -264,24 +296,25 @@ func stateHandler(calls func(msg *message.Message)) message.HandlerFunc {
 			return nil, fmt.Errorf("no transaction")
 		}
 		id := msg.Metadata.Get(versioned.MetadataFamilyID)
-		_, err := q.Exec(msg.Context(), `INSERT INTO state_copy (family_id, value, event_id) VALUES ($1, $2, $3)
-			ON CONFLICT (family_id) DO UPDATE SET value = EXCLUDED.value, event_id = EXCLUDED.event_id`,
-			id, string(msg.Payload), msg.UUID)
+		_, err := q.Exec(msg.Context(), query, id, string(msg.Payload), msg.UUID)
 		return nil, err
 	}
 }
 
 func (e *lfEnv) state(id string) (value, eventID string) {
 	e.t.Helper()
-	require.NoError(e.t, e.pool.QueryRow(context.Background(),
-		`SELECT value, event_id::text FROM state_copy WHERE family_id = $1`, id).Scan(&value, &eventID))
+	query := `SELECT value, event_id FROM state_copy WHERE family_id = $1`
+	if e.tg.Dialect == sqldb.PostgreSQL {
+		query = `SELECT value, event_id::text FROM state_copy WHERE family_id = $1`
+	}
+	require.NoError(e.t, e.db.QueryRow(context.Background(), e.tg.Rebind(query), id).Scan(&value, &eventID))
 	return value, eventID
 }
 
 func (e *lfEnv) count(query string, args ...any) int {
 	e.t.Helper()
 	var n int
-	require.NoError(e.t, e.pool.QueryRow(context.Background(), query, args...).Scan(&n))
+	require.NoError(e.t, e.db.QueryRow(context.Background(), e.tg.Rebind(query), args...).Scan(&n))
 	return n
 }
 

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"hash/fnv"
 	"math/rand/v2"
 	"sync"
 	"time"
@@ -94,16 +93,20 @@ func (c FamilyPurgerConfig) Validate() error {
 }
 
 // FamilyPurger deletes idle families' rows from a FamilyStore's two tables,
-// in bounded batches, on one dedicated connection that holds a
-// session-level advisory lock for the run: however many instances run one on
-// the same tables, one works at a time and the others skip that run. (A
-// RedisLatest needs none: its keys expire.)
+// in bounded batches, on one dedicated connection that holds a lock for the
+// run: however many instances run one on the same tables, one works at a
+// time and the others skip that run. The lock is a session-level advisory
+// lock on PostgreSQL, a named lock (GET_LOCK) on MySQL, and a lock of the
+// process on SQLite (one process per database file). (A RedisLatest needs
+// none: its keys expire.)
 type FamilyPurger struct {
 	store  *FamilyStore
 	pool   sqldb.Pool
 	cfg    FamilyPurgerConfig
 	logger watermill.LoggerAdapter
-	lockID int64
+	// lockName names the run's named lock (MySQL) or in-process lock
+	// (SQLite); PostgreSQL's advisory lock is keyed by the latest table.
+	lockName string
 
 	mu      sync.Mutex
 	cancel  context.CancelFunc
@@ -123,9 +126,8 @@ func NewFamilyPurger(store *FamilyStore, pool sqldb.Pool, cfg FamilyPurgerConfig
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	h := fnv.New64a()
-	_, _ = h.Write([]byte("idempotency-purge:versioned-family:" + store.latest.String() + "," + store.applied.String()))
-	return &FamilyPurger{store: store, pool: pool, cfg: cfg, logger: logger, lockID: int64(h.Sum64())}, nil
+	name := "versioned-family:" + store.latest.String() + "," + store.applied.String()
+	return &FamilyPurger{store: store, pool: pool, cfg: cfg, logger: logger, lockName: name}, nil
 }
 
 // PurgeNow runs one purge: it takes the advisory lock (or returns ran=false
@@ -137,19 +139,18 @@ func (p *FamilyPurger) PurgeNow(ctx context.Context) (deleted int64, ran bool, e
 		return 0, false, fmt.Errorf("versioned: family purge: acquire: %w", err)
 	}
 	defer conn.Release()
-	var locked bool
-	if err := conn.QueryRow(ctx, pgFamilyTryLock, p.lockID).Scan(&locked); err != nil {
+	name := p.lockName
+	if p.store.dialect == sqldb.PostgreSQL {
+		name = p.store.latest.Quoted('"') // the lock is keyed by its OID
+	}
+	unlock, locked, err := p.store.sql.lock(ctx, conn, name)
+	if err != nil {
 		return 0, false, fmt.Errorf("versioned: family purge: lock: %w", err)
 	}
 	if !locked {
 		return 0, false, nil
 	}
-	defer func() {
-		var ok bool
-		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		_ = conn.QueryRow(uctx, pgFamilyUnlock, p.lockID).Scan(&ok)
-	}()
+	defer unlock()
 	for {
 		n, err := p.store.PurgeBatch(ctx, conn, p.cfg.Horizon, p.cfg.BatchSize)
 		deleted += n

@@ -2,6 +2,7 @@ package versioned_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"testing"
 	"time"
@@ -32,116 +33,165 @@ func TestFamilyPurgerConfigValidate(t *testing.T) {
 	require.NoError(t, err)
 }
 
+// idle sets the updated_at of table's rows to the database clock minus
+// oldMin minutes for families whose (numeric) id is below split, minus
+// youngMin minutes for the others.
+func idle(t *testing.T, tg testenv.Target, table string, split, oldMin, youngMin int) {
+	t.Helper()
+	var query string
+	switch tg.Dialect {
+	case sqldb.PostgreSQL:
+		query = `UPDATE ` + table + ` SET updated_at = now() - CASE WHEN family_id::int < $1 THEN $2::int ELSE $3::int END * interval '1 minute'`
+	case sqldb.MySQL:
+		query = `UPDATE ` + table + ` SET updated_at = UTC_TIMESTAMP(6) - INTERVAL CASE WHEN CAST(family_id AS UNSIGNED) < ? THEN ? ELSE ? END MINUTE`
+	default:
+		query = `UPDATE ` + table + ` SET updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-' || CASE WHEN CAST(family_id AS INTEGER) < ? THEN ? ELSE ? END || ' minutes')`
+	}
+	_, err := tg.DB.Exec(context.Background(), query, split, oldMin, youngMin)
+	require.NoError(t, err)
+}
+
+// count returns the number of rows of table.
+func count(t *testing.T, tg testenv.Target, table string) int {
+	t.Helper()
+	var n int
+	require.NoError(t, tg.DB.QueryRow(context.Background(), `SELECT count(*) FROM `+table).Scan(&n))
+	return n
+}
+
 // Families idle longer than the horizon go, from both tables, in bounded
 // batches; active ones stay; the cutoff is the database clock's whatever
 // the session time zone.
 func TestFamilyPurgeIdle(t *testing.T) {
 	t.Parallel()
-	schema := testenv.Schema(t)
-	cfg := testenv.PoolConfig(t, testenv.PostgresURL(), schema, 4)
-	cfg.ConnConfig.RuntimeParams["timezone"] = "Pacific/Kiritimati"
-	pool := testenv.PoolOn(t, schema, 4)
-	ctx := context.Background()
-	s := migratedFamilies(t, sqldb.Pgx(pool))
-	for i := 0; i < 7; i++ {
-		f := versioned.Family{Kind: "k", ID: fmt.Sprint(i)}
-		pos := versioned.SeqPosition(1, uuid.Must(uuid.NewV7()))
-		_, err := s.Advance(ctx, sqldb.Pgx(pool), f, pos)
+	testenv.EachTarget(t, func(t *testing.T, tg testenv.Target) {
+		ctx := context.Background()
+		s := migratedFamiliesOn(t, tg)
+		for i := 0; i < 7; i++ {
+			f := versioned.Family{Kind: "k", ID: fmt.Sprint(i)}
+			pos := versioned.SeqPosition(1, uuid.Must(uuid.NewV7()))
+			_, err := s.Advance(ctx, tg.DB, f, pos)
+			require.NoError(t, err)
+			_, err = s.RecordApplied(ctx, tg.DB, "c", f, pos)
+			require.NoError(t, err)
+		}
+		// Families 0-4 idle for 2 hours (both tables), 5 and 6 for 59 minutes.
+		idle(t, tg, "family_latest", 5, 120, 59)
+		idle(t, tg, "family_applied", 5, 120, 59)
+		n, err := s.PurgeBatch(ctx, tg.DB, time.Hour, 3)
 		require.NoError(t, err)
-		_, err = s.RecordApplied(ctx, sqldb.Pgx(pool), "c", f, pos)
-		require.NoError(t, err)
-	}
-	// Families 0-4 idle for 2 hours (both tables), 5 and 6 for 59 minutes.
-	for _, table := range []string{"family_latest", "family_applied"} {
-		_, err := pool.Exec(ctx, `UPDATE `+table+` SET updated_at = now() - CASE WHEN family_id::int < 5 THEN interval '2 hours' ELSE interval '59 minutes' END`)
-		require.NoError(t, err)
-	}
-	n, err := s.PurgeBatch(ctx, sqldb.Pgx(pool), time.Hour, 3)
-	require.NoError(t, err)
-	require.EqualValues(t, 3, n, "bounded by the batch size")
+		require.EqualValues(t, 3, n, "bounded by the batch size")
 
-	tzPool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(tzPool.Close)
-	purger, err := versioned.NewFamilyPurger(s, sqldb.PgxPool(tzPool), versioned.FamilyPurgerConfig{Horizon: time.Hour, BatchSize: 2}, nil)
-	require.NoError(t, err)
-	n, ran, err := purger.PurgeNow(ctx)
-	require.NoError(t, err)
-	require.True(t, ran)
-	require.EqualValues(t, 7, n, "the remaining 2 latest and 5 applied rows, in batches of 2")
-	var latest, applied int
-	require.NoError(t, pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM family_latest), (SELECT count(*) FROM family_applied)`).Scan(&latest, &applied))
-	require.Equal(t, 2, latest)
-	require.Equal(t, 2, applied)
+		// The purger's sessions run in a time zone far from UTC.
+		var pool sqldb.Pool
+		switch tg.Name {
+		case testenv.TargetPostgresPgx:
+			cfg := testenv.PoolConfig(t, testenv.PostgresURL(), tg.Database, 4)
+			cfg.ConnConfig.RuntimeParams["timezone"] = "Pacific/Kiritimati"
+			tzPool, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			t.Cleanup(tzPool.Close)
+			pool = sqldb.PgxPool(tzPool)
+		case testenv.TargetPostgresStdlib:
+			db, err := sql.Open("pgx", testenv.SchemaURL(tg.Database)+"&timezone=Pacific/Kiritimati")
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = db.Close() })
+			pool = sqldb.StdPool(db)
+		case testenv.TargetMariaDB:
+			db, err := sql.Open("mysql", testenv.MySQLDatabaseDSN(tg.Database)+"&time_zone=%27-11%3A00%27")
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = db.Close() })
+			pool = sqldb.StdPool(db)
+		default: // SQLite has no session time zone; 'now' is UTC
+			pool = tg.Pool
+		}
+		purger, err := versioned.NewFamilyPurger(s, pool, versioned.FamilyPurgerConfig{Horizon: time.Hour, BatchSize: 2}, nil)
+		require.NoError(t, err)
+		n, ran, err := purger.PurgeNow(ctx)
+		require.NoError(t, err)
+		require.True(t, ran)
+		require.EqualValues(t, 7, n, "the remaining 2 latest and 5 applied rows, in batches of 2")
+		require.Equal(t, 2, count(t, tg, "family_latest"))
+		require.Equal(t, 2, count(t, tg, "family_applied"))
+	})
 }
 
 // Two purgers at once: while one holds the lock, the other skips its run.
 func TestFamilyPurgersOneAtATime(t *testing.T) {
 	t.Parallel()
-	pool, schema := testenv.Pool(t)
-	ctx := context.Background()
-	s := migratedFamilies(t, sqldb.Pgx(pool))
-	_, err := pool.Exec(ctx, `INSERT INTO family_latest (family_kind, family_id, order_key, event_id, updated_at)
-		SELECT 'k', g::text, '\x00'::bytea, gen_random_uuid(), now() - interval '2 hours' FROM generate_series(1, 30) g`)
-	require.NoError(t, err)
-	inRun, release := make(chan struct{}), make(chan struct{})
-	first, err := versioned.NewFamilyPurger(s, sqldb.PgxPool(pool), versioned.FamilyPurgerConfig{
-		Horizon: time.Hour,
-		OnPurge: func(int64, time.Time) { close(inRun); <-release },
-	}, nil)
-	require.NoError(t, err)
-	second, err := versioned.NewFamilyPurger(s, sqldb.PgxPool(testenv.PoolOn(t, schema, 2)), versioned.FamilyPurgerConfig{Horizon: time.Hour}, nil)
-	require.NoError(t, err)
-	done := make(chan int64, 1)
-	go func() {
-		n, _, err := first.PurgeNow(ctx)
-		if err != nil {
-			t.Error(err)
+	testenv.EachTarget(t, func(t *testing.T, tg testenv.Target) {
+		ctx := context.Background()
+		s := migratedFamiliesOn(t, tg)
+		for i := 1; i <= 30; i++ {
+			_, err := s.Advance(ctx, tg.DB, versioned.Family{Kind: "k", ID: fmt.Sprint(i)}, versioned.SeqPosition(1, uuid.Must(uuid.NewV7())))
+			require.NoError(t, err)
 		}
-		done <- n
-	}()
-	<-inRun
-	n, ran, err := second.PurgeNow(ctx)
-	require.NoError(t, err)
-	require.False(t, ran)
-	require.Zero(t, n)
-	close(release)
-	require.EqualValues(t, 30, <-done)
-	_, ran, err = second.PurgeNow(ctx)
-	require.NoError(t, err)
-	require.True(t, ran, "the lock is released after the run")
+		idle(t, tg, "family_latest", 100, 120, 120)
+		inRun, release := make(chan struct{}), make(chan struct{})
+		first, err := versioned.NewFamilyPurger(s, tg.Pool, versioned.FamilyPurgerConfig{
+			Horizon: time.Hour,
+			OnPurge: func(int64, time.Time) { close(inRun); <-release },
+		}, nil)
+		require.NoError(t, err)
+		// Another instance: its own handle on the database.
+		second, err := versioned.NewFamilyPurger(s, testenv.OpenTarget(t, tg.Name, tg.Database, 2).Pool, versioned.FamilyPurgerConfig{Horizon: time.Hour}, nil)
+		require.NoError(t, err)
+		done := make(chan int64, 1)
+		go func() {
+			n, ran, err := first.PurgeNow(ctx)
+			if err != nil || !ran {
+				t.Errorf("the first purger: ran %v, %v", ran, err)
+			}
+			done <- n
+		}()
+		select {
+		case <-inRun:
+		case <-done:
+			t.Fatal("the first purger did not hold the lock")
+		}
+		n, ran, err := second.PurgeNow(ctx)
+		require.NoError(t, err)
+		require.False(t, ran)
+		require.Zero(t, n)
+		close(release)
+		require.EqualValues(t, 30, <-done)
+		_, ran, err = second.PurgeNow(ctx)
+		require.NoError(t, err)
+		require.True(t, ran, "the lock is released after the run")
+	})
 }
 
 func TestFamilyPurgerStartStop(t *testing.T) {
 	t.Parallel()
-	pool, _ := testenv.Pool(t)
-	ctx := context.Background()
-	s := migratedFamilies(t, sqldb.Pgx(pool))
-	_, err := pool.Exec(ctx, `INSERT INTO family_applied (consumer, family_kind, family_id, order_key, event_id, updated_at)
-		VALUES ('c', 'k', 'i', '\x00'::bytea, gen_random_uuid(), now() - interval '2 hours')`)
-	require.NoError(t, err)
-	runs := make(chan int64, 16)
-	p, err := versioned.NewFamilyPurger(s, sqldb.PgxPool(pool), versioned.FamilyPurgerConfig{
-		Horizon:  time.Hour,
-		Interval: time.Millisecond,
-		OnPurge:  func(n int64, _ time.Time) { runs <- n },
-	}, nil)
-	require.NoError(t, err)
-	p.Stop() // without Start: a no-op
-	require.NoError(t, p.Start(ctx))
-	require.Error(t, p.Start(ctx), "started twice")
-	select {
-	case n := <-runs:
-		require.EqualValues(t, 1, n)
-	case <-time.After(30 * time.Second):
-		t.Fatal("no purge run")
-	}
-	p.Stop()
-	p.Stop()
-	// Stopped: no run is in progress, and none starts any more.
-	for len(runs) > 0 {
-		<-runs
-	}
-	require.NoError(t, p.Start(ctx), "can start again after Stop")
-	p.Stop()
+	testenv.EachTarget(t, func(t *testing.T, tg testenv.Target) {
+		ctx := context.Background()
+		s := migratedFamiliesOn(t, tg)
+		_, err := s.RecordApplied(ctx, tg.DB, "c", versioned.Family{Kind: "k", ID: "1"}, versioned.SeqPosition(1, uuid.Must(uuid.NewV7())))
+		require.NoError(t, err)
+		idle(t, tg, "family_applied", 100, 120, 120)
+		runs := make(chan int64, 16)
+		p, err := versioned.NewFamilyPurger(s, tg.Pool, versioned.FamilyPurgerConfig{
+			Horizon:  time.Hour,
+			Interval: time.Millisecond,
+			OnPurge:  func(n int64, _ time.Time) { runs <- n },
+		}, nil)
+		require.NoError(t, err)
+		p.Stop() // without Start: a no-op
+		require.NoError(t, p.Start(ctx))
+		require.Error(t, p.Start(ctx), "started twice")
+		select {
+		case n := <-runs:
+			require.EqualValues(t, 1, n)
+		case <-time.After(30 * time.Second):
+			t.Fatal("no purge run")
+		}
+		p.Stop()
+		p.Stop()
+		// Stopped: no run is in progress, and none starts any more.
+		for len(runs) > 0 {
+			<-runs
+		}
+		require.NoError(t, p.Start(ctx), "can start again after Stop")
+		p.Stop()
+	})
 }

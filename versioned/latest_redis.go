@@ -74,7 +74,7 @@ func (c RedisLatestConfig) Validate() error {
 // What Redis may lose, and what it costs: a key that expires, is evicted, or
 // vanishes with a restart or a FLUSH only makes the filter let the family's
 // older messages through to the handler (more work, as without the filter);
-// the applied table of the FamilyStore, written in the handler's PostgreSQL
+// the applied table of the FamilyStore, written in the handler's database
 // transaction, still drops any message not newer than one already applied.
 // A lost key never causes the latest message to be dropped: Advance never
 // moves a key backwards, and a key only ever names a message that was

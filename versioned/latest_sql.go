@@ -1,39 +1,118 @@
 package versioned
 
 import (
+	"context"
 	"fmt"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
-// This file holds all the SQL text of the family store, for PostgreSQL (the
-// only dialect so far). %[1]s is the quoted latest table, %[2]s the quoted
-// applied table. Another dialect adds a case to familySQLFor with statements
-// of the same contract (parameters, one round trip, result shape).
+// This file holds all the SQL text of the family store, one statement set
+// per dialect. %[1]s is the quoted latest table, %[2]s the quoted applied
+// table. Every dialect's statements have the contract written on the
+// PostgreSQL ones; how their result reads is in familySQL.
 
-// familySQL is the family store's statement set for one pair of tables.
+// familySQL is the family store's statement set for one pair of tables and
+// the dialect's ways of binding and reading.
 type familySQL struct {
-	advance, latest, applied, check string
-	purgeLatest, purgeApplied       string
+	// advance and applied move a record forward when the incoming
+	// order_key is greater. returning: they return one row when they wrote
+	// (PostgreSQL, SQLite); otherwise their rows affected are 0 when
+	// nothing moved (MySQL's ON DUPLICATE KEY UPDATE: 1 inserted, 2
+	// updated).
+	advance, applied string
+	returning        bool
+	advanceArgs      func(kind, id string, key []byte, eventID any, seq *int64, at *time.Time) []any
+	appliedArgs      func(consumer, kind, id string, key []byte, eventID any) []any
+
+	latest string
+	// check is the filter's verdict in one statement (PostgreSQL); "" for
+	// the dialects without data-modifying CTEs, where newer (is a newer
+	// latest record there?) then applied run one after the other in the
+	// handler's transaction.
+	check, newer string
+
+	purgeLatest, purgeApplied string
+	purgeArgs                 func(horizon time.Duration, limit int64) []any
+
+	eventID func(uuid.UUID) any
+	// lock is the purger's lock for one run, held by conn's session, or by
+	// the process (SQLite); name is the latest table (PostgreSQL) or both
+	// tables (FamilyPurger.lockName).
+	lock func(ctx context.Context, conn sqldb.Conn, name string) (unlock func(), ok bool, err error)
 }
 
 func familySQLFor(d sqldb.Dialect, latest, applied sqldb.Ident) (familySQL, error) {
+	l, a := latest.Quoted(d.QuoteChar()), applied.Quoted(d.QuoteChar())
+	f := func(s string) string { return fmt.Sprintf(s, l, a) }
+	var s familySQL
 	switch d {
 	case sqldb.PostgreSQL:
-		l, a := latest.Quoted(d.QuoteChar()), applied.Quoted(d.QuoteChar())
-		return familySQL{
-			advance:      fmt.Sprintf(pgFamilyAdvance, l),
-			latest:       fmt.Sprintf(pgFamilyLatest, l),
-			applied:      fmt.Sprintf(pgFamilyApplied, a),
-			check:        fmt.Sprintf(pgFamilyCheck, l, a),
-			purgeLatest:  fmt.Sprintf(pgFamilyPurge, l),
-			purgeApplied: fmt.Sprintf(pgFamilyPurge, a),
-		}, nil
+		s = familySQL{
+			advance: f(pgFamilyAdvance), applied: f(pgFamilyApplied), returning: true,
+			latest: f(pgFamilyLatest), check: f(pgFamilyCheck),
+			purgeLatest: fmt.Sprintf(pgFamilyPurge, l), purgeApplied: fmt.Sprintf(pgFamilyPurge, a),
+			eventID: func(id uuid.UUID) any { return pgtype.UUID{Bytes: id, Valid: true} },
+			lock:    pgFamilyLock,
+		}
+	case sqldb.MySQL:
+		s = familySQL{
+			advance: f(myFamilyAdvance), applied: f(myFamilyApplied),
+			advanceArgs: func(kind, id string, key []byte, eventID any, seq *int64, at *time.Time) []any {
+				return []any{kind, id, key, eventID, seq, at, key, eventID, key, seq, key, at, key, key, key}
+			},
+			appliedArgs: func(consumer, kind, id string, key []byte, eventID any) []any {
+				return []any{consumer, kind, id, key, eventID, key, eventID, key, key, key}
+			},
+			latest: f(myFamilyLatest), newer: f(myFamilyNewer),
+			purgeLatest: fmt.Sprintf(myFamilyPurge, l), purgeApplied: fmt.Sprintf(myFamilyPurge, a),
+			eventID: func(id uuid.UUID) any { return id[:] },
+			lock:    myFamilyLock,
+		}
+	case sqldb.SQLite:
+		s = familySQL{
+			advance: f(liteFamilyAdvance), applied: f(liteFamilyApplied), returning: true,
+			advanceArgs: func(kind, id string, key []byte, eventID any, seq *int64, at *time.Time) []any {
+				var text any // occurred_at as UTC RFC 3339 text, like updated_at
+				if at != nil {
+					text = at.UTC().Format(time.RFC3339Nano)
+				}
+				return []any{kind, id, key, eventID, seq, text}
+			},
+			latest: f(liteFamilyLatest), newer: f(liteFamilyNewer),
+			purgeLatest:  fmt.Sprintf(liteFamilyPurge, l, "family_kind, family_id"),
+			purgeApplied: fmt.Sprintf(liteFamilyPurge, a, "consumer, family_kind, family_id"),
+			purgeArgs: func(h time.Duration, limit int64) []any {
+				return []any{fmt.Sprintf("-%.6f seconds", h.Seconds()), limit}
+			},
+			eventID: func(id uuid.UUID) any { return id[:] },
+			lock:    liteFamilyLock,
+		}
 	default:
 		return familySQL{}, fmt.Errorf("unsupported dialect %s", d)
 	}
+	if s.advanceArgs == nil {
+		s.advanceArgs = func(kind, id string, key []byte, eventID any, seq *int64, at *time.Time) []any {
+			return []any{kind, id, key, eventID, seq, at}
+		}
+	}
+	if s.appliedArgs == nil {
+		s.appliedArgs = func(consumer, kind, id string, key []byte, eventID any) []any {
+			return []any{consumer, kind, id, key, eventID}
+		}
+	}
+	if s.purgeArgs == nil {
+		s.purgeArgs = func(h time.Duration, limit int64) []any { return []any{h.Microseconds(), limit} }
+	}
+	return s, nil
 }
 
+// PostgreSQL.
 const (
 	// pgFamilyAdvance moves a family's latest record forward: parameters
 	// kind, id, order_key, event_id, seq (NULL when none), occurred_at (NULL
@@ -59,7 +138,7 @@ RETURNING true`
 	// equal or older (stale). The row lock is held until the handler's
 	// transaction ends, so one consumer's handlers of one family run one at
 	// a time.
-	pgFamilyApplied = `INSERT INTO %[1]s AS cur (consumer, family_kind, family_id, order_key, event_id)
+	pgFamilyApplied = `INSERT INTO %[2]s AS cur (consumer, family_kind, family_id, order_key, event_id)
 VALUES ($1, $2, $3, $4, $5)
 ON CONFLICT (consumer, family_kind, family_id) DO UPDATE
 SET order_key = EXCLUDED.order_key, event_id = EXCLUDED.event_id, updated_at = now()
@@ -96,9 +175,139 @@ SELECT latest.obsolete, EXISTS (SELECT 1 FROM recorded) FROM latest`
     WHERE updated_at < now() - ($1::bigint * interval '1 microsecond')
     LIMIT $2
     FOR UPDATE SKIP LOCKED))`
-
-	// pgFamilyTryLock / pgFamilyUnlock: the purger's session-level advisory
-	// lock, held for one whole run, so one purger works at a time.
-	pgFamilyTryLock = `SELECT pg_try_advisory_lock($1)`
-	pgFamilyUnlock  = `SELECT pg_advisory_unlock($1)`
 )
+
+// pgFamilyLock is the purger's session-level advisory lock, held for one
+// whole run, so one purger works at a time per pair of tables. Its key is
+// the latest table's OID (resolved through the search_path, so tables of
+// one name in different schemas have different locks) under a constant high
+// word that keeps it apart from other advisory-lock users (processed's
+// purger uses 0x1de0). name is the latest table.
+func pgFamilyLock(ctx context.Context, conn sqldb.Conn, name string) (func(), bool, error) {
+	const key = `(x'1de1'::bigint << 32) | $1::regclass::oid::bigint`
+	var ok bool
+	if err := conn.QueryRow(ctx, `SELECT pg_try_advisory_lock(`+key+`)`, name).Scan(&ok); err != nil || !ok {
+		return nil, false, err
+	}
+	return func() {
+		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_ = conn.QueryRow(uctx, `SELECT pg_advisory_unlock(`+key+`)`, name).Scan(&ok)
+	}, true, nil
+}
+
+// MySQL 8.0+ and MariaDB 10.11+: the same text for both. The tables' text
+// columns are VARBINARY, compared byte by byte like PostgreSQL's text
+// under the C collation and bytea: no case folding, no trailing-space
+// padding. order_key comparisons are memcmp order, as for bytea.
+const (
+	// myFamilyAdvance: as pgFamilyAdvance, with ON DUPLICATE KEY UPDATE
+	// and IF() per column (order_key assigned last: MySQL evaluates the
+	// assignments left to right). Rows affected: 1 inserted, 2 moved, 0 not
+	// moved (needs clientFoundRows off). InnoDB locks the existing row and
+	// compares with its latest committed version at any isolation level.
+	// Parameters: kind, id, order_key, event_id, seq, occurred_at, then for
+	// the update branch order_key, event_id, order_key, seq, order_key,
+	// occurred_at, order_key, order_key, order_key (familySQL.advanceArgs).
+	myFamilyAdvance = "INSERT INTO %[1]s (family_kind, family_id, order_key, event_id, seq, occurred_at)" +
+		" VALUES (?, ?, ?, ?, ?, ?)" +
+		" ON DUPLICATE KEY UPDATE" +
+		" event_id = IF(order_key < ?, ?, event_id)," +
+		" seq = IF(order_key < ?, ?, seq)," +
+		" occurred_at = IF(order_key < ?, ?, occurred_at)," +
+		" updated_at = IF(order_key < ?, UTC_TIMESTAMP(6), updated_at)," +
+		" order_key = IF(order_key < ?, ?, order_key)"
+
+	myFamilyLatest = "SELECT order_key FROM %[1]s WHERE family_kind = ? AND family_id = ?"
+
+	// myFamilyApplied: as pgFamilyApplied, the row lock held until the
+	// handler's transaction ends. Parameters: consumer, kind, id,
+	// order_key, event_id, then order_key, event_id, order_key, order_key,
+	// order_key.
+	myFamilyApplied = "INSERT INTO %[2]s (consumer, family_kind, family_id, order_key, event_id)" +
+		" VALUES (?, ?, ?, ?, ?)" +
+		" ON DUPLICATE KEY UPDATE" +
+		" event_id = IF(order_key < ?, ?, event_id)," +
+		" updated_at = IF(order_key < ?, UTC_TIMESTAMP(6), updated_at)," +
+		" order_key = IF(order_key < ?, ?, order_key)"
+
+	// myFamilyNewer: is the latest record newer than order_key? A plain
+	// (consistent, non-locking) read, so it never blocks producers; run
+	// before myFamilyApplied in the handler's transaction. Parameters:
+	// kind, id, order_key.
+	myFamilyNewer = "SELECT EXISTS (SELECT 1 FROM %[1]s WHERE family_kind = ? AND family_id = ? AND order_key > ?)"
+
+	// myFamilyPurge deletes at most ? rows idle for longer than ?
+	// microseconds by the server's clock in UTC (as stored). Unlike
+	// PostgreSQL it waits for rows a writer holds (no SKIP LOCKED in
+	// DELETE); idle rows are rarely locked.
+	myFamilyPurge = "DELETE FROM %[1]s WHERE updated_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND ORDER BY updated_at LIMIT ?"
+)
+
+// myFamilyLock is a session-level named lock (GET_LOCK with no wait), per
+// database and pair of tables; SHA1 keeps the name within MySQL's 64
+// characters.
+func myFamilyLock(ctx context.Context, conn sqldb.Conn, name string) (func(), bool, error) {
+	const lockName = "CONCAT('idem-family-purge:', SHA1(CONCAT(DATABASE(), ':', ?)))"
+	var got *int64
+	if err := conn.QueryRow(ctx, "SELECT GET_LOCK("+lockName+", 0)", name).Scan(&got); err != nil {
+		return nil, false, err
+	}
+	if got == nil || *got != 1 {
+		return nil, false, nil
+	}
+	return func() {
+		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		var released *int64
+		_ = conn.QueryRow(uctx, "SELECT RELEASE_LOCK("+lockName+")", name).Scan(&released)
+	}, true, nil
+}
+
+// SQLite 3.35+. One writer at a time: the upserts need no row lock to be
+// serialised, the writer's transaction holds the database's.
+const (
+	liteFamilyAdvance = `INSERT INTO %[1]s (family_kind, family_id, order_key, event_id, seq, occurred_at)
+VALUES (?, ?, ?, ?, ?, ?)
+ON CONFLICT (family_kind, family_id) DO UPDATE
+SET order_key = excluded.order_key, event_id = excluded.event_id, seq = excluded.seq,
+    occurred_at = excluded.occurred_at, updated_at = strftime('%%Y-%%m-%%dT%%H:%%M:%%fZ', 'now')
+WHERE order_key < excluded.order_key
+RETURNING 1`
+
+	liteFamilyLatest = `SELECT order_key FROM %[1]s WHERE family_kind = ? AND family_id = ?`
+
+	liteFamilyApplied = `INSERT INTO %[2]s (consumer, family_kind, family_id, order_key, event_id)
+VALUES (?, ?, ?, ?, ?)
+ON CONFLICT (consumer, family_kind, family_id) DO UPDATE
+SET order_key = excluded.order_key, event_id = excluded.event_id,
+    updated_at = strftime('%%Y-%%m-%%dT%%H:%%M:%%fZ', 'now')
+WHERE order_key < excluded.order_key
+RETURNING 1`
+
+	liteFamilyNewer = `SELECT EXISTS (SELECT 1 FROM %[1]s WHERE family_kind = ? AND family_id = ? AND order_key > ?)`
+
+	// liteFamilyPurge: %[1]s the table, %[2]s its primary key columns;
+	// parameters: the strftime modifier "-N seconds", the limit.
+	liteFamilyPurge = `DELETE FROM %[1]s WHERE (%[2]s) IN (
+    SELECT %[2]s FROM %[1]s
+    WHERE updated_at < strftime('%%Y-%%m-%%dT%%H:%%M:%%fZ', 'now', ?)
+    ORDER BY updated_at LIMIT ?)`
+)
+
+// liteLocks stands in for session locks on SQLite (one file, normally one
+// process): one purger per database file and pair of tables per process.
+var liteLocks sync.Map // file + "\x00" + name → *sync.Mutex
+
+func liteFamilyLock(ctx context.Context, conn sqldb.Conn, name string) (func(), bool, error) {
+	var file string
+	if err := conn.QueryRow(ctx, `SELECT file FROM pragma_database_list WHERE name = 'main'`).Scan(&file); err != nil {
+		return nil, false, err
+	}
+	m, _ := liteLocks.LoadOrStore(file+"\x00"+name, &sync.Mutex{})
+	mu := m.(*sync.Mutex)
+	if !mu.TryLock() {
+		return nil, false, nil
+	}
+	return mu.Unlock, true, nil
+}

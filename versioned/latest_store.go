@@ -7,18 +7,19 @@ import (
 	"fmt"
 	"io/fs"
 	"path"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // LatestStore keeps the latest recorded position of each family: the
 // producer side advances it (LatestPublisher), the consumer side reads it
-// (LatestFilter). Two implementations ship: *FamilyStore (PostgreSQL, the
-// default) and *RedisLatest. Implementations must be safe for concurrent use.
+// (LatestFilter). Two implementations ship: *FamilyStore (PostgreSQL,
+// MySQL/MariaDB or SQLite; the default) and *RedisLatest. Implementations
+// must be safe for concurrent use.
 //
 // The invariant every implementation keeps, and on which "never drop the
 // latest message" rests: a record never moves backwards, and it only ever
@@ -66,8 +67,9 @@ type FamilyStoreConfig struct {
 	// Defaults to DefaultAppliedTable.
 	AppliedTable string
 
-	// Dialect is the SQL dialect. Defaults to sqldb.PostgreSQL, the only
-	// one supported so far.
+	// Dialect is the SQL dialect: sqldb.PostgreSQL, sqldb.MySQL (MySQL
+	// 8.0+, MariaDB 10.11+; the DSN must keep clientFoundRows off, which
+	// Migrate checks) or sqldb.SQLite. Defaults to sqldb.PostgreSQL.
 	Dialect sqldb.Dialect
 }
 
@@ -95,16 +97,28 @@ func (c FamilyStoreConfig) Validate() error {
 	if c.LatestTable != "" && c.LatestTable == c.AppliedTable {
 		return fmt.Errorf("versioned: FamilyStoreConfig.AppliedTable %q: must differ from LatestTable", c.AppliedTable)
 	}
-	if c.Dialect != sqldb.PostgreSQL {
-		return fmt.Errorf("versioned: FamilyStoreConfig.Dialect %s: the family store supports PostgreSQL only", c.Dialect)
+	if err := c.Dialect.Validate(); err != nil {
+		return fmt.Errorf("versioned: FamilyStoreConfig.Dialect: %w", err)
 	}
 	return nil
 }
 
-// FamilyStore is the PostgreSQL store of the latest-per-family filter: the
-// latest table (a LatestStore, Transactional) and the applied table. It holds
-// no connection: every method takes the sqldb.Querier to run on, so records
-// commit or roll back with the caller's transaction. Safe for concurrent use.
+// FamilyStore is the SQL store of the latest-per-family filter: the latest
+// table (a LatestStore, Transactional) and the applied table, on PostgreSQL,
+// MySQL/MariaDB or SQLite. It holds no connection: every method takes the
+// sqldb.Querier to run on, so records commit or roll back with the caller's
+// transaction. Safe for concurrent use.
+//
+// What differs per dialect: the filter's verdict (check) is one statement on
+// PostgreSQL (a data-modifying CTE) and two on MySQL and SQLite, a plain read
+// of the latest table then the applied upsert, in the handler's transaction;
+// the guarantees are the same (a stale read of the latest record only lets a
+// message through to the applied check, which is the one that serialises).
+// MySQL's upserts report through rows affected (clientFoundRows must be off);
+// racing first records of one family can end in an InnoDB deadlock error
+// (1213, transient: the producer's or handler's transaction is retried) when
+// one of the racers rolls back; its purge waits for rows a writer holds
+// instead of skipping them. SQLite's purge lock is per process.
 type FamilyStore struct {
 	latest, applied sqldb.Ident
 	dialect         sqldb.Dialect
@@ -157,15 +171,11 @@ func (s *FamilyStore) Advance(ctx context.Context, q sqldb.Querier, f Family, po
 	} else {
 		at = &pos.At
 	}
-	var moved bool
-	err := q.QueryRow(ctx, s.sql.advance, f.Kind, f.ID, pos.key(), uuidArg(pos.EventID), seq, at).Scan(&moved)
-	switch {
-	case errors.Is(err, sqldb.ErrNoRows):
-		return false, nil
-	case err != nil:
+	moved, err := s.upsert(ctx, q, s.sql.advance, s.sql.advanceArgs(f.Kind, f.ID, pos.key(), s.sql.eventID(pos.EventID), seq, at))
+	if err != nil {
 		return false, fmt.Errorf("versioned: advance latest of %s: %w", f, err)
 	}
-	return true, nil
+	return moved, nil
 }
 
 // Latest returns f's latest recorded position as visible to q; ok is false
@@ -200,15 +210,30 @@ func (s *FamilyStore) RecordApplied(ctx context.Context, q sqldb.Querier, consum
 	if err := checkArgs(f, pos); err != nil {
 		return false, err
 	}
-	var ok bool
-	err = q.QueryRow(ctx, s.sql.applied, consumer, f.Kind, f.ID, pos.key(), uuidArg(pos.EventID)).Scan(&ok)
-	switch {
-	case errors.Is(err, sqldb.ErrNoRows):
-		return false, nil
-	case err != nil:
+	recorded, err = s.recordApplied(ctx, q, consumer, f, pos)
+	if err != nil {
 		return false, fmt.Errorf("versioned: record applied %s of %s: %w", consumer, f, err)
 	}
-	return true, nil
+	return recorded, nil
+}
+
+func (s *FamilyStore) recordApplied(ctx context.Context, q sqldb.Querier, consumer string, f Family, pos Position) (bool, error) {
+	return s.upsert(ctx, q, s.sql.applied, s.sql.appliedArgs(consumer, f.Kind, f.ID, pos.key(), s.sql.eventID(pos.EventID)))
+}
+
+// upsert runs the advance or applied statement and reports whether it
+// wrote: a returned row, or rows affected (MySQL: 1 inserted, 2 updated).
+func (s *FamilyStore) upsert(ctx context.Context, q sqldb.Querier, query string, args []any) (bool, error) {
+	if !s.sql.returning {
+		n, err := q.Exec(ctx, query, args...)
+		return n > 0, err
+	}
+	var one any
+	err := q.QueryRow(ctx, query, args...).Scan(&one)
+	if errors.Is(err, sqldb.ErrNoRows) {
+		return false, nil
+	}
+	return err == nil, err
 }
 
 // verdict is what the filter decides for one message.
@@ -220,12 +245,19 @@ const (
 	verdictStale
 )
 
-// check is the filter's verdict with the latest table read on q, in one
-// round trip: obsolete (latest record newer, nothing written), stale (not
-// newer than the consumer's last applied one) or handle (recorded).
+// check is the filter's verdict with the latest table read on q: obsolete
+// (latest record newer, nothing written), stale (not newer than the
+// consumer's last applied one) or handle (recorded). One round trip on
+// PostgreSQL; on the other dialects the read of the latest table, then the
+// applied upsert, in q's transaction.
 func (s *FamilyStore) check(ctx context.Context, q sqldb.Querier, consumer string, f Family, pos Position) (verdict, error) {
 	var obsolete, recorded bool
-	err := q.QueryRow(ctx, s.sql.check, consumer, f.Kind, f.ID, pos.key(), uuidArg(pos.EventID)).Scan(&obsolete, &recorded)
+	var err error
+	if s.sql.check != "" {
+		err = q.QueryRow(ctx, s.sql.check, consumer, f.Kind, f.ID, pos.key(), s.sql.eventID(pos.EventID)).Scan(&obsolete, &recorded)
+	} else if err = q.QueryRow(ctx, s.sql.newer, f.Kind, f.ID, pos.key()).Scan(&obsolete); err == nil && !obsolete {
+		recorded, err = s.recordApplied(ctx, q, consumer, f, pos)
+	}
 	switch {
 	case err != nil:
 		return 0, fmt.Errorf("versioned: filter %s of %s: %w", consumer, f, err)
@@ -250,14 +282,14 @@ func (s *FamilyStore) PurgeBatch(ctx context.Context, q sqldb.Querier, horizon t
 	if horizon < 0 {
 		return 0, fmt.Errorf("versioned: purge horizon %s: must be ≥ 0", horizon)
 	}
-	n, err := q.Exec(ctx, s.sql.purgeLatest, horizon.Microseconds(), limit)
+	n, err := q.Exec(ctx, s.sql.purgeLatest, s.sql.purgeArgs(horizon, int64(limit))...)
 	if err != nil {
 		return 0, fmt.Errorf("versioned: purge %s: %w", s.latest, err)
 	}
 	if n >= int64(limit) {
 		return n, nil
 	}
-	m, err := q.Exec(ctx, s.sql.purgeApplied, horizon.Microseconds(), int64(limit)-n)
+	m, err := q.Exec(ctx, s.sql.purgeApplied, s.sql.purgeArgs(horizon, int64(limit)-n)...)
 	if err != nil {
 		return n, fmt.Errorf("versioned: purge %s: %w", s.applied, err)
 	}
@@ -274,10 +306,6 @@ func checkArgs(f Family, pos Position) error {
 	return nil
 }
 
-// uuidArg binds a UUID for either driver (pgx encodes pgtype.UUID natively,
-// database/sql drivers receive its text through driver.Valuer).
-func uuidArg(id uuid.UUID) any { return pgtype.UUID{Bytes: id, Valid: true} }
-
 // Migrations.
 
 //go:embed migrations
@@ -290,11 +318,30 @@ type FamilyMigration = sqldb.Migration
 // Migrations returns the store's migrations in version order, rendered for
 // its tables. Each is idempotent (IF NOT EXISTS), so running one twice is safe.
 func (s *FamilyStore) Migrations() ([]FamilyMigration, error) {
-	data := struct{ Latest, LatestName, Applied, AppliedName string }{
-		Latest:      s.latest.Quoted(s.dialect.QuoteChar()),
-		LatestName:  s.latest.Name(),
-		Applied:     s.applied.Quoted(s.dialect.QuoteChar()),
-		AppliedName: s.applied.Name(),
+	q := s.dialect.QuoteChar()
+	// SQLite's CREATE INDEX takes the schema on the index's name and an
+	// unqualified table: *Schema is the quoted schema and a dot (or ""),
+	// *Bare the quoted table without its schema.
+	schemaOf := func(id sqldb.Ident) string {
+		if id.String() == id.Name() {
+			return ""
+		}
+		schema, _, _ := strings.Cut(id.String(), ".")
+		return string(q) + schema + string(q) + "."
+	}
+	bare := func(id sqldb.Ident) string { return string(q) + id.Name() + string(q) }
+	data := struct {
+		Latest, LatestName, Applied, AppliedName             string
+		LatestSchema, LatestBare, AppliedSchema, AppliedBare string
+	}{
+		Latest:        s.latest.Quoted(q),
+		LatestName:    s.latest.Name(),
+		Applied:       s.applied.Quoted(q),
+		AppliedName:   s.applied.Name(),
+		LatestSchema:  schemaOf(s.latest),
+		LatestBare:    bare(s.latest),
+		AppliedSchema: schemaOf(s.applied),
+		AppliedBare:   bare(s.applied),
 	}
 	ms, err := sqldb.RenderMigrations(familyMigrationFiles, path.Join("migrations", s.dialect.String()), data)
 	if err != nil {
@@ -322,13 +369,15 @@ func FamilyMigrationsFS(latestTable, appliedTable string, dialect sqldb.Dialect)
 
 // Migrate applies the store's migrations in version order and records each
 // in the idempotency_migration table (component
-// "versioned-family:<latest>,<applied>"), with sqldb.Migrate: each migration
-// is one script in one implicit transaction behind a transaction-scoped
-// advisory lock derived from the component, and idempotent, so it is safe to
-// run from several instances at once. Run it on a pool or connection, not
-// inside a transaction of yours. Both tables are created in q's database:
-// where the latest table belongs to another service, the consumer's Migrate
-// creates an unused one, which is harmless.
+// "versioned-family:<latest>,<applied>"), with sqldb.Migrate: on PostgreSQL
+// each migration is one script in one implicit transaction behind a
+// transaction-scoped advisory lock derived from the component; on MySQL and
+// SQLite statement by statement, each idempotent (IF NOT EXISTS); either way
+// it is safe to run from several instances at once. Run it on a pool or
+// connection, not inside a transaction of yours. Both tables are created in
+// q's database: where the latest table belongs to another service, the
+// consumer's Migrate creates an unused one, which is harmless. On MySQL it
+// then checks that q's DSN keeps clientFoundRows off (ErrMySQLFoundRows).
 func (s *FamilyStore) Migrate(ctx context.Context, q sqldb.Querier) error {
 	ms, err := s.Migrations()
 	if err != nil {
@@ -340,3 +389,10 @@ func (s *FamilyStore) Migrate(ctx context.Context, q sqldb.Querier) error {
 	}
 	return nil
 }
+
+// ErrMySQLFoundRows is returned (wrapped) by FamilyStore.Migrate on MySQL when
+// the connection counts found rows rather than changed rows
+// (go-sql-driver/mysql's clientFoundRows=true): the MySQL upserts of this
+// package (FamilyStore, Upsert) read their outcome from rows affected and
+// would report a row left unchanged as written. It is sqldb.ErrMySQLFoundRows.
+var ErrMySQLFoundRows = sqldb.ErrMySQLFoundRows

@@ -11,9 +11,9 @@ import (
 
 // UpsertConfig describes the table an Upsert writes. Identifiers are validated
 // with sqldb.ParseIdent (letters, digits and underscores, at most 63 bytes) and
-// quoted, so they are case-sensitive: give them as PostgreSQL stores them
-// (lower case for names created without quotes). Anything else is refused,
-// never escaped.
+// quoted, so they are case-sensitive on PostgreSQL: give them as it stores
+// them (lower case for names created without quotes). Anything else is
+// refused, never escaped.
 type UpsertConfig struct {
 	// Table is the state-copy table, "table" or "schema.table". Required.
 	// An unqualified name resolves through the session's search_path.
@@ -22,12 +22,16 @@ type UpsertConfig struct {
 	// KeyColumns identify the row (for example the customer id). Required, at
 	// least one. They are the ON CONFLICT target, so the table must have a
 	// primary key or unique constraint on exactly these columns; PostgreSQL
-	// reports SQLSTATE 42P10 on the first Apply otherwise (NewUpsert does not
-	// touch the database).
+	// reports SQLSTATE 42P10 on the first Apply otherwise, SQLite an error
+	// too (NewUpsert does not touch the database). MySQL cannot check it:
+	// ON DUPLICATE KEY UPDATE reacts to a conflict on any unique index, and
+	// without one on these columns every Apply inserts a row. There, the
+	// table's only unique index must be its primary key on these columns.
 	KeyColumns []string
 
 	// VersionColumn holds the producer's version of the row, a bigint
-	// (nullable: a NULL stored version is older than any version). Required.
+	// (INTEGER on SQLite; nullable: a NULL stored version is older than any
+	// version). Required.
 	VersionColumn string
 
 	// ValueColumns are the other columns written on insert and on update, in
@@ -36,7 +40,9 @@ type UpsertConfig struct {
 	// their defaults on insert and are left untouched on update.
 	ValueColumns []string
 
-	// Dialect selects the SQL text. Defaults to sqldb.PostgreSQL (the zero value).
+	// Dialect selects the SQL text: sqldb.PostgreSQL, sqldb.MySQL (MySQL
+	// 8.0+, MariaDB 10.11+; its DSN must not set clientFoundRows=true, see
+	// Apply) or sqldb.SQLite. Defaults to sqldb.PostgreSQL (the zero value).
 	Dialect sqldb.Dialect
 }
 
@@ -186,7 +192,7 @@ type Upsert struct {
 	table     string   // as configured, for error messages
 	keyCols   []string // as configured, for error messages
 	valueCols []string
-	query     string
+	stmt      upsertStmt
 }
 
 // NewUpsert validates cfg (see UpsertConfig.Validate) and builds the SQL text
@@ -196,7 +202,7 @@ func NewUpsert(cfg UpsertConfig) (*Upsert, error) {
 	if err != nil {
 		return nil, err
 	}
-	query, err := upsertSQL(cfg.Dialect, p.table, p.keys, p.version, p.values)
+	stmt, err := upsertSQL(cfg.Dialect, p.table, p.keys, p.version, p.values)
 	if err != nil {
 		return nil, fmt.Errorf("versioned: UpsertConfig.Dialect: %w", err)
 	}
@@ -204,13 +210,14 @@ func NewUpsert(cfg UpsertConfig) (*Upsert, error) {
 		table:     cfg.Table,
 		keyCols:   append([]string(nil), cfg.KeyColumns...),
 		valueCols: append([]string(nil), cfg.ValueColumns...),
-		query:     query,
+		stmt:      stmt,
 	}, nil
 }
 
 // Apply writes the row identified by key at the given version, in one
-// statement, through q, which should run on the caller's transaction (the one
-// that also holds the processed-event claim): sqldb.Pgx(tx) or sqldb.Std(tx).
+// statement (two on SQLite, see below), through q, which should run on the
+// caller's transaction (the one that also holds the processed-event claim):
+// sqldb.Pgx(tx) or sqldb.Std(tx).
 //
 // key holds one value per KeyColumns entry and values one per ValueColumns
 // entry, in configuration order; all are bound as parameters. The row is
@@ -222,12 +229,28 @@ func NewUpsert(cfg UpsertConfig) (*Upsert, error) {
 // REPEATABLE READ or SERIALIZABLE the loser gets a serialization failure
 // (SQLSTATE 40001, retryable) instead of a wrong result.
 //
+// Per dialect (UpsertConfig.Dialect):
+//   - PostgreSQL: INSERT … ON CONFLICT DO UPDATE … WHERE … RETURNING, one
+//     round trip; inserted and updated told apart by xmax.
+//   - MySQL / MariaDB: INSERT … ON DUPLICATE KEY UPDATE with IF() per
+//     column, one round trip; the outcome is the rows affected (1 inserted,
+//     2 updated, 0 stale), so the DSN must not set clientFoundRows=true.
+//     InnoDB's update branch reads the latest committed row at any isolation
+//     level: the highest version wins at REPEATABLE READ too. Two first
+//     inserts of one key racing may end in a deadlock error (1213) for one of
+//     them, which is transient (retry).
+//   - SQLite: an INSERT … ON CONFLICT DO NOTHING, then, if the row existed,
+//     an UPDATE guarded by the version: two statements in the process, made
+//     atomic by SQLite's single writer (the transaction holds the write lock
+//     from the first one on). Run it in a transaction.
+//
 // Errors:
 //   - version nil: ErrVersionMissing, before any SQL; nothing is written.
 //   - wrong number of key or value arguments: ErrArgCount, before any SQL.
 //   - a nil key argument: ErrKeyMissing, before any SQL.
-//   - database errors are wrapped with %w, so a *pgconn.PgError stays
-//     reachable with errors.As (classify it by its SQLSTATE Code).
+//   - database errors are wrapped with %w, so the driver's error stays
+//     reachable with errors.As (*pgconn.PgError by its SQLSTATE Code,
+//     *mysql.MySQLError by its Number, *sqlite.Error by its Code).
 //
 // The first three are permanent (they have a Permanent() bool method that
 // returns true). On error the Outcome is zero; a failed statement leaves a
@@ -248,22 +271,66 @@ func (u *Upsert) Apply(ctx context.Context, q sqldb.Querier, key []any, version 
 		return 0, fmt.Errorf("%w: upsert into %s", ErrVersionMissing, u.table)
 	}
 
-	args := make([]any, 0, len(key)+1+len(values))
-	args = append(args, key...)
-	args = append(args, *version)
-	args = append(args, values...)
-
-	var inserted bool
-	err := q.QueryRow(ctx, u.query, args...).Scan(&inserted)
-	switch {
-	case errors.Is(err, sqldb.ErrNoRows):
-		return Stale, nil
-	case err != nil:
+	var args []any
+	if u.stmt.args != nil {
+		args = u.stmt.args(key, *version, values)
+	} else {
+		args = make([]any, 0, len(key)+1+len(values))
+		args = append(args, key...)
+		args = append(args, *version)
+		args = append(args, values...)
+	}
+	out, err := u.run(ctx, q, args)
+	if err != nil {
 		return 0, fmt.Errorf("versioned: upsert into %s: %w", u.table, err)
-	case inserted:
-		return Inserted, nil
+	}
+	return out, nil
+}
+
+// run executes the dialect's statements and reads their outcome.
+func (u *Upsert) run(ctx context.Context, q sqldb.Querier, args []any) (Outcome, error) {
+	switch u.stmt.mode {
+	case modeAffected:
+		n, err := q.Exec(ctx, u.stmt.query, args...)
+		switch {
+		case err != nil:
+			return 0, err
+		case n == 1:
+			return Inserted, nil
+		case n == 2:
+			return Updated, nil
+		case n == 0:
+			return Stale, nil
+		}
+		return 0, fmt.Errorf("%d rows affected, want 0, 1 or 2 (is clientFoundRows off?)", n)
+	case modeInsertThenUpdate:
+		n, err := q.Exec(ctx, u.stmt.query, args...)
+		switch {
+		case err != nil:
+			return 0, err
+		case n == 1:
+			return Inserted, nil
+		}
+		if n, err = q.Exec(ctx, u.stmt.update, args...); err != nil {
+			return 0, err
+		}
+		if n == 1 {
+			return Updated, nil
+		}
+		return Stale, nil
 	default:
-		return Updated, nil
+		var inserted bool
+		err := q.QueryRow(ctx, u.stmt.query, args...).Scan(&inserted)
+		switch {
+		case errors.Is(err, sqldb.ErrNoRows):
+			return Stale, nil
+		case err != nil:
+			return 0, err
+		case inserted:
+			return Inserted, nil
+		default:
+			return Updated, nil
+		}
 	}
 }
 

@@ -2,38 +2,33 @@ package versioned_test
 
 import (
 	"context"
-	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgconn"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
+	"modernc.org/sqlite"
 
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
-// harness is one driver on a fresh schema of its own: db runs statements
-// outside any transaction, begin opens a transaction.
+// harness is one target (dialect and driver, testenv.TargetNames) on a
+// fresh database of its own: DB runs statements outside any transaction,
+// Begin opens a transaction.
 type harness struct {
-	schema string
-	db     sqldb.Querier
-	begin  func(t *testing.T) *testTx
-}
-
-// testTx is a transaction of either driver.
-type testTx struct {
-	q        sqldb.Querier
-	commit   func() error
-	rollback func() error
+	testenv.Target
 }
 
 // driver opens a harness with at most maxConns connections.
@@ -42,54 +37,47 @@ type driver struct {
 	open func(t *testing.T, maxConns int32) *harness
 }
 
-var drivers = []driver{
-	{name: "pgx", open: func(t *testing.T, maxConns int32) *harness {
-		schema := testenv.Schema(t)
-		pool := testenv.PoolOn(t, schema, maxConns)
-		return &harness{schema: schema, db: sqldb.Pgx(pool), begin: func(t *testing.T) *testTx {
-			ctx := context.Background()
-			tx, err := pool.Begin(ctx)
-			require.NoError(t, err)
-			t.Cleanup(func() { _ = tx.Rollback(ctx) })
-			return &testTx{
-				q:        sqldb.Pgx(tx),
-				commit:   func() error { return tx.Commit(ctx) },
-				rollback: func() error { return tx.Rollback(ctx) },
-			}
-		}}
-	}},
-	{name: "database/sql", open: func(t *testing.T, maxConns int32) *harness {
-		schema := testenv.Schema(t)
-		db, err := sql.Open("pgx", testenv.SchemaURL(schema))
-		require.NoError(t, err)
-		db.SetMaxOpenConns(int(maxConns))
-		t.Cleanup(func() { _ = db.Close() })
-		require.NoError(t, db.Ping())
-		return &harness{schema: schema, db: sqldb.Std(db), begin: func(t *testing.T) *testTx {
-			tx, err := db.BeginTx(context.Background(), nil)
-			require.NoError(t, err)
-			t.Cleanup(func() { _ = tx.Rollback() })
-			return &testTx{q: sqldb.Std(tx), commit: tx.Commit, rollback: tx.Rollback}
-		}}
-	}},
+// drivers are the contract suite's targets: PostgreSQL through pgx and
+// database/sql, MariaDB (the MySQL dialect), SQLite.
+var drivers = func() []driver {
+	var ds []driver
+	for _, name := range testenv.TargetNames {
+		ds = append(ds, driver{name: name, open: func(t *testing.T, maxConns int32) *harness {
+			return &harness{testenv.NewTarget(t, name, int(maxConns))}
+		}})
+	}
+	return ds
+}()
+
+// keyType is a column type usable in a primary key (MySQL cannot index text
+// without a prefix length).
+func (h *harness) keyType() string {
+	if h.Dialect == sqldb.MySQL {
+		return "varchar(255)"
+	}
+	return "text"
+}
+
+// customerDDL creates the customer_copy table (or table) for the dialect.
+func (h *harness) customerDDL(table string) string {
+	return "CREATE TABLE " + table + " (customer_id " + h.keyType() + " PRIMARY KEY, version bigint, name text)"
 }
 
 func (h *harness) exec(t *testing.T, query string, args ...any) {
 	t.Helper()
-	_, err := h.db.Exec(context.Background(), query, args...)
-	require.NoError(t, err)
+	h.Exec(t, query, args...)
 }
 
 // apply runs one Apply in its own committed transaction (rolled back on error).
 func (h *harness) apply(t *testing.T, u *versioned.Upsert, key []any, version *int64, values []any) (versioned.Outcome, error) {
 	t.Helper()
-	tx := h.begin(t)
-	out, err := u.Apply(context.Background(), tx.q, key, version, values)
+	tx := h.Begin(t)
+	out, err := u.Apply(context.Background(), tx, key, version, values)
 	if err != nil {
-		require.NoError(t, tx.rollback())
+		require.NoError(t, tx.Rollback())
 		return out, err
 	}
-	require.NoError(t, tx.commit())
+	require.NoError(t, tx.Commit())
 	return out, nil
 }
 
@@ -103,8 +91,8 @@ type customerRow struct {
 func (h *harness) customer(t *testing.T, table, id string) customerRow {
 	t.Helper()
 	var r customerRow
-	err := h.db.QueryRow(context.Background(),
-		"SELECT version, name FROM "+table+" WHERE customer_id = $1", id).Scan(&r.version, &r.name)
+	err := h.DB.QueryRow(context.Background(),
+		h.Rebind("SELECT version, name FROM "+table+" WHERE customer_id = $1"), id).Scan(&r.version, &r.name)
 	if errors.Is(err, sqldb.ErrNoRows) {
 		return r
 	}
@@ -123,15 +111,14 @@ func requireCustomer(t *testing.T, h *harness, table, id string, version int64, 
 	require.Equal(t, name, *r.name, "name of %s", id)
 }
 
-const customerDDL = "CREATE TABLE customer_copy (customer_id text PRIMARY KEY, version bigint, name text)"
-
-func customerUpsert(t *testing.T, table string) *versioned.Upsert {
+func customerUpsert(t *testing.T, h *harness, table string) *versioned.Upsert {
 	t.Helper()
 	u, err := versioned.NewUpsert(versioned.UpsertConfig{
 		Table:         table,
 		KeyColumns:    []string{"customer_id"},
 		VersionColumn: "version",
 		ValueColumns:  []string{"name"},
+		Dialect:       h.Dialect,
 	})
 	require.NoError(t, err)
 	return u
@@ -154,8 +141,8 @@ func TestC12(t *testing.T) {
 		t.Run(d.name, func(t *testing.T) {
 			t.Parallel()
 			h := d.open(t, 2)
-			h.exec(t, customerDDL)
-			u := customerUpsert(t, "customer_copy")
+			h.exec(t, h.customerDDL("customer_copy"))
+			u := customerUpsert(t, h, "customer_copy")
 
 			type customerChanged struct {
 				CustomerID string `json:"customer_id"`
@@ -221,8 +208,8 @@ func exerciseUpsert(t *testing.T, d driver) {
 	// setup opens a harness with customer_copy and its Upsert.
 	setup := func(t *testing.T, maxConns int32) (*harness, *versioned.Upsert) {
 		h := d.open(t, maxConns)
-		h.exec(t, customerDDL)
-		return h, customerUpsert(t, "customer_copy")
+		h.exec(t, h.customerDDL("customer_copy"))
+		return h, customerUpsert(t, h, "customer_copy")
 	}
 
 	t.Run("OnlyStrictlyGreaterApplies", func(t *testing.T) {
@@ -310,7 +297,7 @@ func exerciseUpsert(t *testing.T, d driver) {
 			requirePermanent(t, err)
 		}
 		var n int
-		require.NoError(t, h.db.QueryRow(ctx, "SELECT count(*) FROM customer_copy").Scan(&n))
+		require.NoError(t, h.DB.QueryRow(ctx, "SELECT count(*) FROM customer_copy").Scan(&n))
 		require.Zero(t, n)
 
 		// A NULL value column is an ordinary value.
@@ -335,11 +322,13 @@ func exerciseUpsert(t *testing.T, d driver) {
 	t.Run("CompositeKeyAndNoValueColumns", func(t *testing.T) {
 		t.Parallel()
 		h := d.open(t, 2)
-		h.exec(t, `CREATE TABLE stock_seen (warehouse text, sku text, "Version" bigint, note text DEFAULT 'default', PRIMARY KEY (sku, warehouse))`)
+		kt := h.keyType()
+		h.exec(t, `CREATE TABLE stock_seen (warehouse `+kt+`, sku `+kt+`, `+h.Quote("Version")+` bigint, note `+kt+` DEFAULT 'default', PRIMARY KEY (sku, warehouse))`)
 		u, err := versioned.NewUpsert(versioned.UpsertConfig{
 			Table:         "stock_seen",
 			KeyColumns:    []string{"warehouse", "sku"},
-			VersionColumn: "Version", // quoted: case-sensitive
+			VersionColumn: "Version", // quoted: case-sensitive on PostgreSQL
+			Dialect:       h.Dialect,
 		})
 		require.NoError(t, err)
 		for _, s := range []struct {
@@ -358,24 +347,34 @@ func exerciseUpsert(t *testing.T, d driver) {
 			require.Equal(t, s.want, out, "%s/%s v%d", s.wh, s.sku, s.version)
 		}
 		var got []string
-		tx := h.begin(t)
+		tx := h.Begin(t)
 		for _, k := range [][2]string{{"w1", "s1"}, {"w1", "s2"}, {"w2", "s1"}} {
 			var version int64
 			var note string
-			require.NoError(t, tx.q.QueryRow(ctx, `SELECT "Version", note FROM stock_seen WHERE warehouse = $1 AND sku = $2`, k[0], k[1]).Scan(&version, &note))
+			require.NoError(t, tx.QueryRow(ctx, h.Rebind(`SELECT `+h.Quote("Version")+`, note FROM stock_seen WHERE warehouse = $1 AND sku = $2`), k[0], k[1]).Scan(&version, &note))
 			got = append(got, fmt.Sprintf("%s/%s=%d,%s", k[0], k[1], version, note))
 		}
-		require.NoError(t, tx.rollback())
+		require.NoError(t, tx.Rollback())
 		require.Equal(t, []string{"w1/s1=2,default", "w1/s2=1,default", "w2/s1=7,default"}, got)
 	})
 
 	t.Run("SchemaQualifiedTable", func(t *testing.T) {
 		t.Parallel()
 		h := d.open(t, 2)
-		other := testenv.Schema(t) // not on the harness's search_path
+		// A schema not on the connection's search path (PostgreSQL), another
+		// database (MySQL), the main database named explicitly (SQLite).
+		var other string
+		switch h.Dialect {
+		case sqldb.PostgreSQL:
+			other = testenv.Schema(t)
+		case sqldb.MySQL:
+			other = testenv.MySQLDatabase(t)
+		default:
+			other = "main"
+		}
 		table := other + ".customer_copy"
-		h.exec(t, "CREATE TABLE "+table+" (customer_id text PRIMARY KEY, version bigint, name text)")
-		u := customerUpsert(t, table)
+		h.exec(t, h.customerDDL(table))
+		u := customerUpsert(t, h, table)
 		out, err := h.apply(t, u, []any{"c"}, v(1), []any{"one"})
 		require.NoError(t, err)
 		require.Equal(t, versioned.Inserted, out)
@@ -388,12 +387,33 @@ func exerciseUpsert(t *testing.T, d driver) {
 	t.Run("DatabaseErrorsKeepTheirCode", func(t *testing.T) {
 		t.Parallel()
 		h := d.open(t, 2)
-		h.exec(t, "CREATE TABLE no_key (customer_id text, version bigint, name text)")
-		u := customerUpsert(t, "no_key")
+		h.exec(t, "CREATE TABLE no_key (customer_id "+h.keyType()+", version bigint, name text)")
+		u := customerUpsert(t, h, "no_key")
 		_, err := h.apply(t, u, []any{"c"}, v(1), []any{"x"})
-		var pgErr *pgconn.PgError
-		require.ErrorAs(t, err, &pgErr)
-		require.Equal(t, "42P10", pgErr.Code) // no unique constraint matching ON CONFLICT
+		switch h.Dialect {
+		case sqldb.PostgreSQL:
+			var pgErr *pgconn.PgError
+			require.ErrorAs(t, err, &pgErr)
+			require.Equal(t, "42P10", pgErr.Code) // no unique constraint matching ON CONFLICT
+		case sqldb.SQLite:
+			var sqliteErr *sqlite.Error
+			require.ErrorAs(t, err, &sqliteErr)
+			require.Equal(t, 1, sqliteErr.Code()) // SQLITE_ERROR: ON CONFLICT matches no unique index
+		case sqldb.MySQL:
+			// The documented limit (UpsertConfig.KeyColumns): without a
+			// unique index, ON DUPLICATE KEY UPDATE never fires.
+			require.NoError(t, err)
+			_, err = h.apply(t, u, []any{"c"}, v(2), []any{"y"})
+			require.NoError(t, err)
+			var n int
+			require.NoError(t, h.DB.QueryRow(ctx, "SELECT count(*) FROM no_key").Scan(&n))
+			require.Equal(t, 2, n, "every Apply inserts")
+			// A database error keeps its number.
+			_, err = h.apply(t, customerUpsert(t, h, "missing_table"), []any{"c"}, v(1), []any{"x"})
+			var myErr *mysql.MySQLError
+			require.ErrorAs(t, err, &myErr)
+			require.EqualValues(t, 1146, myErr.Number) // ER_NO_SUCH_TABLE
+		}
 		var p interface{ Permanent() bool }
 		require.False(t, errors.As(err, &p), "a database error is classified by its caller, not by this package")
 	})
@@ -425,30 +445,66 @@ func exerciseUpsert(t *testing.T, d driver) {
 			if c.seed != nil {
 				h.exec(t, "INSERT INTO customer_copy VALUES ('k', $1, 'seed')", *c.seed)
 			}
-			first := h.begin(t)
-			out, err := u.Apply(ctx, first.q, []any{"k"}, v(c.first), []any{"first"})
+			first := h.Begin(t)
+			out, err := u.Apply(ctx, first, []any{"k"}, v(c.first), []any{"first"})
 			require.NoError(t, err)
 			require.Equal(t, c.wantFirst, out)
 
-			second := h.begin(t)
-			var pid int32
-			require.NoError(t, second.q.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid))
 			done := make(chan applyResult, 1)
-			go func() {
-				out, err := u.Apply(ctx, second.q, []any{"k"}, v(c.second), []any{"second"})
-				done <- applyResult{out, err}
-			}()
-			waitForLock(t, h, pid, done)
-
-			if c.firstEnds == "commit" {
-				require.NoError(t, first.commit())
+			var second *testenv.Tx
+			if h.Dialect == sqldb.SQLite {
+				// SQLite serialises whole write transactions: the second
+				// waits at BEGIN IMMEDIATE (busy_timeout) for the first to
+				// end, which no other connection can observe. Its BEGIN
+				// returning only after the first ended shows the wait.
+				var firstEnded atomic.Int64
+				trying := make(chan struct{})
+				go func() {
+					close(trying)
+					tx, err := h.BeginTx(ctx)
+					if err != nil {
+						done <- applyResult{err: err}
+						return
+					}
+					began := time.Now().UnixNano()
+					out, err := u.Apply(ctx, tx, []any{"k"}, v(c.second), []any{"second"})
+					if err == nil && began < firstEnded.Load() {
+						err = fmt.Errorf("the second transaction began before the first ended")
+					}
+					if err == nil {
+						err = tx.Commit()
+					} else {
+						_ = tx.Rollback()
+					}
+					done <- applyResult{out, err}
+				}()
+				<-trying
+				firstEnded.Store(time.Now().UnixNano())
+				if c.firstEnds == "commit" {
+					require.NoError(t, first.Commit())
+				} else {
+					require.NoError(t, first.Rollback())
+				}
 			} else {
-				require.NoError(t, first.rollback())
+				second = h.Begin(t)
+				id := h.sessionID(t, second)
+				go func() {
+					out, err := u.Apply(ctx, second, []any{"k"}, v(c.second), []any{"second"})
+					done <- applyResult{out, err}
+				}()
+				waitForLock(t, h, id, done)
+				if c.firstEnds == "commit" {
+					require.NoError(t, first.Commit())
+				} else {
+					require.NoError(t, first.Rollback())
+				}
 			}
 			r := <-done
 			require.NoError(t, r.err)
 			require.Equal(t, c.wantSecond, r.out)
-			require.NoError(t, second.commit())
+			if second != nil {
+				require.NoError(t, second.Commit())
+			}
 			requireCustomer(t, h, "customer_copy", "k", c.wantVersion, c.wantName)
 		})
 	}
@@ -463,26 +519,38 @@ func exerciseUpsert(t *testing.T, d driver) {
 			outcomes := make([]versioned.Outcome, writers)
 			start := make(chan struct{})
 			var wg sync.WaitGroup
-			txs := make([]*testTx, writers)
-			for i := range txs {
-				txs[i] = h.begin(t) // here: require must not run in the goroutines
-			}
+			var retries atomic.Int32
 			for i, n := range versions {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
 					<-start
-					tx := txs[i]
-					out, err := u.Apply(ctx, tx.q, []any{key}, v(int64(n+1)), []any{fmt.Sprintf("v%d", n+1)})
-					if err != nil {
-						t.Error(err)
-						_ = tx.rollback()
+					for {
+						// A transient error (a MySQL deadlock between racing
+						// first inserts) is retried, as the middleware's
+						// Retry would; anything else fails the test.
+						tx, err := h.BeginTx(ctx)
+						if err != nil {
+							t.Error(err)
+							return
+						}
+						out, err := u.Apply(ctx, tx, []any{key}, v(int64(n+1)), []any{fmt.Sprintf("v%d", n+1)})
+						if err == nil {
+							err = tx.Commit()
+						} else {
+							_ = tx.Rollback()
+						}
+						if err != nil && middleware.IsTransient(err) {
+							retries.Add(1)
+							continue
+						}
+						if err != nil {
+							t.Error(err)
+							return
+						}
+						outcomes[i] = out
 						return
 					}
-					if err := tx.commit(); err != nil {
-						t.Error(err)
-					}
-					outcomes[i] = out
 				}()
 			}
 			close(start)
@@ -495,6 +563,9 @@ func exerciseUpsert(t *testing.T, d driver) {
 			require.Equal(t, 1, count[versioned.Inserted], "outcomes %v", outcomes)
 			require.Equal(t, writers-1, count[versioned.Updated]+count[versioned.Stale], "outcomes %v", outcomes)
 			requireCustomer(t, h, "customer_copy", key, writers, fmt.Sprintf("v%d", writers))
+			if n := retries.Load(); n > 0 {
+				t.Logf("round %d: %d transient errors retried", round, n)
+			}
 		}
 	})
 }
@@ -505,28 +576,60 @@ type applyResult struct {
 	err error
 }
 
-// waitForLock polls until backend pid waits on a lock, failing the test if
-// done reports first (the statement did not wait) or after a deadline.
-func waitForLock(t *testing.T, h *harness, pid int32, done <-chan applyResult) {
+// sessionID is the server's id of tx's connection: the backend pid
+// (PostgreSQL) or the connection id (MySQL).
+func (h *harness) sessionID(t *testing.T, tx sqldb.Querier) int64 {
+	t.Helper()
+	query := "SELECT pg_backend_pid()"
+	if h.Dialect == sqldb.MySQL {
+		query = "SELECT CONNECTION_ID()"
+	}
+	var id int64
+	require.NoError(t, tx.QueryRow(context.Background(), query).Scan(&id))
+	return id
+}
+
+// waitForLock polls until session id waits on a row lock, failing the test
+// if done reports first (the statement did not wait) or after a deadline.
+func waitForLock(t *testing.T, h *harness, id int64, done <-chan applyResult) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
-	for {
-		var waiting bool
-		require.NoError(t, h.db.QueryRow(context.Background(),
-			"SELECT coalesce(wait_event_type = 'Lock', false) FROM pg_stat_activity WHERE pid = $1", pid).Scan(&waiting))
-		if waiting {
-			return
-		}
+	for !h.lockWaiting(t, id) {
 		select {
 		case r := <-done:
 			t.Fatalf("second Apply returned without waiting for the first transaction: %v, %v", r.out, r.err)
 		default:
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("backend %d never waited on a lock", pid)
+			t.Fatalf("session %d never waited on a lock", id)
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// lockWaiting reports whether session id waits on a row lock now.
+// PostgreSQL: pg_stat_activity. MySQL/MariaDB: the live transaction list of
+// SHOW ENGINE INNODB STATUS (information_schema.INNODB_TRX is a cache that
+// MariaDB refreshes only when nobody read it for 100 ms, which parallel
+// pollers never allow).
+func (h *harness) lockWaiting(t *testing.T, id int64) bool {
+	t.Helper()
+	ctx := context.Background()
+	if h.Dialect == sqldb.PostgreSQL {
+		var n int
+		require.NoError(t, h.DB.QueryRow(ctx,
+			"SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'", id).Scan(&n))
+		return n > 0
+	}
+	var typ, name, status string
+	require.NoError(t, h.DB.QueryRow(ctx, "SHOW ENGINE INNODB STATUS").Scan(&typ, &name, &status))
+	thread := fmt.Sprintf(" thread id %d,", id) // "MySQL thread id", "MariaDB thread id"
+	for _, trx := range strings.Split(status, "---TRANSACTION ") {
+		if strings.Contains(trx, thread) && strings.Contains(trx, "LOCK WAIT") {
+			return true
+		}
+	}
+	return false
 }
 
 func TestUpsertConfigValidate(t *testing.T) {
@@ -593,7 +696,7 @@ func TestUpsertConfigValidate(t *testing.T) {
 func TestUpsertIgnoresLaterConfigChanges(t *testing.T) {
 	t.Parallel()
 	h := drivers[0].open(t, 1)
-	h.exec(t, customerDDL)
+	h.exec(t, h.customerDDL("customer_copy"))
 	cfg := versioned.UpsertConfig{
 		Table:         "customer_copy",
 		KeyColumns:    []string{"customer_id"},
