@@ -83,6 +83,9 @@ type Config struct {
 	UnitPriceMinor int64
 	// Currency is the currency of every charge. Defaults to DefaultCurrency.
 	Currency string
+	// Dialect is the SQL dialect of the handler's database (the ledger):
+	// sqldb.PostgreSQL (the default) or sqldb.SQLite.
+	Dialect sqldb.Dialect
 	// Logger defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
@@ -95,6 +98,7 @@ type Service struct {
 	mailer   *Mailer
 	unit     int64
 	currency string
+	payment  string // insertPaymentSQL of the dialect
 	logger   watermill.LoggerAdapter
 
 	mu       sync.Mutex
@@ -125,7 +129,7 @@ func New(cfg Config) (*Service, error) {
 	}
 	return &Service{
 		runner: cfg.Runner, provider: cfg.Provider, mailer: cfg.Mailer,
-		unit: cfg.UnitPriceMinor, currency: cfg.Currency, logger: cfg.Logger,
+		unit: cfg.UnitPriceMinor, currency: cfg.Currency, payment: insertPaymentSQLFor(cfg.Dialect), logger: cfg.Logger,
 		expected: map[string]struct{}{},
 	}, nil
 }
@@ -151,19 +155,53 @@ VALUES ($1, $2, $3, $4, $5) ON CONFLICT (order_id) DO NOTHING`
 // table and the billing_payment ledger. Idempotent. The runner's own pool
 // must reach the same database.
 func Migrate(ctx context.Context, pool *pgxpool.Pool, store *processed.Store, runner *operation.Runner) error {
+	return MigrateDB(ctx, shop.PgxDB(pool), store, runner)
+}
+
+// The ledger on SQLite (see shop.SQLiteDB).
+const sqliteSchemaSQL = `
+CREATE TABLE IF NOT EXISTS billing_payment (
+    order_id     TEXT    PRIMARY KEY,
+    charge_id    TEXT    NOT NULL,
+    amount_minor INTEGER NOT NULL CHECK (amount_minor > 0),
+    currency     TEXT    NOT NULL,
+    event_id     TEXT    NOT NULL,
+    recorded_at  TEXT    NOT NULL DEFAULT CURRENT_TIMESTAMP
+)`
+
+func insertPaymentSQLFor(d sqldb.Dialect) string {
+	if d == sqldb.SQLite {
+		return `INSERT INTO billing_payment (order_id, charge_id, amount_minor, currency, event_id)
+VALUES (?, ?, ?, ?, ?) ON CONFLICT (order_id) DO NOTHING`
+	}
+	return insertPaymentSQL
+}
+
+// MigrateDB is Migrate on a PostgreSQL or SQLite database; runner, when not
+// nil, is migrated in db too. On SQLite give the runner a database file of
+// its own (migrate it there): SQLite has one writer per file, and the
+// runner records its "started" row while the handler's transaction holds
+// the write lock of the service's file.
+func MigrateDB(ctx context.Context, db shop.DB, store *processed.Store, runner *operation.Runner) error {
 	if store == nil {
 		var err error
-		if store, err = processed.NewStore(processed.Config{}); err != nil {
+		if store, err = processed.NewStore(processed.Config{Dialect: db.Dialect}); err != nil {
 			return err
 		}
 	}
-	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
+	if err := store.Migrate(ctx, db.Querier()); err != nil {
 		return err
 	}
-	if err := runner.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
-		return err
+	if runner != nil {
+		if err := runner.Migrate(ctx, db.Querier()); err != nil {
+			return err
+		}
 	}
-	if _, err := pool.Exec(ctx, schemaSQL); err != nil {
+	ddl := schemaSQL
+	if db.IsSQLite() {
+		ddl = sqliteSchemaSQL
+	}
+	if err := db.Exec(ctx, ddl); err != nil {
 		return fmt.Errorf("billing: migrate: %w", err)
 	}
 	return nil
@@ -237,7 +275,7 @@ func (s *Service) HandleOrderPlaced(msg *message.Message) ([]*message.Message, e
 	if err != nil {
 		return nil, fmt.Errorf("billing: order %s: %w", ev.OrderID, err)
 	}
-	if _, err := q.Exec(ctx, insertPaymentSQL, ev.OrderID, res.Reference, amount, s.currency, msg.UUID); err != nil {
+	if _, err := q.Exec(ctx, s.payment, ev.OrderID, res.Reference, amount, s.currency, msg.UUID); err != nil {
 		return nil, fmt.Errorf("billing: order %s: record payment: %w", ev.OrderID, err)
 	}
 	conf, err := marshaler.NewMessageWithID(ConfirmationEventID(key), EventConfirmationRequested, time.Now().UTC(),

@@ -11,7 +11,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/examples/billing"
@@ -20,13 +19,15 @@ import (
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // env is one billing service wired as the demo wires it, without a broker:
 // each handler composed with the recommended chain and RouteUncertain right
 // after the poison middleware, called directly as a router would.
 type env struct {
-	pool    *pgxpool.Pool
+	db      shop.DB
 	svc     *billing.Service
 	charge  message.HandlerFunc // order events → confirmations
 	confirm message.HandlerFunc // confirmations → e-mail
@@ -36,16 +37,42 @@ type env struct {
 }
 
 func newEnv(t *testing.T, inner func(message.HandlerFunc) message.HandlerFunc) *env {
+	return newEnvOn(t, sqldb.PostgreSQL, inner)
+}
+
+// newEnvOn is newEnv on PostgreSQL or on SQLite; on SQLite the runner's
+// records are in a file of their own (see billing.MigrateDB).
+func newEnvOn(t *testing.T, dialect sqldb.Dialect, inner func(message.HandlerFunc) message.HandlerFunc) *env {
 	t.Helper()
 	ctx := context.Background()
-	pool, schema := testenv.Pool(t)
-	runner, err := operation.NewRunner(operation.Config{Pool: testenv.PoolOn(t, schema, 4)}, nil)
-	require.NoError(t, err)
-	require.NoError(t, billing.Migrate(ctx, pool, nil, runner))
-	svc, err := billing.New(billing.Config{Runner: runner, Provider: billing.NewProvider(), Mailer: billing.NewMailer()})
+	var db shop.DB
+	var runner *operation.Runner
+	var beginner middleware.TxBeginner
+	var store *processed.Store
+	if dialect == sqldb.SQLite {
+		db = shop.SQLiteDB(testenv.SQLiteDB(t))
+		ops := testenv.SQLiteDB(t)
+		var err error
+		runner, err = operation.NewRunner(operation.Config{DB: ops, Dialect: sqldb.SQLite}, nil)
+		require.NoError(t, err)
+		require.NoError(t, runner.Migrate(ctx, sqldb.Std(ops)))
+		require.NoError(t, billing.MigrateDB(ctx, db, nil, nil))
+		beginner = middleware.NewStdBeginner(db.SQL)
+		store, err = processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+		require.NoError(t, err)
+	} else {
+		pool, schema := testenv.Pool(t)
+		db = shop.PgxDB(pool)
+		var err error
+		runner, err = operation.NewRunner(operation.Config{Pool: testenv.PoolOn(t, schema, 4)}, nil)
+		require.NoError(t, err)
+		require.NoError(t, billing.Migrate(ctx, pool, nil, runner))
+		beginner = middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
+	}
+	svc, err := billing.New(billing.Config{Runner: runner, Provider: billing.NewProvider(), Mailer: billing.NewMailer(), Dialect: dialect})
 	require.NoError(t, err)
 
-	e := &env{pool: pool, svc: svc, topics: map[string][]*message.Message{}}
+	e := &env{db: db, svc: svc, topics: map[string][]*message.Message{}}
 	pubsub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
 	t.Cleanup(func() { _ = pubsub.Close() })
 	for _, topic := range []string{"billing.dlq", "billing.reconcile", "billing-mailer.dlq"} {
@@ -62,7 +89,8 @@ func newEnv(t *testing.T, inner func(message.HandlerFunc) message.HandlerFunc) *
 	}
 	wrap := func(consumer string, h message.HandlerFunc) message.HandlerFunc {
 		idem, err := middleware.NewIdempotent(middleware.Config{
-			Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}),
+			Beginner: beginner,
+			Store:    store,
 			Consumer: consumer,
 		}, nil)
 		require.NoError(t, err)
@@ -99,7 +127,7 @@ func (e *env) topic(name string) int {
 func (e *env) payments(t *testing.T) int {
 	t.Helper()
 	var n int
-	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FROM billing_payment`).Scan(&n))
+	require.NoError(t, e.db.Querier().QueryRow(context.Background(), `SELECT count(*) FROM billing_payment`).Scan(&n))
 	return n
 }
 
@@ -120,7 +148,17 @@ func placed(t *testing.T, orderID string, quantities ...string) *message.Message
 // lookup, never by a second charge request.
 func TestChargeOnceConfirmOnce(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, nil)
+	chargeOnceConfirmOnce(t, newEnv(t, nil))
+}
+
+// The same on SQLite (the embedded demo).
+func TestChargeOnceConfirmOnceSQLite(t *testing.T) {
+	t.Parallel()
+	chargeOnceConfirmOnce(t, newEnvOn(t, sqldb.SQLite, nil))
+}
+
+func chargeOnceConfirmOnce(t *testing.T, e *env) {
+	t.Helper()
 	e.svc.Provider().InjectTimeouts(2)
 
 	var msgs []*message.Message

@@ -9,8 +9,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
-
 	"github.com/watermill-idempotency/idempotency/examples/billing"
 	"github.com/watermill-idempotency/idempotency/examples/indexer"
 	"github.com/watermill-idempotency/idempotency/examples/shipping"
@@ -82,10 +80,18 @@ func (r checkRow) ok() bool { return r.expected == r.actual }
 func (d *demo) check(ctx context.Context) (*result, error) {
 	o, s, sh, b, ix := d.orderSchema, d.stock.schema, d.shipping.schema, d.billing.charge.schema, d.catalogue.indexer.schema
 	bill, cat := d.billing, d.catalogue
-	one := func(q string, args ...any) (int, error) {
-		var n int
-		err := d.admin.QueryRow(ctx, q, args...).Scan(&n)
-		return n, err
+	checks, err := d.newChecker(ctx)
+	if err != nil {
+		return nil, err
+	}
+	one := func(q string, args ...any) (int, error) { return checks.one(ctx, q, args...) }
+	// sqlite picks the SQLite text of a check where it is not the
+	// PostgreSQL text with ? placeholders.
+	sqlite := func(pg, lite string) string {
+		if d.embedded() {
+			return lite
+		}
+		return pg
 	}
 	r := &result{
 		Malformed:         len(d.malformedIDs),
@@ -104,7 +110,6 @@ func (d *demo) check(ctx context.Context) (*result, error) {
 	if d.cfg.ProviderTimeoutEvery > 0 {
 		r.ProviderTimeouts = r.Charges / d.cfg.ProviderTimeoutEvery // every n-th charge made timed out
 	}
-	var err error
 	queries := []struct {
 		dst *int
 		sql string
@@ -125,7 +130,8 @@ func (d *demo) check(ctx context.Context) (*result, error) {
 	if err != nil {
 		return nil, err
 	}
-	extraReservations, err := one(`SELECT count(*) - count(DISTINCT (order_id, line_no)) FROM ` + s + `.reservation`)
+	extraReservations, err := one(sqlite(`SELECT count(*) - count(DISTINCT (order_id, line_no)) FROM `+s+`.reservation`,
+		`SELECT (SELECT count(*) FROM `+s+`.reservation) - (SELECT count(*) FROM (SELECT DISTINCT order_id, line_no FROM `+s+`.reservation))`))
 	if err != nil {
 		return nil, err
 	}
@@ -134,8 +140,11 @@ func (d *demo) check(ctx context.Context) (*result, error) {
 	if err != nil {
 		return nil, err
 	}
-	skuMismatch, err := one(`SELECT count(*) FROM (SELECT sku, sum(quantity) AS q FROM ` + o + `.order_line GROUP BY sku) e
-		FULL JOIN ` + s + `.stock_level k USING (sku) WHERE e.q IS DISTINCT FROM k.reserved`)
+	// SQLite keeps the quantities as REAL: sums compared at 3 decimals.
+	skuMismatch, err := one(sqlite(`SELECT count(*) FROM (SELECT sku, sum(quantity) AS q FROM `+o+`.order_line GROUP BY sku) e
+		FULL JOIN `+s+`.stock_level k USING (sku) WHERE e.q IS DISTINCT FROM k.reserved`,
+		`SELECT count(*) FROM (SELECT sku, round(sum(quantity), 3) AS q FROM `+o+`.order_line GROUP BY sku) e
+		FULL JOIN (SELECT sku, round(reserved, 3) AS r FROM `+s+`.stock_level) k USING (sku) WHERE e.q IS NOT k.r`))
 	if err != nil {
 		return nil, err
 	}
@@ -184,22 +193,18 @@ func (d *demo) check(ctx context.Context) (*result, error) {
 		amount            int64
 	}
 	var payments []payment
-	rows, err := d.admin.Query(ctx, `SELECT p.order_id, p.charge_id, p.amount_minor FROM `+b+`.billing_payment p
+	err = checks.query(ctx, `SELECT p.order_id, p.charge_id, p.amount_minor FROM `+b+`.billing_payment p
 		JOIN (SELECT order_id, sum(quantity) AS q FROM `+o+`.order_line GROUP BY order_id) l USING (order_id)
-		WHERE p.amount_minor = round(l.q * $1) AND p.currency = $2`, int64(billing.DefaultUnitPriceMinor), billing.DefaultCurrency)
+		WHERE p.amount_minor = round(l.q * $1) AND p.currency = $2`, []any{int64(billing.DefaultUnitPriceMinor), billing.DefaultCurrency},
+		func(scan func(...any) error) error {
+			var p payment
+			if err := scan(&p.orderID, &p.chargeID, &p.amount); err != nil {
+				return err
+			}
+			payments = append(payments, p)
+			return nil
+		})
 	if err != nil {
-		return nil, err
-	}
-	for rows.Next() {
-		var p payment
-		if err := rows.Scan(&p.orderID, &p.chargeID, &p.amount); err != nil {
-			rows.Close()
-			return nil, err
-		}
-		payments = append(payments, p)
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
 		return nil, err
 	}
 	paymentsMatching := 0
@@ -374,27 +379,11 @@ type dlqContent struct {
 // drainDeadLetters takes every message out of the dead-letter queues and
 // counts them by AMQP message id, and those that carry the poison reason.
 func (d *demo) drainDeadLetters() (map[string]dlqContent, error) {
-	ch, err := d.amqpConn.Channel()
-	if err != nil {
-		return nil, err
-	}
-	defer ch.Close()
 	out := map[string]dlqContent{}
 	for _, c := range d.consumers() {
-		got := dlqContent{byID: map[string]int{}, withReason: map[string]int{}}
-		for {
-			m, ok, err := ch.Get(d.topo.DeadLetterQueue(c.consumer), true)
-			if err != nil {
-				return nil, err
-			}
-			if !ok {
-				break
-			}
-			got.total++
-			got.byID[m.MessageId]++
-			if reason, _ := m.Headers[wmw.ReasonForPoisonedKey].(string); reason != "" {
-				got.withReason[m.MessageId]++
-			}
+		got, err := d.broker.drainDeadLetters(c.consumer)
+		if err != nil {
+			return nil, err
 		}
 		out[c.consumer.Name] = got
 	}
@@ -403,21 +392,16 @@ func (d *demo) drainDeadLetters() (map[string]dlqContent, error) {
 
 // reconcileQueued is the number of messages in the reconciliation queues.
 func (d *demo) reconcileQueued() (int, error) {
-	ch, err := d.amqpConn.Channel()
-	if err != nil {
-		return 0, err
-	}
-	defer ch.Close()
 	total := 0
 	for _, c := range d.consumers() {
 		if !c.consumer.Reconcile {
 			continue
 		}
-		q, err := ch.QueueDeclarePassive(d.topo.ReconcileQueue(c.consumer), true, false, false, false, nil)
+		n, err := d.broker.reconciling(c.consumer)
 		if err != nil {
 			return 0, err
 		}
-		total += q.Messages
+		total += n
 	}
 	return total, nil
 }

@@ -7,21 +7,17 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"slices"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
-	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/watermill-idempotency/idempotency/examples/billing"
 	"github.com/watermill-idempotency/idempotency/examples/indexer"
@@ -29,11 +25,11 @@ import (
 	"github.com/watermill-idempotency/idempotency/examples/shipping"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/examples/stock"
-	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -77,12 +73,11 @@ func (r *recorder) RecordOutcome(o middleware.Observation) {
 // consumerRun is one consumer service of the run.
 type consumerRun struct {
 	consumer shop.Consumer
-	pool     *pgxpool.Pool
+	db       shop.DB
 	schema   string
 	probe    *consumerProbe
 	rec      *recorder
 	svc      *shop.Service
-	proxy    *faultproxy.Proxy
 	done     chan error
 }
 
@@ -90,8 +85,8 @@ type consumerRun struct {
 // beyond the demo's common settings.
 type consumerSpec struct {
 	consumer shop.Consumer
-	pool     *pgxpool.Pool // the service's database
-	schema   string        // pool's schema
+	db       shop.DB // the service's database
+	schema   string  // db's schema (embedded: its name in the checks)
 	// Exactly one of handler and publish (with publishTopic).
 	handler      message.NoPublishHandlerFunc
 	publish      message.HandlerFunc
@@ -113,7 +108,7 @@ type billingRun struct {
 // catalogueRun is the catalogue (producer) and the indexer (consumer).
 type catalogueRun struct {
 	cat       *indexer.Catalogue
-	pool      *pgxpool.Pool
+	db        shop.DB
 	schema    string
 	flaky     *flakyOffsets
 	reorder   *reorderingPublisher
@@ -134,12 +129,13 @@ type demo struct {
 	rng    *lockedRand
 
 	id          string
-	admin       *pgxpool.Pool
+	admin       *pgxpool.Pool // services backend
+	dir         string        // embedded backend: the SQLite files
+	attached    []attachment  // embedded backend: the files the checks attach
+	broker      broker        // RabbitMQ or the in-process broker
 	orderSchema string
-	orderPool   *pgxpool.Pool
+	orderDB     shop.DB
 	orders      *order.Service
-	topo        shop.Topology
-	amqpConn    *amqp091.Connection
 	stock       *consumerRun
 	shipping    *consumerRun
 	shipHandler *shipping.Handler
@@ -148,7 +144,6 @@ type demo struct {
 
 	relay     *order.Relay
 	relayDone chan error
-	relayPub  *wamqp.Publisher
 	reorder   *reorderingPublisher
 	flaky     *flakyOffsets
 
@@ -235,41 +230,6 @@ func randomID() string {
 	return hex.EncodeToString(b[:])
 }
 
-// newPool creates the schema "demo_<id>_<service>" (dropped at the end
-// unless -keep) and returns a pool of at most maxConns connections whose
-// search_path is that schema.
-func (d *demo) newPool(ctx context.Context, service string, maxConns int32) (*pgxpool.Pool, string, error) {
-	schema := "demo_" + d.id + "_" + service
-	if _, err := d.admin.Exec(ctx, "CREATE SCHEMA "+schema); err != nil {
-		return nil, "", err
-	}
-	if !d.cfg.Keep {
-		d.defer_(func() {
-			c, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			_, _ = d.admin.Exec(c, "DROP SCHEMA IF EXISTS "+schema+" CASCADE")
-		})
-	}
-	pool, err := d.poolOn(ctx, schema, maxConns)
-	return pool, schema, err
-}
-
-// poolOn returns another pool on schema, closed at the end.
-func (d *demo) poolOn(ctx context.Context, schema string, maxConns int32) (*pgxpool.Pool, error) {
-	pc, err := pgxpool.ParseConfig(d.cfg.DatabaseURL)
-	if err != nil {
-		return nil, err
-	}
-	pc.ConnConfig.RuntimeParams["search_path"] = schema
-	pc.MaxConns = maxConns
-	pool, err := pgxpool.NewWithConfig(ctx, pc)
-	if err != nil {
-		return nil, err
-	}
-	d.defer_(pool.Close)
-	return pool, nil
-}
-
 // relaySubscriber is the watermill-sql subscriber tuning of the demo's
 // outbox relays: short waits, so that a run is quick.
 var relaySubscriber = wsql.SubscriberConfig{
@@ -282,21 +242,39 @@ var relaySubscriber = wsql.SubscriberConfig{
 // relays, and starts them.
 func (d *demo) setup(ctx context.Context) error {
 	d.id = randomID()
+	all := []shop.Consumer{stock.Consumer, shipping.Consumer, billing.Consumer, billing.MailerConsumer, indexer.Consumer}
 	var err error
-	d.admin, err = pgxpool.New(ctx, d.cfg.DatabaseURL)
-	if err != nil {
-		return fmt.Errorf("PostgreSQL %s: %w", d.cfg.DatabaseURL, err)
-	}
-	d.defer_(d.admin.Close)
-	if err := d.admin.Ping(ctx); err != nil {
-		return fmt.Errorf("PostgreSQL at %s unreachable: %w (start it, or set DATABASE_URL)", d.cfg.DatabaseURL, err)
+	if d.embedded() {
+		if d.dir, err = os.MkdirTemp("", "watermill-idempotency-demo-"); err != nil {
+			return err
+		}
+		if d.cfg.Keep {
+			fmt.Fprintln(d.stderr, "demo: SQLite files kept in", d.dir)
+		} else {
+			d.defer_(func() { _ = os.RemoveAll(d.dir) }) // first in, last out: after the files are closed
+		}
+		if d.broker, err = d.newChannelBroker(all); err != nil {
+			return err
+		}
+	} else {
+		d.admin, err = pgxpool.New(ctx, d.cfg.DatabaseURL)
+		if err != nil {
+			return fmt.Errorf("PostgreSQL %s: %w", d.cfg.DatabaseURL, err)
+		}
+		d.defer_(d.admin.Close)
+		if err := d.admin.Ping(ctx); err != nil {
+			return fmt.Errorf("PostgreSQL at %s unreachable: %w (start it, or set DATABASE_URL)", d.cfg.DatabaseURL, err)
+		}
+		if d.broker, err = d.newAMQPBroker(all); err != nil {
+			return err
+		}
 	}
 
-	d.orderPool, d.orderSchema, err = d.newPool(ctx, "order", int32(d.cfg.Producers+4))
+	d.orderDB, d.orderSchema, err = d.newDB(ctx, "order", int32(d.cfg.Producers+4))
 	if err != nil {
 		return err
 	}
-	d.orders, err = order.New(order.Config{Pool: d.orderPool, Logger: d.logger})
+	d.orders, err = order.New(order.Config{Pool: d.orderDB.Pool, DB: d.orderDB.SQL, Logger: d.logger})
 	if err != nil {
 		return err
 	}
@@ -304,56 +282,27 @@ func (d *demo) setup(ctx context.Context) error {
 		return err
 	}
 
-	d.topo = shop.Topology{Prefix: "demo_" + d.id + ".", Prefetch: d.cfg.Prefetch}
-	d.amqpConn, err = amqp091.Dial(d.cfg.AMQPURL)
-	if err != nil {
-		return fmt.Errorf("RabbitMQ at %s unreachable: %w (start it, or set AMQP_URL)", d.cfg.AMQPURL, err)
-	}
-	d.defer_(func() { _ = d.amqpConn.Close() })
-	all := []shop.Consumer{stock.Consumer, shipping.Consumer, billing.Consumer, billing.MailerConsumer, indexer.Consumer}
-	ch, err := d.amqpConn.Channel()
-	if err != nil {
-		return err
-	}
-	if err := d.topo.Declare(ch, all...); err != nil {
-		return err
-	}
-	_ = ch.Close()
-	if !d.cfg.Keep {
-		d.defer_(func() {
-			if ch, err := d.amqpConn.Channel(); err == nil {
-				_ = d.topo.Delete(ch, all...)
-				_ = ch.Close()
-			}
-		})
-	}
-	d.relayPub, err = wamqp.NewPublisher(d.topo.PublisherConfig(d.cfg.AMQPURL), d.logger)
-	if err != nil {
-		return fmt.Errorf("relay publisher: %w", err)
-	}
-	d.defer_(func() { _ = d.relayPub.Close() })
-
-	d.shipHandler, err = shipping.NewHandler()
+	d.shipHandler, err = shipping.NewHandlerFor(d.orderDB.Dialect)
 	if err != nil {
 		return err
 	}
 	for _, c := range []struct {
 		dst     **consumerRun
 		c       shop.Consumer
-		migrate func(context.Context, *pgxpool.Pool, *processed.Store) error
+		migrate func(context.Context, shop.DB, *processed.Store) error
 		handler message.NoPublishHandlerFunc
 	}{
-		{&d.stock, stock.Consumer, stock.Migrate, stock.Handle},
-		{&d.shipping, shipping.Consumer, shipping.Migrate, d.shipHandler.Handle},
+		{&d.stock, stock.Consumer, stock.MigrateDB, stock.HandlerFor(d.orderDB.Dialect)},
+		{&d.shipping, shipping.Consumer, shipping.MigrateDB, d.shipHandler.Handle},
 	} {
-		pool, schema, err := d.newPool(ctx, c.c.Name, int32(d.cfg.Workers+2))
+		db, schema, err := d.newDB(ctx, c.c.Name, int32(d.cfg.Workers+2))
 		if err != nil {
 			return err
 		}
-		if err := c.migrate(ctx, pool, nil); err != nil {
+		if err := c.migrate(ctx, db, nil); err != nil {
 			return err
 		}
-		if *c.dst, err = d.startConsumer(ctx, consumerSpec{consumer: c.c, pool: pool, schema: schema, handler: c.handler}); err != nil {
+		if *c.dst, err = d.startConsumer(ctx, consumerSpec{consumer: c.c, db: db, schema: schema, handler: c.handler}); err != nil {
 			return err
 		}
 	}
@@ -365,7 +314,7 @@ func (d *demo) setup(ctx context.Context) error {
 	}
 
 	d.reorder = &reorderingPublisher{
-		Publisher:    d.relayPub,
+		Publisher:    d.broker.publisher(),
 		topic:        shop.EventOrderStatusChanged,
 		version:      statusVersion,
 		share:        d.cfg.Reorder,
@@ -373,9 +322,11 @@ func (d *demo) setup(ctx context.Context) error {
 		rng:          d.rng,
 		held:         map[string]heldMessage{},
 	}
-	d.flaky = &flakyOffsets{share: d.cfg.RelayFail, rng: d.rng}
+	_, offsets := d.orderDB.OutboxAdapters(0)
+	d.flaky = d.newFlakyOffsets(offsets)
 	d.relay, err = order.NewRelay(order.RelayConfig{
-		Pool:           d.orderPool,
+		Pool:           d.orderDB.Pool,
+		DB:             d.orderDB.SQL,
 		Publisher:      d.reorder,
 		BatchSize:      d.cfg.BatchSize,
 		PollInterval:   20 * time.Millisecond,
@@ -402,44 +353,64 @@ func (d *demo) setup(ctx context.Context) error {
 // AfterPoison) sends charges that stay uncertain.
 func (d *demo) setupBilling(ctx context.Context) error {
 	b := d.billing
-	pool, schema, err := d.newPool(ctx, billing.Consumer.Name, int32(2*d.cfg.Workers+4))
+	db, schema, err := d.newDB(ctx, billing.Consumer.Name, int32(2*d.cfg.Workers+4))
 	if err != nil {
 		return err
 	}
-	runnerPool, err := d.poolOn(ctx, schema, int32(d.cfg.Workers+2))
+	var runner *operation.Runner
+	if d.embedded() {
+		// SQLite has one writer per file: the runner's records go to a file
+		// of their own, since the handler's transaction holds the service
+		// file's write lock while the runner records the charge.
+		opsDB, err := d.sqliteFile("billing_operations", d.cfg.Workers+2)
+		if err != nil {
+			return err
+		}
+		if runner, err = operation.NewRunner(operation.Config{DB: opsDB, Dialect: sqldb.SQLite}, d.logger); err != nil {
+			return err
+		}
+		if err := runner.Migrate(ctx, sqldb.Std(opsDB)); err != nil {
+			return err
+		}
+		if err := billing.MigrateDB(ctx, db, nil, nil); err != nil {
+			return err
+		}
+	} else {
+		runnerPool, err := d.poolOn(ctx, schema, int32(d.cfg.Workers+2))
+		if err != nil {
+			return err
+		}
+		if runner, err = operation.NewRunner(operation.Config{Pool: runnerPool}, d.logger); err != nil {
+			return err
+		}
+		if err := billing.MigrateDB(ctx, db, nil, runner); err != nil {
+			return err
+		}
+	}
+	schemaAdapter, offsets := db.OutboxAdapters(0)
+	b.flaky = d.newFlakyOffsets(offsets)
+	b.outbox, err = outbox.New(outbox.Config{ForwarderTopic: "billing_outbox", SchemaAdapter: schemaAdapter, OffsetsAdapter: b.flaky}, d.logger)
 	if err != nil {
 		return err
 	}
-	runner, err := operation.NewRunner(operation.Config{Pool: runnerPool}, d.logger)
-	if err != nil {
-		return err
-	}
-	if err := billing.Migrate(ctx, pool, nil, runner); err != nil {
-		return err
-	}
-	b.flaky = &flakyOffsets{share: d.cfg.RelayFail, rng: d.rng}
-	b.outbox, err = outbox.New(outbox.Config{ForwarderTopic: "billing_outbox", OffsetsAdapter: b.flaky}, d.logger)
-	if err != nil {
-		return err
-	}
-	if err := b.outbox.InitializeSchema(ctx, wsql.BeginnerFromPgx(pool)); err != nil {
+	if err := b.outbox.InitializeSchema(ctx, db.Beginner()); err != nil {
 		return err
 	}
 	b.provider = billing.NewProvider()
 	b.provider.InjectTimeouts(d.cfg.ProviderTimeoutEvery)
 	b.mailer = billing.NewMailer()
-	b.svc, err = billing.New(billing.Config{Runner: runner, Provider: b.provider, Mailer: b.mailer, Logger: d.logger})
+	b.svc, err = billing.New(billing.Config{Runner: runner, Provider: b.provider, Mailer: b.mailer, Dialect: db.Dialect, Logger: d.logger})
 	if err != nil {
 		return err
 	}
 	b.charge, err = d.startConsumer(ctx, consumerSpec{
-		consumer: billing.Consumer, pool: pool, schema: schema,
+		consumer: billing.Consumer, db: db, schema: schema,
 		publish: b.svc.HandleOrderPlaced, publishTopic: billing.EventConfirmationRequested, outbox: b.outbox,
 	})
 	if err != nil {
 		return err
 	}
-	b.mail, err = d.startConsumer(ctx, consumerSpec{consumer: billing.MailerConsumer, pool: pool, schema: schema, handler: b.svc.HandleConfirmation})
+	b.mail, err = d.startConsumer(ctx, consumerSpec{consumer: billing.MailerConsumer, db: db, schema: schema, handler: b.svc.HandleConfirmation})
 	return err
 }
 
@@ -451,12 +422,13 @@ func (d *demo) setupBilling(ctx context.Context) error {
 func (d *demo) setupCatalogue(ctx context.Context) error {
 	c := d.catalogue
 	var err error
-	c.pool, c.schema, err = d.newPool(ctx, "catalogue", int32(d.cfg.Producers+4))
+	c.db, c.schema, err = d.newDB(ctx, "catalogue", int32(d.cfg.Producers+4))
 	if err != nil {
 		return err
 	}
-	c.flaky = &flakyOffsets{share: d.cfg.RelayFail, rng: d.rng}
-	c.cat, err = indexer.NewCatalogue(indexer.CatalogueConfig{Pool: c.pool, OffsetsAdapter: c.flaky, Logger: d.logger})
+	_, offsets := c.db.OutboxAdapters(0)
+	c.flaky = d.newFlakyOffsets(offsets)
+	c.cat, err = indexer.NewCatalogue(indexer.CatalogueConfig{Pool: c.db.Pool, DB: c.db.SQL, OffsetsAdapter: c.flaky, Logger: d.logger})
 	if err != nil {
 		return err
 	}
@@ -468,27 +440,33 @@ func (d *demo) setupCatalogue(ctx context.Context) error {
 		latency = -1 // NewSearchIndex: none
 	}
 	c.index = indexer.NewSearchIndex(latency)
-	c.ix, err = indexer.NewIndexer(indexer.IndexerConfig{
+	ixCfg := indexer.IndexerConfig{
 		Index:       c.index,
 		LatestTable: c.schema + "." + versioned.DefaultLatestTable,
 		Logger:      d.logger,
-	})
+	}
+	if d.embedded() {
+		// The catalogue's latest table is in its own file: the filter reads
+		// it there, outside the indexer's transaction.
+		ixCfg.LatestTable, ixCfg.LatestQuerier, ixCfg.Dialect = "", sqldb.Std(c.db.SQL), sqldb.SQLite
+	}
+	c.ix, err = indexer.NewIndexer(ixCfg)
 	if err != nil {
 		return err
 	}
-	ixPool, ixSchema, err := d.newPool(ctx, indexer.Consumer.Name, int32(d.cfg.Workers+2))
+	ixDB, ixSchema, err := d.newDB(ctx, indexer.Consumer.Name, int32(d.cfg.Workers+2))
 	if err != nil {
 		return err
 	}
-	if err := c.ix.Migrate(ctx, ixPool, nil); err != nil {
+	if err := c.ix.MigrateDB(ctx, ixDB, nil); err != nil {
 		return err
 	}
-	c.indexer, err = d.startConsumer(ctx, consumerSpec{consumer: indexer.Consumer, pool: ixPool, schema: ixSchema, handler: c.ix.Handle})
+	c.indexer, err = d.startConsumer(ctx, consumerSpec{consumer: indexer.Consumer, db: ixDB, schema: ixSchema, handler: c.ix.Handle})
 	if err != nil {
 		return err
 	}
 	c.reorder = &reorderingPublisher{
-		Publisher:    d.relayPub,
+		Publisher:    d.broker.publisher(),
 		topic:        indexer.EventProductUpdated,
 		version:      productVersion,
 		share:        d.cfg.Reorder,
@@ -522,25 +500,18 @@ func waitRunning(what string, running <-chan struct{}, done <-chan error) error 
 // with the probe outermost.
 func (d *demo) startConsumer(ctx context.Context, s consumerSpec) (*consumerRun, error) {
 	c := s.consumer
-	uri, err := amqp091.ParseURI(d.cfg.AMQPURL)
-	if err != nil {
-		return nil, fmt.Errorf("AMQP_URL: %w", err)
-	}
-	proxy, err := faultproxy.Start(net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)))
+	transport, cut, err := d.broker.transport(c)
 	if err != nil {
 		return nil, err
 	}
-	d.defer_(func() { _ = proxy.Close() })
-	uri.Host, uri.Port = "127.0.0.1", proxy.Port()
 	r := &consumerRun{
 		consumer: c,
-		pool:     s.pool,
+		db:       s.db,
 		schema:   s.schema,
-		proxy:    proxy,
 		rec:      &recorder{},
 		probe: &consumerProbe{
 			name:     c.Name,
-			proxy:    proxy,
+			cut:      cut,
 			cutEvery: int64(d.cfg.CutEvery),
 			awaiting: map[string]bool{},
 			perID:    map[string][]uint64{},
@@ -552,18 +523,17 @@ func (d *demo) startConsumer(ctx context.Context, s consumerSpec) (*consumerRun,
 		mws = append(mws, idAtReception)
 	}
 	cfg := shop.ServiceConfig{
-		AMQPURL:       d.cfg.AMQPURL,
-		SubscriberURL: uri.String(),
-		Topology:      d.topo,
-		Consumer:      c,
-		Pool:          s.pool,
-		Outbox:        s.outbox,
-		Relay:         outbox.RelayConfig{Subscriber: relaySubscriber},
-		Workers:       d.cfg.Workers,
-		Middleware:    mws,
-		Idempotent:    middleware.Config{Recorder: r.rec},
-		Chain:         middleware.ChainConfig{InitialInterval: 20 * time.Millisecond, MaxInterval: time.Second},
-		Logger:        d.logger,
+		Transport:  transport,
+		Consumer:   c,
+		Pool:       s.db.Pool,
+		DB:         s.db.SQL,
+		Outbox:     s.outbox,
+		Relay:      outbox.RelayConfig{Subscriber: relaySubscriber},
+		Workers:    d.cfg.Workers,
+		Middleware: mws,
+		Idempotent: middleware.Config{Recorder: r.rec},
+		Chain:      middleware.ChainConfig{InitialInterval: 20 * time.Millisecond, MaxInterval: time.Second},
+		Logger:     d.logger,
 	}
 	if s.publish != nil {
 		cfg.PublishHandler, cfg.PublishTopic = r.probe.handler(s.publish), s.publishTopic
@@ -679,24 +649,11 @@ func (d *demo) publishMalformed(ctx context.Context) error {
 			d.malformedKeys = append(d.malformedKeys, k)
 		}
 	}
-	ch, err := d.amqpConn.Channel()
-	if err != nil {
-		return err
-	}
-	defer ch.Close()
-	if err := ch.Confirm(false); err != nil {
-		return err
-	}
 	for i := 0; i < d.cfg.Malformed; i++ {
 		id := fmt.Sprintf("malformed-%d", i+1)
 		for _, key := range d.malformedKeys {
-			conf, err := ch.PublishWithDeferredConfirmWithContext(ctx, d.topo.ExchangeName(), key, false, false,
-				amqp091.Publishing{MessageId: id, DeliveryMode: amqp091.Persistent, Body: malformedBodies[i%len(malformedBodies)]})
-			if err != nil {
+			if err := d.broker.publishRaw(ctx, key, id, malformedBodies[i%len(malformedBodies)]); err != nil {
 				return err
-			}
-			if ok, err := conf.WaitContext(ctx); err != nil || !ok {
-				return fmt.Errorf("malformed message %s not confirmed: %v", id, err)
 			}
 		}
 		d.malformedIDs = append(d.malformedIDs, id)
@@ -716,21 +673,6 @@ func (d *demo) malformedPerQueue(c shop.Consumer) int {
 	return n
 }
 
-// outboxPending counts the rows of a watermill-sql outbox (default
-// PostgreSQL schema and offsets adapters) that the relay group has not yet
-// marked sent, as order.Service.Pending does for the order outbox.
-func outboxPending(ctx context.Context, pool *pgxpool.Pool, topic, group string) (int, error) {
-	q := `SELECT count(*) FROM ` + wsql.DefaultPostgreSQLSchema{}.MessagesTable(topic) + ` m
-	WHERE NOT EXISTS (SELECT 1 FROM ` + wsql.DefaultPostgreSQLOffsetsAdapter{}.MessagesOffsetsTable(topic) + ` o WHERE o.consumer_group = $1
-	  AND (m.transaction_id < o.last_processed_transaction_id
-	    OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked)))`
-	var n int
-	if err := pool.QueryRow(ctx, q, group).Scan(&n); err != nil {
-		return 0, fmt.Errorf("outbox %s: pending: %w", topic, err)
-	}
-	return n, nil
-}
-
 // pending is the outbox rows not yet relayed, per outbox.
 type pending struct{ order, catalogue, billing int }
 
@@ -742,10 +684,10 @@ func (d *demo) pending(ctx context.Context) (pending, error) {
 	if p.order, err = d.orders.Pending(ctx, ""); err != nil {
 		return p, err
 	}
-	if p.catalogue, err = outboxPending(ctx, d.catalogue.pool, d.catalogue.cat.OutboxTopic(), ""); err != nil {
+	if p.catalogue, err = shop.OutboxPending(ctx, d.catalogue.db, d.catalogue.cat.OutboxTopic(), ""); err != nil {
 		return p, err
 	}
-	p.billing, err = outboxPending(ctx, d.billing.charge.pool, d.billing.outbox.ForwarderTopic(), "")
+	p.billing, err = shop.OutboxPending(ctx, d.billing.charge.db, d.billing.outbox.ForwarderTopic(), "")
 	return p, err
 }
 
@@ -782,10 +724,10 @@ func (d *demo) replay(ctx context.Context) error {
 		return nil
 	}
 	var err error
-	if d.replayed, err = d.orders.Replay(ctx, d.relayPub, d.replayFrom, d.replayTo); err != nil {
+	if d.replayed, err = d.orders.Replay(ctx, d.broker.publisher(), d.replayFrom, d.replayTo); err != nil {
 		return err
 	}
-	d.catalogue.replayed, err = d.catalogue.cat.Replay(ctx, d.relayPub, d.replayFrom, d.replayTo)
+	d.catalogue.replayed, err = d.catalogue.cat.Replay(ctx, d.broker.publisher(), d.replayFrom, d.replayTo)
 	return err
 }
 
@@ -840,18 +782,13 @@ func (d *demo) waitSettled(ctx context.Context) bool {
 
 // queued is the number of ready messages in the consumer queues.
 func (d *demo) queued() (int, error) {
-	ch, err := d.amqpConn.Channel()
-	if err != nil {
-		return 0, err
-	}
-	defer ch.Close()
 	total := 0
 	for _, c := range d.consumers() {
-		q, err := ch.QueueDeclarePassive(d.topo.Queue(c.consumer), true, false, false, false, nil)
+		n, err := d.broker.queued(c.consumer)
 		if err != nil {
 			return 0, err
 		}
-		total += q.Messages
+		total += n
 	}
 	return total, nil
 }

@@ -20,8 +20,11 @@ func lastJSON(t *testing.T, out string) map[string]any {
 	return m
 }
 
+// smallConfig is a small run on the real services (PostgreSQL and RabbitMQ),
+// whatever the environment says: CI runs that path.
 func smallConfig() config {
 	c := defaultConfig()
+	c.Backend = backendServices
 	c.Orders = 60
 	c.CutEvery = 15
 	c.RelayFail = 0.5
@@ -42,8 +45,33 @@ func smallConfig() config {
 // line, and the faults it injects were exercised.
 func TestDemo(t *testing.T) {
 	t.Parallel()
+	checkDemo(t, smallConfig())
+}
+
+// The embedded default (SQLite files and the in-process broker, nothing
+// installed) passes the same checks, with the same faults.
+func TestDemoEmbedded(t *testing.T) {
+	t.Parallel()
+	c := smallConfig()
+	c.Backend = backendEmbedded
+	c.DatabaseURL, c.AMQPURL = "postgres://unused.invalid/", "amqp://unused.invalid/" // never dialled
+	checkDemo(t, c)
+}
+
+// Without DATABASE_URL and AMQP_URL the demo runs embedded; with either,
+// on the services.
+func TestDemoDefaultBackend(t *testing.T) {
+	t.Setenv("DATABASE_URL", "")
+	t.Setenv("AMQP_URL", "")
+	require.Equal(t, backendEmbedded, defaultConfig().Backend)
+	t.Setenv("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+	require.Equal(t, backendServices, defaultConfig().Backend)
+}
+
+func checkDemo(t *testing.T, cfg config) {
+	t.Helper()
 	var out, errb bytes.Buffer
-	code := run(context.Background(), smallConfig(), &out, &errb)
+	code := run(context.Background(), cfg, &out, &errb)
 	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", out.String(), errb.String())
 	require.Contains(t, out.String(), `"ok":true`)
 	m := lastJSON(t, out.String())
@@ -86,9 +114,20 @@ func TestDemo(t *testing.T) {
 // duplicates pass the claim, and the demo says so and exits 1.
 func TestDemoCatchesIDsAssignedAtReception(t *testing.T) {
 	t.Parallel()
-	c := smallConfig()
-	c.Orders = 30
-	c.IDAtReception = true
+	for _, backend := range []string{backendServices, backendEmbedded} {
+		t.Run(backend, func(t *testing.T) {
+			t.Parallel()
+			c := smallConfig()
+			c.Backend = backend
+			c.Orders = 30
+			c.IDAtReception = true
+			catchesIDsAtReception(t, c)
+		})
+	}
+}
+
+func catchesIDsAtReception(t *testing.T, c config) {
+	t.Helper()
 	var out, errb bytes.Buffer
 	code := run(context.Background(), c, &out, &errb)
 	require.Equal(t, 1, code, "stdout:\n%s\nstderr:\n%s", out.String(), errb.String())
@@ -109,7 +148,7 @@ func TestDemoFlags(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 5, c.Orders)
 	for _, bad := range [][]string{{"-orders", "0"}, {"-relay-fail", "2"}, {"-status-changes", "9"}, {"-workers", "0"},
-		{"-products", "0"}, {"-updates", "0"}, {"-provider-timeout-every", "-1"}, {"-index-latency", "-1s"}} {
+		{"-products", "0"}, {"-updates", "0"}, {"-provider-timeout-every", "-1"}, {"-index-latency", "-1s"}, {"-backend", "redis"}} {
 		_, err := parseFlags(bad, &errb)
 		require.Error(t, err, bad)
 	}

@@ -13,7 +13,6 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/examples/indexer"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
-	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 )
 
@@ -49,9 +48,11 @@ func (l *lockedRand) intN(n int) int {
 // with the same event ids. It never fails two batches in a row, so the relay
 // always progresses.
 type flakyOffsets struct {
-	wsql.DefaultPostgreSQLOffsetsAdapter
-	share float64
-	rng   *lockedRand
+	wsql.OffsetsAdapter // the relay's own
+	// failQuery is a statement that fails on the server.
+	failQuery string
+	share     float64
+	rng       *lockedRand
 
 	mu          sync.Mutex
 	lastFailed  bool
@@ -67,7 +68,7 @@ func (f *flakyOffsets) AckMessageQuery(p wsql.AckMessageQueryParams) (wsql.Query
 	f.lastFailed = fail
 	f.mu.Unlock()
 	if !fail {
-		return f.DefaultPostgreSQLOffsetsAdapter.AckMessageQuery(p)
+		return f.OffsetsAdapter.AckMessageQuery(p)
 	}
 	published := len(p.Rows)
 	for i, r := range p.Rows {
@@ -78,8 +79,19 @@ func (f *flakyOffsets) AckMessageQuery(p wsql.AckMessageQueryParams) (wsql.Query
 	}
 	f.republished.Add(int64(published))
 	f.failures.Add(1)
-	// A statement that fails on the server: division_by_zero (22012).
-	return wsql.Query{Query: "SELECT 1/0"}, nil
+	return wsql.Query{Query: f.failQuery}, nil
+}
+
+// newFlakyOffsets wraps inner, the relay's offsets adapter on a database of
+// d's backend.
+func (d *demo) newFlakyOffsets(inner wsql.OffsetsAdapter) *flakyOffsets {
+	// A statement that fails on the server: PostgreSQL's division_by_zero
+	// (22012); SQLite divides by zero into NULL, so a missing table there.
+	fail := "SELECT 1/0"
+	if d.embedded() {
+		fail = "SELECT * FROM demo_relay_fault_injected"
+	}
+	return &flakyOffsets{OffsetsAdapter: inner, failQuery: fail, share: d.cfg.RelayFail, rng: d.rng}
 }
 
 // reorderingPublisher sits between a relay and the broker and, for a share
@@ -204,11 +216,12 @@ func (p *reorderingPublisher) heldCount() int {
 // consumerProbe is the outermost middleware of a consumer service: it counts
 // deliveries and deliveries in flight, and after every cutEvery-th delivery
 // whose handler committed it cuts the consumer's AMQP connection (through
-// the fault proxy) before the router acks: the ack is lost and the broker
+// the fault proxy; embedded, the in-process broker forgets the connection's
+// unacked deliveries the same way) before the router acks: the ack is lost and the broker
 // redelivers the message with redelivered=true, which the claim must absorb.
 type consumerProbe struct {
 	name     string
-	proxy    *faultproxy.Proxy
+	cut      func() // loses the acks of the consumer's deliveries in flight
 	cutEvery int64
 
 	deliveries  atomic.Int64
@@ -258,7 +271,7 @@ func (p *consumerProbe) middleware(h message.HandlerFunc) message.HandlerFunc {
 				p.mu.Lock()
 				p.awaiting[id] = true
 				p.mu.Unlock()
-				p.proxy.Cut() // the router's ack now cannot reach the broker
+				p.cut() // the router's ack now cannot reach the broker
 				p.cuts.Add(1)
 			}
 		}

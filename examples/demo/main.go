@@ -1,13 +1,31 @@
-// Command demo runs the example shop end to end on real RabbitMQ and
-// PostgreSQL and injects the faults of at-least-once delivery, then checks
-// from the databases and queues that every effect happened exactly once.
+// Command demo runs the example shop end to end and injects the faults of
+// at-least-once delivery, then checks from the databases and queues that
+// every effect happened exactly once.
 //
 //	go run ./examples/demo            # 1000 orders, 100 products × 10 updates, under a minute
 //	go run ./examples/demo -orders 100 -cut-every 20
+//	DATABASE_URL=postgres://… AMQP_URL=amqp://… go run ./examples/demo
+//
+// Two backends (-backend):
+//
+//   - embedded, the default when neither DATABASE_URL nor AMQP_URL is set:
+//     nothing to install. Each service's database is a SQLite file
+//     (modernc.org/sqlite, pure Go) in a temporary directory, and the broker
+//     is shop.ChannelBroker: Watermill's in-process pub/sub (GoChannel) as the
+//     exchange and an in-memory queue per consumer that requeues nacked
+//     deliveries and redelivers the ones whose ack a cut lost, as RabbitMQ
+//     does. The outboxes use watermill-sql with the example's SQLite
+//     adapters (shop.SQLiteSchema); billing's operation records live in a
+//     SQLite file of their own (one writer per file).
+//   - services, the default when either is set: PostgreSQL (a schema per
+//     service) and RabbitMQ (the shop topology, a TCP fault proxy in front
+//     of each consumer).
+//
+// The faults and the checks are the same on both.
 //
 // One process runs the producers and the consumers of the example shop, each
 // consumer a shop.Service with the idempotent middleware in the recommended
-// chain, on its own PostgreSQL schema:
+// chain, on its own database (PostgreSQL schema or SQLite file):
 //
 //   - order (producer): orders and their status changes, through its outbox
 //     and relay (Watermill's forwarder);
@@ -33,7 +51,8 @@
 //     between the broker's confirm and the commit of its position: those rows
 //     are published again, same ids;
 //   - lost ack: after every -cut-every-th committed delivery, the consumer's
-//     AMQP connection is cut (through a TCP fault proxy) before the ack: the
+//     AMQP connection is cut (through a TCP fault proxy; embedded, the broker
+//     loses the acks of the deliveries in flight) before the ack: the
 //     broker redelivers the message with redelivered=true; every consumer;
 //   - operator replay: the order and catalogue events of the first -replay
 //     share of the run are republished from the outboxes with their
@@ -55,10 +74,12 @@
 // expected_reservations, duplicates_skipped, stale_skipped, poisoned, lost,
 // charges, expected_charges, mails, index_updates, obsolete_skipped, ok, …). The exit status is 1 when ok is false, 2 when the run could not be
 // set up. Each run uses its own PostgreSQL schemas and RabbitMQ exchange and
-// queues (a random prefix) and removes them at the end unless -keep.
+// queues (a random prefix), or its own temporary directory of SQLite files,
+// and removes them at the end unless -keep.
 //
 // DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test?sslmode=disable)
-// and AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/) locate the services.
+// and AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/) locate the
+// services of -backend services.
 package main
 
 import (
@@ -76,6 +97,9 @@ import (
 
 // config is the demo's sizes, fault rates and service URLs.
 type config struct {
+	// Backend is backendEmbedded (SQLite files and the in-process broker)
+	// or backendServices (PostgreSQL at DatabaseURL, RabbitMQ at AMQPURL).
+	Backend     string
 	DatabaseURL string
 	AMQPURL     string
 
@@ -105,6 +129,7 @@ type config struct {
 
 func defaultConfig() config {
 	return config{
+		Backend:              defaultBackend(),
 		DatabaseURL:          envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"),
 		AMQPURL:              envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"),
 		Orders:               1000,
@@ -140,6 +165,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	c := defaultConfig()
 	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	fs.StringVar(&c.Backend, "backend", c.Backend, "embedded (SQLite and the in-process broker: nothing to install) or services (PostgreSQL at DATABASE_URL, RabbitMQ at AMQP_URL); defaults to services when either is set")
 	fs.IntVar(&c.Orders, "orders", c.Orders, "orders to place")
 	fs.IntVar(&c.MaxLines, "lines", c.MaxLines, "maximum lines per order (1..n)")
 	fs.IntVar(&c.StatusChanges, "status-changes", c.StatusChanges, "status changes per order after it is placed (0..3)")
@@ -165,6 +191,8 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 		return c, err
 	}
 	switch {
+	case c.Backend != backendEmbedded && c.Backend != backendServices:
+		return c, fmt.Errorf("-backend %q: embedded or services", c.Backend)
 	case c.Orders < 1:
 		return c, fmt.Errorf("-orders %d: must be ≥ 1", c.Orders)
 	case c.MaxLines < 1:

@@ -2,6 +2,7 @@ package indexer
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"sync"
@@ -11,7 +12,6 @@ import (
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
@@ -63,11 +63,30 @@ ON CONFLICT (sku) DO UPDATE SET version = catalogue_product.version + 1, name = 
     price_cents = EXCLUDED.price_cents, updated_at = now()
 RETURNING version`
 
+// The catalogue's tables on SQLite.
+const sqliteCatalogueSchemaSQL = `
+CREATE TABLE IF NOT EXISTS catalogue_product (
+    sku         TEXT    PRIMARY KEY,
+    version     INTEGER NOT NULL,
+    name        TEXT    NOT NULL,
+    price_cents INTEGER NOT NULL,
+    updated_at  TEXT    NOT NULL DEFAULT CURRENT_TIMESTAMP
+)`
+
+const sqliteUpsertProductSQL = `INSERT INTO catalogue_product (sku, version, name, price_cents) VALUES (?1, 1, ?2, ?3)
+ON CONFLICT (sku) DO UPDATE SET version = catalogue_product.version + 1, name = excluded.name,
+    price_cents = excluded.price_cents, updated_at = CURRENT_TIMESTAMP
+RETURNING version`
+
 // CatalogueConfig configures NewCatalogue.
 type CatalogueConfig struct {
 	// Pool is the catalogue's database; its search_path must reach the
-	// tables Migrate creates. Required.
+	// tables Migrate creates. Exactly one of Pool and DB is required.
 	Pool *pgxpool.Pool
+	// DB, instead of Pool, is the catalogue's database on SQLite (see
+	// shop.SQLiteDB): the outbox then uses shop.SQLiteSchema and
+	// shop.SQLiteOffsetsAdapter, the family store the SQLite dialect.
+	DB *sql.DB
 	// OutboxTopic is the outbox's forwarder topic. Defaults to
 	// DefaultOutboxTopic.
 	OutboxTopic string
@@ -90,7 +109,8 @@ type CatalogueConfig struct {
 // Catalogue is the producer: it updates products and publishes their
 // updates through its outbox. Safe for concurrent use.
 type Catalogue struct {
-	pool     *pgxpool.Pool
+	db       shop.DB
+	upsert   string
 	outbox   *outbox.Outbox
 	families *versioned.FamilyStore
 	latest   versioned.LatestStore
@@ -99,8 +119,12 @@ type Catalogue struct {
 
 // NewCatalogue validates cfg (on a copy with defaults applied).
 func NewCatalogue(cfg CatalogueConfig) (*Catalogue, error) {
-	if cfg.Pool == nil {
-		return nil, errors.New("indexer: CatalogueConfig.Pool is required")
+	db := shop.DB{Pool: cfg.Pool, SQL: cfg.DB}
+	if cfg.DB != nil {
+		db.Dialect = sqldb.SQLite
+	}
+	if err := db.Validate(); err != nil {
+		return nil, fmt.Errorf("indexer: CatalogueConfig.Pool/DB: %w", err)
 	}
 	if cfg.OutboxTopic == "" {
 		cfg.OutboxTopic = DefaultOutboxTopic
@@ -109,7 +133,7 @@ func NewCatalogue(cfg CatalogueConfig) (*Catalogue, error) {
 		cfg.Logger = watermill.NopLogger{}
 	}
 	if cfg.Families == nil {
-		fs, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{})
+		fs, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{Dialect: db.Dialect})
 		if err != nil {
 			return nil, err
 		}
@@ -118,23 +142,35 @@ func NewCatalogue(cfg CatalogueConfig) (*Catalogue, error) {
 	if cfg.Latest == nil {
 		cfg.Latest = cfg.Families
 	}
-	ob, err := outbox.New(outbox.Config{ForwarderTopic: cfg.OutboxTopic, OffsetsAdapter: cfg.OffsetsAdapter}, cfg.Logger)
+	schema, offsets := db.OutboxAdapters(0)
+	if cfg.OffsetsAdapter != nil {
+		offsets = cfg.OffsetsAdapter
+	}
+	ob, err := outbox.New(outbox.Config{ForwarderTopic: cfg.OutboxTopic, SchemaAdapter: schema, OffsetsAdapter: offsets}, cfg.Logger)
 	if err != nil {
 		return nil, fmt.Errorf("indexer: CatalogueConfig.OutboxTopic: %w", err)
 	}
-	return &Catalogue{pool: cfg.Pool, outbox: ob, families: cfg.Families, latest: cfg.Latest, logger: cfg.Logger}, nil
+	upsert := upsertProductSQL
+	if db.IsSQLite() {
+		upsert = sqliteUpsertProductSQL
+	}
+	return &Catalogue{db: db, upsert: upsert, outbox: ob, families: cfg.Families, latest: cfg.Latest, logger: cfg.Logger}, nil
 }
 
 // Migrate creates the product table, the family tables and the outbox
 // tables in the pool's search_path. Idempotent.
 func (c *Catalogue) Migrate(ctx context.Context) error {
-	if _, err := c.pool.Exec(ctx, catalogueSchemaSQL); err != nil {
+	ddl := catalogueSchemaSQL
+	if c.db.IsSQLite() {
+		ddl = sqliteCatalogueSchemaSQL
+	}
+	if err := c.db.Exec(ctx, ddl); err != nil {
 		return fmt.Errorf("indexer: migrate catalogue: %w", err)
 	}
-	if err := c.families.Migrate(ctx, sqldb.Pgx(c.pool)); err != nil {
+	if err := c.families.Migrate(ctx, c.db.Querier()); err != nil {
 		return err
 	}
-	return c.outbox.InitializeSchema(ctx, wsql.BeginnerFromPgx(c.pool))
+	return c.outbox.InitializeSchema(ctx, c.db.Beginner())
 }
 
 // OutboxTopic is the catalogue's forwarder topic (the outbox table is
@@ -147,7 +183,7 @@ func (c *Catalogue) OutboxTopic() string { return c.outbox.ForwarderTopic() }
 // at least once, with the event_id it was written with. The relay does not
 // close dest.
 func (c *Catalogue) NewRelay(dest message.Publisher, cfg outbox.RelayConfig) (*forwarder.Forwarder, error) {
-	return c.outbox.NewRelay(wsql.BeginnerFromPgx(c.pool), dest, cfg)
+	return c.outbox.NewRelay(c.db.Beginner(), dest, cfg)
 }
 
 // Replay republishes, through pub (the relay's destination), every update of
@@ -155,7 +191,7 @@ func (c *Catalogue) NewRelay(dest message.Publisher, cfg outbox.RelayConfig) (*f
 // and family metadata, as an operator does after an incident (see
 // shop.ReplayOutbox). The indexer skips them: duplicates by their event id.
 func (c *Catalogue) Replay(ctx context.Context, pub message.Publisher, from, to time.Time) (int, error) {
-	n, err := shop.ReplayOutbox(ctx, c.pool, wsql.DefaultPostgreSQLSchema{}.MessagesTable(c.outbox.ForwarderTopic()), pub, from, to)
+	n, err := shop.ReplayOutboxDB(ctx, c.db, shop.OutboxTable(c.db, c.outbox.ForwarderTopic()), pub, from, to)
 	if err != nil {
 		return n, fmt.Errorf("indexer: %w", err)
 	}
@@ -172,8 +208,8 @@ func (c *Catalogue) Update(ctx context.Context, sku, name string, priceCents int
 	}
 	ev := ProductUpdated{SKU: sku, Name: name, PriceCents: priceCents}
 	var pub *versioned.LatestPublisher
-	err := pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
-		if err := tx.QueryRow(ctx, upsertProductSQL, sku, name, priceCents).Scan(&ev.Version); err != nil {
+	err := c.db.InTx(ctx, func(tx shop.Tx) error {
+		if err := tx.Querier.QueryRow(ctx, c.upsert, sku, name, priceCents).Scan(&ev.Version); err != nil {
 			return err
 		}
 		msg, err := marshaler.NewMessage(EventProductUpdated, ev)
@@ -184,11 +220,11 @@ func (c *Catalogue) Update(ctx context.Context, sku, name string, priceCents int
 			return err
 		}
 		msg.SetContext(ctx) // the outbox INSERT runs on the message's context
-		inner, err := c.outbox.PgxPublisher(tx)
+		inner, err := c.outbox.Publisher(tx.Outbox)
 		if err != nil {
 			return err
 		}
-		cfg := versioned.LatestPublisherConfig{Store: c.latest, Querier: sqldb.Pgx(tx)}
+		cfg := versioned.LatestPublisherConfig{Store: c.latest, Querier: tx.Querier}
 		if !c.latest.Transactional() {
 			cfg = versioned.LatestPublisherConfig{Store: c.latest, Deferred: true}
 		}
@@ -269,21 +305,17 @@ func (c *Catalogue) Import(ctx context.Context, cfg ImportConfig) (int, error) {
 
 // Versions returns every product's current version, by SKU.
 func (c *Catalogue) Versions(ctx context.Context) (map[string]int64, error) {
-	rows, err := c.pool.Query(ctx, `SELECT sku, version FROM catalogue_product`)
-	if err != nil {
-		return nil, fmt.Errorf("indexer: versions: %w", err)
-	}
 	out := map[string]int64{}
-	for rows.Next() {
+	err := c.db.Query(ctx, `SELECT sku, version FROM catalogue_product`, nil, func(scan func(...any) error) error {
 		var sku string
 		var v int64
-		if err := rows.Scan(&sku, &v); err != nil {
-			rows.Close()
-			return nil, err
+		if err := scan(&sku, &v); err != nil {
+			return err
 		}
 		out[sku] = v
-	}
-	if err := rows.Err(); err != nil {
+		return nil
+	})
+	if err != nil {
 		return nil, fmt.Errorf("indexer: versions: %w", err)
 	}
 	return out, nil

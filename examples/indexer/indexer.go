@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/sqldb"
@@ -109,6 +110,9 @@ type IndexerConfig struct {
 	// LatestQuerier, when set, reads the latest table there (a pool on the
 	// catalogue's database when it is another database).
 	LatestQuerier sqldb.Querier
+	// Dialect is the SQL dialect of the indexer's database, for the default
+	// Families: sqldb.PostgreSQL (the default) or sqldb.SQLite.
+	Dialect sqldb.Dialect
 	// Consumer is the consumer name of the applied records; keep it equal to
 	// the idempotent middleware's (shop.NewService uses Consumer.Name).
 	// Defaults to Consumer.Name ("indexer").
@@ -147,7 +151,7 @@ func NewIndexer(cfg IndexerConfig) (*Indexer, error) {
 		return nil, errors.New("indexer: IndexerConfig.Index is required")
 	}
 	if cfg.Families == nil {
-		fs, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{LatestTable: cfg.LatestTable})
+		fs, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{LatestTable: cfg.LatestTable, Dialect: cfg.Dialect})
 		if err != nil {
 			return nil, fmt.Errorf("indexer: IndexerConfig.LatestTable: %w", err)
 		}
@@ -177,16 +181,22 @@ func NewIndexer(cfg IndexerConfig) (*Indexer, error) {
 // CREATE … IF NOT EXISTS leaves alone when the catalogue made it).
 // Idempotent. Its signature is the demo's consumer migration hook.
 func (ix *Indexer) Migrate(ctx context.Context, pool *pgxpool.Pool, store *processed.Store) error {
+	return ix.MigrateDB(ctx, shop.PgxDB(pool), store)
+}
+
+// MigrateDB is Migrate on a PostgreSQL or SQLite database. A nil store is
+// processed.DefaultTable in db's dialect.
+func (ix *Indexer) MigrateDB(ctx context.Context, db shop.DB, store *processed.Store) error {
 	if store == nil {
 		var err error
-		if store, err = processed.NewStore(processed.Config{}); err != nil {
+		if store, err = processed.NewStore(processed.Config{Dialect: db.Dialect}); err != nil {
 			return err
 		}
 	}
-	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
+	if err := store.Migrate(ctx, db.Querier()); err != nil {
 		return err
 	}
-	return ix.families.Migrate(ctx, sqldb.Pgx(pool))
+	return ix.families.Migrate(ctx, db.Querier())
 }
 
 // Handle is the indexer's handler (a message.NoPublishHandlerFunc, for

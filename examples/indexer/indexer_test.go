@@ -24,6 +24,8 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/outbox"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -322,4 +324,59 @@ func TestCheckLatest(t *testing.T) {
 	require.ErrorContains(t, err, "IndexerConfig.Index")
 	_, err = indexer.NewCatalogue(indexer.CatalogueConfig{})
 	require.ErrorContains(t, err, "CatalogueConfig.Pool")
+}
+
+// On SQLite (the embedded demo): the catalogue and the indexer in files of
+// their own, the filter reading the catalogue's latest table through
+// LatestQuerier. Only the latest update of each product is indexed.
+func TestIndexerProcessesOnlyTheLatestSQLite(t *testing.T) {
+	t.Parallel()
+	const products, updates = 4, 20
+	ctx := context.Background()
+	catDB, ixDB := testenv.SQLiteDB(t), testenv.SQLiteDB(t)
+	cat, err := indexer.NewCatalogue(indexer.CatalogueConfig{DB: catDB})
+	require.NoError(t, err)
+	require.NoError(t, cat.Migrate(ctx))
+	require.NoError(t, cat.Migrate(ctx), "idempotent")
+	n, err := cat.Import(ctx, indexer.ImportConfig{Products: products, UpdatesPerProduct: updates, Workers: 2})
+	require.NoError(t, err)
+	require.Equal(t, products*updates, n)
+
+	index := indexer.NewSearchIndex(-1)
+	ix, err := indexer.NewIndexer(indexer.IndexerConfig{Index: index, LatestQuerier: sqldb.Std(catDB), Dialect: sqldb.SQLite})
+	require.NoError(t, err)
+	require.NoError(t, ix.MigrateDB(ctx, shop.SQLiteDB(ixDB), nil))
+	store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+	require.NoError(t, err)
+	rec := newAttempts()
+	idem, err := middleware.NewIdempotent(middleware.Config{
+		Beginner: middleware.NewStdBeginner(ixDB), Store: store, Consumer: indexer.Consumer.Name, Recorder: rec,
+	}, nil)
+	require.NoError(t, err)
+	broker := shop.NewChannelBroker(nil)
+	t.Cleanup(func() { _ = broker.Close() })
+	require.NoError(t, broker.Declare(indexer.Consumer))
+	sub, err := broker.Subscriber(indexer.Consumer, nil)
+	require.NoError(t, err)
+	poison, topic, err := broker.PoisonPublisher(indexer.Consumer, nil)
+	require.NoError(t, err)
+	chain, err := middleware.NewChain(middleware.ChainConfig{Idempotent: idem, PoisonPublisher: poison, PoisonTopic: topic,
+		InitialInterval: 5 * time.Millisecond, MaxInterval: 50 * time.Millisecond}, nil)
+	require.NoError(t, err)
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	require.NoError(t, err)
+	router.AddMiddleware(chain...)
+	router.AddConsumerHandler("indexer-1", indexer.EventProductUpdated, sub, ix.Handle)
+	runInBackground(t, router.Run, router.Running(), router.Close)
+	startRelay(t, cat, broker.Publisher())
+	rec.wait(t, n, 0)
+
+	want, err := cat.Versions(ctx)
+	require.NoError(t, err)
+	require.Len(t, want, products)
+	require.NoError(t, indexer.CheckLatest(index, want))
+	require.Equal(t, indexer.Stats{IndexUpdates: products, ObsoleteSkipped: int64(n - products)}, ix.Stats())
+	dead, err := broker.DrainDeadLetters(indexer.Consumer)
+	require.NoError(t, err)
+	require.Empty(t, dead)
 }

@@ -2,6 +2,7 @@ package order
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"strings"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // DefaultOutboxTopic is the forwarder topic of the outbox: its rows live in
@@ -25,8 +27,12 @@ const DefaultOutboxTopic = "order_outbox"
 // Config configures the order service (New).
 type Config struct {
 	// Pool is the order service's database; its search_path must reach the
-	// tables Migrate creates. Required.
+	// tables Migrate creates. Exactly one of Pool and DB is required.
 	Pool *pgxpool.Pool
+	// DB, instead of Pool, is the order service's database on SQLite
+	// (database/sql with modernc.org/sqlite; see shop.SQLiteDB): the outbox
+	// then uses shop.SQLiteSchema and shop.SQLiteOffsetsAdapter.
+	DB *sql.DB
 	// OutboxTopic is the forwarder topic, i.e. the outbox table
 	// "watermill_<OutboxTopic>". Letters, digits and _ only. Defaults to
 	// DefaultOutboxTopic.
@@ -38,16 +44,18 @@ type Config struct {
 // Service places orders and changes their status, writing each event to the
 // outbox in the same transaction. Safe for concurrent use.
 type Service struct {
-	pool   *pgxpool.Pool
+	db     shop.DB
 	topic  string
-	schema wsql.DefaultPostgreSQLSchema
+	schema wsql.SchemaAdapter
+	sql    dialectSQL
 	logger watermill.LoggerAdapter
 }
 
 // New validates cfg (on a copy with defaults applied) and returns the service.
 func New(cfg Config) (*Service, error) {
-	if cfg.Pool == nil {
-		return nil, errors.New("order: Config.Pool is required")
+	db := dbOf(cfg.Pool, cfg.DB)
+	if err := db.Validate(); err != nil {
+		return nil, fmt.Errorf("order: Config.Pool/DB: %w", err)
 	}
 	if cfg.OutboxTopic == "" {
 		cfg.OutboxTopic = DefaultOutboxTopic
@@ -58,7 +66,8 @@ func New(cfg Config) (*Service, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = watermill.NopLogger{}
 	}
-	return &Service{pool: cfg.Pool, topic: cfg.OutboxTopic, schema: outboxSchema(0), logger: cfg.Logger}, nil
+	schema, _ := db.OutboxAdapters(0)
+	return &Service{db: db, topic: cfg.OutboxTopic, schema: schema, sql: sqlFor(db), logger: cfg.Logger}, nil
 }
 
 func validateTopic(t string) error {
@@ -73,20 +82,24 @@ func validateTopic(t string) error {
 	return nil
 }
 
-func outboxSchema(batch int) wsql.DefaultPostgreSQLSchema {
-	return wsql.DefaultPostgreSQLSchema{SubscribeBatchSize: batch}
+func dbOf(pool *pgxpool.Pool, db *sql.DB) shop.DB {
+	if db != nil {
+		return shop.DB{Pool: pool, SQL: db, Dialect: sqldb.SQLite}
+	}
+	return shop.PgxDB(pool)
 }
 
 // Migrate creates the order tables and watermill-sql's outbox and offsets
 // tables for OutboxTopic (with watermill-sql's own DDL, run in a transaction
 // behind its advisory lock). Idempotent.
 func (s *Service) Migrate(ctx context.Context) error {
-	if _, err := s.pool.Exec(ctx, schemaSQL); err != nil {
+	if err := s.db.Exec(ctx, s.sql.schema); err != nil {
 		return fmt.Errorf("order: migrate: %w", err)
 	}
-	sub, err := wsql.NewSubscriber(wsql.BeginnerFromPgx(s.pool), wsql.SubscriberConfig{
+	_, offsets := s.db.OutboxAdapters(0)
+	sub, err := wsql.NewSubscriber(s.db.Beginner(), wsql.SubscriberConfig{
 		SchemaAdapter:  s.schema,
-		OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{},
+		OffsetsAdapter: offsets,
 	}, s.logger)
 	if err != nil {
 		return fmt.Errorf("order: migrate outbox: %w", err)
@@ -127,16 +140,16 @@ func (s *Service) PlaceOrder(ctx context.Context, orderID string, lines []shop.O
 	if err != nil {
 		return "", err
 	}
-	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, insertOrderSQL, orderID, ev.Status); err != nil {
+	err = s.db.InTx(ctx, func(tx shop.Tx) error {
+		if _, err := tx.Querier.Exec(ctx, s.sql.insertOrder, orderID, ev.Status); err != nil {
 			return err
 		}
 		for _, l := range ev.Lines {
-			if _, err := tx.Exec(ctx, insertLineSQL, orderID, l.LineNo, l.SKU, l.Quantity); err != nil {
+			if _, err := tx.Querier.Exec(ctx, s.sql.insertLine, orderID, l.LineNo, l.SKU, l.Quantity); err != nil {
 				return err
 			}
 		}
-		return s.writeOutbox(ctx, tx, shop.EventOrderPlaced, msg)
+		return s.writeOutbox(ctx, tx.Outbox, shop.EventOrderPlaced, msg)
 	})
 	if err != nil {
 		return "", fmt.Errorf("order: place %s: %w", orderID, err)
@@ -147,13 +160,14 @@ func (s *Service) PlaceOrder(ctx context.Context, orderID string, lines []shop.O
 // ChangeStatus sets the order's status, increments its version, and writes
 // an EventOrderStatusChanged event carrying the new version to the outbox, in
 // one transaction. It returns the new version and the event's id. An unknown
-// order fails with an error wrapping pgx.ErrNoRows.
+// order fails with an error wrapping sqldb.ErrNoRows (and pgx.ErrNoRows on
+// PostgreSQL).
 func (s *Service) ChangeStatus(ctx context.Context, orderID, status string) (version int64, eventID string, err error) {
 	if status == "" {
 		return 0, "", errors.New("order: empty status")
 	}
-	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		if err := tx.QueryRow(ctx, changeStatusSQL, orderID, status).Scan(&version); err != nil {
+	err = s.db.InTx(ctx, func(tx shop.Tx) error {
+		if err := tx.Querier.QueryRow(ctx, s.sql.changeStatus, orderID, status).Scan(&version); err != nil {
 			return err
 		}
 		msg, err := marshaler.NewMessage(shop.EventOrderStatusChanged,
@@ -162,7 +176,7 @@ func (s *Service) ChangeStatus(ctx context.Context, orderID, status string) (ver
 			return err
 		}
 		eventID = msg.UUID
-		return s.writeOutbox(ctx, tx, shop.EventOrderStatusChanged, msg)
+		return s.writeOutbox(ctx, tx.Outbox, shop.EventOrderStatusChanged, msg)
 	})
 	if err != nil {
 		return 0, "", fmt.Errorf("order: change status of %s: %w", orderID, err)
@@ -182,11 +196,16 @@ func (s *Service) ChangeStatus(ctx context.Context, orderID, status string) (ver
 // in the table "watermill_<OutboxTopic>". The INSERT runs on ctx. The
 // publishers hold no resources; one per call is cheap.
 func (s *Service) PublishInTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error {
-	return s.writeOutbox(ctx, tx, topic, msgs...)
+	return s.writeOutbox(ctx, wsql.TxFromPgx(tx), topic, msgs...)
 }
 
-func (s *Service) writeOutbox(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error {
-	sqlPub, err := wsql.NewPublisher(wsql.TxFromPgx(tx), wsql.PublisherConfig{SchemaAdapter: s.schema}, s.logger)
+// PublishInStdTx is PublishInTx for a database/sql transaction (SQLite).
+func (s *Service) PublishInStdTx(ctx context.Context, tx *sql.Tx, topic string, msgs ...*message.Message) error {
+	return s.writeOutbox(ctx, wsql.TxFromStdSQL(tx), topic, msgs...)
+}
+
+func (s *Service) writeOutbox(ctx context.Context, tx wsql.ContextExecutor, topic string, msgs ...*message.Message) error {
+	sqlPub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: s.schema}, s.logger)
 	if err != nil {
 		return err
 	}

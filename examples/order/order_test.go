@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -214,4 +215,69 @@ func TestConfigValidation(t *testing.T) {
 	require.ErrorContains(t, err, "OutboxTopic")
 	_, err = order.NewRelay(order.RelayConfig{Pool: pool})
 	require.ErrorContains(t, err, "Publisher")
+}
+
+// On SQLite (the embedded demo) with the shop's channel broker: the same
+// relay and replay contract, and ChangeStatus versions.
+func TestRelayAndReplaySQLite(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testenv.SQLiteDB(t)
+	svc, err := order.New(order.Config{DB: db})
+	require.NoError(t, err)
+	require.NoError(t, svc.Migrate(ctx))
+	require.NoError(t, svc.Migrate(ctx), "idempotent")
+
+	t0 := time.Now()
+	id1, err := svc.PlaceOrder(ctx, "o-1", []shop.OrderLine{{SKU: "a", Quantity: "2.000"}})
+	require.NoError(t, err)
+	t1 := time.Now()
+	v, id2, err := svc.ChangeStatus(ctx, "o-1", "packed")
+	require.NoError(t, err)
+	require.EqualValues(t, 2, v)
+	_, _, err = svc.ChangeStatus(ctx, "o-404", "packed")
+	require.Error(t, err, "unknown order")
+	n, err := svc.Pending(ctx, "")
+	require.NoError(t, err)
+	require.Equal(t, 2, n)
+
+	c := shop.Consumer{Name: "tap", Bindings: []string{shop.EventOrderPlaced, shop.EventOrderStatusChanged}}
+	b := shop.NewChannelBroker(nil)
+	t.Cleanup(func() { _ = b.Close() })
+	require.NoError(t, b.Declare(c))
+	sub, err := b.Subscriber(c, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	msgs, err := sub.Subscribe(ctx, "")
+	require.NoError(t, err)
+	next := func() *message.Message {
+		t.Helper()
+		select {
+		case m := <-msgs:
+			m.Ack()
+			return m
+		case <-time.After(10 * time.Second):
+			t.Fatal("nothing relayed")
+			return nil
+		}
+	}
+
+	relay, err := order.NewRelay(order.RelayConfig{DB: db, Publisher: b.Publisher(), PollInterval: 10 * time.Millisecond})
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { done <- relay.Run(ctx) }()
+	t.Cleanup(func() { _ = relay.Close(); <-done })
+	for _, want := range []struct{ id, name string }{{id1, shop.EventOrderPlaced}, {id2, shop.EventOrderStatusChanged}} {
+		m := next()
+		require.Equal(t, want.id, m.UUID)
+		require.Equal(t, want.name, m.Metadata.Get(marshaler.MetadataEventName))
+	}
+	require.Eventually(t, func() bool { n, err := svc.Pending(ctx, ""); return err == nil && n == 0 }, 10*time.Second, 10*time.Millisecond)
+
+	n, err = svc.Replay(ctx, b.Publisher(), t0, t1)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	m := next()
+	require.Equal(t, id1, m.UUID)
+	require.JSONEq(t, `{"order_id":"o-1","version":1,"status":"placed","lines":[{"line_no":1,"sku":"a","quantity":"2.000"}]}`, string(m.Payload))
 }

@@ -2,6 +2,7 @@ package order
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"time"
@@ -11,6 +12,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-idempotency/idempotency/examples/shop"
 )
 
 // Relay defaults (RelayConfig).
@@ -23,8 +26,11 @@ const (
 
 // RelayConfig configures NewRelay.
 type RelayConfig struct {
-	// Pool is the order service's database. Required.
+	// Pool is the order service's database. Exactly one of Pool and DB is
+	// required.
 	Pool *pgxpool.Pool
+	// DB, instead of Pool, is the order service's database on SQLite.
+	DB *sql.DB
 	// OutboxTopic is the forwarder topic the service writes to. Defaults to
 	// DefaultOutboxTopic.
 	OutboxTopic string
@@ -48,8 +54,8 @@ type RelayConfig struct {
 	// Defaults to DefaultRetryInterval.
 	RetryInterval time.Duration
 	// OffsetsAdapter stores the read position. Defaults to
-	// watermill-sql's DefaultPostgreSQLOffsetsAdapter (fault-injection tests
-	// wrap it).
+	// watermill-sql's DefaultPostgreSQLOffsetsAdapter, or
+	// shop.SQLiteOffsetsAdapter with DB (fault-injection tests wrap it).
 	OffsetsAdapter wsql.OffsetsAdapter
 	// Middleware wraps the forwarder's handler (outermost first); a nil error
 	// from it means "published".
@@ -68,9 +74,10 @@ type Relay struct {
 // NewRelay validates cfg (on a copy with defaults applied) and builds the
 // relay. It does not start it (Run).
 func NewRelay(cfg RelayConfig) (*Relay, error) {
-	switch {
-	case cfg.Pool == nil:
-		return nil, errors.New("order: RelayConfig.Pool is required")
+	db := dbOf(cfg.Pool, cfg.DB)
+	switch err := db.Validate(); {
+	case err != nil:
+		return nil, fmt.Errorf("order: RelayConfig.Pool/DB: %w", err)
 	case cfg.Publisher == nil:
 		return nil, errors.New("order: RelayConfig.Publisher is required")
 	case cfg.BatchSize < 0:
@@ -94,18 +101,19 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	if cfg.RetryInterval == 0 {
 		cfg.RetryInterval = DefaultRetryInterval
 	}
+	schema, offsets := db.OutboxAdapters(cfg.BatchSize)
 	if cfg.OffsetsAdapter == nil {
-		cfg.OffsetsAdapter = wsql.DefaultPostgreSQLOffsetsAdapter{}
+		cfg.OffsetsAdapter = offsets
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = watermill.NopLogger{}
 	}
-	sub, err := wsql.NewSubscriber(wsql.BeginnerFromPgx(cfg.Pool), wsql.SubscriberConfig{
+	sub, err := wsql.NewSubscriber(db.Beginner(), wsql.SubscriberConfig{
 		ConsumerGroup:  cfg.ConsumerGroup,
 		PollInterval:   cfg.PollInterval,
 		ResendInterval: cfg.RetryInterval,
 		RetryInterval:  cfg.RetryInterval,
-		SchemaAdapter:  outboxSchema(cfg.BatchSize),
+		SchemaAdapter:  schema,
 		OffsetsAdapter: cfg.OffsetsAdapter,
 	}, cfg.Logger)
 	if err != nil {
@@ -140,14 +148,9 @@ func (s *Service) Pending(ctx context.Context, consumerGroup string) (int, error
 	if consumerGroup == "" {
 		consumerGroup = DefaultConsumerGroup
 	}
-	offsets := wsql.DefaultPostgreSQLOffsetsAdapter{}.MessagesOffsetsTable(s.topic)
-	q := `SELECT count(*) FROM ` + s.schema.MessagesTable(s.topic) + ` m
-	WHERE NOT EXISTS (SELECT 1 FROM ` + offsets + ` o WHERE o.consumer_group = $1
-	  AND (m.transaction_id < o.last_processed_transaction_id
-	    OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked)))`
-	var n int
-	if err := s.pool.QueryRow(ctx, q, consumerGroup).Scan(&n); err != nil {
-		return 0, fmt.Errorf("order: pending: %w", err)
+	n, err := shop.OutboxPending(ctx, s.db, s.topic, consumerGroup)
+	if err != nil {
+		return 0, fmt.Errorf("order: %w", err)
 	}
 	return n, nil
 }

@@ -18,7 +18,7 @@ import (
 // an event skip it. It returns how many events it published; on error, the
 // events before it were published. See shop.ReplayOutbox.
 func (s *Service) Replay(ctx context.Context, pub message.Publisher, from, to time.Time) (int, error) {
-	n, err := shop.ReplayOutbox(ctx, s.pool, s.schema.MessagesTable(s.topic), pub, from, to)
+	n, err := shop.ReplayOutboxDB(ctx, s.db, shop.OutboxTable(s.db, s.topic), pub, from, to)
 	if err != nil {
 		return n, fmt.Errorf("order: %w", err)
 	}

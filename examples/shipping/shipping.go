@@ -33,16 +33,35 @@ CREATE TABLE IF NOT EXISTS order_status_copy (
 // Migrate creates the processed-event table of store (processed.DefaultTable
 // when nil) and the status copy table in pool's search_path. Idempotent.
 func Migrate(ctx context.Context, pool *pgxpool.Pool, store *processed.Store) error {
+	return MigrateDB(ctx, shop.PgxDB(pool), store)
+}
+
+// The status copy on SQLite (see shop.SQLiteDB).
+const sqliteSchemaSQL = `
+CREATE TABLE IF NOT EXISTS order_status_copy (
+    order_id   TEXT    PRIMARY KEY,
+    version    INTEGER,
+    status     TEXT    NOT NULL,
+    updated_at TEXT    NOT NULL DEFAULT CURRENT_TIMESTAMP
+)`
+
+// MigrateDB is Migrate on a PostgreSQL or SQLite database. A nil store is
+// processed.DefaultTable in db's dialect.
+func MigrateDB(ctx context.Context, db shop.DB, store *processed.Store) error {
 	if store == nil {
 		var err error
-		if store, err = processed.NewStore(processed.Config{}); err != nil {
+		if store, err = processed.NewStore(processed.Config{Dialect: db.Dialect}); err != nil {
 			return err
 		}
 	}
-	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
+	if err := store.Migrate(ctx, db.Querier()); err != nil {
 		return err
 	}
-	if _, err := pool.Exec(ctx, schemaSQL); err != nil {
+	ddl := schemaSQL
+	if db.IsSQLite() {
+		ddl = sqliteSchemaSQL
+	}
+	if err := db.Exec(ctx, ddl); err != nil {
 		return fmt.Errorf("shipping: migrate: %w", err)
 	}
 	return nil
@@ -57,8 +76,13 @@ type Handler struct {
 }
 
 // NewHandler returns the handler of the order_status_copy table.
-func NewHandler() (*Handler, error) {
+func NewHandler() (*Handler, error) { return NewHandlerFor(sqldb.PostgreSQL) }
+
+// NewHandlerFor returns the handler of the order_status_copy table in a
+// database of dialect d (sqldb.PostgreSQL or sqldb.SQLite).
+func NewHandlerFor(d sqldb.Dialect) (*Handler, error) {
 	up, err := versioned.NewUpsert(versioned.UpsertConfig{
+		Dialect:       d,
 		Table:         "order_status_copy",
 		KeyColumns:    []string{"order_id"},
 		VersionColumn: "version",

@@ -14,6 +14,8 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -125,4 +127,35 @@ func TestMissingVersionIsPermanent(t *testing.T) {
 	var n int
 	require.NoError(t, f.pool.QueryRow(context.Background(), `SELECT count(*) FROM order_status_copy`).Scan(&n))
 	require.Zero(t, n)
+}
+
+// On SQLite (the embedded demo): v3, v1, v2 leave the copy at v3, the older
+// two stale; a redelivery applies nothing.
+func TestOutOfOrderSQLite(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testenv.SQLiteDB(t)
+	require.NoError(t, shipping.MigrateDB(ctx, shop.SQLiteDB(db), nil))
+	h, err := shipping.NewHandlerFor(sqldb.SQLite)
+	require.NoError(t, err)
+	store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+	require.NoError(t, err)
+	rec := &recorder{}
+	idem, err := middleware.NewIdempotent(middleware.Config{
+		Beginner: middleware.NewStdBeginner(db), Store: store, Consumer: shipping.Consumer.Name, Recorder: rec,
+	}, nil)
+	require.NoError(t, err)
+	handle := idem.Middleware(idempotencytest.NoPublish(h.Handle))
+	v3 := status(t, "o-1", 3, "shipped")
+	for _, m := range []*message.Message{v3, status(t, "o-1", 1, "placed"), status(t, "o-1", 2, "packed"), v3.Copy()} {
+		_, err := handle(m)
+		require.NoError(t, err)
+	}
+	var v int64
+	var st string
+	require.NoError(t, db.QueryRow(`SELECT version, status FROM order_status_copy WHERE order_id = ?`, "o-1").Scan(&v, &st))
+	require.Equal(t, int64(3), v)
+	require.Equal(t, "shipped", st)
+	require.Equal(t, 2, rec.stale)
+	require.Equal(t, 1, rec.processed)
 }

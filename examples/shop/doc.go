@@ -61,6 +61,21 @@
 // the reconciliation queue, with Consumer.Reconcile), Chain.AfterPoison,
 // Retry, Recoverer and the idempotent middleware around the handler.
 //
+// # Without services: SQLite and the in-process broker
+//
+// Every service also runs on SQLite (DB: a database/sql handle on
+// modernc.org/sqlite, the pure-Go driver, with SQLiteDSN's settings) and on
+// ChannelBroker, Watermill's GoChannel with an in-memory queue per consumer
+// (ServiceConfig.Transport): what the demo does when no DATABASE_URL or
+// AMQP_URL is set. DB is the examples' driver seam: each service keeps its SQL
+// text per dialect and runs it through DB and Tx. watermill-sql has no
+// SQLite adapter; SQLiteSchema and SQLiteOffsetsAdapter are a small one for
+// the outboxes, correct because every SQLite transaction of the examples
+// takes the write lock at BEGIN (_txlock=immediate). ChannelBroker keeps
+// RabbitMQ's at-least-once behaviour (requeue on nack, redelivery of the
+// deliveries whose ack a broken connection lost, dead letters) but nothing
+// survives the process.
+//
 // # Guarantees and windows
 //
 //   - A poisoned message reaches the dead-letter queue once per delivery that

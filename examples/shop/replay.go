@@ -72,3 +72,49 @@ func ReplayOutbox(ctx context.Context, pool *pgxpool.Pool, table string, pub mes
 	}
 	return len(envs), nil
 }
+
+// ReplayOutboxDB is ReplayOutbox on any DB: on PostgreSQL it is
+// ReplayOutbox; on SQLite (an outbox of SQLiteSchema) it reads the rows in
+// offset order and compares occurred_at in Go, at microsecond precision.
+func ReplayOutboxDB(ctx context.Context, db DB, table string, pub message.Publisher, from, to time.Time) (int, error) {
+	if db.Pool != nil {
+		return ReplayOutbox(ctx, db.Pool, table, pub, from, to)
+	}
+	if !from.Before(to) {
+		return 0, fmt.Errorf("shop: replay: empty range [%s, %s)", from.Format(time.RFC3339Nano), to.Format(time.RFC3339Nano))
+	}
+	from, to = from.Truncate(time.Microsecond), to.Truncate(time.Microsecond)
+	var envs []outboxRow
+	err := db.Query(ctx, `SELECT payload FROM `+table+` ORDER BY "offset"`, nil, func(scan func(...any) error) error {
+		var raw []byte
+		if err := scan(&raw); err != nil {
+			return err
+		}
+		var e outboxRow
+		if err := json.Unmarshal(raw, &e); err != nil {
+			return fmt.Errorf("outbox row: %w", err)
+		}
+		at, err := time.Parse(time.RFC3339Nano, e.Metadata[marshaler.MetadataOccurredAt])
+		if err != nil {
+			return nil // not an event of ours: never replayed
+		}
+		if at = at.Truncate(time.Microsecond); !at.Before(from) && at.Before(to) {
+			envs = append(envs, e)
+		}
+		return nil
+	})
+	if err != nil {
+		return 0, fmt.Errorf("shop: replay: %w", err)
+	}
+	for i, e := range envs {
+		msg := message.NewMessage(e.UUID, e.Payload)
+		for k, v := range e.Metadata {
+			msg.Metadata.Set(k, v)
+		}
+		msg.SetContext(ctx)
+		if err := pub.Publish(e.DestinationTopic, msg); err != nil {
+			return i, fmt.Errorf("shop: replay %s: %w", e.UUID, err)
+		}
+	}
+	return len(envs), nil
+}

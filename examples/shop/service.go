@@ -2,6 +2,7 @@ package shop
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"sync"
@@ -9,7 +10,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -17,6 +17,8 @@ import (
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/outbox"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // DefaultCloseTimeout bounds how long Service.Close waits for running handlers.
@@ -25,7 +27,8 @@ const DefaultCloseTimeout = 10 * time.Second
 // ServiceConfig wires one consumer service: see NewService.
 type ServiceConfig struct {
 	// AMQPURL is the broker of the publishers (poison, events, reconciliation)
-	// and, unless SubscriberURL is set, of the subscriber. Required.
+	// and, unless SubscriberURL is set, of the subscriber. Required unless
+	// Transport is set.
 	AMQPURL string
 	// SubscriberURL, when not "", is the subscriber's broker URL instead of
 	// AMQPURL: the demo and the tests route it through a fault proxy so they
@@ -33,14 +36,26 @@ type ServiceConfig struct {
 	SubscriberURL string
 	// Topology names the broker objects. Its zero value is production's.
 	Topology Topology
+	// Transport, when set, is the broker instead of RabbitMQ at AMQPURL
+	// (AMQPURL, SubscriberURL and Topology are then unused): a
+	// *ChannelBroker runs the service in one process with nothing installed.
+	Transport Transport
 	// Consumer is the service's subscription. Required. With
 	// Consumer.Reconcile, uncertain external operations are routed to
 	// Topology.ReconcileQueue(Consumer) (see Chain).
 	Consumer Consumer
 	// Pool is the service's database. The idempotent middleware claims each
 	// event on it and gives the handler the attempt's transaction
-	// (middleware.PgxTxFromContext); the outbox relay reads it. Required.
+	// (middleware.PgxTxFromContext); the outbox relay reads it. Exactly one
+	// of Pool and DB is required.
 	Pool *pgxpool.Pool
+	// DB, instead of Pool, is the service's database on SQLite (database/sql
+	// with modernc.org/sqlite, see SQLiteDB): the middleware claims with
+	// middleware.NewStdBeginner and the processed store's SQLite dialect, and
+	// the handler finds the attempt's transaction with
+	// middleware.QuerierFromContext or middleware.SQLTxFromContext. The
+	// Outbox must then use this package's SQLite adapters (DB.OutboxAdapters).
+	DB *sql.DB
 	// Handler is the service's handler. It runs inside the attempt's
 	// transaction, at most once per event_id with a committed effect.
 	// Exactly one of Handler and PublishHandler is required.
@@ -75,8 +90,9 @@ type ServiceConfig struct {
 	// runs outside it (outermost first): metrics, tracing, fault injection.
 	Middleware []message.HandlerMiddleware
 	// Idempotent configures the idempotent middleware. Beginner defaults to
-	// middleware.NewPgxBeginner(Pool, …), Consumer to Consumer.Name and
-	// Outbox to Outbox.
+	// middleware.NewPgxBeginner(Pool, …) (with DB: middleware.NewStdBeginner,
+	// and Store to processed.DefaultTable in the SQLite dialect), Consumer to
+	// Consumer.Name and Outbox to Outbox.
 	Idempotent middleware.Config
 	// Chain configures retries (MaxRetries, intervals) and AfterPoison, which
 	// is passed through. Idempotent, PoisonPublisher and PoisonTopic are set
@@ -96,10 +112,12 @@ type ServiceConfig struct {
 // Validate reports the first invalid field, naming it.
 func (c ServiceConfig) Validate() error {
 	switch {
-	case c.AMQPURL == "":
+	case c.AMQPURL == "" && c.Transport == nil:
 		return errors.New("shop: ServiceConfig.AMQPURL is required")
-	case c.Pool == nil:
-		return errors.New("shop: ServiceConfig.Pool is required")
+	case c.Pool == nil && c.DB == nil:
+		return errors.New("shop: ServiceConfig.Pool is required (or DB)")
+	case c.Pool != nil && c.DB != nil:
+		return errors.New("shop: ServiceConfig.Pool and DB: set one, not both")
 	case c.Handler == nil && c.PublishHandler == nil:
 		return errors.New("shop: ServiceConfig.Handler or PublishHandler is required")
 	case c.Handler != nil && c.PublishHandler != nil:
@@ -125,10 +143,10 @@ type Service struct {
 	// drive it.
 	Router *message.Router
 
-	subscriber *Subscriber
-	poison     *wamqp.Publisher
-	events     *wamqp.Publisher // router's publisher and relay's destination; nil without either
-	reconcile  *wamqp.Publisher // nil without Consumer.Reconcile
+	subscriber message.Subscriber
+	poison     message.Publisher
+	events     message.Publisher // router's publisher and relay's destination; nil without either
+	reconcile  message.Publisher // nil without Consumer.Reconcile
 	relay      *forwarder.Forwarder
 	running    chan struct{}
 	closeOnce  sync.Once
@@ -158,9 +176,20 @@ func NewService(cfg ServiceConfig) (*Service, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = watermill.NopLogger{}
 	}
+	if cfg.Transport == nil {
+		cfg.Transport = AMQPTransport{URL: cfg.AMQPURL, SubscriberURL: cfg.SubscriberURL, Topology: cfg.Topology}
+	}
+	db := cfg.db()
 	idem := cfg.Idempotent
 	if idem.Beginner == nil {
-		idem.Beginner = middleware.NewPgxBeginner(cfg.Pool, middleware.PgxBeginnerConfig{})
+		idem.Beginner = db.TxBeginner()
+	}
+	if idem.Store == nil && db.IsSQLite() {
+		st, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+		if err != nil {
+			return nil, err
+		}
+		idem.Store = st
 	}
 	if idem.Consumer == "" {
 		idem.Consumer = cfg.Consumer.Name
@@ -180,18 +209,19 @@ func NewService(cfg ServiceConfig) (*Service, error) {
 
 func (s *Service) build(cfg ServiceConfig, mw *middleware.Idempotent) error {
 	var err error
-	if s.poison, err = wamqp.NewPublisher(cfg.Topology.PoisonPublisherConfig(cfg.AMQPURL, cfg.Consumer), cfg.Logger); err != nil {
+	var poisonTopic, reconcileTopic string
+	if s.poison, poisonTopic, err = cfg.Transport.PoisonPublisher(cfg.Consumer, cfg.Logger); err != nil {
 		return fmt.Errorf("shop: poison publisher: %w", err)
 	}
 	chainCfg := cfg.Chain
 	chainCfg.Idempotent = mw
 	chainCfg.PoisonPublisher = s.poison
-	chainCfg.PoisonTopic = cfg.Topology.DeadLetterQueue(cfg.Consumer)
+	chainCfg.PoisonTopic = poisonTopic
 	if cfg.Consumer.Reconcile {
-		if s.reconcile, err = wamqp.NewPublisher(cfg.Topology.ReconcilePublisherConfig(cfg.AMQPURL), cfg.Logger); err != nil {
+		if s.reconcile, reconcileTopic, err = cfg.Transport.ReconcilePublisher(cfg.Consumer, cfg.Logger); err != nil {
 			return fmt.Errorf("shop: reconciliation publisher: %w", err)
 		}
-		route, err := operation.RouteUncertain(s.reconcile, cfg.Topology.ReconcileQueue(cfg.Consumer), cfg.Logger)
+		route, err := operation.RouteUncertain(s.reconcile, reconcileTopic, cfg.Logger)
 		if err != nil {
 			return err
 		}
@@ -202,16 +232,16 @@ func (s *Service) build(cfg ServiceConfig, mw *middleware.Idempotent) error {
 		return err
 	}
 	if cfg.PublishHandler != nil || cfg.Outbox != nil {
-		if s.events, err = wamqp.NewPublisher(cfg.Topology.PublisherConfig(cfg.AMQPURL), cfg.Logger); err != nil {
+		if s.events, err = cfg.Transport.EventsPublisher(cfg.Logger); err != nil {
 			return fmt.Errorf("shop: events publisher: %w", err)
 		}
 	}
 	if cfg.Outbox != nil {
-		if s.relay, err = cfg.Outbox.NewRelay(wsql.BeginnerFromPgx(cfg.Pool), s.events, cfg.Relay); err != nil {
+		if s.relay, err = cfg.Outbox.NewRelay(cfg.db().Beginner(), s.events, cfg.Relay); err != nil {
 			return fmt.Errorf("shop: relay: %w", err)
 		}
 	}
-	if s.subscriber, err = cfg.Topology.NewSubscriber(cfg.SubscriberURL, cfg.Consumer, cfg.Logger); err != nil {
+	if s.subscriber, err = cfg.Transport.Subscriber(cfg.Consumer, cfg.Logger); err != nil {
 		return fmt.Errorf("shop: subscriber: %w", err)
 	}
 	if s.Router, err = message.NewRouter(message.RouterConfig{CloseTimeout: cfg.CloseTimeout}, cfg.Logger); err != nil {
@@ -298,10 +328,83 @@ func (s *Service) closeAll() error {
 	if s.relay != nil {
 		errs = append(errs, s.relay.Close())
 	}
-	for _, p := range []*wamqp.Publisher{s.events, s.reconcile, s.poison} {
+	for _, p := range []message.Publisher{s.events, s.reconcile, s.poison} {
 		if p != nil {
 			errs = append(errs, p.Close())
 		}
 	}
 	return errors.Join(errs...)
+}
+
+func (c ServiceConfig) db() DB {
+	if c.DB != nil {
+		return SQLiteDB(c.DB)
+	}
+	return PgxDB(c.Pool)
+}
+
+// Transport is the broker side of a service: its queue's subscriber and its
+// publishers. AMQPTransport is RabbitMQ (the default); *ChannelBroker is the
+// in-process stand-in of the embedded demo.
+type Transport interface {
+	// Subscriber consumes c's queue (the topic passed to Subscribe is
+	// ignored).
+	Subscriber(c Consumer, logger watermill.LoggerAdapter) (message.Subscriber, error)
+	// EventsPublisher publishes events, the Watermill topic being the event
+	// name.
+	EventsPublisher(logger watermill.LoggerAdapter) (message.Publisher, error)
+	// PoisonPublisher publishes, on topic, to c's dead letters.
+	PoisonPublisher(c Consumer, logger watermill.LoggerAdapter) (pub message.Publisher, topic string, err error)
+	// ReconcilePublisher publishes, on topic, to c's reconciliation queue.
+	ReconcilePublisher(c Consumer, logger watermill.LoggerAdapter) (pub message.Publisher, topic string, err error)
+}
+
+// AMQPTransport is RabbitMQ with the shop's topology: watermill-amqp
+// publishers and this package's Subscriber.
+type AMQPTransport struct {
+	// URL is the broker of the publishers and, unless SubscriberURL is set,
+	// of the subscriber.
+	URL string
+	// SubscriberURL, when not "", is the subscriber's URL (a fault proxy).
+	SubscriberURL string
+	// Topology names the broker objects.
+	Topology Topology
+}
+
+var _ Transport = AMQPTransport{}
+
+func (t AMQPTransport) Subscriber(c Consumer, logger watermill.LoggerAdapter) (message.Subscriber, error) {
+	url := t.SubscriberURL
+	if url == "" {
+		url = t.URL
+	}
+	sub, err := t.Topology.NewSubscriber(url, c, logger)
+	if err != nil {
+		return nil, err // not a typed nil
+	}
+	return sub, nil
+}
+
+func (t AMQPTransport) EventsPublisher(logger watermill.LoggerAdapter) (message.Publisher, error) {
+	p, err := wamqp.NewPublisher(t.Topology.PublisherConfig(t.URL), logger)
+	if err != nil {
+		return nil, err // not a typed nil
+	}
+	return p, nil
+}
+
+func (t AMQPTransport) PoisonPublisher(c Consumer, logger watermill.LoggerAdapter) (message.Publisher, string, error) {
+	p, err := wamqp.NewPublisher(t.Topology.PoisonPublisherConfig(t.URL, c), logger)
+	if err != nil {
+		return nil, "", err
+	}
+	return p, t.Topology.DeadLetterQueue(c), nil
+}
+
+func (t AMQPTransport) ReconcilePublisher(c Consumer, logger watermill.LoggerAdapter) (message.Publisher, string, error) {
+	p, err := wamqp.NewPublisher(t.Topology.ReconcilePublisherConfig(t.URL), logger)
+	if err != nil {
+		return nil, "", err
+	}
+	return p, t.Topology.ReconcileQueue(c), nil
 }

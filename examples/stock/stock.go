@@ -43,22 +43,64 @@ const (
 ON CONFLICT (sku) DO UPDATE SET reserved = stock_level.reserved + excluded.reserved`
 )
 
+// The stock tables on SQLite (see shop.SQLiteDB).
+const sqliteSchemaSQL = `
+CREATE TABLE IF NOT EXISTS reservation (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    order_id    TEXT    NOT NULL,
+    line_no     INTEGER NOT NULL,
+    sku         TEXT    NOT NULL,
+    quantity    NUMERIC NOT NULL CHECK (quantity > 0),
+    event_id    TEXT    NOT NULL,
+    reserved_at TEXT    NOT NULL DEFAULT CURRENT_TIMESTAMP
+);
+CREATE INDEX IF NOT EXISTS reservation_order_idx ON reservation (order_id, line_no);
+CREATE TABLE IF NOT EXISTS stock_level (
+    sku      TEXT    PRIMARY KEY,
+    reserved NUMERIC NOT NULL DEFAULT 0
+)`
+
+const (
+	sqliteInsertReservationSQL = `INSERT INTO reservation (order_id, line_no, sku, quantity, event_id) VALUES (?, ?, ?, CAST(? AS NUMERIC), ?)`
+	sqliteAddReservedSQL       = `INSERT INTO stock_level (sku, reserved) VALUES (?, CAST(? AS NUMERIC))
+ON CONFLICT (sku) DO UPDATE SET reserved = stock_level.reserved + excluded.reserved`
+)
+
 // Migrate creates the processed-event table of store (processed.DefaultTable
 // when nil) and the stock tables in pool's search_path. Idempotent.
 func Migrate(ctx context.Context, pool *pgxpool.Pool, store *processed.Store) error {
+	return MigrateDB(ctx, shop.PgxDB(pool), store)
+}
+
+// MigrateDB is Migrate on a PostgreSQL or SQLite database. A nil store is
+// processed.DefaultTable in db's dialect.
+func MigrateDB(ctx context.Context, db shop.DB, store *processed.Store) error {
 	if store == nil {
 		var err error
-		if store, err = processed.NewStore(processed.Config{}); err != nil {
+		if store, err = processed.NewStore(processed.Config{Dialect: db.Dialect}); err != nil {
 			return err
 		}
 	}
-	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
+	if err := store.Migrate(ctx, db.Querier()); err != nil {
 		return err
 	}
-	if _, err := pool.Exec(ctx, schemaSQL); err != nil {
+	ddl := schemaSQL
+	if db.IsSQLite() {
+		ddl = sqliteSchemaSQL
+	}
+	if err := db.Exec(ctx, ddl); err != nil {
 		return fmt.Errorf("stock: migrate: %w", err)
 	}
 	return nil
+}
+
+// HandlerFor is the stock handler of a dialect: Handle on PostgreSQL (pgx),
+// HandleSQLite on SQLite.
+func HandlerFor(d sqldb.Dialect) message.NoPublishHandlerFunc {
+	if d == sqldb.SQLite {
+		return HandleSQLite
+	}
+	return Handle
 }
 
 // ErrNoTransaction is returned when Handle runs outside the idempotent
@@ -81,23 +123,10 @@ func Handle(msg *message.Message) error {
 	if !ok {
 		return middleware.Permanent(ErrNoTransaction)
 	}
-	var ev shop.OrderPlaced
-	if err := json.Unmarshal(msg.Payload, &ev); err != nil {
-		return middleware.Permanent(fmt.Errorf("stock: payload: %w", err))
+	ev, lines, err := decode(msg)
+	if err != nil {
+		return err
 	}
-	if ev.OrderID == "" || len(ev.Lines) == 0 {
-		return middleware.Permanent(fmt.Errorf("stock: payload: order id and at least one line required"))
-	}
-	lines := append([]shop.OrderLine(nil), ev.Lines...)
-	for _, l := range lines {
-		if err := shop.ValidateQuantity(l.Quantity); err != nil {
-			return middleware.Permanent(fmt.Errorf("stock: order %s line %d: %w", ev.OrderID, l.LineNo, err))
-		}
-		if l.SKU == "" || l.LineNo <= 0 {
-			return middleware.Permanent(fmt.Errorf("stock: order %s: line %d: sku and positive line_no required", ev.OrderID, l.LineNo))
-		}
-	}
-	sort.SliceStable(lines, func(i, j int) bool { return lines[i].SKU < lines[j].SKU })
 	b := &pgx.Batch{}
 	for _, l := range lines {
 		b.Queue(insertReservationSQL, ev.OrderID, l.LineNo, l.SKU, l.Quantity, msg.UUID)
@@ -107,4 +136,50 @@ func Handle(msg *message.Message) error {
 		return fmt.Errorf("stock: reserve order %s: %w", ev.OrderID, err)
 	}
 	return nil
+}
+
+// HandleSQLite is Handle on SQLite: the same rows, one statement at a time in
+// the attempt's database/sql transaction (middleware.QuerierFromContext).
+func HandleSQLite(msg *message.Message) error {
+	ctx := msg.Context()
+	q, ok := middleware.QuerierFromContext(ctx)
+	if !ok {
+		return middleware.Permanent(ErrNoTransaction)
+	}
+	ev, lines, err := decode(msg)
+	if err != nil {
+		return err
+	}
+	for _, l := range lines {
+		if _, err := q.Exec(ctx, sqliteInsertReservationSQL, ev.OrderID, l.LineNo, l.SKU, l.Quantity, msg.UUID); err != nil {
+			return fmt.Errorf("stock: reserve order %s: %w", ev.OrderID, err)
+		}
+		if _, err := q.Exec(ctx, sqliteAddReservedSQL, l.SKU, l.Quantity); err != nil {
+			return fmt.Errorf("stock: reserve order %s: %w", ev.OrderID, err)
+		}
+	}
+	return nil
+}
+
+// decode validates an OrderPlaced payload and returns its lines in SKU
+// order; its errors are permanent.
+func decode(msg *message.Message) (shop.OrderPlaced, []shop.OrderLine, error) {
+	var ev shop.OrderPlaced
+	if err := json.Unmarshal(msg.Payload, &ev); err != nil {
+		return ev, nil, middleware.Permanent(fmt.Errorf("stock: payload: %w", err))
+	}
+	if ev.OrderID == "" || len(ev.Lines) == 0 {
+		return ev, nil, middleware.Permanent(fmt.Errorf("stock: payload: order id and at least one line required"))
+	}
+	lines := append([]shop.OrderLine(nil), ev.Lines...)
+	for _, l := range lines {
+		if err := shop.ValidateQuantity(l.Quantity); err != nil {
+			return ev, nil, middleware.Permanent(fmt.Errorf("stock: order %s line %d: %w", ev.OrderID, l.LineNo, err))
+		}
+		if l.SKU == "" || l.LineNo <= 0 {
+			return ev, nil, middleware.Permanent(fmt.Errorf("stock: order %s: line %d: sku and positive line_no required", ev.OrderID, l.LineNo))
+		}
+	}
+	sort.SliceStable(lines, func(i, j int) bool { return lines[i].SKU < lines[j].SKU })
+	return ev, lines, nil
 }

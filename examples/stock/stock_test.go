@@ -2,6 +2,7 @@ package stock_test
 
 import (
 	"context"
+	"database/sql"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -14,6 +15,8 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 func setup(t *testing.T) (*pgxpool.Pool, idempotencytest.Subject) {
@@ -97,4 +100,40 @@ func TestHandleOutsideMiddleware(t *testing.T) {
 	err := stock.Handle(placed(t, "o-1"))
 	require.ErrorIs(t, err, stock.ErrNoTransaction)
 	require.True(t, middleware.IsPermanent(err))
+}
+
+func setupSQLite(t *testing.T) (*sql.DB, idempotencytest.Subject) {
+	t.Helper()
+	db := testenv.SQLiteDB(t)
+	require.NoError(t, stock.MigrateDB(context.Background(), shop.SQLiteDB(db), nil))
+	store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+	require.NoError(t, err)
+	idem, err := middleware.NewIdempotent(middleware.Config{
+		Beginner: middleware.NewStdBeginner(db),
+		Store:    store,
+		Consumer: stock.Consumer.Name,
+	}, nil)
+	require.NoError(t, err)
+	return db, idempotencytest.Subject{
+		Handler:    idempotencytest.NoPublish(stock.HandlerFor(sqldb.SQLite)),
+		Middleware: []message.HandlerMiddleware{idem.Middleware},
+		Effects: func(ctx context.Context, msg *message.Message) (int, error) {
+			var n int
+			err := db.QueryRowContext(ctx, `SELECT count(*) FROM reservation WHERE event_id = ?`, msg.UUID).Scan(&n)
+			return n, err
+		},
+		WantEffects: 2,
+	}
+}
+
+// On SQLite (the embedded demo): a redelivered order reserves its lines
+// once, and so do eight concurrent copies.
+func TestReserveOnceSQLite(t *testing.T) {
+	t.Parallel()
+	db, s := setupSQLite(t)
+	idempotencytest.DeliverTwice(t, s, placed(t, "o-1"))
+	idempotencytest.DeliverConcurrently(t, s, placed(t, "o-2"), 8)
+	var total float64
+	require.NoError(t, db.QueryRow(`SELECT sum(reserved) FROM stock_level`).Scan(&total))
+	require.InDelta(t, 4.5, total, 1e-9)
 }

@@ -1,0 +1,199 @@
+package shop
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// DB is the database of one example service: a pgx pool on PostgreSQL, or a
+// database/sql handle with its dialect (SQLite in the embedded demo, through
+// modernc.org/sqlite with WAL, a busy timeout and _txlock=immediate). It is
+// the examples' small driver seam: each service writes its SQL once per
+// dialect and runs it through DB and Tx.
+type DB struct {
+	// Pool is the PostgreSQL pool. Exactly one of Pool and SQL is set.
+	Pool *pgxpool.Pool
+	// SQL is the database/sql handle, of dialect Dialect.
+	SQL *sql.DB
+	// Dialect is sqldb.PostgreSQL with Pool; with SQL, sqldb.SQLite (the
+	// examples carry no MySQL text).
+	Dialect sqldb.Dialect
+}
+
+// PgxDB is the DB of a pgx pool (PostgreSQL).
+func PgxDB(pool *pgxpool.Pool) DB { return DB{Pool: pool} }
+
+// SQLiteDB is the DB of a database/sql handle on SQLite.
+func SQLiteDB(db *sql.DB) DB { return DB{SQL: db, Dialect: sqldb.SQLite} }
+
+// Validate reports whether exactly one handle is set, with a dialect the
+// examples support.
+func (d DB) Validate() error {
+	switch {
+	case d.Pool == nil && d.SQL == nil:
+		return errors.New("no database (Pool or DB)")
+	case d.Pool != nil && d.SQL != nil:
+		return errors.New("Pool and DB: set one, not both")
+	case d.Pool != nil && d.Dialect != sqldb.PostgreSQL:
+		return fmt.Errorf("a pgx pool is PostgreSQL, not %s", d.Dialect)
+	case d.SQL != nil && d.Dialect != sqldb.SQLite:
+		return fmt.Errorf("dialect %s: the examples run database/sql on SQLite only", d.Dialect)
+	}
+	return nil
+}
+
+// IsSQLite reports whether d is a SQLite database.
+func (d DB) IsSQLite() bool { return d.Dialect == sqldb.SQLite }
+
+// Querier is d's pool as a sqldb.Querier (statements outside a transaction).
+func (d DB) Querier() sqldb.Querier {
+	if d.Pool != nil {
+		return sqldb.Pgx(d.Pool)
+	}
+	return sqldb.Std(d.SQL)
+}
+
+// Exec runs one statement, or a script of several without arguments, outside
+// a transaction.
+func (d DB) Exec(ctx context.Context, query string, args ...any) error {
+	var err error
+	if d.Pool != nil {
+		_, err = d.Pool.Exec(ctx, query, args...)
+	} else {
+		_, err = d.SQL.ExecContext(ctx, query, args...)
+	}
+	return err
+}
+
+// Query runs query and calls each for every row with its Scan.
+func (d DB) Query(ctx context.Context, query string, args []any, each func(scan func(dest ...any) error) error) error {
+	if d.Pool != nil {
+		rows, err := d.Pool.Query(ctx, query, args...)
+		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			if err := each(rows.Scan); err != nil {
+				return err
+			}
+		}
+		return rows.Err()
+	}
+	rows, err := d.SQL.QueryContext(ctx, query, args...)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		if err := each(rows.Scan); err != nil {
+			return err
+		}
+	}
+	return rows.Err()
+}
+
+// Beginner is d as watermill-sql's Beginner (outbox relays, schema setup).
+func (d DB) Beginner() wsql.Beginner {
+	if d.Pool != nil {
+		return wsql.BeginnerFromPgx(d.Pool)
+	}
+	return wsql.BeginnerFromStdSQL(d.SQL)
+}
+
+// TxBeginner is the idempotent middleware's beginner on d.
+func (d DB) TxBeginner() middleware.TxBeginner {
+	if d.Pool != nil {
+		return middleware.NewPgxBeginner(d.Pool, middleware.PgxBeginnerConfig{})
+	}
+	return middleware.NewStdBeginner(d.SQL)
+}
+
+// OutboxAdapters are the watermill-sql schema and offsets adapters of an
+// outbox in d: watermill-sql's PostgreSQL ones, or this package's SQLite
+// ones (SQLiteSchema, SQLiteOffsetsAdapter). batch is the relay's batch size
+// (0: the adapter's default).
+func (d DB) OutboxAdapters(batch int) (wsql.SchemaAdapter, wsql.OffsetsAdapter) {
+	if d.IsSQLite() {
+		return SQLiteSchema{SubscribeBatchSize: batch}, SQLiteOffsetsAdapter{}
+	}
+	return wsql.DefaultPostgreSQLSchema{SubscribeBatchSize: batch}, wsql.DefaultPostgreSQLOffsetsAdapter{}
+}
+
+// Tx is one transaction of a DB, in the forms the examples need.
+type Tx struct {
+	// Querier runs statements in the transaction.
+	Querier sqldb.Querier
+	// Outbox is the transaction for a watermill-sql publisher (an outbox
+	// write); never commit or roll it back.
+	Outbox wsql.ContextExecutor
+	// Pgx is the pgx transaction on PostgreSQL, nil on SQLite.
+	Pgx pgx.Tx
+}
+
+// InTx runs fn in a transaction of d: committed when fn returns nil, rolled
+// back otherwise.
+func (d DB) InTx(ctx context.Context, fn func(Tx) error) error {
+	if d.Pool != nil {
+		return pgx.BeginFunc(ctx, d.Pool, func(tx pgx.Tx) error {
+			return fn(Tx{Querier: sqldb.Pgx(tx), Outbox: wsql.TxFromPgx(tx), Pgx: tx})
+		})
+	}
+	tx, err := d.SQL.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	if err := fn(Tx{Querier: sqldb.Std(tx), Outbox: wsql.TxFromStdSQL(tx)}); err != nil {
+		_ = tx.Rollback()
+		return err
+	}
+	return tx.Commit()
+}
+
+// OutboxPending counts the rows of the outbox of topic in db (the default
+// adapters of DB.OutboxAdapters) that the relay group has not yet marked
+// sent. Rows of transactions still open are not visible and not counted.
+func OutboxPending(ctx context.Context, db DB, topic, group string) (int, error) {
+	var q string
+	if db.IsSQLite() {
+		q = `SELECT count(*) FROM ` + (SQLiteSchema{}).MessagesTable(topic) + ` WHERE "offset" > COALESCE(
+	(SELECT offset_acked FROM ` + (SQLiteOffsetsAdapter{}).MessagesOffsetsTable(topic) + ` WHERE consumer_group = ?), 0)`
+	} else {
+		q = `SELECT count(*) FROM ` + (wsql.DefaultPostgreSQLSchema{}).MessagesTable(topic) + ` m
+	WHERE NOT EXISTS (SELECT 1 FROM ` + (wsql.DefaultPostgreSQLOffsetsAdapter{}).MessagesOffsetsTable(topic) + ` o WHERE o.consumer_group = $1
+	  AND (m.transaction_id < o.last_processed_transaction_id
+	    OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked)))`
+	}
+	var n int
+	if err := db.Querier().QueryRow(ctx, q, group).Scan(&n); err != nil {
+		return 0, fmt.Errorf("outbox %s: pending: %w", topic, err)
+	}
+	return n, nil
+}
+
+// OutboxTable is the quoted messages table of the outbox of topic in db.
+func OutboxTable(db DB, topic string) string {
+	if db.IsSQLite() {
+		return (SQLiteSchema{}).MessagesTable(topic)
+	}
+	return (wsql.DefaultPostgreSQLSchema{}).MessagesTable(topic)
+}
+
+// SQLiteDSN is the modernc.org/sqlite DSN the examples use for a database
+// file (the library's recommendation): WAL, so readers do not block the
+// writer; busy_timeout 10 s, so a second writer waits instead of failing with
+// SQLITE_BUSY; _txlock=immediate, so every transaction takes the write lock
+// at BEGIN (no deadlock upgrading a read lock, and outbox offsets in commit
+// order, see SQLiteSchema); foreign keys on.
+func SQLiteDSN(path string) string {
+	return "file:" + path + "?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_pragma=foreign_keys(1)&_txlock=immediate"
+}
