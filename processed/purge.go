@@ -4,12 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 
+	"github.com/watermill-idempotency/idempotency/internal/purgeloop"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
@@ -95,9 +95,7 @@ type Purger struct {
 	cfg    PurgerConfig
 	logger watermill.LoggerAdapter
 
-	mu      sync.Mutex
-	cancel  context.CancelFunc
-	stopped chan struct{}
+	loop *purgeloop.Loop
 }
 
 // NewPurger validates cfg (on a copy with defaults applied). pool is
@@ -113,7 +111,10 @@ func NewPurger(store *Store, pool sqldb.Pool, cfg PurgerConfig, logger watermill
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	return &Purger{store: store, pool: pool, cfg: cfg, logger: logger}, nil
+	p := &Purger{store: store, pool: pool, cfg: cfg, logger: logger}
+	p.loop = purgeloop.New(p.PurgeNow, cfg.Interval, cfg.Jitter, logger, "processed events",
+		watermill.LogFields{"table": store.table.String()})
+	return p, nil
 }
 
 // PurgeNow runs one purge: it takes the advisory lock (or returns ran=false
@@ -200,49 +201,12 @@ func truthy(v any) bool {
 // Start runs PurgeNow every Interval (+ jitter) in a goroutine until Stop or
 // ctx ends. Errors are logged and the loop goes on. Start twice is an error.
 func (p *Purger) Start(ctx context.Context) error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.cancel != nil {
-		return errors.New("processed: purger already started")
+	if err := p.loop.Start(ctx); err != nil {
+		return fmt.Errorf("processed: %w", err)
 	}
-	ctx, p.cancel = context.WithCancel(ctx)
-	p.stopped = make(chan struct{})
-	go p.loop(ctx, p.stopped)
 	return nil
 }
 
 // Stop ends Start's goroutine and waits for it (an ongoing batch is
 // cancelled through its context). Stop without Start is a no-op.
-func (p *Purger) Stop() {
-	p.mu.Lock()
-	cancel, stopped := p.cancel, p.stopped
-	p.cancel = nil
-	p.mu.Unlock()
-	if cancel == nil {
-		return
-	}
-	cancel()
-	<-stopped
-}
-
-func (p *Purger) loop(ctx context.Context, stopped chan struct{}) {
-	defer close(stopped)
-	for {
-		wait := p.cfg.Interval
-		if p.cfg.Jitter > 0 {
-			wait += rand.N(p.cfg.Jitter)
-		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-time.After(wait):
-		}
-		n, ran, err := p.PurgeNow(ctx)
-		switch {
-		case err != nil && ctx.Err() == nil:
-			p.logger.Error("Purge failed", err, watermill.LogFields{"table": p.store.table.String(), "deleted": n})
-		case ran:
-			p.logger.Debug("Purged processed events", watermill.LogFields{"table": p.store.table.String(), "deleted": n})
-		}
-	}
-}
+func (p *Purger) Stop() { p.loop.Stop() }

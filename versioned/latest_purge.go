@@ -4,12 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
-	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 
+	"github.com/watermill-idempotency/idempotency/internal/purgeloop"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
@@ -108,9 +107,7 @@ type FamilyPurger struct {
 	// (SQLite); PostgreSQL's advisory lock is keyed by the latest table.
 	lockName string
 
-	mu      sync.Mutex
-	cancel  context.CancelFunc
-	stopped chan struct{}
+	loop *purgeloop.Loop
 }
 
 // NewFamilyPurger validates cfg (on a copy with defaults applied). pool is
@@ -127,7 +124,10 @@ func NewFamilyPurger(store *FamilyStore, pool sqldb.Pool, cfg FamilyPurgerConfig
 		logger = watermill.NopLogger{}
 	}
 	name := "versioned-family:" + store.latest.String() + "," + store.applied.String()
-	return &FamilyPurger{store: store, pool: pool, cfg: cfg, logger: logger, lockName: name}, nil
+	p := &FamilyPurger{store: store, pool: pool, cfg: cfg, logger: logger, lockName: name}
+	p.loop = purgeloop.New(p.PurgeNow, cfg.Interval, cfg.Jitter, logger, "idle families",
+		watermill.LogFields{"tables": store.latest.String() + "," + store.applied.String()})
+	return p, nil
 }
 
 // PurgeNow runs one purge: it takes the advisory lock (or returns ran=false
@@ -170,53 +170,13 @@ func (p *FamilyPurger) PurgeNow(ctx context.Context) (deleted int64, ran bool, e
 // Start runs PurgeNow every Interval (+ jitter) in a goroutine until Stop or
 // ctx ends. Errors are logged and the loop goes on. Start twice is an error.
 func (p *FamilyPurger) Start(ctx context.Context) error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.cancel != nil {
-		return errors.New("versioned: family purger already started")
+	if err := p.loop.Start(ctx); err != nil {
+		return fmt.Errorf("versioned: family %w", err)
 	}
-	ctx, p.cancel = context.WithCancel(ctx)
-	p.stopped = make(chan struct{})
-	go p.loop(ctx, p.stopped)
 	return nil
 }
 
 // Stop ends Start's goroutine and waits for it (an ongoing batch is
 // cancelled through its context). Stop without Start is a no-op; after Stop
 // the purger can be started again.
-func (p *FamilyPurger) Stop() {
-	p.mu.Lock()
-	cancel, stopped := p.cancel, p.stopped
-	p.cancel = nil
-	p.mu.Unlock()
-	if cancel == nil {
-		return
-	}
-	cancel()
-	<-stopped
-}
-
-func (p *FamilyPurger) loop(ctx context.Context, stopped chan struct{}) {
-	defer close(stopped)
-	tables := p.store.latest.String() + "," + p.store.applied.String()
-	for {
-		wait := p.cfg.Interval
-		if p.cfg.Jitter > 0 {
-			wait += rand.N(p.cfg.Jitter)
-		}
-		t := time.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return
-		case <-t.C:
-		}
-		n, ran, err := p.PurgeNow(ctx)
-		switch {
-		case err != nil && ctx.Err() == nil:
-			p.logger.Error("Family purge failed", err, watermill.LogFields{"tables": tables, "deleted": n})
-		case ran:
-			p.logger.Debug("Purged idle families", watermill.LogFields{"tables": tables, "deleted": n})
-		}
-	}
-}
+func (p *FamilyPurger) Stop() { p.loop.Stop() }
