@@ -23,4 +23,4 @@ bench-quick: services
 	PATH="$$PATH:/usr/local/go/bin" go run ./bench/cmd/idembench -quick
 
 bench: services
-	PATH="$$PATH:/usr/local/go/bin" go run ./bench/cmd/idembench
+	PATH="$$PATH:/usr/local/go/bin" go run ./bench/cmd/idembench -results bench/RESULTS.md

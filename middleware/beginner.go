@@ -24,18 +24,39 @@ type TxBeginner interface {
 }
 
 type claimRequest struct {
-	store       *processed.Store
-	consumer    string
-	eventID     uuid.UUID
-	lockTimeout time.Duration // ≤ 0 → leave the session's lock timeout alone
+	store    *processed.Store
+	consumer string
+	eventID  uuid.UUID
+	// lockTimeout is the dialect's lock-timeout statement and arguments,
+	// built once by NewIdempotent; nil → leave the session's lock timeout
+	// alone.
+	lockTimeout *lockTimeoutStmt
+}
+
+type lockTimeoutStmt struct {
+	query string
+	args  []any
+}
+
+// newLockTimeoutStmt builds the statement for d, or nil when d ≤ 0 or the
+// dialect has none.
+func newLockTimeoutStmt(store *processed.Store, d time.Duration) *lockTimeoutStmt {
+	if d <= 0 {
+		return nil
+	}
+	q, args, ok := store.LockTimeoutQuery(d)
+	if !ok {
+		return nil
+	}
+	return &lockTimeoutStmt{query: q, args: args}
 }
 
 // lockTimeoutQuery is the dialect's lock-timeout statement, if any.
 func (c claimRequest) lockTimeoutQuery() (string, []any, bool) {
-	if c.lockTimeout <= 0 {
+	if c.lockTimeout == nil {
 		return "", nil, false
 	}
-	return c.store.LockTimeoutQuery(c.lockTimeout)
+	return c.lockTimeout.query, c.lockTimeout.args, true
 }
 
 // attemptTx is one attempt's transaction as the middleware sees it.

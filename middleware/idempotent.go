@@ -51,6 +51,14 @@ type Config struct {
 	// on a lock also fails, transiently (SQLSTATE 55P03). Defaults to
 	// DefaultLockTimeout; a negative value leaves the session's lock_timeout
 	// untouched.
+	//
+	// Setting it costs one statement per attempt (and PostgreSQL's reset of
+	// the setting at the end of the transaction): about 3 % of throughput on
+	// a one-INSERT handler (bench/RESULTS.md, experiments). To save it, set
+	// lock_timeout on the pool's sessions instead
+	// (pgxpool.Config.ConnConfig.RuntimeParams["lock_timeout"] = "15s") and
+	// LockTimeout to a negative value; the bound then also applies to every
+	// other statement on those connections.
 	LockTimeout time.Duration
 
 	// Recorder receives one outcome per attempt (metrics). Defaults to none.
@@ -121,8 +129,9 @@ func (c Config) Validate() error {
 
 // Idempotent is the idempotent-consumer (inbox) middleware. See Middleware.
 type Idempotent struct {
-	cfg    Config
-	logger watermill.LoggerAdapter
+	cfg         Config
+	logger      watermill.LoggerAdapter
+	lockTimeout *lockTimeoutStmt // built once from cfg.LockTimeout
 }
 
 // NewIdempotent validates cfg (on a copy with defaults applied) and returns
@@ -140,7 +149,7 @@ func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, err
 	if _, pgxOnly := cfg.Beginner.(*pgxBeginner); pgxOnly && cfg.Store.Dialect() != sqldb.PostgreSQL {
 		return nil, fmt.Errorf("middleware: Config.Beginner: the pgx beginner needs a PostgreSQL store, not %s (use NewStdBeginner)", cfg.Store.Dialect())
 	}
-	return &Idempotent{cfg: cfg, logger: logger}, nil
+	return &Idempotent{cfg: cfg, logger: logger, lockTimeout: newLockTimeoutStmt(cfg.Store, cfg.LockTimeout)}, nil
 }
 
 // Middleware wraps h so that its effect is applied once per (consumer,
@@ -205,7 +214,7 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			store:       m.cfg.Store,
 			consumer:    consumer,
 			eventID:     eventID,
-			lockTimeout: m.cfg.LockTimeout,
+			lockTimeout: m.lockTimeout,
 		})
 		claimDur := time.Since(start)
 		if err != nil {
@@ -299,7 +308,10 @@ func (m *Idempotent) writeOutbox(ctx context.Context, st *attemptState, msgs []*
 const MetadataAttempt = "idempotency_attempt"
 
 func nextAttempt(msg *message.Message) int {
-	n, _ := strconv.Atoi(msg.Metadata.Get(MetadataAttempt))
+	n := 0
+	if s := msg.Metadata.Get(MetadataAttempt); s != "" {
+		n, _ = strconv.Atoi(s)
+	}
 	n++
 	msg.Metadata.Set(MetadataAttempt, strconv.Itoa(n))
 	return n
