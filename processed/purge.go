@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -121,51 +120,23 @@ func NewPurger(store *Store, pool sqldb.Pool, cfg PurgerConfig, logger watermill
 // at once when another purger holds it), deletes batch after batch until a
 // batch comes back short, releases the lock and returns the rows deleted.
 func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err error) {
-	conn, err := p.pool.Acquire(ctx)
+	batch := func(ctx context.Context, q sqldb.Querier, limit int) (int64, error) {
+		return p.store.PurgeBatch(ctx, q, p.cfg.Horizon, limit)
+	}
+	deleted, ran, err = purgeloop.Drain(ctx, p.pool, p.lock, batch, p.cfg.BatchSize, p.cfg.OnPurge)
 	if err != nil {
-		return 0, false, fmt.Errorf("processed: purge: acquire: %w", err)
+		return deleted, ran, fmt.Errorf("processed: purge: %w", err)
 	}
-	defer conn.Release()
-	unlock, locked, err := p.lock(ctx, conn)
-	if err != nil {
-		return 0, false, fmt.Errorf("processed: purge: lock: %w", err)
-	}
-	if !locked {
-		return 0, false, nil
-	}
-	defer unlock()
-	for {
-		n, err := p.store.PurgeBatch(ctx, conn, p.cfg.Horizon, p.cfg.BatchSize)
-		deleted += n
-		if err != nil {
-			return deleted, true, err
-		}
-		if n < int64(p.cfg.BatchSize) {
-			break
-		}
-	}
-	if p.cfg.OnPurge != nil {
-		p.cfg.OnPurge(deleted, time.Now())
-	}
-	return deleted, true, nil
+	return deleted, ran, nil
 }
 
-// processLocks stands in for advisory locks on SQLite (one file, normally
-// one process): one purger per table per process.
-var processLocks sync.Map // table name → *sync.Mutex
-
 // lock takes the purge lock for one run: a session-level advisory lock held
-// by conn (PostgreSQL pg_try_advisory_lock, MySQL GET_LOCK), or the
-// in-process lock where the dialect has none. unlock releases it.
+// by conn (PostgreSQL pg_try_advisory_lock, MySQL GET_LOCK), or a lock of the
+// process per database file where the dialect has none (SQLite).
 func (p *Purger) lock(ctx context.Context, conn sqldb.Conn) (unlock func(), ok bool, err error) {
 	d := p.store.sql
 	if d.tryLock == "" {
-		m, _ := processLocks.LoadOrStore(p.store.table.String(), &sync.Mutex{})
-		mu := m.(*sync.Mutex)
-		if !mu.TryLock() {
-			return nil, false, nil
-		}
-		return mu.Unlock, true, nil
+		return purgeloop.SQLiteProcessLock("processed:"+p.store.table.String())(ctx, conn)
 	}
 	arg := p.store.table.Quoted(p.store.dialect.QuoteChar())
 	var got any

@@ -134,37 +134,21 @@ func NewFamilyPurger(store *FamilyStore, pool sqldb.Pool, cfg FamilyPurgerConfig
 // at once when another purger holds it), deletes batch after batch until a
 // batch comes back short, releases the lock and returns the rows deleted.
 func (p *FamilyPurger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err error) {
-	conn, err := p.pool.Acquire(ctx)
-	if err != nil {
-		return 0, false, fmt.Errorf("versioned: family purge: acquire: %w", err)
-	}
-	defer conn.Release()
 	name := p.lockName
 	if p.store.dialect == sqldb.PostgreSQL {
 		name = p.store.latest.Quoted('"') // the lock is keyed by its OID
 	}
-	unlock, locked, err := p.store.sql.lock(ctx, conn, name)
+	lock := func(ctx context.Context, conn sqldb.Conn) (func(), bool, error) {
+		return p.store.sql.lock(ctx, conn, name)
+	}
+	batch := func(ctx context.Context, q sqldb.Querier, limit int) (int64, error) {
+		return p.store.PurgeBatch(ctx, q, p.cfg.Horizon, limit)
+	}
+	deleted, ran, err = purgeloop.Drain(ctx, p.pool, lock, batch, p.cfg.BatchSize, p.cfg.OnPurge)
 	if err != nil {
-		return 0, false, fmt.Errorf("versioned: family purge: lock: %w", err)
+		return deleted, ran, fmt.Errorf("versioned: family purge: %w", err)
 	}
-	if !locked {
-		return 0, false, nil
-	}
-	defer unlock()
-	for {
-		n, err := p.store.PurgeBatch(ctx, conn, p.cfg.Horizon, p.cfg.BatchSize)
-		deleted += n
-		if err != nil {
-			return deleted, true, err
-		}
-		if n < int64(p.cfg.BatchSize) {
-			break
-		}
-	}
-	if p.cfg.OnPurge != nil {
-		p.cfg.OnPurge(deleted, time.Now())
-	}
-	return deleted, true, nil
+	return deleted, ran, nil
 }
 
 // Start runs PurgeNow every Interval (+ jitter) in a goroutine until Stop or

@@ -3,12 +3,12 @@ package versioned
 import (
 	"context"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/watermill-idempotency/idempotency/internal/purgeloop"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
@@ -295,19 +295,8 @@ RETURNING 1`
     ORDER BY updated_at LIMIT ?)`
 )
 
-// liteLocks stands in for session locks on SQLite (one file, normally one
-// process): one purger per database file and pair of tables per process.
-var liteLocks sync.Map // file + "\x00" + name → *sync.Mutex
-
+// liteFamilyLock is a lock of the process per database file and name
+// (SQLite has no session locks; one process per file).
 func liteFamilyLock(ctx context.Context, conn sqldb.Conn, name string) (func(), bool, error) {
-	var file string
-	if err := conn.QueryRow(ctx, `SELECT file FROM pragma_database_list WHERE name = 'main'`).Scan(&file); err != nil {
-		return nil, false, err
-	}
-	m, _ := liteLocks.LoadOrStore(file+"\x00"+name, &sync.Mutex{})
-	mu := m.(*sync.Mutex)
-	if !mu.TryLock() {
-		return nil, false, nil
-	}
-	return mu.Unlock, true, nil
+	return purgeloop.SQLiteProcessLock("versioned:"+name)(ctx, conn)
 }
