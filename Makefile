@@ -10,7 +10,8 @@ services:
 vet:
 	go vet ./...
 
-# The main job: the shop end to end on RabbitMQ + PostgreSQL with faults.
+# The main job: the shop end to end with faults; embedded (SQLite, in-process
+# broker) unless DATABASE_URL/AMQP_URL are set or -backend services is given.
 demo: services
 	go run ./examples/demo
 

@@ -3,6 +3,7 @@ package middleware
 import (
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -112,11 +113,12 @@ func NewChain(cfg ChainConfig, logger watermill.LoggerAdapter) ([]message.Handle
 	if err != nil {
 		return nil, err
 	}
+	initial, multiplier := compensatedBackoff(cfg.InitialInterval, cfg.Multiplier)
 	retry := wmw.Retry{
 		MaxRetries:          cfg.MaxRetries,
-		InitialInterval:     cfg.InitialInterval,
+		InitialInterval:     initial,
 		MaxInterval:         cfg.MaxInterval,
-		Multiplier:          cfg.Multiplier,
+		Multiplier:          multiplier,
 		RandomizationFactor: 0.2,
 		ResetContextOnRetry: true,
 		ShouldRetry:         func(p wmw.RetryParams) bool { return !IsPermanent(p.Err) },
@@ -125,6 +127,18 @@ func NewChain(cfg ChainConfig, logger watermill.LoggerAdapter) ([]message.Handle
 	chain := []message.HandlerMiddleware{poison}
 	chain = append(chain, cfg.AfterPoison...)
 	return append(chain, retry.Middleware, wmw.Recoverer, cfg.Idempotent.Middleware), nil
+}
+
+// compensatedBackoff returns the InitialInterval and Multiplier to give
+// Watermill's Retry so that the waits it actually makes are initial,
+// initial·m, initial·m², … In Watermill v1.5.1 (message/router/middleware/
+// retry.go) a ShouldRetry function is passed RetryParams.Delay computed with
+// one more NextBackOff() call, so the exponential backoff advances twice per
+// failure and the k-th wait is I'·m'^(2k−1). With m' = √m and I' = I/√m that
+// is I·m^(k−1), the schedule ChainConfig documents.
+func compensatedBackoff(initial time.Duration, m float64) (time.Duration, float64) {
+	root := math.Sqrt(m)
+	return time.Duration(float64(initial) / root), root
 }
 
 // ShouldPoison is the chain's poison filter: true for every error except a

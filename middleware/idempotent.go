@@ -38,9 +38,12 @@ type Config struct {
 	// Consumer is the first half of the claim key (consumer, event_id).
 	// Defaults to the Watermill handler name of the message's context
 	// (message.HandlerNameFromCtx), so two handlers of one service that
-	// receive the same event each apply it once. Set it to keep the key stable
-	// when handler names change. With neither, every message fails with the
-	// permanent ErrNoConsumer.
+	// receive the same event each apply it once. Set it whenever several
+	// handlers COMPETE on one queue (workers of one consumer: Watermill
+	// requires distinct handler names, which would otherwise give each worker
+	// its own key and apply an event once per worker), and to keep the key
+	// stable when handler names change. With neither, every message fails
+	// with the permanent ErrNoConsumer.
 	Consumer string
 
 	// LockTimeout bounds the wait on a claim held by another, uncommitted
@@ -188,24 +191,25 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			"consumer":   consumer,
 			"attempt":    nextAttempt(msg),
 		}
+		reject := func(o Outcome, reason string, err error) ([]*message.Message, error) {
+			err = permanent(reason, err)
+			m.finish(consumer, o, start, 0, fields, err)
+			return nil, err
+		}
 		if reason, bad := marshaler.Malformed(msg); bad {
-			m.finish(consumer, OutcomeRejected, start, 0, fields, nil)
-			return nil, permanent("malformed", fmt.Errorf("%w: %s", ErrMalformed, reason))
+			return reject(OutcomeRejected, "malformed", fmt.Errorf("%w: %s", ErrMalformed, reason))
 		}
 		if consumer == "" {
-			m.finish(consumer, OutcomeRejected, start, 0, fields, nil)
-			return nil, permanent("no_consumer", ErrNoConsumer)
+			return reject(OutcomeRejected, "no_consumer", ErrNoConsumer)
 		}
 		eventID, perr := uuid.Parse(msg.UUID)
 		if perr != nil || eventID == uuid.Nil {
-			m.finish(consumer, OutcomeRejected, start, 0, fields, nil)
-			return nil, permanent("invalid_event_id", fmt.Errorf("%w: %q", ErrInvalidEventID, msg.UUID))
+			return reject(OutcomeRejected, "invalid_event_id", fmt.Errorf("%w: %q", ErrInvalidEventID, msg.UUID))
 		}
 		fields["event_id"] = eventID.String()
 		if m.cfg.ReplayHorizon > 0 {
 			if at, ok := eventTime(msg, eventID); ok && m.cfg.Now().Sub(at) > m.cfg.ReplayHorizon {
-				m.finish(consumer, OutcomeExpired, start, 0, fields, nil)
-				return nil, permanent("expired", fmt.Errorf("%w: event %s from %s is older than the replay horizon %s",
+				return reject(OutcomeExpired, "expired", fmt.Errorf("%w: event %s from %s is older than the replay horizon %s",
 					ErrExpired, eventID, at.UTC().Format(time.RFC3339Nano), m.cfg.ReplayHorizon))
 			}
 		}

@@ -84,3 +84,22 @@ func TestLogFieldsAndLevels(t *testing.T) {
 	require.Equal(t, map[string]string{"failed": "info", "processed": "trace", "duplicate": "debug"}, outcomes)
 	require.False(t, strings.Contains(fmt.Sprint(logger.lines), secret))
 }
+
+// A rejected message is logged with its reason (not only in the DLQ headers).
+func TestRejectionIsLoggedWithReason(t *testing.T) {
+	t.Parallel()
+	logger := &captureLogger{}
+	m, err := middleware.NewIdempotent(middleware.Config{Beginner: middleware.NewStdBeginner(nil), Consumer: "stock"}, logger)
+	require.NoError(t, err)
+	h := m.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+	bad := newMsg(E1)
+	bad.Metadata.Set("idempotency_malformed", "true")
+	bad.Metadata.Set("idempotency_malformed_reason", "envelope: not a JSON object")
+	_, err = h(bad)
+	require.Error(t, err)
+	logger.mu.Lock()
+	defer logger.mu.Unlock()
+	require.Len(t, logger.lines, 1)
+	require.Equal(t, "rejected", logger.lines[0].fields["outcome"])
+	require.Contains(t, fmt.Sprint(logger.lines[0].fields["err"]), "not a JSON object")
+}
