@@ -173,10 +173,11 @@ func TestTwoHandlersOfOneServiceEachApplyOnce(t *testing.T) {
 	pubsub := gochannel.NewGoChannel(gochannel.Config{}, logger)
 	router, err := message.NewRouter(message.RouterConfig{}, logger)
 	require.NoError(t, err)
+	mwLogger := &captureLogger{}
 	m, err := middleware.NewIdempotent(middleware.Config{
 		Beginner: middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{}),
 		Store:    e.store,
-	}, logger)
+	}, mwLogger)
 	require.NoError(t, err)
 	router.AddMiddleware(m.Middleware)
 	var mu sync.Mutex
@@ -204,6 +205,18 @@ func TestTwoHandlersOfOneServiceEachApplyOnce(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	require.Equal(t, map[string]int{"reserve_stock": 1, "notify_warehouse": 1}, calls)
+
+	// Two handlers share one topic with the default consumer name: warned
+	// once (it would be wrong for competing workers of one queue).
+	mwLogger.mu.Lock()
+	defer mwLogger.mu.Unlock()
+	warnings := 0
+	for _, l := range mwLogger.lines {
+		if l.level == "error" && l.fields["topic"] == "orders" {
+			warnings++
+		}
+	}
+	require.Equal(t, 1, warnings)
 }
 
 // Without Config.Consumer and outside a router there is no consumer name:

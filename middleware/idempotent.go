@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -135,6 +136,11 @@ type Idempotent struct {
 	cfg         Config
 	logger      watermill.LoggerAdapter
 	lockTimeout *lockTimeoutStmt // built once from cfg.LockTimeout
+
+	// topicHandlers remembers, per subscribe topic, the first handler name
+	// seen when the consumer defaults to it (see warnSharedTopic).
+	topicHandlers sync.Map // topic → handler name
+	warned        sync.Map // topic → struct{}
 }
 
 // NewIdempotent validates cfg (on a copy with defaults applied) and returns
@@ -184,6 +190,7 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		consumer := m.cfg.Consumer
 		if consumer == "" {
 			consumer = message.HandlerNameFromCtx(origCtx)
+			m.warnSharedTopic(origCtx, consumer)
 		}
 		fields := watermill.LogFields{
 			"event_id":   msg.UUID,
@@ -304,6 +311,31 @@ func (m *Idempotent) writeOutbox(ctx context.Context, st *attemptState, msgs []*
 		return fmt.Errorf("idempotency: write produced messages to the outbox: %w", err)
 	}
 	return nil
+}
+
+// warnSharedTopic logs once per topic when two handlers with the default
+// consumer name (their own names) consume one subscribe topic. That is right
+// when each receives its own copy (fan-out: two effects of one event), and
+// wrong when they compete for one queue (workers of one consumer: an event
+// redelivered to the other worker would be applied again): Config.Consumer
+// must then be set.
+func (m *Idempotent) warnSharedTopic(ctx context.Context, handler string) {
+	topic := message.SubscribeTopicFromCtx(ctx)
+	if topic == "" || handler == "" {
+		return
+	}
+	first, loaded := m.topicHandlers.LoadOrStore(topic, handler)
+	if !loaded || first == handler {
+		return
+	}
+	if _, done := m.warned.LoadOrStore(topic, struct{}{}); done {
+		return
+	}
+	m.logger.Error("Several handlers consume one topic with the default consumer name", nil, watermill.LogFields{
+		"topic":    topic,
+		"handlers": fmt.Sprintf("%s, %s", first, handler),
+		"hint":     "if they compete for one queue (workers of one consumer), set middleware.Config.Consumer, or an event redelivered to another worker is applied again; if each gets its own copy (fan-out), this is fine",
+	})
 }
 
 // MetadataAttempt is the metadata key in which the middleware counts its
