@@ -131,7 +131,7 @@ func TestC06(t *testing.T) {
 		cutAfterCommit := func(h message.HandlerFunc) message.HandlerFunc {
 			return func(msg *message.Message) ([]*message.Message, error) {
 				out, err := h(msg)
-				if err == nil && rec.get(middleware.OutcomeProcessed) == 1 {
+				if err == nil && rec.Count(middleware.OutcomeProcessed) == 1 {
 					once.Do(proxy.Cut) // committed; the router's ack cannot reach the broker
 				}
 				return out, err
@@ -190,7 +190,7 @@ func assertC06(t *testing.T, e *env, redelivery delivery, rec *recorder, logger 
 	t.Helper()
 	require.True(t, redelivery.redelivered, "RabbitMQ flags the copy redelivered")
 	require.NoError(t, redelivery.err)
-	require.Equal(t, 1, rec.get(middleware.OutcomeDuplicate))
+	require.Equal(t, 1, rec.Count(middleware.OutcomeDuplicate))
 	require.Equal(t, 1, e.calls(E1))
 	require.Equal(t, 1, e.processed(E1))
 	require.Equal(t, 1, e.effects(E1))
@@ -231,7 +231,7 @@ func TestC01_D(t *testing.T) {
 
 			p, rec := &probe{}, &recorder{}
 			svc := e.startConsumer(consumerOpts{middleware: []message.HandlerMiddleware{p.middleware}, recorder: rec})
-			eventually(t, 15*time.Second, func() bool { return rec.get(middleware.OutcomeProcessed) == 1 }, "E1 processed after the restart")
+			eventually(t, 15*time.Second, func() bool { return rec.Count(middleware.OutcomeProcessed) == 1 }, "E1 processed after the restart")
 			require.NoError(t, svc.Close())
 			require.True(t, p.of(E1)[0].redelivered)
 			require.Equal(t, tc.calls, e.calls(E1))
@@ -260,10 +260,10 @@ func TestOutOfOrderStatusEvents(t *testing.T) {
 		Lines: []shop.OrderLine{{LineNo: 1, SKU: "s", Quantity: "1"}}})
 	e.publishEvent(pub, E2, shop.EventOrderStatusChanged, shop.OrderStatusChanged{OrderID: "o-1", Version: 2, Status: "packed"})
 	eventually(t, 15*time.Second, func() bool {
-		return rec.get(middleware.OutcomeProcessed)+rec.get(middleware.OutcomeStale) == 3
+		return rec.Count(middleware.OutcomeProcessed)+rec.Count(middleware.OutcomeStale) == 3
 	}, "three events processed")
 	require.NoError(t, svc.Close())
-	require.Equal(t, 2, rec.get(middleware.OutcomeStale))
+	require.Equal(t, 2, rec.Count(middleware.OutcomeStale))
 	var version int64
 	var status string
 	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT version, status FROM order_status_copy WHERE order_id = 'o-1'`).Scan(&version, &status))

@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/idempotencytest"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
@@ -216,25 +217,7 @@ func (p *probe) of(id string) []delivery {
 }
 
 // recorder counts the idempotent middleware's outcomes.
-type recorder struct {
-	mu sync.Mutex
-	n  map[middleware.Outcome]int
-}
-
-func (r *recorder) RecordOutcome(o middleware.Observation) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.n == nil {
-		r.n = map[middleware.Outcome]int{}
-	}
-	r.n[o.Outcome]++
-}
-
-func (r *recorder) get(o middleware.Outcome) int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.n[o]
-}
+type recorder = idempotencytest.Outcomes
 
 // logEntry is one captured log line.
 type logEntry struct {

@@ -169,7 +169,7 @@ func TestC13(t *testing.T) {
 
 		e.startRelay(p, nil, 0)
 		eventually(t, 15*time.Second, func() bool { return len(pr.of(E1)) == 2 && p.pending(t) == 0 }, "E1 republished")
-		require.Equal(t, 1, rec.get(middleware.OutcomeDuplicate))
+		require.Equal(t, 1, rec.Count(middleware.OutcomeDuplicate))
 		require.Equal(t, 1, e.calls(E1))
 		require.Equal(t, 1, e.processed(E1))
 		require.Equal(t, 1, e.effects(E1))
@@ -232,14 +232,14 @@ func TestRelayDuplicateThenReplay(t *testing.T) {
 	offsets.failAcks.Store(1)
 	e.startRelay(p, offsets, 0)
 	eventually(t, 15*time.Second, func() bool {
-		return rec.get(middleware.OutcomeDuplicate) == 1 && p.pending(t) == 0
+		return rec.Count(middleware.OutcomeDuplicate) == 1 && p.pending(t) == 0
 	}, "the relay republished the event")
 
 	pub := e.publisher()
 	n, err := p.svc.Replay(ctx, pub, from, time.Now().Add(time.Second))
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
-	eventually(t, 15*time.Second, func() bool { return rec.get(middleware.OutcomeDuplicate) == 2 }, "the replay is a duplicate too")
+	eventually(t, 15*time.Second, func() bool { return rec.Count(middleware.OutcomeDuplicate) == 2 }, "the replay is a duplicate too")
 
 	require.EqualValues(t, 1, calls.Load())
 	require.Equal(t, 1, e.processed(evID))

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -18,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/idempotencytest"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
@@ -396,25 +396,7 @@ func TestConfigValidate(t *testing.T) {
 }
 
 // recorder counts outcomes.
-type recorder struct {
-	mu sync.Mutex
-	n  map[middleware.Outcome]int
-}
-
-func (r *recorder) RecordOutcome(o middleware.Observation) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.n == nil {
-		r.n = map[middleware.Outcome]int{}
-	}
-	r.n[o.Outcome]++
-}
-
-func (r *recorder) get(o middleware.Outcome) int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.n[o]
-}
+type recorder = idempotencytest.Outcomes
 
 func TestDuplicateIsCountedAndAcked(t *testing.T) {
 	t.Parallel()
@@ -427,7 +409,7 @@ func TestDuplicateIsCountedAndAcked(t *testing.T) {
 		_, err := h(newMsg(E1))
 		require.NoError(t, err)
 	}
-	require.Equal(t, 1, rec.get(middleware.OutcomeProcessed))
-	require.Equal(t, 2, rec.get(middleware.OutcomeDuplicate))
+	require.Equal(t, 1, rec.Count(middleware.OutcomeProcessed))
+	require.Equal(t, 2, rec.Count(middleware.OutcomeDuplicate))
 	require.Equal(t, 1, e.effects(E1))
 }

@@ -86,7 +86,7 @@ func exerciseC15(t *testing.T, e *lfEnv) {
 	step(f4)
 	require.Equal(t, []string{"active", "gold", "suspended", "reactivated"}, calls)
 	require.EqualValues(t, 2, e.counter.Count(versioned.FilterObsolete), "F3 and G2")
-	require.EqualValues(t, 2, e.outcomes.get(middleware.OutcomeObsolete), "skips are recorded like duplicates")
+	require.EqualValues(t, 2, e.outcomes.Count(middleware.OutcomeObsolete), "skips are recorded like duplicates")
 
 	value, eventID := e.state("c-1")
 	require.Equal(t, "reactivated", value)
@@ -98,7 +98,7 @@ func exerciseC15(t *testing.T, e *lfEnv) {
 	// committed with the skip), then, once its processed row is gone, by
 	// the filter itself.
 	require.NoError(t, deliver(h, f3))
-	require.EqualValues(t, 1, e.outcomes.get(middleware.OutcomeDuplicate))
+	require.EqualValues(t, 1, e.outcomes.Count(middleware.OutcomeDuplicate))
 	e.forgetProcessed(lfE3)
 	require.NoError(t, deliver(h, f3))
 	require.EqualValues(t, 3, e.counter.Count(versioned.FilterObsolete))
@@ -192,8 +192,8 @@ func TestLatestFilter100UpdatesQueued(t *testing.T) {
 			require.Equal(t, last, handled.Load(), "for the last update")
 			require.EqualValues(t, 99, e.counter.Count(versioned.FilterObsolete))
 			require.EqualValues(t, 1, e.counter.Count(versioned.FilterHandled))
-			require.Equal(t, 99, e.outcomes.get(middleware.OutcomeObsolete))
-			require.Equal(t, 1, e.outcomes.get(middleware.OutcomeProcessed))
+			require.Equal(t, 99, e.outcomes.Count(middleware.OutcomeObsolete))
+			require.Equal(t, 1, e.outcomes.Count(middleware.OutcomeProcessed))
 			require.Equal(t, 100, e.count(`SELECT count(*) FROM processed_event`), "all 100 claimed and acked")
 			value, _ := e.state("p-123")
 			require.Equal(t, `v100`, value)
@@ -245,7 +245,7 @@ func TestLatestFilterLateOlderIsStale(t *testing.T) {
 			require.EqualValues(t, 3, e.counter.Count(versioned.FilterStale))
 			value, _ := e.state("p-1")
 			require.Equal(t, `v4`, value)
-			require.Equal(t, 3, e.outcomes.get(middleware.OutcomeStale))
+			require.Equal(t, 3, e.outcomes.Count(middleware.OutcomeStale))
 		})
 	}
 }

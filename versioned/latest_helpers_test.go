@@ -18,6 +18,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/idempotencytest"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
@@ -120,25 +121,7 @@ func (q *lfQueue) len() int {
 }
 
 // lfOutcomes counts the idempotent middleware's outcomes.
-type lfOutcomes struct {
-	mu sync.Mutex
-	n  map[middleware.Outcome]int
-}
-
-func (o *lfOutcomes) RecordOutcome(obs middleware.Observation) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	if o.n == nil {
-		o.n = map[middleware.Outcome]int{}
-	}
-	o.n[obs.Outcome]++
-}
-
-func (o *lfOutcomes) get(out middleware.Outcome) int {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	return o.n[out]
-}
+type lfOutcomes = idempotencytest.Outcomes
 
 // lfEnv is one consumer service: a schema with the processed-event table,
 // the family tables and a state table, the idempotent middleware and the
