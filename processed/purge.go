@@ -49,19 +49,13 @@ type PurgerConfig struct {
 	OnPurge func(deleted int64, at time.Time)
 }
 
+func (c PurgerConfig) settings() purgeloop.Settings {
+	return purgeloop.Settings{Horizon: c.Horizon, MinHorizon: c.MinHorizon, Interval: c.Interval, Jitter: c.Jitter, BatchSize: c.BatchSize}
+}
+
 func (c *PurgerConfig) setDefaults() {
-	if c.MinHorizon == 0 {
-		c.MinHorizon = DefaultMinHorizon
-	}
-	if c.Interval == 0 {
-		c.Interval = DefaultPurgeInterval
-	}
-	if c.Jitter == 0 {
-		c.Jitter = c.Interval / 10
-	}
-	if c.BatchSize == 0 {
-		c.BatchSize = DefaultPurgeBatchSize
-	}
+	d := c.settings().WithDefaults(DefaultMinHorizon, DefaultPurgeInterval, DefaultPurgeBatchSize)
+	c.MinHorizon, c.Interval, c.Jitter, c.BatchSize = d.MinHorizon, d.Interval, d.Jitter, d.BatchSize
 }
 
 // ErrHorizonTooShort is returned by NewPurger for a horizon below MinHorizon.
@@ -69,19 +63,7 @@ var ErrHorizonTooShort = errors.New("processed: replay horizon below the configu
 
 // Validate reports the first invalid field, naming it (c with defaults applied).
 func (c PurgerConfig) Validate() error {
-	switch {
-	case c.Horizon <= 0:
-		return errors.New("processed: PurgerConfig.Horizon is required (> 0)")
-	case c.MinHorizon < 0:
-		return fmt.Errorf("processed: PurgerConfig.MinHorizon %s: must be ≥ 0", c.MinHorizon)
-	case c.Horizon < c.MinHorizon:
-		return fmt.Errorf("processed: PurgerConfig.Horizon %s < MinHorizon %s: %w", c.Horizon, c.MinHorizon, ErrHorizonTooShort)
-	case c.Interval < 0, c.Jitter < 0:
-		return errors.New("processed: PurgerConfig.Interval and Jitter must be ≥ 0")
-	case c.BatchSize < 0:
-		return fmt.Errorf("processed: PurgerConfig.BatchSize %d: must be > 0", c.BatchSize)
-	}
-	return nil
+	return c.settings().Validate("processed: PurgerConfig", ErrHorizonTooShort)
 }
 
 // Purger deletes processed rows older than the replay horizon, in bounded

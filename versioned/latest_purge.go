@@ -54,19 +54,13 @@ type FamilyPurgerConfig struct {
 	OnPurge func(deleted int64, at time.Time)
 }
 
+func (c FamilyPurgerConfig) settings() purgeloop.Settings {
+	return purgeloop.Settings{Horizon: c.Horizon, MinHorizon: c.MinHorizon, Interval: c.Interval, Jitter: c.Jitter, BatchSize: c.BatchSize}
+}
+
 func (c *FamilyPurgerConfig) setDefaults() {
-	if c.MinHorizon == 0 {
-		c.MinHorizon = DefaultFamilyMinHorizon
-	}
-	if c.Interval == 0 {
-		c.Interval = DefaultFamilyPurgeInterval
-	}
-	if c.Jitter == 0 {
-		c.Jitter = c.Interval / 10
-	}
-	if c.BatchSize == 0 {
-		c.BatchSize = DefaultFamilyPurgeBatchSize
-	}
+	d := c.settings().WithDefaults(DefaultFamilyMinHorizon, DefaultFamilyPurgeInterval, DefaultFamilyPurgeBatchSize)
+	c.MinHorizon, c.Interval, c.Jitter, c.BatchSize = d.MinHorizon, d.Interval, d.Jitter, d.BatchSize
 }
 
 // ErrFamilyHorizonTooShort is returned by NewFamilyPurger for a horizon
@@ -76,19 +70,7 @@ var ErrFamilyHorizonTooShort = errors.New("versioned: family purge horizon below
 // Validate reports the first invalid field (c with defaults applied),
 // naming it.
 func (c FamilyPurgerConfig) Validate() error {
-	switch {
-	case c.Horizon <= 0:
-		return errors.New("versioned: FamilyPurgerConfig.Horizon is required (> 0)")
-	case c.MinHorizon < 0:
-		return fmt.Errorf("versioned: FamilyPurgerConfig.MinHorizon %s: must be ≥ 0", c.MinHorizon)
-	case c.Horizon < c.MinHorizon:
-		return fmt.Errorf("versioned: FamilyPurgerConfig.Horizon %s < MinHorizon %s: %w", c.Horizon, c.MinHorizon, ErrFamilyHorizonTooShort)
-	case c.Interval < 0, c.Jitter < 0:
-		return errors.New("versioned: FamilyPurgerConfig.Interval and Jitter must be ≥ 0")
-	case c.BatchSize < 0:
-		return fmt.Errorf("versioned: FamilyPurgerConfig.BatchSize %d: must be > 0", c.BatchSize)
-	}
-	return nil
+	return c.settings().Validate("versioned: FamilyPurgerConfig", ErrFamilyHorizonTooShort)
 }
 
 // FamilyPurger deletes idle families' rows from a FamilyStore's two tables,

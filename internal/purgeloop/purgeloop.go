@@ -6,6 +6,7 @@ package purgeloop
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"sync"
 	"time"
@@ -92,4 +93,47 @@ func (l *Loop) loop(ctx context.Context, stopped chan struct{}) {
 			l.logger.Debug("Purged "+l.what, f)
 		}
 	}
+}
+
+// Settings are the knobs every purger's public config shares; the configs
+// convert to it so that defaults and validation are written once.
+type Settings struct {
+	Horizon, MinHorizon, Interval, Jitter time.Duration
+	BatchSize                             int
+}
+
+// WithDefaults fills the zero fields: MinHorizon, Interval, BatchSize with
+// the given defaults, Jitter with Interval/10.
+func (s Settings) WithDefaults(minHorizon, interval time.Duration, batchSize int) Settings {
+	if s.MinHorizon == 0 {
+		s.MinHorizon = minHorizon
+	}
+	if s.Interval == 0 {
+		s.Interval = interval
+	}
+	if s.Jitter == 0 {
+		s.Jitter = s.Interval / 10
+	}
+	if s.BatchSize == 0 {
+		s.BatchSize = batchSize
+	}
+	return s
+}
+
+// Validate reports the first invalid field as "<config>.<Field>: …"; a
+// horizon below MinHorizon wraps tooShort.
+func (s Settings) Validate(config string, tooShort error) error {
+	switch {
+	case s.Horizon <= 0:
+		return fmt.Errorf("%s.Horizon is required (> 0)", config)
+	case s.MinHorizon < 0:
+		return fmt.Errorf("%s.MinHorizon %s: must be ≥ 0", config, s.MinHorizon)
+	case s.Horizon < s.MinHorizon:
+		return fmt.Errorf("%s.Horizon %s < MinHorizon %s: %w", config, s.Horizon, s.MinHorizon, tooShort)
+	case s.Interval < 0, s.Jitter < 0:
+		return fmt.Errorf("%s.Interval and Jitter must be ≥ 0", config)
+	case s.BatchSize < 0:
+		return fmt.Errorf("%s.BatchSize %d: must be > 0", config, s.BatchSize)
+	}
+	return nil
 }

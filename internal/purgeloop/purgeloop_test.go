@@ -2,6 +2,7 @@ package purgeloop_test
 
 import (
 	"context"
+	"errors"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -33,4 +34,15 @@ func TestLoopRunsUntilStopped(t *testing.T) {
 	require.Eventually(t, func() bool { return runs.Load() > after }, 5*time.Second, time.Millisecond)
 	cancel()
 	l.Stop()
+}
+
+func TestSettingsDefaultsAndValidate(t *testing.T) {
+	t.Parallel()
+	tooShort := errors.New("too short")
+	s := purgeloop.Settings{Horizon: 2 * time.Hour}.WithDefaults(time.Hour, time.Minute, 500)
+	require.Equal(t, purgeloop.Settings{Horizon: 2 * time.Hour, MinHorizon: time.Hour, Interval: time.Minute, Jitter: 6 * time.Second, BatchSize: 500}, s)
+	require.NoError(t, s.Validate("X", tooShort))
+	require.ErrorContains(t, purgeloop.Settings{}.Validate("pkg: X", tooShort), "pkg: X.Horizon")
+	require.ErrorIs(t, purgeloop.Settings{Horizon: time.Minute, MinHorizon: time.Hour}.Validate("X", tooShort), tooShort)
+	require.ErrorContains(t, purgeloop.Settings{Horizon: time.Hour, BatchSize: -1}.Validate("X", tooShort), "X.BatchSize")
 }
