@@ -94,7 +94,7 @@ func TestC12(t *testing.T) {
 		require.Equal(t, 1, e.processed(id), "stale events are recorded as processed")
 	}
 	require.Equal(t, 4, calls, "none retried")
-	require.Equal(t, 3, rec.get(middleware.OutcomeStale))
+	require.Equal(t, 3, rec.Count(middleware.OutcomeStale))
 
 	deliver(`{"customer_id":"c-2","version":1,"name":"New"}`)
 	require.NoError(t, e.pool.QueryRow(ctx, `SELECT version, name FROM customer_copy WHERE customer_id = 'c-2'`).Scan(&version, &name))

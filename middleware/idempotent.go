@@ -324,8 +324,13 @@ func (m *Idempotent) warnSharedTopic(ctx context.Context, handler string) {
 	if topic == "" || handler == "" {
 		return
 	}
-	first, loaded := m.topicHandlers.LoadOrStore(topic, handler)
-	if !loaded || first == handler {
+	// Load first: on the hot path the topic is known and nothing is stored
+	// (LoadOrStore would box the name on every message).
+	first, ok := m.topicHandlers.Load(topic)
+	if !ok {
+		first, ok = m.topicHandlers.LoadOrStore(topic, handler)
+	}
+	if !ok || first == handler {
 		return
 	}
 	if _, done := m.warned.LoadOrStore(topic, struct{}{}); done {
