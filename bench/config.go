@@ -24,6 +24,7 @@ type Sizes struct {
 	Memory MemorySizes
 }
 
+// OverheadSizes sizes part 1 (claim overhead, no broker).
 type OverheadSizes struct {
 	Workers  []int         // concurrent workers; HeadlineWorkers must be one of them
 	Rounds   int           // interleaved rounds (one run of every variant each)
@@ -39,6 +40,7 @@ type OverheadSizes struct {
 // HeadlineWorkers is the worker count of the headline ratios.
 const HeadlineWorkers = 4
 
+// GrowthSizes sizes part 2 (claim latency as the processed table grows).
 type GrowthSizes struct {
 	Rows      []int // table sizes, the first 0; the ratio is last ÷ first
 	Workers   int
@@ -48,6 +50,7 @@ type GrowthSizes struct {
 	WALClaims int // sequential claims whose WAL is measured, per table
 }
 
+// E2ESizes sizes part 3 (end to end over RabbitMQ).
 type E2ESizes struct {
 	Consumers []int // consumer goroutines (router handlers on the queue)
 	Prefetch  []int
@@ -58,6 +61,7 @@ type E2ESizes struct {
 	HeadConsumers, HeadPrefetch int
 }
 
+// PurgeSizes sizes part 4 (purge under load).
 type PurgeSizes struct {
 	Rows     int // expired rows deleted per round
 	Rounds   int
@@ -66,6 +70,7 @@ type PurgeSizes struct {
 	MinCount int
 }
 
+// MemorySizes sizes part 5 (consumer memory and allocations).
 type MemorySizes struct {
 	First, Second int // RSS is read after this many messages
 	AllocMsgs     int // sequential messages for allocations per message

@@ -373,6 +373,7 @@ type AMQPTransport struct {
 
 var _ Transport = AMQPTransport{}
 
+// Subscriber implements Transport: a subscriber on c's queue.
 func (t AMQPTransport) Subscriber(c Consumer, logger watermill.LoggerAdapter) (message.Subscriber, error) {
 	url := t.SubscriberURL
 	if url == "" {
@@ -385,6 +386,7 @@ func (t AMQPTransport) Subscriber(c Consumer, logger watermill.LoggerAdapter) (m
 	return sub, nil
 }
 
+// EventsPublisher implements Transport: a publisher to the events exchange.
 func (t AMQPTransport) EventsPublisher(logger watermill.LoggerAdapter) (message.Publisher, error) {
 	p, err := wamqp.NewPublisher(t.Topology.PublisherConfig(t.URL), logger)
 	if err != nil {
@@ -393,6 +395,8 @@ func (t AMQPTransport) EventsPublisher(logger watermill.LoggerAdapter) (message.
 	return p, nil
 }
 
+// PoisonPublisher implements Transport: a publisher to c's dead-letter
+// exchange, and the poison topic to give it.
 func (t AMQPTransport) PoisonPublisher(c Consumer, logger watermill.LoggerAdapter) (message.Publisher, string, error) {
 	p, err := wamqp.NewPublisher(t.Topology.PoisonPublisherConfig(t.URL, c), logger)
 	if err != nil {
@@ -401,6 +405,8 @@ func (t AMQPTransport) PoisonPublisher(c Consumer, logger watermill.LoggerAdapte
 	return p, t.Topology.DeadLetterQueue(c), nil
 }
 
+// ReconcilePublisher implements Transport: a publisher to c's
+// reconciliation queue, and the topic to give it.
 func (t AMQPTransport) ReconcilePublisher(c Consumer, logger watermill.LoggerAdapter) (message.Publisher, string, error) {
 	p, err := wamqp.NewPublisher(t.Topology.ReconcilePublisherConfig(t.URL), logger)
 	if err != nil {

@@ -36,6 +36,7 @@ func (s SQLiteSchema) MessagesTable(topic string) string {
 	return `"watermill_` + topic + `"`
 }
 
+// SchemaInitializingQueries implements wsql.SchemaAdapter: the messages table.
 func (s SQLiteSchema) SchemaInitializingQueries(p wsql.SchemaInitializingQueriesParams) ([]wsql.Query, error) {
 	return []wsql.Query{{Query: `CREATE TABLE IF NOT EXISTS ` + s.MessagesTable(p.Topic) + ` (
     "offset"   INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -46,6 +47,7 @@ func (s SQLiteSchema) SchemaInitializingQueries(p wsql.SchemaInitializingQueries
 )`}}, nil
 }
 
+// InsertQuery implements wsql.SchemaAdapter.
 func (s SQLiteSchema) InsertQuery(p wsql.InsertQueryParams) (wsql.Query, error) {
 	args := make([]any, 0, 3*len(p.Msgs))
 	for _, m := range p.Msgs {
@@ -60,6 +62,7 @@ func (s SQLiteSchema) InsertQuery(p wsql.InsertQueryParams) (wsql.Query, error) 
 	return wsql.Query{Query: q, Args: args}, nil
 }
 
+// SelectQuery implements wsql.SchemaAdapter.
 func (s SQLiteSchema) SelectQuery(p wsql.SelectQueryParams) (wsql.Query, error) {
 	next, err := p.OffsetsAdapter.NextOffsetQuery(wsql.NextOffsetQueryParams{Topic: p.Topic, ConsumerGroup: p.ConsumerGroup})
 	if err != nil {
@@ -74,6 +77,7 @@ func (s SQLiteSchema) SelectQuery(p wsql.SelectQueryParams) (wsql.Query, error) 
 	return wsql.Query{Query: q, Args: next.Args}, nil
 }
 
+// UnmarshalMessage implements wsql.SchemaAdapter.
 func (s SQLiteSchema) UnmarshalMessage(p wsql.UnmarshalMessageParams) (wsql.Row, error) {
 	var r wsql.Row
 	var uuid string
@@ -108,6 +112,7 @@ func (a SQLiteOffsetsAdapter) MessagesOffsetsTable(topic string) string {
 	return `"watermill_offsets_` + topic + `"`
 }
 
+// SchemaInitializingQueries implements wsql.OffsetsAdapter.
 func (a SQLiteOffsetsAdapter) SchemaInitializingQueries(p wsql.OffsetsSchemaInitializingQueriesParams) ([]wsql.Query, error) {
 	return []wsql.Query{{Query: `CREATE TABLE IF NOT EXISTS ` + a.MessagesOffsetsTable(p.Topic) + ` (
     consumer_group  TEXT    NOT NULL PRIMARY KEY,
@@ -116,6 +121,7 @@ func (a SQLiteOffsetsAdapter) SchemaInitializingQueries(p wsql.OffsetsSchemaInit
 )`}}, nil
 }
 
+// AckMessageQuery implements wsql.OffsetsAdapter.
 func (a SQLiteOffsetsAdapter) AckMessageQuery(p wsql.AckMessageQueryParams) (wsql.Query, error) {
 	return wsql.Query{
 		Query: `INSERT INTO ` + a.MessagesOffsetsTable(p.Topic) + ` (consumer_group, offset_acked, offset_consumed) VALUES (?, ?, ?)
@@ -130,6 +136,7 @@ func (a SQLiteOffsetsAdapter) ConsumedMessageQuery(wsql.ConsumedMessageQueryPara
 	return wsql.Query{}, nil
 }
 
+// NextOffsetQuery implements wsql.OffsetsAdapter.
 func (a SQLiteOffsetsAdapter) NextOffsetQuery(p wsql.NextOffsetQueryParams) (wsql.Query, error) {
 	return wsql.Query{
 		Query: `SELECT COALESCE((SELECT offset_acked FROM ` + a.MessagesOffsetsTable(p.Topic) + ` WHERE consumer_group = ?), 0)`,
@@ -137,6 +144,7 @@ func (a SQLiteOffsetsAdapter) NextOffsetQuery(p wsql.NextOffsetQueryParams) (wsq
 	}, nil
 }
 
+// BeforeSubscribingQueries implements wsql.OffsetsAdapter.
 func (a SQLiteOffsetsAdapter) BeforeSubscribingQueries(wsql.BeforeSubscribingQueriesParams) ([]wsql.Query, error) {
 	return nil, nil
 }
