@@ -35,19 +35,6 @@ ensure Redis 6379 'redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --s
   'apt-get install -y redis-server (then rerun)' 30 || ok=1
 ensure MariaDB 3306 'start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd' \
   'apt-get install -y mariadb-server (then rerun)' 60 || ok=1
-# A non-English locale for the lc_messages test (C06): PostgreSQL's German
-# message catalogue ships with it; the OS locale is generated once.
-# A running PostgreSQL only sees locales that existed when it started, so it
-# is restarted (before any test runs) right after the locale is generated.
-if command -v localedef >/dev/null 2>&1 && ! locale -a 2>/dev/null | grep -qi '^de_DE\.utf8$'; then
-  if localedef -i de_DE -f UTF-8 de_DE.UTF-8 >/dev/null 2>&1; then
-    if command -v pg_ctlcluster >/dev/null 2>&1; then
-      echo "services: restarting PostgreSQL to load the new de_DE.UTF-8 locale" >&2
-      pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -1)" main restart >/dev/null 2>&1 || true
-      wait_port PostgreSQL 5432 60 || ok=1
-    fi
-  else
-    echo "services: could not generate de_DE.UTF-8 (apt-get install -y locales)" >&2
-  fi
-fi
+# This script only starts services that are down; it never restarts,
+# reconfigures or adds locales to a running server (other clients share it).
 exit $ok
