@@ -14,7 +14,7 @@ import (
 	"github.com/google/uuid"
 )
 
-// DefaultMaxSize is the largest envelope, in bytes, that [Decode] and [AMQP]
+// DefaultMaxSize is the largest envelope, in bytes, that [Decode] and [Decoder]
 // accept when no limit is given: 1 MiB (1 << 20 bytes). The limit applies to
 // the whole envelope body, not to the payload alone.
 const DefaultMaxSize = 1 << 20

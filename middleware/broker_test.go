@@ -17,6 +17,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	amqpmarshaler "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
@@ -47,7 +48,7 @@ func newRabbit(t *testing.T) *rabbit {
 		_ = r.conn.Close()
 	})
 	r.cfg = amqp.NewDurableQueueConfig(testenv.AMQPURL())
-	r.cfg.Marshaler = marshaler.AMQP{}
+	r.cfg.Marshaler = amqpmarshaler.Marshaler{}
 	return r
 }
 
