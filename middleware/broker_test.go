@@ -94,8 +94,9 @@ func startConsumer(t *testing.T, r *rabbit, e *env, pool *pgxpool.Pool, calls *a
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 30 * time.Second}, logger)
 	require.NoError(t, err)
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}),
+		Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})),
 		Store:    e.store,
+		Consumer: "stock",
 	}, logger)
 	require.NoError(t, err)
 	chain, err := middleware.NewChain(middleware.ChainConfig{

@@ -28,9 +28,9 @@ var (
 	// lock_not_available). Transient: retry later, never poison.
 	ErrInFlight = errors.New("idempotency: event in flight elsewhere")
 
-	// ErrNoConsumer: neither Config.Consumer nor a Watermill handler name in
-	// the message context names the consumer. A configuration error; permanent.
-	ErrNoConsumer = errors.New("idempotency: no consumer name (set Config.Consumer or run under a Watermill router)")
+	// ErrNoConsumer: Config.Consumer is empty or blank (NewIdempotent refuses
+	// it, wrapping this sentinel).
+	ErrNoConsumer = errors.New("idempotency: no consumer name (set Config.Consumer)")
 
 	// ErrExpired: the event is older than Config.ReplayHorizon; its processed
 	// record may have been purged, so it is refused. Permanent.

@@ -1,0 +1,80 @@
+package middleware
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// invalidEventID is the rejection of a msg.UUID that is not an event id. An
+// empty one almost always means the subscriber's marshaler is not the
+// envelope's: Watermill's default marshalers take msg.UUID from a transport
+// header and leave it "" when the producer set none.
+func invalidEventID(id string) error {
+	if id == "" {
+		return fmt.Errorf("%w: the message has no UUID: the subscriber does not decode the JSON envelope; "+
+			"configure the envelope marshaler adapter of the transport as the subscriber's marshaler "+
+			"(watermill-amqp: Config.Marshaler = marshaler.AMQP{})", ErrInvalidEventID)
+	}
+	return fmt.Errorf("%w: %q", ErrInvalidEventID, id)
+}
+
+// commitError is the error of a COMMIT (or RELEASE SAVEPOINT) that did not
+// commit. When the transaction was aborted by a statement of the handler
+// (pgx.ErrTxCommitRollback, SQLSTATE 25P02 in_failed_sql_transaction), it
+// also wraps ErrTxAborted: the handler's failure, not the database's.
+func commitError(consumer string, eventID uuid.UUID, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.Is(err, pgx.ErrTxCommitRollback) || (errors.As(err, &pgErr) && pgErr.Code == "25P02") {
+		err = fmt.Errorf("%w: %w", ErrTxAborted, err)
+	}
+	return fmt.Errorf("%w: %s/%s: %w", ErrCommit, consumer, eventID, err)
+}
+
+// singleLine returns err unchanged when its text is one line, else err
+// wrapped so that its text is one line (errors.Join and pgconn's connect
+// errors put each cause on its own line). The wrapper unwraps to err, so
+// errors.Is and errors.As see through it.
+func singleLine(err error) error {
+	if err == nil {
+		return nil
+	}
+	text := err.Error()
+	if !strings.ContainsAny(text, "\r\n") {
+		return err
+	}
+	return &oneLineError{err: err, text: oneLine(text)}
+}
+
+// oneLine joins the non-blank lines of s: after a line that ends with ':'
+// with a space, otherwise with "; ".
+func oneLine(s string) string {
+	var b strings.Builder
+	for _, line := range strings.FieldsFunc(s, func(r rune) bool { return r == '\n' || r == '\r' }) {
+		line = strings.TrimSpace(line)
+		if line == "" {
+			continue
+		}
+		if b.Len() > 0 {
+			if strings.HasSuffix(b.String(), ":") {
+				b.WriteByte(' ')
+			} else {
+				b.WriteString("; ")
+			}
+		}
+		b.WriteString(line)
+	}
+	return b.String()
+}
+
+type oneLineError struct {
+	err  error
+	text string
+}
+
+func (e *oneLineError) Error() string { return e.text }
+func (e *oneLineError) Unwrap() error { return e.err }
