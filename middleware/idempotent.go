@@ -209,8 +209,8 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if consumer == "" {
 			return reject(OutcomeRejected, "no_consumer", ErrNoConsumer)
 		}
-		eventID, perr := uuid.Parse(msg.UUID)
-		if perr != nil || eventID == uuid.Nil {
+		eventID, perr := marshaler.ParseEventID(msg.UUID) // the marshaler's strict forms, never uuid.Parse's lenient ones
+		if perr != nil {
 			return reject(OutcomeRejected, "invalid_event_id", fmt.Errorf("%w: %q", ErrInvalidEventID, msg.UUID))
 		}
 		fields["event_id"] = eventID.String()
