@@ -30,6 +30,12 @@
 //   - occurred_at is kept at full precision (nanoseconds) with its offset, and
 //     the text received is written back unchanged (".000Z" stays ".000Z").
 //   - [Envelope.Encode] is deterministic and [Decode] accepts what it writes.
+//   - The envelope never alters the text it was given: a top-level key or a
+//     string in event_id, event_name, occurred_at or an extra field that holds
+//     bytes that are not UTF-8, or a lone UTF-16 surrogate escape ("\ud800"
+//     alone), makes the envelope malformed, with the field named in the
+//     reason; it is never replaced by U+FFFD (encoding/json's silent default).
+//     The middleware parses msg.UUID with the same rules ([ParseEventID]).
 //   - [Decoder.Decode] (and every adapter's Unmarshal) never returns an error
 //     and never panics: most Watermill subscribers nack or stop on an
 //     Unmarshal error (watermill-amqp requeues it in a hot loop,
@@ -49,7 +55,9 @@
 //     part of the value. Whitespace and escapes elsewhere in the envelope, and
 //     the order of its top-level keys, are not kept either.
 //   - Decoding checks the envelope, not the payload's schema: any JSON value,
-//     null included, is a payload.
+//     null included, is a payload. The payload's text is not checked for
+//     valid UTF-8 either: it is passed on byte for byte and the handler's
+//     decoder sees exactly what was sent.
 //   - A flagged (malformed) message's UUID is the delivery's message-id or a
 //     random one: it identifies nothing and must not be used to deduplicate.
 //   - Transport timestamps (the AMQP timestamp property holds whole seconds)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"testing"
+	"unicode/utf8"
 )
 
 // fuzzSeeds are the interesting bodies: valid ones in every shape, and one of
@@ -29,6 +30,8 @@ var fuzzSeeds = []string{
 	`null`,
 	``,
 	"\x00",
+	"{\"event_id\":\"0190a0c1-7c2e-7b61-9d4e-3f1f5a2b6c7d\",\"event_name\":\"note.\xff(added\",\"occurred_at\":\"2024-07-01T10:00:00Z\",\"payload\":1}",
+	`{"event_id":"0190a0c1-7c2e-7b61-9d4e-3f1f5a2b6c7d","event_name":"\ud83d\ude00\\ud800","occurred_at":"2024-07-01T10:00:00Z","payload":1,"t":["\udbff\udfff"]}`,
 }
 
 // FuzzDecode checks that Decode never panics, that each refusal is a
@@ -46,6 +49,15 @@ func FuzzDecode(f *testing.F) {
 				t.Fatalf("refusal %v (%T) is not a *DecodeError matching ErrMalformed", err, err)
 			}
 			return
+		}
+		// What decodes is valid text: nothing was replaced by U+FFFD.
+		if !utf8.ValidString(env.EventName) {
+			t.Fatalf("accepted an event_name that is not valid UTF-8: %q", env.EventName)
+		}
+		for k, v := range env.Extra {
+			if !utf8.ValidString(k) || textProblem(v) != "" {
+				t.Fatalf("accepted an extra field that is not valid text: %q: %q", k, v)
+			}
 		}
 		out, err := env.Encode()
 		if err != nil {

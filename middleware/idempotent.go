@@ -213,8 +213,8 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			fields["transport_message_id"] = msg.UUID
 			return reject(OutcomeRejected, "malformed", fmt.Errorf("%w: %s", ErrMalformed, reason))
 		}
-		eventID, perr := uuid.Parse(msg.UUID)
-		if perr != nil || eventID == uuid.Nil {
+		eventID, perr := marshaler.ParseEventID(msg.UUID) // the marshaler's strict forms, never uuid.Parse's lenient ones
+		if perr != nil {
 			delete(fields, "event_id")
 			fields["transport_message_id"] = msg.UUID
 			return reject(OutcomeRejected, "invalid_event_id", invalidEventID(msg.UUID))
