@@ -193,10 +193,11 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			m.warnSharedTopic(origCtx, consumer)
 		}
 		fields := watermill.LogFields{
-			"event_id":   msg.UUID,
-			"event_name": marshaler.EventName(msg),
-			"consumer":   consumer,
-			"attempt":    nextAttempt(msg),
+			"event_id":     msg.UUID,
+			"event_name":   marshaler.EventName(msg),
+			"consumer":     consumer,
+			"handler_name": message.HandlerNameFromCtx(origCtx),
+			"attempt":      nextAttempt(msg),
 		}
 		reject := func(o Outcome, reason string, err error) ([]*message.Message, error) {
 			err = permanent(reason, err)
@@ -384,7 +385,8 @@ func classifyClaimError(err error) error {
 
 func (m *Idempotent) finish(consumer string, o Outcome, start time.Time, claim time.Duration, fields watermill.LogFields, err error) {
 	total := time.Since(start)
-	m.cfg.Recorder.RecordOutcome(Observation{Consumer: consumer, Outcome: o, Claim: claim, Total: total})
+	handlerName, _ := fields["handler_name"].(string)
+	m.cfg.Recorder.RecordOutcome(Observation{Consumer: consumer, HandlerName: handlerName, Outcome: o, Claim: claim, Total: total})
 	f := fields.Add(watermill.LogFields{"outcome": string(o), "duration": total})
 	switch o {
 	case OutcomeProcessed:
