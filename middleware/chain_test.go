@@ -126,7 +126,7 @@ func TestChainPoisonRetryAndMetrics(t *testing.T) {
 	require.NoError(t, run("ok", E1))
 
 	count := func(outcome string) float64 {
-		return testutil.ToFloat64(counterVec(t, reg, "idempotency_messages_total", map[string]string{"consumer": "stock", "outcome": outcome}))
+		return testutil.ToFloat64(counterVec(t, reg, "idempotency_attempts_total", map[string]string{"consumer": "stock", "outcome": outcome}))
 	}
 	require.EqualValues(t, 1, count("processed"))
 	require.EqualValues(t, 1, count("duplicate"))

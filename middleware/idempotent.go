@@ -199,10 +199,11 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		origCtx := msg.Context()
 		consumer := m.cfg.Consumer
 		fields := watermill.LogFields{
-			"event_id":   msg.UUID,
-			"event_name": marshaler.EventName(msg),
-			"consumer":   consumer,
-			"attempt":    nextAttempt(msg),
+			"event_id":     msg.UUID,
+			"event_name":   marshaler.EventName(msg),
+			"consumer":     consumer,
+			"handler_name": message.HandlerNameFromCtx(origCtx),
+			"attempt":      nextAttempt(msg),
 		}
 		reject := func(o Outcome, reason string, err error) ([]*message.Message, error) {
 			return nil, m.finish(consumer, o, start, 0, fields, permanent(reason, err))
@@ -418,7 +419,8 @@ func classifyClaimError(err error) error {
 // the broker and is retried).
 func (m *Idempotent) finish(consumer string, o Outcome, start time.Time, claim time.Duration, fields watermill.LogFields, err error) error {
 	total := time.Since(start)
-	m.cfg.Recorder.RecordOutcome(Observation{Consumer: consumer, Outcome: o, Claim: claim, Total: total})
+	handlerName, _ := fields["handler_name"].(string)
+	m.cfg.Recorder.RecordOutcome(Observation{Consumer: consumer, HandlerName: handlerName, Outcome: o, Claim: claim, Total: total})
 	f := fields.Add(watermill.LogFields{"outcome": string(o), "duration": total})
 	switch o {
 	case OutcomeProcessed:

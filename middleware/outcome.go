@@ -139,8 +139,12 @@ func MarkStale(ctx context.Context) bool {
 
 // Observation is one attempt's outcome with its timings.
 type Observation struct {
+	// Consumer is the claim's consumer name (Config.Consumer).
 	Consumer string
-	Outcome  Outcome
+	// HandlerName is the Watermill router handler's name
+	// (message.HandlerNameFromCtx); "" outside a router.
+	HandlerName string
+	Outcome     Outcome
 	// Claim is the time from the attempt's start to the claim's answer
 	// (acquire + BEGIN + claim); zero when no claim ran.
 	Claim time.Duration
