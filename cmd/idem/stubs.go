@@ -1,0 +1,17 @@
+package main
+
+import "context"
+
+func runDLQList(ctx context.Context, e *env, args []string) error    { return usageErr("not yet") }
+func runDLQShow(ctx context.Context, e *env, args []string) error    { return usageErr("not yet") }
+func runDLQRedrive(ctx context.Context, e *env, args []string) error { return usageErr("not yet") }
+func runOutboxReplay(ctx context.Context, e *env, args []string) error {
+	return usageErr("not yet")
+}
+func runOperationsList(ctx context.Context, e *env, args []string) error {
+	return usageErr("not yet")
+}
+func runOperationsResolve(ctx context.Context, e *env, args []string) error {
+	return usageErr("not yet")
+}
+func runPurge(ctx context.Context, e *env, args []string) error { return usageErr("not yet") }
