@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
@@ -76,3 +78,5 @@ func TestUsage(t *testing.T) {
 	}
 	wantCode(t, idem(t, "x", "processed", "show", "0190f0e2-1234-7abc-8def-0123456789ab", "--dialect", "oracle"), exitUsage)
 }
+
+func sqldbPgx(p *pgxpool.Pool) sqldb.Querier { return sqldb.Pgx(p) }

@@ -2,9 +2,6 @@ package main
 
 import "context"
 
-func runDLQList(ctx context.Context, e *env, args []string) error    { return usageErr("not yet") }
-func runDLQShow(ctx context.Context, e *env, args []string) error    { return usageErr("not yet") }
-func runDLQRedrive(ctx context.Context, e *env, args []string) error { return usageErr("not yet") }
 func runOutboxReplay(ctx context.Context, e *env, args []string) error {
 	return usageErr("not yet")
 }
