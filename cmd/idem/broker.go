@@ -26,14 +26,20 @@ const (
 	headerTopic      = "topic_poisoned"
 	headerHandler    = "handler_poisoned"
 	headerSubscriber = "subscriber_poisoned"
-	headerPoisonedAt = "poisoned_at" // set by poison paths that stamp the time; absent with Watermill's PoisonQueue
+	// Our chain's poison path (helper i11b's work, names as planned there):
+	// the class (permanent or exhausted) and the reason's full length.
+	headerPoisonClass = "idempotency_poison_class"
+	headerReasonBytes = "idempotency_reason_bytes"
+	// headerPoisonedAt is read as the failure time when a poison path
+	// stamps one (RFC 3339); Watermill's PoisonQueue does not.
+	headerPoisonedAt = "idempotency_poisoned_at"
 )
 
 // poisonHeader reports whether a header belongs to the failure, not to the
 // message: a redriven copy goes without it.
 func poisonHeader(k string) bool {
 	switch k {
-	case headerReason, headerTopic, headerHandler, headerSubscriber, headerPoisonedAt,
+	case headerReason, headerTopic, headerHandler, headerSubscriber, headerPoisonedAt, headerPoisonClass, headerReasonBytes,
 		middleware.MetadataAttempt, "x-death", "x-delivery-count",
 		marshaler.MetadataRedelivered, marshaler.MetadataDeliveryCount:
 		return true
@@ -76,6 +82,7 @@ type deadLetter struct {
 	EventName    string            `json:"event_name"`
 	OccurredAt   *jsonTime         `json:"occurred_at,omitempty"`
 	Reason       string            `json:"reason"`
+	Class        string            `json:"class,omitempty"` // permanent, exhausted (our chain), or the broker's reason
 	Malformed    bool              `json:"malformed"`
 	Attempts     int               `json:"attempts"` // 0: unknown
 	FirstFailure *jsonTime         `json:"first_failure,omitempty"`
@@ -116,10 +123,10 @@ func describe(d amqp091.Delivery, pos int) deadLetter {
 		}
 		dl.payload = d.Body
 	}
-	dl.Reason = h(headerReason)
+	dl.Reason, dl.Class = h(headerReason), h(headerPoisonClass)
 	if dl.Reason == "" {
 		if r := h("x-first-death-reason"); r != "" {
-			dl.Reason = "broker dead-lettered: " + r
+			dl.Reason, dl.Class = "broker dead-lettered: "+r, r
 		}
 	}
 	if dl.Reason == "" && dl.Malformed {

@@ -391,3 +391,78 @@ func TestDLQRedriveKilled(t *testing.T) {
 	}
 	s.wantApplied(t, 60, 41)
 }
+
+// TestDLQBrokerDeadLettered: a message RabbitMQ itself dead-lettered (here a
+// reject without requeue on a queue with a dead-letter exchange) carries
+// x-death: list shows its origin, reason and failure time, and a redrive
+// without --to sends it back to that queue without the x-death headers.
+func TestDLQBrokerDeadLettered(t *testing.T) {
+	t.Parallel()
+	conn, err := amqp091.Dial(testenv.AMQPURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	q, dlq := testenv.UniqueName("idem_bq"), testenv.UniqueName("idem_bdlq")
+	if _, err := ch.QueueDeclare(dlq, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(q, true, false, false, false, amqp091.Table{"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = ch.QueueDelete(q, false, false, false)
+		_, _ = ch.QueueDelete(dlq, false, false, false)
+	})
+	msg, err := marshaler.NewMessage("order.placed", map[string]int{"order": 7})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, err := marshaler.AMQP{}.Marshal(msg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := time.Now().Add(-time.Second)
+	if err := ch.Publish("", q, false, false, pub); err != nil {
+		t.Fatal(err)
+	}
+	var d amqp091.Delivery
+	eventually(t, "the message", func() bool {
+		var ok bool
+		d, ok, err = ch.Get(q, false)
+		return err == nil && ok
+	})
+	if err := d.Reject(false); err != nil {
+		t.Fatal(err)
+	}
+	c := &shop{t: t, conn: conn}
+	eventually(t, "the dead letter", func() bool { return c.depth(dlq) == 1 })
+
+	r := idem(t, "public", "dlq", "list", dlq, "--json")
+	wantCode(t, r, exitOK)
+	m := decode[dlqList](t, r).Messages[0]
+	if m.EventID != msg.UUID || m.Origin != q || m.Class != "rejected" || m.FirstFailure == nil || time.Time(*m.FirstFailure).Before(before) {
+		t.Fatalf("listed: %+v", m)
+	}
+	wantCode(t, idem(t, "public", "dlq", "redrive", dlq, "--all"), exitOK)
+	eventually(t, "the redriven copy", func() bool { return c.depth(q) == 1 })
+	back, ok, err := ch.Get(q, true)
+	if err != nil || !ok {
+		t.Fatalf("get: %v %v", ok, err)
+	}
+	if string(back.Body) != string(pub.Body) || back.MessageId != msg.UUID {
+		t.Fatalf("copy differs: %q / %s", back.Body, back.MessageId)
+	}
+	for k := range back.Headers {
+		if strings.HasPrefix(k, "x-") {
+			t.Fatalf("copy kept broker header %s", k)
+		}
+	}
+	if c.depth(dlq) != 0 {
+		t.Fatal("DLQ not empty")
+	}
+}
