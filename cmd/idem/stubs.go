@@ -5,10 +5,4 @@ import "context"
 func runOutboxReplay(ctx context.Context, e *env, args []string) error {
 	return usageErr("not yet")
 }
-func runOperationsList(ctx context.Context, e *env, args []string) error {
-	return usageErr("not yet")
-}
-func runOperationsResolve(ctx context.Context, e *env, args []string) error {
-	return usageErr("not yet")
-}
 func runPurge(ctx context.Context, e *env, args []string) error { return usageErr("not yet") }
