@@ -5,4 +5,3 @@ import "context"
 func runOutboxReplay(ctx context.Context, e *env, args []string) error {
 	return usageErr("not yet")
 }
-func runPurge(ctx context.Context, e *env, args []string) error { return usageErr("not yet") }
