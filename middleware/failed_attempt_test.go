@@ -187,14 +187,14 @@ func beginnersUnderTest(t *testing.T, schema string) []beginnerUnderTest {
 		cfg.ConnConfig.RuntimeParams["application_name"] = schema
 		pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 		require.NoError(t, err)
-		t.Cleanup(pool.Close)
+		t.Cleanup(func() { closeBounded(t, pool.Close) })
 		return pool
 	}
 	pipelined, unpipelined := mkPool(), mkPool()
 	db, err := sql.Open("pgx", testenv.SchemaURL(schema)+"&application_name="+schema)
 	require.NoError(t, err)
 	db.SetMaxOpenConns(4)
-	t.Cleanup(func() { _ = db.Close() })
+	t.Cleanup(func() { closeBounded(t, func() { _ = db.Close() }) })
 	return []beginnerUnderTest{
 		{"pgx-pipelined", mustBeginner(middleware.NewPgxBeginner(pipelined, middleware.PgxBeginnerConfig{})),
 			func() int { return int(pipelined.Stat().AcquiredConns()) }},
@@ -205,13 +205,30 @@ func beginnersUnderTest(t *testing.T, schema string) []beginnerUnderTest {
 	}
 }
 
+// closeBounded closes a handle whose Close waits for acquired connections
+// (pgxpool): a leaked connection fails the test instead of hanging it.
+func closeBounded(t *testing.T, closeFn func()) {
+	done := make(chan struct{})
+	go func() { closeFn(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Error("Close blocked for 5 s: a connection is still acquired")
+	}
+}
+
 // idleInTx counts the server's sessions of this test left inside a
 // transaction.
 func (e *env) idleInTx() int {
 	return e.count(`SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND state LIKE 'idle in transaction%'`, e.schema)
 }
 
+// callRecovering runs one attempt, bounded to 5 s (a leaked connection must
+// fail the test, not hang it), and returns the panic it raised, if any.
 func callRecovering(h message.HandlerFunc, msg *message.Message) (panicked any, err error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	msg.SetContext(ctx)
 	defer func() { panicked = recover() }()
 	_, err = h(msg)
 	return nil, err
@@ -321,7 +338,8 @@ func TestFailedAttempt_PanicOnCommitPathReleasesConnection(t *testing.T) {
 			require.Zero(t, b.inUse(), "no connection stays acquired")
 			require.Zero(t, e.idleInTx(), "no session stays idle in transaction")
 			require.Zero(t, e.effects(id))
-			_, err = h(newMsg(id))
+			p, err := callRecovering(h, newMsg(id))
+			require.Nil(t, p)
 			require.NoError(t, err, "the next delivery is processed, not in flight")
 			require.Equal(t, 1, e.effects(id))
 		})
