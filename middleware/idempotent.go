@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
 	"github.com/watermill-idempotency/idempotency/marshaler"
@@ -95,6 +96,15 @@ type Config struct {
 	// the outbox. Defaults to the handler's publish topic
 	// (message.PublishTopicFromCtx).
 	OutboxTopic string
+
+	// Classifier classifies, by code, database errors of a driver the
+	// middleware does not link, when they come out of an attempt (claim,
+	// handler statements on the attempt's transaction, commit): set
+	// mysqlerr.Classify with go-sql-driver/mysql (MySQL, MariaDB).
+	// PostgreSQL SQLSTATEs need none (see ClassOf). Defaults to none: MySQL
+	// errors of the middleware's own calls are then infrastructure by
+	// origin, and those of the handler ordinary.
+	Classifier ErrorClassifier
 }
 
 func (c *Config) setDefaults() error {
@@ -187,6 +197,7 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) (produced []*message.Message, err error) {
 		start := time.Now()
 		origCtx := msg.Context()
+		defer func() { m.guardUnchained(origCtx, msg, err) }()
 		consumer := m.cfg.Consumer
 		if consumer == "" {
 			consumer = message.HandlerNameFromCtx(origCtx)
@@ -229,7 +240,7 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		})
 		claimDur := time.Since(start)
 		if err != nil {
-			err = classifyClaimError(err)
+			err = claimError(err, m.cfg.Classifier)
 			m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
 			return nil, fmt.Errorf("idempotency: begin and claim %s/%s: %w", consumer, eventID, err)
 		}
@@ -268,16 +279,15 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			}
 		}
 		if err != nil {
-			if rbErr := rollback(origCtx, tx); rbErr != nil {
-				err = errors.Join(err, fmt.Errorf("idempotency: rollback: %w", rbErr))
-			}
+			err = attemptError(err, rollback(origCtx, tx), m.cfg.Classifier)
 			m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
 			return produced, err
 		}
 		crashpoint.Reached(crashpoint.BeforeCommit)
 		if cErr := tx.commit(origCtx); cErr != nil {
 			_ = rollback(origCtx, tx)
-			err = fmt.Errorf("%w: %s/%s: %w", ErrCommit, consumer, eventID, cErr)
+			err = fmt.Errorf("%w: %s/%s: %w", ErrCommit, consumer, eventID,
+				commitError(cErr, errors.Is(cErr, pgx.ErrTxCommitRollback), m.cfg.Classifier))
 			m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
 			return nil, err
 		}
@@ -369,17 +379,6 @@ func eventTime(msg *message.Message, id uuid.UUID) (time.Time, bool) {
 		return at, true
 	}
 	return time.Time{}, false
-}
-
-func classifyClaimError(err error) error {
-	if IsTransient(err) {
-		var pgCode interface{ SQLState() string }
-		if errors.As(err, &pgCode) && pgCode.SQLState() == "55P03" {
-			return fmt.Errorf("%w: %w", ErrInFlight, err)
-		}
-		return Transient(err)
-	}
-	return err
 }
 
 func (m *Idempotent) finish(consumer string, o Outcome, start time.Time, claim time.Duration, fields watermill.LogFields, err error) {
