@@ -290,16 +290,22 @@ func sqlStateCodeClass(code string) Class {
 // classify applies the driver classifier to err (when err is not classified
 // yet) and wraps it so that ClassOf sees the result.
 func classify(err error, cls ErrorClassifier) error {
-	if err == nil || cls == nil || ClassOf(err) != ClassOrdinary {
+	if err == nil {
 		return err
 	}
-	switch cls(err) {
-	case ClassTransient:
-		return Transient(err)
-	case ClassConfiguration:
-		return &ConfigurationError{Hint: "the database refused a statement of the handler: create the missing table or column, or grant the privilege", Err: err}
-	case ClassPermanent:
-		return permanent("driver", err)
+	c := ClassOf(err)
+	if c == ClassOrdinary && cls != nil {
+		c = cls(err)
+		switch c {
+		case ClassTransient:
+			return Transient(err)
+		case ClassPermanent:
+			return permanent("driver", err)
+		}
+	}
+	var ce *ConfigurationError
+	if c == ClassConfiguration && !errors.As(err, &ce) {
+		return &ConfigurationError{Hint: "the database refused a statement of the handler: create the missing table or column (run the migrations), or grant the privilege", Err: err}
 	}
 	return err
 }
@@ -311,7 +317,8 @@ const claimHint = "the claim failed: run processed.Migrate for this store's tabl
 // ErrInFlight, a configuration code is a ConfigurationError, anything else
 // an InfrastructureError (the connection or the server failed).
 func claimError(err error, cls ErrorClassifier) error {
-	if IsPermanent(err) || IsConfiguration(err) {
+	var ce *ConfigurationError
+	if IsPermanent(err) || errors.As(err, &ce) {
 		return err
 	}
 	if cls != nil && ClassOf(err) == ClassOrdinary {
