@@ -96,6 +96,15 @@ type Config struct {
 	// the outbox. Defaults to the handler's publish topic
 	// (message.PublishTopicFromCtx).
 	OutboxTopic string
+
+	// Classifier classifies, by code, database errors of a driver the
+	// middleware does not link, when they come out of an attempt (claim,
+	// handler statements on the attempt's transaction, commit): set
+	// mysqlerr.Classify with go-sql-driver/mysql (MySQL, MariaDB).
+	// PostgreSQL SQLSTATEs need none (see ClassOf). Defaults to none: MySQL
+	// errors of the middleware's own calls are then infrastructure by
+	// origin, and those of the handler ordinary.
+	Classifier ErrorClassifier
 }
 
 func (c *Config) setDefaults() error {
@@ -194,9 +203,10 @@ func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, err
 // the messages h returns are returned after the commit, for the router to
 // publish: a crash between the commit and that publish loses them.
 func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
+	return func(msg *message.Message) (_ []*message.Message, err error) {
 		start := time.Now()
 		origCtx := msg.Context()
+		defer func() { m.guardUnchained(origCtx, msg, err) }()
 		consumer := m.cfg.Consumer
 		fields := watermill.LogFields{
 			"event_id":     msg.UUID,
@@ -247,7 +257,7 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	})
 	claimDur := time.Since(start)
 	if err != nil {
-		err = fmt.Errorf("idempotency: begin and claim %s/%s: %w", consumer, eventID, classifyClaimError(err))
+		err = fmt.Errorf("idempotency: begin and claim %s/%s: %w", consumer, eventID, claimError(err, m.cfg.Classifier))
 		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
 	}
 
@@ -295,9 +305,7 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		produced, err = m.emit(origCtx, state, produced)
 	}
 	if err != nil {
-		if rbErr := rollback(origCtx, tx); rbErr != nil {
-			err = errors.Join(err, fmt.Errorf("idempotency: rollback: %w", rbErr))
-		}
+		err = attemptError(err, rollback(origCtx, tx), m.cfg.Classifier)
 		ended = true
 		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
 	}
@@ -308,7 +316,7 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	if cErr := tx.commit(origCtx); cErr != nil {
 		_ = rollback(origCtx, tx)
 		ended = true
-		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, commitError(consumer, eventID, cErr))
+		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, commitError(consumer, eventID, cErr, m.cfg.Classifier))
 	}
 	ended = true
 	crashpoint.Reached(crashpoint.AfterCommit)
@@ -394,17 +402,6 @@ func eventTime(msg *message.Message, id uuid.UUID) (time.Time, bool) {
 		return at, true
 	}
 	return time.Time{}, false
-}
-
-func classifyClaimError(err error) error {
-	if IsTransient(err) {
-		var pgCode interface{ SQLState() string }
-		if errors.As(err, &pgCode) && pgCode.SQLState() == "55P03" {
-			return fmt.Errorf("%w: %w", ErrInFlight, err)
-		}
-		return Transient(err)
-	}
-	return err
 }
 
 // finish records the attempt's outcome and logs it, and returns err as the

@@ -127,7 +127,7 @@ func TestC13_EmptyUUIDNamesTheMarshaler(t *testing.T) {
 	_, err = h(newMsg(""))
 	require.ErrorIs(t, err, middleware.ErrInvalidEventID)
 	require.True(t, middleware.IsPermanent(err))
-	require.ErrorContains(t, err, "marshaler.AMQP")
+	require.ErrorContains(t, err, "amqp.Marshaler")
 	require.NotContains(t, err.Error(), `""`)
 	logger.mu.Lock()
 	defer logger.mu.Unlock()

@@ -18,7 +18,7 @@ func invalidEventID(id string) error {
 	if id == "" {
 		return fmt.Errorf("%w: the message has no UUID: the subscriber does not decode the JSON envelope; "+
 			"configure the envelope marshaler adapter of the transport as the subscriber's marshaler "+
-			"(watermill-amqp: Config.Marshaler = marshaler.AMQP{})", ErrInvalidEventID)
+			"(watermill-amqp: Config.Marshaler = amqp.Marshaler{} of package marshaler/amqp)", ErrInvalidEventID)
 	}
 	return fmt.Errorf("%w: %q", ErrInvalidEventID, id)
 }
@@ -27,10 +27,17 @@ func invalidEventID(id string) error {
 // commit. When the transaction was aborted by a statement of the handler
 // (pgx.ErrTxCommitRollback, SQLSTATE 25P02 in_failed_sql_transaction), it
 // also wraps ErrTxAborted: the handler's failure, not the database's.
-func commitError(consumer string, eventID uuid.UUID, err error) error {
+//
+// Otherwise the failure is classified by classifyCommitError: a typed code
+// keeps its class, any other failure is the attempt's connection's
+// (InfrastructureError).
+func commitError(consumer string, eventID uuid.UUID, err error, cls ErrorClassifier) error {
 	var pgErr *pgconn.PgError
-	if errors.Is(err, pgx.ErrTxCommitRollback) || (errors.As(err, &pgErr) && pgErr.Code == "25P02") {
+	aborted := errors.Is(err, pgx.ErrTxCommitRollback) || (errors.As(err, &pgErr) && pgErr.Code == "25P02")
+	if aborted {
 		err = fmt.Errorf("%w: %w", ErrTxAborted, err)
+	} else {
+		err = classifyCommitError(err, false, cls)
 	}
 	return fmt.Errorf("%w: %s/%s: %w", ErrCommit, consumer, eventID, err)
 }

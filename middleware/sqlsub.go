@@ -12,7 +12,8 @@ import (
 
 // ErrNoSubscriberTx: NewSQLSubscriberBeginner found no watermill-sql
 // subscriber transaction in the message context (the handler does not
-// consume from watermill-sql's Subscriber). Permanent: a wiring error.
+// consume from watermill-sql's Subscriber). A configuration error
+// (ErrConfiguration): the delivery is held, never poisoned.
 var ErrNoSubscriberTx = errors.New("idempotency: no watermill-sql subscriber transaction in the message context")
 
 // savepointName is the savepoint of one message inside the subscriber's tx.
@@ -39,7 +40,7 @@ type sqlSubscriberBeginner struct{}
 func (sqlSubscriberBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx, bool, error) {
 	tx, ok := wsql.TxFromContext(ctx)
 	if !ok {
-		return nil, false, permanent("no_subscriber_tx", ErrNoSubscriberTx)
+		return nil, false, &ConfigurationError{Hint: "consume from watermill-sql's Subscriber, or use NewPgxBeginner/NewStdBeginner", Err: ErrNoSubscriberTx}
 	}
 	a := &savepointTx{tx: tx, q: wsqlQuerier{tx}}
 	if _, err := tx.ExecContext(ctx, "SAVEPOINT "+savepointName); err != nil {

@@ -23,6 +23,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	idemamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
@@ -109,7 +110,7 @@ func newShop(t *testing.T) *shop {
 		_ = conn.Close()
 	})
 	s.cfg = wamqp.NewDurableQueueConfig(testenv.AMQPURL())
-	s.cfg.Marshaler = marshaler.AMQP{}
+	s.cfg.Marshaler = idemamqp.Marshaler{}
 	s.cfg.Publish.ConfirmDelivery = true
 	return s
 }
@@ -131,7 +132,7 @@ func (s *shop) run() {
 		t.Fatal(err)
 	}
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(s.pool, middleware.PgxBeginnerConfig{}),
+		Beginner: mustBeginner(middleware.NewPgxBeginner(s.pool, middleware.PgxBeginnerConfig{})),
 		Consumer: testConsumer,
 		Recorder: s.outcomes,
 	}, logger)
@@ -422,7 +423,7 @@ func TestDLQBrokerDeadLettered(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pub, err := marshaler.AMQP{}.Marshal(msg)
+	pub, err := idemamqp.Marshaler{}.Marshal(msg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -465,4 +466,11 @@ func TestDLQBrokerDeadLettered(t *testing.T) {
 	if c.depth(dlq) != 0 {
 		t.Fatal("DLQ not empty")
 	}
+}
+
+func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+	if err != nil {
+		panic(err)
+	}
+	return b
 }

@@ -76,7 +76,7 @@ func newRig(t *testing.T, l layout, quorum bool) *rig {
 	t.Helper()
 	prefix := testenv.UniqueName("dlq") + "."
 	cfg, topic, queue := l.config(prefix, quorum)
-	cfg.Marshaler = marshaler.AMQP{}
+	cfg.Marshaler = idamqp.Marshaler{}
 	conn, err := amqp091.Dial(testenv.AMQPURL())
 	require.NoError(t, err, "RabbitMQ at %s unreachable (start it: rabbitmq-server -detached)", testenv.AMQPURL())
 	r := &rig{t: t, prefix: prefix, conn: conn, cfg: cfg, topic: topic, queue: queue, calls: map[string]int{}}
