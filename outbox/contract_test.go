@@ -221,6 +221,7 @@ func TestContract(t *testing.T) {
 		t.Run("C13_OutOfOrderCommits", func(t *testing.T) { testOutOfOrderCommits(t, tg) })
 		t.Run("CrashBetweenPublishAndDelete", func(t *testing.T) { testCrash(t, newBox(t, tg)) })
 		t.Run("PoisonRowDeadLettered", func(t *testing.T) { testPoison(t, newBox(t, tg)) })
+		t.Run("PermanentDeadLetteredAtOnce", func(t *testing.T) { testPermanent(t, newBox(t, tg)) })
 		t.Run("BrokerOutageDeadLettersNothing", func(t *testing.T) { testOutage(t, newBox(t, tg)) })
 		t.Run("RetentionAndReplay", func(t *testing.T) { testReplay(t, newBox(t, tg)) })
 		t.Run("OrderWithStandbyRelays", func(t *testing.T) { testOrder(t, newBox(t, tg)) })
@@ -512,6 +513,22 @@ func testPoison(t *testing.T, b *box) {
 		}
 	}
 	require.True(t, logged, "ERROR log with the row id and reason")
+}
+
+// A row whose error RelayConfig.Permanent classifies as permanent is
+// dead-lettered at its first failure, even with no successful publish yet.
+func testPermanent(t *testing.T, b *box) {
+	bad := newID()
+	b.write(t, "events", bad)
+	s := &sink{refuse: func(string, *message.Message) error { return fmt.Errorf("encode: %w", errRefused) }}
+	rec := &counts{}
+	b.relay(t, s, outbox.RelayConfig{Recorder: rec, Permanent: func(err error) bool { return errors.Is(err, errRefused) }})
+	eventually(t, 10*time.Second, func() bool { return rec.dead.Load() == 1 }, "dead-lettered")
+	require.EqualValues(t, 1, rec.failed.Load())
+	require.Equal(t, 0, b.pending(t))
+	var attempts int
+	require.NoError(t, b.tg.DB.QueryRow(context.Background(), `SELECT attempts FROM `+b.table+`_dead`).Scan(&attempts))
+	require.Equal(t, 1, attempts)
 }
 
 // While every publish fails (the broker is down) no row is dead-lettered,

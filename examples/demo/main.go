@@ -14,8 +14,8 @@
 //     is shop.ChannelBroker: Watermill's in-process pub/sub (GoChannel) as the
 //     exchange and an in-memory queue per consumer that requeues nacked
 //     deliveries and redelivers the ones whose ack a cut lost, as RabbitMQ
-//     does. The outboxes use watermill-sql with the example's SQLite
-//     adapters (shop.SQLiteSchema); billing's operation records live in a
+//     does. The outboxes are the library's (package outbox) in its SQLite
+//     dialect; billing's operation records live in a
 //     SQLite file of their own (one writer per file).
 //   - services, the default when either is set: PostgreSQL (a schema per
 //     service) and RabbitMQ (the shop topology, a TCP fault proxy in front
@@ -28,7 +28,7 @@
 // chain, on its own database (PostgreSQL schema or SQLite file):
 //
 //   - order (producer): orders and their status changes, through its outbox
-//     and relay (Watermill's forwarder);
+//     and relay (package outbox);
 //   - stock: reserves each order line once;
 //   - shipping: keeps a versioned copy of each order's status;
 //   - billing: charges each placed order once at a fake payment provider

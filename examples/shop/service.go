@@ -53,7 +53,7 @@ type ServiceConfig struct {
 	// middleware.NewStdBeginner and the processed store's SQLite dialect, and
 	// the handler finds the attempt's transaction with
 	// middleware.QuerierFromContext or middleware.SQLTxFromContext. The
-	// Outbox must then use this package's SQLite adapters (DB.OutboxAdapters).
+	// Outbox must then be in the SQLite dialect (DB.Outbox).
 	DB *sql.DB
 	// Handler is the service's handler. It runs inside the attempt's
 	// transaction, at most once per event_id with a committed effect.
