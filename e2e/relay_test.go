@@ -3,6 +3,7 @@ package e2e_test
 import (
 	"context"
 	"errors"
+	"net/url"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -260,4 +261,46 @@ func TestRelayDuplicateThenReplay(t *testing.T) {
 		(SELECT sum(reserved)::text FROM stock_level)`).Scan(&q1, &q2, &total))
 	require.Equal(t, []string{"2.000", "0.250", "2.250"}, []string{q1, q2, total})
 	require.Equal(t, 0, e.ready(e.topo.DeadLetterQueue(e.consumer)))
+}
+
+// TestN07 — the outbox relay behind a transaction that stays open elsewhere.
+// Session S runs BEGIN; SELECT pg_current_xact_id(); and stays open, in
+// another database of the server (S1) and in the producer's own database
+// with its own outbox row (S2). Meanwhile the producer commits one order: it
+// reaches the consumer while both are still open (the relay's normal
+// latency, not S's lifetime), and S2's row, committed later, is not skipped.
+func TestN07(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, testConsumer)
+	p := newProducer(t)
+	e.startConsumer(consumerOpts{})
+	e.startRelay(p, nil, nil, 0)
+
+	u, err := url.Parse(testenv.PostgresURL())
+	require.NoError(t, err)
+	u.Path = "/postgres"
+	other, err := pgx.Connect(ctx, u.String())
+	require.NoError(t, err)
+	defer other.Close(ctx)
+	s1, err := other.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = s1.Rollback(ctx) }()
+	var xid string
+	require.NoError(t, s1.QueryRow(ctx, `SELECT pg_current_xact_id()::text`).Scan(&xid))
+
+	s2, err := p.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = s2.Rollback(ctx) }()
+	require.NoError(t, s2.QueryRow(ctx, `SELECT pg_current_xact_id()::text`).Scan(&xid))
+	p.publishIn(t, s2, E2)
+
+	start := time.Now()
+	p.write(t, E1)
+	eventually(t, 8*time.Second, func() bool { return e.effects(E1) == 1 }, "E1 applied while S1 and S2 are open")
+	t.Logf("E1 applied %s after its commit, S1 and S2 open", time.Since(start))
+	require.Equal(t, 0, e.effects(E2))
+	require.NoError(t, s2.Commit(ctx))
+	eventually(t, 15*time.Second, func() bool { return e.effects(E2) == 1 }, "S2's own row, committed later, is relayed")
+	eventually(t, 10*time.Second, func() bool { return p.pending(t) == 0 }, "nothing pending")
 }
