@@ -8,7 +8,6 @@ import (
 	"testing"
 	"time"
 
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/stretchr/testify/require"
@@ -123,16 +122,15 @@ func TestChannelBroker(t *testing.T) {
 	require.Error(t, err)
 }
 
-// The SQLite outbox adapters: rows written in a transaction exist only if
-// it commits, the relay publishes them in commit order with their event
-// ids, and its position leaves nothing pending.
+// The outbox on SQLite: rows written in a transaction exist only if it
+// commits, the relay publishes them in commit order with their event ids,
+// and leaves nothing pending.
 func TestSQLiteOutbox(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	db := shop.SQLiteDB(testenv.SQLiteDB(t))
-	schema, offsets := db.OutboxAdapters(2)
-	ob, err := outbox.New(outbox.Config{ForwarderTopic: "order_outbox", SchemaAdapter: schema, OffsetsAdapter: offsets}, nil)
+	ob, err := db.Outbox("order_outbox", nil)
 	require.NoError(t, err)
 	require.NoError(t, ob.InitializeSchema(ctx, db.Beginner()))
 
@@ -157,7 +155,7 @@ func TestSQLiteOutbox(t *testing.T) {
 	write(false)
 	write(true)
 	write(true)
-	n, err := shop.OutboxPending(ctx, db, "order_outbox", "")
+	n, err := shop.OutboxPending(ctx, db, ob)
 	require.NoError(t, err)
 	require.Equal(t, 3, n)
 
@@ -165,7 +163,7 @@ func TestSQLiteOutbox(t *testing.T) {
 	defer b.Close()
 	require.NoError(t, b.Declare(consumer))
 	relay, err := ob.NewRelay(db.Beginner(), b.Publisher(), outbox.RelayConfig{
-		Subscriber: wsql.SubscriberConfig{PollInterval: 10 * time.Millisecond},
+		PollInterval: 10 * time.Millisecond,
 	})
 	require.NoError(t, err)
 	go func() { _ = relay.Run(ctx) }()
@@ -182,7 +180,7 @@ func TestSQLiteOutbox(t *testing.T) {
 		m.Ack()
 	}
 	require.Eventually(t, func() bool {
-		n, err := shop.OutboxPending(ctx, db, "order_outbox", "")
+		n, err := shop.OutboxPending(ctx, db, ob)
 		return err == nil && n == 0
 	}, 10*time.Second, 10*time.Millisecond)
 }

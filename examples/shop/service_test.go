@@ -111,7 +111,7 @@ func TestPublishHandlerThroughOutbox(t *testing.T) {
 	b := newBroker(t)
 	b.extra = append(b.extra, tap)
 	require.NoError(t, b.topo.Declare(b.channel(), tap))
-	ob, err := outbox.New(outbox.Config{ForwarderTopic: "shop_outbox"}, nil)
+	ob, err := outbox.New(outbox.Config{Table: "shop_outbox"}, nil)
 	require.NoError(t, err)
 	var failFirst atomic.Bool
 	failFirst.Store(true)
@@ -119,7 +119,7 @@ func TestPublishHandlerThroughOutbox(t *testing.T) {
 		PublishHandler: produceOne(&failFirst),
 		PublishTopic:   eventProduced,
 		Outbox:         ob,
-		Relay:          outbox.RelayConfig{Subscriber: wsql.SubscriberConfig{PollInterval: 10 * time.Millisecond}},
+		Relay:          outbox.RelayConfig{PollInterval: 10 * time.Millisecond, Retention: time.Hour},
 	})
 	id := uuid.NewString()
 	publishEvent(t, b, id)
@@ -140,9 +140,16 @@ func TestPublishHandlerThroughOutbox(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, eventProduced, env.EventName)
 	require.JSONEq(t, `{"from":"`+id+`"}`, string(env.Payload))
+	// One row was written and relayed (kept in the archive): the failed
+	// attempt's row rolled back.
+	require.Eventually(t, func() bool {
+		var rows int
+		err := pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM shop_outbox) + (SELECT count(*) FROM shop_outbox_relayed)`).Scan(&rows)
+		return err == nil && rows == 1
+	}, 10*time.Second, 10*time.Millisecond, "the failed attempt's outbox row rolled back")
 	var rows int
-	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM watermill_shop_outbox`).Scan(&rows))
-	require.Equal(t, 1, rows, "the failed attempt's outbox row rolled back")
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM shop_outbox_relayed`).Scan(&rows))
+	require.Equal(t, 1, rows)
 }
 
 // Without an outbox the router publishes the produced message after the
