@@ -1,0 +1,115 @@
+package readme_test
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// README:begin
+
+// runStock consumes "order.order.placed.v1" events: each one reserves stock
+// once, in the transaction that records the event as processed.
+func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill.LoggerAdapter) error {
+	pool, err := pgxpool.New(ctx, databaseURL)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	store, err := processed.NewStore(processed.Config{}) // table processed_event
+	if err != nil {
+		return err
+	}
+	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil { // or processed.MigrationsFS with goose / golang-migrate
+		return err
+	}
+	idem, err := middleware.NewIdempotent(middleware.Config{
+		Consumer:      "stock", // the claim key's consumer name: competing workers share it
+		Beginner:      middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}),
+		Store:         store,
+		ReplayHorizon: 7 * 24 * time.Hour, // = the purger's horizon
+	}, logger)
+	if err != nil {
+		return err
+	}
+
+	// The consumer's durable quorum queue "stock.events", bound to the topic
+	// exchange "events" by event name; the envelope marshaler.
+	subCfg := amqp.NewDurableTopicConfig(amqpURL, "events", "stock.events")
+	subCfg.Exchange.Durable = true
+	subCfg.Queue.Arguments = amqp091.Table{"x-queue-type": "quorum"}
+	subCfg.Marshaler = marshaler.AMQP{}
+	subscriber, err := amqp.NewSubscriber(subCfg, logger)
+	if err != nil {
+		return err
+	}
+	// The dead-letter queue, declared before anything is poisoned (RabbitMQ
+	// drops a message routed nowhere), on an exchange of its own: never
+	// SubscribeInitialize(dlq) on subCfg, which binds stock.events itself
+	// to the poison topic, so poisoned messages come straight back.
+	poisonCfg, err := idamqp.DeclareDeadLetter(idamqp.DeadLetterConfig{
+		Subscriber: subCfg, Topic: "stock.events.dlq", Quorum: true,
+	})
+	if err != nil {
+		return err
+	}
+	poison, err := amqp.NewPublisher(poisonCfg, logger)
+	if err != nil {
+		return err
+	}
+	defer poison.Close()
+
+	// Poison → Retry → Recoverer → Idempotent, in that order (first added = outermost):
+	//  - Poison outside Retry: only what survived the retries (or is permanent) is poisoned;
+	//  - Retry outside the transaction: every attempt gets a fresh transaction;
+	//  - Recoverer outside Idempotent: the middleware rolls back before the panic becomes an error.
+	chain, err := middleware.NewChain(middleware.ChainConfig{
+		Idempotent:      idem,
+		PoisonPublisher: poison,
+		PoisonTopic:     "stock.events.dlq",
+	}, logger)
+	if err != nil {
+		return err
+	}
+	router, err := message.NewRouter(message.RouterConfig{}, logger)
+	if err != nil {
+		return err
+	}
+	router.AddMiddleware(chain...)
+	router.AddConsumerHandler("reserve_stock", "order.order.placed.v1", subscriber, func(msg *message.Message) error {
+		var order struct {
+			OrderID string `json:"order_id"`
+		}
+		if err := json.Unmarshal(msg.Payload, &order); err != nil {
+			return middleware.Permanent(err) // poisoned at once, never retried
+		}
+		tx, _ := middleware.PgxTxFromContext(msg.Context()) // the attempt's transaction: write effects here
+		_, err := tx.Exec(msg.Context(), `INSERT INTO reservation (order_id) VALUES ($1)`, order.OrderID)
+		return err // error → rollback, retried; nil → commit, ack
+	})
+	return router.Run(ctx)
+}
+
+// README:end
+
+// The README's snippet: a stock consumer on PostgreSQL and RabbitMQ.
+// Compiled by go test, not run (it consumes until ctx ends).
+func Example() {
+	logger := watermill.NewStdLogger(false, false)
+	if err := runStock(context.Background(), os.Getenv("AMQP_URL"), os.Getenv("DATABASE_URL"), logger); err != nil {
+		logger.Error("stock consumer stopped", err, nil)
+	}
+}
