@@ -17,6 +17,8 @@ import (
 
 // result is the run's report; its JSON form is the last line of stdout.
 type result struct {
+	// Backend is the run's backend (-backend), first in the JSON line.
+	Backend              string  `json:"backend"`
 	Orders               int     `json:"orders"`
 	Events               int     `json:"events"`
 	Deliveries           int64   `json:"deliveries"`

@@ -184,12 +184,14 @@ func run(ctx context.Context, cfg config, stdout, stderr io.Writer) int {
 		d.logger = watermill.NewStdLoggerWithOut(stderr, false, false)
 	}
 	defer d.cleanup()
+	fmt.Fprintln(stdout, "demo:", backendLine(cfg))
 	res, err := d.run(ctx)
 	d.stopProgress()
 	if err != nil {
-		fmt.Fprintln(stderr, "demo:", err)
+		fmt.Fprintln(stderr, "demo:", err, "("+backendLine(cfg)+")")
 		return 2
 	}
+	res.Backend = cfg.Backend
 	res.print(stdout)
 	if !res.OK {
 		return 1

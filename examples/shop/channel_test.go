@@ -3,6 +3,7 @@ package shop_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -35,10 +36,10 @@ func receive(t *testing.T, msgs <-chan *message.Message) *message.Message {
 
 func waitQueued(t *testing.T, b *shop.ChannelBroker, c shop.Consumer, want int) {
 	t.Helper()
-	require.Eventually(t, func() bool {
+	testenv.Eventually(t, 10*time.Second, fmt.Sprintf("%d messages queued for %s", want, c.Name), func(o *testenv.Observed) bool {
 		n, err := b.Queued(c)
-		return err == nil && n == want
-	}, 10*time.Second, 5*time.Millisecond)
+		return o.Err("err", err) && o.Int("queued", n) == want
+	})
 }
 
 // The channel broker behaves like the RabbitMQ queue for what the demo
@@ -179,10 +180,10 @@ func TestSQLiteOutbox(t *testing.T) {
 		require.Equal(t, id, m.UUID)
 		m.Ack()
 	}
-	require.Eventually(t, func() bool {
+	testenv.Eventually(t, 10*time.Second, "the outbox relayed", func(o *testenv.Observed) bool {
 		n, err := shop.OutboxPending(ctx, db, ob)
-		return err == nil && n == 0
-	}, 10*time.Second, 10*time.Millisecond)
+		return o.Err("err", err) && o.Int("pending", n) == 0
+	})
 }
 
 // A service on SQLite and the channel broker: an event published twice, whose

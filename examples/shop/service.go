@@ -265,7 +265,7 @@ func (s *Service) build(cfg ServiceConfig, mw *middleware.Idempotent) error {
 		if cfg.PublishHandler != nil {
 			s.Router.AddHandler(name, queue, s.subscriber, cfg.PublishTopic, s.events, cfg.PublishHandler)
 		} else {
-			s.Router.AddNoPublisherHandler(name, queue, s.subscriber, cfg.Handler)
+			s.Router.AddConsumerHandler(name, queue, s.subscriber, cfg.Handler)
 		}
 	}
 	return nil

@@ -126,12 +126,12 @@ func TestPublishHandlerThroughOutbox(t *testing.T) {
 	publishEvent(t, b, id) // the producer's relay republished it
 
 	q := b.topo.Queue(tap)
-	require.Eventually(t, func() bool { return b.ready(q) >= 1 }, 20*time.Second, 10*time.Millisecond)
+	testenv.Eventually(t, 20*time.Second, "a message in "+q, func(o *testenv.Observed) bool { return o.Int("ready", b.ready(q)) >= 1 })
 	var processed int
-	require.Eventually(t, func() bool {
+	testenv.Eventually(t, 20*time.Second, "the event processed and acked", func(o *testenv.Observed) bool {
 		require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_event`).Scan(&processed))
-		return processed == 1 && b.ready(b.topo.Queue(consumer)) == 0
-	}, 20*time.Second, 10*time.Millisecond)
+		return o.Int("processed", processed) == 1 && o.Int("ready(queue)", b.ready(b.topo.Queue(consumer))) == 0
+	})
 	got := b.drain(q) // the outbox holds one row (below): nothing else can come
 
 	require.Len(t, got, 1)
@@ -163,7 +163,7 @@ func TestPublishHandlerWithoutOutbox(t *testing.T) {
 	runService(t, b, shop.ServiceConfig{PublishHandler: produceOne(&failFirst), PublishTopic: eventProduced})
 	publishEvent(t, b, uuid.NewString())
 	q := b.topo.Queue(tap)
-	require.Eventually(t, func() bool { return b.ready(q) == 1 }, 20*time.Second, 10*time.Millisecond)
+	testenv.Eventually(t, 20*time.Second, "one message in "+q, func(o *testenv.Observed) bool { return o.Int("ready", b.ready(q)) == 1 })
 }
 
 // With Consumer.Reconcile, an operation whose outcome is uncertain and
@@ -192,7 +192,9 @@ func TestReconcileQueue(t *testing.T) {
 	id := uuid.NewString()
 	publishEvent(t, b, id)
 	rq := b.topo.ReconcileQueue(billing)
-	require.Eventually(t, func() bool { return b.ready(rq) == 1 && b.ready(b.topo.Queue(billing)) == 0 }, 20*time.Second, 10*time.Millisecond)
+	testenv.Eventually(t, 20*time.Second, "the uncertain operation routed to reconciliation", func(o *testenv.Observed) bool {
+		return o.Int("ready(reconcile)", b.ready(rq)) == 1 && o.Int("ready(queue)", b.ready(b.topo.Queue(billing))) == 0
+	})
 	got := b.drain(rq)
 	require.Len(t, got, 1)
 	require.Equal(t, id, got[0].MessageId)
