@@ -164,3 +164,30 @@ func EncodeMessage(msg *message.Message, maxSize int) (body []byte, headers map[
 	}
 	return body, headers, nil
 }
+
+// Delivery is what an adapter read from its transport, in neutral form, for
+// [Decoder.DecodeDelivery].
+type Delivery struct {
+	// Body is the message body as received.
+	Body []byte
+	// Headers are the transport's headers as text (the adapter renders
+	// non-text values). Keys [ReservedKey] reports are ignored.
+	Headers map[string]string
+	// TransportID is the transport's id of the message (a message-id header,
+	// a Watermill UUID header, a record coordinate), used only as the UUID of
+	// a message flagged malformed. May be empty.
+	TransportID string
+}
+
+// DecodeDelivery is [Decoder.Decode] of d.Body followed by the copy of every
+// header that [ReservedKey] does not report into the metadata. It never
+// returns nil and never panics.
+func (d Decoder) DecodeDelivery(in Delivery) *message.Message {
+	msg := d.Decode(in.Body, in.TransportID)
+	for k, v := range in.Headers {
+		if !ReservedKey(k) {
+			msg.Metadata.Set(k, v)
+		}
+	}
+	return msg
+}
