@@ -117,3 +117,17 @@ func TestJetStreamMarshalRefusesNoEventID(t *testing.T) {
 	_, err := Marshaler{}.Marshal("orders", in)
 	require.Error(t, err)
 }
+
+func TestJetStreamCloudEventsBinary(t *testing.T) {
+	t.Parallel()
+	nm := &nats.Msg{Data: []byte(`{"order_id":42}`), Header: nats.Header{
+		"ce-specversion": {"1.0"}, "ce-id": {testID}, "ce-source": {"/shop"},
+		"ce-type": {"order.placed"}, "ce-time": {"2024-07-01T10:00:00Z"},
+	}}
+	msg, err := Marshaler{}.Unmarshal(nm)
+	require.NoError(t, err)
+	_, bad := marshaler.Malformed(msg)
+	require.False(t, bad, msg.Metadata.Get(marshaler.MetadataMalformedReason))
+	require.Equal(t, testID, msg.UUID)
+	require.Equal(t, "order.placed", marshaler.EventName(msg))
+}

@@ -109,3 +109,22 @@ func TestKafkaUnmarshalNeverFails(t *testing.T) {
 	value, _ := pm.Value.Encode()
 	require.Equal(t, "\xffhello", string(value), "dead-letter copy verbatim")
 }
+
+// TestKafkaCloudEventsBinary: the Kafka binding's ce_* headers, with a
+// derived claim key for a producer without UUIDs.
+func TestKafkaCloudEventsBinary(t *testing.T) {
+	t.Parallel()
+	rec := &sarama.ConsumerMessage{Topic: "orders", Partition: 0, Offset: 8, Value: []byte(`{"order_id":42}`),
+		Headers: []*sarama.RecordHeader{
+			{Key: []byte("ce_specversion"), Value: []byte("1.0")}, {Key: []byte("ce_id"), Value: []byte("42-placed")},
+			{Key: []byte("ce_source"), Value: []byte("/shop")}, {Key: []byte("ce_type"), Value: []byte("order.placed")},
+			{Key: []byte("ce_time"), Value: []byte("2024-07-01T10:00:00Z")},
+		}}
+	m := Marshaler{Decoder: marshaler.Decoder{ClaimKey: marshaler.UUIDv5ClaimKey(uuid.MustParse(testID))}}
+	a, _ := m.Unmarshal(rec)
+	_, bad := marshaler.Malformed(a)
+	require.False(t, bad, a.Metadata.Get(marshaler.MetadataMalformedReason))
+	rec.Offset = 99 // the same event re-read at another offset
+	b, _ := m.Unmarshal(rec)
+	require.Equal(t, a.UUID, b.UUID)
+}
