@@ -395,3 +395,59 @@ func concurrentCopies(t *testing.T, tr Transport) {
 	r.settled(ev.UUID)
 	require.Equal(t, 1, r.get(r.calls, ev.UUID), "a copy reached the handler after the first committed")
 }
+
+// Load is the contract under load and broker faults: workers competing
+// consumers of one topic, n events published meanwhile (each publish retried
+// until the broker takes it, as a relay does while a broker fails over), and
+// fault run concurrently with a function reporting how many distinct events
+// have been applied so far. When fault has returned and every event was
+// published, Load waits until every event is applied and acked, and checks
+// that each effect happened exactly once. publishDeadline bounds the retries
+// of one publish.
+func Load(t *testing.T, tr Transport, n, workers int, publishDeadline time.Duration, fault func(applied func() int)) {
+	t.Helper()
+	r := newRig(t, tr)
+	for i := 0; i < workers; i++ {
+		r.start(r.subscriber(), nil)
+	}
+	applied := func() int {
+		var k int
+		require.NoError(t, r.pool.QueryRow(context.Background(), `SELECT count(DISTINCT event_id) FROM effect`).Scan(&k))
+		return k
+	}
+	ids := make([]string, n)
+	published := make(chan error, 1)
+	go func() {
+		for i := range ids {
+			msg, err := marshaler.NewMessage("contract.load", map[string]int{"i": i})
+			if err != nil {
+				published <- err
+				return
+			}
+			ids[i] = msg.UUID
+			deadline := time.Now().Add(publishDeadline)
+			for {
+				err = r.topic.Publisher.Publish(r.topic.Name, msg.Copy())
+				if err == nil {
+					break
+				}
+				if time.Now().After(deadline) {
+					published <- err
+					return
+				}
+				time.Sleep(50 * time.Millisecond) // backoff between publish attempts, not a wait for work
+			}
+		}
+		published <- nil
+	}()
+	fault(applied)
+	require.NoError(t, <-published, "a publish did not succeed within its deadline")
+	require.Eventually(t, func() bool {
+		return applied() == n && (r.topic.Pending == nil || r.topic.Pending(t) == 0)
+	}, 2*wait, 50*time.Millisecond, "not every event was applied and acked")
+	var rows, distinct int
+	require.NoError(t, r.pool.QueryRow(context.Background(), `SELECT count(*), count(DISTINCT event_id) FROM effect`).Scan(&rows, &distinct))
+	require.Equal(t, n, distinct)
+	require.Equal(t, n, rows, "an effect was applied twice")
+	require.Zero(t, r.poisoned.Load(), "a broker fault poisoned an event")
+}
