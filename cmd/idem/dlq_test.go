@@ -95,10 +95,12 @@ func newShop(t *testing.T) *shop {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, q := range []string{s.queue, s.dlq} {
-		if _, err := ch.QueueDeclare(q, true, false, false, false, nil); err != nil {
-			t.Fatal(err)
-		}
+	// The DLQ is a quorum queue, as in the shop's topology.
+	if _, err := ch.QueueDeclare(s.queue, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(s.dlq, true, false, false, false, amqp091.Table{"x-queue-type": "quorum"}); err != nil {
+		t.Fatal(err)
 	}
 	_ = ch.Close()
 	t.Cleanup(func() {
@@ -371,7 +373,7 @@ func TestDLQRedriveKilled(t *testing.T) {
 	s := newShop(t)
 	s.poisoned(100, 40)
 
-	args, _ := json.Marshal([]string{"dlq", "redrive", s.dlq, "--all", "--amqp-url", testenv.AMQPURL(),
+	args, _ := json.Marshal([]string{"dlq", "redrive", s.dlq, "--all", "--window", "10", "--amqp-url", testenv.AMQPURL(),
 		"--database-url", testenv.SchemaURL(s.schema)})
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), envChildArgs+"="+string(args), envCrashAfter+"=25")
