@@ -13,7 +13,7 @@ import (
 	"syscall"
 	"time"
 
-	_ "github.com/go-sql-driver/mysql" // database/sql driver "mysql"
+	"github.com/go-sql-driver/mysql" // also the database/sql driver "mysql"
 	"github.com/jackc/pgx/v5/pgconn"
 	_ "github.com/jackc/pgx/v5/stdlib" // database/sql driver "pgx"
 	_ "modernc.org/sqlite"             // database/sql driver "sqlite"
@@ -286,10 +286,12 @@ func (e *env) openDB(ctx context.Context) (*sql.DB, sqldb.Dialect, error) {
 }
 
 // dbErr turns a database error into a one-line failure, naming a missing
-// table (SQLSTATE 42P01, MySQL 1146, SQLite "no such table") as such.
+// table (SQLSTATE 42P01, MySQL ER_NO_SUCH_TABLE 1146) as such; SQLite
+// reports it as a generic SQLITE_ERROR, shown as is.
 func dbErr(what, table string, err error) error {
 	var pg *pgconn.PgError
-	if errors.As(err, &pg) && pg.Code == "42P01" {
+	var my *mysql.MySQLError
+	if (errors.As(err, &pg) && pg.Code == "42P01") || (errors.As(err, &my) && my.Number == 1146) {
 		return failedErr("%s: table %s does not exist (wrong table flag, or search_path?)", what, table)
 	}
 	return failedErr("%s: %v", what, err)

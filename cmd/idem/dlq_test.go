@@ -468,3 +468,35 @@ func TestDLQBrokerDeadLettered(t *testing.T) {
 		t.Fatal("DLQ not empty")
 	}
 }
+
+// TestDLQMalformed: a delivery that is not an envelope reaches the DLQ
+// verbatim (the marshaler flags it, the chain poisons it); list shows it as
+// malformed with the decoder's reason, show --payload gives the raw body.
+func TestDLQMalformed(t *testing.T) {
+	t.Parallel()
+	s := newShop(t)
+	s.run()
+	ch, err := s.conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	if err := ch.Publish("", s.queue, false, false, amqp091.Publishing{MessageId: "01a2336f-d6e5-75d2-af83-6a6ca9b072e8", Body: []byte(`{"event_id": "nope"`)}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the dead letter", func() bool { return s.depth(s.dlq) == 1 })
+	r := idem(t, s.schema, "dlq", "list", s.dlq, "--json")
+	wantCode(t, r, exitOK)
+	m := decode[dlqList](t, r).Messages[0]
+	if !m.Malformed || m.Reason == "" || m.Origin != s.queue || m.EventName != "" {
+		t.Fatalf("listed: %+v", m)
+	}
+	r = idem(t, s.schema, "dlq", "show", s.dlq, m.EventID, "--payload")
+	wantCode(t, r, exitOK)
+	if !strings.Contains(r.stdout, `"{\"event_id\": \"nope\""`) {
+		t.Fatalf("show: %s", r.stdout)
+	}
+	if s.calls.Load() != 0 {
+		t.Fatal("handler called for a malformed delivery")
+	}
+}
