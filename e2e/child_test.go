@@ -20,9 +20,10 @@ import (
 
 // Child roles, run by the re-executed test binary (TestMain):
 //
-//	consumer  the test consumer on E2E_SCHEMA / E2E_PREFIX, SIGKILLed when the
-//	          middleware reaches crash point E2E_CRASH; E2E_LC sets the
-//	          sessions' lc_messages.
+//	consumer  the test consumer on E2E_SCHEMA (of the server at
+//	          DATABASE_URL) / E2E_PREFIX, SIGKILLed when the middleware
+//	          reaches crash point E2E_CRASH; E2E_LC sets the sessions'
+//	          lc_messages.
 //	relay     the order relay on E2E_SCHEMA publishing to E2E_PREFIX's
 //	          exchange, SIGKILLed right after its first publish was confirmed
 //	          by the broker, before it stores its position.

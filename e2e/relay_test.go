@@ -138,14 +138,16 @@ func TestC13(t *testing.T) {
 
 		offsets := &countingOffsets{}
 		e.startRelay(p, offsets, 0)
-		eventually(t, 10*time.Second, func() bool { return offsets.polls.Load() >= 3 }, "the relay runs")
+		eventually(t, 10*time.Second, "the relay to poll 3 times", func(o *testenv.Observed) bool { return testenv.See(o, "polls", offsets.polls.Load()) >= 3 })
 		require.Equal(t, 0, e.effects(E1), "E1 is not committed yet")
 		t.Logf("while tx A was open, E2 had %d effect(s) (watermill-sql v4 holds it back behind A)", e.effects(E2))
 		require.NoError(t, txA.Commit(ctx))
 
-		eventually(t, 15*time.Second, func() bool { return e.effects(E1) == 1 && e.effects(E2) == 1 }, "E1 and E2 both arrive")
+		eventually(t, 15*time.Second, "E1 and E2 both arrive", func(o *testenv.Observed) bool {
+			return o.Int("effects(E1)", e.effects(E1)) == 1 && o.Int("effects(E2)", e.effects(E2)) == 1
+		})
 		n := offsets.polls.Load()
-		eventually(t, 10*time.Second, func() bool { return offsets.polls.Load() >= n+2 }, "the relay runs twice more")
+		eventually(t, 10*time.Second, "the relay to poll twice more", func(o *testenv.Observed) bool { return testenv.See(o, "polls", offsets.polls.Load()) >= n+2 })
 		require.Equal(t, 0, p.pending(t))
 		require.Len(t, pr.of(E1), 1)
 		require.Len(t, pr.of(E2), 1)
@@ -164,11 +166,13 @@ func TestC13(t *testing.T) {
 		e.startConsumer(consumerOpts{middleware: []message.HandlerMiddleware{pr.middleware}, recorder: rec})
 		p.write(t, E1)
 		spawn(t, "relay", "E2E_SCHEMA="+p.schema, "E2E_PREFIX="+e.topo.Prefix)
-		eventually(t, 15*time.Second, func() bool { return e.effects(E1) == 1 }, "the killed relay's publish is processed")
+		eventually(t, 15*time.Second, "the killed relay's publish processed", func(o *testenv.Observed) bool { return o.Int("effects(E1)", e.effects(E1)) == 1 })
 		require.Equal(t, 1, p.pending(t), "the position was not stored")
 
 		e.startRelay(p, nil, 0)
-		eventually(t, 15*time.Second, func() bool { return len(pr.of(E1)) == 2 && p.pending(t) == 0 }, "E1 republished")
+		eventually(t, 15*time.Second, "E1 republished", func(o *testenv.Observed) bool {
+			return o.Int("deliveries(E1)", len(pr.of(E1))) == 2 && o.Int("pending", p.pending(t)) == 0
+		})
 		require.Equal(t, 1, rec.Count(middleware.OutcomeDuplicate))
 		require.Equal(t, 1, e.calls(E1))
 		require.Equal(t, 1, e.processed(E1))
@@ -196,8 +200,9 @@ func TestC13(t *testing.T) {
 			go func() { defer wg.Done(); e.startRelay(p, nil, 10) }()
 		}
 		wg.Wait()
-		eventually(t, 30*time.Second, func() bool { return e.count(`SELECT count(*) FROM processed_event`) == 100 && p.pending(t) == 0 },
-			"100 events processed")
+		eventually(t, 30*time.Second, "100 events processed", func(o *testenv.Observed) bool {
+			return o.Int("processed_event rows", e.count(`SELECT count(*) FROM processed_event`)) == 100 && o.Int("pending", p.pending(t)) == 0
+		})
 		require.Equal(t, 100, e.count(`SELECT count(*) FROM effect`))
 		require.Equal(t, 100, e.count(`SELECT count(DISTINCT event_id) FROM effect`))
 		for _, d := range pr.deliveries() {
@@ -231,15 +236,17 @@ func TestRelayDuplicateThenReplay(t *testing.T) {
 	offsets := &countingOffsets{}
 	offsets.failAcks.Store(1)
 	e.startRelay(p, offsets, 0)
-	eventually(t, 15*time.Second, func() bool {
-		return rec.Count(middleware.OutcomeDuplicate) == 1 && p.pending(t) == 0
-	}, "the relay republished the event")
+	eventually(t, 15*time.Second, "the relay republished the event", func(o *testenv.Observed) bool {
+		return o.Int("duplicates", rec.Count(middleware.OutcomeDuplicate)) == 1 && o.Int("pending", p.pending(t)) == 0
+	})
 
 	pub := e.publisher()
 	n, err := p.svc.Replay(ctx, pub, from, time.Now().Add(time.Second))
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
-	eventually(t, 15*time.Second, func() bool { return rec.Count(middleware.OutcomeDuplicate) == 2 }, "the replay is a duplicate too")
+	eventually(t, 15*time.Second, "the replay to be a duplicate too", func(o *testenv.Observed) bool {
+		return o.Int("duplicates", rec.Count(middleware.OutcomeDuplicate)) == 2
+	})
 
 	require.EqualValues(t, 1, calls.Load())
 	require.Equal(t, 1, e.processed(evID))

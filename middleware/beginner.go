@@ -3,6 +3,7 @@ package middleware
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"time"
 
@@ -83,12 +84,19 @@ type PgxBeginnerConfig struct {
 	DisablePipeline bool
 }
 
+// ErrNilHandle: a beginner was built on a nil pool or *sql.DB.
+var ErrNilHandle = errors.New("middleware: nil database handle")
+
 // NewPgxBeginner returns the pgx v5 TxBeginner over pool. By default BEGIN,
 // the transaction's lock timeout and the claim travel in one round trip (a
 // pgx.Batch on an acquired connection) and the handler receives a pgx.Tx of
-// this package that runs on that connection (see PgxTxFromContext).
-func NewPgxBeginner(pool *pgxpool.Pool, cfg PgxBeginnerConfig) TxBeginner {
-	return &pgxBeginner{pool: pool, pipeline: !cfg.DisablePipeline}
+// this package that runs on that connection (see PgxTxFromContext). A nil
+// pool is an error wrapping ErrNilHandle.
+func NewPgxBeginner(pool *pgxpool.Pool, cfg PgxBeginnerConfig) (TxBeginner, error) {
+	if pool == nil {
+		return nil, fmt.Errorf("middleware: NewPgxBeginner: pool: %w", ErrNilHandle)
+	}
+	return &pgxBeginner{pool: pool, pipeline: !cfg.DisablePipeline}, nil
 }
 
 type pgxBeginner struct {
@@ -129,7 +137,7 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	if tagErr == nil {
 		tagErr = closeErr
 	}
-	tx := &pgxTx{conn: conn, pc: conn.Conn()}
+	tx := &pgxTx{conn: conn, pc: conn.Conn(), savepoints: new(int)}
 	if tagErr != nil {
 		_ = tx.rollback(ctx)
 		tx.release()
@@ -182,8 +190,14 @@ func (a *pgxNativeTx) outboxExec() wsql.ContextExecutor { return wsql.TxFromPgx(
 // NewStdBeginner returns the database/sql TxBeginner over db (tested with
 // pgx's stdlib driver on PostgreSQL). Each attempt costs BeginTx, the lock
 // timeout and the claim as separate round trips; use NewPgxBeginner for the
-// fast path. The handler gets the *sql.Tx (SQLTxFromContext).
-func NewStdBeginner(db *sql.DB) TxBeginner { return &stdBeginner{db: db} }
+// fast path. The handler gets the *sql.Tx (SQLTxFromContext). A nil db is an
+// error wrapping ErrNilHandle.
+func NewStdBeginner(db *sql.DB) (TxBeginner, error) {
+	if db == nil {
+		return nil, fmt.Errorf("middleware: NewStdBeginner: db: %w", ErrNilHandle)
+	}
+	return &stdBeginner{db: db}, nil
+}
 
 type stdBeginner struct{ db *sql.DB }
 

@@ -27,10 +27,10 @@ const (
 	headerTopic      = "topic_poisoned"
 	headerHandler    = "handler_poisoned"
 	headerSubscriber = "subscriber_poisoned"
-	// Our chain's poison path (helper i11b's work, names as planned there):
+	// Our chain's poison path (middleware.NewChain):
 	// the class (permanent or exhausted) and the reason's full length.
-	headerPoisonClass = "idempotency_poison_class"
-	headerReasonBytes = "idempotency_reason_bytes"
+	headerPoisonClass = middleware.MetadataPoisonClass
+	headerReasonBytes = middleware.MetadataReasonBytes
 	// headerPoisonedAt is read as the failure time when a poison path
 	// stamps one (RFC 3339); Watermill's PoisonQueue does not.
 	headerPoisonedAt = "idempotency_poisoned_at"

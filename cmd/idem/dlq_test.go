@@ -23,6 +23,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	idemamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
@@ -111,7 +112,7 @@ func newShop(t *testing.T) *shop {
 		_ = conn.Close()
 	})
 	s.cfg = wamqp.NewDurableQueueConfig(testenv.AMQPURL())
-	s.cfg.Marshaler = marshaler.AMQP{}
+	s.cfg.Marshaler = idemamqp.Marshaler{}
 	s.cfg.Publish.ConfirmDelivery = true
 	return s
 }
@@ -133,7 +134,7 @@ func (s *shop) run() {
 		t.Fatal(err)
 	}
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(s.pool, middleware.PgxBeginnerConfig{}),
+		Beginner: mustBeginner(middleware.NewPgxBeginner(s.pool, middleware.PgxBeginnerConfig{})),
 		Consumer: testConsumer,
 		Recorder: s.outcomes,
 	}, logger)
@@ -248,7 +249,7 @@ func TestDLQListAndShow(t *testing.T) {
 	got := map[string]bool{}
 	for _, m := range list.Messages {
 		got[m.EventID] = true
-		if m.EventName != "order.placed" || !strings.Contains(m.Reason, "unknown product sku-42") || m.Attempts != 1 || m.Origin != s.queue || m.Payload != nil {
+		if m.EventName != "order.placed" || m.Class != "permanent" || !strings.Contains(m.Reason, "unknown product sku-42") || m.Attempts != 1 || m.Origin != s.queue || m.Payload != nil {
 			t.Fatalf("message: %+v", m)
 		}
 	}
@@ -424,7 +425,7 @@ func TestDLQBrokerDeadLettered(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pub, err := marshaler.AMQP{}.Marshal(msg)
+	pub, err := idemamqp.Marshaler{}.Marshal(msg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -499,4 +500,11 @@ func TestDLQMalformed(t *testing.T) {
 	if s.calls.Load() != 0 {
 		t.Fatal("handler called for a malformed delivery")
 	}
+}
+
+func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+	if err != nil {
+		panic(err)
+	}
+	return b
 }

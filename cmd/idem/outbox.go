@@ -15,6 +15,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	idemamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
@@ -200,7 +201,7 @@ func runOutboxReplay(ctx context.Context, e *env, args []string) error {
 		}
 		cfg := wamqp.Config{
 			Connection: wamqp.ConnectionConfig{AmqpURI: e.amqpURL},
-			Marshaler:  marshaler.AMQP{},
+			Marshaler:  idemamqp.Marshaler{},
 			Exchange: wamqp.ExchangeConfig{
 				GenerateName: wamqp.GenerateExchangeNameConstant(*exchange),
 				Type:         amqp091.ExchangeTopic,

@@ -10,7 +10,7 @@ import (
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/watermill-idempotency/idempotency/marshaler"
+	amqpmarshaler "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 )
 
 // Topology defaults.
@@ -266,7 +266,7 @@ func (t Topology) PublisherConfig(amqpURL string) wamqp.Config {
 // exchange (fanout, durable), so every poisoned message lands in c's
 // dead-letter queue whatever the Watermill topic; with publisher confirms, so
 // the poisoned delivery is acked only after the broker holds its copy.
-// Malformed deliveries are published verbatim (see marshaler.AMQP.Marshal).
+// Malformed deliveries are published verbatim (see amqpmarshaler.Marshaler.Marshal).
 func (t Topology) PoisonPublisherConfig(amqpURL string, c Consumer) wamqp.Config {
 	t = t.withDefaults()
 	cfg := t.baseConfig(amqpURL)
@@ -334,7 +334,7 @@ func (t Topology) SubscriberConfig(amqpURL string, c Consumer) wamqp.Config {
 func (t Topology) baseConfig(amqpURL string) wamqp.Config {
 	return wamqp.Config{
 		Connection: wamqp.ConnectionConfig{AmqpURI: amqpURL, Reconnect: t.Reconnect},
-		Marshaler:  marshaler.AMQP{},
+		Marshaler:  amqpmarshaler.Marshaler{},
 		// Publisher-side declarations go through ExchangeDeclare below, so
 		// they use the same kind and durability as Declare.
 		TopologyBuilder: &topologyBuilder{t: t},
