@@ -24,6 +24,7 @@ const (
 	defaultListLimit = 1000
 	defaultProgress  = 500
 	defaultWindow    = 128
+	flushTimeout     = 30 * time.Second
 	maxTableRows     = 50
 )
 
@@ -279,7 +280,11 @@ func runDLQRedrive(ctx context.Context, e *env, args []string) error {
 	// when the connection dies): a second run moves them, and a copy that
 	// made it twice is skipped by the consumer's claim.
 	flush := func(ch *browseChan) error {
-		return r.flush(ctx, ch, func(p pendingCopy, err error) {
+		// Detached from ctx (bounded), so that after an interrupt the
+		// copies already confirmed still get their dead letters acked.
+		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), flushTimeout)
+		defer cancel()
+		return r.flush(fctx, ch, func(p pendingCopy, err error) {
 			it := &rep.Items[p.item]
 			if err != nil {
 				it.Result = "left: " + err.Error()

@@ -451,6 +451,19 @@ func TestDLQBrokerDeadLettered(t *testing.T) {
 	if m.EventID != msg.UUID || m.Origin != q || m.Class != "rejected" || m.FirstFailure == nil || time.Time(*m.FirstFailure).Before(before) {
 		t.Fatalf("listed: %+v", m)
 	}
+	// An unroutable copy (an exchange with no binding) comes back
+	// (mandatory): the dead letter stays, exit 4.
+	unbound := testenv.UniqueName("idem_unbound")
+	if err := ch.ExchangeDeclare(unbound, amqp091.ExchangeTopic, false, true, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = ch.ExchangeDelete(unbound, false, false) }()
+	r = idem(t, "public", "dlq", "redrive", dlq, "--all", "--exchange", unbound, "--to", "nowhere")
+	wantCode(t, r, exitFailed)
+	if !strings.Contains(r.stdout, "returned unroutable") {
+		t.Fatalf("redrive to an unbound exchange: %s", r.stdout)
+	}
+	eventually(t, "the dead letter back", func() bool { return c.depth(dlq) == 1 })
 	wantCode(t, idem(t, "public", "dlq", "redrive", dlq, "--all"), exitOK)
 	eventually(t, "the redriven copy", func() bool { return c.depth(q) == 1 })
 	back, ok, err := ch.Get(q, true)
