@@ -13,7 +13,7 @@ import (
 	"syscall"
 	"time"
 
-	_ "github.com/go-sql-driver/mysql" // database/sql driver "mysql"
+	"github.com/go-sql-driver/mysql" // also the database/sql driver "mysql"
 	"github.com/jackc/pgx/v5/pgconn"
 	_ "github.com/jackc/pgx/v5/stdlib" // database/sql driver "pgx"
 	_ "modernc.org/sqlite"             // database/sql driver "sqlite"
@@ -53,12 +53,14 @@ Commands:
   processed show EVENT_ID [--consumer C]          was the event applied, when, by which consumer
   dlq list QUEUE [--limit N]                      dead-lettered messages (never the payload)
   dlq show QUEUE EVENT_ID [--payload]             one dead-lettered message in detail
-  dlq redrive QUEUE (--event-id ID ... | --all) [--dry-run] [--to QUEUE] [--progress N]
-                                                  move dead letters back to their queue
-  outbox replay --from T1 --to T2 [--topic T] [--dry-run]
+  dlq redrive QUEUE (--event-id ID ... | --all) [--dry-run] [--to QUEUE] [--window N] [--progress N]
+                                                  move dead letters back to their queue (copy
+                                                  confirmed before the dead letter is acked)
+  outbox replay --from T1 --to T2 [--topic T ...] [--dry-run] [--exchange E]
                                                   republish outbox events of [T1, T2) with their ids
   operations list [--state S] [--limit N]         operation records (default: uncertain)
-  operations resolve KEY (--succeeded REF | --failed REASON) [--by NAME] [--fingerprint F]
+  operations resolve KEY (--succeeded REF | --failed REASON | --not-executed REASON)
+                     [--by NAME] [--fingerprint F] [--note TEXT]
                                                   record a person's verdict on an uncertain operation
   purge --dry-run [--horizon D]                   what the purger would delete now
 
@@ -148,10 +150,10 @@ var commands = []command{
 	{"processed show", "processed show EVENT_ID [--consumer C]", runProcessedShow},
 	{"dlq list", "dlq list QUEUE [--limit N]", runDLQList},
 	{"dlq show", "dlq show QUEUE EVENT_ID [--payload]", runDLQShow},
-	{"dlq redrive", "dlq redrive QUEUE (--event-id ID ... | --all) [--dry-run] [--to QUEUE] [--progress N]", runDLQRedrive},
+	{"dlq redrive", "dlq redrive QUEUE (--event-id ID ... | --all) [--dry-run] [--to QUEUE] [--exchange E] [--window N] [--progress N]", runDLQRedrive},
 	{"outbox replay", "outbox replay --from T1 --to T2 [--topic T] [--dry-run]", runOutboxReplay},
 	{"operations list", "operations list [--state S] [--limit N]", runOperationsList},
-	{"operations resolve", "operations resolve KEY (--succeeded REF | --failed REASON) [--by NAME] [--fingerprint F] [--note TEXT]", runOperationsResolve},
+	{"operations resolve", "operations resolve KEY (--succeeded REF | --failed REASON | --not-executed REASON) [--by NAME] [--fingerprint F] [--note TEXT]", runOperationsResolve},
 	{"purge", "purge --dry-run [--horizon D]", runPurge},
 }
 
@@ -284,10 +286,12 @@ func (e *env) openDB(ctx context.Context) (*sql.DB, sqldb.Dialect, error) {
 }
 
 // dbErr turns a database error into a one-line failure, naming a missing
-// table (SQLSTATE 42P01, MySQL 1146, SQLite "no such table") as such.
+// table (SQLSTATE 42P01, MySQL ER_NO_SUCH_TABLE 1146) as such; SQLite
+// reports it as a generic SQLITE_ERROR, shown as is.
 func dbErr(what, table string, err error) error {
 	var pg *pgconn.PgError
-	if errors.As(err, &pg) && pg.Code == "42P01" {
+	var my *mysql.MySQLError
+	if (errors.As(err, &pg) && pg.Code == "42P01") || (errors.As(err, &my) && my.Number == 1146) {
 		return failedErr("%s: table %s does not exist (wrong table flag, or search_path?)", what, table)
 	}
 	return failedErr("%s: %v", what, err)

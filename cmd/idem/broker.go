@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -26,10 +27,10 @@ const (
 	headerTopic      = "topic_poisoned"
 	headerHandler    = "handler_poisoned"
 	headerSubscriber = "subscriber_poisoned"
-	// Our chain's poison path (helper i11b's work, names as planned there):
+	// Our chain's poison path (middleware.NewChain):
 	// the class (permanent or exhausted) and the reason's full length.
-	headerPoisonClass = "idempotency_poison_class"
-	headerReasonBytes = "idempotency_reason_bytes"
+	headerPoisonClass = middleware.MetadataPoisonClass
+	headerReasonBytes = middleware.MetadataReasonBytes
 	// headerPoisonedAt is read as the failure time when a poison path
 	// stamps one (RFC 3339); Watermill's PoisonQueue does not.
 	headerPoisonedAt = "idempotency_poisoned_at"
@@ -226,18 +227,48 @@ func xDeaths(v any) []death {
 	return out
 }
 
+// browseChan is the browsing channel as f and flush see it: acks only,
+// counted.
+type browseChan struct {
+	ch    *amqp091.Channel
+	acked int
+}
+
+// Ack acks one delivery (multiple is not used by idem).
+func (b *browseChan) Ack(tag uint64, multiple bool) error {
+	if err := b.ch.Ack(tag, multiple); err != nil {
+		return err
+	}
+	b.acked++
+	return nil
+}
+
+// requeueWait bounds how long browse waits for its requeued messages to be
+// ready again before it returns.
+const requeueWait = 10 * time.Second
+
+// browseIdle is how long browse waits for the next delivery before it asks
+// the broker whether any message is still ready (another consumer may have
+// taken some since the browse started).
+const browseIdle = 5 * time.Second
+
 // browse reads up to limit deliveries of queue (0: as many as it held when
 // the browse started, so that messages arriving meanwhile cannot make it
-// loop) with basic.get and no ack, and calls f on each with the channel,
-// on which f may ack the delivery (a redrive does, once the copy is
-// confirmed). At the end every delivery not acked is requeued (basic.nack,
-// multiple, requeue), and the channel's close would requeue them too if the
-// process died first. Browsing does not consume, but it is visible: each
-// browsed message comes back with redelivered=true, and on a quorum queue
-// its x-delivery-count goes up by one (which counts against an
-// x-delivery-limit set on the dead-letter queue itself), and while browsed
-// it is invisible to other consumers.
-func browse(ctx context.Context, conn *amqp091.Connection, queue string, limit int, f func(ch *amqp091.Channel, d amqp091.Delivery, pos int) error) (seen int, err error) {
+// loop) with a consumer of its own (basic.consume, no auto-ack, prefetch
+// limit: far faster than basic.get on a quorum queue), and calls f on each
+// with the channel, on which f may ack the delivery (a redrive does, once
+// the copy is confirmed). At the end every delivery not acked is requeued
+// (basic.nack, multiple, requeue), and the channel's close would requeue
+// them too if the process died first. Browsing does not consume, but it is
+// visible: each browsed message comes back with redelivered=true, and on a
+// quorum queue its x-delivery-count goes up by one (which counts against an
+// x-delivery-limit set on the dead-letter queue itself); while browsed it
+// is invisible to other consumers.
+//
+// flush, when not nil, runs after the last delivery and before the
+// requeue, even when f failed: a redrive acks there what is confirmed.
+func browse(ctx context.Context, conn *amqp091.Connection, queue string, limit int, f func(ch *browseChan, d amqp091.Delivery, pos int) error,
+	flush func(ch *browseChan) error) (seen int, err error) {
 	depth, err := queueDepth(conn, queue)
 	if err != nil {
 		return 0, err
@@ -245,32 +276,99 @@ func browse(ctx context.Context, conn *amqp091.Connection, queue string, limit i
 	if limit <= 0 || limit > depth {
 		limit = depth
 	}
+	if limit == 0 {
+		return 0, nil
+	}
 	ch, err := conn.Channel()
 	if err != nil {
 		return 0, failedErr("broker: open channel: %v", err)
 	}
 	defer ch.Close() // returns anything still unacked
+	prefetch := limit
+	if prefetch > 65535 { // basic.qos prefetch-count is a short
+		prefetch = 0
+	}
+	if err := ch.Qos(prefetch, 0, false); err != nil {
+		return 0, failedErr("broker: qos: %v", err)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	tag := fmt.Sprintf("idem-browse-%d-%d", os.Getpid(), time.Now().UnixNano())
+	deliveries, err := ch.ConsumeWithContext(cctx, queue, tag, false, false, false, false, nil)
+	if err != nil {
+		return 0, failedErr("broker: consume from %q: %v", queue, err)
+	}
+	bc := &browseChan{ch: ch}
 	defer func() {
-		// Tag 0 with multiple: every delivery still unacked on ch.
+		if flush != nil {
+			if ferr := flush(bc); ferr != nil && err == nil {
+				err = ferr
+			}
+		}
+		// Cancel first: a live consumer would get the requeued messages
+		// pushed straight back. Then tag 0 with multiple: every delivery
+		// still unacked on ch, including those prefetched beyond limit.
+		if cerr := ch.Cancel(tag, false); cerr != nil && err == nil {
+			err = failedErr("broker: cancel browsing consumer: %v", cerr)
+		}
 		if nerr := ch.Nack(0, true, true); nerr != nil && err == nil {
 			err = failedErr("broker: requeue browsed messages: %v", nerr)
 		}
+		_ = ch.Close()
+		// A requeue is asynchronous (on a quorum queue it goes through
+		// the queue's log): wait, within requeueWait, until the queue
+		// holds again what it held minus what was acked, so that the next
+		// command sees every message.
+		if seen > bc.acked {
+			waitReady(conn, queue, depth-bc.acked)
+		}
 	}()
+	idle := time.NewTimer(browseIdle)
+	defer idle.Stop()
 	for seen < limit {
-		if err := ctx.Err(); err != nil {
-			return seen, err
-		}
-		d, ok, gerr := ch.Get(queue, false)
-		if gerr != nil {
-			return seen, failedErr("broker: get from %q: %v", queue, gerr)
-		}
-		if !ok {
-			break
-		}
-		seen++
-		if err := f(ch, d, seen); err != nil {
-			return seen, err
+		select {
+		case <-ctx.Done():
+			return seen, ctx.Err()
+		case d, ok := <-deliveries:
+			if !ok {
+				return seen, failedErr("broker: consumer on %q closed", queue)
+			}
+			seen++
+			if err := f(bc, d, seen); err != nil {
+				return seen, err
+			}
+			if !idle.Stop() {
+				select {
+				case <-idle.C:
+				default:
+				}
+			}
+			idle.Reset(browseIdle)
+		case <-idle.C:
+			// Nothing for a while: stop if nothing is ready any more.
+			n, err := queueDepth(conn, queue)
+			if err != nil {
+				return seen, err
+			}
+			if n == 0 {
+				return seen, nil
+			}
+			idle.Reset(browseIdle)
 		}
 	}
 	return seen, nil
+}
+
+// waitReady polls queue until it has at least want ready messages, for at
+// most requeueWait (messages taken meanwhile by another consumer would make
+// it wait that long, and no more).
+func waitReady(conn *amqp091.Connection, queue string, want int) {
+	deadline := time.Now().Add(requeueWait)
+	for time.Now().Before(deadline) {
+		n, err := queueDepth(conn, queue)
+		if err != nil || n >= want {
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }

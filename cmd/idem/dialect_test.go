@@ -112,3 +112,17 @@ func dialectCase(t *testing.T, db *sql.DB, d sqldb.Dialect, dialect, dsn, insert
 	}
 	wantCode(t, run("operations", "resolve", k.String(), "--failed", "x"), exitRefused)
 }
+
+func TestMissingTableMySQL(t *testing.T) {
+	t.Parallel()
+	db := testenv.MySQLDB(t)
+	var name string
+	if err := db.QueryRow(`SELECT DATABASE()`).Scan(&name); err != nil {
+		t.Fatal(err)
+	}
+	var out, errb bytes.Buffer
+	code := RunContext(context.Background(), []string{"processed", "show", uuid.NewString(), "--dialect", "mysql", "--database-url", testenv.MySQLDSN() + name}, &out, &errb)
+	if code != exitFailed || !strings.Contains(errb.String(), "processed_event does not exist") {
+		t.Fatalf("exit %d: %s", code, errb.String())
+	}
+}

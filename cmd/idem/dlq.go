@@ -23,6 +23,8 @@ const crashAfterPublish = "idem-redrive-after-publish"
 const (
 	defaultListLimit = 1000
 	defaultProgress  = 500
+	defaultWindow    = 128
+	flushTimeout     = 30 * time.Second
 	maxTableRows     = 50
 )
 
@@ -55,10 +57,10 @@ func runDLQList(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	out := dlqList{Queue: queue, Depth: depth, Messages: []deadLetter{}}
-	if _, err := browse(ctx, conn, queue, *limit, func(_ *amqp091.Channel, d amqp091.Delivery, pos int) error {
+	if _, err := browse(ctx, conn, queue, *limit, func(_ *browseChan, d amqp091.Delivery, pos int) error {
 		out.Messages = append(out.Messages, describe(d, pos))
 		return nil
-	}); err != nil {
+	}, nil); err != nil {
 		return err
 	}
 	out.Listed = len(out.Messages)
@@ -107,7 +109,7 @@ func runDLQShow(ctx context.Context, e *env, args []string) error {
 	defer conn.Close()
 	queue := pos[0]
 	var found []deadLetter
-	if _, err := browse(ctx, conn, queue, 0, func(_ *amqp091.Channel, d amqp091.Delivery, pos int) error {
+	if _, err := browse(ctx, conn, queue, 0, func(_ *browseChan, d amqp091.Delivery, pos int) error {
 		dl := describe(d, pos)
 		if dl.EventID != id.String() {
 			return nil
@@ -125,7 +127,7 @@ func runDLQShow(ctx context.Context, e *env, args []string) error {
 		}
 		found = append(found, dl)
 		return nil
-	}); err != nil {
+	}, nil); err != nil {
 		return err
 	}
 	if len(found) == 0 {
@@ -205,6 +207,7 @@ func runDLQRedrive(ctx context.Context, e *env, args []string) error {
 	to := fs.String("to", "", "target queue (default: each message's origin, x-first-death-queue or topic_poisoned)")
 	exchange := fs.String("exchange", "", "publish to this exchange with --to as routing key, instead of the default exchange (queue --to)")
 	progress := fs.Int("progress", defaultProgress, "print progress on stderr every N messages moved (0: never)")
+	window := fs.Int("window", defaultWindow, "copies in flight awaiting the broker's confirm before their dead letters are acked")
 	pos, err := e.parse(fs, args, 1, 1)
 	if err != nil {
 		return err
@@ -214,6 +217,8 @@ func runDLQRedrive(ctx context.Context, e *env, args []string) error {
 		return usageErr("give --event-id ID (repeatable) or --all, one of them")
 	case *exchange != "" && *to == "":
 		return usageErr("--exchange needs --to (the routing key)")
+	case *window <= 0:
+		return usageErr("--window %d: must be > 0", *window)
 	case *progress < 0:
 		return usageErr("--progress %d: must be ≥ 0", *progress)
 	}
@@ -242,10 +247,10 @@ func runDLQRedrive(ctx context.Context, e *env, args []string) error {
 	// nothing.
 	if len(want) > 0 {
 		present := map[string]bool{}
-		if _, err := browse(ctx, conn, queue, 0, func(_ *amqp091.Channel, d amqp091.Delivery, _ int) error {
+		if _, err := browse(ctx, conn, queue, 0, func(_ *browseChan, d amqp091.Delivery, _ int) error {
 			present[describe(d, 0).EventID] = true
 			return nil
-		}); err != nil {
+		}, nil); err != nil {
 			return err
 		}
 		var missing []string
@@ -259,7 +264,7 @@ func runDLQRedrive(ctx context.Context, e *env, args []string) error {
 		}
 	}
 
-	r := &redriver{e: e, conn: conn, exchange: *exchange, checked: map[string]error{}}
+	r := &redriver{e: e, conn: conn, exchange: *exchange, checked: map[string]error{}, window: *window}
 	if !*dryRun {
 		if err := r.open(); err != nil {
 			return err
@@ -268,7 +273,32 @@ func runDLQRedrive(ctx context.Context, e *env, args []string) error {
 	}
 	rep := redriveReport{Queue: queue, DryRun: *dryRun, Items: []redriveItem{}}
 	start := time.Now()
-	seen, err := browse(ctx, conn, queue, 0, func(ch *amqp091.Channel, d amqp091.Delivery, _ int) error {
+	// Each selected dead letter is published (mandatory, confirmed) and
+	// acked only once the broker confirmed its copy; up to --window copies
+	// are in flight at once. A crash anywhere leaves every dead letter
+	// whose copy is not confirmed in the queue (unacked deliveries return
+	// when the connection dies): a second run moves them, and a copy that
+	// made it twice is skipped by the consumer's claim.
+	flush := func(ch *browseChan) error {
+		// Detached from ctx (bounded), so that after an interrupt the
+		// copies already confirmed still get their dead letters acked.
+		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), flushTimeout)
+		defer cancel()
+		return r.flush(fctx, ch, func(p pendingCopy, err error) {
+			it := &rep.Items[p.item]
+			if err != nil {
+				it.Result = "left: " + err.Error()
+				rep.Left++
+				return
+			}
+			it.Result = "redriven"
+			rep.Redriven++
+			if *progress > 0 && rep.Redriven%*progress == 0 {
+				fmt.Fprintf(e.stderr, "idem: redrive %s: %d moved (%.0f/s)\n", queue, rep.Redriven, float64(rep.Redriven)/time.Since(start).Seconds())
+			}
+		})
+	}
+	seen, err := browse(ctx, conn, queue, 0, func(ch *browseChan, d amqp091.Delivery, _ int) error {
 		dl := describe(d, 0)
 		if !*all && !want[dl.EventID] {
 			return nil
@@ -277,43 +307,38 @@ func runDLQRedrive(ctx context.Context, e *env, args []string) error {
 		if item.To == "" {
 			item.To = dl.Origin
 		}
-		defer func() { rep.Items = append(rep.Items, item) }()
+		rep.Items = append(rep.Items, item)
+		it := &rep.Items[len(rep.Items)-1]
 		if item.To == "" {
-			item.Result = "left: no origin queue in its headers (use --to)"
+			it.Result = "left: no origin queue in its headers (use --to)"
 			rep.Left++
 			return nil
 		}
 		if *exchange == "" {
 			if err := r.check(item.To); err != nil {
-				item.Result = "left: " + err.Error()
+				it.Result = "left: " + err.Error()
 				rep.Left++
 				return nil
 			}
 		}
 		if *dryRun {
-			item.Result = "would redrive"
+			it.Result = "would redrive"
 			return nil
 		}
-		if err := r.publish(ctx, item.To, d); err != nil {
-			item.Result = "left: " + err.Error()
+		if err := r.publish(ctx, item.To, d, len(rep.Items)-1); err != nil {
+			it.Result = "left: " + err.Error()
 			rep.Left++
 			return err
 		}
-		crashpoint.Reached(crashAfterPublish)
-		if err := ch.Ack(d.DeliveryTag, false); err != nil {
-			// The copy is on the target queue; the dead letter comes back
-			// when the channel closes: a second run redrives it again and
-			// the consumer's claim skips the duplicate.
-			item.Result = "left: ack: " + err.Error()
-			rep.Left++
-			return failedErr("broker: ack %s: %v", dl.EventID, err)
-		}
-		item.Result = "redriven"
-		rep.Redriven++
-		if *progress > 0 && rep.Redriven%*progress == 0 {
-			fmt.Fprintf(e.stderr, "idem: redrive %s: %d moved (%.0f/s)\n", queue, rep.Redriven, float64(rep.Redriven)/time.Since(start).Seconds())
+		if len(r.pending) >= r.window {
+			return flush(ch)
 		}
 		return nil
+	}, func(ch *browseChan) error {
+		if *dryRun {
+			return nil
+		}
+		return flush(ch)
 	})
 	rep.Browsed = seen
 	if perr := e.printRedrive(rep); perr != nil && err == nil {
@@ -362,9 +387,21 @@ type redriver struct {
 	e        *env
 	conn     *amqp091.Connection
 	exchange string
+	window   int
 	pch      *amqp091.Channel
 	returns  chan amqp091.Return
+	returned map[string]int // MessageId → returns not yet matched
 	checked  map[string]error
+	pending  []pendingCopy
+}
+
+// pendingCopy is a published copy awaiting its confirm.
+type pendingCopy struct {
+	d     amqp091.Delivery
+	dc    *amqp091.DeferredConfirmation
+	to    string
+	item  int
+	msgID string
 }
 
 func (r *redriver) open() error {
@@ -377,7 +414,10 @@ func (r *redriver) open() error {
 		return failedErr("broker: confirm mode: %v", err)
 	}
 	r.pch = ch
-	r.returns = ch.NotifyReturn(make(chan amqp091.Return, 1))
+	// Large enough for every copy of a window: the client library's reader
+	// blocks on a full notification channel.
+	r.returns = ch.NotifyReturn(make(chan amqp091.Return, 2*r.window+1))
+	r.returned = map[string]int{}
 	return nil
 }
 
@@ -393,8 +433,8 @@ func (r *redriver) check(queue string) error {
 
 // publish sends a copy of d: the body byte for byte, the properties, and the
 // headers without the poison ones; mandatory, so that an unroutable copy
-// comes back instead of vanishing; and waits for the broker's confirm.
-func (r *redriver) publish(ctx context.Context, to string, d amqp091.Delivery) error {
+// comes back instead of vanishing. Its confirm is awaited in flush.
+func (r *redriver) publish(ctx context.Context, to string, d amqp091.Delivery, item int) error {
 	headers := amqp091.Table{}
 	for k, v := range d.Headers {
 		if !poisonHeader(k) {
@@ -415,18 +455,66 @@ func (r *redriver) publish(ctx context.Context, to string, d amqp091.Delivery) e
 	if err != nil {
 		return failedErr("broker: publish to %q: %v", to, err)
 	}
-	ok, err := dc.WaitContext(ctx)
-	if err != nil {
-		return failedErr("broker: confirm of publish to %q: %v", to, err)
-	}
-	if !ok {
-		return failedErr("broker: publish to %q nacked", to)
-	}
-	// A basic.return is dispatched before the confirm of its publish.
-	select {
-	case ret := <-r.returns:
-		return failedErr("broker: publish to %q returned unroutable: %d %s", to, ret.ReplyCode, ret.ReplyText)
-	default:
-	}
+	r.pending = append(r.pending, pendingCopy{d: d, dc: dc, to: to, item: item, msgID: d.MessageId})
 	return nil
+}
+
+// flush waits for the confirm of every pending copy, in order, and acks
+// the dead letter of each confirmed and routed one on ch (the browsing
+// channel); done reports each outcome. A basic.return is dispatched before
+// the confirm of its publish, so once a confirm is in, the return of that
+// copy, if any, is in r.returns; returns are matched by MessageId (a
+// returned copy without one leaves every pending copy without one in the
+// queue: a later run moves it again, the claim absorbs the duplicate).
+func (r *redriver) flush(ctx context.Context, ch *browseChan, done func(pendingCopy, error)) error {
+	pending := r.pending
+	r.pending = nil
+	var first error
+	for i, p := range pending {
+		if first != nil {
+			done(p, first)
+			continue
+		}
+		ok, err := p.dc.WaitContext(ctx)
+		switch {
+		case err != nil:
+			first = failedErr("broker: confirm of publish to %q: %v", p.to, err)
+		case !ok:
+			first = failedErr("broker: publish to %q nacked", p.to)
+		}
+		if first != nil {
+			done(p, first)
+			continue
+		}
+		r.drainReturns()
+		if n := r.returned[p.msgID]; n > 0 {
+			r.returned[p.msgID] = n - 1
+			done(p, failedErr("broker: copy to %q returned unroutable", p.to))
+			continue
+		}
+		crashpoint.Reached(crashAfterPublish)
+		if err := ch.Ack(p.d.DeliveryTag, false); err != nil {
+			// The copy is on the target queue; the dead letter comes back
+			// when the channel closes: a second run redrives it again and
+			// the consumer's claim skips the duplicate.
+			first = failedErr("broker: ack: %v", err)
+			for _, q := range pending[i:] {
+				done(q, first)
+			}
+			return first
+		}
+		done(p, nil)
+	}
+	return first
+}
+
+func (r *redriver) drainReturns() {
+	for {
+		select {
+		case ret := <-r.returns:
+			r.returned[ret.MessageId]++
+		default:
+			return
+		}
+	}
 }

@@ -96,10 +96,12 @@ func newShop(t *testing.T) *shop {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, q := range []string{s.queue, s.dlq} {
-		if _, err := ch.QueueDeclare(q, true, false, false, false, nil); err != nil {
-			t.Fatal(err)
-		}
+	// The DLQ is a quorum queue, as in the shop's topology.
+	if _, err := ch.QueueDeclare(s.queue, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(s.dlq, true, false, false, false, amqp091.Table{"x-queue-type": "quorum"}); err != nil {
+		t.Fatal(err)
 	}
 	_ = ch.Close()
 	t.Cleanup(func() {
@@ -247,7 +249,7 @@ func TestDLQListAndShow(t *testing.T) {
 	got := map[string]bool{}
 	for _, m := range list.Messages {
 		got[m.EventID] = true
-		if m.EventName != "order.placed" || !strings.Contains(m.Reason, "unknown product sku-42") || m.Attempts != 1 || m.Origin != s.queue || m.Payload != nil {
+		if m.EventName != "order.placed" || m.Class != "permanent" || !strings.Contains(m.Reason, "unknown product sku-42") || m.Attempts != 1 || m.Origin != s.queue || m.Payload != nil {
 			t.Fatalf("message: %+v", m)
 		}
 	}
@@ -372,7 +374,7 @@ func TestDLQRedriveKilled(t *testing.T) {
 	s := newShop(t)
 	s.poisoned(100, 40)
 
-	args, _ := json.Marshal([]string{"dlq", "redrive", s.dlq, "--all", "--amqp-url", testenv.AMQPURL(),
+	args, _ := json.Marshal([]string{"dlq", "redrive", s.dlq, "--all", "--window", "10", "--amqp-url", testenv.AMQPURL(),
 		"--database-url", testenv.SchemaURL(s.schema)})
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), envChildArgs+"="+string(args), envCrashAfter+"=25")
@@ -449,6 +451,19 @@ func TestDLQBrokerDeadLettered(t *testing.T) {
 	if m.EventID != msg.UUID || m.Origin != q || m.Class != "rejected" || m.FirstFailure == nil || time.Time(*m.FirstFailure).Before(before) {
 		t.Fatalf("listed: %+v", m)
 	}
+	// An unroutable copy (an exchange with no binding) comes back
+	// (mandatory): the dead letter stays, exit 4.
+	unbound := testenv.UniqueName("idem_unbound")
+	if err := ch.ExchangeDeclare(unbound, amqp091.ExchangeTopic, false, true, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = ch.ExchangeDelete(unbound, false, false) }()
+	r = idem(t, "public", "dlq", "redrive", dlq, "--all", "--exchange", unbound, "--to", "nowhere")
+	wantCode(t, r, exitFailed)
+	if !strings.Contains(r.stdout, "returned unroutable") {
+		t.Fatalf("redrive to an unbound exchange: %s", r.stdout)
+	}
+	eventually(t, "the dead letter back", func() bool { return c.depth(dlq) == 1 })
 	wantCode(t, idem(t, "public", "dlq", "redrive", dlq, "--all"), exitOK)
 	eventually(t, "the redriven copy", func() bool { return c.depth(q) == 1 })
 	back, ok, err := ch.Get(q, true)
@@ -465,6 +480,38 @@ func TestDLQBrokerDeadLettered(t *testing.T) {
 	}
 	if c.depth(dlq) != 0 {
 		t.Fatal("DLQ not empty")
+	}
+}
+
+// TestDLQMalformed: a delivery that is not an envelope reaches the DLQ
+// verbatim (the marshaler flags it, the chain poisons it); list shows it as
+// malformed with the decoder's reason, show --payload gives the raw body.
+func TestDLQMalformed(t *testing.T) {
+	t.Parallel()
+	s := newShop(t)
+	s.run()
+	ch, err := s.conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	if err := ch.Publish("", s.queue, false, false, amqp091.Publishing{MessageId: "01a2336f-d6e5-75d2-af83-6a6ca9b072e8", Body: []byte(`{"event_id": "nope"`)}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the dead letter", func() bool { return s.depth(s.dlq) == 1 })
+	r := idem(t, s.schema, "dlq", "list", s.dlq, "--json")
+	wantCode(t, r, exitOK)
+	m := decode[dlqList](t, r).Messages[0]
+	if !m.Malformed || m.Reason == "" || m.Origin != s.queue || m.EventName != "" {
+		t.Fatalf("listed: %+v", m)
+	}
+	r = idem(t, s.schema, "dlq", "show", s.dlq, m.EventID, "--payload")
+	wantCode(t, r, exitOK)
+	if !strings.Contains(r.stdout, `"{\"event_id\": \"nope\""`) {
+		t.Fatalf("show: %s", r.stdout)
+	}
+	if s.calls.Load() != 0 {
+		t.Fatal("handler called for a malformed delivery")
 	}
 }
 

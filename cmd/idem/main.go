@@ -6,10 +6,10 @@
 //	idem processed show EVENT_ID [--consumer C]
 //	idem dlq list QUEUE [--limit N]
 //	idem dlq show QUEUE EVENT_ID [--payload]
-//	idem dlq redrive QUEUE (--event-id ID … | --all) [--dry-run] [--to QUEUE]
+//	idem dlq redrive QUEUE (--event-id ID … | --all) [--dry-run] [--to QUEUE] [--window N]
 //	idem outbox replay --from T1 --to T2 [--topic T] [--dry-run]
 //	idem operations list [--state uncertain]
-//	idem operations resolve KEY (--succeeded REF | --failed REASON) [--by NAME]
+//	idem operations resolve KEY (--succeeded REF | --failed REASON | --not-executed REASON) [--by NAME]
 //	idem purge --dry-run [--horizon D]
 //
 // Every command prints a table, or one JSON document with --json. The

@@ -29,8 +29,9 @@ func idem(t *testing.T, schema string, args ...string) result {
 	var out, errb bytes.Buffer
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
+	start := time.Now()
 	code := RunContext(ctx, full, &out, &errb)
-	t.Logf("idem %s → %d\n%s%s", strings.Join(args, " "), code, out.String(), errb.String())
+	t.Logf("idem %s → %d (%s)\n%s%s", strings.Join(args, " "), code, time.Since(start).Round(time.Millisecond), out.String(), errb.String())
 	return result{code, out.String(), errb.String()}
 }
 
