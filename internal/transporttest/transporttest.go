@@ -162,8 +162,10 @@ func (r *rig) start(sub message.Subscriber, fault wrapper) *consumer {
 	logger := watermill.NopLogger{}
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
 	require.NoError(r.t, err)
+	beginner, err := middleware.NewPgxBeginner(r.pool, middleware.PgxBeginnerConfig{})
+	require.NoError(r.t, err)
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(r.pool, middleware.PgxBeginnerConfig{}),
+		Beginner: beginner,
 		Store:    r.store,
 		Consumer: "contract",
 	}, logger)
