@@ -357,6 +357,9 @@ func newID() string {
 
 // sqlSubscriberRig runs the idempotent middleware behind the real
 // watermill-sql v4 subscriber on PostgreSQL (one batch, one transaction).
+// Its DefaultPostgreSQLSchema reads only rows below the server's oldest open
+// transaction, so another session's long transaction delays (never breaks)
+// these tests: their waits are bounded generously (60 s) for that.
 type sqlSubscriberRig struct {
 	e     *env
 	sub   *wsql.Subscriber
@@ -439,7 +442,7 @@ func TestFailedAttempt_SavepointJoinPanicNeverAcksUnapplied(t *testing.T) {
 	h.AddMiddleware(wmw.Recoverer, idem.Middleware)
 	ids := r.publishBatch(t, 1)
 	r.run(t, router)
-	require.Eventually(t, func() bool { return r.e.processed(ids[0]) == 1 }, 20*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return r.e.processed(ids[0]) == 1 }, 60*time.Second, 10*time.Millisecond)
 	require.NoError(t, router.Close())
 	require.Equal(t, int32(2), calls.Load(), "the panicking attempt is redelivered and processed, not skipped as a duplicate")
 	require.Equal(t, 1, r.e.outboxRows(), "the produced message is written once")
@@ -487,8 +490,8 @@ func TestFailedAttempt_SavepointJoinSwallowedSQLError(t *testing.T) {
 		h.AddMiddleware(m)
 	}
 	r.run(t, router)
-	require.Eventually(t, func() bool { return r.e.count(`SELECT count(*) FROM processed_event`) == 4 }, 20*time.Second, 10*time.Millisecond)
-	require.Eventually(t, func() bool { return len(poison.msgs) == 1 }, 20*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return r.e.count(`SELECT count(*) FROM processed_event`) == 4 }, 60*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return len(poison.msgs) == 1 }, 60*time.Second, 10*time.Millisecond)
 	require.NoError(t, router.Close())
 	p := <-poison.msgs
 	require.Equal(t, ids[2], p.UUID)
