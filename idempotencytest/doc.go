@@ -4,9 +4,10 @@
 // check that the effect happened exactly once.
 //
 //	func TestReserveOnce(t *testing.T) {
+//		beginner, _ := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
 //		idem, _ := middleware.NewIdempotent(middleware.Config{
-//			Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}),
-//			Consumer: "stock", // required here: no router names the handler
+//			Beginner: beginner,
+//			Consumer: "stock", // required: the claim key's consumer name
 //		}, nil)
 //		s := idempotencytest.Subject{
 //			Handler:    idempotencytest.NoPublish(stock.Handle),
@@ -23,9 +24,7 @@
 //
 // The helpers call the composed handler directly, as a router would, with a
 // copy of the message per delivery (same UUID, payload and metadata, a fresh
-// context). No router runs, so nothing names the handler: configure
-// middleware.Config.Consumer, or every delivery fails with
-// middleware.ErrNoConsumer (reported as such).
+// context). No router runs.
 //
 // They report failures through TB.Errorf (so a test goes on and shows every
 // broken expectation) and return a Report for further checks. TB is the part

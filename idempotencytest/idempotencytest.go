@@ -2,15 +2,12 @@ package idempotencytest
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-
-	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
 // DefaultTimeout bounds all deliveries of one helper call (Subject.Timeout).
@@ -165,11 +162,7 @@ func run(t TB, name string, s Subject, msg *message.Message, n int, concurrent b
 
 	r := Report{Deliveries: n, Calls: int(calls.Load()), Errors: errs, Effects: -1}
 	for _, err := range errs {
-		hint := ""
-		if errors.Is(err, middleware.ErrNoConsumer) {
-			hint = " (set middleware.Config.Consumer: no router names the handler here)"
-		}
-		t.Errorf("idempotencytest.%s: a delivery of %s failed: %v%s", name, msg.UUID, err, hint)
+		t.Errorf("idempotencytest.%s: a delivery of %s failed: %v", name, msg.UUID, err)
 	}
 	if r.Calls != 1 {
 		t.Errorf("idempotencytest.%s: handler entered %d times for %d deliveries of %s, want 1", name, r.Calls, n, msg.UUID)

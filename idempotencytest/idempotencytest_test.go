@@ -122,17 +122,6 @@ func TestDeliverConcurrently(t *testing.T) {
 	require.Contains(t, tb.all(), "want ≥ 2")
 }
 
-// Without Config.Consumer and without a router, the middleware refuses every
-// delivery; the report says what to do.
-func TestMissingConsumerIsExplained(t *testing.T) {
-	t.Parallel()
-	f := newFixture(t, "")
-	tb := &fakeTB{}
-	r := idempotencytest.DeliverTwice(tb, f.subject(f.idem.Middleware), newMsg())
-	require.Len(t, r.Errors, 2)
-	require.Contains(t, tb.all(), "set middleware.Config.Consumer")
-}
-
 func TestSubjectValidation(t *testing.T) {
 	t.Parallel()
 	f := &fixture{}

@@ -174,7 +174,7 @@ type pgxNativeTx struct{ tx pgx.Tx }
 
 func (a *pgxNativeTx) bind(ctx context.Context) context.Context {
 	ctx = context.WithValue(ctx, pgxTxKey{}, a.tx)
-	return context.WithValue(ctx, querierKey{}, sqldb.Pgx(a.tx))
+	return sqldb.ContextWithTx(ctx, sqldb.Pgx(a.tx))
 }
 func (a *pgxNativeTx) commit(ctx context.Context) error { return a.tx.Commit(ctx) }
 func (a *pgxNativeTx) rollback(ctx context.Context) error {
@@ -228,7 +228,7 @@ type stdTx struct{ tx *sql.Tx }
 
 func (a *stdTx) bind(ctx context.Context) context.Context {
 	ctx = context.WithValue(ctx, sqlTxKey{}, a.tx)
-	return context.WithValue(ctx, querierKey{}, sqldb.Std(a.tx))
+	return sqldb.ContextWithTx(ctx, sqldb.Std(a.tx))
 }
 func (a *stdTx) commit(context.Context) error { return a.tx.Commit() }
 func (a *stdTx) rollback(context.Context) error {

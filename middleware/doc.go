@@ -27,6 +27,12 @@
 //   - with Config.Outbox, messages the handler produces are written in the
 //     same transaction and relayed after commit, at least once, each with a
 //     fixed event_id.
+//   - a failed attempt (error, panic, permanent, poisoned) leaves nothing:
+//     no claim, no effect, no produced message by any path (none returned
+//     to the router, none in the outbox, none from PublisherFromContext),
+//     and every beginner releases its connection on every path;
+//   - produced messages that could not be relayed as an envelope fail the
+//     attempt as permanent (ErrInvalidProduced).
 //
 // Not guaranteed:
 //   - effects outside the transaction (HTTP calls, e-mails, another

@@ -138,12 +138,15 @@ func TestFailedAttempt_ProducedMessagesDiscarded(t *testing.T) {
 			// GoChannel hands the handler one message at a time: once the
 			// sentinel's product exists, the failed ones were settled.
 			if withOutbox {
-				require.Eventually(t, func() bool { return e.outboxRows() >= 2 }, 20*time.Second, 5*time.Millisecond)
+				waitUntil(t, "the sentinel's 2 outbox rows", func() bool { return e.outboxRows() >= 2 },
+					func() string { return fmt.Sprintf("%d outbox rows", e.outboxRows()) })
 				require.Equal(t, 2, e.outboxRows(), "only the sentinel's two messages are in the outbox")
 			} else {
-				require.Eventually(t, func() bool { return out.len() >= 1 }, 20*time.Second, 5*time.Millisecond)
+				waitUntil(t, "the sentinel's message on the out topic", func() bool { return out.len() >= 1 },
+					func() string { return fmt.Sprintf("out topic: %v", out.names()) })
 			}
-			require.Eventually(t, func() bool { return poison.len() == 3 }, 20*time.Second, 5*time.Millisecond)
+			waitUntil(t, "3 poisoned messages", func() bool { return poison.len() == 3 },
+				func() string { return fmt.Sprintf("poisoned: %v", poison.names()) })
 			require.NoError(t, router.Close())
 			if withOutbox {
 				require.Empty(t, out.names(), "with an outbox the router publishes nothing")
@@ -353,6 +356,19 @@ func TestFailedAttempt_PanicOnCommitPathReleasesConnection(t *testing.T) {
 	require.Equal(t, 3, e.outboxRows(), "one outbox row per beginner, from the successful attempt only")
 }
 
+// waitUntil polls cond every 10 ms for up to 60 s (see sqlSubscriberRig for
+// why so long); on timeout it fails saying what it waited for and what it saw.
+func waitUntil(t *testing.T, what string, cond func() bool, saw func() string) {
+	t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("waited 60 s for %s; saw %s", what, saw())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
 func newID() string {
 	m, err := marshaler.NewMessage("x", struct{}{})
 	if err != nil {
@@ -363,6 +379,9 @@ func newID() string {
 
 // sqlSubscriberRig runs the idempotent middleware behind the real
 // watermill-sql v4 subscriber on PostgreSQL (one batch, one transaction).
+// Its DefaultPostgreSQLSchema reads only rows below the server's oldest open
+// transaction, so another session's long transaction delays (never breaks)
+// these tests: their waits are bounded generously (60 s) for that.
 type sqlSubscriberRig struct {
 	e     *env
 	sub   *wsql.Subscriber
@@ -445,7 +464,10 @@ func TestFailedAttempt_SavepointJoinPanicNeverAcksUnapplied(t *testing.T) {
 	h.AddMiddleware(wmw.Recoverer, idem.Middleware)
 	ids := r.publishBatch(t, 1)
 	r.run(t, router)
-	require.Eventually(t, func() bool { return r.e.processed(ids[0]) == 1 }, 20*time.Second, 10*time.Millisecond)
+	waitUntil(t, "the event's claim committed", func() bool { return r.e.processed(ids[0]) == 1 },
+		func() string {
+			return fmt.Sprintf("%d claims, %d outbox rows, %d handler calls", r.e.processed(ids[0]), r.e.outboxRows(), calls.Load())
+		})
 	require.NoError(t, router.Close())
 	require.Equal(t, int32(2), calls.Load(), "the panicking attempt is redelivered and processed, not skipped as a duplicate")
 	require.Equal(t, 1, r.e.outboxRows(), "the produced message is written once")
@@ -493,8 +515,13 @@ func TestFailedAttempt_SavepointJoinSwallowedSQLError(t *testing.T) {
 		h.AddMiddleware(m)
 	}
 	r.run(t, router)
-	require.Eventually(t, func() bool { return r.e.count(`SELECT count(*) FROM processed_event`) == 4 }, 20*time.Second, 10*time.Millisecond)
-	require.Eventually(t, func() bool { return len(poison.msgs) == 1 }, 20*time.Second, 10*time.Millisecond)
+	claims := func() int { return r.e.count(`SELECT count(*) FROM processed_event`) }
+	waitUntil(t, "4 committed claims and 1 poisoned message", func() bool { return claims() == 4 && len(poison.msgs) == 1 },
+		func() string {
+			mu.Lock()
+			defer mu.Unlock()
+			return fmt.Sprintf("%d claims, %d poisoned, handler calls %v", claims(), len(poison.msgs), calls)
+		})
 	require.NoError(t, router.Close())
 	p := <-poison.msgs
 	require.Equal(t, ids[2], p.UUID)

@@ -444,10 +444,10 @@ func eventTime(msg *message.Message, id uuid.UUID) (time.Time, bool) {
 // processed event is logged at trace, a skipped one (duplicate, stale,
 // obsolete) at debug. Any other outcome is logged with the logger's Error
 // (Watermill's LoggerAdapter has no warn level; the adapter puts err in its
-// error field, "error" for watermill.NewSlogLogger) when the chain would send
-// it towards the poison topic (ShouldPoison: rejections, handler errors), and
-// at info with the field "error" when it is transient (the message stays on
-// the broker and is retried).
+// error field, "error" for watermill.NewSlogLogger) unless it is transient:
+// rejections and handler errors (bound for the poison topic) and any other
+// failure someone must look at. A transient failure (the message stays on
+// the broker and is retried) is logged at info with the field "error".
 func (m *Idempotent) finish(consumer string, o Outcome, start time.Time, claim time.Duration, fields watermill.LogFields, err error) error {
 	total := time.Since(start)
 	handlerName, _ := fields["handler_name"].(string)
@@ -466,7 +466,7 @@ func (m *Idempotent) finish(consumer string, o Outcome, start time.Time, claim t
 	if errors.As(err, &p) {
 		f = f.Add(watermill.LogFields{"reason": p.Reason})
 	}
-	if ShouldPoison(err) {
+	if !IsTransient(err) {
 		m.logger.Error("Event not processed", err, f)
 	} else {
 		m.logger.Info("Event not processed, will be retried", f.Add(watermill.LogFields{"error": err}))

@@ -174,12 +174,14 @@ func TestC13_ErrorsOnOneLineSameTextAsReturned(t *testing.T) {
 
 	logger.mu.Lock()
 	defer logger.mu.Unlock()
-	var logged []string
+	var logged, levels []string
 	for _, l := range logger.lines {
 		if l.fields["outcome"] == "failed" {
 			require.NotContains(t, l.fields, "err")
 			logged = append(logged, fmt.Sprint(l.fields["error"]))
+			levels = append(levels, l.level)
 		}
 	}
 	require.Equal(t, []string{err.Error(), err2.Error()}, logged)
+	require.Equal(t, []string{"error", "info"}, levels, "a handler error is logged as an error; a transient one (retried, never poisoned) at info")
 }

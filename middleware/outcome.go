@@ -77,7 +77,7 @@ func MarkObsolete(ctx context.Context) bool {
 }
 
 // ConsumerFromContext returns, inside a handler run by the middleware, the
-// consumer name the claim used (Config.Consumer or the handler name).
+// consumer name the claim used (Config.Consumer).
 func ConsumerFromContext(ctx context.Context) (string, bool) {
 	st, ok := ctx.Value(attemptKey{}).(*attemptState)
 	if !ok {

@@ -52,7 +52,7 @@ var _ pgx.Tx = (*pgxTx)(nil)
 
 func (tx *pgxTx) bind(ctx context.Context) context.Context {
 	ctx = context.WithValue(ctx, pgxTxKey{}, pgx.Tx(tx))
-	return context.WithValue(ctx, querierKey{}, sqldb.Pgx(tx))
+	return sqldb.ContextWithTx(ctx, sqldb.Pgx(tx))
 }
 
 func (tx *pgxTx) commit(ctx context.Context) error { return tx.Commit(ctx) }

@@ -76,7 +76,7 @@ func (a *savepointTx) bind(ctx context.Context) context.Context {
 	case *wsql.StdSQLTx:
 		ctx = context.WithValue(ctx, sqlTxKey{}, t.Tx)
 	}
-	return context.WithValue(ctx, querierKey{}, a.q)
+	return sqldb.ContextWithTx(ctx, a.q)
 }
 
 // commit releases the savepoint. A RELEASE that fails (on PostgreSQL 25P02

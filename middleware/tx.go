@@ -13,7 +13,6 @@ import (
 type (
 	pgxTxKey   struct{}
 	sqlTxKey   struct{}
-	querierKey struct{}
 	attemptKey struct{}
 )
 
@@ -37,8 +36,7 @@ func SQLTxFromContext(ctx context.Context) (tx *sql.Tx, ok bool) {
 
 // QuerierFromContext returns the attempt's transaction as a driver-neutral
 // sqldb.Querier, whichever driver the middleware runs on: what library
-// helpers (versioned.Upsert.Apply, …) take.
+// helpers (versioned.Upsert.Apply, …) take. It is sqldb.TxFromContext.
 func QuerierFromContext(ctx context.Context) (q sqldb.Querier, ok bool) {
-	q, ok = ctx.Value(querierKey{}).(sqldb.Querier)
-	return q, ok
+	return sqldb.TxFromContext(ctx)
 }

@@ -53,6 +53,13 @@ var (
 	// as owner, so the next attempt treats it as uncertain and reconciles;
 	// it never calls blindly.
 	ErrNotRecorded = errors.New("operation: outcome not recorded")
+
+	// ErrSharedSQLiteFile: on SQLite, Do was called inside a transaction on
+	// the runner's own database file (the handler's, from the idempotent
+	// middleware): it could only wait for that transaction's write lock and
+	// fail with SQLITE_BUSY, retry after retry. Permanent; the provider was
+	// not called. Give the Runner a database file of its own (Config.DB).
+	ErrSharedSQLiteFile = errors.New("operation: the runner's SQLite database file is the one of the caller's transaction")
 )
 
 // ConflictError is returned by Runner.Do when key is recorded with a

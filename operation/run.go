@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -55,6 +56,15 @@ type Config struct {
 	// Pool: pgx's stdlib (PostgreSQL), go-sql-driver/mysql (MySQL; DSN with
 	// parseTime=true) or modernc.org/sqlite (SQLite; a file DSN with WAL and
 	// busy_timeout, see sqldb.SQLite).
+	//
+	// On SQLite, DB must be a database file of its own, not the file the
+	// handler's (the idempotent middleware's) transaction writes to: SQLite
+	// has one writer per file, and the Runner commits its started record
+	// before the external call, while the handler's transaction holds that
+	// file's write lock. Do called inside such a transaction (as
+	// sqldb.TxFromContext finds it) on the same file returns a permanent
+	// error wrapping ErrSharedSQLiteFile at once, instead of waiting for
+	// busy_timeout and failing with SQLITE_BUSY on every retry.
 	DB *sql.DB
 
 	// Dialect is the SQL dialect of DB: sqldb.PostgreSQL, sqldb.MySQL
@@ -133,6 +143,7 @@ type Runner struct {
 	writeTimeout time.Duration
 	logger       watermill.LoggerAdapter
 	sql          dialectSQL
+	file         atomic.Pointer[string] // SQLite: the runner's database file, once read
 }
 
 // NewRunner validates cfg (on a copy with defaults applied) and builds the
@@ -163,6 +174,40 @@ func NewRunner(cfg Config, logger watermill.LoggerAdapter) (*Runner, error) {
 		sql:          sqlFor(cfg.Dialect).render(table.Quoted(cfg.Dialect.QuoteChar())),
 	}, nil
 }
+
+// checkOwnFile refuses, on SQLite, a Do inside a caller's transaction on the
+// runner's own database file (see Config.DB). The runner's file is read once.
+func (r *Runner) checkOwnFile(ctx context.Context, key Key) error {
+	q, ok := sqldb.TxFromContext(ctx)
+	if !ok {
+		return nil
+	}
+	mine := r.file.Load()
+	if mine == nil {
+		var f string
+		if err := r.pool.QueryRow(ctx, sqliteMainFile).Scan(&f); err != nil {
+			return fmt.Errorf("operation %s: read the runner's database file: %w", key, err)
+		}
+		mine = &f
+		r.file.Store(mine)
+	}
+	if *mine == "" { // an in-memory or temporary database: its own
+		return nil
+	}
+	var theirs string
+	if err := q.QueryRow(ctx, sqliteMainFile).Scan(&theirs); err != nil {
+		return fmt.Errorf("operation %s: read the database file of the caller's transaction: %w", key, err)
+	}
+	if theirs != *mine {
+		return nil
+	}
+	return &invalidError{fmt.Errorf("operation %s: %w %s: open operation.Config.DB on a database file of its own "+
+		"(for example next to it, with its own busy_timeout and WAL) and run Runner.Migrate there", key, ErrSharedSQLiteFile, *mine)}
+}
+
+// sqliteMainFile is the path of the connection's main database file ("" for
+// an in-memory or temporary one).
+const sqliteMainFile = `SELECT file FROM pragma_database_list WHERE name = 'main'`
 
 // Table is the runner's validated table identifier.
 func (r *Runner) Table() sqldb.Ident { return r.table }
@@ -247,6 +292,11 @@ func (r *Runner) Do(ctx context.Context, key Key, params any, call CallFunc, opt
 	o := options{wait: r.wait}
 	for _, opt := range opts {
 		opt(&o)
+	}
+	if r.dialect == sqldb.SQLite {
+		if err := r.checkOwnFile(ctx, key); err != nil {
+			return Result{}, err
+		}
 	}
 	a, err := r.acquire(ctx, key, o)
 	if err != nil {
