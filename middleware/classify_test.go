@@ -58,6 +58,14 @@ func (timeoutErr) Temporary() bool { return true }
 
 var _ net.Error = timeoutErr{}
 
+// liteBusy has the shape of modernc.org/sqlite's error with SQLITE_BUSY: a
+// handler that gets it from a connection of its own (not the attempt's) is
+// not in a transient state of the attempt.
+type liteBusy struct{}
+
+func (liteBusy) Error() string { return "database is locked (5) (SQLITE_BUSY)" }
+func (liteBusy) Code() int     { return 5 }
+
 // B.8: a handler's own io.EOF, net.Error, DeadlineExceeded or gzip error is
 // ordinary: retried MaxRetries times, then poisoned once (today: transient
 // by shape, nacked and redelivered forever).
@@ -75,6 +83,7 @@ func TestHandlerOwnShapeErrorsAreOrdinary(t *testing.T) {
 		"net.Error":         &net.OpError{Op: "dial", Net: "tcp", Err: timeoutErr{}},
 		"deadline exceeded": fmt.Errorf("call provider: %w", context.DeadlineExceeded),
 		"ECONNREFUSED":      &os.SyscallError{Syscall: "connect", Err: errors.New("refused")},
+		"SQLITE_BUSY shape": fmt.Errorf("other connection: %w", liteBusy{}),
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
@@ -139,6 +148,47 @@ func TestConnectionLostInHandlerIsHeld(t *testing.T) {
 	require.Empty(t, poison.msgs, "held, not poisoned")
 	require.Equal(t, 1, e.effects(E1))
 	require.Equal(t, 1, e.processed(E1))
+}
+
+// B.8: the connection breaks between the handler's success and COMMIT: the
+// failed commit is the middleware's own call, so it is infrastructure by
+// origin (held, retried in place); the effect is applied once.
+func TestConnectionLostAtCommitIsHeld(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	cfg := testenv.PoolConfig(t, testenv.PostgresURL(), e.schema, 2)
+	proxy, err := faultproxy.Start(fmt.Sprintf("%s:%d", cfg.ConnConfig.Host, cfg.ConnConfig.Port))
+	require.NoError(t, err)
+	defer proxy.Close()
+	cfg.ConnConfig.Host, cfg.ConnConfig.Port = "127.0.0.1", uint16(proxy.Port())
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	defer pool.Close()
+	logger := watermill.NewCaptureLogger()
+	poison := &capture{msgs: make(chan *message.Message, 1)}
+	var calls atomic.Int32
+	h := chained(t, e.idempotent(pool), poison, logger, func(msg *message.Message) ([]*message.Message, error) {
+		if err := writeEffect(msg, "x"); err != nil {
+			return nil, err
+		}
+		if calls.Add(1) == 1 {
+			proxy.Cut() // COMMIT will find the connection gone
+		}
+		return nil, nil
+	})
+	_, err = h(newMsg(E1))
+	require.NoError(t, err)
+	require.EqualValues(t, 2, calls.Load())
+	require.Empty(t, poison.msgs)
+	require.Equal(t, 1, e.effects(E1))
+	held := 0
+	for _, m := range logger.Captured()[watermill.InfoLogLevel] {
+		if m.Msg == "Infrastructure failure: delivery held, not poisoned" {
+			held++
+			require.ErrorIs(t, m.Fields["err"].(error), middleware.ErrInfrastructure)
+		}
+	}
+	require.Equal(t, 1, held)
 }
 
 // TestN01 — a database that refuses writes (failover, standby): the claim
