@@ -401,3 +401,32 @@ func TestTransientErrorsSkipRetry(t *testing.T) {
 	require.Empty(t, poison.msgs)
 	_ = wmw.ReasonForPoisonedKey
 }
+
+// B.9: a delivery held without a bound (MaxHold < 0) is given back as soon
+// as its message context ends (router shutdown), with the transient error:
+// never acked, never poisoned.
+func TestHoldEndsAtShutdown(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	poison := &capture{msgs: make(chan *message.Message, 1)}
+	mw, err := middleware.NewHandlerMiddleware(middleware.ChainConfig{
+		Idempotent: e.idempotent(e.pool), PoisonPublisher: poison, PoisonTopic: "poison",
+		InitialInterval: 5 * time.Millisecond, MaxInterval: 20 * time.Millisecond, MaxHold: -1,
+	}, nil)
+	require.NoError(t, err)
+	var calls atomic.Int32
+	ctx, cancel := context.WithCancel(context.Background())
+	h := mw(func(msg *message.Message) ([]*message.Message, error) {
+		if calls.Add(1) == 5 {
+			cancel() // the router closes while the delivery is held
+		}
+		return nil, &pgconn.PgError{Code: "57P03"}
+	})
+	m := newMsg(E1)
+	m.SetContext(ctx)
+	_, err = h(m)
+	require.Error(t, err)
+	require.True(t, middleware.IsTransient(err))
+	require.EqualValues(t, 5, calls.Load())
+	require.Empty(t, poison.msgs)
+}
