@@ -365,10 +365,10 @@ func attemptError(err, rbErr error, cls ErrorClassifier) error {
 	return classify(err, cls)
 }
 
-// commitError classifies a failed COMMIT: ErrTxCommitRollback-like answers
+// classifyCommit classifies a failed COMMIT: ErrTxCommitRollback-like answers
 // (a statement of the handler failed) stay ordinary, a typed code keeps its
 // class, and any other failure is the connection's (InfrastructureError).
-func commitError(cErr error, rolledBack bool, cls ErrorClassifier) error {
+func classifyCommit(cErr error, rolledBack bool, cls ErrorClassifier) error {
 	if rolledBack || IsPermanent(cErr) {
 		return cErr
 	}

@@ -287,7 +287,7 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if cErr := tx.commit(origCtx); cErr != nil {
 			_ = rollback(origCtx, tx)
 			err = fmt.Errorf("%w: %s/%s: %w", ErrCommit, consumer, eventID,
-				commitError(cErr, errors.Is(cErr, pgx.ErrTxCommitRollback), m.cfg.Classifier))
+				classifyCommit(cErr, errors.Is(cErr, pgx.ErrTxCommitRollback), m.cfg.Classifier))
 			m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
 			return nil, err
 		}
