@@ -395,7 +395,7 @@ func TestTransientErrorsSkipRetry(t *testing.T) {
 	require.NoError(t, err)
 	var calls atomic.Int32
 	poison := &capture{msgs: make(chan *message.Message, 1)}
-	h := chained(t, idem, poison, nil, func(msg *message.Message) ([]*message.Message, error) {
+	h := chainedHold(t, idem, poison, nil, time.Minute, func(msg *message.Message) ([]*message.Message, error) {
 		if calls.Add(1) <= 3 {
 			return nil, middleware.Transient(errors.New("provider says later"))
 		}
