@@ -9,7 +9,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/examples/order"
@@ -20,9 +19,10 @@ import (
 
 // Child roles, run by the re-executed test binary (TestMain):
 //
-//	consumer  the test consumer on E2E_SCHEMA / E2E_PREFIX, SIGKILLed when the
-//	          middleware reaches crash point E2E_CRASH; E2E_LC sets the
-//	          sessions' lc_messages.
+//	consumer  the test consumer on E2E_SCHEMA (of the server at
+//	          DATABASE_URL) / E2E_PREFIX, SIGKILLed when the middleware
+//	          reaches crash point E2E_CRASH; E2E_LC sets the sessions'
+//	          lc_messages.
 //	relay     the order relay on E2E_SCHEMA publishing to E2E_PREFIX's
 //	          exchange, SIGKILLed right after its first publish was confirmed
 //	          by the broker, before it stores its position.
@@ -93,20 +93,15 @@ func childRelay() error {
 	if err != nil {
 		return err
 	}
-	killAfterPublish := func(h message.HandlerFunc) message.HandlerFunc {
-		return func(msg *message.Message) ([]*message.Message, error) {
-			out, err := h(msg) // nil: the broker confirmed the publish
-			if err == nil {
-				killSelf() // before the forwarder acks and the position is stored
-			}
-			return out, err
+	crashpoint.Set(func(name string) {
+		if name == crashpoint.OutboxAfterPublish {
+			killSelf() // the broker confirmed; the row is not deleted yet
 		}
-	}
+	})
 	relay, err := order.NewRelay(order.RelayConfig{
 		Pool:         pool,
 		Publisher:    pub,
 		PollInterval: 10 * time.Millisecond,
-		Middleware:   []message.HandlerMiddleware{killAfterPublish},
 		Logger:       logger,
 	})
 	if err != nil {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/require"
@@ -50,8 +51,9 @@ func TestC03(t *testing.T) {
 	e.publishEvent(e.publisher(), E1, shop.EventOrderPlaced, placedPayload)
 
 	dlq := e.topo.DeadLetterQueue(e.consumer)
-	eventually(t, 15*time.Second, func() bool { return e.effects(E1) == 1 && len(p.deliveries()) == 7 && e.ready(dlq) == 6 },
-		"E1 processed and six messages dead-lettered")
+	eventually(t, 15*time.Second, "E1 processed and six messages dead-lettered", func(o *testenv.Observed) bool {
+		return o.Int("effects(E1)", e.effects(E1)) == 1 && o.Int("deliveries", len(p.deliveries())) == 7 && o.Int("ready(dlq)", e.ready(dlq)) == 6
+	})
 
 	var malformed int
 	for _, d := range p.deliveries() {
@@ -80,21 +82,25 @@ func TestC03(t *testing.T) {
 	require.Equal(t, 0, e.ready(e.topo.Queue(e.consumer)))
 }
 
-// nonEnglishLocale returns an lc_messages value PostgreSQL accepts that is
-// not English, or "" when the machine has none installed.
-func nonEnglishLocale(t *testing.T, pool *pgxpool.Pool) string {
+// germanLocale is the non-English lc_messages of C06's second run.
+const germanLocale = "de_DE.UTF-8"
+
+// germanServer starts a private PostgreSQL server whose messages are German
+// (lc_messages=de_DE.UTF-8, the locale compiled into the server's own
+// directory: the shared server is neither restarted nor reconfigured, no
+// system locale is added) and checks that they are: SELECT 1/0 fails with
+// SQLSTATE 22012 "Division durch Null".
+func germanServer(t *testing.T) *testenv.Postgres {
 	t.Helper()
+	pg := testenv.StartPostgres(t, "lc_messages="+germanLocale)
 	ctx := context.Background()
-	conn, err := pool.Acquire(ctx)
-	require.NoError(t, err)
-	defer conn.Release()
-	for _, lc := range []string{"de_DE.UTF-8", "de_DE.utf8", "fr_FR.UTF-8", "fr_FR.utf8", "es_ES.UTF-8", "it_IT.UTF-8", "ja_JP.UTF-8", "ru_RU.UTF-8"} {
-		if _, err := conn.Exec(ctx, "SET lc_messages = '"+lc+"'"); err == nil {
-			_, _ = conn.Exec(ctx, "RESET lc_messages")
-			return lc
-		}
-	}
-	return ""
+	pool := testenv.PoolAt(t, pg.URL, "public", 1)
+	_, err := pool.Exec(ctx, "SELECT 1/0")
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, "22012", pgErr.Code)
+	require.Equal(t, "Division durch Null", pgErr.Message, "the private server answers in German")
+	return pg
 }
 
 // TestC06 — the ack is lost after the commit: E1's handler commits, then the
@@ -107,14 +113,11 @@ func TestC06(t *testing.T) {
 	t.Parallel()
 	t.Run("kill", func(t *testing.T) {
 		t.Parallel()
-		c06Kill(t, "")
+		c06Kill(t, testenv.PostgresURL(), "")
 	})
 	t.Run("kill_lc_messages", func(t *testing.T) {
 		t.Parallel()
-		pool, _ := testenv.Pool(t)
-		lc := nonEnglishLocale(t, pool)
-		require.NotEmpty(t, lc, "no non-English locale installed for PostgreSQL's lc_messages: run `localedef -i de_DE -f UTF-8 de_DE.UTF-8` (scripts/services.sh does)")
-		c06Kill(t, lc)
+		c06Kill(t, germanServer(t).URL, germanLocale)
 	})
 	t.Run("cut", func(t *testing.T) {
 		t.Parallel()
@@ -144,25 +147,27 @@ func TestC06(t *testing.T) {
 			logger:        logger,
 		})
 		e.publishEvent(e.publisher(), E1, shop.EventOrderPlaced, placedPayload)
-		eventually(t, 15*time.Second, func() bool { return len(p.of(E1)) == 2 }, "E1 redelivered after the cut")
+		eventually(t, 15*time.Second, "E1 redelivered after the cut", func(o *testenv.Observed) bool { return o.Int("deliveries(E1)", len(p.of(E1))) == 2 })
 		require.NoError(t, svc.Close())
 		require.False(t, p.of(E1)[0].redelivered)
 		assertC06(t, e, p.of(E1)[1], rec, logger)
 	})
 }
 
-func c06Kill(t *testing.T, lc string) {
-	e := newEnv(t, testConsumer)
+// c06Kill runs C06 with the consumer killed, on the PostgreSQL server at
+// dbURL, its sessions' lc_messages set to lc unless lc is "".
+func c06Kill(t *testing.T, dbURL, lc string) {
+	e := newEnvAt(t, testConsumer, dbURL)
 	e.publishEvent(e.publisher(), E1, shop.EventOrderPlaced, placedPayload)
-	spawn(t, "consumer", "E2E_SCHEMA="+e.schema, "E2E_PREFIX="+e.topo.Prefix, "E2E_CRASH="+crashpoint.AfterCommit, "E2E_LC="+lc)
+	spawn(t, "consumer", "DATABASE_URL="+dbURL, "E2E_SCHEMA="+e.schema, "E2E_PREFIX="+e.topo.Prefix, "E2E_CRASH="+crashpoint.AfterCommit, "E2E_LC="+lc)
 	require.Equal(t, 1, e.processed(E1), "committed before the kill")
 	require.Equal(t, 1, e.effects(E1))
 	queue := e.topo.Queue(e.consumer)
-	eventually(t, 15*time.Second, func() bool { return e.ready(queue) == 1 }, "the broker requeues the unacked E1")
+	eventually(t, 15*time.Second, "the broker requeues the unacked E1", func(o *testenv.Observed) bool { return o.Int("ready(queue)", e.ready(queue)) == 1 })
 
 	pool := e.pool
 	if lc != "" {
-		cfg := testenv.PoolConfig(t, testenv.PostgresURL(), e.schema, 4)
+		cfg := testenv.PoolConfig(t, dbURL, e.schema, 4)
 		cfg.ConnConfig.RuntimeParams["lc_messages"] = lc
 		var err error
 		pool, err = pgxpool.NewWithConfig(context.Background(), cfg)
@@ -177,7 +182,7 @@ func c06Kill(t *testing.T, lc string) {
 		recorder:   rec,
 		logger:     logger,
 	})
-	eventually(t, 15*time.Second, func() bool { return len(p.of(E1)) == 1 }, "E1 redelivered to the restarted consumer")
+	eventually(t, 15*time.Second, "E1 redelivered to the restarted consumer", func(o *testenv.Observed) bool { return o.Int("deliveries(E1)", len(p.of(E1))) == 1 })
 	require.NoError(t, svc.Close()) // waits for the ack
 	assertC06(t, e, p.of(E1)[0], rec, logger)
 }
@@ -227,11 +232,13 @@ func TestC01_D(t *testing.T) {
 			require.Equal(t, 0, e.effects(E1))
 			require.Equal(t, tc.calls-1, e.calls(E1))
 			queue := e.topo.Queue(e.consumer)
-			eventually(t, 15*time.Second, func() bool { return e.ready(queue) == 1 }, "the broker requeues the unacked E1")
+			eventually(t, 15*time.Second, "the broker requeues the unacked E1", func(o *testenv.Observed) bool { return o.Int("ready(queue)", e.ready(queue)) == 1 })
 
 			p, rec := &probe{}, &recorder{}
 			svc := e.startConsumer(consumerOpts{middleware: []message.HandlerMiddleware{p.middleware}, recorder: rec})
-			eventually(t, 15*time.Second, func() bool { return rec.Count(middleware.OutcomeProcessed) == 1 }, "E1 processed after the restart")
+			eventually(t, 15*time.Second, "E1 processed after the restart", func(o *testenv.Observed) bool {
+				return o.Int("processed", rec.Count(middleware.OutcomeProcessed)) == 1
+			})
 			require.NoError(t, svc.Close())
 			require.True(t, p.of(E1)[0].redelivered)
 			require.Equal(t, tc.calls, e.calls(E1))
@@ -259,9 +266,9 @@ func TestOutOfOrderStatusEvents(t *testing.T) {
 	e.publishEvent(pub, E1, shop.EventOrderPlaced, shop.OrderPlaced{OrderID: "o-1", Version: 1, Status: "placed",
 		Lines: []shop.OrderLine{{LineNo: 1, SKU: "s", Quantity: "1"}}})
 	e.publishEvent(pub, E2, shop.EventOrderStatusChanged, shop.OrderStatusChanged{OrderID: "o-1", Version: 2, Status: "packed"})
-	eventually(t, 15*time.Second, func() bool {
-		return rec.Count(middleware.OutcomeProcessed)+rec.Count(middleware.OutcomeStale) == 3
-	}, "three events processed")
+	eventually(t, 15*time.Second, "three events processed or stale", func(o *testenv.Observed) bool {
+		return o.Int("processed", rec.Count(middleware.OutcomeProcessed))+o.Int("stale", rec.Count(middleware.OutcomeStale)) == 3
+	})
 	require.NoError(t, svc.Close())
 	require.Equal(t, 2, rec.Count(middleware.OutcomeStale))
 	var version int64

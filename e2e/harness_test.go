@@ -44,6 +44,7 @@ CREATE TABLE calls (event_id text NOT NULL, at timestamptz NOT NULL DEFAULT cloc
 type env struct {
 	t        *testing.T
 	pool     *pgxpool.Pool
+	dbURL    string // the PostgreSQL server holding schema
 	schema   string
 	topo     shop.Topology
 	consumer shop.Consumer
@@ -52,7 +53,15 @@ type env struct {
 
 func newEnv(t *testing.T, c shop.Consumer) *env {
 	t.Helper()
-	pool, schema := testenv.Pool(t)
+	return newEnvAt(t, c, testenv.PostgresURL())
+}
+
+// newEnvAt is newEnv on the PostgreSQL server at dbURL (a private server
+// of testenv.StartPostgres).
+func newEnvAt(t *testing.T, c shop.Consumer, dbURL string) *env {
+	t.Helper()
+	schema := testenv.SchemaOn(t, dbURL)
+	pool := testenv.PoolAt(t, dbURL, schema, 8)
 	ctx := context.Background()
 	store, err := processed.NewStore(processed.Config{})
 	require.NoError(t, err)
@@ -61,7 +70,7 @@ func newEnv(t *testing.T, c shop.Consumer) *env {
 	require.NoError(t, err)
 	conn, err := amqp091.Dial(testenv.AMQPURL())
 	require.NoError(t, err, "RabbitMQ at %s unreachable (start it: rabbitmq-server -detached)", testenv.AMQPURL())
-	e := &env{t: t, pool: pool, schema: schema, consumer: c, conn: conn,
+	e := &env{t: t, pool: pool, dbURL: dbURL, schema: schema, consumer: c, conn: conn,
 		topo: shop.Topology{Prefix: testenv.UniqueName("e2e") + ".", Prefetch: 4}}
 	ch, err := conn.Channel()
 	require.NoError(t, err)
@@ -138,7 +147,7 @@ func (e *env) publishRaw(routingKey string, body []byte) {
 	require.True(e.t, ok)
 }
 
-// publisher is a watermill-amqp events publisher with marshaler.AMQP.
+// publisher is a watermill-amqp events publisher with amqpmarshaler.Marshaler.
 func (e *env) publisher() *wamqp.Publisher {
 	e.t.Helper()
 	pub, err := wamqp.NewPublisher(e.topo.PublisherConfig(testenv.AMQPURL()), watermill.NopLogger{})
@@ -328,10 +337,11 @@ func (e *env) startConsumer(o consumerOpts) *shop.Service {
 	return svc
 }
 
-// eventually polls cond every 10 ms until it holds or timeout passes.
-func eventually(t *testing.T, timeout time.Duration, cond func() bool, format string, args ...any) {
+// eventually polls cond every 10 ms until it holds or timeout passes; the
+// failure says what it waited for and what cond saw last (testenv.Eventually).
+func eventually(t *testing.T, timeout time.Duration, what string, cond func(o *testenv.Observed) bool) {
 	t.Helper()
-	require.Eventually(t, cond, timeout, 10*time.Millisecond, append([]any{format}, args...)...)
+	testenv.Eventually(t, timeout, what, cond)
 }
 
 func mustJSON(v any) []byte {

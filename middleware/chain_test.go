@@ -41,7 +41,7 @@ func TestChainPoisonRetryAndMetrics(t *testing.T) {
 	prom, err := metrics.NewPrometheus(metrics.Config{Registerer: reg})
 	require.NoError(t, err)
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{}),
+		Beginner: mustBeginner(middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{})),
 		Store:    e.store,
 		Consumer: "stock",
 		Recorder: prom,
@@ -128,7 +128,7 @@ func TestChainPoisonRetryAndMetrics(t *testing.T) {
 	require.NoError(t, run("ok", E1))
 
 	count := func(outcome string) float64 {
-		return testutil.ToFloat64(counterVec(t, reg, "idempotency_messages_total", map[string]string{"consumer": "stock", "outcome": outcome}))
+		return testutil.ToFloat64(counterVec(t, reg, "idempotency_attempts_total", map[string]string{"consumer": "stock", "outcome": outcome}))
 	}
 	require.EqualValues(t, 1, count("processed"))
 	require.EqualValues(t, 1, count("duplicate"))
@@ -183,7 +183,7 @@ func TestIsTransientClassification(t *testing.T) {
 
 func TestChainAfterPoisonSitsBetweenPoisonAndRetry(t *testing.T) {
 	t.Parallel()
-	idem, err := middleware.NewIdempotent(middleware.Config{Beginner: middleware.NewStdBeginner(nil), Consumer: "c"}, nil)
+	idem, err := middleware.NewIdempotent(middleware.Config{Beginner: middleware.NewSQLSubscriberBeginner(), Consumer: "c"}, nil)
 	require.NoError(t, err)
 	poison := &capture{msgs: make(chan *message.Message, 2)}
 	var seen []error
@@ -217,7 +217,7 @@ func TestChainConfigValidate(t *testing.T) {
 	t.Parallel()
 	_, err := middleware.NewChain(middleware.ChainConfig{}, nil)
 	require.ErrorContains(t, err, "ChainConfig.Idempotent")
-	idem, err := middleware.NewIdempotent(middleware.Config{Beginner: middleware.NewStdBeginner(nil)}, nil)
+	idem, err := middleware.NewIdempotent(middleware.Config{Beginner: middleware.NewSQLSubscriberBeginner(), Consumer: "c"}, nil)
 	require.NoError(t, err)
 	_, err = middleware.NewChain(middleware.ChainConfig{Idempotent: idem}, nil)
 	require.ErrorContains(t, err, "ChainConfig.PoisonPublisher")
@@ -230,7 +230,7 @@ func TestAttemptsAreCountedInMetadata(t *testing.T) {
 	e := newEnv(t)
 	poison := &capture{msgs: make(chan *message.Message, 1)}
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{}),
+		Beginner: mustBeginner(middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{})),
 		Store:    e.store, Consumer: "stock",
 	}, nil)
 	require.NoError(t, err)

@@ -80,7 +80,7 @@ func TestHandlerOwnShapeErrorsAreOrdinary(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{}), Store: e.store, Consumer: "stock",
+		Beginner: mustBeginner(middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{})), Store: e.store, Consumer: "stock",
 	}, nil)
 	require.NoError(t, err)
 	for name, herr := range map[string]error{
@@ -130,7 +130,7 @@ func TestConnectionLostInHandlerIsHeld(t *testing.T) {
 	require.NoError(t, err)
 	defer pool.Close()
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}), Store: e.store, Consumer: "stock",
+		Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})), Store: e.store, Consumer: "stock",
 	}, nil)
 	require.NoError(t, err)
 	poison := &capture{msgs: make(chan *message.Message, 1)}
@@ -220,7 +220,7 @@ func TestN01(t *testing.T) {
 		poison := &capture{msgs: make(chan *message.Message, 3)}
 		deliverAll := func(pool *pgxpool.Pool, ids []string) []error {
 			idem, err := middleware.NewIdempotent(middleware.Config{
-				Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}), Store: e.store, Consumer: "stock",
+				Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})), Store: e.store, Consumer: "stock",
 			}, nil)
 			require.NoError(t, err)
 			h := chained(t, idem, poison, nil, handler)
@@ -271,7 +271,7 @@ func TestN01(t *testing.T) {
 		poison := &capture{msgs: make(chan *message.Message, 3)}
 		deliver := func(db *sql.DB, id string) error {
 			idem, err := middleware.NewIdempotent(middleware.Config{
-				Beginner: middleware.NewStdBeginner(db), Store: store, Consumer: "stock", Classifier: mysqlerr.Classify,
+				Beginner: mustBeginner(middleware.NewStdBeginner(db)), Store: store, Consumer: "stock", Classifier: mysqlerr.Classify,
 			}, nil)
 			require.NoError(t, err)
 			_, err = chained(t, idem, poison, nil, func(msg *message.Message) ([]*message.Message, error) {
@@ -358,12 +358,12 @@ func TestConfigurationErrorsAreHeldNotPoisoned(t *testing.T) {
 	t.Run("postgres processed table missing", func(t *testing.T) {
 		t.Parallel()
 		e := newEnv(t)
-		check(t, middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{}), unmigrated, nil, noop)
+		check(t, mustBeginner(middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{})), unmigrated, nil, noop)
 	})
 	t.Run("postgres handler table missing", func(t *testing.T) {
 		t.Parallel()
 		e := newEnv(t)
-		check(t, middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{}), e.store, nil, func(msg *message.Message) ([]*message.Message, error) {
+		check(t, mustBeginner(middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{})), e.store, nil, func(msg *message.Message) ([]*message.Message, error) {
 			tx, _ := middleware.PgxTxFromContext(msg.Context())
 			_, err := tx.Exec(msg.Context(), `INSERT INTO no_such_table VALUES (1)`)
 			return nil, err
@@ -373,13 +373,13 @@ func TestConfigurationErrorsAreHeldNotPoisoned(t *testing.T) {
 		t.Parallel()
 		store, err := processed.NewStore(processed.Config{Table: "never_migrated", Dialect: sqldb.MySQL})
 		require.NoError(t, err)
-		check(t, middleware.NewStdBeginner(testenv.MySQLDB(t)), store, mysqlerr.Classify, noop)
+		check(t, mustBeginner(middleware.NewStdBeginner(testenv.MySQLDB(t))), store, mysqlerr.Classify, noop)
 	})
 	t.Run("sqlite processed table missing", func(t *testing.T) {
 		t.Parallel()
 		store, err := processed.NewStore(processed.Config{Table: "never_migrated", Dialect: sqldb.SQLite})
 		require.NoError(t, err)
-		check(t, middleware.NewStdBeginner(testenv.SQLiteDB(t)), store, nil, noop)
+		check(t, mustBeginner(middleware.NewStdBeginner(testenv.SQLiteDB(t))), store, nil, noop)
 	})
 }
 
@@ -390,7 +390,7 @@ func TestTransientErrorsSkipRetry(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{}), Store: e.store, Consumer: "stock",
+		Beginner: mustBeginner(middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{})), Store: e.store, Consumer: "stock",
 	}, nil)
 	require.NoError(t, err)
 	var calls atomic.Int32

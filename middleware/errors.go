@@ -21,9 +21,9 @@ var (
 	// retry later, never poison.
 	ErrInFlight = errors.New("idempotency: event in flight elsewhere")
 
-	// ErrNoConsumer: neither Config.Consumer nor a Watermill handler name in
-	// the message context names the consumer. A configuration error; permanent.
-	ErrNoConsumer = errors.New("idempotency: no consumer name (set Config.Consumer or run under a Watermill router)")
+	// ErrNoConsumer: Config.Consumer is empty or blank (NewIdempotent refuses
+	// it, wrapping this sentinel).
+	ErrNoConsumer = errors.New("idempotency: no consumer name (set Config.Consumer)")
 
 	// ErrExpired: the event is older than Config.ReplayHorizon; its processed
 	// record may have been purged, so it is refused. Permanent.
@@ -365,10 +365,10 @@ func attemptError(err, rbErr error, cls ErrorClassifier) error {
 	return classify(err, cls)
 }
 
-// classifyCommit classifies a failed COMMIT: ErrTxCommitRollback-like answers
+// classifyCommitError classifies a failed COMMIT: ErrTxCommitRollback-like answers
 // (a statement of the handler failed) stay ordinary, a typed code keeps its
 // class, and any other failure is the connection's (InfrastructureError).
-func classifyCommit(cErr error, rolledBack bool, cls ErrorClassifier) error {
+func classifyCommitError(cErr error, rolledBack bool, cls ErrorClassifier) error {
 	if rolledBack || IsPermanent(cErr) {
 		return cErr
 	}

@@ -74,7 +74,7 @@ func (r *rabbit) publishRaw(body string) {
 func (e *env) idempotent(pool *pgxpool.Pool) *middleware.Idempotent {
 	e.t.Helper()
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}), Store: e.store, Consumer: "stock",
+		Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})), Store: e.store, Consumer: "stock",
 	}, nil)
 	require.NoError(e.t, err)
 	return idem

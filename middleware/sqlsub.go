@@ -52,7 +52,7 @@ func (sqlSubscriberBeginner) beginClaim(ctx context.Context, c claimRequest) (at
 			return nil, false, err
 		}
 	}
-	claimed, err := c.store.Claim(ctx, a.q, c.consumer, c.eventID)
+	claimed, err := c.claim(ctx, a.q)
 	if err != nil {
 		_ = a.rollback(ctx)
 		return nil, false, err
@@ -79,20 +79,27 @@ func (a *savepointTx) bind(ctx context.Context) context.Context {
 	return context.WithValue(ctx, querierKey{}, a.q)
 }
 
+// commit releases the savepoint. A RELEASE that fails (on PostgreSQL 25P02
+// when a handler statement failed and the handler returned nil) leaves the
+// savepoint open, so that the middleware's rollback rolls back to it: only
+// this message's claim and effects vanish, and the subscriber's transaction
+// is usable again for the batch's other messages.
 func (a *savepointTx) commit(ctx context.Context) error {
 	if a.done {
 		return errors.New("idempotency: savepoint already ended")
 	}
+	if _, err := a.tx.ExecContext(ctx, "RELEASE SAVEPOINT "+savepointName); err != nil {
+		return err
+	}
 	a.done = true
-	_, err := a.tx.ExecContext(ctx, "RELEASE SAVEPOINT "+savepointName)
-	return err
+	return nil
 }
 
 func (a *savepointTx) rollback(ctx context.Context) error {
 	if a.done {
 		return nil
 	}
-	a.done = true
+	a.done = true // one try: a failed ROLLBACK TO leaves the subscriber's tx to fail its commit
 	if _, err := a.tx.ExecContext(ctx, "ROLLBACK TO SAVEPOINT "+savepointName); err != nil {
 		return err
 	}

@@ -11,7 +11,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -134,7 +133,7 @@ func newShopDB(t *testing.T, latest versioned.LatestStore) *shopDB {
 // startRelay relays the catalogue's outbox to dest until the test ends.
 func startRelay(t *testing.T, c *indexer.Catalogue, dest message.Publisher) {
 	t.Helper()
-	relay, err := c.NewRelay(dest, outbox.RelayConfig{Subscriber: wsql.SubscriberConfig{PollInterval: 20 * time.Millisecond}})
+	relay, err := c.NewRelay(dest, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, Retention: time.Hour})
 	require.NoError(t, err)
 	runInBackground(t, relay.Run, relay.Running(), relay.Close)
 }
@@ -164,7 +163,7 @@ func startIndexer(t *testing.T, db *shopDB, ix *indexer.Indexer, broker *gochann
 	t.Helper()
 	require.NoError(t, ix.Migrate(context.Background(), db.ixPool, nil))
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(db.ixPool, middleware.PgxBeginnerConfig{}),
+		Beginner: mustBeginner(middleware.NewPgxBeginner(db.ixPool, middleware.PgxBeginnerConfig{})),
 		Consumer: indexer.Consumer.Name,
 		Recorder: rec,
 	}, nil)
@@ -350,7 +349,7 @@ func TestIndexerProcessesOnlyTheLatestSQLite(t *testing.T) {
 	require.NoError(t, err)
 	rec := newAttempts()
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewStdBeginner(ixDB), Store: store, Consumer: indexer.Consumer.Name, Recorder: rec,
+		Beginner: mustBeginner(middleware.NewStdBeginner(ixDB)), Store: store, Consumer: indexer.Consumer.Name, Recorder: rec,
 	}, nil)
 	require.NoError(t, err)
 	broker := shop.NewChannelBroker(nil)
@@ -379,4 +378,13 @@ func TestIndexerProcessesOnlyTheLatestSQLite(t *testing.T) {
 	dead, err := broker.DrainDeadLetters(indexer.Consumer)
 	require.NoError(t, err)
 	require.Empty(t, dead)
+}
+
+// mustBeginner unwraps a beginner constructor's result in tests, whose
+// handles are never nil.
+func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+	if err != nil {
+		panic(err)
+	}
+	return b
 }

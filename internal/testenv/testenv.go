@@ -55,21 +55,27 @@ func UniqueName(prefix string) string {
 // when the test ends. It fails the test when PostgreSQL is unreachable.
 func Schema(t testing.TB) string {
 	t.Helper()
+	return SchemaOn(t, PostgresURL())
+}
+
+// SchemaOn is Schema on the server at url (a private one of StartPostgres).
+func SchemaOn(t testing.TB, url string) string {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	admin, err := pgxpool.New(ctx, PostgresURL())
+	admin, err := pgxpool.New(ctx, url)
 	if err != nil {
-		t.Fatalf("testenv: PostgreSQL config %s: %v", PostgresURL(), err)
+		t.Fatalf("testenv: PostgreSQL config %s: %v", url, err)
 	}
 	defer admin.Close()
 	schema := UniqueName("t")
 	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+schema); err != nil {
-		t.Fatalf("testenv: PostgreSQL at %s unreachable or refusing: %v (start it: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start)", PostgresURL(), err)
+		t.Fatalf("testenv: PostgreSQL at %s unreachable or refusing: %v (start it: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start)", url, err)
 	}
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		admin, err := pgxpool.New(ctx, PostgresURL())
+		admin, err := pgxpool.New(ctx, url)
 		if err != nil {
 			return
 		}
@@ -104,15 +110,21 @@ func Pool(t testing.TB) (*pgxpool.Pool, string) {
 // instances" tests), closed when the test ends.
 func PoolOn(t testing.TB, schema string, maxConns int32) *pgxpool.Pool {
 	t.Helper()
+	return PoolAt(t, PostgresURL(), schema, maxConns)
+}
+
+// PoolAt is PoolOn on the server at url (a private one of StartPostgres).
+func PoolAt(t testing.TB, url, schema string, maxConns int32) *pgxpool.Pool {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	pool, err := pgxpool.NewWithConfig(ctx, PoolConfig(t, PostgresURL(), schema, maxConns))
+	pool, err := pgxpool.NewWithConfig(ctx, PoolConfig(t, url, schema, maxConns))
 	if err != nil {
 		t.Fatalf("testenv: pool: %v", err)
 	}
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
-		t.Fatalf("testenv: PostgreSQL at %s unreachable: %v", PostgresURL(), err)
+		t.Fatalf("testenv: PostgreSQL at %s unreachable: %v", url, err)
 	}
 	t.Cleanup(pool.Close)
 	return pool

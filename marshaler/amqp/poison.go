@@ -12,8 +12,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp091 "github.com/rabbitmq/amqp091-go"
-
-	"github.com/watermill-idempotency/idempotency/marshaler"
 )
 
 // DefaultConfirmTimeout bounds the wait for the broker's confirm of one
@@ -41,7 +39,7 @@ type PoisonPublisherConfig struct {
 	Exchange string
 
 	// Marshaler turns messages into publishings. Defaults to
-	// marshaler.AMQP{} (which publishes malformed messages verbatim).
+	// Marshaler{} (which publishes malformed messages verbatim).
 	Marshaler interface {
 		Marshal(*message.Message) (amqp091.Publishing, error)
 	}
@@ -92,7 +90,7 @@ func NewPoisonPublisher(cfg PoisonPublisherConfig, logger watermill.LoggerAdapte
 		return nil, err
 	}
 	if cfg.Marshaler == nil {
-		cfg.Marshaler = marshaler.AMQP{}
+		cfg.Marshaler = Marshaler{}
 	}
 	if cfg.ConfirmTimeout == 0 {
 		cfg.ConfirmTimeout = DefaultConfirmTimeout

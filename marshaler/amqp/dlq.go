@@ -1,0 +1,220 @@
+package amqp
+
+import (
+	"errors"
+	"fmt"
+	"maps"
+
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+)
+
+// QueueTypeQuorum is the x-queue-type of a quorum queue.
+const QueueTypeQuorum = "quorum"
+
+// DeadLetterConfig configures DeclareDeadLetter: where poisoned messages
+// (middleware.ChainConfig.PoisonPublisher / PoisonTopic) of a
+// watermill-amqp consumer go.
+//
+// The obvious way, SubscribeInitialize(poisonTopic) on the consumer's own
+// configuration, is wrong for a consumer built with
+// amqp.NewDurableTopicConfig (one constant queue name): it binds the
+// consumer's OWN queue to the poison routing key, so every poisoned message
+// comes straight back to the consumer (hundreds of rejections a second).
+// Without any declared dead-letter queue, a poisoned message published to
+// an exchange or queue that routes nowhere is dropped by the broker, with no
+// error. DeclareDeadLetter declares a dedicated queue and returns the
+// publisher configuration that routes there.
+type DeadLetterConfig struct {
+	// Subscriber is the consumer's watermill-amqp configuration, as its
+	// Subscriber was built (amqp.NewDurableQueueConfig,
+	// amqp.NewDurableTopicConfig, amqp.NewDurablePubSubConfig or a custom
+	// one). Its Connection (URI, TLS, reconnect) and Marshaler are reused
+	// for the poison publisher (use this module's Marshaler, so that
+	// malformed deliveries are dead-lettered verbatim); its layout decides
+	// how the dead-letter queue is reached:
+	//
+	//   - queue layout (Exchange.GenerateName(Topic) is "", the default
+	//     exchange, as amqp.NewDurableQueueConfig): a queue named Queue,
+	//     reached through the default exchange with routing key Queue;
+	//   - exchange layouts (a topic exchange as amqp.NewDurableTopicConfig,
+	//     an exchange per topic as amqp.NewDurablePubSubConfig): a fanout
+	//     exchange named Topic, of its own (never the consumer's events
+	//     exchange, where "#" bindings would receive the poisoned copies
+	//     too), and the queue bound to it.
+	//
+	// Connection.AmqpURI is required.
+	Subscriber wamqp.Config
+	// Topic is the poison topic: pass the same value as
+	// middleware.ChainConfig.PoisonTopic. Required; letters, digits, '-',
+	// '_', '.', ':' (at most 255 bytes, not starting with "amq.").
+	Topic string
+	// Queue names the dead-letter queue. Defaults to Topic.
+	Queue string
+	// Quorum declares the queue as a quorum queue (x-queue-type quorum,
+	// replicated; always durable). When false the queue is a durable
+	// classic queue.
+	Quorum bool
+	// Arguments are extra queue arguments (x-max-length, x-message-ttl,
+	// …), merged under x-queue-type. Declaring a queue that exists with
+	// other arguments fails (406 PRECONDITION_FAILED).
+	Arguments amqp091.Table
+}
+
+// Validate reports the first invalid field, naming it.
+func (c DeadLetterConfig) Validate() error {
+	switch {
+	case c.Subscriber.Connection.AmqpURI == "":
+		return errors.New("amqp: DeadLetterConfig.Subscriber.Connection.AmqpURI is required")
+	case c.Subscriber.Marshaler == nil:
+		return errors.New("amqp: DeadLetterConfig.Subscriber.Marshaler is required")
+	}
+	return c.validateNames()
+}
+
+// validateNames checks what Declare needs (it is given a channel: no URI).
+func (c DeadLetterConfig) validateNames() error {
+	switch {
+	case !validName(c.Topic):
+		return fmt.Errorf("amqp: DeadLetterConfig.Topic %q: 1 to 255 of [A-Za-z0-9_.:-], not amq.*", c.Topic)
+	case c.Queue != "" && !validName(c.Queue):
+		return fmt.Errorf("amqp: DeadLetterConfig.Queue %q: 1 to 255 of [A-Za-z0-9_.:-], not amq.*", c.Queue)
+	}
+	return nil
+}
+
+func validName(s string) bool {
+	if len(s) == 0 || len(s) > 255 || (len(s) >= 4 && s[:4] == "amq.") {
+		return false
+	}
+	for _, r := range s {
+		ok := r == '-' || r == '_' || r == '.' || r == ':' || ('0' <= r && r <= '9') || ('a' <= r && r <= 'z') || ('A' <= r && r <= 'Z')
+		if !ok {
+			return false
+		}
+	}
+	return true
+}
+
+func (c DeadLetterConfig) withDefaults() DeadLetterConfig {
+	if c.Queue == "" {
+		c.Queue = c.Topic
+	}
+	return c
+}
+
+// queueLayout reports whether the subscriber publishes on the default
+// exchange (queue named after the topic).
+func (c DeadLetterConfig) queueLayout() bool {
+	return c.Subscriber.Exchange.GenerateName == nil || c.Subscriber.Exchange.GenerateName(c.Topic) == ""
+}
+
+// QueueName is the dead-letter queue's name: Queue, else Topic.
+func (c DeadLetterConfig) QueueName() string { return c.withDefaults().Queue }
+
+// ExchangeName is the dead-letter exchange's name: "" (the default
+// exchange) for the queue layout, else Topic.
+func (c DeadLetterConfig) ExchangeName() string {
+	if c.queueLayout() {
+		return ""
+	}
+	return c.Topic
+}
+
+func (c DeadLetterConfig) queueArgs() amqp091.Table {
+	args := amqp091.Table{}
+	maps.Copy(args, c.Arguments)
+	if c.Quorum {
+		args["x-queue-type"] = QueueTypeQuorum
+	}
+	return args
+}
+
+// Declare declares on ch, idempotently, the dead-letter queue (durable;
+// quorum when Quorum) and, for an exchange layout, the fanout exchange
+// Topic (durable) with the queue bound to it. A declaration that conflicts
+// with an existing object fails with the broker's channel error, which
+// closes ch. Subscriber's connection and marshaler are not needed here.
+func (c DeadLetterConfig) Declare(ch *amqp091.Channel) error {
+	if err := c.validateNames(); err != nil {
+		return err
+	}
+	c = c.withDefaults()
+	if _, err := ch.QueueDeclare(c.Queue, true, false, false, false, c.queueArgs()); err != nil {
+		return fmt.Errorf("amqp: declare dead-letter queue %s: %w", c.Queue, err)
+	}
+	if c.queueLayout() {
+		return nil
+	}
+	if err := ch.ExchangeDeclare(c.Topic, amqp091.ExchangeFanout, true, false, false, false, nil); err != nil {
+		return fmt.Errorf("amqp: declare dead-letter exchange %s: %w", c.Topic, err)
+	}
+	if err := ch.QueueBind(c.Queue, "", c.Topic, false, nil); err != nil {
+		return fmt.Errorf("amqp: bind dead-letter queue %s to %s: %w", c.Queue, c.Topic, err)
+	}
+	return nil
+}
+
+// PublisherConfig is the watermill-amqp configuration of the poison
+// publisher: Subscriber's connection and marshaler; the default exchange
+// with routing key QueueName() (queue layout), or the fanout exchange Topic
+// (exchange layouts), whatever topic the message is published to; with
+// publisher confirms (Publish returns after the broker holds the copy, so
+// the poisoned delivery is acked only then). It declares no queue: call
+// Declare (or DeclareDeadLetter) first, or the broker drops the messages.
+func (c DeadLetterConfig) PublisherConfig() wamqp.Config {
+	c = c.withDefaults()
+	exchange, routingKey := c.ExchangeName(), c.Queue
+	exchangeType := ""
+	if exchange != "" {
+		exchangeType, routingKey = amqp091.ExchangeFanout, ""
+	}
+	return wamqp.Config{
+		Connection: c.Subscriber.Connection,
+		Marshaler:  c.Subscriber.Marshaler,
+		Exchange: wamqp.ExchangeConfig{
+			GenerateName: wamqp.GenerateExchangeNameConstant(exchange),
+			Type:         exchangeType,
+			Durable:      true,
+		},
+		Publish: wamqp.PublishConfig{
+			GenerateRoutingKey: func(string) string { return routingKey },
+			ConfirmDelivery:    true,
+		},
+		// Declares exchanges only (the publisher's one, as Declare did):
+		// a custom builder of the subscriber's is not reused.
+		TopologyBuilder: &wamqp.DefaultTopologyBuilder{},
+	}
+}
+
+// DeclareDeadLetter connects with cfg.Subscriber.Connection (URI and TLS),
+// declares the dead-letter topology (DeadLetterConfig.Declare) and returns
+// the poison publisher's configuration (DeadLetterConfig.PublisherConfig):
+//
+//	sub := amqp.NewDurableTopicConfig(url, "events", "stock")
+//	sub.Marshaler = idamqp.Marshaler{}
+//	pubCfg, err := idamqp.DeclareDeadLetter(idamqp.DeadLetterConfig{Subscriber: sub, Topic: "stock.dlq", Quorum: true})
+//	poison, err := amqp.NewPublisher(pubCfg, logger)
+//	// middleware.ChainConfig{PoisonPublisher: poison, PoisonTopic: "stock.dlq", …}
+func DeclareDeadLetter(cfg DeadLetterConfig) (wamqp.Config, error) {
+	if err := cfg.Validate(); err != nil {
+		return wamqp.Config{}, err
+	}
+	conn, err := amqp091.DialConfig(cfg.Subscriber.Connection.AmqpURI, amqp091.Config{
+		TLSClientConfig: cfg.Subscriber.Connection.TLSConfig,
+		Properties:      amqp091.Table{"connection_name": "idempotency dead-letter declaration"},
+	})
+	if err != nil {
+		return wamqp.Config{}, fmt.Errorf("amqp: dead-letter declaration: connect: %w", err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		return wamqp.Config{}, fmt.Errorf("amqp: dead-letter declaration: channel: %w", err)
+	}
+	defer ch.Close()
+	if err := cfg.Declare(ch); err != nil {
+		return wamqp.Config{}, err
+	}
+	return cfg.PublisherConfig(), nil
+}
