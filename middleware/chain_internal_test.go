@@ -1,8 +1,10 @@
 package middleware
 
 import (
+	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/cenkalti/backoff/v5"
 	"github.com/stretchr/testify/require"
@@ -25,4 +27,16 @@ func TestCompensatedBackoffSchedule(t *testing.T) {
 		require.InDelta(t, float64(want), float64(wait), float64(time.Millisecond), "wait %d", k)
 		want = time.Duration(float64(want) * m)
 	}
+}
+
+// A bounded header is at most max bytes, valid UTF-8, and says how long the
+// original was.
+func TestBoundHeader(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, "short", bound("short", 64))
+	s := strings.Repeat("é", 100) // 200 bytes
+	b := bound(s, 64)
+	require.LessOrEqual(t, len(b), 64)
+	require.True(t, utf8.ValidString(b))
+	require.True(t, strings.HasSuffix(b, "…(truncated, 200 bytes)"))
 }

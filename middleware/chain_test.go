@@ -55,7 +55,7 @@ func TestChainPoisonRetryAndMetrics(t *testing.T) {
 		MaxRetries:      2,
 		InitialInterval: time.Millisecond,
 		MaxInterval:     time.Millisecond,
-		MaxHold:         20 * time.Millisecond,
+		MaxHold:         500 * time.Millisecond,
 	}, nil)
 	require.NoError(t, err)
 

@@ -36,10 +36,17 @@ import (
 // the test.
 func chained(t *testing.T, idem *middleware.Idempotent, poison message.Publisher, logger watermill.LoggerAdapter, h message.HandlerFunc) message.HandlerFunc {
 	t.Helper()
+	return chainedHold(t, idem, poison, logger, 300*time.Millisecond, h)
+}
+
+// chainedHold is chained with its own MaxHold: the tests that expect the
+// hold to succeed give it room on a loaded machine.
+func chainedHold(t *testing.T, idem *middleware.Idempotent, poison message.Publisher, logger watermill.LoggerAdapter, hold time.Duration, h message.HandlerFunc) message.HandlerFunc {
+	t.Helper()
 	mw, err := middleware.NewHandlerMiddleware(middleware.ChainConfig{
 		Idempotent: idem, PoisonPublisher: poison, PoisonTopic: "poison",
 		MaxRetries: 2, InitialInterval: 5 * time.Millisecond, MaxInterval: 20 * time.Millisecond,
-		MaxHold: 300 * time.Millisecond,
+		MaxHold: hold,
 	}, logger)
 	require.NoError(t, err)
 	return mw(h)
@@ -58,6 +65,14 @@ func (timeoutErr) Temporary() bool { return true }
 
 var _ net.Error = timeoutErr{}
 
+// liteBusy has the shape of modernc.org/sqlite's error with SQLITE_BUSY: a
+// handler that gets it from a connection of its own (not the attempt's) is
+// not in a transient state of the attempt.
+type liteBusy struct{}
+
+func (liteBusy) Error() string { return "database is locked (5) (SQLITE_BUSY)" }
+func (liteBusy) Code() int     { return 5 }
+
 // B.8: a handler's own io.EOF, net.Error, DeadlineExceeded or gzip error is
 // ordinary: retried MaxRetries times, then poisoned once (today: transient
 // by shape, nacked and redelivered forever).
@@ -75,6 +90,7 @@ func TestHandlerOwnShapeErrorsAreOrdinary(t *testing.T) {
 		"net.Error":         &net.OpError{Op: "dial", Net: "tcp", Err: timeoutErr{}},
 		"deadline exceeded": fmt.Errorf("call provider: %w", context.DeadlineExceeded),
 		"ECONNREFUSED":      &os.SyscallError{Syscall: "connect", Err: errors.New("refused")},
+		"SQLITE_BUSY shape": fmt.Errorf("other connection: %w", liteBusy{}),
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
@@ -120,16 +136,7 @@ func TestConnectionLostInHandlerIsHeld(t *testing.T) {
 	poison := &capture{msgs: make(chan *message.Message, 1)}
 	var calls atomic.Int32
 	var seen []error
-	// A long hold: the retry on a new connection must not race the hold's
-	// bound on a loaded machine (chained's 300 ms is for tests that expect
-	// the bound to pass).
-	mw, err := middleware.NewHandlerMiddleware(middleware.ChainConfig{
-		Idempotent: idem, PoisonPublisher: poison, PoisonTopic: "poison",
-		MaxRetries: 2, InitialInterval: 5 * time.Millisecond, MaxInterval: 20 * time.Millisecond,
-		MaxHold: time.Minute,
-	}, nil)
-	require.NoError(t, err)
-	h := mw(func(msg *message.Message) ([]*message.Message, error) {
+	h := chainedHold(t, idem, poison, nil, time.Minute, func(msg *message.Message) ([]*message.Message, error) {
 		if calls.Add(1) == 1 {
 			proxy.Cut() // the attempt's connection dies under the handler
 		}
@@ -148,6 +155,47 @@ func TestConnectionLostInHandlerIsHeld(t *testing.T) {
 	require.Empty(t, poison.msgs, "held, not poisoned")
 	require.Equal(t, 1, e.effects(E1))
 	require.Equal(t, 1, e.processed(E1))
+}
+
+// B.8: the connection breaks between the handler's success and COMMIT: the
+// failed commit is the middleware's own call, so it is infrastructure by
+// origin (held, retried in place); the effect is applied once.
+func TestConnectionLostAtCommitIsHeld(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	cfg := testenv.PoolConfig(t, testenv.PostgresURL(), e.schema, 2)
+	proxy, err := faultproxy.Start(fmt.Sprintf("%s:%d", cfg.ConnConfig.Host, cfg.ConnConfig.Port))
+	require.NoError(t, err)
+	defer proxy.Close()
+	cfg.ConnConfig.Host, cfg.ConnConfig.Port = "127.0.0.1", uint16(proxy.Port())
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	defer pool.Close()
+	logger := watermill.NewCaptureLogger()
+	poison := &capture{msgs: make(chan *message.Message, 1)}
+	var calls atomic.Int32
+	h := chainedHold(t, e.idempotent(pool), poison, logger, time.Minute, func(msg *message.Message) ([]*message.Message, error) {
+		if err := writeEffect(msg, "x"); err != nil {
+			return nil, err
+		}
+		if calls.Add(1) == 1 {
+			proxy.Cut() // COMMIT will find the connection gone
+		}
+		return nil, nil
+	})
+	_, err = h(newMsg(E1))
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, calls.Load(), int32(2))
+	require.Empty(t, poison.msgs)
+	require.Equal(t, 1, e.effects(E1))
+	held := 0
+	for _, m := range logger.Captured()[watermill.InfoLogLevel] {
+		if m.Msg == "Infrastructure failure: delivery held, not poisoned" {
+			held++
+			require.ErrorIs(t, m.Fields["err"].(error), middleware.ErrInfrastructure)
+		}
+	}
+	require.GreaterOrEqual(t, held, 1, "the failed COMMIT was held (later holds: idle connections the cut killed)")
 }
 
 // TestN01 — a database that refuses writes (failover, standby): the claim
@@ -347,7 +395,7 @@ func TestTransientErrorsSkipRetry(t *testing.T) {
 	require.NoError(t, err)
 	var calls atomic.Int32
 	poison := &capture{msgs: make(chan *message.Message, 1)}
-	h := chained(t, idem, poison, nil, func(msg *message.Message) ([]*message.Message, error) {
+	h := chainedHold(t, idem, poison, nil, time.Minute, func(msg *message.Message) ([]*message.Message, error) {
 		if calls.Add(1) <= 3 {
 			return nil, middleware.Transient(errors.New("provider says later"))
 		}
@@ -359,4 +407,33 @@ func TestTransientErrorsSkipRetry(t *testing.T) {
 	require.Equal(t, 1, e.effects(E1))
 	require.Empty(t, poison.msgs)
 	_ = wmw.ReasonForPoisonedKey
+}
+
+// B.9: a delivery held without a bound (MaxHold < 0) is given back as soon
+// as its message context ends (router shutdown), with the transient error:
+// never acked, never poisoned.
+func TestHoldEndsAtShutdown(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	poison := &capture{msgs: make(chan *message.Message, 1)}
+	mw, err := middleware.NewHandlerMiddleware(middleware.ChainConfig{
+		Idempotent: e.idempotent(e.pool), PoisonPublisher: poison, PoisonTopic: "poison",
+		InitialInterval: 5 * time.Millisecond, MaxInterval: 20 * time.Millisecond, MaxHold: -1,
+	}, nil)
+	require.NoError(t, err)
+	var calls atomic.Int32
+	ctx, cancel := context.WithCancel(context.Background())
+	h := mw(func(msg *message.Message) ([]*message.Message, error) {
+		if calls.Add(1) == 5 {
+			cancel() // the router closes while the delivery is held
+		}
+		return nil, &pgconn.PgError{Code: "57P03"}
+	})
+	m := newMsg(E1)
+	m.SetContext(ctx)
+	_, err = h(m)
+	require.Error(t, err)
+	require.True(t, middleware.IsTransient(err))
+	require.EqualValues(t, 5, calls.Load())
+	require.Empty(t, poison.msgs)
 }

@@ -100,5 +100,6 @@ func TestMisuseRouterLevelChainOnDeadLetterHandlerDoesNotLoop(t *testing.T) {
 	require.Equal(t, 2, d.of("stock"), "each poisoned once, acked")
 	require.GreaterOrEqual(t, d.of("dead-letters"), 1)
 	require.LessOrEqual(t, d.of("dead-letters"), 2*int(window/time.Second)+2, "held, not re-poisoned in a loop")
-	require.Equal(t, 2, r.depth(r.dlq), "the poison queue holds each message once")
+	require.Eventually(t, func() bool { return r.depth(r.dlq) == 2 }, 10*time.Second, 20*time.Millisecond,
+		"the poison queue holds each message once (the held one back after the nack at shutdown)")
 }

@@ -300,14 +300,14 @@ func (r *Runner) Do(ctx context.Context, key Key, params any, call CallFunc, opt
 	}
 	a, err := r.acquire(ctx, key, o)
 	if err != nil {
-		return Result{}, err
+		return Result{}, ownDBError(err)
 	}
 	defer a.release()
 	a.fp, a.params = fp, params
 
 	d, rec, err := a.begin(ctx)
 	if err != nil {
-		return Result{}, err
+		return Result{}, ownDBError(err)
 	}
 	switch d {
 	case decideStored:

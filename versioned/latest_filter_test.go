@@ -19,6 +19,7 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/middleware/mysqlerr"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -599,7 +600,7 @@ func runWorkersFrom(t *testing.T, n int, ch <-chan *message.Message, h message.H
 			for m := range ch {
 				var err error
 				for attempt := 0; attempt < 20; attempt++ {
-					if err = deliver(h, m); err == nil || !middleware.IsTransient(err) {
+					if err = deliver(h, m); err == nil || !mysqlerr.IsTransient(err) {
 						break
 					}
 				}

@@ -175,8 +175,8 @@ func publishEvent(t *testing.T, b *broker, id string) {
 
 // The chain's poison publisher lands a permanent failure, and a failure
 // that outlived the retries, in the consumer's dead-letter queue once each,
-// with the reason; a transient failure loops (retries, then requeue) and is
-// never poisoned.
+// with the reason; a transient failure is held and retried in place (never
+// requeued, so it spends no delivery limit) and is never poisoned.
 func TestPoisonAndTransient(t *testing.T) {
 	t.Parallel()
 	b := newBroker(t)
@@ -199,7 +199,7 @@ func TestPoisonAndTransient(t *testing.T) {
 		case buggyID:
 			return errors.New("bug")
 		case transientID:
-			if n <= 4 { // more than MaxRetries+1: needs a requeue
+			if n <= 4 { // more than MaxRetries+1: held in place, not requeued
 				return middleware.Transient(errors.New("database unavailable"))
 			}
 			transientDone.Store(true)
@@ -219,7 +219,7 @@ func TestPoisonAndTransient(t *testing.T) {
 	require.Equal(t, 1, attempts[permanentID], "a permanent error is not retried")
 	require.Equal(t, 3, attempts[buggyID], "1 + MaxRetries attempts")
 	require.Equal(t, 5, attempts[transientID])
-	require.True(t, redelivered[transientID], "the transient failure went back to the broker and came again")
+	require.False(t, redelivered[transientID], "the transient failure was held, not given back to the broker")
 	mu.Unlock()
 
 	ch := b.channel()
