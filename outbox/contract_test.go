@@ -468,13 +468,17 @@ func (c *childTB) Fatalf(f string, a ...any) {
 
 var errRefused = errors.New("marshal: refused")
 
-// A row the broker always refuses is retried MaxAttempts times with backoff,
-// then moved to the dead-letter table, counted, logged at ERROR with its id;
-// the rows behind it are published meanwhile.
+// A row the broker always refuses is retried MaxAttempts times with backoff
+// while the rows of its topic behind it wait (per-topic order); then the next
+// row is published as a probe, the broker takes it, so the refused row is
+// moved to the dead-letter table, counted, logged at ERROR with its id and
+// reason, and the rest follow in order. Rows of other topics never wait.
 func testPoison(t *testing.T, b *box) {
 	poison, good := newID(), []string{newID(), newID(), newID()}
+	other := newID()
 	b.write(t, "events", poison)
 	b.write(t, "events", good...)
+	b.write(t, "other", other)
 	s := &sink{refuse: func(_ string, m *message.Message) error {
 		if m.UUID == poison {
 			return errRefused
@@ -486,29 +490,34 @@ func testPoison(t *testing.T, b *box) {
 	ob, err := outbox.New(outbox.Config{Table: b.table, Dialect: b.tg.Dialect}, logger)
 	require.NoError(t, err)
 	b.ob = ob
-	b.relay(t, s, outbox.RelayConfig{MaxAttempts: 3, RetryInterval: time.Millisecond, Recorder: rec})
-	eventually(t, 10*time.Second, func() bool { return len(s.all()) == 3 }, "the good rows are published despite the poison row")
-	// The good rows keep their order.
-	require.Equal(t, good, []string{s.all()[0].uuid, s.all()[1].uuid, s.all()[2].uuid})
-	// The poison row's later attempts come after a publish succeeded, so it is dead-lettered.
+	b.relay(t, s, outbox.RelayConfig{MaxAttempts: 3, RetryInterval: 20 * time.Millisecond, Recorder: rec})
+	eventually(t, 10*time.Second, func() bool { return s.count(other) == 1 }, "another topic is not held back")
+	eventually(t, 10*time.Second, func() bool { return rec.dead.Load() == 1 }, "the poison row is dead-lettered")
+	eventually(t, 10*time.Second, func() bool { return len(s.all()) == 4 }, "the rows behind it are published")
+	var events []string
+	for _, g := range s.all() {
+		if g.topic == "events" {
+			events = append(events, g.uuid)
+		}
+	}
+	require.Equal(t, good, events, "in order, after the poison row was moved aside")
 	more := newID()
 	b.write(t, "events", more)
-	eventually(t, 10*time.Second, func() bool { return rec.dead.Load() == 1 }, "the poison row is dead-lettered")
 	eventually(t, 10*time.Second, func() bool { return s.count(more) == 1 }, "later rows flow")
-	require.Equal(t, 0, b.pending(t))
+	eventually(t, 10*time.Second, func() bool { return b.pending(t) == 0 }, "nothing pending")
 	n, err := b.ob.DeadLetters(context.Background(), b.db)
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
-	require.EqualValues(t, 3, rec.failed.Load())
+	require.GreaterOrEqual(t, rec.failed.Load(), int64(3))
 	var reason, id string
 	var attempts int
 	require.NoError(t, b.tg.DB.QueryRow(context.Background(), `SELECT event_id, reason, attempts FROM `+b.table+`_dead`).Scan(&id, &reason, &attempts))
 	require.Equal(t, poison, id)
 	require.Equal(t, errRefused.Error(), reason)
-	require.Equal(t, 3, attempts)
+	require.GreaterOrEqual(t, attempts, 3)
 	var logged bool
 	for _, e := range logger.Captured()[watermill.ErrorLogLevel] {
-		if e.Msg == "outbox row dead-lettered" && e.Fields["event_id"] == poison && e.Fields["row_id"] != nil && errors.Is(e.Err, errRefused) {
+		if e.Msg == "outbox row dead-lettered" && e.Fields["event_id"] == poison && e.Fields["row_id"] != nil && e.Err != nil && e.Err.Error() == errRefused.Error() {
 			logged = true
 		}
 	}
