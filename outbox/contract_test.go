@@ -252,7 +252,7 @@ func testWriteInTxThenRelay(t *testing.T, b *box) {
 
 	s := &sink{}
 	b.relay(t, s, outbox.RelayConfig{})
-	eventually(t, 10*time.Second, func() bool { return len(s.all()) == 1 && b.pending(t) == 0 }, "relayed")
+	eventually(t, 30*time.Second, func() bool { return len(s.all()) == 1 && b.pending(t) == 0 }, "relayed")
 	got := s.all()[0]
 	require.Equal(t, sent{"events", kept, `{"id":"` + kept + `"}`, message.Metadata{"event_name": "order.placed"}}, got)
 	require.Zero(t, s.count(rolledBack))
@@ -272,7 +272,7 @@ func testOutOfOrderCommits(t *testing.T, tg testenv.Target) {
 	if tg.Dialect == sqldb.SQLite {
 		b.write(t, "events", e1, e2)
 		b.relay(t, s, outbox.RelayConfig{Recorder: rec})
-		eventually(t, 10*time.Second, func() bool { return len(s.all()) == 2 }, "both relayed")
+		eventually(t, 30*time.Second, func() bool { return len(s.all()) == 2 }, "both relayed")
 		require.Equal(t, []string{e1, e2}, []string{s.all()[0].uuid, s.all()[1].uuid})
 		return
 	}
@@ -280,14 +280,14 @@ func testOutOfOrderCommits(t *testing.T, tg testenv.Target) {
 	require.NoError(t, pubA.Publish("events", msg(e1)))
 	b.write(t, "events", e2)
 	b.relay(t, s, outbox.RelayConfig{Recorder: rec})
-	eventually(t, 10*time.Second, func() bool { return s.count(e2) == 1 }, "E2 relayed while tx A is open")
+	eventually(t, 30*time.Second, func() bool { return s.count(e2) == 1 }, "E2 relayed while tx A is open")
 	n := rec.rounds.Load()
-	eventually(t, 10*time.Second, func() bool { return rec.rounds.Load() >= n+2 }, "the relay runs on")
+	eventually(t, 30*time.Second, func() bool { return rec.rounds.Load() >= n+2 }, "the relay runs on")
 	require.Zero(t, s.count(e1))
 	require.NoError(t, txA.Commit())
-	eventually(t, 10*time.Second, func() bool { return s.count(e1) == 1 }, "E1, committed late, is relayed")
+	eventually(t, 30*time.Second, func() bool { return s.count(e1) == 1 }, "E1, committed late, is relayed")
 	n = rec.rounds.Load()
-	eventually(t, 10*time.Second, func() bool { return rec.rounds.Load() >= n+2 }, "the relay runs twice more")
+	eventually(t, 30*time.Second, func() bool { return rec.rounds.Load() >= n+2 }, "the relay runs twice more")
 	require.Equal(t, 1, s.count(e1))
 	require.Equal(t, 1, s.count(e2))
 	require.Equal(t, 0, b.pending(t))
@@ -356,15 +356,15 @@ func testN07(t *testing.T, tg testenv.Target) {
 		id := newID()
 		start := time.Now()
 		b.write(t, "events", id)
-		eventually(t, 10*time.Second, func() bool { return s.count(id) == 1 }, "delivered while S is open")
+		eventually(t, 30*time.Second, func() bool { return s.count(id) == 1 }, "delivered while S is open")
 		t.Logf("delivered %s after %s with S open", id, time.Since(start))
 	}
 	if commitS != nil {
 		require.Zero(t, s.count(late))
 		require.NoError(t, commitS())
-		eventually(t, 10*time.Second, func() bool { return s.count(late) == 1 }, "S's own row, committed later, is relayed")
+		eventually(t, 30*time.Second, func() bool { return s.count(late) == 1 }, "S's own row, committed later, is relayed")
 	}
-	eventually(t, 10*time.Second, func() bool { return b.pending(t) == 0 }, "nothing pending")
+	eventually(t, 30*time.Second, func() bool { return b.pending(t) == 0 }, "nothing pending")
 }
 
 // Crash between publish and delete: a child relay publishes E1 to the fake
@@ -399,7 +399,7 @@ func testCrash(t *testing.T, b *box) {
 
 	s := &sink{}
 	b.relay(t, s, outbox.RelayConfig{})
-	eventually(t, 10*time.Second, func() bool { return s.count(e1) == 1 && b.pending(t) == 0 }, "E1 republished")
+	eventually(t, 30*time.Second, func() bool { return s.count(e1) == 1 && b.pending(t) == 0 }, "E1 republished")
 }
 
 // filePublisher is the child's broker: a line per message in a file, synced
@@ -468,13 +468,17 @@ func (c *childTB) Fatalf(f string, a ...any) {
 
 var errRefused = errors.New("marshal: refused")
 
-// A row the broker always refuses is retried MaxAttempts times with backoff,
-// then moved to the dead-letter table, counted, logged at ERROR with its id;
-// the rows behind it are published meanwhile.
+// A row the broker always refuses is retried MaxAttempts times with backoff
+// while the rows of its topic behind it wait (per-topic order); then the next
+// row is published as a probe, the broker takes it, so the refused row is
+// moved to the dead-letter table, counted, logged at ERROR with its id and
+// reason, and the rest follow in order. Rows of other topics never wait.
 func testPoison(t *testing.T, b *box) {
 	poison, good := newID(), []string{newID(), newID(), newID()}
+	other := newID()
 	b.write(t, "events", poison)
 	b.write(t, "events", good...)
+	b.write(t, "other", other)
 	s := &sink{refuse: func(_ string, m *message.Message) error {
 		if m.UUID == poison {
 			return errRefused
@@ -486,29 +490,34 @@ func testPoison(t *testing.T, b *box) {
 	ob, err := outbox.New(outbox.Config{Table: b.table, Dialect: b.tg.Dialect}, logger)
 	require.NoError(t, err)
 	b.ob = ob
-	b.relay(t, s, outbox.RelayConfig{MaxAttempts: 3, RetryInterval: time.Millisecond, Recorder: rec})
-	eventually(t, 10*time.Second, func() bool { return len(s.all()) == 3 }, "the good rows are published despite the poison row")
-	// The good rows keep their order.
-	require.Equal(t, good, []string{s.all()[0].uuid, s.all()[1].uuid, s.all()[2].uuid})
-	// The poison row's later attempts come after a publish succeeded, so it is dead-lettered.
+	b.relay(t, s, outbox.RelayConfig{MaxAttempts: 3, RetryInterval: 20 * time.Millisecond, Recorder: rec})
+	eventually(t, 30*time.Second, func() bool { return s.count(other) == 1 }, "another topic is not held back")
+	eventually(t, 30*time.Second, func() bool { return rec.dead.Load() == 1 }, "the poison row is dead-lettered")
+	eventually(t, 30*time.Second, func() bool { return len(s.all()) == 4 }, "the rows behind it are published")
+	var events []string
+	for _, g := range s.all() {
+		if g.topic == "events" {
+			events = append(events, g.uuid)
+		}
+	}
+	require.Equal(t, good, events, "in order, after the poison row was moved aside")
 	more := newID()
 	b.write(t, "events", more)
-	eventually(t, 10*time.Second, func() bool { return rec.dead.Load() == 1 }, "the poison row is dead-lettered")
-	eventually(t, 10*time.Second, func() bool { return s.count(more) == 1 }, "later rows flow")
-	require.Equal(t, 0, b.pending(t))
+	eventually(t, 30*time.Second, func() bool { return s.count(more) == 1 }, "later rows flow")
+	eventually(t, 30*time.Second, func() bool { return b.pending(t) == 0 }, "nothing pending")
 	n, err := b.ob.DeadLetters(context.Background(), b.db)
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
-	require.EqualValues(t, 3, rec.failed.Load())
+	require.GreaterOrEqual(t, rec.failed.Load(), int64(3))
 	var reason, id string
 	var attempts int
 	require.NoError(t, b.tg.DB.QueryRow(context.Background(), `SELECT event_id, reason, attempts FROM `+b.table+`_dead`).Scan(&id, &reason, &attempts))
 	require.Equal(t, poison, id)
 	require.Equal(t, errRefused.Error(), reason)
-	require.Equal(t, 3, attempts)
+	require.GreaterOrEqual(t, attempts, 3)
 	var logged bool
 	for _, e := range logger.Captured()[watermill.ErrorLogLevel] {
-		if e.Msg == "outbox row dead-lettered" && e.Fields["event_id"] == poison && e.Fields["row_id"] != nil && errors.Is(e.Err, errRefused) {
+		if e.Msg == "outbox row dead-lettered" && e.Fields["event_id"] == poison && e.Fields["row_id"] != nil && e.Err != nil && e.Err.Error() == errRefused.Error() {
 			logged = true
 		}
 	}
@@ -523,7 +532,7 @@ func testPermanent(t *testing.T, b *box) {
 	s := &sink{refuse: func(string, *message.Message) error { return fmt.Errorf("encode: %w", errRefused) }}
 	rec := &counts{}
 	b.relay(t, s, outbox.RelayConfig{Recorder: rec, Permanent: func(err error) bool { return errors.Is(err, errRefused) }})
-	eventually(t, 10*time.Second, func() bool { return rec.dead.Load() == 1 }, "dead-lettered")
+	eventually(t, 30*time.Second, func() bool { return rec.dead.Load() == 1 }, "dead-lettered")
 	require.EqualValues(t, 1, rec.failed.Load())
 	require.Equal(t, 0, b.pending(t))
 	var attempts int
@@ -546,13 +555,13 @@ func testOutage(t *testing.T, b *box) {
 	}}
 	rec := &counts{}
 	b.relay(t, s, outbox.RelayConfig{MaxAttempts: 2, RetryInterval: time.Millisecond, MaxBackoff: 5 * time.Millisecond, Recorder: rec})
-	eventually(t, 10*time.Second, func() bool { return rec.failed.Load() >= 12 }, "the relay keeps trying")
+	eventually(t, 30*time.Second, func() bool { return rec.failed.Load() >= 12 }, "the relay keeps trying")
 	require.Zero(t, rec.dead.Load())
 	down.Store(false)
-	eventually(t, 10*time.Second, func() bool { return len(s.all()) == 3 }, "all published after recovery")
+	eventually(t, 30*time.Second, func() bool { return len(s.all()) == 3 }, "all published after recovery")
 	require.Equal(t, ids, []string{s.all()[0].uuid, s.all()[1].uuid, s.all()[2].uuid})
 	require.Zero(t, rec.dead.Load())
-	eventually(t, 10*time.Second, func() bool { return b.pending(t) == 0 }, "nothing pending")
+	eventually(t, 30*time.Second, func() bool { return b.pending(t) == 0 }, "nothing pending")
 }
 
 // With Retention the relayed rows move to the archive (the outbox table
@@ -569,7 +578,7 @@ func testReplay(t *testing.T, b *box) {
 	b.write(t, "a", late)
 	s := &sink{}
 	b.relay(t, s, outbox.RelayConfig{Retention: time.Hour})
-	eventually(t, 10*time.Second, func() bool { return len(s.all()) == 4 }, "relayed")
+	eventually(t, 30*time.Second, func() bool { return len(s.all()) == 4 }, "relayed")
 	require.Equal(t, 0, b.count(t, b.table))
 	require.Equal(t, 4, b.count(t, b.table+"_relayed"))
 
@@ -588,7 +597,7 @@ func testReplay(t *testing.T, b *box) {
 	// Purge: a relay with a short retention empties the archive.
 	b2 := &box{tg: b.tg, ob: b.ob, db: b.db}
 	b2.relay(t, &sink{}, outbox.RelayConfig{Retention: time.Nanosecond, StatsInterval: 5 * time.Millisecond})
-	eventually(t, 10*time.Second, func() bool { return b.count(t, b.table+"_relayed") == 0 }, "archive purged after the retention")
+	eventually(t, 30*time.Second, func() bool { return b.count(t, b.table+"_relayed") == 0 }, "archive purged after the retention")
 }
 
 // Two relays on one outbox (the default): one publishes at a time, so 200
@@ -610,7 +619,7 @@ func testOrder(t *testing.T, b *box) {
 	for i := 0; i < 2; i++ {
 		standby = append(standby, b.relay(t, s, outbox.RelayConfig{BatchSize: 7}))
 	}
-	eventually(t, 20*time.Second, func() bool { return len(s.all()) == len(ids) && b.pending(t) == 0 }, "all relayed")
+	eventually(t, 60*time.Second, func() bool { return len(s.all()) == len(ids) && b.pending(t) == 0 }, "all relayed")
 	got := make([]string, 0, len(ids))
 	for _, g := range s.all() {
 		got = append(got, g.uuid)
@@ -634,7 +643,7 @@ func testOrder(t *testing.T, b *box) {
 	for i := 0; i < 2; i++ {
 		b.relay(t, p, outbox.RelayConfig{BatchSize: 5, Parallel: true})
 	}
-	eventually(t, 20*time.Second, func() bool { return len(p.all()) >= len(more) && b.pending(t) == 0 }, "parallel relays drain")
+	eventually(t, 60*time.Second, func() bool { return len(p.all()) >= len(more) && b.pending(t) == 0 }, "parallel relays drain")
 	seen := map[string]bool{}
 	for _, g := range p.all() {
 		seen[g.uuid] = true
@@ -657,8 +666,8 @@ func testStats(t *testing.T, b *box) {
 	rec := &counts{}
 	s := &sink{refuse: func(string, *message.Message) error { return errRefused }}
 	b.relay(t, s, outbox.RelayConfig{StatsInterval: 5 * time.Millisecond, StalledAfter: time.Millisecond, Recorder: rec, RetryInterval: time.Hour, MaxBackoff: time.Hour})
-	eventually(t, 10*time.Second, func() bool { return rec.pending.Load() == 1 && rec.oldest.Load() > int64(time.Millisecond) }, "pending 1 reported with its age")
-	eventually(t, 10*time.Second, func() bool {
+	eventually(t, 30*time.Second, func() bool { return rec.pending.Load() == 1 && rec.oldest.Load() > int64(time.Millisecond) }, "pending 1 reported with its age")
+	eventually(t, 30*time.Second, func() bool {
 		for _, e := range logger.Captured()[watermill.ErrorLogLevel] {
 			if errors.Is(e.Err, outbox.ErrStalled) {
 				return true

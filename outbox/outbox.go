@@ -37,17 +37,20 @@
 // followed each other (the second began after the first committed, e.g. both
 // updated the same aggregate row), id order is write order. Rows of
 // concurrent transactions are published in the order they become visible by
-// id. A row whose publish fails is retried with backoff and does not hold
-// back the rows behind it: it is published after them (or dead-lettered).
-// RelayConfig.Parallel lets relays claim disjoint batches at once (SKIP
-// LOCKED), giving up order across batches.
+// id. A row whose publish fails holds back the rows of its topic behind it
+// until it is published or dead-lettered (per-topic order); other topics go
+// on. RelayConfig.Parallel lets relays claim disjoint batches at once (SKIP
+// LOCKED), giving up order across batches (and the hold-back).
 //
 // # Failures, dead letters, retention
 //
 // A row whose publish fails is retried up to RelayConfig.MaxAttempts times
 // with exponential backoff, then moved to the dead-letter table
 // (<table>_dead), counted (Recorder.DeadLettered) and logged at ERROR with its
-// id and reason. Relayed rows leave the outbox table in the round that
+// id and reason, once the broker is shown to be up: some publish succeeded
+// after the row first failed, or the next row of its topic, published as a
+// probe, was taken. While every publish fails (an outage) nothing is
+// dead-lettered. Relayed rows leave the outbox table in the round that
 // publishes them: at rest it holds only pending rows. With
 // RelayConfig.Retention > 0 they are kept in the archive table
 // (<table>_relayed) for that long, for Replay.

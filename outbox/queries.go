@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"fmt"
+	"strings"
 
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
@@ -15,7 +16,8 @@ type queries struct {
 	stats     string
 	countDead string
 	lock      string // relay lock: a row (SQLite: an update) when this relay holds it
-	claim     string // %d: batch size
+	claim     string // %s: exclusions (holdBack), %d: batch size
+	waiting   string // rows waiting for a retry, oldest first
 	purge     string
 	replay    string // %s: extra topic condition
 }
@@ -32,12 +34,13 @@ func newQueries(d sqldb.Dialect, t tables) queries {
 		// (held to COMMIT), so relays on one file take turns.
 		q.lock = `UPDATE ` + t.Lock + ` SET beat_us = ? WHERE name = 'relay'`
 		q.claim = `SELECT id, event_id, topic, payload, metadata, attempts, first_fail_us FROM ` + t.Table +
-			` WHERE next_try_us <= ? ORDER BY id LIMIT %d`
+			` WHERE next_try_us <= ?%s ORDER BY id LIMIT %d`
 	default:
 		q.lock = `SELECT name FROM ` + t.Lock + ` WHERE name = 'relay' FOR UPDATE SKIP LOCKED`
 		q.claim = `SELECT id, event_id, topic, payload, metadata, attempts, first_fail_us FROM ` + t.Table +
-			` WHERE next_try_us <= ` + p(1) + ` ORDER BY id LIMIT %d FOR UPDATE SKIP LOCKED`
+			` WHERE next_try_us <= ` + p(1) + `%s ORDER BY id LIMIT %d FOR UPDATE SKIP LOCKED`
 	}
+	q.waiting = `SELECT id, event_id, topic, attempts, first_fail_us, last_error FROM ` + t.Table + ` WHERE next_try_us > ` + p(1) + ` ORDER BY id`
 	q.purge = `DELETE FROM ` + t.Archive + ` WHERE relayed_at_us < ` + p(1)
 	q.replay = `SELECT id, event_id, topic, payload, metadata, created_at_us FROM ` + t.Archive +
 		` WHERE created_at_us >= ` + p(1) + ` AND created_at_us < ` + p(2) + `%s ORDER BY id`
@@ -58,10 +61,21 @@ func (q queries) delete(n int) string {
 	return `DELETE FROM ` + q.t.Table + ` WHERE id` + q.inIDs(1, n)
 }
 
-// deadLetter copies one row into the dead-letter table: args reason, now, id.
+// deadLetter copies one row into the dead-letter table: args attempts,
+// reason, now, id.
 func (q queries) deadLetter() string {
-	return `INSERT INTO ` + q.t.Dead + ` (id, event_id, topic, payload, metadata, created_at_us, attempts, reason, dead_at_us) SELECT id, event_id, topic, payload, metadata, created_at_us, attempts + 1, ` +
-		placeholders(q.d, 1, 2) + ` FROM ` + q.t.Table + ` WHERE id = ` + placeholders(q.d, 3, 1)
+	return `INSERT INTO ` + q.t.Dead + ` (id, event_id, topic, payload, metadata, created_at_us, attempts, reason, dead_at_us) SELECT id, event_id, topic, payload, metadata, created_at_us, ` +
+		placeholders(q.d, 1, 3) + ` FROM ` + q.t.Table + ` WHERE id = ` + placeholders(q.d, 4, 1)
+}
+
+// holdBack is the claim's exclusion of the rows behind a waiting row of
+// each topic, placeholders from position from: topic, head id per topic.
+func (q queries) holdBack(from, n int) string {
+	var b strings.Builder
+	for i := 0; i < n; i++ {
+		fmt.Fprintf(&b, ` AND NOT (topic = %s AND id > %s)`, placeholders(q.d, from+2*i, 1), placeholders(q.d, from+2*i+1, 1))
+	}
+	return b.String()
 }
 
 // retry records a failed attempt: args attempts, next try, first failure,

@@ -59,10 +59,11 @@ type RelayConfig struct {
 	// MaxBackoff caps the backoff. Defaults to DefaultMaxBackoff.
 	MaxBackoff time.Duration
 	// MaxAttempts is the publish attempts of a row before it is moved to the
-	// dead-letter table. A row is dead-lettered only once some publish
-	// succeeded after its first failure (or Permanent says so): while every
-	// publish fails the broker is taken to be down, and rows wait for it at
-	// MaxBackoff instead of being dead-lettered. Defaults to
+	// dead-letter table. A row is dead-lettered only once the broker is shown
+	// to be up (some publish succeeded after its first failure, or the next
+	// row of its topic, published as a probe, was taken) or Permanent says
+	// so: while every publish fails the broker is taken to be down, and rows
+	// wait for it at MaxBackoff instead of being dead-lettered. Defaults to
 	// DefaultMaxAttempts.
 	MaxAttempts int
 	// Permanent, if set, classifies a publish error as permanent (the row can
@@ -279,12 +280,29 @@ type pendingRow struct {
 	metadata    string
 	attempts    int
 	firstFailUs int64
+	lastError   string
 	err         error
 }
 
 type roundResult struct{ claimed, published, failed int }
 
+// waitingHead is the oldest row of a topic waiting for its retry: the rows
+// of its topic behind it are held back (per-topic order), except one probe
+// once it has used its attempts (see round).
+type waitingHead struct {
+	row     pendingRow
+	waiting int // rows of the topic waiting for a retry
+}
+
 // round is one relay transaction: lock, claim, publish, remove, commit.
+//
+// Per-topic order (default, not Parallel): when a row's publish fails, the
+// rows of its topic behind it are not published (this round, and while it
+// waits for its retry). Once the failing row has used MaxAttempts, the next
+// row of its topic is published as a probe: if the broker takes it, the
+// failing row is the problem and is dead-lettered in the same transaction
+// (before the probe's row is removed, so no published row overtakes it); if
+// the probe fails too, the broker is taken to be down and both wait.
 func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 	tx, err := r.db.BeginTx(ctx, r.txOpts)
 	if err != nil {
@@ -297,13 +315,26 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 		}
 	}()
 	nowUs := time.Now().UnixMicro()
+	var heads map[string]*waitingHead
 	if !r.cfg.Parallel {
 		held, err := r.lock(ctx, tx, nowUs)
 		if err != nil || !held {
 			return res, err
 		}
+		if heads, err = r.waiting(ctx, tx, nowUs); err != nil {
+			return res, err
+		}
 	}
-	rows, err := r.claim(ctx, tx, nowUs)
+	probes := map[string]*waitingHead{} // topic → head whose probe this round may publish
+	var held []*waitingHead             // topics whose rows behind the head are excluded
+	for _, h := range heads {
+		if h.waiting == 1 && h.row.attempts >= r.cfg.MaxAttempts {
+			probes[h.row.topic] = h
+		} else {
+			held = append(held, h)
+		}
+	}
+	rows, err := r.claim(ctx, tx, nowUs, held)
 	if err != nil {
 		return res, err
 	}
@@ -317,23 +348,49 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 		return res, nil
 	}
 	var ok []int64
-	var failedTopics []string
+	var failed []*pendingRow
+	var dead []*pendingRow // with err set: the reason
+	blocked := map[string]bool{}
 	for i := range rows {
 		row := &rows[i]
+		if blocked[row.topic] {
+			continue // behind a row of its topic that failed this round
+		}
+		h, isProbe := probes[row.topic]
+		if isProbe {
+			delete(probes, row.topic)
+			if row.id < h.row.id {
+				isProbe = false // a row that committed late, before the head: not a probe
+				probes[row.topic] = h
+			}
+		}
 		if row.err = r.publish(ctx, row); row.err != nil {
 			if ctx.Err() != nil {
 				return res, ctx.Err()
 			}
 			res.failed++
-			failedTopics = append(failedTopics, row.topic)
+			failed = append(failed, row)
+			if !r.cfg.Parallel {
+				blocked[row.topic] = true
+			}
 			continue
 		}
 		r.lastOK.Store(time.Now().UnixMicro())
+		if isProbe {
+			// The broker took the next row of the head's topic: the head is
+			// the problem. Move it aside before the probe's row goes.
+			head := h.row
+			head.err = errors.New(head.lastError)
+			if err := r.deadLetter(ctx, tx, &head, head.attempts, head.lastError); err != nil {
+				return res, err
+			}
+			dead = append(dead, &head)
+		}
 		ok = append(ok, row.id)
 	}
 	res.published = len(ok)
-	for _, t := range failedTopics {
-		r.cfg.Recorder.PublishFailed(t)
+	for _, row := range failed {
+		r.cfg.Recorder.PublishFailed(row.topic)
 	}
 	if len(ok) > 0 {
 		// The broker has these rows; a crash here republishes them.
@@ -342,12 +399,7 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 			return res, err
 		}
 	}
-	var dead []*pendingRow
-	for i := range rows {
-		row := &rows[i]
-		if row.err == nil {
-			continue
-		}
+	for _, row := range failed {
 		isDead, err := r.fail(ctx, tx, row)
 		if err != nil {
 			return res, err
@@ -364,10 +416,37 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 	for _, row := range dead {
 		r.cfg.Recorder.DeadLettered(row.topic)
 		r.logger.Error("outbox row dead-lettered", row.err, watermill.LogFields{
-			"row_id": row.id, "event_id": row.eventID, "topic": row.topic, "attempts": row.attempts + 1,
+			"row_id": row.id, "event_id": row.eventID, "topic": row.topic, "attempts": row.attempts,
 		})
 	}
 	return res, nil
+}
+
+// waiting returns, per topic, the oldest row waiting for its retry.
+func (r *Relay) waiting(ctx context.Context, tx wsql.Tx, nowUs int64) (map[string]*waitingHead, error) {
+	rows, err := tx.QueryContext(ctx, r.o.q.waiting, nowUs)
+	if err != nil {
+		return nil, fmt.Errorf("waiting rows: %w", err)
+	}
+	out := map[string]*waitingHead{}
+	for rows.Next() {
+		var p pendingRow
+		var lastErr sql.NullString
+		if err := rows.Scan(&p.id, &p.eventID, &p.topic, &p.attempts, &p.firstFailUs, &lastErr); err != nil {
+			_ = rows.Close()
+			return nil, fmt.Errorf("waiting rows: %w", err)
+		}
+		p.lastError = lastErr.String
+		if h, ok := out[p.topic]; ok {
+			h.waiting++
+			continue
+		}
+		out[p.topic] = &waitingHead{row: p, waiting: 1}
+	}
+	if err := rows.Close(); err != nil {
+		return nil, fmt.Errorf("waiting rows: %w", err)
+	}
+	return out, nil
 }
 
 // lock takes the outbox's relay lock for this transaction; false means
@@ -397,8 +476,12 @@ func (r *Relay) lock(ctx context.Context, tx wsql.Tx, nowUs int64) (bool, error)
 	return true, nil
 }
 
-func (r *Relay) claim(ctx context.Context, tx wsql.Tx, nowUs int64) ([]pendingRow, error) {
-	rows, err := tx.QueryContext(ctx, fmt.Sprintf(r.o.q.claim, r.cfg.BatchSize), nowUs)
+func (r *Relay) claim(ctx context.Context, tx wsql.Tx, nowUs int64, held []*waitingHead) ([]pendingRow, error) {
+	args := []any{nowUs}
+	for _, h := range held {
+		args = append(args, h.row.topic, h.row.id)
+	}
+	rows, err := tx.QueryContext(ctx, fmt.Sprintf(r.o.q.claim, r.o.q.holdBack(2, len(held)), r.cfg.BatchSize), args...)
 	if err != nil {
 		return nil, fmt.Errorf("claim: %w", err)
 	}
@@ -483,13 +566,8 @@ func (r *Relay) fail(ctx context.Context, tx wsql.Tx, row *pendingRow) (bool, er
 		reason = reason[:maxReason] + "… (truncated)"
 	}
 	if permanent || (attempts >= r.cfg.MaxAttempts && brokerUp) {
-		if _, err := tx.ExecContext(ctx, r.o.q.deadLetter(), reason, nowUs, row.id); err != nil {
-			return false, fmt.Errorf("dead-letter row %d: %w", row.id, err)
-		}
-		if _, err := tx.ExecContext(ctx, r.o.q.delete(1), row.id); err != nil {
-			return false, fmt.Errorf("dead-letter row %d: %w", row.id, err)
-		}
-		return true, nil
+		row.attempts = attempts
+		return true, r.deadLetter(ctx, tx, row, attempts, reason)
 	}
 	next := nowUs + r.backoff(attempts-1).Microseconds()
 	if _, err := tx.ExecContext(ctx, r.o.q.retry(), attempts, next, firstFail, reason, row.id); err != nil {
@@ -499,6 +577,17 @@ func (r *Relay) fail(ctx context.Context, tx wsql.Tx, row *pendingRow) (bool, er
 		"row_id": row.id, "event_id": row.eventID, "topic": row.topic, "attempts": attempts, "error": reason,
 	})
 	return false, nil
+}
+
+// deadLetter moves row to the dead-letter table.
+func (r *Relay) deadLetter(ctx context.Context, tx wsql.Tx, row *pendingRow, attempts int, reason string) error {
+	if _, err := tx.ExecContext(ctx, r.o.q.deadLetter(), attempts, reason, time.Now().UnixMicro(), row.id); err != nil {
+		return fmt.Errorf("dead-letter row %d: %w", row.id, err)
+	}
+	if _, err := tx.ExecContext(ctx, r.o.q.delete(1), row.id); err != nil {
+		return fmt.Errorf("dead-letter row %d: %w", row.id, err)
+	}
+	return nil
 }
 
 type warner interface {

@@ -29,8 +29,8 @@
 //     Consumers deduplicate by event_id: that is the idempotent middleware's
 //     job.
 //   - Order: one relay publishes at a time (the outbox's lock row), rows in
-//     id order. A row whose publish failed is retried after the rows behind
-//     it; replays, republished batches and broker redeliveries break order
+//     id order; a row whose publish failed holds back the rows of its topic
+//     until it is published or dead-lettered. Replays, republished batches and broker redeliveries break order
 //     at the consumer too; state copies must be versioned (see
 //     examples/shipping).
 package order

@@ -10,7 +10,8 @@ CREATE TABLE IF NOT EXISTS {{.Table}} (
     attempts       int          NOT NULL DEFAULT 0,
     next_try_us    bigint       NOT NULL DEFAULT 0,
     first_fail_us  bigint       NOT NULL DEFAULT 0,
-    last_error     text
+    last_error     text,
+    INDEX {{.Prefix}}_next_try (next_try_us)
 );
 CREATE TABLE IF NOT EXISTS {{.Dead}} (
     id             bigint       PRIMARY KEY,

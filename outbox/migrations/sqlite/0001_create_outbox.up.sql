@@ -12,6 +12,7 @@ CREATE TABLE IF NOT EXISTS {{.Table}} (
     first_fail_us  bigint       NOT NULL DEFAULT 0,
     last_error     text
 );
+CREATE INDEX IF NOT EXISTS {{.Prefix}}_next_try ON {{.Table}} (next_try_us);
 CREATE TABLE IF NOT EXISTS {{.Dead}} (
     id             bigint       PRIMARY KEY,
     event_id       varchar(255) NOT NULL,
