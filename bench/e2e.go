@@ -17,6 +17,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	amqpmarshaler "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
 
@@ -89,7 +90,7 @@ func (r *e2eRig) prefill(ctx context.Context, n int, dupShare float64) (string, 
 		return "", err
 	}
 	defer ch.Close()
-	m := marshaler.AMQP{}
+	m := amqpmarshaler.Marshaler{}
 	for i := 0; i < n; i++ {
 		var msg *message.Message
 		if isDup[i] {
@@ -132,7 +133,7 @@ func (r *e2eRig) prefill(ctx context.Context, n int, dupShare float64) (string, 
 // after each message (memory sampling).
 func (r *e2eRig) consume(ctx context.Context, q string, c e2eCell, n int, progress func(int64)) (float64, error) {
 	cfg := amqp.NewDurableQueueConfig(r.e.amqpURL)
-	cfg.Marshaler = marshaler.AMQP{}
+	cfg.Marshaler = amqpmarshaler.Marshaler{}
 	cfg.Consume.Qos.PrefetchCount = c.prefetch
 	sub, err := amqp.NewSubscriber(cfg, watermill.NopLogger{})
 	if err != nil {

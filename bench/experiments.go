@@ -41,8 +41,12 @@ func experiments(ctx context.Context, e *env, sz OverheadSizes, res *Result) err
 		if err != nil {
 			return nil, nil, err
 		}
+		beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
+		if err != nil {
+			return nil, nil, err
+		}
 		cfg := middleware.Config{
-			Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}),
+			Beginner: beginner,
 			Store:    store,
 			Consumer: consumerName,
 		}

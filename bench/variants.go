@@ -204,8 +204,12 @@ func (discard) Publish(string, ...*message.Message) error { return nil }
 func (discard) Close() error                              { return nil }
 
 func newIdempotent(pool *pgxpool.Pool, store *processed.Store, pipelined bool, rec middleware.Recorder) (*middleware.Idempotent, error) {
+	beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{DisablePipeline: !pipelined})
+	if err != nil {
+		return nil, err
+	}
 	cfg := middleware.Config{
-		Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{DisablePipeline: !pipelined}),
+		Beginner: beginner,
 		Store:    store,
 		Consumer: consumerName,
 	}

@@ -147,7 +147,7 @@ func (e *env) publishRaw(routingKey string, body []byte) {
 	require.True(e.t, ok)
 }
 
-// publisher is a watermill-amqp events publisher with marshaler.AMQP.
+// publisher is a watermill-amqp events publisher with amqpmarshaler.Marshaler.
 func (e *env) publisher() *wamqp.Publisher {
 	e.t.Helper()
 	pub, err := wamqp.NewPublisher(e.topo.PublisherConfig(testenv.AMQPURL()), watermill.NopLogger{})

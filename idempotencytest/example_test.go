@@ -23,9 +23,14 @@ func ExampleDeliverTwice() {
 	pool, done := exampleDB(ctx, `CREATE TABLE IF NOT EXISTS points (event_id uuid NOT NULL, points int NOT NULL)`)
 	defer done()
 
+	beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}),
-		Consumer: "loyalty", // required: no router names the handler here
+		Beginner: beginner,
+		Consumer: "loyalty", // required: the claim key's consumer name
 	}, nil)
 	if err != nil {
 		panic(err)

@@ -51,7 +51,7 @@ func newFixture(t *testing.T, consumer string) *fixture {
 	_, err = pool.Exec(ctx, `CREATE TABLE effect (event_id uuid NOT NULL)`)
 	require.NoError(t, err)
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}),
+		Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})),
 		Consumer: consumer,
 	}, nil)
 	require.NoError(t, err)
@@ -157,4 +157,13 @@ func TestPanicIsReported(t *testing.T) {
 	r := idempotencytest.DeliverTwice(tb, s, newMsg())
 	require.Len(t, r.Errors, 2)
 	require.Contains(t, tb.all(), "panic: boom")
+}
+
+// mustBeginner unwraps a beginner constructor's result in tests, whose
+// handles are never nil.
+func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+	if err != nil {
+		panic(err)
+	}
+	return b
 }

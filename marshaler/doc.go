@@ -1,6 +1,9 @@
 // Package marshaler defines the JSON envelope events travel in, the
-// watermill-amqp v3 marshaler that reads and writes it, and helpers for
-// producers.
+// transport-neutral decoding every transport adapter uses ([Decoder],
+// [DecodeMessage], [EncodeMessage]), the metadata keys it sets, and helpers
+// for producers. It imports no transport client: the adapters are its leaf
+// subpackages (marshaler/amqp for watermill-amqp v3, and one per other
+// Watermill Pub/Sub), so a user of one transport links no other.
 //
 // The envelope:
 //
@@ -27,17 +30,24 @@
 //   - occurred_at is kept at full precision (nanoseconds) with its offset, and
 //     the text received is written back unchanged (".000Z" stays ".000Z").
 //   - [Envelope.Encode] is deterministic and [Decode] accepts what it writes.
-//   - [AMQP.Unmarshal] never returns an error and never panics: watermill-amqp
-//     nacks with requeue on an Unmarshal error, which would redeliver the same
-//     bad message in a hot loop forever. A delivery that is not a valid
-//     envelope becomes a message flagged with [MetadataMalformed], its raw body
-//     as payload, its reason in [MetadataMalformedReason]; [AMQP.Marshal]
-//     publishes such a message to the dead-letter topic with the raw body
-//     unchanged.
-//   - Headers of every AMQP type are carried as metadata text, and headers
-//     cannot set the metadata this package derives from the delivery (a
-//     sender cannot flag, unflag or rename a message).
-//   - [AMQP.Marshal] never publishes a message without a valid event id.
+//   - The envelope never alters the text it was given: a top-level key or a
+//     string in event_id, event_name, occurred_at or an extra field that holds
+//     bytes that are not UTF-8, or a lone UTF-16 surrogate escape ("\ud800"
+//     alone), makes the envelope malformed, with the field named in the
+//     reason; it is never replaced by U+FFFD (encoding/json's silent default).
+//     The middleware parses msg.UUID with the same rules ([ParseEventID]).
+//   - [Decoder.Decode] (and every adapter's Unmarshal) never returns an error
+//     and never panics: most Watermill subscribers nack or stop on an
+//     Unmarshal error (watermill-amqp requeues it in a hot loop,
+//     watermill-nats leaves it unacked for redelivery every AckWait), so one
+//     bad message would loop forever. A body that is not a valid envelope
+//     becomes a message flagged with [MetadataMalformed], its raw body as
+//     payload, its reason in [MetadataMalformedReason]; [EncodeMessage]
+//     gives such a message's raw body unchanged for the dead-letter topic.
+//   - Headers cannot set the metadata this package derives from the delivery
+//     ([ReservedKey]: a sender cannot flag, unflag or rename a message, or
+//     fake its delivery count).
+//   - [EncodeMessage] never gives a body without a valid event id.
 //
 // # Not guaranteed
 //
@@ -45,11 +55,13 @@
 //     part of the value. Whitespace and escapes elsewhere in the envelope, and
 //     the order of its top-level keys, are not kept either.
 //   - Decoding checks the envelope, not the payload's schema: any JSON value,
-//     null included, is a payload.
+//     null included, is a payload. The payload's text is not checked for
+//     valid UTF-8 either: it is passed on byte for byte and the handler's
+//     decoder sees exactly what was sent.
 //   - A flagged (malformed) message's UUID is the delivery's message-id or a
 //     random one: it identifies nothing and must not be used to deduplicate.
-//   - The AMQP timestamp property holds whole seconds; the envelope's
-//     occurred_at is the precise time.
+//   - Transport timestamps (the AMQP timestamp property holds whole seconds)
+//     are not the event's time; the envelope's occurred_at is.
 //   - Nothing here deduplicates: that is the middleware's job, keyed on the
 //     event id this package guarantees.
 package marshaler

@@ -14,7 +14,7 @@ import (
 	"github.com/google/uuid"
 )
 
-// DefaultMaxSize is the largest envelope, in bytes, that [Decode] and [AMQP]
+// DefaultMaxSize is the largest envelope, in bytes, that [Decode] and [Decoder]
 // accept when no limit is given: 1 MiB (1 << 20 bytes). The limit applies to
 // the whole envelope body, not to the payload alone.
 const DefaultMaxSize = 1 << 20
@@ -122,8 +122,16 @@ type Envelope struct {
 //     refused: it is far more often a producer bug than an event without
 //     data). Kept byte for byte; whitespace around the value is not part of it.
 //
-// Other top-level keys go to [Envelope.Extra] unchanged. Each refusal is a
-// [*DecodeError] matching [ErrMalformed].
+// Other top-level keys go to [Envelope.Extra] unchanged.
+//
+// Every top-level key and every value but the payload must be valid text: a
+// string holding bytes that are not UTF-8, or a \u escape of a lone UTF-16
+// surrogate (\ud800 alone), is refused with the field named, never replaced by
+// U+FFFD (which encoding/json does silently), so the handler never sees other
+// text than the producer sent. The payload is not checked: it is passed on
+// byte for byte and decoded by the handler.
+//
+// Each refusal is a [*DecodeError] matching [ErrMalformed].
 func Decode(data []byte, maxSize int) (Envelope, error) {
 	if maxSize <= 0 {
 		maxSize = DefaultMaxSize
@@ -205,6 +213,12 @@ func Decode(data []byte, maxSize int) (Envelope, error) {
 
 // splitObject returns the top-level members of data, which must already be
 // valid JSON, as raw values. The raw values are copies of the input bytes.
+//
+// Every key, and every value except the payload's, must be valid text (see
+// textProblem): encoding/json would otherwise replace what is not by U+FFFD,
+// silently, so that the handler would see other bytes than the producer sent.
+// The payload is kept byte for byte and never decoded here, so it is not
+// checked: the handler's own decoder sees exactly what was sent.
 func splitObject(data []byte) (map[string]json.RawMessage, error) {
 	dec := json.NewDecoder(bytes.NewReader(data))
 	tok, err := dec.Token()
@@ -216,6 +230,7 @@ func splitObject(data []byte) (map[string]json.RawMessage, error) {
 	}
 	fields := make(map[string]json.RawMessage)
 	for dec.More() {
+		before := dec.InputOffset()
 		tok, err = dec.Token()
 		if err != nil {
 			return nil, refuse("", "not valid JSON: "+err.Error())
@@ -224,12 +239,21 @@ func splitObject(data []byte) (map[string]json.RawMessage, error) {
 		if !ok {
 			return nil, refuse("", "not valid JSON: object key is not a string")
 		}
+		// data[before:InputOffset] is the separator and the key as written.
+		if reason := textProblem(data[before:dec.InputOffset()]); reason != "" {
+			return nil, refuse("", "a top-level key is "+reason)
+		}
 		if _, dup := fields[key]; dup {
 			return nil, refuse(key, "duplicate key")
 		}
 		var raw json.RawMessage
 		if err := dec.Decode(&raw); err != nil {
 			return nil, refuse("", "not valid JSON: "+err.Error())
+		}
+		if key != keyPayload {
+			if reason := textProblem(raw); reason != "" {
+				return nil, refuse(key, reason)
+			}
 		}
 		fields[key] = raw
 	}
@@ -255,6 +279,68 @@ func jsonString(field string, raw json.RawMessage) (string, *DecodeError) {
 		return "", refuse(field, "empty")
 	}
 	return s, nil
+}
+
+// textProblem says why the JSON bytes raw are not valid text, or returns ""
+// when they are. raw is valid JSON, or a fragment of it that starts outside a
+// string. Refused: bytes that are not UTF-8 (RFC 8259 section 8.1), and
+// \u escapes of a lone UTF-16 surrogate (a high one, U+D800 to U+DBFF, not
+// followed by an escaped low one, U+DC00 to U+DFFF, or a low one alone), which
+// denote no character (RFC 8259 section 8.2). encoding/json decodes both as
+// U+FFFD without an error.
+func textProblem(raw []byte) string {
+	if !utf8.Valid(raw) {
+		return "not valid UTF-8"
+	}
+	i := bytes.IndexByte(raw, '\\')
+	if i < 0 {
+		return ""
+	}
+	// In valid JSON a backslash only occurs inside a string, starting an
+	// escape: \", \\, \/, \b, \f, \n, \r, \t or \uXXXX.
+	for ; i+1 < len(raw); i++ {
+		if raw[i] != '\\' {
+			continue
+		}
+		if raw[i+1] != 'u' {
+			i++ // skip the escaped character, which may be a backslash
+			continue
+		}
+		r, ok := hex4(raw[i+2:])
+		if !ok {
+			return "not valid JSON: bad \\u escape"
+		}
+		switch {
+		case 0xD800 <= r && r < 0xDC00:
+			if len(raw) >= i+12 && raw[i+6] == '\\' && raw[i+7] == 'u' {
+				if lo, ok := hex4(raw[i+8:]); ok && 0xDC00 <= lo && lo < 0xE000 {
+					i += 11
+					continue
+				}
+			}
+			return "a lone UTF-16 surrogate escape (not a character)"
+		case 0xDC00 <= r && r < 0xE000:
+			return "a lone UTF-16 surrogate escape (not a character)"
+		}
+		i += 5
+	}
+	return ""
+}
+
+// hex4 reads four hex digits at the start of b.
+func hex4(b []byte) (rune, bool) {
+	if len(b) < 4 {
+		return 0, false
+	}
+	var r rune
+	for _, c := range b[:4] {
+		v, ok := fromHex(c)
+		if !ok {
+			return 0, false
+		}
+		r = r<<4 | rune(v)
+	}
+	return r, true
 }
 
 func jsonKind(raw json.RawMessage) string {
@@ -290,7 +376,8 @@ func jsonKind(raw json.RawMessage) string {
 // Payload and extra values are written byte for byte, never re-encoded.
 // Encode refuses the nil EventID ([ErrNilEventID]), an empty or non-UTF-8
 // EventName, a year outside 0000-9999, a Payload or extra value that is not
-// valid JSON, and an extra key that names one of the four envelope fields.
+// valid JSON, an extra value that is not valid text (as [Decode] would
+// refuse it), and an extra key that names one of the four envelope fields.
 func (e Envelope) Encode() ([]byte, error) {
 	if e.EventID == uuid.Nil {
 		return nil, fmt.Errorf("envelope: encode: event_id: %w", ErrNilEventID)
@@ -319,6 +406,9 @@ func (e Envelope) Encode() ([]byte, error) {
 		}
 		if !json.Valid(v) {
 			return nil, fmt.Errorf("envelope: encode: extra field %q: not valid JSON", k)
+		}
+		if reason := textProblem(v); reason != "" {
+			return nil, fmt.Errorf("envelope: encode: extra field %q: %s", k, reason)
 		}
 		keys = append(keys, k)
 	}

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -13,9 +12,11 @@ import (
 // Metadata keys this package reads and writes on a Watermill message. The
 // event id is not among them: it is msg.UUID, in canonical form.
 //
-// On reception ([AMQP.Unmarshal]) the values of these keys are derived from
-// the delivery itself; incoming AMQP headers with the same names are dropped,
-// so a sender cannot flag or unflag a message or fake its event name.
+// On reception (every adapter decodes with [Decoder]) the values of these keys
+// are derived from the delivery itself; incoming headers with the same names
+// are dropped ([ReservedKey]), so a sender cannot flag or unflag a message or
+// fake its event name or delivery count. The keys are the same on every
+// transport.
 const (
 	// MetadataEventName holds the envelope's event_name, for example
 	// "order.placed". Set by [NewMessage], [FromEnvelope] and on reception;
@@ -28,7 +29,7 @@ const (
 	MetadataOccurredAt = "occurred_at"
 
 	// MetadataMalformed is "true" on a message whose delivery could not be
-	// decoded as an envelope (see [AMQP.Unmarshal]); its Payload is then the
+	// decoded as an envelope (see [Decoder.Decode]); its Payload is then the
 	// raw delivery body and its UUID is not an event id. Absent otherwise.
 	// Read it with [Malformed]. Such a message must never reach a handler: it
 	// is a permanent failure, for the dead-letter (poison) topic.
@@ -39,16 +40,22 @@ const (
 	// characters)". Set only together with [MetadataMalformed].
 	MetadataMalformedReason = "idempotency_malformed_reason"
 
-	// MetadataRedelivered is "true" when the broker flagged the delivery as
-	// redelivered (AMQP basic.deliver redelivered bit: it may have been seen,
-	// though not necessarily processed, by a consumer before), else "false".
-	// Set on every message from [AMQP.Unmarshal].
-	MetadataRedelivered = "amqp_redelivered"
+	// MetadataRedelivered is "true" when the transport reports that the
+	// message was delivered before (it may have been seen, though not
+	// necessarily processed, by a consumer), else "false"; absent when the
+	// transport cannot tell. Each adapter says where it comes from: AMQP the
+	// basic.deliver redelivered bit, JetStream NumDelivered > 1, Redis
+	// Streams a delivery count above 1 in the consumer group's pending list,
+	// Kafka never (it has no such flag). Read it with [Redelivered].
+	MetadataRedelivered = "redelivered"
 
-	// MetadataDeliveryCount holds the decimal delivery count from the
-	// x-delivery-count header that RabbitMQ quorum queues add on redelivery.
-	// Absent when unknown (classic queues, first delivery on some versions).
-	MetadataDeliveryCount = "amqp_delivery_count"
+	// MetadataDeliveryCount holds, in decimal, how many times the message was
+	// delivered before this delivery (0 on the first one), as the transport
+	// counts: AMQP the x-delivery-count header of quorum queues, JetStream
+	// NumDelivered - 1, Redis Streams the pending list's delivery count - 1.
+	// Absent when unknown (AMQP classic queues, Kafka, first delivery on some
+	// RabbitMQ versions). Read it with [DeliveryCount].
+	MetadataDeliveryCount = "delivery_count"
 
 	// MetadataExtraPrefix prefixes one metadata key per extra top-level
 	// envelope field ([Envelope.Extra]): the field "tenant" is carried as the
@@ -57,20 +64,6 @@ const (
 	// into extra fields, so each value must be valid JSON.
 	MetadataExtraPrefix = "envelope."
 )
-
-// headerDeliveryCount is the header RabbitMQ quorum queues count deliveries in.
-const headerDeliveryCount = "x-delivery-count"
-
-// reservedKey reports whether key is derived from the delivery on reception,
-// so that an incoming header of that name must not set it.
-func reservedKey(key string) bool {
-	switch key {
-	case MetadataEventName, MetadataOccurredAt, MetadataMalformed, MetadataMalformedReason,
-		MetadataRedelivered, MetadataDeliveryCount:
-		return true
-	}
-	return strings.HasPrefix(key, MetadataExtraPrefix)
-}
 
 // Malformed reports whether msg was flagged as malformed on reception
 // ([MetadataMalformed] is "true"), and why ([MetadataMalformedReason]).

@@ -66,9 +66,9 @@ func TestReservedKeys(t *testing.T) {
 	t.Parallel()
 	for _, k := range []string{MetadataEventName, MetadataOccurredAt, MetadataMalformed, MetadataMalformedReason,
 		MetadataRedelivered, MetadataDeliveryCount, MetadataExtraPrefix + "x", MetadataExtraPrefix} {
-		require.True(t, reservedKey(k), k)
+		require.True(t, ReservedKey(k), k)
 	}
 	for _, k := range []string{"x-death", "x-delivery-count", "correlation_id", "envelope", "Event_Name"} {
-		require.False(t, reservedKey(k), k)
+		require.False(t, ReservedKey(k), k)
 	}
 }

@@ -3,6 +3,7 @@ package middleware
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"time"
 
@@ -27,6 +28,9 @@ type claimRequest struct {
 	store    *processed.Store
 	consumer string
 	eventID  uuid.UUID
+	// identity is stored with the claim and compared on a duplicate
+	// (payload verification, identity.go); nil when off.
+	identity *processed.Identity
 	// lockTimeout is the dialect's lock-timeout statement and arguments,
 	// built once by NewIdempotent; nil → leave the session's lock timeout
 	// alone.
@@ -83,12 +87,19 @@ type PgxBeginnerConfig struct {
 	DisablePipeline bool
 }
 
+// ErrNilHandle: a beginner was built on a nil pool or *sql.DB.
+var ErrNilHandle = errors.New("middleware: nil database handle")
+
 // NewPgxBeginner returns the pgx v5 TxBeginner over pool. By default BEGIN,
 // the transaction's lock timeout and the claim travel in one round trip (a
 // pgx.Batch on an acquired connection) and the handler receives a pgx.Tx of
-// this package that runs on that connection (see PgxTxFromContext).
-func NewPgxBeginner(pool *pgxpool.Pool, cfg PgxBeginnerConfig) TxBeginner {
-	return &pgxBeginner{pool: pool, pipeline: !cfg.DisablePipeline}
+// this package that runs on that connection (see PgxTxFromContext). A nil
+// pool is an error wrapping ErrNilHandle.
+func NewPgxBeginner(pool *pgxpool.Pool, cfg PgxBeginnerConfig) (TxBeginner, error) {
+	if pool == nil {
+		return nil, fmt.Errorf("middleware: NewPgxBeginner: pool: %w", ErrNilHandle)
+	}
+	return &pgxBeginner{pool: pool, pipeline: !cfg.DisablePipeline}, nil
 }
 
 type pgxBeginner struct {
@@ -109,7 +120,7 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	if q, args, ok := c.lockTimeoutQuery(); ok {
 		batch.Queue(q, args...)
 	}
-	claimSQL, claimArgs := c.store.ClaimQuery(c.consumer, c.eventID)
+	claimSQL, claimArgs := c.claimQuery()
 	batch.Queue(claimSQL, claimArgs...)
 	br := conn.SendBatch(ctx, batch)
 	var tagErr error
@@ -129,7 +140,7 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	if tagErr == nil {
 		tagErr = closeErr
 	}
-	tx := &pgxTx{conn: conn, pc: conn.Conn()}
+	tx := &pgxTx{conn: conn, pc: conn.Conn(), savepoints: new(int)}
 	if tagErr != nil {
 		_ = tx.rollback(ctx)
 		tx.release()
@@ -150,7 +161,7 @@ func (b *pgxBeginner) beginClaimUnpipelined(ctx context.Context, c claimRequest)
 			return nil, false, err
 		}
 	}
-	claimed, err := c.store.Claim(ctx, sqldb.Pgx(tx), c.consumer, c.eventID)
+	claimed, err := c.claim(ctx, sqldb.Pgx(tx))
 	if err != nil {
 		_ = a.rollback(ctx)
 		return nil, false, err
@@ -182,8 +193,14 @@ func (a *pgxNativeTx) outboxExec() wsql.ContextExecutor { return wsql.TxFromPgx(
 // NewStdBeginner returns the database/sql TxBeginner over db (tested with
 // pgx's stdlib driver on PostgreSQL). Each attempt costs BeginTx, the lock
 // timeout and the claim as separate round trips; use NewPgxBeginner for the
-// fast path. The handler gets the *sql.Tx (SQLTxFromContext).
-func NewStdBeginner(db *sql.DB) TxBeginner { return &stdBeginner{db: db} }
+// fast path. The handler gets the *sql.Tx (SQLTxFromContext). A nil db is an
+// error wrapping ErrNilHandle.
+func NewStdBeginner(db *sql.DB) (TxBeginner, error) {
+	if db == nil {
+		return nil, fmt.Errorf("middleware: NewStdBeginner: db: %w", ErrNilHandle)
+	}
+	return &stdBeginner{db: db}, nil
+}
 
 type stdBeginner struct{ db *sql.DB }
 
@@ -199,7 +216,7 @@ func (b *stdBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 			return nil, false, err
 		}
 	}
-	claimed, err := c.store.Claim(ctx, sqldb.Std(tx), c.consumer, c.eventID)
+	claimed, err := c.claim(ctx, sqldb.Std(tx))
 	if err != nil {
 		_ = a.rollback(ctx)
 		return nil, false, err

@@ -17,6 +17,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	amqpmarshaler "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
@@ -47,7 +48,7 @@ func newRabbit(t *testing.T) *rabbit {
 		_ = r.conn.Close()
 	})
 	r.cfg = amqp.NewDurableQueueConfig(testenv.AMQPURL())
-	r.cfg.Marshaler = marshaler.AMQP{}
+	r.cfg.Marshaler = amqpmarshaler.Marshaler{}
 	return r
 }
 
@@ -93,8 +94,9 @@ func startConsumer(t *testing.T, r *rabbit, e *env, pool *pgxpool.Pool, calls *a
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 30 * time.Second}, logger)
 	require.NoError(t, err)
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}),
+		Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})),
 		Store:    e.store,
+		Consumer: "stock",
 	}, logger)
 	require.NoError(t, err)
 	chain, err := middleware.NewChain(middleware.ChainConfig{

@@ -31,7 +31,7 @@ func TestC12(t *testing.T) {
 	require.NoError(t, err)
 	rec := &recorder{}
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{}),
+		Beginner: mustBeginner(middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{})),
 		Store:    e.store, Consumer: "crm-copy", Recorder: rec,
 	}, nil)
 	require.NoError(t, err)

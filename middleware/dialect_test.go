@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
@@ -59,7 +60,7 @@ func TestStdDialectContract(t *testing.T) {
 				return n
 			}
 			m, err := middleware.NewIdempotent(middleware.Config{
-				Beginner: middleware.NewStdBeginner(db),
+				Beginner: mustBeginner(middleware.NewStdBeginner(db)),
 				Store:    store,
 				Consumer: "stock",
 			}, nil)
@@ -149,9 +150,13 @@ func TestPgxBeginnerNeedsPostgresStore(t *testing.T) {
 	t.Parallel()
 	store, err := processed.NewStore(processed.Config{Dialect: sqldb.MySQL})
 	require.NoError(t, err)
+	pool, err := pgxpool.New(context.Background(), testenv.PostgresURL()) // connects lazily
+	require.NoError(t, err)
+	defer pool.Close()
 	_, err = middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(nil, middleware.PgxBeginnerConfig{}),
+		Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})),
 		Store:    store,
+		Consumer: "c",
 	}, nil)
 	require.ErrorContains(t, err, "Config.Beginner")
 }

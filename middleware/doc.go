@@ -19,8 +19,11 @@
 //   - two deliveries at once: the second waits (at most Config.LockTimeout)
 //     and then skips or processes; on timeout it fails with the transient
 //     ErrInFlight;
-//   - infrastructure failures are transient (IsTransient, by type and SQLSTATE,
-//     never by message text): NewChain retries them and never poisons them;
+//   - infrastructure failures are transient (ClassOf: by origin, type and
+//     SQLSTATE, never by message text or shape alone): the chain holds the
+//     delivery and retries it in place, and never poisons it; configuration
+//     errors (a missing table or privilege) are held the same way, with an
+//     ERROR log;
 //   - with Config.Outbox, messages the handler produces are written in the
 //     same transaction and relayed after commit, at least once, each with a
 //     fixed event_id.
@@ -33,6 +36,8 @@
 //     the commit; a crash or failed publish in between loses them.
 //   - ordering: deliveries may arrive in any order; use package versioned.
 //
-// The recommended order, which NewChain builds: PoisonQueue → Retry
-// (ResetContextOnRetry) → Recoverer → Idempotent → handler.
+// The recommended order, which NewChain builds and NewHandlerMiddleware
+// composes into one middleware for handler.AddMiddleware: hold and poison →
+// Retry (ResetContextOnRetry, ordinary errors only) → Recoverer →
+// Idempotent → handler.
 package middleware

@@ -30,7 +30,7 @@ func TestStdBeginnerContract(t *testing.T) {
 	t.Cleanup(func() { _ = db.Close() })
 	var calls atomic.Int32
 	m, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewStdBeginner(db),
+		Beginner: mustBeginner(middleware.NewStdBeginner(db)),
 		Store:    e.store,
 		Consumer: "stock",
 	}, nil)
@@ -67,7 +67,7 @@ func TestPgxUnpipelinedContract(t *testing.T) {
 	e := newEnv(t)
 	var calls atomic.Int32
 	h := e.mw(e.pool, func(c *middleware.Config) {
-		c.Beginner = middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{DisablePipeline: true})
+		c.Beginner = mustBeginner(middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{DisablePipeline: true}))
 	})(func(msg *message.Message) ([]*message.Message, error) {
 		n := calls.Add(1)
 		require.NoError(t, writeEffect(msg, "x"))
@@ -165,7 +165,7 @@ func TestPipelinedTxImplementsPgxTx(t *testing.T) {
 }
 
 // Two handlers of one service receive the same event through a real Watermill
-// router: the consumer defaults to the handler name, so each applies it once.
+// router, each with its own consumer name: each applies it once.
 func TestTwoHandlersOfOneServiceEachApplyOnce(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
@@ -173,22 +173,22 @@ func TestTwoHandlersOfOneServiceEachApplyOnce(t *testing.T) {
 	pubsub := gochannel.NewGoChannel(gochannel.Config{}, logger)
 	router, err := message.NewRouter(message.RouterConfig{}, logger)
 	require.NoError(t, err)
-	mwLogger := &captureLogger{}
-	m, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{}),
-		Store:    e.store,
-	}, mwLogger)
-	require.NoError(t, err)
-	router.AddMiddleware(m.Middleware)
 	var mu sync.Mutex
 	calls := map[string]int{}
 	for _, name := range []string{"reserve_stock", "notify_warehouse"} {
-		router.AddNoPublisherHandler(name, "orders", pubsub, func(msg *message.Message) error {
+		m, err := middleware.NewIdempotent(middleware.Config{
+			Beginner: mustBeginner(middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{})),
+			Store:    e.store,
+			Consumer: name,
+		}, logger)
+		require.NoError(t, err)
+		h := router.AddConsumerHandler(name, "orders", pubsub, func(msg *message.Message) error {
 			mu.Lock()
 			calls[name]++
 			mu.Unlock()
 			return writeEffect(msg, name)
 		})
+		h.AddMiddleware(m.Middleware)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -205,30 +205,36 @@ func TestTwoHandlersOfOneServiceEachApplyOnce(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	require.Equal(t, map[string]int{"reserve_stock": 1, "notify_warehouse": 1}, calls)
-
-	// Two handlers share one topic with the default consumer name: warned
-	// once (it would be wrong for competing workers of one queue).
-	mwLogger.mu.Lock()
-	defer mwLogger.mu.Unlock()
-	warnings := 0
-	for _, l := range mwLogger.lines {
-		if l.level == "error" && l.fields["topic"] == "orders" {
-			warnings++
-		}
-	}
-	require.Equal(t, 1, warnings)
 }
 
-// Without Config.Consumer and outside a router there is no consumer name:
-// a clear permanent error, never a claim under "".
-func TestNoConsumerIsPermanent(t *testing.T) {
+// TestD14_ConsumerRequired: Config.Consumer has no default (a handler-name
+// default applied events twice when two processes of one consumer named their
+// handlers differently); empty and blank names are refused at construction,
+// naming the field, and never reach a claim.
+func TestD14_ConsumerRequired(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	h := e.mw(e.pool, func(c *middleware.Config) { c.Consumer = "" })(func(msg *message.Message) ([]*message.Message, error) {
-		t.Error("handler must not run")
-		return nil, nil
-	})
-	_, err := h(newMsg(E1))
-	require.ErrorIs(t, err, middleware.ErrNoConsumer)
-	require.True(t, middleware.IsPermanent(err))
+	for _, name := range []string{"", " ", "\t\n", "\u00a0"} {
+		_, err := middleware.NewIdempotent(middleware.Config{
+			Beginner: mustBeginner(middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{})),
+			Store:    e.store,
+			Consumer: name,
+		}, nil)
+		require.ErrorIs(t, err, middleware.ErrNoConsumer, "consumer %q", name)
+		require.ErrorContains(t, err, "Config.Consumer", "consumer %q", name)
+	}
+}
+
+// TestD14_NilHandleFailsAtConstruction: a beginner on a nil pool or *sql.DB
+// is refused when it is built, not with a panic per message.
+func TestD14_NilHandleFailsAtConstruction(t *testing.T) {
+	t.Parallel()
+	_, err := middleware.NewPgxBeginner(nil, middleware.PgxBeginnerConfig{})
+	require.ErrorIs(t, err, middleware.ErrNilHandle)
+	require.ErrorContains(t, err, "NewPgxBeginner")
+	_, err = middleware.NewPgxBeginner(nil, middleware.PgxBeginnerConfig{DisablePipeline: true})
+	require.ErrorIs(t, err, middleware.ErrNilHandle)
+	_, err = middleware.NewStdBeginner(nil)
+	require.ErrorIs(t, err, middleware.ErrNilHandle)
+	require.ErrorContains(t, err, "NewStdBeginner")
 }

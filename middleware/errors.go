@@ -1,16 +1,8 @@
 package middleware
 
 import (
-	"context"
-	"database/sql/driver"
 	"errors"
-	"io"
-	"net"
-	"syscall"
-
-	"github.com/go-sql-driver/mysql"
-	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/puddle/v2"
+	"fmt"
 )
 
 // Sentinels callers branch on with errors.Is.
@@ -25,12 +17,13 @@ var (
 
 	// ErrInFlight: another transaction holds the claim of this event and did
 	// not finish within Config.LockTimeout (PostgreSQL 55P03
-	// lock_not_available). Transient: retry later, never poison.
+	// lock_not_available). Transient:
+	// retry later, never poison.
 	ErrInFlight = errors.New("idempotency: event in flight elsewhere")
 
-	// ErrNoConsumer: neither Config.Consumer nor a Watermill handler name in
-	// the message context names the consumer. A configuration error; permanent.
-	ErrNoConsumer = errors.New("idempotency: no consumer name (set Config.Consumer or run under a Watermill router)")
+	// ErrNoConsumer: Config.Consumer is empty or blank (NewIdempotent refuses
+	// it, wrapping this sentinel).
+	ErrNoConsumer = errors.New("idempotency: no consumer name (set Config.Consumer)")
 
 	// ErrExpired: the event is older than Config.ReplayHorizon; its processed
 	// record may have been purged, so it is refused. Permanent.
@@ -41,7 +34,60 @@ var (
 	// the connection broke). The effects and the claim are gone; the message
 	// must be retried, never acked.
 	ErrCommit = errors.New("idempotency: commit failed")
+
+	// ErrConfiguration: the attempt failed because the deployment is wrong,
+	// not the message: a missing table or column (the processed table when
+	// processed.Migrate was not run), a missing privilege, an unknown schema
+	// or database (see ConfigurationError). The chain never poisons it: the
+	// delivery is held on the broker and an ERROR log says what to fix.
+	ErrConfiguration = errors.New("idempotency: configuration error")
+
+	// ErrInfrastructure: the attempt's infrastructure failed (see
+	// InfrastructureError): the middleware's own begin, claim, commit or
+	// rollback, or the attempt's connection. Transient.
+	ErrInfrastructure = errors.New("idempotency: infrastructure failure")
 )
+
+// Class is what the chain does with an error (ClassOf).
+type Class int
+
+// The error classes, see ClassOf.
+const (
+	// ClassOrdinary: a handler's own error (a bug, a 500 from a dependency,
+	// a bad payload): retried ChainConfig.MaxRetries times in-process, then
+	// poisoned. Also what an ErrorClassifier returns for errors it has no
+	// opinion about.
+	ClassOrdinary Class = iota
+	// ClassPermanent: no retry can fix it; poisoned at once.
+	ClassPermanent
+	// ClassTransient: the attempt's infrastructure failed; the delivery is
+	// held and retried in place, never poisoned.
+	ClassTransient
+	// ClassConfiguration: the deployment is wrong; held like ClassTransient,
+	// logged at ERROR with what to fix, never poisoned.
+	ClassConfiguration
+)
+
+// String is the class's name: "ordinary", "permanent", "transient",
+// "configuration".
+func (c Class) String() string {
+	switch c {
+	case ClassPermanent:
+		return "permanent"
+	case ClassTransient:
+		return "transient"
+	case ClassConfiguration:
+		return "configuration"
+	}
+	return "ordinary"
+}
+
+// ErrorClassifier classifies errors of a database driver by their code, for
+// drivers the middleware does not link (Config.Classifier): mysqlerr.Classify
+// for go-sql-driver/mysql (MySQL, MariaDB). It returns ClassOrdinary for an
+// error it has no opinion about. PostgreSQL errors (any error with a
+// SQLState() string method, as *pgconn.PgError) are classified without one.
+type ErrorClassifier func(err error) Class
 
 // PermanentError marks an error that no retry can fix: the message goes to the
 // poison/dead-letter topic once. Wrap with Permanent; detect with IsPermanent.
@@ -85,7 +131,9 @@ func IsPermanent(err error) bool {
 }
 
 // TransientError marks an error that a later attempt may not have: the message
-// is retried with backoff and never sent to the poison topic for this reason.
+// is held and retried with backoff and never sent to the poison topic for this
+// reason. A handler wraps its own errors with Transient when it knows they are
+// (a dependency that said "try later").
 type TransientError struct{ Err error }
 
 // Error is the wrapped error's text.
@@ -105,87 +153,231 @@ func Transient(err error) error {
 	return &TransientError{Err: err}
 }
 
-// IsTransient reports whether err is an infrastructure failure that retrying
-// can cure: an error with Transient() bool true (TransientError, ErrInFlight),
-// or, classified by type and SQLSTATE code and never by message text:
-// PostgreSQL class 08 (connection exception), 57P01/57P02/57P03 (admin
-// shutdown, crash shutdown, cannot connect now), 40001 (serialization
-// failure), 40P01 (deadlock), 55P03 (lock timeout), 53300 (too many
-// connections); a closed pgx pool (puddle.ErrClosedPool); network errors
-// (net.Error, ECONNREFUSED, ECONNRESET, EPIPE, io.EOF, io.ErrUnexpectedEOF);
-// MySQL/MariaDB errors 1205 (lock wait timeout), 1213 (deadlock), 1040,
-// 1053, 2006, 2013; SQLite SQLITE_BUSY and SQLITE_LOCKED; driver.ErrBadConn;
-// pgconn.SafeToRetry and pgconn.Timeout errors; and a context deadline.
-// A cancelled context (shutdown) is transient too: the message is nacked and
-// redelivered.
+// InfrastructureError is an error of the attempt's infrastructure, by origin:
+// the middleware's own begin, claim, commit or rollback failed, or the
+// handler failed and the attempt's connection was found broken (its
+// rollback failed). It is transient whatever Err looks like, and matches
+// ErrInfrastructure.
+type InfrastructureError struct {
+	// Op is what failed: "begin and claim", "commit", "rollback",
+	// "poison publish".
+	Op  string
+	Err error
+}
+
+// Error is "idempotency: <op>: <err>".
+func (e *InfrastructureError) Error() string { return "idempotency: " + e.Op + ": " + e.Err.Error() }
+
+// Unwrap returns the wrapped error.
+func (e *InfrastructureError) Unwrap() error { return e.Err }
+
+// Is reports whether target is ErrInfrastructure.
+func (e *InfrastructureError) Is(target error) bool { return target == ErrInfrastructure }
+
+// Transient reports true: see IsTransient.
+func (e *InfrastructureError) Transient() bool { return true }
+
+// ConfigurationError is a configuration error (ErrConfiguration): Hint says
+// what to fix. The chain holds the delivery and logs the hint at ERROR; it
+// never poisons it.
+type ConfigurationError struct {
+	// Hint is what to fix, for the log.
+	Hint string
+	Err  error
+}
+
+// Error is the wrapped error's text followed by the hint.
+func (e *ConfigurationError) Error() string {
+	return "idempotency: configuration: " + e.Err.Error() + " (" + e.Hint + ")"
+}
+
+// Unwrap returns the wrapped error.
+func (e *ConfigurationError) Unwrap() error { return e.Err }
+
+// Is reports whether target is ErrConfiguration.
+func (e *ConfigurationError) Is(target error) bool { return target == ErrConfiguration }
+
+// Configuration reports true: see IsConfiguration.
+func (e *ConfigurationError) Configuration() bool { return true }
+
+// ClassOf is the class of err, decided by type and origin, never by message
+// text or by shape alone:
 //
-// A permanent error (IsPermanent) is never transient, whatever it wraps: a
-// permanent error caused by a timeout must still go to the poison topic.
-func IsTransient(err error) bool {
-	if err == nil || IsPermanent(err) {
-		return false
+//   - ClassPermanent: an error in the chain has Permanent() bool true
+//     (PermanentError, …). Permanent wins over everything it wraps.
+//   - ClassConfiguration: Configuration() bool true (ConfigurationError), or
+//     a typed SQLSTATE (an error with SQLState() string, as *pgconn.PgError)
+//     of a configuration error: 42P01 undefined table, 42703 undefined
+//     column, 42883 undefined function, 42501 insufficient privilege,
+//     3F000 invalid schema, 3D000 invalid database, 28000/28P01 invalid
+//     authorization.
+//   - ClassTransient: Transient() bool true (TransientError,
+//     InfrastructureError, operation's transient errors), ErrInFlight, or a
+//     typed SQLSTATE of a connection or server-state failure: class 08
+//     (connection exception), class 53 (insufficient resources: 53100 disk
+//     full, 53200 out of memory, 53300 too many connections, …), 57P01,
+//     57P02, 57P03 (shutdown, cannot connect now), 58030 (I/O error), 25006
+//     (read-only transaction: a standby or a demoted primary), 25P03/25P04
+//     (session ended by a timeout), 40001 (serialization failure), 40P01
+//     (deadlock), 55P03 (lock not available).
+//   - ClassOrdinary: everything else, including a bare io.EOF, net.Error,
+//     context.DeadlineExceeded, syscall.ECONNREFUSED or driver.ErrBadConn
+//     that a handler returns: it may come from the handler's own
+//     dependencies, so it is retried then poisoned unless the handler wraps
+//     it with Transient. The same errors from the middleware's own calls
+//     are InfrastructureErrors (transient) by origin.
+//
+// The idempotent middleware applies Config.Classifier to the attempt's
+// errors before they leave it (MySQL codes: mysqlerr.Classify), so its
+// result is visible here through the wrappers it adds. A nil err is
+// ClassOrdinary.
+func ClassOf(err error) Class {
+	if err == nil {
+		return ClassOrdinary
+	}
+	if IsPermanent(err) {
+		return ClassPermanent
+	}
+	var c interface{ Configuration() bool }
+	if errors.As(err, &c) && c.Configuration() {
+		return ClassConfiguration
 	}
 	var t interface{ Transient() bool }
 	if errors.As(err, &t) && t.Transient() {
-		return true
+		return ClassTransient
 	}
 	if errors.Is(err, ErrInFlight) {
-		return true
+		return ClassTransient
 	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		return transientSQLState(pgErr.Code)
-	}
-	var myErr *mysql.MySQLError
-	if errors.As(err, &myErr) {
-		// 1205 lock wait timeout, 1213 deadlock, 1040 too many connections,
-		// 1053 server shutdown, 2006/2013 server gone / lost connection.
-		switch myErr.Number {
-		case 1205, 1213, 1040, 1053, 2006, 2013:
-			return true
-		}
-		return false
-	}
-	var liteErr interface{ Code() int }
-	if errors.As(err, &liteErr) {
-		// SQLite primary result codes 5 SQLITE_BUSY and 6 SQLITE_LOCKED
-		// (the extended code's low byte), as modernc.org/sqlite reports them.
-		switch liteErr.Code() & 0xff {
-		case 5, 6:
-			return true
-		}
-	}
-	if errors.Is(err, driver.ErrBadConn) || errors.Is(err, mysql.ErrInvalidConn) {
-		return true
-	}
-	if errors.Is(err, puddle.ErrClosedPool) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
-		return true
-	}
-	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) ||
-		errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) {
-		return true
-	}
-	var netErr net.Error
-	if errors.As(err, &netErr) {
-		return true
-	}
-	var connectErr *pgconn.ConnectError
-	if errors.As(err, &connectErr) {
-		return true
-	}
-	if pgconn.SafeToRetry(err) || pgconn.Timeout(err) {
-		return true
-	}
-	return false
+	return sqlStateClass(err)
 }
 
-func transientSQLState(code string) bool {
-	if len(code) == 5 && code[:2] == "08" {
-		return true
+// IsTransient reports whether err is an infrastructure failure that retrying
+// in place can cure: ClassOf(err) == ClassTransient. A permanent error is
+// never transient, whatever it wraps.
+func IsTransient(err error) bool { return ClassOf(err) == ClassTransient }
+
+// IsConfiguration reports whether err is a configuration error:
+// ClassOf(err) == ClassConfiguration.
+func IsConfiguration(err error) bool { return ClassOf(err) == ClassConfiguration }
+
+// sqlStateClass classifies a typed SQLSTATE in err's chain.
+func sqlStateClass(err error) Class {
+	var s interface{ SQLState() string }
+	if !errors.As(err, &s) {
+		return ClassOrdinary
+	}
+	return sqlStateCodeClass(s.SQLState())
+}
+
+func sqlStateCodeClass(code string) Class {
+	if len(code) != 5 {
+		return ClassOrdinary
+	}
+	switch code[:2] {
+	case "08", "53":
+		return ClassTransient
 	}
 	switch code {
-	case "57P01", "57P02", "57P03", "40001", "40P01", "55P03", "53300", "53400":
-		return true
+	case "57P01", "57P02", "57P03", "58030", "25006", "25P03", "25P04", "40001", "40P01", "55P03":
+		return ClassTransient
+	case "42P01", "42703", "42883", "42501", "3F000", "3D000", "28000", "28P01":
+		return ClassConfiguration
 	}
-	return false
+	return ClassOrdinary
+}
+
+// classify applies the driver classifier to err (when err is not classified
+// yet) and wraps it so that ClassOf sees the result.
+func classify(err error, cls ErrorClassifier) error {
+	if err == nil {
+		return err
+	}
+	c := ClassOf(err)
+	if c == ClassOrdinary && cls != nil {
+		c = cls(err)
+		switch c {
+		case ClassTransient:
+			return Transient(err)
+		case ClassPermanent:
+			return permanent("driver", err)
+		}
+	}
+	var ce *ConfigurationError
+	if c == ClassConfiguration && !errors.As(err, &ce) {
+		return &ConfigurationError{Hint: "the database refused a statement of the handler: create the missing table or column (run the migrations), or grant the privilege", Err: err}
+	}
+	return err
+}
+
+const claimHint = "the claim failed: run processed.Migrate for this store's table, check the schema/search_path and that the role may INSERT into it"
+
+// claimError classifies an error of the middleware's own BEGIN, lock
+// timeout and claim (the attempt's connection, by origin): a lock timeout is
+// ErrInFlight, a configuration code is a ConfigurationError, anything else
+// an InfrastructureError (the connection or the server failed).
+func claimError(err error, cls ErrorClassifier) error {
+	var ce *ConfigurationError
+	if IsPermanent(err) || errors.As(err, &ce) {
+		return err
+	}
+	if cls != nil && ClassOf(err) == ClassOrdinary {
+		if c := cls(err); c == ClassConfiguration {
+			return &ConfigurationError{Hint: claimHint, Err: err}
+		}
+	}
+	var s interface{ SQLState() string }
+	if errors.As(err, &s) {
+		switch sqlStateCodeClass(s.SQLState()) {
+		case ClassConfiguration:
+			return &ConfigurationError{Hint: claimHint, Err: err}
+		case ClassOrdinary:
+			// A server error on a healthy connection: our statement does
+			// not fit the table (created by another version, wrong types).
+			return &ConfigurationError{Hint: claimHint, Err: err}
+		}
+		if s.SQLState() == "55P03" {
+			return fmt.Errorf("%w: %w", ErrInFlight, err)
+		}
+	}
+	// SQLite (modernc.org/sqlite) reports SQLITE_ERROR (1) for "no such
+	// table" and other errors in our own statement: a configuration error
+	// when it comes from the claim on the attempt's connection (origin, not
+	// shape: handler errors are never classified this way).
+	var lite interface{ Code() int }
+	if errors.As(err, &lite) && lite.Code()&0xff == 1 {
+		return &ConfigurationError{Hint: claimHint, Err: err}
+	}
+	return &InfrastructureError{Op: "begin and claim", Err: err}
+}
+
+// attemptError classifies the error with which an attempt failed after the
+// claim (handler, outbox write): a failed rollback means the attempt's
+// connection broke (InfrastructureError, transient) unless err is
+// permanent; otherwise Config.Classifier may classify a driver code.
+func attemptError(err, rbErr error, cls ErrorClassifier) error {
+	if rbErr != nil {
+		if IsPermanent(err) {
+			return errors.Join(err, fmt.Errorf("idempotency: rollback: %w", rbErr))
+		}
+		return &InfrastructureError{Op: "rollback", Err: errors.Join(err, rbErr)}
+	}
+	return classify(err, cls)
+}
+
+// classifyCommitError classifies a failed COMMIT: ErrTxCommitRollback-like answers
+// (a statement of the handler failed) stay ordinary, a typed code keeps its
+// class, and any other failure is the connection's (InfrastructureError).
+func classifyCommitError(cErr error, rolledBack bool, cls ErrorClassifier) error {
+	if rolledBack || IsPermanent(cErr) {
+		return cErr
+	}
+	if c := classify(cErr, cls); ClassOf(c) != ClassOrdinary {
+		return c
+	}
+	var s interface{ SQLState() string }
+	if errors.As(cErr, &s) {
+		return cErr // e.g. a deferred constraint: the handler's data
+	}
+	return &InfrastructureError{Op: "commit", Err: cErr}
 }

@@ -5,7 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"sync"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -36,15 +36,16 @@ type Config struct {
 	// processed.NewStore(processed.Config{}) (table processed_event).
 	Store *processed.Store
 
-	// Consumer is the first half of the claim key (consumer, event_id).
-	// Defaults to the Watermill handler name of the message's context
-	// (message.HandlerNameFromCtx), so two handlers of one service that
-	// receive the same event each apply it once. Set it whenever several
-	// handlers COMPETE on one queue (workers of one consumer: Watermill
-	// requires distinct handler names, which would otherwise give each worker
-	// its own key and apply an event once per worker), and to keep the key
-	// stable when handler names change. With neither, every message fails
-	// with the permanent ErrNoConsumer.
+	// Consumer is the first half of the claim key (consumer, event_id): the
+	// name of the logical consumer whose effects the middleware applies once.
+	// Required; blank or whitespace-only names are refused. Competing
+	// workers of one consumer (processes or handlers reading one queue) must
+	// share it; two handlers that each receive their own copy of an event
+	// (fan-out) use two names, and each applies it once. There is no default:
+	// a default from the Watermill handler name applied events twice when two
+	// processes of one consumer named their handlers differently. Keep it
+	// stable across deployments: renaming it makes every retained event new
+	// again.
 	Consumer string
 
 	// LockTimeout bounds the wait on a claim held by another, uncommitted
@@ -91,10 +92,34 @@ type Config struct {
 	// loses them (the redelivery is a duplicate and produces nothing).
 	Outbox *outbox.Outbox
 
+	// DisablePayloadVerification turns off the check of duplicates against
+	// what was applied. With it on (the default), the claim also stores the
+	// event's name and a fingerprint of its name and payload bytes
+	// (processed.NewIdentity; needs processed migration 0003), and a
+	// duplicate is compared with the row it collided with: equal, or a row
+	// without fingerprint (written before the migration), → a duplicate as
+	// always; different → another event under a reused event_id, refused as
+	// permanent (ErrEventIDReused, reason "event_id_reused", OutcomeConflict,
+	// logged at error with both event names), so it reaches the poison topic
+	// once instead of being acked unseen. A new event pays the hash (about a
+	// microsecond per KiB) and ~40 bytes more per row, in the same single
+	// INSERT; a duplicate pays one more primary-key lookup. Defaults to
+	// false (verification on).
+	DisablePayloadVerification bool
+
 	// OutboxTopic is the destination topic of returned messages written to
 	// the outbox. Defaults to the handler's publish topic
 	// (message.PublishTopicFromCtx).
 	OutboxTopic string
+
+	// Classifier classifies, by code, database errors of a driver the
+	// middleware does not link, when they come out of an attempt (claim,
+	// handler statements on the attempt's transaction, commit): set
+	// mysqlerr.Classify with go-sql-driver/mysql (MySQL, MariaDB).
+	// PostgreSQL SQLSTATEs need none (see ClassOf). Defaults to none: MySQL
+	// errors of the middleware's own calls are then infrastructure by
+	// origin, and those of the handler ordinary.
+	Classifier ErrorClassifier
 }
 
 func (c *Config) setDefaults() error {
@@ -122,6 +147,12 @@ func (c Config) Validate() error {
 	if c.Beginner == nil {
 		return errors.New("middleware: Config.Beginner is required (NewPgxBeginner or NewStdBeginner)")
 	}
+	if strings.TrimSpace(c.Consumer) == "" {
+		if c.Consumer == "" {
+			return fmt.Errorf("middleware: Config.Consumer is required (the claim key's consumer name, shared by competing workers): %w", ErrNoConsumer)
+		}
+		return fmt.Errorf("middleware: Config.Consumer %q: blank name: %w", c.Consumer, ErrNoConsumer)
+	}
 	if c.ReplayHorizon < 0 {
 		return fmt.Errorf("middleware: Config.ReplayHorizon %s: must be ≥ 0", c.ReplayHorizon)
 	}
@@ -136,11 +167,6 @@ type Idempotent struct {
 	cfg         Config
 	logger      watermill.LoggerAdapter
 	lockTimeout *lockTimeoutStmt // built once from cfg.LockTimeout
-
-	// topicHandlers remembers, per subscribe topic, the first handler name
-	// seen when the consumer defaults to it (see warnSharedTopic).
-	topicHandlers sync.Map // topic → handler name
-	warned        sync.Map // topic → struct{}
 }
 
 // NewIdempotent validates cfg (on a copy with defaults applied) and returns
@@ -172,26 +198,31 @@ func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, err
 //     called, nil is returned (the router acks); logged at debug, recorded
 //     as OutcomeDuplicate.
 //  4. One row: h runs with the transaction in its context (PgxTxFromContext,
-//     SQLTxFromContext, QuerierFromContext). If h returns an error or panics,
-//     the transaction is rolled back (claim and effects vanish together) and
-//     the error is returned, or the panic re-raised, for Retry, PoisonQueue
-//     and Recoverer outside. Otherwise the transaction commits; a commit that
-//     did not commit is an error wrapping ErrCommit.
+//     SQLTxFromContext, QuerierFromContext). The messages it produces (those
+//     it returns, and with Config.Outbox those it publishes through
+//     PublisherFromContext) are checked (ErrInvalidProduced) and, with an
+//     outbox, written to it in the transaction. Then the transaction
+//     commits; a commit that did not commit is an error wrapping ErrCommit.
+//
+// A failed attempt leaves nothing: if h returns an error or panics, a
+// produced message is invalid, the outbox write fails or panics, or the
+// commit fails, the transaction is rolled back (claim, effects and outbox
+// rows vanish together), no message is returned (so a PoisonQueue outside
+// that turns the error into an ack publishes none either), and the error is
+// returned, or the panic re-raised, for Retry, PoisonQueue and Recoverer.
 //
 // The message's context is restored after the attempt, the connection is
-// returned to its pool on every path, and each attempt (Watermill's Retry
-// calls the chain again with the same message) gets a fresh transaction.
-// Messages h returns are returned after the commit, for the router to
+// returned to its pool on every path (panics included: one deferred cleanup
+// ends every attempt), and each attempt (Watermill's Retry calls the chain
+// again with the same message) gets a fresh transaction. Without an outbox,
+// the messages h returns are returned after the commit, for the router to
 // publish: a crash between the commit and that publish loses them.
 func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) (produced []*message.Message, err error) {
+	return func(msg *message.Message) (_ []*message.Message, err error) {
 		start := time.Now()
 		origCtx := msg.Context()
+		defer func() { m.guardUnchained(origCtx, msg, err) }()
 		consumer := m.cfg.Consumer
-		if consumer == "" {
-			consumer = message.HandlerNameFromCtx(origCtx)
-			m.warnSharedTopic(origCtx, consumer)
-		}
 		fields := watermill.LogFields{
 			"event_id":     msg.UUID,
 			"event_name":   marshaler.EventName(msg),
@@ -200,19 +231,19 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			"attempt":      nextAttempt(msg),
 		}
 		reject := func(o Outcome, reason string, err error) ([]*message.Message, error) {
-			err = permanent(reason, err)
-			m.finish(consumer, o, start, 0, fields, err)
-			return nil, err
+			return nil, m.finish(consumer, o, start, 0, fields, permanent(reason, err))
 		}
 		if reason, bad := marshaler.Malformed(msg); bad {
+			// msg.UUID is the transport's message id here, not an event id.
+			delete(fields, "event_id")
+			fields["transport_message_id"] = msg.UUID
 			return reject(OutcomeRejected, "malformed", fmt.Errorf("%w: %s", ErrMalformed, reason))
 		}
-		if consumer == "" {
-			return reject(OutcomeRejected, "no_consumer", ErrNoConsumer)
-		}
-		eventID, perr := uuid.Parse(msg.UUID)
-		if perr != nil || eventID == uuid.Nil {
-			return reject(OutcomeRejected, "invalid_event_id", fmt.Errorf("%w: %q", ErrInvalidEventID, msg.UUID))
+		eventID, perr := marshaler.ParseEventID(msg.UUID) // the marshaler's strict forms, never uuid.Parse's lenient ones
+		if perr != nil {
+			delete(fields, "event_id")
+			fields["transport_message_id"] = msg.UUID
+			return reject(OutcomeRejected, "invalid_event_id", invalidEventID(msg.UUID))
 		}
 		fields["event_id"] = eventID.String()
 		if m.cfg.ReplayHorizon > 0 {
@@ -221,71 +252,103 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 					ErrExpired, eventID, at.UTC().Format(time.RFC3339Nano), m.cfg.ReplayHorizon))
 			}
 		}
-
-		tx, claimed, err := m.cfg.Beginner.beginClaim(origCtx, claimRequest{
-			store:       m.cfg.Store,
-			consumer:    consumer,
-			eventID:     eventID,
-			lockTimeout: m.lockTimeout,
-		})
-		claimDur := time.Since(start)
-		if err != nil {
-			err = classifyClaimError(err)
-			m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
-			return nil, fmt.Errorf("idempotency: begin and claim %s/%s: %w", consumer, eventID, err)
-		}
-		defer tx.release()
-
-		if !claimed {
-			// Nothing was written: end the transaction and ack.
-			if rbErr := rollback(origCtx, tx); rbErr != nil {
-				m.logger.Debug("Rollback after duplicate failed", fields.Add(watermill.LogFields{"err": rbErr}))
-			}
-			m.finish(consumer, OutcomeDuplicate, start, claimDur, fields, nil)
-			return nil, nil
-		}
-
-		crashpoint.Reached(crashpoint.AfterClaim)
-		state := &attemptState{consumer: consumer, outcome: OutcomeProcessed, outbox: m.cfg.Outbox, tx: tx}
-		msg.SetContext(context.WithValue(tx.bind(origCtx), attemptKey{}, state))
-		done := false
-		defer func() {
-			msg.SetContext(origCtx)
-			if done {
-				return
-			}
-			// h panicked: roll back, then let the panic continue outwards.
-			r := recover()
-			_ = rollback(origCtx, tx)
-			m.finish(consumer, OutcomeFailed, start, claimDur, fields, fmt.Errorf("panic: %v", r))
-			panic(r)
-		}()
-
-		produced, err = h(msg)
-		done = true
-		if err == nil && m.cfg.Outbox != nil && len(produced) > 0 {
-			if err = m.writeOutbox(origCtx, state, produced); err == nil {
-				produced = nil
-			}
-		}
-		if err != nil {
-			if rbErr := rollback(origCtx, tx); rbErr != nil {
-				err = errors.Join(err, fmt.Errorf("idempotency: rollback: %w", rbErr))
-			}
-			m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
-			return produced, err
-		}
-		crashpoint.Reached(crashpoint.BeforeCommit)
-		if cErr := tx.commit(origCtx); cErr != nil {
-			_ = rollback(origCtx, tx)
-			err = fmt.Errorf("%w: %s/%s: %w", ErrCommit, consumer, eventID, cErr)
-			m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
-			return nil, err
-		}
-		crashpoint.Reached(crashpoint.AfterCommit)
-		m.finish(consumer, state.outcome, start, claimDur, fields, nil)
-		return produced, nil
+		return m.attempt(h, msg, origCtx, consumer, eventID, start, fields)
 	}
+}
+
+// attempt runs one claimed attempt: begin+claim, the handler, the produced
+// messages, commit. Every path after the claim ends in the single deferred
+// cleanup, which rolls back whatever did not commit and releases the
+// connection, so a panic anywhere (handler, outbox write, schema adapter,
+// commit) leaves no transaction, no lock and no acquired connection behind.
+func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCtx context.Context,
+	consumer string, eventID uuid.UUID, start time.Time, fields watermill.LogFields) ([]*message.Message, error) {
+	// Begin and claim: errors here come from the attempt's own connection.
+	req := claimRequest{
+		store:       m.cfg.Store,
+		consumer:    consumer,
+		eventID:     eventID,
+		identity:    m.identityOf(msg),
+		lockTimeout: m.lockTimeout,
+	}
+	tx, claimed, err := m.cfg.Beginner.beginClaim(origCtx, req)
+	claimDur := time.Since(start)
+	if err != nil {
+		err = fmt.Errorf("idempotency: begin and claim %s/%s: %w", consumer, eventID, claimError(err, m.cfg.Classifier))
+		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
+	}
+
+	// ended is set once the transaction was committed or rolled back on a
+	// path that returns; any other exit (a panic, runtime.Goexit) rolls back
+	// here.
+	ended := false
+	defer func() {
+		msg.SetContext(origCtx)
+		if ended {
+			tx.release()
+			return
+		}
+		r := recover()
+		_ = rollback(origCtx, tx)
+		tx.release()
+		if r == nil { // runtime.Goexit (t.FailNow in a handler): nothing to re-raise
+			return
+		}
+		_ = m.finish(consumer, OutcomeFailed, start, claimDur, fields, fmt.Errorf("idempotency: panic: %v", r))
+		panic(r)
+	}()
+
+	if !claimed {
+		// A duplicate: with payload verification, the stored fingerprint
+		// must be this message's (identity.go).
+		if conflict, vErr := m.verifyDuplicate(origCtx, tx, req, fields); vErr != nil {
+			_ = rollback(origCtx, tx)
+			ended = true
+			if conflict {
+				return nil, m.finish(consumer, OutcomeConflict, start, claimDur, fields, permanent("event_id_reused", vErr))
+			}
+			return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, claimError(vErr, m.cfg.Classifier))
+		}
+		// Nothing was written: end the transaction and ack.
+		if rbErr := rollback(origCtx, tx); rbErr != nil {
+			m.logger.Debug("Rollback after duplicate failed", fields.Add(watermill.LogFields{"error": oneLine(rbErr.Error())}))
+		}
+		ended = true
+		_ = m.finish(consumer, OutcomeDuplicate, start, claimDur, fields, nil)
+		return nil, nil
+	}
+
+	crashpoint.Reached(crashpoint.AfterClaim)
+	state := &attemptState{consumer: consumer, outcome: OutcomeProcessed, outbox: m.cfg.Outbox, tx: tx}
+	msg.SetContext(context.WithValue(tx.bind(origCtx), attemptKey{}, state))
+
+	produced, err := h(msg)
+	if err == nil {
+		// A refusal of PublisherFromContext fails the attempt even when
+		// the handler ignored the error it returned.
+		err = state.refused
+	}
+	if err == nil {
+		produced, err = m.emit(origCtx, state, produced)
+	}
+	if err != nil {
+		err = attemptError(err, rollback(origCtx, tx), m.cfg.Classifier)
+		ended = true
+		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
+	}
+
+	crashpoint.Reached(crashpoint.BeforeCommit)
+	// Commit: errors here come from the attempt's own connection, except
+	// ErrTxAborted (a handler statement failed and the handler went on).
+	if cErr := tx.commit(origCtx); cErr != nil {
+		_ = rollback(origCtx, tx)
+		ended = true
+		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, commitError(consumer, eventID, cErr, m.cfg.Classifier))
+	}
+	ended = true
+	crashpoint.Reached(crashpoint.AfterCommit)
+	_ = m.finish(consumer, state.outcome, start, claimDur, fields, nil)
+	return produced, nil
 }
 
 // rollback ends tx on a context that survives the message context's
@@ -296,14 +359,40 @@ func rollback(ctx context.Context, tx attemptTx) error {
 	return tx.rollback(c)
 }
 
-func (m *Idempotent) writeOutbox(ctx context.Context, st *attemptState, msgs []*message.Message) error {
-	topic := m.cfg.OutboxTopic
-	if topic == "" {
-		topic = message.PublishTopicFromCtx(ctx)
+// emit checks every message the attempt produced (returned and published
+// through PublisherFromContext) and, with an outbox, writes them to it in the
+// attempt's transaction. It returns the messages for the router: none with
+// an outbox.
+func (m *Idempotent) emit(ctx context.Context, st *attemptState, returned []*message.Message) ([]*message.Message, error) {
+	for _, p := range returned {
+		if err := checkProduced(p); err != nil {
+			return nil, err
+		}
 	}
-	if topic == "" {
-		return permanent("no_outbox_topic", errors.New("idempotency: the handler returned messages but neither Config.OutboxTopic nor the handler's publish topic names their destination"))
+	if m.cfg.Outbox == nil {
+		return returned, nil
 	}
+	for _, b := range st.buffered {
+		if err := m.writeOutbox(ctx, st, b.topic, b.msgs); err != nil {
+			return nil, err
+		}
+	}
+	if len(returned) > 0 {
+		topic := m.cfg.OutboxTopic
+		if topic == "" {
+			topic = message.PublishTopicFromCtx(ctx)
+		}
+		if topic == "" {
+			return nil, permanent("no_outbox_topic", errors.New("idempotency: the handler returned messages but neither Config.OutboxTopic nor the handler's publish topic names their destination"))
+		}
+		if err := m.writeOutbox(ctx, st, topic, returned); err != nil {
+			return nil, err
+		}
+	}
+	return nil, nil
+}
+
+func (m *Idempotent) writeOutbox(_ context.Context, st *attemptState, topic string, msgs []*message.Message) error {
 	pub, err := st.publisher()
 	if err != nil {
 		return err
@@ -312,36 +401,6 @@ func (m *Idempotent) writeOutbox(ctx context.Context, st *attemptState, msgs []*
 		return fmt.Errorf("idempotency: write produced messages to the outbox: %w", err)
 	}
 	return nil
-}
-
-// warnSharedTopic logs once per topic when two handlers with the default
-// consumer name (their own names) consume one subscribe topic. That is right
-// when each receives its own copy (fan-out: two effects of one event), and
-// wrong when they compete for one queue (workers of one consumer: an event
-// redelivered to the other worker would be applied again): Config.Consumer
-// must then be set.
-func (m *Idempotent) warnSharedTopic(ctx context.Context, handler string) {
-	topic := message.SubscribeTopicFromCtx(ctx)
-	if topic == "" || handler == "" {
-		return
-	}
-	// Load first: on the hot path the topic is known and nothing is stored
-	// (LoadOrStore would box the name on every message).
-	first, ok := m.topicHandlers.Load(topic)
-	if !ok {
-		first, ok = m.topicHandlers.LoadOrStore(topic, handler)
-	}
-	if !ok || first == handler {
-		return
-	}
-	if _, done := m.warned.LoadOrStore(topic, struct{}{}); done {
-		return
-	}
-	m.logger.Error("Several handlers consume one topic with the default consumer name", nil, watermill.LogFields{
-		"topic":    topic,
-		"handlers": fmt.Sprintf("%s, %s", first, handler),
-		"hint":     "if they compete for one queue (workers of one consumer), set middleware.Config.Consumer, or an event redelivered to another worker is applied again; if each gets its own copy (fan-out), this is fine",
-	})
 }
 
 // MetadataAttempt is the metadata key in which the middleware counts its
@@ -372,18 +431,17 @@ func eventTime(msg *message.Message, id uuid.UUID) (time.Time, bool) {
 	return time.Time{}, false
 }
 
-func classifyClaimError(err error) error {
-	if IsTransient(err) {
-		var pgCode interface{ SQLState() string }
-		if errors.As(err, &pgCode) && pgCode.SQLState() == "55P03" {
-			return fmt.Errorf("%w: %w", ErrInFlight, err)
-		}
-		return Transient(err)
-	}
-	return err
-}
-
-func (m *Idempotent) finish(consumer string, o Outcome, start time.Time, claim time.Duration, fields watermill.LogFields, err error) {
+// finish records the attempt's outcome and logs it, and returns err as the
+// attempt returns it (on one line: see singleLine), so that the log and the
+// error the router, Retry and PoisonQueue see carry the same text. A
+// processed event is logged at trace, a skipped one (duplicate, stale,
+// obsolete) at debug. Any other outcome is logged with the logger's Error
+// (Watermill's LoggerAdapter has no warn level; the adapter puts err in its
+// error field, "error" for watermill.NewSlogLogger) when the chain would send
+// it towards the poison topic (ShouldPoison: rejections, handler errors), and
+// at info with the field "error" when it is transient (the message stays on
+// the broker and is retried).
+func (m *Idempotent) finish(consumer string, o Outcome, start time.Time, claim time.Duration, fields watermill.LogFields, err error) error {
 	total := time.Since(start)
 	handlerName, _ := fields["handler_name"].(string)
 	m.cfg.Recorder.RecordOutcome(Observation{Consumer: consumer, HandlerName: handlerName, Outcome: o, Claim: claim, Total: total})
@@ -391,9 +449,20 @@ func (m *Idempotent) finish(consumer string, o Outcome, start time.Time, claim t
 	switch o {
 	case OutcomeProcessed:
 		m.logger.Trace("Event processed", f)
+		return nil
 	case OutcomeDuplicate, OutcomeStale, OutcomeObsolete:
 		m.logger.Debug("Event skipped", f)
-	default:
-		m.logger.Info("Event not processed", f.Add(watermill.LogFields{"err": err}))
+		return nil
 	}
+	err = singleLine(err)
+	var p *PermanentError
+	if errors.As(err, &p) {
+		f = f.Add(watermill.LogFields{"reason": p.Reason})
+	}
+	if ShouldPoison(err) {
+		m.logger.Error("Event not processed", err, f)
+	} else {
+		m.logger.Info("Event not processed, will be retried", f.Add(watermill.LogFields{"error": err}))
+	}
+	return err
 }

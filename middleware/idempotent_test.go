@@ -54,7 +54,7 @@ func newEnv(t *testing.T) *env {
 func (e *env) mw(pool *pgxpool.Pool, mod func(*middleware.Config)) message.HandlerMiddleware {
 	e.t.Helper()
 	cfg := middleware.Config{
-		Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}),
+		Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})),
 		Store:    e.store,
 		Consumer: "stock",
 	}
@@ -389,7 +389,8 @@ func TestConfigValidate(t *testing.T) {
 	_, err := middleware.NewIdempotent(middleware.Config{}, nil)
 	require.ErrorContains(t, err, "Config.Beginner")
 	_, err = middleware.NewIdempotent(middleware.Config{
-		Beginner:    middleware.NewStdBeginner(nil),
+		Beginner:    middleware.NewSQLSubscriberBeginner(),
+		Consumer:    "c",
 		LockTimeout: time.Microsecond,
 	}, nil)
 	require.ErrorContains(t, err, "Config.LockTimeout")
@@ -412,4 +413,13 @@ func TestDuplicateIsCountedAndAcked(t *testing.T) {
 	require.Equal(t, 1, rec.Count(middleware.OutcomeProcessed))
 	require.Equal(t, 2, rec.Count(middleware.OutcomeDuplicate))
 	require.Equal(t, 1, e.effects(E1))
+}
+
+// mustBeginner unwraps a beginner constructor's result in tests, whose
+// handles are never nil.
+func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+	if err != nil {
+		panic(err)
+	}
+	return b
 }

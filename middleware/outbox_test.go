@@ -53,7 +53,7 @@ func runChild(mode string) int {
 	ob, _ := outbox.New(outbox.Config{}, nil)
 	store, _ := processed.NewStore(processed.Config{})
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner:    middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}),
+		Beginner:    mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})),
 		Store:       store,
 		Consumer:    "order-confirmation",
 		Outbox:      ob,

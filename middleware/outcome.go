@@ -38,6 +38,19 @@ type attemptState struct {
 	outbox   *outbox.Outbox
 	tx       attemptTx
 	pub      message.Publisher
+
+	// buffered holds what the handler published through
+	// PublisherFromContext; it is written to the outbox only once the
+	// handler succeeded, and dropped with the attempt otherwise.
+	buffered []publishCall
+	// refused is the first refusal of PublisherFromContext (an invalid
+	// message): it fails the attempt even if the handler ignored it.
+	refused error
+}
+
+type publishCall struct {
+	topic string
+	msgs  []*message.Message
 }
 
 func (st *attemptState) publisher() (message.Publisher, error) {
@@ -77,6 +90,13 @@ func ConsumerFromContext(ctx context.Context) (string, bool) {
 // Config.Outbox set, a publisher that writes into that outbox in the
 // attempt's transaction: what it publishes is sent (by the relay) only if the
 // attempt commits. ok is false outside the middleware or without an outbox.
+//
+// Publish checks each message at once (an envelope the relay can send: see
+// Middleware) and keeps it in memory; the middleware writes them to the outbox
+// after the handler returned successfully, in the same transaction, and drops
+// them when the attempt fails. An invalid message, or an empty topic, makes
+// Publish return a permanent error wrapping ErrInvalidProduced, and fails the
+// attempt even if the handler ignores that error.
 func PublisherFromContext(ctx context.Context) (pub message.Publisher, ok bool) {
 	st, ok := ctx.Value(attemptKey{}).(*attemptState)
 	if !ok || st.outbox == nil {
@@ -88,11 +108,18 @@ func PublisherFromContext(ctx context.Context) (pub message.Publisher, ok bool) 
 type ctxPublisher struct{ st *attemptState }
 
 func (p ctxPublisher) Publish(topic string, msgs ...*message.Message) error {
-	pub, err := p.st.publisher()
+	err := checkTopic(topic)
+	for i := 0; err == nil && i < len(msgs); i++ {
+		err = checkProduced(msgs[i])
+	}
 	if err != nil {
+		if p.st.refused == nil {
+			p.st.refused = err
+		}
 		return err
 	}
-	return pub.Publish(topic, msgs...)
+	p.st.buffered = append(p.st.buffered, publishCall{topic: topic, msgs: append([]*message.Message(nil), msgs...)})
+	return nil
 }
 
 // Close is a no-op: the publisher lives as long as the attempt.

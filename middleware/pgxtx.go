@@ -3,7 +3,7 @@ package middleware
 import (
 	"context"
 	"errors"
-	"fmt"
+	"strconv"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/jackc/pgx/v5"
@@ -23,7 +23,9 @@ import (
 //     pgx.ErrTxCommitRollback. Commit or Rollback on a closed tx returns
 //     pgx.ErrTxClosed; Rollback after Commit is therefore safe.
 //   - Begin opens a savepoint ("pseudo nested transaction"): its Commit
-//     releases the savepoint, its Rollback rolls back to it.
+//     releases the savepoint, its Rollback rolls back to it. Every savepoint
+//     of one transaction has a name of its own (a counter kept by the root,
+//     as pgx's own transaction type does), so two siblings never share one.
 //   - LargeObjects: pgx.LargeObjects has no exported constructor, so the first
 //     call sends pgx's own BEGIN on the connection to obtain one. PostgreSQL
 //     answers with a WARNING (25001, a transaction is already in progress)
@@ -39,8 +41,11 @@ type pgxTx struct {
 	pc   *pgx.Conn
 
 	savepoint string // "" for the root transaction
-	depth     int
-	closed    bool
+	// savepoints counts the savepoints opened on the root transaction,
+	// shared by all of them: each gets a name of its own, so siblings are
+	// distinct and rolling back one never undoes another.
+	savepoints *int
+	closed     bool
 }
 
 var _ pgx.Tx = (*pgxTx)(nil)
@@ -76,11 +81,12 @@ func (tx *pgxTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	if tx.closed {
 		return nil, pgx.ErrTxClosed
 	}
-	name := fmt.Sprintf("idempotency_sp_%d", tx.depth+1)
+	*tx.savepoints++
+	name := "idempotency_sp_" + strconv.Itoa(*tx.savepoints)
 	if _, err := tx.pc.Exec(ctx, "savepoint "+name); err != nil {
 		return nil, err
 	}
-	return &pgxTx{pc: tx.pc, savepoint: name, depth: tx.depth + 1}, nil
+	return &pgxTx{pc: tx.pc, savepoint: name, savepoints: tx.savepoints}, nil
 }
 
 // Commit commits the transaction, or releases the savepoint.

@@ -12,7 +12,8 @@ import (
 
 // ErrNoSubscriberTx: NewSQLSubscriberBeginner found no watermill-sql
 // subscriber transaction in the message context (the handler does not
-// consume from watermill-sql's Subscriber). Permanent: a wiring error.
+// consume from watermill-sql's Subscriber). A configuration error
+// (ErrConfiguration): the delivery is held, never poisoned.
 var ErrNoSubscriberTx = errors.New("idempotency: no watermill-sql subscriber transaction in the message context")
 
 // savepointName is the savepoint of one message inside the subscriber's tx.
@@ -39,7 +40,7 @@ type sqlSubscriberBeginner struct{}
 func (sqlSubscriberBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx, bool, error) {
 	tx, ok := wsql.TxFromContext(ctx)
 	if !ok {
-		return nil, false, permanent("no_subscriber_tx", ErrNoSubscriberTx)
+		return nil, false, &ConfigurationError{Hint: "consume from watermill-sql's Subscriber, or use NewPgxBeginner/NewStdBeginner", Err: ErrNoSubscriberTx}
 	}
 	a := &savepointTx{tx: tx, q: wsqlQuerier{tx}}
 	if _, err := tx.ExecContext(ctx, "SAVEPOINT "+savepointName); err != nil {
@@ -51,7 +52,7 @@ func (sqlSubscriberBeginner) beginClaim(ctx context.Context, c claimRequest) (at
 			return nil, false, err
 		}
 	}
-	claimed, err := c.store.Claim(ctx, a.q, c.consumer, c.eventID)
+	claimed, err := c.claim(ctx, a.q)
 	if err != nil {
 		_ = a.rollback(ctx)
 		return nil, false, err
@@ -78,20 +79,27 @@ func (a *savepointTx) bind(ctx context.Context) context.Context {
 	return context.WithValue(ctx, querierKey{}, a.q)
 }
 
+// commit releases the savepoint. A RELEASE that fails (on PostgreSQL 25P02
+// when a handler statement failed and the handler returned nil) leaves the
+// savepoint open, so that the middleware's rollback rolls back to it: only
+// this message's claim and effects vanish, and the subscriber's transaction
+// is usable again for the batch's other messages.
 func (a *savepointTx) commit(ctx context.Context) error {
 	if a.done {
 		return errors.New("idempotency: savepoint already ended")
 	}
+	if _, err := a.tx.ExecContext(ctx, "RELEASE SAVEPOINT "+savepointName); err != nil {
+		return err
+	}
 	a.done = true
-	_, err := a.tx.ExecContext(ctx, "RELEASE SAVEPOINT "+savepointName)
-	return err
+	return nil
 }
 
 func (a *savepointTx) rollback(ctx context.Context) error {
 	if a.done {
 		return nil
 	}
-	a.done = true
+	a.done = true // one try: a failed ROLLBACK TO leaves the subscriber's tx to fail its commit
 	if _, err := a.tx.ExecContext(ctx, "ROLLBACK TO SAVEPOINT "+savepointName); err != nil {
 		return err
 	}

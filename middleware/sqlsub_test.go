@@ -137,5 +137,6 @@ func TestSQLSubscriberBeginnerOutsideSubscriber(t *testing.T) {
 	require.NoError(t, err)
 	_, err = idem.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })(newMsg(E1))
 	require.ErrorIs(t, err, middleware.ErrNoSubscriberTx)
-	require.True(t, middleware.IsPermanent(err))
+	require.True(t, middleware.IsConfiguration(err), "a wiring error is held, never poisoned")
+	require.False(t, middleware.ShouldPoison(err))
 }

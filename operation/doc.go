@@ -50,7 +50,15 @@
 //
 // The parameters that define the request are fingerprinted (SHA-256 of
 // their canonical JSON; see Canonical for exactly what counts as equal) and
-// stored with the key. The same key with another fingerprint is a
+// stored with the key. The same request fingerprints the same however it is
+// written: members in any order, numbers in any spelling, a time.Time or an
+// RFC 3339 string in any offset or zone (TZ=Europe/Paris, in which pgx
+// returns timestamptz values, changes nothing). Text that is not valid
+// (invalid UTF-8 in a Go string, a lone surrogate escape in JSON) is refused
+// with ErrInvalidParams, never replaced. Each fingerprint carries its version
+// (FingerprintVersion, "v2:"), and a stored one is compared with the
+// algorithm of its own version (SameRequest): a change of the canonical form
+// never turns a stored record into a conflict. The same key with another fingerprint is a
 // ConflictError, permanent, returned before any call. The fingerprint is
 // compared on every path that returns an existing record: stored success,
 // stored failure, uncertain, started by a dead or by a live worker. (Serving

@@ -253,7 +253,7 @@ func (r *Runner) Do(ctx context.Context, key Key, params any, call CallFunc, opt
 		return Result{}, err
 	}
 	defer a.release()
-	a.fp = fp
+	a.fp, a.params = fp, params
 
 	d, rec, err := a.begin(ctx)
 	if err != nil {
@@ -386,6 +386,7 @@ type attempt struct {
 	r      *Runner
 	key    Key
 	fp     string
+	params any // compared with records of older fingerprint versions (sameRequest)
 	opts   options
 	owner  uuid.UUID
 	lk     lockKey
@@ -460,7 +461,7 @@ func (a *attempt) lock(ctx context.Context, peek bool) error {
 		var stored string
 		err := a.conn.QueryRow(ctx, a.r.sql.peek.sql, a.r.sql.peek.args(a.key.String())...).Scan(&stored)
 		switch {
-		case err == nil && stored != a.fp:
+		case err == nil && !sameRequest(stored, a.fp, a.params):
 			return &ConflictError{Key: a.key.String(), Fingerprint: a.fp, StoredFingerprint: stored}
 		case err != nil && !errors.Is(err, sqldb.ErrNoRows):
 			return fmt.Errorf("operation %s: peek: %w", a.key, err)
@@ -539,7 +540,7 @@ func (a *attempt) decide(ctx context.Context, tx tx, inserted bool, rec *Record)
 		return decideCall, nil
 	}
 	// Every path that returns an existing record starts here.
-	if rec.Fingerprint != a.fp {
+	if !sameRequest(rec.Fingerprint, a.fp, a.params) {
 		return 0, &ConflictError{Key: a.key.String(), Fingerprint: a.fp, StoredFingerprint: rec.Fingerprint, State: rec.State}
 	}
 	take := func(to State) error {

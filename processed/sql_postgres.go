@@ -22,12 +22,15 @@ var postgresSQL = dialectSQL{
 	// microseconds. now() is the server's transaction start, so neither the
 	// process's TZ nor the session's timezone enters the cutoff; a
 	// microsecond interval has no calendar (DST) component. Rows locked by a
-	// concurrent transaction are skipped, never waited on.
-	purgeBatch: `DELETE FROM %[1]s WHERE ctid = ANY (ARRAY(
-    SELECT ctid FROM %[1]s
+	// concurrent transaction are skipped, never waited on. Rows are keyed by
+	// the primary key, never by ctid: a ctid is unique only within one
+	// physical table, so on a partitioned table (range or hash) it repeats
+	// across partitions and a ctid list deletes rows of other partitions.
+	purgeBatch: `DELETE FROM %[1]s WHERE (consumer, event_id) IN (
+    SELECT consumer, event_id FROM %[1]s
     WHERE processed_at < now() - ($1::bigint * interval '1 microsecond')
     LIMIT $2
-    FOR UPDATE SKIP LOCKED))`,
+    FOR UPDATE SKIP LOCKED)`,
 	purgeArgs: func(h time.Duration, limit int) []any { return []any{h.Microseconds(), limit} },
 	// Sets lock_timeout for the current transaction only (set_config's
 	// is_local = true: SET LOCAL semantics).

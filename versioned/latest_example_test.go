@@ -84,8 +84,9 @@ func ExampleNewLatestFilter() {
 	// Consumer: Idempotent → LatestFilter → handler.
 	counter := &versioned.FilterCounter{}
 	filter, _ := versioned.NewLatestFilter(versioned.LatestFilterConfig{Families: families, Consumer: "indexer", Recorder: counter}, nil)
+	beginner, _ := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
 	idem, _ := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}),
+		Beginner: beginner,
 		Consumer: "indexer",
 	}, nil)
 	handler := idem.Middleware(filter.Middleware(func(msg *message.Message) ([]*message.Message, error) {

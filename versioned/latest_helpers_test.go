@@ -196,9 +196,9 @@ func newLFEnvWith(t *testing.T, store, target string) *lfEnv {
 		t.Fatalf("unknown store %q", store)
 	}
 	if tg.Pgx != nil {
-		e.beginner = middleware.NewPgxBeginner(tg.Pgx, middleware.PgxBeginnerConfig{})
+		e.beginner = mustBeginner(middleware.NewPgxBeginner(tg.Pgx, middleware.PgxBeginnerConfig{}))
 	} else {
-		e.beginner = middleware.NewStdBeginner(tg.Std)
+		e.beginner = mustBeginner(middleware.NewStdBeginner(tg.Std))
 	}
 	return e
 }
@@ -339,4 +339,13 @@ func lfSeqMsg(t testing.TB, f versioned.Family, seq int64) *message.Message {
 func lfShuffle(seed uint64, msgs []*message.Message) {
 	r := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
 	r.Shuffle(len(msgs), func(i, j int) { msgs[i], msgs[j] = msgs[j], msgs[i] })
+}
+
+// mustBeginner unwraps a beginner constructor's result in tests, whose
+// handles are never nil.
+func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+	if err != nil {
+		panic(err)
+	}
+	return b
 }

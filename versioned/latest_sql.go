@@ -56,9 +56,10 @@ func familySQLFor(d sqldb.Dialect, latest, applied sqldb.Ident) (familySQL, erro
 		s = familySQL{
 			advance: f(pgFamilyAdvance), applied: f(pgFamilyApplied), returning: true,
 			latest: f(pgFamilyLatest), check: f(pgFamilyCheck),
-			purgeLatest: fmt.Sprintf(pgFamilyPurge, l), purgeApplied: fmt.Sprintf(pgFamilyPurge, a),
-			eventID: func(id uuid.UUID) any { return pgtype.UUID{Bytes: id, Valid: true} },
-			lock:    pgFamilyLock,
+			purgeLatest:  fmt.Sprintf(pgFamilyPurge, l, "family_kind, family_id"),
+			purgeApplied: fmt.Sprintf(pgFamilyPurge, a, "consumer, family_kind, family_id"),
+			eventID:      func(id uuid.UUID) any { return pgtype.UUID{Bytes: id, Valid: true} },
+			lock:         pgFamilyLock,
 		}
 	case sqldb.MySQL:
 		s = familySQL{
@@ -170,11 +171,13 @@ SELECT latest.obsolete, EXISTS (SELECT 1 FROM recorded) FROM latest`
 	// microseconds by the database clock (now() is the transaction's start
 	// on the server: neither the process's nor the session's time zone
 	// enters the cutoff). Rows locked by a writer are skipped, not waited on.
-	pgFamilyPurge = `DELETE FROM %[1]s WHERE ctid = ANY (ARRAY(
-    SELECT ctid FROM %[1]s
+	// %[2]s is the primary key's columns: rows are keyed by it, never by
+	// ctid, which repeats across the partitions of a partitioned table.
+	pgFamilyPurge = `DELETE FROM %[1]s WHERE (%[2]s) IN (
+    SELECT %[2]s FROM %[1]s
     WHERE updated_at < now() - ($1::bigint * interval '1 microsecond')
     LIMIT $2
-    FOR UPDATE SKIP LOCKED))`
+    FOR UPDATE SKIP LOCKED)`
 )
 
 // pgFamilyLock is the purger's session-level advisory lock, held for one

@@ -57,7 +57,7 @@ func newEnvOn(t *testing.T, dialect sqldb.Dialect, inner func(message.HandlerFun
 		require.NoError(t, err)
 		require.NoError(t, runner.Migrate(ctx, sqldb.Std(ops)))
 		require.NoError(t, billing.MigrateDB(ctx, db, nil, nil))
-		beginner = middleware.NewStdBeginner(db.SQL)
+		beginner = mustBeginner(middleware.NewStdBeginner(db.SQL))
 		store, err = processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
 		require.NoError(t, err)
 	} else {
@@ -67,7 +67,7 @@ func newEnvOn(t *testing.T, dialect sqldb.Dialect, inner func(message.HandlerFun
 		runner, err = operation.NewRunner(operation.Config{Pool: testenv.PoolOn(t, schema, 4)}, nil)
 		require.NoError(t, err)
 		require.NoError(t, billing.Migrate(ctx, pool, nil, runner))
-		beginner = middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
+		beginner = mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}))
 	}
 	svc, err := billing.New(billing.Config{Runner: runner, Provider: billing.NewProvider(), Mailer: billing.NewMailer(), Dialect: dialect})
 	require.NoError(t, err)
@@ -274,4 +274,13 @@ func TestNewValidates(t *testing.T) {
 	_, err = svc.HandleOrderPlaced(placed(t, "o-1", "1"))
 	require.ErrorIs(t, err, billing.ErrNoTransaction)
 	require.True(t, middleware.IsPermanent(err))
+}
+
+// mustBeginner unwraps a beginner constructor's result in tests, whose
+// handles are never nil.
+func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+	if err != nil {
+		panic(err)
+	}
+	return b
 }

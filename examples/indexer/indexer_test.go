@@ -164,7 +164,7 @@ func startIndexer(t *testing.T, db *shopDB, ix *indexer.Indexer, broker *gochann
 	t.Helper()
 	require.NoError(t, ix.Migrate(context.Background(), db.ixPool, nil))
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(db.ixPool, middleware.PgxBeginnerConfig{}),
+		Beginner: mustBeginner(middleware.NewPgxBeginner(db.ixPool, middleware.PgxBeginnerConfig{})),
 		Consumer: indexer.Consumer.Name,
 		Recorder: rec,
 	}, nil)
@@ -350,7 +350,7 @@ func TestIndexerProcessesOnlyTheLatestSQLite(t *testing.T) {
 	require.NoError(t, err)
 	rec := newAttempts()
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewStdBeginner(ixDB), Store: store, Consumer: indexer.Consumer.Name, Recorder: rec,
+		Beginner: mustBeginner(middleware.NewStdBeginner(ixDB)), Store: store, Consumer: indexer.Consumer.Name, Recorder: rec,
 	}, nil)
 	require.NoError(t, err)
 	broker := shop.NewChannelBroker(nil)
@@ -379,4 +379,13 @@ func TestIndexerProcessesOnlyTheLatestSQLite(t *testing.T) {
 	dead, err := broker.DrainDeadLetters(indexer.Consumer)
 	require.NoError(t, err)
 	require.Empty(t, dead)
+}
+
+// mustBeginner unwraps a beginner constructor's result in tests, whose
+// handles are never nil.
+func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+	if err != nil {
+		panic(err)
+	}
+	return b
 }

@@ -15,7 +15,7 @@
 //
 // The Relay is Watermill's forwarder (forwarder.NewForwarder) reading that
 // table with the watermill-sql v4 subscriber and publishing each message to
-// the events exchange with marshaler.AMQP. The forwarder envelope keeps
+// the events exchange with amqpmarshaler.Marshaler. The forwarder envelope keeps
 // msg.UUID, payload and metadata unchanged, so the AMQP envelope carries the
 // event_id set at write time.
 //

@@ -36,7 +36,7 @@ type RelayConfig struct {
 	OutboxTopic string
 	// Publisher publishes each outbox message to its event name: a
 	// watermill-amqp publisher built from shop.Topology.PublisherConfig (the
-	// events exchange, marshaler.AMQP, publisher confirms). Required. The
+	// events exchange, amqpmarshaler.Marshaler, publisher confirms). Required. The
 	// relay does not close it.
 	Publisher message.Publisher
 	// ConsumerGroup names the relay's read position in the offsets table.

@@ -12,7 +12,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/watermill-idempotency/idempotency/marshaler"
 	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
@@ -36,9 +35,13 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil { // or processed.MigrationsFS with goose / golang-migrate
 		return err
 	}
+	beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}) // BEGIN + claim in one round trip
+	if err != nil {
+		return err
+	}
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Consumer:      "stock", // the claim key's consumer name: competing workers share it
-		Beginner:      middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}),
+		Consumer:      "stock", // required: the claim key's consumer name, shared by competing workers
+		Beginner:      beginner,
 		Store:         store,
 		ReplayHorizon: 7 * 24 * time.Hour, // = the purger's horizon
 	}, logger)
@@ -51,22 +54,22 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 	subCfg := amqp.NewDurableTopicConfig(amqpURL, "events", "stock.events")
 	subCfg.Exchange.Durable = true
 	subCfg.Queue.Arguments = amqp091.Table{"x-queue-type": "quorum"}
-	subCfg.Marshaler = marshaler.AMQP{}
+	subCfg.Marshaler = idamqp.Marshaler{}
 	subscriber, err := amqp.NewSubscriber(subCfg, logger)
 	if err != nil {
 		return err
 	}
-	// The dead-letter queue, declared before anything is poisoned (RabbitMQ
-	// drops a message routed nowhere), on an exchange of its own: never
-	// SubscribeInitialize(dlq) on subCfg, which binds stock.events itself
-	// to the poison topic, so poisoned messages come straight back.
-	poisonCfg, err := idamqp.DeclareDeadLetter(idamqp.DeadLetterConfig{
-		Subscriber: subCfg, Topic: "stock.events.dlq", Quorum: true,
-	})
+	// The dead-letter queue, declared before anything is poisoned, on an
+	// exchange of its own: never SubscribeInitialize(dlq) on subCfg, which
+	// binds stock.events itself to the poison topic, so poisoned messages
+	// come straight back. The poison publisher waits for the broker's
+	// confirm and reports a message routed nowhere (mandatory).
+	dl := idamqp.DeadLetterConfig{Subscriber: subCfg, Topic: "stock.events.dlq", Quorum: true}
+	poisonCfg, err := idamqp.DeclareDeadLetter(dl)
 	if err != nil {
 		return err
 	}
-	poison, err := amqp.NewPublisher(poisonCfg, logger)
+	poison, err := idamqp.NewPoisonPublisher(poisonCfg, logger)
 	if err != nil {
 		return err
 	}
@@ -76,10 +79,10 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 	//  - Poison outside Retry: only what survived the retries (or is permanent) is poisoned;
 	//  - Retry outside the transaction: every attempt gets a fresh transaction;
 	//  - Recoverer outside Idempotent: the middleware rolls back before the panic becomes an error.
-	chain, err := middleware.NewChain(middleware.ChainConfig{
+	chain, err := middleware.NewHandlerMiddleware(middleware.ChainConfig{ // the whole chain, one middleware
 		Idempotent:      idem,
 		PoisonPublisher: poison,
-		PoisonTopic:     "stock.events.dlq",
+		PoisonTopic:     dl.PoisonTopic(),
 	}, logger)
 	if err != nil {
 		return err
@@ -88,7 +91,6 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 	if err != nil {
 		return err
 	}
-	router.AddMiddleware(chain...)
 	router.AddConsumerHandler("reserve_stock", "order.order.placed.v1", subscriber, func(msg *message.Message) error {
 		var order struct {
 			OrderID string `json:"order_id"`
@@ -99,7 +101,7 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 		tx, _ := middleware.PgxTxFromContext(msg.Context()) // the attempt's transaction: write effects here
 		_, err := tx.Exec(msg.Context(), `INSERT INTO reservation (order_id) VALUES ($1)`, order.OrderID)
 		return err // error → rollback, retried; nil → commit, ack
-	})
+	}).AddMiddleware(chain) // per handler, not router.AddMiddleware
 	return router.Run(ctx)
 }
 

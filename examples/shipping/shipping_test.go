@@ -45,7 +45,7 @@ func setup(t *testing.T) *fixture {
 	require.NoError(t, err)
 	rec := &recorder{}
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}),
+		Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})),
 		Consumer: shipping.Consumer.Name,
 		Recorder: rec,
 	}, nil)
@@ -142,7 +142,7 @@ func TestOutOfOrderSQLite(t *testing.T) {
 	require.NoError(t, err)
 	rec := &recorder{}
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewStdBeginner(db), Store: store, Consumer: shipping.Consumer.Name, Recorder: rec,
+		Beginner: mustBeginner(middleware.NewStdBeginner(db)), Store: store, Consumer: shipping.Consumer.Name, Recorder: rec,
 	}, nil)
 	require.NoError(t, err)
 	handle := idem.Middleware(idempotencytest.NoPublish(h.Handle))
@@ -158,4 +158,13 @@ func TestOutOfOrderSQLite(t *testing.T) {
 	require.Equal(t, "shipped", st)
 	require.Equal(t, 2, rec.stale)
 	require.Equal(t, 1, rec.processed)
+}
+
+// mustBeginner unwraps a beginner constructor's result in tests, whose
+// handles are never nil.
+func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+	if err != nil {
+		panic(err)
+	}
+	return b
 }

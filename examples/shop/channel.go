@@ -12,7 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/watermill-idempotency/idempotency/marshaler"
+	amqpmarshaler "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 )
 
 // ChannelBroker is the shop's embedded broker, for running the examples in
@@ -23,8 +23,8 @@ import (
 //
 //   - Publish returns once every bound queue holds the message (a publisher
 //     confirm); a message no queue binds is dropped, as by an exchange.
-//   - Messages travel as the AMQP publishing marshaler.AMQP makes of them and
-//     are decoded by marshaler.AMQP on delivery, so a malformed body
+//   - Messages travel as the AMQP publishing amqpmarshaler.Marshaler makes of them and
+//     are decoded by amqpmarshaler.Marshaler on delivery, so a malformed body
 //     (PublishRaw) reaches the consumer flagged, exactly as from RabbitMQ.
 //   - A nacked delivery is requeued and delivered again with
 //     redelivered=true. Cut loses the acks of the deliveries in flight, as a
@@ -120,14 +120,14 @@ func (b *ChannelBroker) Close() error {
 }
 
 // Publisher returns a publisher of events: the Watermill topic is the event
-// name, the message goes through marshaler.AMQP as it would to RabbitMQ.
+// name, the message goes through amqpmarshaler.Marshaler as it would to RabbitMQ.
 func (b *ChannelBroker) Publisher() message.Publisher { return channelPublisher{b} }
 
 type channelPublisher struct{ b *ChannelBroker }
 
 func (p channelPublisher) Publish(topic string, msgs ...*message.Message) error {
 	for _, m := range msgs {
-		pub, err := marshaler.AMQP{}.Marshal(m)
+		pub, err := amqpmarshaler.Marshaler{}.Marshal(m)
 		if err != nil {
 			return err
 		}
@@ -250,7 +250,7 @@ type listPublisher struct {
 
 func (p listPublisher) Publish(_ string, msgs ...*message.Message) error {
 	for _, m := range msgs {
-		pub, err := marshaler.AMQP{}.Marshal(m)
+		pub, err := amqpmarshaler.Marshaler{}.Marshal(m)
 		if err != nil {
 			return err
 		}
@@ -368,7 +368,7 @@ func (q *memQueue) pending() int {
 func (q *memQueue) close() { q.closeOnce.Do(func() { close(q.closed) }) }
 
 // channelSubscriber hands out a memQueue's messages, one at a time per
-// subscription, decoded by marshaler.AMQP, and settles them on the router's
+// subscription, decoded by amqpmarshaler.Marshaler, and settles them on the router's
 // verdict.
 type channelSubscriber struct {
 	q         *memQueue
@@ -407,7 +407,7 @@ func (s *channelSubscriber) deliver(ctx context.Context, m *queuedMessage, sessi
 	for k, v := range m.wire.Metadata {
 		headers[k] = v
 	}
-	msg, _ := marshaler.AMQP{}.Unmarshal(amqp091.Delivery{
+	msg, _ := amqpmarshaler.Marshaler{}.Unmarshal(amqp091.Delivery{
 		MessageId: m.wire.UUID, Body: m.wire.Payload, Headers: headers, Redelivered: m.redelivered,
 	})
 	// As Subscriber: the message context keeps ctx's values, not its

@@ -110,8 +110,9 @@ func (d DB) Beginner() wsql.Beginner {
 	return wsql.BeginnerFromStdSQL(d.SQL)
 }
 
-// TxBeginner is the idempotent middleware's beginner on d.
-func (d DB) TxBeginner() middleware.TxBeginner {
+// TxBeginner is the idempotent middleware's beginner on d; an error when d
+// has neither handle.
+func (d DB) TxBeginner() (middleware.TxBeginner, error) {
 	if d.Pool != nil {
 		return middleware.NewPgxBeginner(d.Pool, middleware.PgxBeginnerConfig{})
 	}

@@ -182,7 +182,11 @@ func NewService(cfg ServiceConfig) (*Service, error) {
 	db := cfg.db()
 	idem := cfg.Idempotent
 	if idem.Beginner == nil {
-		idem.Beginner = db.TxBeginner()
+		b, err := db.TxBeginner()
+		if err != nil {
+			return nil, err
+		}
+		idem.Beginner = b
 	}
 	if idem.Store == nil && db.IsSQLite() {
 		st, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})

@@ -13,7 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/watermill-idempotency/idempotency/marshaler"
+	amqpmarshaler "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 )
 
 // Subscriber is a Watermill subscriber of one consumer's quorum queue. It
@@ -27,7 +27,7 @@ import (
 //     goroutines read without synchronisation (ThreeDotsLabs/watermill#693),
 //     which the race detector reports as soon as a connection breaks.
 //   - A delivery the marshaler cannot decode (an error from Unmarshal, which
-//     marshaler.AMQP never returns) is rejected without requeue, so the broker
+//     amqpmarshaler.Marshaler never returns) is rejected without requeue, so the broker
 //     dead-letters it to the consumer's dead-letter exchange with x-death;
 //     watermill-amqp nacks it with requeue, a hot loop.
 //   - Close, and the cancellation of Subscribe's context (the router cancels
@@ -72,7 +72,7 @@ func SessionFromContext(ctx context.Context) (uint64, bool) {
 var _ message.Subscriber = (*Subscriber)(nil)
 
 // NewSubscriber returns c's subscriber on the broker at amqpURL, with
-// marshaler.AMQP and the topology t (declared on every (re)connection). A nil
+// amqpmarshaler.Marshaler and the topology t (declared on every (re)connection). A nil
 // logger is watermill.NopLogger. It does not connect: Subscribe does.
 func (t Topology) NewSubscriber(amqpURL string, c Consumer, logger watermill.LoggerAdapter) (*Subscriber, error) {
 	if err := t.Validate(c); err != nil {
@@ -88,7 +88,7 @@ func (t Topology) NewSubscriber(amqpURL string, c Consumer, logger watermill.Log
 		url:      amqpURL,
 		topology: t.withDefaults(),
 		consumer: c,
-		unmarsh:  marshaler.AMQP{},
+		unmarsh:  amqpmarshaler.Marshaler{},
 		logger:   logger.With(watermill.LogFields{"queue": t.Queue(c)}),
 		name:     c.Name + "-subscriber",
 		closing:  make(chan struct{}),

@@ -49,7 +49,7 @@ func TestSubscriberRejectsUndecodable(t *testing.T) {
 }
 
 // errUnmarshaler is a marshaler whose Unmarshal always fails (which
-// marshaler.AMQP never does).
+// amqpmarshaler.Marshaler never does).
 type errUnmarshaler struct{}
 
 func (errUnmarshaler) Marshal(*message.Message) (amqp091.Publishing, error) {

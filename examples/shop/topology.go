@@ -10,8 +10,7 @@ import (
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/watermill-idempotency/idempotency/marshaler"
-	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
+	amqpmarshaler "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 )
 
 // Topology defaults.
@@ -190,8 +189,8 @@ func (t Topology) Declare(ch *amqp091.Channel, consumers ...Consumer) error {
 // fanout exchange DeadLetterExchange(c) (an exchange layout, as c's
 // subscriber publishes through the events exchange) and the quorum queue
 // DeadLetterQueue(c) bound to it.
-func (t Topology) deadLetter(amqpURL string, c Consumer) idamqp.DeadLetterConfig {
-	return idamqp.DeadLetterConfig{
+func (t Topology) deadLetter(amqpURL string, c Consumer) amqpmarshaler.DeadLetterConfig {
+	return amqpmarshaler.DeadLetterConfig{
 		Subscriber: t.SubscriberConfig(amqpURL, c),
 		Topic:      t.DeadLetterExchange(c),
 		Queue:      t.DeadLetterQueue(c),
@@ -271,13 +270,13 @@ func (t Topology) PublisherConfig(amqpURL string) wamqp.Config {
 
 // PoisonPublisherConfig is the watermill-amqp configuration of c's poison
 // publisher (ChainConfig.PoisonPublisher), from the library's
-// idamqp.DeadLetterConfig: it publishes on c's dead-letter exchange (fanout,
+// amqpmarshaler.DeadLetterConfig: it publishes on c's dead-letter exchange (fanout,
 // durable), so every poisoned message lands in c's dead-letter queue
 // whatever the Watermill topic; with publisher confirms, so the poisoned
 // delivery is acked only after the broker holds its copy.
-// Malformed deliveries are published verbatim (see marshaler.AMQP.Marshal).
+// Malformed deliveries are published verbatim (see amqpmarshaler.Marshaler.Marshal).
 func (t Topology) PoisonPublisherConfig(amqpURL string, c Consumer) wamqp.Config {
-	cfg := t.deadLetter(amqpURL, c).PublisherConfig() // idamqp.DeadLetterConfig.PublisherConfig
+	cfg := t.deadLetter(amqpURL, c).PublisherConfig() // amqpmarshaler.DeadLetterConfig.PublisherConfig
 	cfg.Publish.ChannelPoolSize = 1
 	return cfg
 }
@@ -333,7 +332,7 @@ func (t Topology) SubscriberConfig(amqpURL string, c Consumer) wamqp.Config {
 func (t Topology) baseConfig(amqpURL string) wamqp.Config {
 	return wamqp.Config{
 		Connection: wamqp.ConnectionConfig{AmqpURI: amqpURL, Reconnect: t.Reconnect},
-		Marshaler:  marshaler.AMQP{},
+		Marshaler:  amqpmarshaler.Marshaler{},
 		// Publisher-side declarations go through ExchangeDeclare below, so
 		// they use the same kind and durability as Declare.
 		TopologyBuilder: &topologyBuilder{t: t},

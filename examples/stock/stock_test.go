@@ -24,7 +24,7 @@ func setup(t *testing.T) (*pgxpool.Pool, idempotencytest.Subject) {
 	pool, _ := testenv.Pool(t)
 	require.NoError(t, stock.Migrate(context.Background(), pool, nil))
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}),
+		Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})),
 		Consumer: stock.Consumer.Name,
 	}, nil)
 	require.NoError(t, err)
@@ -109,7 +109,7 @@ func setupSQLite(t *testing.T) (*sql.DB, idempotencytest.Subject) {
 	store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
 	require.NoError(t, err)
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: middleware.NewStdBeginner(db),
+		Beginner: mustBeginner(middleware.NewStdBeginner(db)),
 		Store:    store,
 		Consumer: stock.Consumer.Name,
 	}, nil)
@@ -136,4 +136,13 @@ func TestReserveOnceSQLite(t *testing.T) {
 	var total float64
 	require.NoError(t, db.QueryRow(`SELECT sum(reserved) FROM stock_level`).Scan(&total))
 	require.InDelta(t, 4.5, total, 1e-9)
+}
+
+// mustBeginner unwraps a beginner constructor's result in tests, whose
+// handles are never nil.
+func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+	if err != nil {
+		panic(err)
+	}
+	return b
 }

@@ -6,7 +6,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 
-	"github.com/watermill-idempotency/idempotency/marshaler"
 	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 	"github.com/watermill-idempotency/idempotency/middleware"
 )
@@ -19,16 +18,17 @@ func ExampleDeclareDeadLetter() {
 	logger := watermill.NewStdLogger(false, false)
 	sub := wamqp.NewDurableTopicConfig(os.Getenv("AMQP_URL"), "events", "stock.events")
 	sub.Exchange.Durable = true
-	sub.Marshaler = marshaler.AMQP{}
+	sub.Marshaler = idamqp.Marshaler{}
 
-	pubCfg, err := idamqp.DeclareDeadLetter(idamqp.DeadLetterConfig{Subscriber: sub, Topic: "stock.events.dlq", Quorum: true})
+	dl := idamqp.DeadLetterConfig{Subscriber: sub, Topic: "stock.events.dlq", Quorum: true}
+	pubCfg, err := idamqp.DeclareDeadLetter(dl)
 	if err != nil {
 		panic(err)
 	}
-	poison, err := wamqp.NewPublisher(pubCfg, logger)
+	poison, err := idamqp.NewPoisonPublisher(pubCfg, logger)
 	if err != nil {
 		panic(err)
 	}
 	defer poison.Close()
-	_ = middleware.ChainConfig{PoisonPublisher: poison, PoisonTopic: "stock.events.dlq"} // with Idempotent, to NewChain
+	_ = middleware.ChainConfig{PoisonPublisher: poison, PoisonTopic: dl.PoisonTopic()} // with Idempotent, to NewHandlerMiddleware
 }

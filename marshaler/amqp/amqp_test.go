@@ -1,8 +1,9 @@
-package marshaler
+package amqp
 
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"math"
 	"strings"
 	"testing"
@@ -12,6 +13,8 @@ import (
 	"github.com/google/uuid"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/marshaler"
 )
 
 // deliver turns a publishing into the delivery a consumer would get.
@@ -30,13 +33,13 @@ func deliver(p amqp091.Publishing) amqp091.Delivery {
 func TestAMQPRoundTrip(t *testing.T) {
 	t.Parallel()
 	at := time.Date(2024, 7, 1, 12, 0, 0, 123456789, time.FixedZone("", 2*3600))
-	in, err := NewMessageWithID(uuid.MustParse(strings.ToUpper(testID)), "order.placed", at,
+	in, err := marshaler.NewMessageWithID(uuid.MustParse(strings.ToUpper(testID)), "order.placed", at,
 		json.RawMessage(`{"b":1,  "a":"2.000"}`))
 	require.NoError(t, err)
 	in.Metadata.Set("correlation_id", "c-1")
-	in.Metadata.Set(MetadataExtraPrefix+"tenant", `"acme"`)
+	in.Metadata.Set(marshaler.MetadataExtraPrefix+"tenant", `"acme"`)
 
-	pub, err := AMQP{}.Marshal(in)
+	pub, err := Marshaler{}.Marshal(in)
 	require.NoError(t, err)
 	require.Equal(t, testID, pub.MessageId)
 	require.Equal(t, "order.placed", pub.Type)
@@ -44,42 +47,42 @@ func TestAMQPRoundTrip(t *testing.T) {
 	require.Equal(t, amqp091.Persistent, pub.DeliveryMode)
 	require.True(t, pub.Timestamp.Equal(at))
 	require.Equal(t, "c-1", pub.Headers["correlation_id"])
-	require.Equal(t, "order.placed", pub.Headers[MetadataEventName])
-	require.NotContains(t, pub.Headers, MetadataExtraPrefix+"tenant", "extras travel in the body")
+	require.Equal(t, "order.placed", pub.Headers[marshaler.MetadataEventName])
+	require.NotContains(t, pub.Headers, marshaler.MetadataExtraPrefix+"tenant", "extras travel in the body")
 	require.NoError(t, pub.Headers.Validate())
 	require.Equal(t, `{"event_id":"`+testID+`","event_name":"order.placed","occurred_at":"2024-07-01T12:00:00.123456789+02:00",`+
 		`"payload":{"b":1,  "a":"2.000"},"tenant":"acme"}`, string(pub.Body))
 
 	d := deliver(pub)
 	d.Redelivered = true
-	out, err := AMQP{}.Unmarshal(d)
+	out, err := Marshaler{}.Unmarshal(d)
 	require.NoError(t, err)
 	require.Equal(t, testID, out.UUID)
 	require.Equal(t, `{"b":1,  "a":"2.000"}`, string(out.Payload))
-	require.Equal(t, "order.placed", EventName(out))
-	got, err := OccurredAt(out)
+	require.Equal(t, "order.placed", marshaler.EventName(out))
+	got, err := marshaler.OccurredAt(out)
 	require.NoError(t, err)
 	require.True(t, got.Equal(at))
-	require.Equal(t, `"acme"`, out.Metadata.Get(MetadataExtraPrefix+"tenant"))
+	require.Equal(t, `"acme"`, out.Metadata.Get(marshaler.MetadataExtraPrefix+"tenant"))
 	require.Equal(t, "c-1", out.Metadata.Get("correlation_id"))
-	require.Equal(t, "true", out.Metadata.Get(MetadataRedelivered))
-	require.True(t, Redelivered(out))
-	_, malformed := Malformed(out)
+	require.Equal(t, "true", out.Metadata.Get(marshaler.MetadataRedelivered))
+	require.True(t, marshaler.Redelivered(out))
+	_, malformed := marshaler.Malformed(out)
 	require.False(t, malformed)
-	_, ok := DeliveryCount(out)
+	_, ok := marshaler.DeliveryCount(out)
 	require.False(t, ok)
 
 	// And back out again, unchanged.
-	pub2, err := AMQP{}.Marshal(out)
+	pub2, err := Marshaler{}.Marshal(out)
 	require.NoError(t, err)
 	require.Equal(t, pub.Body, pub2.Body)
 }
 
 func TestAMQPNotPersistent(t *testing.T) {
 	t.Parallel()
-	msg, err := NewMessage("x", 1)
+	msg, err := marshaler.NewMessage("x", 1)
 	require.NoError(t, err)
-	pub, err := AMQP{NotPersistent: true}.Marshal(msg)
+	pub, err := Marshaler{NotPersistent: true}.Marshal(msg)
 	require.NoError(t, err)
 	require.Equal(t, amqp091.Transient, pub.DeliveryMode)
 }
@@ -87,7 +90,7 @@ func TestAMQPNotPersistent(t *testing.T) {
 func TestAMQPMarshalRefusals(t *testing.T) {
 	t.Parallel()
 	good := func() *message.Message {
-		msg, err := NewMessage("order.placed", map[string]int{"a": 1})
+		msg, err := marshaler.NewMessage("order.placed", map[string]int{"a": 1})
 		require.NoError(t, err)
 		return msg
 	}
@@ -95,57 +98,57 @@ func TestAMQPMarshalRefusals(t *testing.T) {
 		"empty UUID":         func(m *message.Message) { m.UUID = "" },
 		"not a UUID":         func(m *message.Message) { m.UUID = "order-42" },
 		"nil UUID":           func(m *message.Message) { m.UUID = uuid.Nil.String() },
-		"no event name":      func(m *message.Message) { delete(m.Metadata, MetadataEventName) },
-		"no occurred_at":     func(m *message.Message) { delete(m.Metadata, MetadataOccurredAt) },
-		"bad occurred_at":    func(m *message.Message) { m.Metadata.Set(MetadataOccurredAt, "yesterday") },
+		"no event name":      func(m *message.Message) { delete(m.Metadata, marshaler.MetadataEventName) },
+		"no occurred_at":     func(m *message.Message) { delete(m.Metadata, marshaler.MetadataOccurredAt) },
+		"bad occurred_at":    func(m *message.Message) { m.Metadata.Set(marshaler.MetadataOccurredAt, "yesterday") },
 		"payload not JSON":   func(m *message.Message) { m.Payload = []byte("hello") },
 		"empty payload":      func(m *message.Message) { m.Payload = nil },
-		"bad extra":          func(m *message.Message) { m.Metadata.Set(MetadataExtraPrefix+"a", "nope") },
-		"extra names field":  func(m *message.Message) { m.Metadata.Set(MetadataExtraPrefix+"event_id", `"x"`) },
+		"bad extra":          func(m *message.Message) { m.Metadata.Set(marshaler.MetadataExtraPrefix+"a", "nope") },
+		"extra names field":  func(m *message.Message) { m.Metadata.Set(marshaler.MetadataExtraPrefix+"event_id", `"x"`) },
 		"long metadata key":  func(m *message.Message) { m.Metadata.Set(strings.Repeat("k", 256), "v") },
-		"malformed is false": func(m *message.Message) { m.Metadata.Set(MetadataMalformed, "yes"); m.UUID = "" },
+		"malformed is false": func(m *message.Message) { m.Metadata.Set(marshaler.MetadataMalformed, "yes"); m.UUID = "" },
 	}
 	for name, mutate := range tests {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			msg := good()
 			mutate(msg)
-			_, err := AMQP{}.Marshal(msg)
+			_, err := Marshaler{}.Marshal(msg)
 			require.Error(t, err)
 		})
 	}
 
-	big, err := NewMessage("x", json.RawMessage(`"`+strings.Repeat("a", 200)+`"`))
+	big, err := marshaler.NewMessage("x", json.RawMessage(`"`+strings.Repeat("a", 200)+`"`))
 	require.NoError(t, err)
-	_, err = AMQP{MaxSize: 200}.Marshal(big)
+	_, err = Marshaler{MaxSize: 200}.Marshal(big)
 	require.ErrorContains(t, err, "over the limit")
 
-	_, err = AMQP{}.Marshal(nil)
+	_, err = Marshaler{}.Marshal(nil)
 	require.Error(t, err)
 }
 
 func TestAMQPMarshalLongEventName(t *testing.T) {
 	t.Parallel()
 	name := strings.Repeat("n", 300)
-	msg, err := NewMessage(name, nil)
+	msg, err := marshaler.NewMessage(name, nil)
 	require.NoError(t, err)
-	pub, err := AMQP{}.Marshal(msg)
+	pub, err := Marshaler{}.Marshal(msg)
 	require.NoError(t, err)
 	require.Empty(t, pub.Type, "the AMQP type property holds at most 255 bytes")
-	out, err := AMQP{}.Unmarshal(deliver(pub))
+	out, err := Marshaler{}.Unmarshal(deliver(pub))
 	require.NoError(t, err)
-	require.Equal(t, name, EventName(out))
+	require.Equal(t, name, marshaler.EventName(out))
 }
 
 func TestAMQPMarshalDropsBrokerHeaders(t *testing.T) {
 	t.Parallel()
-	msg, err := NewMessage("x", nil)
+	msg, err := marshaler.NewMessage("x", nil)
 	require.NoError(t, err)
 	for _, k := range []string{"x-death", "x-delivery-count", "x-first-death-queue", "x-last-death-reason"} {
 		msg.Metadata.Set(k, "1")
 	}
 	msg.Metadata.Set("x-delay", "5000")
-	pub, err := AMQP{}.Marshal(msg)
+	pub, err := Marshaler{}.Marshal(msg)
 	require.NoError(t, err)
 	require.Equal(t, "5000", pub.Headers["x-delay"])
 	for k := range pub.Headers {
@@ -174,7 +177,7 @@ func TestAMQPUnmarshalMalformed(t *testing.T) {
 		{"no event_name", envelopeJSON(&id, nil, &at, ptr(`{}`)), "event_name"},
 		{"bad occurred_at", envelopeJSON(&id, &name, ptr(`"today"`), ptr(`{}`)), "occurred_at"},
 		{"no payload", envelopeJSON(&id, &name, &at, nil), "payload"},
-		{"oversized", envelopeJSON(&id, &name, &at, ptr(`"`+strings.Repeat("a", DefaultMaxSize)+`"`)), "over the limit"},
+		{"oversized", envelopeJSON(&id, &name, &at, ptr(`"`+strings.Repeat("a", marshaler.DefaultMaxSize)+`"`)), "over the limit"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -185,39 +188,39 @@ func TestAMQPUnmarshalMalformed(t *testing.T) {
 					MessageId: messageID,
 					Headers:   amqp091.Table{"x-delivery-count": int64(3)},
 				}
-				msg, err := AMQP{}.Unmarshal(d)
+				msg, err := Marshaler{}.Unmarshal(d)
 				require.NoError(t, err)
 				require.NotNil(t, msg)
 				require.True(t, bytes.Equal(tt.body, msg.Payload), "raw body kept")
-				reason, ok := Malformed(msg)
+				reason, ok := marshaler.Malformed(msg)
 				require.True(t, ok)
 				require.Contains(t, reason, tt.field)
 				require.True(t, strings.HasPrefix(reason, "envelope: "), reason)
-				require.Equal(t, "false", msg.Metadata.Get(MetadataRedelivered))
-				require.Equal(t, "3", msg.Metadata.Get(MetadataDeliveryCount))
-				require.Empty(t, EventName(msg))
+				require.Equal(t, "false", msg.Metadata.Get(marshaler.MetadataRedelivered))
+				require.Equal(t, "3", msg.Metadata.Get(marshaler.MetadataDeliveryCount))
+				require.Empty(t, marshaler.EventName(msg))
 				if messageID != "" {
 					require.Equal(t, messageID, msg.UUID)
 				} else {
 					require.NotEmpty(t, msg.UUID)
 				}
-				_, err = ToEnvelope(msg)
+				_, err = marshaler.ToEnvelope(msg)
 				require.Error(t, err)
 
 				// On its way to the dead-letter topic: raw body, reason as a header.
-				pub, err := AMQP{}.Marshal(msg)
+				pub, err := Marshaler{}.Marshal(msg)
 				require.NoError(t, err)
 				require.True(t, bytes.Equal(tt.body, pub.Body))
 				require.Equal(t, msg.UUID, pub.MessageId)
-				require.Equal(t, "true", pub.Headers[MetadataMalformed])
-				require.Equal(t, reason, pub.Headers[MetadataMalformedReason])
+				require.Equal(t, "true", pub.Headers[marshaler.MetadataMalformed])
+				require.Equal(t, reason, pub.Headers[marshaler.MetadataMalformedReason])
 				require.NotContains(t, pub.Headers, "x-delivery-count")
 				require.NoError(t, pub.Headers.Validate())
 
 				// Read back from the dead-letter queue: still flagged, same bytes.
-				again, err := AMQP{}.Unmarshal(deliver(pub))
+				again, err := Marshaler{}.Unmarshal(deliver(pub))
 				require.NoError(t, err)
-				r2, ok := Malformed(again)
+				r2, ok := marshaler.Malformed(again)
 				require.True(t, ok)
 				require.Equal(t, reason, r2)
 				require.True(t, bytes.Equal(tt.body, again.Payload))
@@ -229,14 +232,14 @@ func TestAMQPUnmarshalMalformed(t *testing.T) {
 func TestAMQPUnmarshalMaxSize(t *testing.T) {
 	t.Parallel()
 	body := validBody()
-	msg, err := AMQP{MaxSize: len(body)}.Unmarshal(amqp091.Delivery{Body: body})
+	msg, err := Marshaler{MaxSize: len(body)}.Unmarshal(amqp091.Delivery{Body: body})
 	require.NoError(t, err)
-	_, ok := Malformed(msg)
+	_, ok := marshaler.Malformed(msg)
 	require.False(t, ok)
 
-	msg, err = AMQP{MaxSize: len(body) - 1}.Unmarshal(amqp091.Delivery{Body: body})
+	msg, err = Marshaler{MaxSize: len(body) - 1}.Unmarshal(amqp091.Delivery{Body: body})
 	require.NoError(t, err)
-	reason, ok := Malformed(msg)
+	reason, ok := marshaler.Malformed(msg)
 	require.True(t, ok)
 	require.Contains(t, reason, "over the limit")
 	require.Equal(t, body, []byte(msg.Payload))
@@ -244,7 +247,7 @@ func TestAMQPUnmarshalMaxSize(t *testing.T) {
 
 func TestAMQPUnmarshalIgnoresMessageIDOfValidBody(t *testing.T) {
 	t.Parallel()
-	msg, err := AMQP{}.Unmarshal(amqp091.Delivery{Body: validBody(), MessageId: "something-else"})
+	msg, err := Marshaler{}.Unmarshal(amqp091.Delivery{Body: validBody(), MessageId: "something-else"})
 	require.NoError(t, err)
 	require.Equal(t, testID, msg.UUID)
 }
@@ -279,14 +282,14 @@ func TestAMQPHeaderTypes(t *testing.T) {
 		"nested":           amqp091.Table{"a": amqp091.Table{"b": []interface{}{int16(1), nil, []byte("x"), math.Inf(1)}}},
 		"empty-array":      []interface{}{},
 	}
-	msg, err := AMQP{}.Unmarshal(amqp091.Delivery{Body: validBody(), Headers: headers})
+	msg, err := Marshaler{}.Unmarshal(amqp091.Delivery{Body: validBody(), Headers: headers})
 	require.NoError(t, err)
 	md := msg.Metadata
 
 	require.Equal(t, `[{"count":2,"exchange":"orders","queue":"orders.q","reason":"rejected","routing-keys":["order.placed"],"time":"2024-07-01T10:00:00Z"}]`, md.Get("x-death"))
 	require.Equal(t, "4", md.Get("x-delivery-count"))
-	require.Equal(t, "4", md.Get(MetadataDeliveryCount))
-	n, ok := DeliveryCount(msg)
+	require.Equal(t, "4", md.Get(marshaler.MetadataDeliveryCount))
+	n, ok := marshaler.DeliveryCount(msg)
 	require.True(t, ok)
 	require.Equal(t, int64(4), n)
 	require.Equal(t, "hello", md.Get("str"))
@@ -306,24 +309,24 @@ func TestAMQPHeaderTypes(t *testing.T) {
 	require.Equal(t, `[]`, md.Get("empty-array"))
 
 	// The same headers on a malformed delivery are carried just the same.
-	bad, err := AMQP{}.Unmarshal(amqp091.Delivery{Body: []byte("nope"), Headers: headers})
+	bad, err := Marshaler{}.Unmarshal(amqp091.Delivery{Body: []byte("nope"), Headers: headers})
 	require.NoError(t, err)
 	require.Equal(t, md.Get("x-death"), bad.Metadata.Get("x-death"))
-	require.Equal(t, "4", bad.Metadata.Get(MetadataDeliveryCount))
+	require.Equal(t, "4", bad.Metadata.Get(marshaler.MetadataDeliveryCount))
 }
 
 func TestAMQPDeliveryCountTypes(t *testing.T) {
 	t.Parallel()
 	for _, v := range []any{int8(7), int16(7), int32(7), int64(7), int(7), uint8(7), uint16(7), uint32(7), uint64(7), uint(7)} {
-		msg, err := AMQP{}.Unmarshal(amqp091.Delivery{Body: validBody(), Headers: amqp091.Table{"x-delivery-count": v}})
+		msg, err := Marshaler{}.Unmarshal(amqp091.Delivery{Body: validBody(), Headers: amqp091.Table{"x-delivery-count": v}})
 		require.NoError(t, err)
-		require.Equal(t, "7", msg.Metadata.Get(MetadataDeliveryCount), "%T", v)
+		require.Equal(t, "7", msg.Metadata.Get(marshaler.MetadataDeliveryCount), "%T", v)
 	}
 	for _, v := range []any{"7", 7.0, int64(-1), nil, true} {
-		msg, err := AMQP{}.Unmarshal(amqp091.Delivery{Body: validBody(), Headers: amqp091.Table{"x-delivery-count": v}})
+		msg, err := Marshaler{}.Unmarshal(amqp091.Delivery{Body: validBody(), Headers: amqp091.Table{"x-delivery-count": v}})
 		require.NoError(t, err)
-		require.NotContains(t, msg.Metadata, MetadataDeliveryCount, "%T %v", v, v)
-		_, ok := DeliveryCount(msg)
+		require.NotContains(t, msg.Metadata, marshaler.MetadataDeliveryCount, "%T %v", v, v)
+		_, ok := marshaler.DeliveryCount(msg)
 		require.False(t, ok)
 	}
 }
@@ -331,55 +334,55 @@ func TestAMQPDeliveryCountTypes(t *testing.T) {
 func TestAMQPReservedHeadersIgnored(t *testing.T) {
 	t.Parallel()
 	spoof := amqp091.Table{
-		MetadataMalformed:               "true",
-		MetadataMalformedReason:         "spoofed",
-		MetadataEventName:               "payment.refunded",
-		MetadataOccurredAt:              "1999-01-01T00:00:00Z",
-		MetadataRedelivered:             "true",
-		MetadataDeliveryCount:           "99",
-		MetadataExtraPrefix + "tenant":  `"evil"`,
-		MetadataExtraPrefix + "payload": `"evil"`,
-		"harmless":                      "kept",
+		marshaler.MetadataMalformed:               "true",
+		marshaler.MetadataMalformedReason:         "spoofed",
+		marshaler.MetadataEventName:               "payment.refunded",
+		marshaler.MetadataOccurredAt:              "1999-01-01T00:00:00Z",
+		marshaler.MetadataRedelivered:             "true",
+		marshaler.MetadataDeliveryCount:           "99",
+		marshaler.MetadataExtraPrefix + "tenant":  `"evil"`,
+		marshaler.MetadataExtraPrefix + "payload": `"evil"`,
+		"harmless": "kept",
 	}
 
 	// A valid envelope cannot be flagged, renamed or re-dated by headers.
-	msg, err := AMQP{}.Unmarshal(amqp091.Delivery{Body: validBody(), Headers: spoof})
+	msg, err := Marshaler{}.Unmarshal(amqp091.Delivery{Body: validBody(), Headers: spoof})
 	require.NoError(t, err)
-	_, ok := Malformed(msg)
+	_, ok := marshaler.Malformed(msg)
 	require.False(t, ok)
-	require.NotContains(t, msg.Metadata, MetadataMalformed)
-	require.NotContains(t, msg.Metadata, MetadataMalformedReason)
-	require.Equal(t, "order.placed", EventName(msg))
-	require.Equal(t, "2024-07-01T10:00:00.000Z", msg.Metadata.Get(MetadataOccurredAt))
-	require.Equal(t, "false", msg.Metadata.Get(MetadataRedelivered))
-	require.NotContains(t, msg.Metadata, MetadataDeliveryCount)
-	require.NotContains(t, msg.Metadata, MetadataExtraPrefix+"tenant")
-	require.NotContains(t, msg.Metadata, MetadataExtraPrefix+"payload")
+	require.NotContains(t, msg.Metadata, marshaler.MetadataMalformed)
+	require.NotContains(t, msg.Metadata, marshaler.MetadataMalformedReason)
+	require.Equal(t, "order.placed", marshaler.EventName(msg))
+	require.Equal(t, "2024-07-01T10:00:00.000Z", msg.Metadata.Get(marshaler.MetadataOccurredAt))
+	require.Equal(t, "false", msg.Metadata.Get(marshaler.MetadataRedelivered))
+	require.NotContains(t, msg.Metadata, marshaler.MetadataDeliveryCount)
+	require.NotContains(t, msg.Metadata, marshaler.MetadataExtraPrefix+"tenant")
+	require.NotContains(t, msg.Metadata, marshaler.MetadataExtraPrefix+"payload")
 	require.Equal(t, "kept", msg.Metadata.Get("harmless"))
-	_, err = AMQP{}.Marshal(msg)
+	_, err = Marshaler{}.Marshal(msg)
 	require.NoError(t, err)
 
 	// A malformed one cannot be unflagged or given a name.
-	spoof[MetadataMalformed] = "false"
-	bad, err := AMQP{}.Unmarshal(amqp091.Delivery{Body: []byte("{"), Headers: spoof})
+	spoof[marshaler.MetadataMalformed] = "false"
+	bad, err := Marshaler{}.Unmarshal(amqp091.Delivery{Body: []byte("{"), Headers: spoof})
 	require.NoError(t, err)
-	reason, ok := Malformed(bad)
+	reason, ok := marshaler.Malformed(bad)
 	require.True(t, ok)
 	require.NotEqual(t, "spoofed", reason)
-	require.Empty(t, EventName(bad))
-	require.NotContains(t, bad.Metadata, MetadataOccurredAt)
+	require.Empty(t, marshaler.EventName(bad))
+	require.NotContains(t, bad.Metadata, marshaler.MetadataOccurredAt)
 }
 
 func TestAMQPUnmarshalDoesNotAliasBody(t *testing.T) {
 	t.Parallel()
 	for _, body := range [][]byte{validBody(), []byte("not json")} {
 		want := append([]byte(nil), body...)
-		msg, err := AMQP{}.Unmarshal(amqp091.Delivery{Body: body})
+		msg, err := Marshaler{}.Unmarshal(amqp091.Delivery{Body: body})
 		require.NoError(t, err)
 		for i := range body {
 			body[i] = 'X'
 		}
-		if _, bad := Malformed(msg); bad {
+		if _, bad := marshaler.Malformed(msg); bad {
 			require.Equal(t, want, []byte(msg.Payload))
 		} else {
 			require.Equal(t, `{"order_id":42}`, string(msg.Payload))
@@ -393,7 +396,7 @@ func TestAMQPUnmarshalCyclicHeaders(t *testing.T) {
 	cyc["self"] = cyc
 	arr := []interface{}{nil}
 	arr[0] = arr
-	msg, err := AMQP{}.Unmarshal(amqp091.Delivery{Body: validBody(), Headers: amqp091.Table{"cyc": cyc, "arr": arr}})
+	msg, err := Marshaler{}.Unmarshal(amqp091.Delivery{Body: validBody(), Headers: amqp091.Table{"cyc": cyc, "arr": arr}})
 	require.NoError(t, err)
 	require.Contains(t, msg.Metadata.Get("cyc"), "nested too deep")
 	require.Contains(t, msg.Metadata.Get("arr"), "nested too deep")
@@ -416,4 +419,29 @@ func TestDecimalText(t *testing.T) {
 		require.Equal(t, tt.want, got)
 		require.True(t, json.Valid([]byte(got)))
 	}
+}
+
+const testID = "0190a0c1-7c2e-7b61-9d4e-3f1f5a2b6c7d"
+
+// envelopeJSON builds an envelope body from raw member texts; a nil value
+// omits the member.
+func envelopeJSON(id, name, at, payload *string, extra ...string) []byte {
+	var members []string
+	add := func(k string, v *string) {
+		if v != nil {
+			members = append(members, fmt.Sprintf("%q:%s", k, *v))
+		}
+	}
+	add("event_id", id)
+	add("event_name", name)
+	add("occurred_at", at)
+	add("payload", payload)
+	members = append(members, extra...)
+	return []byte("{" + strings.Join(members, ",") + "}")
+}
+
+func ptr(s string) *string { return &s }
+
+func validBody() []byte {
+	return envelopeJSON(ptr(`"`+testID+`"`), ptr(`"order.placed"`), ptr(`"2024-07-01T10:00:00.000Z"`), ptr(`{"order_id":42}`))
 }

@@ -1,4 +1,22 @@
-package marshaler
+// Package amqp is the watermill-amqp v3 adapter of the envelope: a
+// [wamqp.Marshaler] that publishes messages in the JSON envelope of package
+// marshaler and decodes deliveries with [marshaler.Decoder], so it never
+// fails on foreign or malformed input.
+//
+// Set Marshaler{} as the Marshaler of the publisher's and the subscriber's
+// amqp.Config. Deduplication notes for RabbitMQ:
+//
+//   - RabbitMQ does not deduplicate: a publisher retry after a lost confirm,
+//     an outbox relay republish and a redelivery after a lost ack (connection
+//     cut, consumer crash before the ack) all reach the consumer again. The
+//     event id in the body, never the AMQP message-id or delivery tag, is
+//     what the middleware claims.
+//   - redelivered (basic.deliver) is a hint: true means the message may have
+//     been seen before, not that it was processed. Quorum queues also count
+//     deliveries in x-delivery-count, mapped to [marshaler.MetadataDeliveryCount];
+//     their delivery-limit dead-letters a message after that many nacks, so
+//     infrastructure failures must not nack (the middleware does not).
+package amqp
 
 import (
 	"encoding/json"
@@ -8,24 +26,27 @@ import (
 	"strings"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/watermill-idempotency/idempotency/marshaler"
 )
 
-// AMQP is the [amqp.Marshaler] for watermill-amqp v3 that puts messages in
-// the JSON envelope (see [Envelope]). The zero value is ready to use; set it
-// as the Marshaler of the publisher's and the subscriber's amqp.Config.
+// Marshaler is the [wamqp.Marshaler] for watermill-amqp v3 that puts messages
+// in the JSON envelope (see [marshaler.Envelope]). The zero value is ready to
+// use; set it as the Marshaler of the publisher's and the subscriber's
+// amqp.Config.
 //
 // Unmarshal never returns an error: watermill-amqp nacks a delivery *with
 // requeue* when Unmarshal fails, so one undecodable message would loop hot
 // forever. A delivery that is not a valid envelope becomes a message flagged
-// with [MetadataMalformed] instead, for the middleware to dead-letter.
-type AMQP struct {
+// with [marshaler.MetadataMalformed] instead, for the middleware to
+// dead-letter.
+type Marshaler struct {
 	// MaxSize is the largest body in bytes: a larger delivery is flagged
 	// malformed, and Marshal refuses to publish a larger envelope (the
-	// consumers would refuse it). 0 or less means [DefaultMaxSize].
+	// consumers would refuse it). 0 or less means [marshaler.DefaultMaxSize].
 	MaxSize int
 	// NotPersistent publishes with delivery mode transient (1) instead of
 	// persistent (2), which the default is. Persistent messages in a durable
@@ -33,70 +54,61 @@ type AMQP struct {
 	NotPersistent bool
 }
 
-var _ amqp.Marshaler = AMQP{}
+var _ wamqp.Marshaler = Marshaler{}
 
 // maxShortstr is the longest AMQP short string (table keys, message-id,
 // type). Recent amqp091 versions fail the publish on a longer one; older ones
 // silently truncated it.
 const maxShortstr = 255
 
+// headerDeliveryCount is the header RabbitMQ quorum queues count deliveries in.
+const headerDeliveryCount = "x-delivery-count"
+
 // Marshal turns msg into an AMQP publishing.
 //
-// For an ordinary message the body is the envelope built by [ToEnvelope] and
-// written by [Envelope.Encode]; MessageId is the canonical event id, Type the
+// For an ordinary message the body and headers are those of
+// [marshaler.EncodeMessage]; MessageId is the canonical event id, Type the
 // event name (left empty when longer than 255 bytes, the AMQP limit),
 // Timestamp occurred_at (AMQP keeps whole seconds), ContentType
-// "application/json", DeliveryMode persistent unless NotPersistent. Every
-// metadata entry is also sent as a string header, except the
-// [MetadataExtraPrefix] ones (already in the body) and the headers RabbitMQ
-// owns (x-death, x-delivery-count, x-first-death-*, x-last-death-*), which
-// are not ours to send. It returns an error when msg has no valid envelope
-// (in particular no valid event id), when the body exceeds MaxSize, or when a
-// metadata key is longer than 255 bytes.
+// "application/json", DeliveryMode persistent unless NotPersistent. The
+// headers RabbitMQ owns (x-death, x-delivery-count, x-first-death-*,
+// x-last-death-*) are not ours to send and are dropped. It returns an error
+// when msg has no valid envelope (in particular no valid event id), when the
+// body exceeds MaxSize, or when a metadata key is longer than 255 bytes.
 //
-// A message flagged malformed ([Malformed]) is on its way to a dead-letter
-// (poison) topic: its Payload, the raw body received, is published verbatim,
-// with its metadata (reason included) as headers and msg.UUID as MessageId
-// (when at most 255 bytes). Nothing is validated and over-long header keys are
-// dropped, so the dead-letter queue gets the original bytes; this path never
-// fails.
-func (m AMQP) Marshal(msg *message.Message) (amqp091.Publishing, error) {
-	if msg == nil {
-		return amqp091.Publishing{}, fmt.Errorf("marshaler: nil message")
+// A message flagged malformed ([marshaler.Malformed]) is on its way to a
+// dead-letter (poison) topic: its Payload, the raw body received, is
+// published verbatim, with its metadata (reason included) as headers and
+// msg.UUID as MessageId (when at most 255 bytes). Nothing is validated and
+// over-long header keys are dropped, so the dead-letter queue gets the
+// original bytes; this path never fails.
+func (m Marshaler) Marshal(msg *message.Message) (amqp091.Publishing, error) {
+	body, meta, err := marshaler.EncodeMessage(msg, m.MaxSize)
+	if err != nil {
+		return amqp091.Publishing{}, err
 	}
 	mode := amqp091.Persistent
 	if m.NotPersistent {
 		mode = amqp091.Transient
 	}
 
-	if _, malformed := Malformed(msg); malformed {
-		headers := make(amqp091.Table, len(msg.Metadata))
-		for k, v := range msg.Metadata {
+	if _, malformed := marshaler.Malformed(msg); malformed {
+		headers := make(amqp091.Table, len(meta))
+		for k, v := range meta {
 			if len(k) <= maxShortstr && !brokerHeader(k) {
 				headers[k] = v
 			}
 		}
-		pub := amqp091.Publishing{Headers: headers, DeliveryMode: mode, Body: msg.Payload}
+		pub := amqp091.Publishing{Headers: headers, DeliveryMode: mode, Body: body}
 		if len(msg.UUID) <= maxShortstr {
 			pub.MessageId = msg.UUID
 		}
 		return pub, nil
 	}
 
-	env, err := ToEnvelope(msg)
-	if err != nil {
-		return amqp091.Publishing{}, err
-	}
-	body, err := env.Encode()
-	if err != nil {
-		return amqp091.Publishing{}, fmt.Errorf("marshaler: %w", err)
-	}
-	if limit := m.maxSize(); len(body) > limit {
-		return amqp091.Publishing{}, fmt.Errorf("marshaler: envelope is %d bytes, over the limit of %d bytes", len(body), limit)
-	}
-	headers := make(amqp091.Table, len(msg.Metadata))
-	for k, v := range msg.Metadata {
-		if strings.HasPrefix(k, MetadataExtraPrefix) || brokerHeader(k) {
+	headers := make(amqp091.Table, len(meta))
+	for k, v := range meta {
+		if brokerHeader(k) {
 			continue
 		}
 		if len(k) > maxShortstr {
@@ -104,16 +116,19 @@ func (m AMQP) Marshal(msg *message.Message) (amqp091.Publishing, error) {
 		}
 		headers[k] = v
 	}
+	// EncodeMessage validated the envelope: the id and the time parse.
+	id, _ := marshaler.ParseEventID(msg.UUID)
+	at, _ := marshaler.OccurredAt(msg)
 	pub := amqp091.Publishing{
 		Headers:      headers,
 		ContentType:  "application/json",
 		DeliveryMode: mode,
-		MessageId:    env.EventID.String(),
-		Timestamp:    env.OccurredAt,
+		MessageId:    id.String(),
+		Timestamp:    at,
 		Body:         body,
 	}
-	if len(env.EventName) <= maxShortstr {
-		pub.Type = env.EventName
+	if name := marshaler.EventName(msg); len(name) <= maxShortstr {
+		pub.Type = name
 	}
 	return pub, nil
 }
@@ -124,83 +139,44 @@ func brokerHeader(k string) bool {
 		strings.HasPrefix(k, "x-first-death-") || strings.HasPrefix(k, "x-last-death-")
 }
 
-func (m AMQP) maxSize() int {
-	if m.MaxSize <= 0 {
-		return DefaultMaxSize
-	}
-	return m.MaxSize
-}
-
 // Unmarshal turns a delivery into a message. It never returns an error (see
-// [AMQP]).
+// [Marshaler]).
 //
-// A body that [Decode] accepts gives msg.UUID = the canonical event_id (the
-// delivery's MessageId is ignored), msg.Payload = the payload bytes as
-// received, and metadata [MetadataEventName], [MetadataOccurredAt] and the
-// [MetadataExtraPrefix] keys from the envelope.
-//
-// Any other body (empty, not JSON, truncated, oversized, event_id missing,
-// not a UUID or nil, event_name missing, occurred_at invalid, payload
-// missing…) gives a message with Payload = the raw body, unchanged,
-// [MetadataMalformed] = "true", [MetadataMalformedReason] = the [DecodeError]
-// text, and msg.UUID = the delivery's MessageId, or a new random id when it
-// is empty. That UUID is not an event id and must not be used to deduplicate.
+// The body is decoded by [marshaler.Decoder.Decode] with the delivery's
+// MessageId as the transport id: a valid envelope gives msg.UUID = the
+// canonical event_id (the MessageId is ignored), anything else a message
+// flagged malformed whose UUID is the MessageId or a random id.
 //
 // In both cases every header becomes metadata text: strings as they are,
 // []byte as its bytes, numbers and booleans in Go's decimal notation,
 // time.Time as RFC 3339 with nanoseconds in UTC, amqp091.Decimal as a decimal
 // number, arrays and tables (x-death is an array of tables) as JSON, a void
-// value as "". Headers named like the keys this package derives
-// ([MetadataEventName], [MetadataOccurredAt], [MetadataMalformed],
-// [MetadataMalformedReason], [MetadataRedelivered], [MetadataDeliveryCount],
-// [MetadataExtraPrefix]*) are dropped: the delivery decides those. Then
-// [MetadataRedelivered] is set from the delivery's redelivered flag and
-// [MetadataDeliveryCount] from an integer x-delivery-count header.
-func (m AMQP) Unmarshal(d amqp091.Delivery) (msg *message.Message, _ error) {
+// value as "". Headers named like the keys the marshaler derives
+// ([marshaler.ReservedKey]) are dropped: the delivery decides those. Then
+// [marshaler.MetadataRedelivered] is set from the delivery's redelivered flag
+// and [marshaler.MetadataDeliveryCount] from an integer x-delivery-count
+// header.
+func (m Marshaler) Unmarshal(d amqp091.Delivery) (msg *message.Message, _ error) {
 	defer func() {
 		// Belt and braces: a panic here would kill the subscriber, and an
 		// error would loop; a flagged message is the one safe outcome.
 		if r := recover(); r != nil {
-			msg = malformedMessage(d, fmt.Sprintf("marshaler: internal error decoding the delivery: %v", r))
-			msg.Metadata.Set(MetadataRedelivered, strconv.FormatBool(d.Redelivered))
+			msg = marshaler.NewMalformed(d.Body, d.MessageId, fmt.Sprintf("marshaler: internal error decoding the delivery: %v", r))
+			marshaler.SetRedelivered(msg, d.Redelivered)
 		}
 	}()
 
-	env, err := Decode(d.Body, m.maxSize())
-	if err != nil {
-		msg = malformedMessage(d, err.Error())
-	} else {
-		msg = message.NewMessage(env.EventID.String(), message.Payload(env.Payload))
-	}
+	msg = marshaler.Decoder{MaxSize: m.MaxSize}.Decode(d.Body, d.MessageId)
 	for k, v := range d.Headers {
-		if !reservedKey(k) {
+		if !marshaler.ReservedKey(k) {
 			msg.Metadata.Set(k, headerText(v))
 		}
 	}
-	if err == nil {
-		msg.Metadata.Set(MetadataEventName, env.EventName)
-		at, _ := env.occurredAtString() // decoded text: never fails
-		msg.Metadata.Set(MetadataOccurredAt, at)
-		for k, v := range env.Extra {
-			msg.Metadata.Set(MetadataExtraPrefix+k, string(v))
-		}
-	}
-	msg.Metadata.Set(MetadataRedelivered, strconv.FormatBool(d.Redelivered))
+	marshaler.SetRedelivered(msg, d.Redelivered)
 	if n, ok := deliveryCount(d.Headers[headerDeliveryCount]); ok {
-		msg.Metadata.Set(MetadataDeliveryCount, n)
+		msg.Metadata.Set(marshaler.MetadataDeliveryCount, n)
 	}
 	return msg, nil
-}
-
-func malformedMessage(d amqp091.Delivery, reason string) *message.Message {
-	id := d.MessageId
-	if id == "" {
-		id = watermill.NewUUID()
-	}
-	msg := message.NewMessage(id, append(message.Payload(nil), d.Body...))
-	msg.Metadata.Set(MetadataMalformed, "true")
-	msg.Metadata.Set(MetadataMalformedReason, reason)
-	return msg
 }
 
 // deliveryCount returns v as decimal text when it is a non-negative integer.

@@ -1,0 +1,114 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"errors"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/google/uuid"
+
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/operation"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// TestOtherDialects runs processed show, purge --dry-run and operations
+// list/resolve on MySQL/MariaDB and SQLite through the same sqldb seam.
+func TestOtherDialects(t *testing.T) {
+	t.Parallel()
+	t.Run("sqlite", func(t *testing.T) {
+		t.Parallel()
+		path := filepath.Join(t.TempDir(), "shop.db")
+		dsn := testenv.SQLiteDSN(path)
+		db, err := sql.Open("sqlite", dsn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = db.Close() })
+		dialectCase(t, db, sqldb.SQLite, "sqlite", dsn,
+			`INSERT INTO processed_event (consumer, event_id, processed_at) VALUES (?, ?, strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-3 days'))`)
+	})
+	t.Run("mysql", func(t *testing.T) {
+		t.Parallel()
+		db := testenv.MySQLDB(t)
+		var name string
+		if err := db.QueryRow(`SELECT DATABASE()`).Scan(&name); err != nil {
+			t.Fatal(err)
+		}
+		dialectCase(t, db, sqldb.MySQL, "mysql", testenv.MySQLDSN()+name,
+			`INSERT INTO processed_event (consumer, event_id, processed_at) VALUES (?, ?, UTC_TIMESTAMP(6) - INTERVAL 3 DAY)`)
+	})
+}
+
+func dialectCase(t *testing.T, db *sql.DB, d sqldb.Dialect, dialect, dsn, insertOld string) {
+	ctx := context.Background()
+	q := sqldb.Std(db)
+	store, err := processed.NewStore(processed.Config{Dialect: d})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Migrate(ctx, q); err != nil {
+		t.Fatal(err)
+	}
+	id, old := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := store.Claim(ctx, sqldb.Std(tx), "stock", id); err != nil {
+		_ = tx.Rollback()
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.ExecContext(ctx, insertOld, "stock", old[:]); err != nil {
+		t.Fatal(err)
+	}
+	run := func(args ...string) result {
+		var out, errb bytes.Buffer
+		code := RunContext(ctx, append(args, "--dialect", dialect, "--database-url", dsn), &out, &errb)
+		t.Logf("idem %s → %d\n%s%s", strings.Join(args, " "), code, out.String(), errb.String())
+		return result{code, out.String(), errb.String()}
+	}
+
+	r := run("processed", "show", strings.ToUpper(id.String()), "--json")
+	wantCode(t, r, exitOK)
+	if p := decode[processedShow](t, r); len(p.Records) != 1 || p.Records[0].Consumer != "stock" {
+		t.Fatalf("show: %+v", p)
+	}
+	wantCode(t, run("processed", "show", uuid.NewString()), exitNotFound)
+
+	r = run("purge", "--dry-run", "--horizon", "48h", "--json")
+	wantCode(t, r, exitOK)
+	if p := decode[purgePreview](t, r); p.Rows != 2 || p.ToDelete != 1 {
+		t.Fatalf("purge preview: %+v", p)
+	}
+
+	runner, err := operation.NewRunner(operation.Config{DB: db, Dialect: d}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := runner.Migrate(ctx, q); err != nil {
+		t.Fatal(err)
+	}
+	k := operation.MustKey("charge", "order-1")
+	_, _ = runner.Do(ctx, k, charge{"order-1", 1}, func(context.Context, string) (operation.Result, error) {
+		return operation.Result{}, operation.Timeout(errors.New("timeout"))
+	})
+	r = run("operations", "list", "--json")
+	wantCode(t, r, exitOK)
+	if l := decode[struct{ Operations []operationRow }](t, r); len(l.Operations) != 1 || l.Operations[0].Key != k.String() {
+		t.Fatalf("list: %+v", l)
+	}
+	wantCode(t, run("operations", "resolve", k.String(), "--succeeded", "ch_1", "--by", "alice"), exitOK)
+	if rec, err := runner.Get(ctx, k); err != nil || rec.State != operation.StateSucceeded || rec.Reference != "ch_1" {
+		t.Fatalf("record: %+v %v", rec, err)
+	}
+	wantCode(t, run("operations", "resolve", k.String(), "--failed", "x"), exitRefused)
+}

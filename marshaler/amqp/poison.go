@@ -1,0 +1,201 @@
+// Package amqp holds the RabbitMQ (AMQP 0-9-1) parts of the library that
+// need amqp091-go; the transport-neutral core never imports it.
+package amqp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+)
+
+// DefaultConfirmTimeout bounds the wait for the broker's confirm of one
+// poison message (PoisonPublisherConfig.ConfirmTimeout).
+const DefaultConfirmTimeout = 10 * time.Second
+
+// ErrUnroutable: the broker returned a poison message (basic.return) because
+// no queue is bound for it: the dead-letter queue is missing. The message was
+// not stored; the chain keeps the original and retries.
+var ErrUnroutable = errors.New("amqp: poison message unroutable (no queue bound for it)")
+
+// ErrNotConfirmed: the broker nacked a poison message (basic.nack), or the
+// channel closed before it confirmed it.
+var ErrNotConfirmed = errors.New("amqp: poison message not confirmed by the broker")
+
+// PoisonPublisherConfig configures NewPoisonPublisher.
+type PoisonPublisherConfig struct {
+	// URL is the broker's AMQP URL ("amqp://guest:guest@127.0.0.1:5672/").
+	// Required.
+	URL string
+
+	// Exchange is the exchange published to; the topic is the routing key.
+	// Defaults to "" (the default exchange: the topic names the queue, as
+	// watermill-amqp's NewDurableQueueConfig does).
+	Exchange string
+
+	// Marshaler turns messages into publishings. Defaults to
+	// Marshaler{} (which publishes malformed messages verbatim).
+	Marshaler interface {
+		Marshal(*message.Message) (amqp091.Publishing, error)
+	}
+
+	// ConfirmTimeout bounds the wait for the broker's confirm of one
+	// message. Defaults to DefaultConfirmTimeout.
+	ConfirmTimeout time.Duration
+}
+
+// Validate reports the first invalid field of c, naming it.
+func (c PoisonPublisherConfig) Validate() error {
+	if c.URL == "" {
+		return errors.New("amqp: PoisonPublisherConfig.URL is required")
+	}
+	if c.ConfirmTimeout < 0 {
+		return fmt.Errorf("amqp: PoisonPublisherConfig.ConfirmTimeout %s: must be ≥ 0", c.ConfirmTimeout)
+	}
+	return nil
+}
+
+// PoisonPublisher is a message.Publisher for the poison (dead-letter) topic
+// of middleware.ChainConfig: Publish returns nil only once the broker has
+// confirmed every message (publisher confirms) and routed it to a queue
+// (mandatory: an unroutable message comes back as basic.return, which is
+// ErrUnroutable, not success). watermill-amqp v3's Publisher, even with
+// ConfirmDelivery and Mandatory, never reads basic.return, so a poison
+// message to a missing queue is confirmed and silently dropped.
+//
+// One connection and channel, opened on first use and reopened after any
+// failure (the broker down, the channel closed); publishes are serialised.
+// Errors are returned, never retried here: the chain retries with backoff.
+type PoisonPublisher struct {
+	cfg    PoisonPublisherConfig
+	logger watermill.LoggerAdapter
+
+	mu      sync.Mutex
+	conn    *amqp091.Connection
+	ch      *amqp091.Channel
+	returns chan amqp091.Return
+	closed  bool
+}
+
+// NewPoisonPublisher validates cfg (defaults on a copy) and returns the
+// publisher; it connects on the first Publish. A nil logger is
+// watermill.NopLogger.
+func NewPoisonPublisher(cfg PoisonPublisherConfig, logger watermill.LoggerAdapter) (*PoisonPublisher, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.Marshaler == nil {
+		cfg.Marshaler = Marshaler{}
+	}
+	if cfg.ConfirmTimeout == 0 {
+		cfg.ConfirmTimeout = DefaultConfirmTimeout
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	return &PoisonPublisher{cfg: cfg, logger: logger}, nil
+}
+
+var _ message.Publisher = (*PoisonPublisher)(nil)
+
+// Publish publishes msgs to topic (the routing key), mandatory and
+// persistent as the marshaler sets it, and waits for each confirm. It
+// returns an error wrapping ErrUnroutable, ErrNotConfirmed, a connection or
+// marshal error, or the context's error (msg.Context()); the channel is then
+// reopened on the next call.
+func (p *PoisonPublisher) Publish(topic string, msgs ...*message.Message) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return errors.New("amqp: poison publisher closed")
+	}
+	for _, msg := range msgs {
+		if err := p.publishOne(topic, msg); err != nil {
+			p.reset()
+			return fmt.Errorf("amqp: poison publish of %s to %q: %w", msg.UUID, topic, err)
+		}
+	}
+	return nil
+}
+
+func (p *PoisonPublisher) publishOne(topic string, msg *message.Message) error {
+	pub, err := p.cfg.Marshaler.Marshal(msg)
+	if err != nil {
+		return fmt.Errorf("marshal: %w", err)
+	}
+	if err := p.open(); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(msg.Context(), p.cfg.ConfirmTimeout)
+	defer cancel()
+	dc, err := p.ch.PublishWithDeferredConfirmWithContext(ctx, p.cfg.Exchange, topic, true, false, pub)
+	if err != nil {
+		return err
+	}
+	acked, err := dc.WaitContext(ctx)
+	if err != nil {
+		return err
+	}
+	// RabbitMQ sends basic.return before the basic.ack of an unroutable
+	// mandatory message, and amqp091 dispatches both in order from one
+	// reader, so a return is in the buffered channel by now.
+	select {
+	case r, ok := <-p.returns:
+		if !ok {
+			return fmt.Errorf("%w: channel closed", ErrNotConfirmed)
+		}
+		return fmt.Errorf("%w: %d %s (exchange %q, routing key %q)", ErrUnroutable, r.ReplyCode, r.ReplyText, r.Exchange, r.RoutingKey)
+	default:
+	}
+	if !acked {
+		return ErrNotConfirmed
+	}
+	return nil
+}
+
+// open (re)connects and opens a confirm-mode channel.
+func (p *PoisonPublisher) open() error {
+	if p.ch != nil && !p.ch.IsClosed() && p.conn != nil && !p.conn.IsClosed() {
+		return nil
+	}
+	p.reset()
+	conn, err := amqp091.Dial(p.cfg.URL)
+	if err != nil {
+		return fmt.Errorf("dial: %w", err)
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		_ = conn.Close()
+		return fmt.Errorf("channel: %w", err)
+	}
+	if err := ch.Confirm(false); err != nil {
+		_ = conn.Close()
+		return fmt.Errorf("confirm mode: %w", err)
+	}
+	// One publish in flight at a time, so one return at most between two
+	// confirms; a larger buffer only guards against a stray one.
+	p.returns = ch.NotifyReturn(make(chan amqp091.Return, 8))
+	p.conn, p.ch = conn, ch
+	return nil
+}
+
+func (p *PoisonPublisher) reset() {
+	if p.conn != nil {
+		_ = p.conn.Close()
+	}
+	p.conn, p.ch, p.returns = nil, nil, nil
+}
+
+// Close closes the connection; later publishes fail.
+func (p *PoisonPublisher) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closed = true
+	p.reset()
+	return nil
+}

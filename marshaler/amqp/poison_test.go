@@ -1,0 +1,110 @@
+package amqp_test
+
+import (
+	"context"
+	"errors"
+	"net/url"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/marshaler/amqp"
+)
+
+func declare(t *testing.T) (*amqp091.Channel, string) {
+	t.Helper()
+	conn, err := amqp091.Dial(testenv.AMQPURL())
+	require.NoError(t, err, "RabbitMQ at %s unreachable", testenv.AMQPURL())
+	t.Cleanup(func() { _ = conn.Close() })
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	q := testenv.UniqueName("poison_q")
+	_, err = ch.QueueDeclare(q, true, false, false, false, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = ch.QueueDelete(q, false, false, false) })
+	return ch, q
+}
+
+func poisonMsg(t *testing.T) *message.Message {
+	m, err := marshaler.NewMessage("order.placed", map[string]string{"order_id": "o-42"})
+	require.NoError(t, err)
+	m.Metadata.Set("reason_poisoned", "bad")
+	return m
+}
+
+// A poison message is confirmed into its queue; one to a queue that does
+// not exist comes back (mandatory + basic.return) as ErrUnroutable, never
+// as success.
+func TestPoisonPublisherConfirmsAndReportsUnroutable(t *testing.T) {
+	t.Parallel()
+	ch, q := declare(t)
+	p, err := amqp.NewPoisonPublisher(amqp.PoisonPublisherConfig{URL: testenv.AMQPURL()}, nil)
+	require.NoError(t, err)
+	defer p.Close()
+
+	m := poisonMsg(t)
+	require.NoError(t, p.Publish(q, m))
+	st, err := ch.QueueDeclarePassive(q, true, false, false, false, nil)
+	require.NoError(t, err)
+	require.Equal(t, 1, st.Messages, "confirmed means stored")
+	d, ok, err := ch.Get(q, true)
+	require.NoError(t, err)
+	require.True(t, ok)
+	require.Equal(t, m.UUID, d.MessageId)
+	require.Equal(t, "bad", d.Headers["reason_poisoned"])
+
+	missing := testenv.UniqueName("no_such_dlq")
+	err = p.Publish(missing, poisonMsg(t))
+	require.ErrorIs(t, err, amqp.ErrUnroutable, "a poison message routed to no queue is a failure")
+
+	// The publisher recovers on the next call.
+	require.NoError(t, p.Publish(q, poisonMsg(t)))
+}
+
+// The broker unreachable: Publish fails (no hang beyond the context), and
+// succeeds again once it is back, on a new connection.
+func TestPoisonPublisherBrokerDownThenBack(t *testing.T) {
+	t.Parallel()
+	ch, q := declare(t)
+	u, err := url.Parse(testenv.AMQPURL())
+	require.NoError(t, err)
+	proxy, err := faultproxy.Start(u.Host)
+	require.NoError(t, err)
+	defer proxy.Close()
+	u.Host = "127.0.0.1:" + strconv.Itoa(proxy.Port())
+	p, err := amqp.NewPoisonPublisher(amqp.PoisonPublisherConfig{URL: u.String(), ConfirmTimeout: 5 * time.Second}, nil)
+	require.NoError(t, err)
+	defer p.Close()
+	require.NoError(t, p.Publish(q, poisonMsg(t)))
+
+	proxy.Refuse(time.Hour)
+	m := poisonMsg(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	m.SetContext(ctx)
+	err = p.Publish(q, m)
+	require.Error(t, err)
+	require.False(t, errors.Is(err, amqp.ErrUnroutable))
+
+	proxy.Restore()
+	require.NoError(t, p.Publish(q, poisonMsg(t)))
+	st, err := ch.QueueDeclarePassive(q, true, false, false, false, nil)
+	require.NoError(t, err)
+	require.Equal(t, 2, st.Messages)
+}
+
+func TestPoisonPublisherConfigValidate(t *testing.T) {
+	t.Parallel()
+	_, err := amqp.NewPoisonPublisher(amqp.PoisonPublisherConfig{}, nil)
+	require.ErrorContains(t, err, "PoisonPublisherConfig.URL")
+	_, err = amqp.NewPoisonPublisher(amqp.PoisonPublisherConfig{URL: "amqp://x", ConfirmTimeout: -1}, nil)
+	require.True(t, strings.Contains(err.Error(), "ConfirmTimeout"))
+}

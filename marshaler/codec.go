@@ -1,0 +1,166 @@
+package marshaler
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// This file is the transport-neutral half of every adapter (marshaler/amqp,
+// marshaler/jetstream, marshaler/redisstream, marshaler/kafka): turning a
+// received body into a message without ever failing, and a message into the
+// body to publish. An adapter adds only what its transport owns: where the
+// body, the headers, the message id and the delivery count live.
+
+// Decoder turns received bodies into Watermill messages and never fails: a
+// body that is not an envelope becomes a message flagged with
+// [MetadataMalformed], for the middleware to dead-letter once. The zero value
+// is ready to use (limit [DefaultMaxSize]).
+//
+// Every transport adapter of this module decodes with a Decoder, so the rules
+// below hold on every transport.
+type Decoder struct {
+	// MaxSize is the largest body in bytes; a larger one is flagged
+	// malformed. 0 or less means [DefaultMaxSize].
+	MaxSize int
+}
+
+// DecodeMessage is Decoder{MaxSize: maxSize}.Decode(body, transportID): the
+// never-failing decoding entry point of the adapters. See [Decoder.Decode].
+func DecodeMessage(body []byte, maxSize int, transportID string) *message.Message {
+	return Decoder{MaxSize: maxSize}.Decode(body, transportID)
+}
+
+// Decode turns one received body into a message. It never returns nil and
+// never panics.
+//
+// A body that [Decode] accepts gives msg.UUID = the canonical event_id
+// (transportID is ignored: a broker's message id identifies a delivery or a
+// publish, not the event), msg.Payload = the payload bytes as received (a
+// copy), and metadata [MetadataEventName], [MetadataOccurredAt] and the
+// [MetadataExtraPrefix] keys from the envelope.
+//
+// Any other body gives [NewMalformed](body, transportID, reason), reason being
+// the [DecodeError] text.
+//
+// Decode sets no transport metadata: the adapter copies the headers it
+// received (skipping every key [ReservedKey] reports) and then sets
+// [MetadataRedelivered] and [MetadataDeliveryCount] with [SetRedelivered] and
+// [SetDeliveryCount].
+func (d Decoder) Decode(body []byte, transportID string) (msg *message.Message) {
+	defer func() {
+		// Belt and braces: a panic would kill the subscriber, an error would
+		// loop; a flagged message is the one safe outcome.
+		if r := recover(); r != nil {
+			msg = NewMalformed(body, transportID, fmt.Sprintf("marshaler: internal error decoding the body: %v", r))
+		}
+	}()
+	env, err := Decode(body, d.MaxSize)
+	if err != nil {
+		return NewMalformed(body, transportID, err.Error())
+	}
+	return FromEnvelope(env)
+}
+
+// NewMalformed returns a message flagged malformed: Payload = a copy of body,
+// unchanged, [MetadataMalformed] = "true", [MetadataMalformedReason] = reason,
+// msg.UUID = transportID, or a new random id when it is empty. That UUID is
+// not an event id and must not be used to deduplicate; the middleware never
+// claims a flagged message, it rejects it as permanent (dead-letter once).
+//
+// Adapters call it when something other than the body is unusable, for
+// example a record they cannot read at all.
+func NewMalformed(body []byte, transportID, reason string) *message.Message {
+	if transportID == "" {
+		transportID = watermill.NewUUID()
+	}
+	msg := message.NewMessage(transportID, append(message.Payload(nil), body...))
+	msg.Metadata.Set(MetadataMalformed, "true")
+	msg.Metadata.Set(MetadataMalformedReason, reason)
+	return msg
+}
+
+// ReservedKey reports whether key is metadata this package derives on
+// reception ([MetadataEventName], [MetadataOccurredAt], [MetadataMalformed],
+// [MetadataMalformedReason], [MetadataRedelivered], [MetadataDeliveryCount],
+// any [MetadataExtraPrefix] key). An adapter must not let an incoming header
+// of that name set it: a sender could otherwise flag, unflag or rename a
+// message, or fake its delivery count. Keys are compared exactly.
+func ReservedKey(key string) bool {
+	switch key {
+	case MetadataEventName, MetadataOccurredAt, MetadataMalformed, MetadataMalformedReason,
+		MetadataRedelivered, MetadataDeliveryCount:
+		return true
+	}
+	return strings.HasPrefix(key, MetadataExtraPrefix)
+}
+
+// SetRedelivered sets [MetadataRedelivered] to "true" or "false".
+func SetRedelivered(msg *message.Message, redelivered bool) {
+	msg.Metadata.Set(MetadataRedelivered, strconv.FormatBool(redelivered))
+}
+
+// SetDeliveryCount sets [MetadataDeliveryCount] to n, the number of earlier
+// deliveries of this message (0 on the first delivery). A negative n removes
+// the key (unknown).
+func SetDeliveryCount(msg *message.Message, n int64) {
+	if n < 0 {
+		delete(msg.Metadata, MetadataDeliveryCount)
+		return
+	}
+	msg.Metadata.Set(MetadataDeliveryCount, strconv.FormatInt(n, 10))
+}
+
+// EncodeMessage returns the body and the headers to publish msg with, for an
+// adapter. maxSize is the largest body in bytes (0 or less: [DefaultMaxSize]).
+//
+// For an ordinary message the body is the envelope of [ToEnvelope] written by
+// [Envelope.Encode], and the headers are the metadata except the
+// [MetadataExtraPrefix] keys (they are in the body). It returns an error when
+// msg has no valid envelope (in particular no valid event id: nothing is ever
+// published without one) or the body exceeds maxSize.
+//
+// A message flagged malformed ([Malformed]) is on its way to a dead-letter
+// (poison) topic: the body is its Payload, the raw bytes received, verbatim,
+// and the headers are all its metadata (the reason included). Nothing is
+// validated and this path never fails, so the dead-letter destination gets
+// the original bytes.
+//
+// The adapter drops the headers its transport owns or cannot carry.
+func EncodeMessage(msg *message.Message, maxSize int) (body []byte, headers map[string]string, err error) {
+	if msg == nil {
+		return nil, nil, errors.New("marshaler: nil message")
+	}
+	if _, malformed := Malformed(msg); malformed {
+		headers = make(map[string]string, len(msg.Metadata))
+		for k, v := range msg.Metadata {
+			headers[k] = v
+		}
+		return msg.Payload, headers, nil
+	}
+	env, err := ToEnvelope(msg)
+	if err != nil {
+		return nil, nil, err
+	}
+	body, err = env.Encode()
+	if err != nil {
+		return nil, nil, fmt.Errorf("marshaler: %w", err)
+	}
+	if maxSize <= 0 {
+		maxSize = DefaultMaxSize
+	}
+	if len(body) > maxSize {
+		return nil, nil, fmt.Errorf("marshaler: envelope is %d bytes, over the limit of %d bytes", len(body), maxSize)
+	}
+	headers = make(map[string]string, len(msg.Metadata))
+	for k, v := range msg.Metadata {
+		if !strings.HasPrefix(k, MetadataExtraPrefix) {
+			headers[k] = v
+		}
+	}
+	return body, headers, nil
+}

@@ -1,0 +1,62 @@
+package processed
+
+import (
+	"time"
+
+	"fmt"
+
+	"github.com/google/uuid"
+
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// LookupQuery returns a read-only query of the rows of eventID, one row
+// (consumer, processed_at) per consumer that processed it, oldest first; with
+// consumer != "" only that consumer's row. It is for tools that need more
+// than Processed's yes/no (the operators' command): run it with the
+// driver's multi-row query (database/sql QueryContext, pgx Query).
+// processed_at scans as a time.Time on PostgreSQL and MySQL (parseTime=true,
+// UTC) and as ISO 8601 UTC text on SQLite.
+func (s *Store) LookupQuery(eventID uuid.UUID, consumer string) (string, []any) {
+	q := s.table.Quoted(s.dialect.QuoteChar())
+	p1, p2 := "?", "?"
+	if s.dialect == sqldb.PostgreSQL {
+		p1, p2 = "$1", "$2"
+	}
+	sql := fmt.Sprintf(`SELECT consumer, processed_at FROM %s WHERE event_id = %s`, q, p1)
+	args := []any{s.sql.eventID(eventID)}
+	if consumer != "" {
+		sql += fmt.Sprintf(` AND consumer = %s`, p2)
+		args = append(args, consumer)
+	}
+	return sql + ` ORDER BY processed_at, consumer`, args
+}
+
+// PurgePreviewQuery returns a read-only query of one row: the database
+// clock now, the cutoff the purger uses with horizon (now minus horizon,
+// as PurgeBatch computes it), the rows of the table, the rows older than
+// the cutoff (those a purge run would delete now, locked rows aside), and
+// the oldest processed_at (NULL when the table is empty). Times scan as
+// PurgeBatch's dialect stores them: time.Time on PostgreSQL and MySQL
+// (UTC), ISO 8601 UTC text on SQLite.
+func (s *Store) PurgePreviewQuery(horizon time.Duration) (string, []any) {
+	q := s.table.Quoted(s.dialect.QuoteChar())
+	var now, cutoff string
+	var args []any
+	switch s.dialect {
+	case sqldb.MySQL:
+		now, cutoff = `UTC_TIMESTAMP(6)`, `(UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND)`
+		args = []any{horizon.Microseconds(), horizon.Microseconds()}
+	case sqldb.SQLite:
+		now, cutoff = `strftime('%Y-%m-%dT%H:%M:%fZ', 'now')`, `strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?)`
+		arg := fmt.Sprintf("-%.3f seconds", horizon.Seconds())
+		args = []any{arg, arg}
+	default:
+		now, cutoff = `now()`, `(now() - ($1::bigint * interval '1 microsecond'))`
+		args = []any{horizon.Microseconds()}
+	}
+	return fmt.Sprintf(`SELECT %[2]s, %[3]s, count(*),
+    COALESCE(SUM(CASE WHEN processed_at < %[3]s THEN 1 ELSE 0 END), 0),
+    MIN(processed_at)
+FROM %[1]s`, q, now, cutoff), args
+}
