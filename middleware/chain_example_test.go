@@ -29,7 +29,7 @@ func (o outcomes) RecordOutcome(obs middleware.Observation) { o <- obs.Outcome }
 // share one transaction, here on an SQLite file and Watermill's in-process
 // broker, so the example runs anywhere; with PostgreSQL use
 // NewPgxBeginner and PgxTxFromContext, with RabbitMQ watermill-amqp and
-// marshaler.AMQP (the README's snippet).
+// marshaler/amqp.Marshaler (the README's snippet).
 func ExampleNewHandlerMiddleware() {
 	ctx := context.Background()
 	logger := watermill.NopLogger{}
