@@ -29,8 +29,8 @@ func (o outcomes) RecordOutcome(obs middleware.Observation) { o <- obs.Outcome }
 // share one transaction, here on an SQLite file and Watermill's in-process
 // broker, so the example runs anywhere; with PostgreSQL use
 // NewPgxBeginner and PgxTxFromContext, with RabbitMQ watermill-amqp and
-// marshaler.AMQP (the README's snippet).
-func ExampleNewChain() {
+// marshaler/amqp.Marshaler (the README's snippet).
+func ExampleNewHandlerMiddleware() {
 	ctx := context.Background()
 	logger := watermill.NopLogger{}
 	dir, _ := os.MkdirTemp("", "chain-example")
@@ -51,6 +51,10 @@ func ExampleNewChain() {
 		panic(err)
 	}
 
+	beginner, err := middleware.NewStdBeginner(db)
+	if err != nil {
+		panic(err)
+	}
 	seen := make(outcomes, 2)
 	beginner, err := middleware.NewStdBeginner(db)
 	if err != nil {
@@ -67,7 +71,7 @@ func ExampleNewChain() {
 		panic(err)
 	}
 	broker := gochannel.NewGoChannel(gochannel.Config{}, logger)
-	chain, err := middleware.NewChain(middleware.ChainConfig{
+	chain, err := middleware.NewHandlerMiddleware(middleware.ChainConfig{
 		Idempotent:      idem,
 		PoisonPublisher: broker,
 		PoisonTopic:     "stock.dlq",
@@ -79,12 +83,11 @@ func ExampleNewChain() {
 	if err != nil {
 		panic(err)
 	}
-	router.AddMiddleware(chain...)
 	router.AddConsumerHandler("reserve_stock", "order.placed", broker, func(msg *message.Message) error {
 		tx, _ := middleware.SQLTxFromContext(msg.Context()) // the attempt's transaction
 		_, err := tx.ExecContext(msg.Context(), `INSERT INTO reservation (event_id) VALUES (?)`, msg.UUID)
 		return err
-	})
+	}).AddMiddleware(chain) // per handler: the chain does not wrap a dead-letter handler
 	go func() { _ = router.Run(ctx) }()
 	defer router.Close()
 	<-router.Running()

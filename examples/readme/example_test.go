@@ -34,12 +34,12 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil { // or processed.MigrationsFS with goose / golang-migrate
 		return err
 	}
-	beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
+	beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}) // BEGIN + claim in one round trip
 	if err != nil {
 		return err
 	}
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Consumer: "stock", // required: the claim key's consumer name; competing workers share it
+		Consumer: "stock", // required: the claim key's consumer name, shared by competing workers
 		Beginner: beginner,
 		Store:    store,
 	}, logger)
@@ -60,27 +60,27 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 	// The dead-letter queue, declared before anything is poisoned, on an
 	// exchange of its own: never SubscribeInitialize(dlq) on subCfg, which
 	// binds stock.events itself to the poison topic, so poisoned messages
-	// come straight back.
-	dlq := idamqp.DeadLetterConfig{Subscriber: subCfg, Topic: "stock.events.dlq", Quorum: true}
-	if _, err := idamqp.DeclareDeadLetter(dlq); err != nil {
+	// come straight back. The poison publisher waits for the broker's
+	// confirm and reports a message routed nowhere (mandatory).
+	dl := idamqp.DeadLetterConfig{Subscriber: subCfg, Topic: "stock.events.dlq", Quorum: true}
+	poisonCfg, err := idamqp.DeclareDeadLetter(dl)
+	if err != nil {
 		return err
 	}
-	// Confirms + mandatory: a poisoned delivery is acked only once the broker
-	// stored its copy in a queue; otherwise the chain keeps it and retries.
-	poison, err := idamqp.NewPoisonPublisher(idamqp.PoisonPublisherConfig{URL: amqpURL, Exchange: dlq.ExchangeName()}, logger)
+	poison, err := idamqp.NewPoisonPublisher(poisonCfg, logger)
 	if err != nil {
 		return err
 	}
 	defer poison.Close()
 
-	// The whole chain as one middleware: Poison → Retry → Recoverer →
-	// Idempotent (only what survived the retries or is permanent is
-	// poisoned; every attempt gets a fresh transaction; infrastructure
-	// errors hold the delivery, they never poison it).
-	chain, err := middleware.NewHandlerMiddleware(middleware.ChainConfig{
+	// Poison → Retry → Recoverer → Idempotent, in that order (first added = outermost):
+	//  - Poison outside Retry: only what survived the retries (or is permanent) is poisoned;
+	//  - Retry outside the transaction: every attempt gets a fresh transaction;
+	//  - Recoverer outside Idempotent: the middleware rolls back before the panic becomes an error.
+	chain, err := middleware.NewHandlerMiddleware(middleware.ChainConfig{ // the whole chain, one middleware
 		Idempotent:      idem,
 		PoisonPublisher: poison,
-		PoisonTopic:     dlq.Topic,
+		PoisonTopic:     dl.PoisonTopic(),
 	}, logger)
 	if err != nil {
 		return err
@@ -99,7 +99,7 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 		tx, _ := middleware.PgxTxFromContext(msg.Context()) // the attempt's transaction: write effects here
 		_, err := tx.Exec(msg.Context(), `INSERT INTO reservation (order_id) VALUES ($1)`, order.OrderID)
 		return err // error → rollback, retried; nil → commit, ack
-	}).AddMiddleware(chain) // per handler, not router.AddMiddleware (see NewHandlerMiddleware)
+	}).AddMiddleware(chain) // per handler, not router.AddMiddleware
 	return router.Run(ctx)
 }
 

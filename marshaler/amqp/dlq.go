@@ -30,7 +30,7 @@ type DeadLetterConfig struct {
 	// Subscriber was built (amqp.NewDurableQueueConfig,
 	// amqp.NewDurableTopicConfig, amqp.NewDurablePubSubConfig or a custom
 	// one). Its Connection (URI, TLS, reconnect) and Marshaler are reused
-	// for the poison publisher (use this module's Marshaler, so that
+	// for the poison publisher (use this package's Marshaler, so that
 	// malformed deliveries are dead-lettered verbatim); its layout decides
 	// how the dead-letter queue is reached:
 	//
@@ -155,8 +155,33 @@ func (c DeadLetterConfig) Declare(ch *amqp091.Channel) error {
 	return nil
 }
 
-// PublisherConfig is the watermill-amqp configuration of the poison
-// publisher: Subscriber's connection and marshaler; the default exchange
+// PoisonTopic is the topic to give middleware.ChainConfig.PoisonTopic with
+// the publisher of PoisonPublisherConfig or PublisherConfig: QueueName() in
+// the queue layout (the routing key on the default exchange), Topic in the
+// exchange layouts (a fanout exchange routes any key to the queue).
+func (c DeadLetterConfig) PoisonTopic() string {
+	if c.queueLayout() {
+		return c.QueueName()
+	}
+	return c.Topic
+}
+
+// PoisonPublisherConfig is the configuration of this package's confirmed,
+// mandatory PoisonPublisher (NewPoisonPublisher) for the dead-letter
+// topology: Subscriber's URL and marshaler, the exchange ExchangeName(). Give
+// the chain PoisonTopic() as its topic. Unlike watermill-amqp's Publisher,
+// it reports a message the broker could not route (ErrUnroutable).
+func (c DeadLetterConfig) PoisonPublisherConfig() PoisonPublisherConfig {
+	return PoisonPublisherConfig{
+		URL:       c.Subscriber.Connection.AmqpURI,
+		Exchange:  c.ExchangeName(),
+		Marshaler: c.Subscriber.Marshaler,
+	}
+}
+
+// PublisherConfig is the watermill-amqp configuration of a poison
+// publisher, for users of watermill-amqp's Publisher (PoisonPublisherConfig
+// is the safer choice: watermill-amqp never reads basic.return): Subscriber's connection and marshaler; the default exchange
 // with routing key QueueName() (queue layout), or the fanout exchange Topic
 // (exchange layouts), whatever topic the message is published to; with
 // publisher confirms (Publish returns after the broker holds the copy, so
@@ -189,32 +214,31 @@ func (c DeadLetterConfig) PublisherConfig() wamqp.Config {
 
 // DeclareDeadLetter connects with cfg.Subscriber.Connection (URI and TLS),
 // declares the dead-letter topology (DeadLetterConfig.Declare) and returns
-// the poison publisher's configuration (DeadLetterConfig.PublisherConfig):
+// the poison publisher's configuration (DeadLetterConfig.PoisonPublisherConfig):
 //
-//	sub := amqp.NewDurableTopicConfig(url, "events", "stock")
-//	sub.Marshaler = idamqp.Marshaler{}
-//	pubCfg, err := idamqp.DeclareDeadLetter(idamqp.DeadLetterConfig{Subscriber: sub, Topic: "stock.dlq", Quorum: true})
-//	poison, err := amqp.NewPublisher(pubCfg, logger)
-//	// middleware.ChainConfig{PoisonPublisher: poison, PoisonTopic: "stock.dlq", …}
-func DeclareDeadLetter(cfg DeadLetterConfig) (wamqp.Config, error) {
+//	dl := idamqp.DeadLetterConfig{Subscriber: sub, Topic: "stock.events.dlq", Quorum: true}
+//	pubCfg, err := idamqp.DeclareDeadLetter(dl)
+//	poison, err := idamqp.NewPoisonPublisher(pubCfg, logger)
+//	// middleware.ChainConfig{PoisonPublisher: poison, PoisonTopic: dl.PoisonTopic(), …}
+func DeclareDeadLetter(cfg DeadLetterConfig) (PoisonPublisherConfig, error) {
 	if err := cfg.Validate(); err != nil {
-		return wamqp.Config{}, err
+		return PoisonPublisherConfig{}, err
 	}
 	conn, err := amqp091.DialConfig(cfg.Subscriber.Connection.AmqpURI, amqp091.Config{
 		TLSClientConfig: cfg.Subscriber.Connection.TLSConfig,
 		Properties:      amqp091.Table{"connection_name": "idempotency dead-letter declaration"},
 	})
 	if err != nil {
-		return wamqp.Config{}, fmt.Errorf("amqp: dead-letter declaration: connect: %w", err)
+		return PoisonPublisherConfig{}, fmt.Errorf("amqp: dead-letter declaration: connect: %w", err)
 	}
 	defer conn.Close()
 	ch, err := conn.Channel()
 	if err != nil {
-		return wamqp.Config{}, fmt.Errorf("amqp: dead-letter declaration: channel: %w", err)
+		return PoisonPublisherConfig{}, fmt.Errorf("amqp: dead-letter declaration: channel: %w", err)
 	}
 	defer ch.Close()
 	if err := cfg.Declare(ch); err != nil {
-		return wamqp.Config{}, err
+		return PoisonPublisherConfig{}, err
 	}
-	return cfg.PublisherConfig(), nil
+	return cfg.PoisonPublisherConfig(), nil
 }

@@ -20,14 +20,15 @@ func ExampleDeclareDeadLetter() {
 	sub.Exchange.Durable = true
 	sub.Marshaler = idamqp.Marshaler{}
 
-	pubCfg, err := idamqp.DeclareDeadLetter(idamqp.DeadLetterConfig{Subscriber: sub, Topic: "stock.events.dlq", Quorum: true})
+	dl := idamqp.DeadLetterConfig{Subscriber: sub, Topic: "stock.events.dlq", Quorum: true}
+	pubCfg, err := idamqp.DeclareDeadLetter(dl)
 	if err != nil {
 		panic(err)
 	}
-	poison, err := wamqp.NewPublisher(pubCfg, logger)
+	poison, err := idamqp.NewPoisonPublisher(pubCfg, logger)
 	if err != nil {
 		panic(err)
 	}
 	defer poison.Close()
-	_ = middleware.ChainConfig{PoisonPublisher: poison, PoisonTopic: "stock.events.dlq"} // with Idempotent, to NewChain
+	_ = middleware.ChainConfig{PoisonPublisher: poison, PoisonTopic: dl.PoisonTopic()} // with Idempotent, to NewHandlerMiddleware
 }

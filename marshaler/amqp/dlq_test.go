@@ -191,21 +191,38 @@ func TestDeclareDeadLetter(t *testing.T) {
 			if quorum {
 				name = l.name + "/quorum"
 			}
+			// Odd cases use watermill-amqp's Publisher (PublisherConfig),
+			// the others the confirmed PoisonPublisher (PoisonPublisherConfig).
+			confirmed := quorum != (l.name == "topic")
+			if confirmed {
+				name += "/PoisonPublisher"
+			} else {
+				name += "/wamqp.Publisher"
+			}
 			t.Run(name, func(t *testing.T) {
 				t.Parallel()
 				r := newRig(t, l, quorum)
 				dl := idamqp.DeadLetterConfig{Subscriber: r.cfg, Topic: r.prefix + "dlq", Quorum: quorum}
 				pubCfg, err := idamqp.DeclareDeadLetter(dl)
 				require.NoError(t, err)
+				poisonTopic := dl.PoisonTopic()
+				var poison message.Publisher
+				if confirmed {
+					p, err := idamqp.NewPoisonPublisher(pubCfg, watermill.NopLogger{})
+					require.NoError(t, err)
+					poison = p
+				} else {
+					p, err := wamqp.NewPublisher(dl.PublisherConfig(), watermill.NopLogger{})
+					require.NoError(t, err)
+					poison = p
+				}
+				t.Cleanup(func() { _ = poison.Close() })
 				if l.name == "queue" {
 					require.Empty(t, dl.ExchangeName(), "queue layout: the default exchange")
 				} else {
 					require.Equal(t, dl.Topic, dl.ExchangeName(), "exchange layouts: an exchange of its own")
 				}
-				poison, err := wamqp.NewPublisher(pubCfg, watermill.NopLogger{})
-				require.NoError(t, err)
-				t.Cleanup(func() { _ = poison.Close() })
-				r.start(poison, dl.Topic)
+				r.start(poison, poisonTopic)
 
 				bad := r.publish("bad")
 				testenv.Eventually(t, 15*time.Second, "the bad message dead-lettered", func(o *testenv.Observed) bool {
