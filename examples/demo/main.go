@@ -17,6 +17,7 @@
 //     does. The outboxes use watermill-sql with the example's SQLite
 //     adapters (shop.SQLiteSchema); billing's operation records live in a
 //     SQLite file of their own (one writer per file).
+//
 //   - services, the default when either is set: PostgreSQL (a schema per
 //     service) and RabbitMQ (the shop topology, a TCP fault proxy in front
 //     of each consumer).
