@@ -32,7 +32,7 @@ type jetstreamBroker struct {
 }
 
 func (d *demo) newJetStreamBroker(all []shop.Consumer) (*jetstreamBroker, error) {
-	b := &jetstreamBroker{d: d, t: shop.JetStreamTransport{URL: d.cfg.NATSURL, Prefix: "demo_" + d.id, Workers: d.cfg.Workers, MaxAckPending: d.cfg.Prefetch * d.cfg.Workers}}
+	b := &jetstreamBroker{d: d, t: shop.JetStreamTransport{URL: d.cfg.NATSURL, Prefix: "demo_" + d.id, Workers: d.cfg.Workers}}
 	var err error
 	if b.nc, err = nats.Connect(d.cfg.NATSURL); err != nil {
 		return nil, fmt.Errorf("NATS at %s unreachable: %w (start nats-server -js, or set NATS_URL)", d.cfg.NATSURL, err)

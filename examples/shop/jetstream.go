@@ -3,6 +3,7 @@ package shop
 import (
 	"context"
 	"errors"
+	"net"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -18,7 +19,7 @@ import (
 
 // DefaultJetStreamAckWait is the AckWait of the consumers JetStreamTransport
 // declares: how long JetStream waits for an ack before it redelivers.
-const DefaultJetStreamAckWait = time.Second
+const DefaultJetStreamAckWait = 2 * time.Second
 
 // DefaultJetStreamMaxAckPending is the MaxAckPending of the consumers
 // JetStreamTransport declares: how many deliveries may wait unacked. The
@@ -26,7 +27,7 @@ const DefaultJetStreamAckWait = time.Second
 // subscription, so a large value lets deliveries wait in the client past
 // AckWait, and JetStream redelivers them while the first copy is still
 // queued (harmless here, but wasted work).
-const DefaultJetStreamMaxAckPending = 16
+const DefaultJetStreamMaxAckPending = 4
 
 // JetStreamTransport is NATS JetStream with the shop's layout, built on
 // watermill-nats v2 (pkg/nats, JetStream mode) and marshaler/jetstream:
@@ -202,7 +203,9 @@ func (t JetStreamTransport) Subscriber(c Consumer, logger watermill.LoggerAdapte
 		JetStream: wmnats.JetStreamConfig{DurablePrefix: t.Durable(c), AckAsync: true},
 		NatsOptions: []nats.Option{
 			nats.MaxReconnects(-1), nats.ReconnectWait(100 * time.Millisecond),
-			nats.ReconnectHandler(func(*nats.Conn) { s.sessions.Add(1) }),
+			// Every (re)connection is dialled here, before any message
+			// arrives on it: the session number is never late.
+			nats.SetCustomDialer(sessionDialer{sessions: &s.sessions}),
 			// An ack made while the connection is down is dropped, not
 			// buffered and sent after the reconnection: as with AMQP, a
 			// broken connection loses the acks in flight and JetStream
@@ -214,8 +217,18 @@ func (t JetStreamTransport) Subscriber(c Consumer, logger watermill.LoggerAdapte
 		return nil, err
 	}
 	s.sub = sub
-	s.sessions.Store(1)
 	return s, nil
+}
+
+// sessionDialer counts the connections it dials.
+type sessionDialer struct{ sessions *atomic.Uint64 }
+
+func (d sessionDialer) Dial(network, address string) (net.Conn, error) {
+	c, err := (&net.Dialer{Timeout: 2 * time.Second}).Dial(network, address)
+	if err == nil {
+		d.sessions.Add(1)
+	}
+	return c, err
 }
 
 // jetStreamSubscriber consumes c's durable consumer, acks and skips the
