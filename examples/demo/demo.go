@@ -259,7 +259,12 @@ func (d *demo) setup(ctx context.Context) error {
 		if err := d.admin.Ping(ctx); err != nil {
 			return fmt.Errorf("PostgreSQL at %s unreachable: %w (start it, or set DATABASE_URL)", d.cfg.DatabaseURL, err)
 		}
-		if d.broker, err = d.newAMQPBroker(all); err != nil {
+		if d.cfg.Backend == backendJetStream {
+			d.broker, err = d.newJetStreamBroker(all)
+		} else {
+			d.broker, err = d.newAMQPBroker(all)
+		}
+		if err != nil {
 			return err
 		}
 		if d.cfg.OpenTx {

@@ -17,11 +17,17 @@
 //     does. The outboxes are the library's (package outbox) in its SQLite
 //     dialect; billing's operation records live in a
 //     SQLite file of their own (one writer per file).
+//
 //   - services, the default when either is set: PostgreSQL (a schema per
 //     service) and RabbitMQ (the shop topology, a TCP fault proxy in front
 //     of each consumer).
 //
-// The faults and the checks are the same on both.
+//   - jetstream: PostgreSQL as above and NATS JetStream at NATS_URL (default
+//     nats://127.0.0.1:4222): shop.JetStreamTransport, an events stream, a
+//     durable consumer per service, a TCP fault proxy in front of each
+//     consumer's NATS connection.
+//
+// The faults and the checks are the same on all three.
 //
 // One process runs the producers and the consumers of the example shop, each
 // consumer a shop.Service with the idempotent middleware in the recommended
@@ -102,6 +108,7 @@ type config struct {
 	Backend     string
 	DatabaseURL string
 	AMQPURL     string
+	NATSURL     string // backendJetStream
 
 	Orders               int           // orders to place
 	MaxLines             int           // lines per order, 1..MaxLines
@@ -133,6 +140,7 @@ func defaultConfig() config {
 		Backend:              defaultBackend(),
 		DatabaseURL:          envOr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"),
 		AMQPURL:              envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"),
+		NATSURL:              envOr("NATS_URL", "nats://127.0.0.1:4222"),
 		Orders:               1000,
 		MaxLines:             3,
 		StatusChanges:        2,
@@ -167,7 +175,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	c := defaultConfig()
 	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&c.Backend, "backend", c.Backend, "embedded (SQLite and the in-process broker: nothing to install) or services (PostgreSQL at DATABASE_URL, RabbitMQ at AMQP_URL); defaults to services when either is set")
+	fs.StringVar(&c.Backend, "backend", c.Backend, "embedded (SQLite and the in-process broker: nothing to install), services (PostgreSQL at DATABASE_URL, RabbitMQ at AMQP_URL) or jetstream (PostgreSQL at DATABASE_URL, NATS JetStream at NATS_URL); defaults to services when DATABASE_URL or AMQP_URL is set")
 	fs.IntVar(&c.Orders, "orders", c.Orders, "orders to place")
 	fs.IntVar(&c.MaxLines, "lines", c.MaxLines, "maximum lines per order (1..n)")
 	fs.IntVar(&c.StatusChanges, "status-changes", c.StatusChanges, "status changes per order after it is placed (0..3)")
@@ -194,8 +202,8 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 		return c, err
 	}
 	switch {
-	case c.Backend != backendEmbedded && c.Backend != backendServices:
-		return c, fmt.Errorf("-backend %q: embedded or services", c.Backend)
+	case c.Backend != backendEmbedded && c.Backend != backendServices && c.Backend != backendJetStream:
+		return c, fmt.Errorf("-backend %q: embedded, services or jetstream", c.Backend)
 	case c.Orders < 1:
 		return c, fmt.Errorf("-orders %d: must be ≥ 1", c.Orders)
 	case c.MaxLines < 1:

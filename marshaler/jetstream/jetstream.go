@@ -91,8 +91,9 @@ func MsgID(eventID, subject string) string { return eventID + ":" + subject }
 // _watermill_message_uuid (watermill-nats' UUID header) to the canonical
 // event id and Nats-Msg-Id to [MsgID](event id, topic), for JetStream's
 // duplicate window (see the package doc). A message flagged malformed (a
-// dead-letter copy) gets neither: its raw body is published verbatim and its
-// UUID identifies nothing. It returns the errors of
+// dead-letter copy) gets no Nats-Msg-Id (the broker must not drop it) and its
+// UUID, which identifies the copy and no event, in _watermill_message_uuid;
+// its raw body is published verbatim. It returns the errors of
 // [marshaler.EncodeMessage].
 func (m Marshaler) Marshal(topic string, msg *message.Message) (*nats.Msg, error) {
 	body, meta, err := marshaler.EncodeMessage(msg, m.Decoder.MaxSize)
@@ -109,6 +110,8 @@ func (m Marshaler) Marshal(topic string, msg *message.Message) (*nats.Msg, error
 		id, _ := marshaler.ParseEventID(msg.UUID) // EncodeMessage checked it
 		hdr.Set(wmnats.WatermillUUIDHdr, id.String())
 		hdr.Set(nats.MsgIdHdr, MsgID(id.String(), topic))
+	} else if msg.UUID != "" {
+		hdr.Set(wmnats.WatermillUUIDHdr, msg.UUID) // names the copy, deduplicates nothing
 	}
 	return &nats.Msg{Subject: topic, Data: body, Header: hdr}, nil
 }

@@ -107,6 +107,7 @@ func TestJetStreamMarshalMalformedVerbatim(t *testing.T) {
 	require.Equal(t, "\xffnot json", string(nm.Data))
 	require.Empty(t, nm.Header.Get(nats.MsgIdHdr), "a dead-letter copy must not be deduplicated by the broker")
 	require.Equal(t, "true", nm.Header.Get(marshaler.MetadataMalformed))
+	require.Equal(t, "m-1", nm.Header.Get(wmnats.WatermillUUIDHdr), "the copy keeps its name")
 	require.Equal(t, "v", nm.Header.Get("k"))
 }
 
