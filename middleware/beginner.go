@@ -27,6 +27,9 @@ type claimRequest struct {
 	store    *processed.Store
 	consumer string
 	eventID  uuid.UUID
+	// eventAt is the event's occurred_at for ids that carry no time (zero:
+	// unknown); the store dates a UUIDv7 by its id (processed.EventTime).
+	eventAt time.Time
 	// lockTimeout is the dialect's lock-timeout statement and arguments,
 	// built once by NewIdempotent; nil → leave the session's lock timeout
 	// alone.
@@ -109,7 +112,7 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	if q, args, ok := c.lockTimeoutQuery(); ok {
 		batch.Queue(q, args...)
 	}
-	claimSQL, claimArgs := c.store.ClaimQuery(c.consumer, c.eventID)
+	claimSQL, claimArgs := c.store.ClaimQueryAt(c.consumer, c.eventID, c.eventAt)
 	batch.Queue(claimSQL, claimArgs...)
 	br := conn.SendBatch(ctx, batch)
 	var tagErr error
@@ -150,7 +153,7 @@ func (b *pgxBeginner) beginClaimUnpipelined(ctx context.Context, c claimRequest)
 			return nil, false, err
 		}
 	}
-	claimed, err := c.store.Claim(ctx, sqldb.Pgx(tx), c.consumer, c.eventID)
+	claimed, err := c.store.TryClaimAt(ctx, sqldb.Pgx(tx), c.consumer, c.eventID, c.eventAt)
 	if err != nil {
 		_ = a.rollback(ctx)
 		return nil, false, err
@@ -199,7 +202,7 @@ func (b *stdBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 			return nil, false, err
 		}
 	}
-	claimed, err := c.store.Claim(ctx, sqldb.Std(tx), c.consumer, c.eventID)
+	claimed, err := c.store.TryClaimAt(ctx, sqldb.Std(tx), c.consumer, c.eventID, c.eventAt)
 	if err != nil {
 		_ = a.rollback(ctx)
 		return nil, false, err

@@ -68,16 +68,15 @@ type Config struct {
 	// Recorder receives one outcome per attempt (metrics). Defaults to none.
 	Recorder Recorder
 
-	// ReplayHorizon, when > 0, refuses a message older than it as permanent
-	// with reason "expired" (ErrExpired) before any SQL runs: its processed
-	// record may already be purged (processed.PurgerConfig.Horizon), so
-	// applying it could apply it twice. The message's age comes from its
-	// UUIDv7 event_id (RFC 9562 §5.7: 48-bit Unix milliseconds) or, for other
-	// UUID versions, from its occurred_at metadata; a message with neither is
-	// let through. Set it to the purger's horizon. Defaults to 0 (off).
+	// ReplayHorizon is deprecated: set processed.Config.Horizon on Store.
+	// The claim statement itself refuses an event older than that horizon
+	// by the database clock (OutcomeExpired, permanent), the same clock and
+	// event time the purger deletes by, so no clock skew can let a purged
+	// event be applied again. When > 0 it must equal the store's horizon
+	// (NewIdempotent checks), and it changes nothing else.
 	ReplayHorizon time.Duration
 
-	// Now is the clock of the expiry check. Defaults to time.Now.
+	// Now is deprecated and unused: ages are judged by the database clock.
 	Now func() time.Time
 
 	// Outbox, when set (recommended), makes the messages a handler produces
@@ -155,6 +154,9 @@ func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, err
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
+	if err := checkHorizon(cfg); err != nil {
+		return nil, err
+	}
 	if _, pgxOnly := cfg.Beginner.(*pgxBeginner); pgxOnly && cfg.Store.Dialect() != sqldb.PostgreSQL {
 		return nil, fmt.Errorf("middleware: Config.Beginner: the pgx beginner needs a PostgreSQL store, not %s (use NewStdBeginner)", cfg.Store.Dialect())
 	}
@@ -214,17 +216,12 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return reject(OutcomeRejected, "invalid_event_id", fmt.Errorf("%w: %q", ErrInvalidEventID, msg.UUID))
 		}
 		fields["event_id"] = eventID.String()
-		if m.cfg.ReplayHorizon > 0 {
-			if at, ok := eventTime(msg, eventID); ok && m.cfg.Now().Sub(at) > m.cfg.ReplayHorizon {
-				return reject(OutcomeExpired, "expired", fmt.Errorf("%w: event %s from %s is older than the replay horizon %s",
-					ErrExpired, eventID, at.UTC().Format(time.RFC3339Nano), m.cfg.ReplayHorizon))
-			}
-		}
-
+		eventAt, _ := eventTime(msg, eventID)
 		tx, claimed, err := m.cfg.Beginner.beginClaim(origCtx, claimRequest{
 			store:       m.cfg.Store,
 			consumer:    consumer,
 			eventID:     eventID,
+			eventAt:     eventAt,
 			lockTimeout: m.lockTimeout,
 		})
 		claimDur := time.Since(start)
@@ -236,6 +233,14 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		defer tx.release()
 
 		if !claimed {
+			if o, reason, rerr := m.refused(origCtx, tx, consumer, eventID, eventAt, fields); rerr != nil {
+				_ = rollback(origCtx, tx)
+				if reason == "" { // the verdict itself failed: retry
+					m.finish(consumer, OutcomeFailed, start, claimDur, fields, rerr)
+					return nil, rerr
+				}
+				return reject(o, reason, rerr)
+			}
 			// Nothing was written: end the transaction and ack.
 			if rbErr := rollback(origCtx, tx); rbErr != nil {
 				m.logger.Debug("Rollback after duplicate failed", fields.Add(watermill.LogFields{"err": rbErr}))

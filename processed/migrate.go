@@ -38,7 +38,7 @@ func MigrationsFS(table string, dialect sqldb.Dialect) (fs.FS, error) {
 	if err != nil {
 		return nil, err
 	}
-	return sqldb.MigrationsFS(ms), nil
+	return sqldb.ComponentFS(ms, sqldb.VersionBaseProcessed), nil
 }
 
 func renderMigrations(dialect sqldb.Dialect, table sqldb.Ident) ([]Migration, error) {
@@ -57,7 +57,7 @@ func (s *Store) Migrate(ctx context.Context, q sqldb.Querier) error {
 	if err != nil {
 		return err
 	}
-	if err := sqldb.Migrate(ctx, q, s.dialect, "processed:"+s.table.String(), ms); err != nil {
+	if err := sqldb.MigrateTable(ctx, q, s.dialect, s.table, "processed:"+s.table.String(), ms); err != nil {
 		return fmt.Errorf("processed: %w", err)
 	}
 	return nil
