@@ -5,6 +5,7 @@ import (
 	"embed"
 	"fmt"
 	"io/fs"
+	"strings"
 
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
@@ -18,7 +19,23 @@ type Migration = sqldb.Migration
 // Migrations returns the store's migrations in version order, rendered for its
 // table and dialect. Each one is idempotent (IF NOT EXISTS).
 func (s *Store) Migrations() ([]Migration, error) {
+	if s.layout == LayoutPartitioned {
+		return partitionedMigrations(s.table)
+	}
 	return renderMigrations(s.dialect, s.table)
+}
+
+// partitionedMigrations renders LayoutPartitioned's migrations (PostgreSQL).
+func partitionedMigrations(table sqldb.Ident) ([]Migration, error) {
+	data := struct{ Table, Prefix, Schema, Q string }{Table: table.Quoted('"'), Prefix: table.Name(), Q: `"`}
+	if schema, _, ok := strings.Cut(table.String(), "."); ok {
+		data.Schema = `"` + schema + `".`
+	}
+	ms, err := sqldb.RenderMigrations(migrationTemplates, "migrations/postgres_partitioned", data)
+	if err != nil {
+		return nil, fmt.Errorf("processed: %w", err)
+	}
+	return ms, nil
 }
 
 // MigrationsFS returns the migrations for table (DefaultTable when empty) as an

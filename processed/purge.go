@@ -118,10 +118,27 @@ func NewPurger(store *Store, pool sqldb.Pool, cfg PurgerConfig, logger watermill
 }
 
 // PurgeNow runs one purge: it takes the advisory lock (or returns ran=false
-// at once when another purger holds it), deletes batch after batch until a
-// batch comes back short, releases the lock and returns the rows deleted.
+// at once when another purger holds it), with LayoutPartitioned creates and
+// drops partitions (Store.MaintainPartitions), deletes batch after batch
+// until a batch comes back short, releases the lock and returns the rows
+// deleted (rows of dropped partitions are not counted).
 func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err error) {
+	maintained := p.store.layout != LayoutPartitioned
 	batch := func(ctx context.Context, q sqldb.Querier, limit int) (int64, error) {
+		if !maintained { // once per run, under the lock
+			maintained = true
+			rep, err := p.store.MaintainPartitions(ctx, q, p.cfg.Horizon)
+			if err != nil {
+				return 0, err
+			}
+			f := watermill.LogFields{"table": p.store.table.String(), "created": rep.Created, "dropped": rep.Dropped}
+			for _, e := range rep.Skipped {
+				p.logger.Error("Partition maintenance deferred to the next run", e, f)
+			}
+			if len(rep.Created)+len(rep.Dropped) > 0 {
+				p.logger.Info("Partitions maintained", f)
+			}
+		}
 		return p.store.PurgeBatch(ctx, q, p.cfg.Horizon, limit)
 	}
 	deleted, ran, err = purgeloop.Drain(ctx, p.pool, p.lock, batch, p.cfg.BatchSize, p.cfg.OnPurge)

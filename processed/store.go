@@ -46,6 +46,16 @@ type Config struct {
 	// since its producer's clock is wrong. Only with Horizon > 0. Defaults
 	// to DefaultMaxFutureSkew; it must be ≥ 0.
 	MaxFutureSkew time.Duration
+
+	// Layout is the table's layout: LayoutPlain (default) or
+	// LayoutPartitioned (PostgreSQL only; see Layout).
+	Layout Layout
+
+	// PartitionSpan is the time span of one partition with
+	// LayoutPartitioned: whole minutes, at least one. Defaults to
+	// DefaultPartitionSpan (1 h). Rows stay up to one span longer than the
+	// purge horizon (a partition goes when its whole span has expired).
+	PartitionSpan time.Duration
 }
 
 // DefaultMaxFutureSkew is the default Config.MaxFutureSkew: how far ahead of
@@ -58,6 +68,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.MaxFutureSkew == 0 {
 		c.MaxFutureSkew = DefaultMaxFutureSkew
+	}
+	if c.PartitionSpan == 0 {
+		c.PartitionSpan = DefaultPartitionSpan
 	}
 }
 
@@ -81,7 +94,7 @@ func (c Config) Validate() error {
 	if c.MaxFutureSkew < 0 {
 		return fmt.Errorf("processed: Config.MaxFutureSkew %s: must be ≥ 0", c.MaxFutureSkew)
 	}
-	return nil
+	return c.validateLayout()
 }
 
 // Store is the processed-event store of one table: it claims (consumer,
@@ -95,6 +108,9 @@ type Store struct {
 	sql     dialectSQL
 	horizon time.Duration
 	skew    time.Duration
+	layout  Layout
+	span    time.Duration
+	other   *otherSQL // LayoutPartitioned: the side table of non-v7 ids
 
 	claimSQL   string
 	existsSQL  string
@@ -149,6 +165,8 @@ func NewStore(cfg Config) (*Store, error) {
 		table:     table,
 		dialect:   cfg.Dialect,
 		sql:       d,
+		layout:    cfg.Layout,
+		span:      cfg.PartitionSpan,
 		horizon:   cfg.Horizon.Truncate(time.Microsecond),
 		skew:      cfg.MaxFutureSkew.Truncate(time.Microsecond),
 		claimSQL:  fmt.Sprintf(d.claim, q),
@@ -164,6 +182,9 @@ func NewStore(cfg Config) (*Store, error) {
 	s.verdictSQL = window(d.verdict)
 	if s.horizon > 0 {
 		s.claimSQL = window(d.window)
+	}
+	if s.layout == LayoutPartitioned {
+		s.initPartitioned()
 	}
 	return s, nil
 }
@@ -197,6 +218,9 @@ func (s *Store) ClaimQuery(consumer string, eventID uuid.UUID) (string, []any) {
 // middleware's pgx beginner); most callers want ClaimAt.
 func (s *Store) ClaimQueryAt(consumer string, eventID uuid.UUID, at time.Time) (string, []any) {
 	id, t := s.sql.eventID(eventID), s.eventAtArg(eventID, at)
+	if s.routed(eventID) {
+		return s.other.claim, []any{consumer, id, t}
+	}
 	if s.horizon > 0 && s.sql.windowArgs != nil {
 		return s.claimSQL, s.sql.windowArgs(consumer, id, t)
 	}
@@ -334,7 +358,11 @@ func (s *Store) Verdict(ctx context.Context, q sqldb.Querier, consumer string, e
 	}
 	var exists, expired bool
 	var clock string
-	if err := q.QueryRow(ctx, s.verdictSQL, consumer, s.sql.eventID(eventID), s.sql.eventAt(t)).Scan(&exists, &expired, &clock); err != nil {
+	verdict := s.verdictSQL
+	if s.routed(eventID) {
+		verdict = s.other.verdict
+	}
+	if err := q.QueryRow(ctx, verdict, consumer, s.sql.eventID(eventID), s.sql.eventAt(t)).Scan(&exists, &expired, &clock); err != nil {
 		return fmt.Errorf("processed: claim verdict %s/%s: %w", consumer, eventID, err)
 	}
 	now, _ := time.Parse(time.RFC3339Nano, clock) // for the error text only
@@ -351,7 +379,11 @@ func (s *Store) Verdict(ctx context.Context, q sqldb.Querier, consumer string, e
 // Processed reports whether (consumer, eventID) has a committed row visible to q.
 func (s *Store) Processed(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) (bool, error) {
 	var ok bool
-	if err := q.QueryRow(ctx, s.existsSQL, consumer, s.sql.eventID(eventID)).Scan(&ok); err != nil {
+	exists := s.existsSQL
+	if s.routed(eventID) {
+		exists = s.other.exists
+	}
+	if err := q.QueryRow(ctx, exists, consumer, s.sql.eventID(eventID)).Scan(&ok); err != nil {
 		return false, fmt.Errorf("processed: lookup %s/%s: %w", consumer, eventID, err)
 	}
 	return ok, nil
@@ -369,7 +401,13 @@ func (s *Store) PurgeBatch(ctx context.Context, q sqldb.Querier, horizon time.Du
 	if horizon < 0 {
 		return 0, fmt.Errorf("processed: purge horizon %s: must be ≥ 0", horizon)
 	}
-	n, err := q.Exec(ctx, s.purgeSQL, s.sql.purgeArgs(horizon, limit)...)
+	var n int64
+	var err error
+	if s.layout == LayoutPartitioned {
+		err = q.QueryRow(ctx, s.purgeSQL, s.sql.purgeArgs(horizon, limit)...).Scan(&n)
+	} else {
+		n, err = q.Exec(ctx, s.purgeSQL, s.sql.purgeArgs(horizon, limit)...)
+	}
 	if err != nil {
 		return 0, fmt.Errorf("processed: purge: %w", err)
 	}
