@@ -87,7 +87,7 @@ func (e *env) pool(ctx context.Context, schema string, maxConns int) (*pgxpool.P
 
 // store migrates a processed-event table schema.table and returns its store.
 func (e *env) store(ctx context.Context, pool *pgxpool.Pool, schema, table string) (*processed.Store, error) {
-	s, err := processed.NewStore(processed.Config{Table: schema + "." + table})
+	s, err := processed.NewStore(processed.Config{Table: schema + "." + table, Horizon: time.Hour}) // = the purge part's horizon
 	if err != nil {
 		return nil, err
 	}

@@ -19,9 +19,9 @@ import (
 //
 //   - idempotent: the default (BEGIN + lock_timeout + claim pipelined).
 //   - no_lock_timeout: Config.LockTimeout < 0 (no set_config in the batch).
-//   - no_processed_at_idx: the processed table without its processed_at
+//   - no_event_at_idx: the processed table without its event_at
 //     btree (purge would then need another access path).
-//   - brin_processed_at: that index as BRIN instead of btree.
+//   - brin_processed_at: that index (event_at) as BRIN instead of btree.
 func experiments(ctx context.Context, e *env, sz OverheadSizes, res *Result) error {
 	schema, err := e.schema(ctx, "exp")
 	if err != nil {
@@ -75,15 +75,15 @@ func experiments(ctx context.Context, e *env, sz OverheadSizes, res *Result) err
 	if err != nil {
 		return err
 	}
-	if _, err := pool.Exec(ctx, "DROP INDEX "+schema+"."+s2.Table().Name()+"_processed_at_idx"); err != nil {
+	if _, err := pool.Exec(ctx, "DROP INDEX "+schema+"."+s2.Table().Name()+"_event_at_idx"); err != nil {
 		return err
 	}
 	hBrin, s3, err := mk("processed_brin", nil)
 	if err != nil {
 		return err
 	}
-	idx := schema + "." + s3.Table().Name() + "_processed_at_idx"
-	if _, err := pool.Exec(ctx, "DROP INDEX "+idx+"; CREATE INDEX "+s3.Table().Name()+"_processed_at_idx ON "+s3.Table().Quoted('"')+" USING brin (processed_at)"); err != nil {
+	idx := schema + "." + s3.Table().Name() + "_event_at_idx"
+	if _, err := pool.Exec(ctx, "DROP INDEX "+idx+"; CREATE INDEX "+s3.Table().Name()+"_event_at_idx ON "+s3.Table().Quoted('"')+" USING brin (event_at)"); err != nil {
 		return err
 	}
 	vs, err := newVariantSet(pool, store)
@@ -94,7 +94,7 @@ func experiments(ctx context.Context, e *env, sz OverheadSizes, res *Result) err
 		{vNone, vs.handlerFor(vNone, handler(h1)), newV7},
 		{vOurs, hOurs, newV7},
 		{"no_lock_timeout", hNoLT, newV7},
-		{"no_processed_at_idx", hNoIdx, newV7},
+		{"no_event_at_idx", hNoIdx, newV7},
 		{"brin_processed_at", hBrin, newV7},
 	}
 	samples, err := interleave(ctx, e, "experiments", pool, vars, w, sz.Rounds, sz.Dur, sz.Warmup, sz.MinCount)

@@ -11,7 +11,7 @@ import (
 
 // fillExpired inserts n processed rows older than the purge horizon: UUIDv7
 // ids and processed_at about two hours ago, in increasing order.
-const fillExpired = `INSERT INTO %s (consumer, event_id, processed_at)
+const fillExpired = `INSERT INTO %s (consumer, event_id, event_at)
 SELECT 'bench', (substr(h, 1, 8) || '-' || substr(h, 9, 4) || '-7' || substr(r, 16, 3) || '-' || substr(r, 20, 17))::uuid,
        now() - interval '2 hours' + i * interval '1 microsecond'
 FROM (SELECT i, lpad(to_hex($1::bigint + i), 12, '0') AS h, gen_random_uuid()::text AS r

@@ -31,6 +31,9 @@ type claimRequest struct {
 	// identity is stored with the claim and compared on a duplicate
 	// (payload verification, identity.go); nil when off.
 	identity *processed.Identity
+	// eventAt is the event's occurred_at for ids that carry no time (zero:
+	// unknown); the store dates a UUIDv7 by its id (processed.EventTime).
+	eventAt time.Time
 	// lockTimeout is the dialect's lock-timeout statement and arguments,
 	// built once by NewIdempotent; nil → leave the session's lock timeout
 	// alone.

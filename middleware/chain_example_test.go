@@ -56,10 +56,6 @@ func ExampleNewHandlerMiddleware() {
 		panic(err)
 	}
 	seen := make(outcomes, 2)
-	beginner, err := middleware.NewStdBeginner(db)
-	if err != nil {
-		panic(err)
-	}
 	idem, err := middleware.NewIdempotent(middleware.Config{
 		Consumer:      "stock",
 		Beginner:      beginner,

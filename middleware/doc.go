@@ -10,12 +10,14 @@
 // (PgxTxFromContext, SQLTxFromContext, QuerierFromContext):
 //   - applied once per (consumer, event_id), whatever the redeliveries,
 //     relay republishes or replays, as long as the processed row exists (see
-//     Config.ReplayHorizon and processed.Purger);
+//     processed.Config.Horizon and processed.Purger: the claim refuses, by
+//     the database clock, what the purge may have removed);
 //   - a failed, panicking or crashed attempt leaves neither claim nor effect;
 //   - a COMMIT that did not commit (pgx.ErrTxCommitRollback, a broken
 //     connection) is a failure, never an ack;
 //   - malformed messages (marshaler.Malformed), invalid or nil event ids and
-//     expired events fail with a PermanentError before any SQL runs;
+//     expired or future-dated events (refused by the claim statement) fail
+//     with a PermanentError;
 //   - two deliveries at once: the second waits (at most Config.LockTimeout)
 //     and then skips or processes; on timeout it fails with the transient
 //     ErrInFlight;

@@ -69,16 +69,15 @@ type Config struct {
 	// Recorder receives one outcome per attempt (metrics). Defaults to none.
 	Recorder Recorder
 
-	// ReplayHorizon, when > 0, refuses a message older than it as permanent
-	// with reason "expired" (ErrExpired) before any SQL runs: its processed
-	// record may already be purged (processed.PurgerConfig.Horizon), so
-	// applying it could apply it twice. The message's age comes from its
-	// UUIDv7 event_id (RFC 9562 §5.7: 48-bit Unix milliseconds) or, for other
-	// UUID versions, from its occurred_at metadata; a message with neither is
-	// let through. Set it to the purger's horizon. Defaults to 0 (off).
+	// ReplayHorizon is deprecated: set processed.Config.Horizon on Store.
+	// The claim statement itself refuses an event older than that horizon
+	// by the database clock (OutcomeExpired, permanent), the same clock and
+	// event time the purger deletes by, so no clock skew can let a purged
+	// event be applied again. When > 0 it must equal the store's horizon
+	// (NewIdempotent checks), and it changes nothing else.
 	ReplayHorizon time.Duration
 
-	// Now is the clock of the expiry check. Defaults to time.Now.
+	// Now is deprecated and unused: ages are judged by the database clock.
 	Now func() time.Time
 
 	// Outbox, when set (recommended), makes the messages a handler produces
@@ -188,6 +187,9 @@ func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, err
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
+	if err := checkHorizon(cfg); err != nil {
+		return nil, err
+	}
 	if _, pgxOnly := cfg.Beginner.(*pgxBeginner); pgxOnly && cfg.Store.Dialect() != sqldb.PostgreSQL {
 		return nil, fmt.Errorf("middleware: Config.Beginner: the pgx beginner needs a PostgreSQL store, not %s (use NewStdBeginner)", cfg.Store.Dialect())
 	}
@@ -253,12 +255,8 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return reject(OutcomeRejected, "invalid_event_id", invalidEventID(msg.UUID))
 		}
 		fields["event_id"] = eventID.String()
-		if m.cfg.ReplayHorizon > 0 {
-			if at, ok := eventTime(msg, eventID); ok && m.cfg.Now().Sub(at) > m.cfg.ReplayHorizon {
-				return reject(OutcomeExpired, "expired", fmt.Errorf("%w: event %s from %s is older than the replay horizon %s",
-					ErrExpired, eventID, at.UTC().Format(time.RFC3339Nano), m.cfg.ReplayHorizon))
-			}
-		}
+		// The replay window is the claim's (the database clock, see
+		// retention.go): no expiry check runs here on the process clock.
 		return m.attempt(h, msg, origCtx, consumer, eventID, start, fields)
 	}
 }
@@ -270,11 +268,13 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 // commit) leaves no transaction, no lock and no acquired connection behind.
 func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCtx context.Context,
 	consumer string, eventID uuid.UUID, start time.Time, fields watermill.LogFields) ([]*message.Message, error) {
+	eventAt, _ := eventTime(msg, eventID) // occurred_at for ids without a time
 	// Begin and claim: errors here come from the attempt's own connection.
 	req := claimRequest{
 		store:       m.cfg.Store,
 		consumer:    consumer,
 		eventID:     eventID,
+		eventAt:     eventAt,
 		identity:    m.identityOf(msg),
 		lockTimeout: m.lockTimeout,
 	}
@@ -306,6 +306,15 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	}()
 
 	if !claimed {
+		// Refused by the replay window (expired or future), or a duplicate.
+		if o, reason, rerr := m.refused(origCtx, tx, consumer, eventID, eventAt, fields); rerr != nil {
+			_ = rollback(origCtx, tx)
+			ended = true
+			if reason == "" { // the verdict itself failed: the attempt's connection
+				return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, claimError(rerr, m.cfg.Classifier))
+			}
+			return nil, m.finish(consumer, o, start, claimDur, fields, permanent(reason, rerr))
+		}
 		// A duplicate: with payload verification, the stored fingerprint
 		// must be this message's (identity.go).
 		if conflict, vErr := m.verifyDuplicate(origCtx, tx, req, fields); vErr != nil {

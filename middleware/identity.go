@@ -47,17 +47,17 @@ func (m *Idempotent) identityOf(msg *message.Message) *processed.Identity {
 // payload verification is on.
 func (c claimRequest) claimQuery() (string, []any) {
 	if c.identity != nil {
-		return c.store.ClaimIdentityQuery(c.consumer, c.eventID, *c.identity)
+		return c.store.ClaimIdentityQueryAt(c.consumer, c.eventID, c.eventAt, *c.identity)
 	}
-	return c.store.ClaimQuery(c.consumer, c.eventID)
+	return c.store.ClaimQueryAt(c.consumer, c.eventID, c.eventAt)
 }
 
 // claim runs the claim statement of c on q.
 func (c claimRequest) claim(ctx context.Context, q sqldb.Querier) (bool, error) {
 	if c.identity != nil {
-		return c.store.ClaimIdentity(ctx, q, c.consumer, c.eventID, *c.identity)
+		return c.store.ClaimIdentityAt(ctx, q, c.consumer, c.eventID, c.eventAt, *c.identity)
 	}
-	return c.store.Claim(ctx, q, c.consumer, c.eventID)
+	return c.store.TryClaimAt(ctx, q, c.consumer, c.eventID, c.eventAt)
 }
 
 // verifyDuplicate is the duplicate path's check, on the attempt's

@@ -45,7 +45,7 @@ func MigrationsFS(table string, dialect sqldb.Dialect) (fs.FS, error) {
 	if err != nil {
 		return nil, err
 	}
-	return sqldb.MigrationsFS(ms), nil
+	return sqldb.ComponentFS(ms, sqldb.VersionBaseOperation), nil
 }
 
 func renderMigrations(dialect sqldb.Dialect, table sqldb.Ident) ([]Migration, error) {
@@ -78,7 +78,7 @@ func (r *Runner) Migrate(ctx context.Context, q sqldb.Querier) error {
 	if err != nil {
 		return err
 	}
-	if err := sqldb.Migrate(ctx, q, r.dialect, "operation:"+r.table.String(), ms); err != nil {
+	if err := sqldb.MigrateTable(ctx, q, r.dialect, r.table, "operation:"+r.table.String(), ms); err != nil {
 		return fmt.Errorf("operation: %w", err)
 	}
 	return nil

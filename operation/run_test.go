@@ -387,7 +387,7 @@ func TestMigrateAndConfig(t *testing.T) {
 
 		fsys, err := operation.MigrationsFS("billing.ops", e.Dialect)
 		require.NoError(t, err)
-		body, err := fs.ReadFile(fsys, "0001_create_operation.up.sql")
+		body, err := fs.ReadFile(fsys, "20001_create_operation.up.sql")
 		require.NoError(t, err)
 		require.Contains(t, string(body), "-- +goose Up")
 		require.Contains(t, string(body), `CREATE TABLE IF NOT EXISTS `+e.Quote("billing")+`.`+e.Quote("ops"))

@@ -25,7 +25,7 @@ type target struct {
 	pool    sqldb.Pool
 	// begin opens a transaction; end commits (true) or rolls back.
 	begin func(t *testing.T) (sqldb.Querier, func(commit bool))
-	// age sets every row's processed_at to now minus d (test setup).
+	// age sets every row's processed_at and event_at to now minus d (test setup).
 	age func(t *testing.T, d time.Duration)
 }
 
@@ -51,11 +51,11 @@ func eachTarget(t *testing.T, fn func(t *testing.T, tg target)) {
 			var arg any
 			switch et.Dialect {
 			case sqldb.PostgreSQL:
-				query, arg = `UPDATE processed_event SET processed_at = now() - $1::bigint * interval '1 microsecond'`, d.Microseconds()
+				query, arg = `UPDATE processed_event SET processed_at = now() - $1::bigint * interval '1 microsecond', event_at = now() - $1::bigint * interval '1 microsecond'`, d.Microseconds()
 			case sqldb.MySQL:
-				query, arg = `UPDATE processed_event SET processed_at = UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND`, d.Microseconds()
+				query, arg = `UPDATE processed_event SET processed_at = UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND, event_at = processed_at`, d.Microseconds()
 			default:
-				query, arg = `UPDATE processed_event SET processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?)`, "-"+formatSeconds(d)+" seconds"
+				query, arg = `UPDATE processed_event SET processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?1), event_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?1)`, "-"+formatSeconds(d)+" seconds"
 			}
 			_, err := et.DB.Exec(context.Background(), query, arg)
 			require.NoError(t, err)
@@ -68,7 +68,7 @@ func formatSeconds(d time.Duration) string { return strconv.FormatFloat(d.Second
 
 func (tg target) store(t *testing.T) *processed.Store {
 	t.Helper()
-	s, err := processed.NewStore(processed.Config{Dialect: tg.dialect})
+	s, err := processed.NewStore(processed.Config{Dialect: tg.dialect, Horizon: time.Hour})
 	require.NoError(t, err)
 	require.NoError(t, s.Migrate(context.Background(), tg.db))
 	require.NoError(t, s.Migrate(context.Background(), tg.db), "Migrate is idempotent")

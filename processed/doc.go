@@ -12,27 +12,34 @@
 //   - A claim made in a transaction that rolls back leaves nothing behind
 //     (unlike Watermill's in-memory Deduplicator, which records before the
 //     handler and never releases).
-//   - Migrate is safe from several instances at once; MigrationsFS gives the
-//     same SQL to goose or golang-migrate.
+//   - Migrate applies each version once, recorded next to the table, and is
+//     safe from several instances at once; MigrationsFS gives the same SQL to
+//     goose or golang-migrate, numbered apart from the other components.
 //   - ClaimIdentity is the same single INSERT storing the event's name and a
 //     versioned fingerprint (NewIdentity: SHA-256 of name and payload bytes);
 //     on a duplicate, StoredIdentity (one primary-key read) and
 //     Identity.Verdict tell the same event (SameEvent) from another one under
-//     a reused id (OtherEvent). Migration 0003 adds the two columns in place;
+//     a reused id (OtherEvent). The fingerprint migration adds the two columns in place;
 //     rows written before it, by Claim, or with a fingerprint of another
 //     version, are Unverified (plain duplicates), never conflicts.
-//   - PurgeBatch and Purger delete rows older than a replay horizon in bounded
-//     batches, each its own short transaction, with the cutoff taken from the
-//     database clock (now() − horizon): neither the process's TZ nor the
-//     session's timezone changes it. One Purger works at a time per table
+//   - With Config.Horizon, the claim refuses an event dated (event_at: its
+//     UUIDv7 time, else occurred_at) before now() − Horizon or after now() +
+//     MaxFutureSkew by the database clock, and the purge deletes by the same
+//     clock on the same event_at with a horizon NewPurger requires to be ≥
+//     the claim's: a redelivery finds its row or is refused, whatever the
+//     clocks of producer and consumer say.
+//   - PurgeBatch and Purger delete in bounded batches, each its own short
+//     transaction, keyed by the primary key (any partitioning works); with
+//     LayoutPartitioned the Purger drops whole time partitions once their
+//     span is past the horizon. One Purger works at a time per table
 //     across processes (session-level advisory lock); the others skip.
 //
 // Not guaranteed:
 //   - A claim outside a transaction (on a pool) commits by itself and no
 //     longer protects anything.
-//   - After a row is purged, a redelivery of its event would be claimed
-//     again: refuse events older than the horizon (middleware
-//     Config.ReplayHorizon, same value as PurgerConfig.Horizon).
+//   - An event with neither a UUIDv7 id nor an occurred_at has no time: it is
+//     dated when claimed and never refused, so after its row is purged a
+//     redelivery would be claimed again.
 //   - Event ids are trusted beyond what the fingerprint checks: a reused id
 //     meeting a row without a fingerprint is a duplicate, and the payload is
 //     compared byte for byte (a re-encoded replay is OtherEvent). Producers

@@ -7,6 +7,8 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"strings"
+	"time"
 	"unicode/utf8"
 
 	"github.com/google/uuid"
@@ -110,25 +112,95 @@ func (id Identity) Verdict(stored StoredIdentity) Verdict {
 	return OtherEvent
 }
 
-// ClaimIdentityQuery is ClaimQuery for a claim that also stores id (payload
-// verification): the same single INSERT … ON CONFLICT DO NOTHING, with the
-// event name and fingerprint as two more columns; rows affected 1 for a
-// claim and 0 for a duplicate. It needs the 0003_fingerprint migration.
+// ClaimIdentityQuery is ClaimIdentityQueryAt with no occurred_at.
 func (s *Store) ClaimIdentityQuery(consumer string, eventID uuid.UUID, id Identity) (string, []any) {
-	return s.identity.claim, []any{consumer, s.sql.eventID(eventID), id.storedName(), id.Fingerprint}
+	return s.ClaimIdentityQueryAt(consumer, eventID, time.Time{}, id)
 }
 
-// ClaimIdentity is Claim storing id with the row (see ClaimIdentityQuery).
-// On false (a duplicate), StoredIdentity and Identity.Verdict tell whether
-// the row recorded the same event.
+// ClaimIdentityQueryAt is ClaimQueryAt for a claim that also stores id
+// (payload verification): the same single INSERT … ON CONFLICT DO NOTHING
+// (with the replay window when Config.Horizon > 0), with the event name and
+// fingerprint as two more columns; rows affected 1 for a claim and 0 for a
+// duplicate or a refusal (Verdict). It needs the fingerprint migration.
+func (s *Store) ClaimIdentityQueryAt(consumer string, eventID uuid.UUID, at time.Time, id Identity) (string, []any) {
+	query, args := s.ClaimQueryAt(consumer, eventID, at)
+	return withIdentityColumns(query, args, id.storedName(), id.Fingerprint)
+}
+
+// withIdentityColumns adds the event_name and fingerprint columns to one of
+// the claim statements (written once per dialect in sql_*.go, in two
+// shapes: INSERT … VALUES (…) and INSERT … SELECT … [FROM DUAL] WHERE …),
+// so that the claim with verification is the same single statement. The
+// placeholders follow the statement's style: $n (PostgreSQL), ?n (SQLite's
+// numbered form) or positional ? (MySQL, SQLite's VALUES form), whose
+// arguments are inserted where the placeholders are.
+func withIdentityColumns(query string, args []any, name string, fp []byte) (string, []any) {
+	query = strings.Replace(query, "(consumer, event_id, event_at)", "(consumer, event_id, event_at, event_name, fingerprint)", 1)
+	n := len(args)
+	var ph string
+	switch {
+	case strings.Contains(query, "$1"):
+		ph = fmt.Sprintf("$%d, $%d", n+1, n+2)
+	case strings.Contains(query, "?1"):
+		ph = fmt.Sprintf("?%d, ?%d", n+1, n+2)
+	default:
+		ph = "?, ?"
+	}
+	if i := strings.Index(query, "VALUES ("); i >= 0 {
+		// The VALUES list ends at the parenthesis closing "VALUES (".
+		depth, end := 0, -1
+		for j := i + len("VALUES "); j < len(query); j++ {
+			if query[j] == '(' {
+				depth++
+			} else if query[j] == ')' {
+				depth--
+				if depth == 0 {
+					end = j
+					break
+				}
+			}
+		}
+		query = query[:end] + ", " + ph + query[end:]
+		return query, append(append(args[:n:n], name), fp)
+	}
+	// SELECT form: the select list is the line after the column list; its
+	// placeholders come first among the arguments.
+	sel := strings.Index(query, "\nSELECT ")
+	eol := strings.Index(query[sel+1:], "\n") + sel + 1
+	line := query[sel+1 : eol]
+	if k := strings.Index(line, " FROM DUAL"); k >= 0 {
+		line = line[:k] + ", " + ph + line[k:]
+	} else {
+		line += ", " + ph
+	}
+	query = query[:sel+1] + line + query[eol:]
+	if ph != "?, ?" {
+		return query, append(append(args[:n:n], name), fp)
+	}
+	inSelect := strings.Count(query[sel+1:eol], "?") - 2
+	out := make([]any, 0, n+2)
+	out = append(out, args[:inSelect]...)
+	out = append(out, name, fp)
+	return query, append(out, args[inSelect:]...)
+}
+
+// ClaimIdentity is ClaimIdentityAt with no occurred_at.
 func (s *Store) ClaimIdentity(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID, id Identity) (bool, error) {
+	return s.ClaimIdentityAt(ctx, q, consumer, eventID, time.Time{}, id)
+}
+
+// ClaimIdentityAt is TryClaimAt storing id with the row (see
+// ClaimIdentityQueryAt). On false (a duplicate, or a refusal: Verdict),
+// StoredIdentity and Identity.Verdict tell whether the row recorded the same
+// event.
+func (s *Store) ClaimIdentityAt(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID, at time.Time, id Identity) (bool, error) {
 	if consumer == "" {
 		return false, ErrEmptyConsumer
 	}
 	if eventID == uuid.Nil {
 		return false, ErrNilEventID
 	}
-	query, args := s.ClaimIdentityQuery(consumer, eventID, id)
+	query, args := s.ClaimIdentityQueryAt(consumer, eventID, at, id)
 	n, err := q.Exec(ctx, query, args...)
 	if err != nil {
 		return false, fmt.Errorf("processed: claim %s/%s: %w", consumer, eventID, err)
@@ -158,24 +230,21 @@ func (s *Store) StoredIdentity(ctx context.Context, q sqldb.Querier, consumer st
 // identityStatements are the payload-verification statements of one store,
 // built once by NewStore.
 type identityStatements struct {
-	claim, stored string
+	stored string // the duplicate path's read of the stored identity
 }
 
 func newIdentityStatements(d sqldb.Dialect, q string) identityStatements {
 	switch d {
 	case sqldb.MySQL:
 		return identityStatements{
-			claim:  "INSERT INTO " + q + " (consumer, event_id, event_name, fingerprint) VALUES (?, ?, ?, ?) ON DUPLICATE KEY UPDATE consumer = consumer",
 			stored: "SELECT event_name, fingerprint FROM " + q + " WHERE consumer = ? AND event_id = ?",
 		}
 	case sqldb.SQLite:
 		return identityStatements{
-			claim:  "INSERT INTO " + q + " (consumer, event_id, event_name, fingerprint) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
 			stored: "SELECT event_name, fingerprint FROM " + q + " WHERE consumer = ? AND event_id = ?",
 		}
 	default:
 		return identityStatements{
-			claim:  "INSERT INTO " + q + " (consumer, event_id, event_name, fingerprint) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
 			stored: "SELECT event_name, fingerprint FROM " + q + " WHERE consumer = $1 AND event_id = $2",
 		}
 	}

@@ -5,6 +5,7 @@ import (
 	"embed"
 	"fmt"
 	"io/fs"
+	"strings"
 
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
@@ -18,7 +19,23 @@ type Migration = sqldb.Migration
 // Migrations returns the store's migrations in version order, rendered for its
 // table and dialect. Each one is idempotent (IF NOT EXISTS).
 func (s *Store) Migrations() ([]Migration, error) {
+	if s.layout == LayoutPartitioned {
+		return partitionedMigrations(s.table)
+	}
 	return renderMigrations(s.dialect, s.table)
+}
+
+// partitionedMigrations renders LayoutPartitioned's migrations (PostgreSQL).
+func partitionedMigrations(table sqldb.Ident) ([]Migration, error) {
+	data := struct{ Table, Prefix, Schema, Q string }{Table: table.Quoted('"'), Prefix: table.Name(), Q: `"`}
+	if schema, _, ok := strings.Cut(table.String(), "."); ok {
+		data.Schema = `"` + schema + `".`
+	}
+	ms, err := sqldb.RenderMigrations(migrationTemplates, "migrations/postgres_partitioned", data)
+	if err != nil {
+		return nil, fmt.Errorf("processed: %w", err)
+	}
+	return ms, nil
 }
 
 // MigrationsFS returns the migrations for table (DefaultTable when empty) as an
@@ -38,7 +55,7 @@ func MigrationsFS(table string, dialect sqldb.Dialect) (fs.FS, error) {
 	if err != nil {
 		return nil, err
 	}
-	return sqldb.MigrationsFS(ms), nil
+	return sqldb.ComponentFS(ms, sqldb.VersionBaseProcessed), nil
 }
 
 func renderMigrations(dialect sqldb.Dialect, table sqldb.Ident) ([]Migration, error) {
@@ -57,7 +74,7 @@ func (s *Store) Migrate(ctx context.Context, q sqldb.Querier) error {
 	if err != nil {
 		return err
 	}
-	if err := sqldb.Migrate(ctx, q, s.dialect, "processed:"+s.table.String(), ms); err != nil {
+	if err := sqldb.MigrateTable(ctx, q, s.dialect, s.table, "processed:"+s.table.String(), ms); err != nil {
 		return fmt.Errorf("processed: %w", err)
 	}
 	return nil

@@ -21,16 +21,23 @@ const (
 
 // PurgerConfig configures a Purger.
 //
-// Choosing the horizon: a processed row must outlive every redelivery of its
-// event, so Horizon ≥ the longest outbox replay window you will run (how far
+// The rule that makes a purge safe: the purge deletes a row only when the
+// claim would refuse its redelivery. Both judge the row's event_at (the
+// event's own time) by the database clock, the purge with Horizon and the
+// claim with the store's Config.Horizon, so the inequality that must hold is
+//
+//	PurgerConfig.Horizon ≥ processed.Config.Horizon (of every consumer's store)
+//
+// NewPurger checks it against its own store (Horizon defaults to the
+// store's); keep one Config for the consumers and the purger. Choose the
+// store's horizon ≥ the longest outbox replay window you will run (how far
 // back an operator may republish) + the longest time a message may wait in a
-// queue or dead-letter queue before it is re-driven + a margin for clock skew
-// and incidents. The middleware's ReplayHorizon must be set to the same value:
-// it refuses messages older than the horizon (their record may be gone), so a
-// purged event can never be applied twice.
+// queue or dead-letter queue before it is re-driven + a margin for
+// incidents; clock skew needs no margin (one clock judges both).
 type PurgerConfig struct {
-	// Horizon: rows whose processed_at is older than the database's now()
-	// minus Horizon are deleted. Required; must be ≥ MinHorizon.
+	// Horizon: rows whose event_at is older than the database's now()
+	// minus Horizon are deleted. Defaults to the store's Config.Horizon;
+	// must be ≥ it (ErrHorizonBelowClaim) and ≥ MinHorizon.
 	Horizon time.Duration
 	// MinHorizon guards against a mistyped horizon that would purge records
 	// still needed for deduplication. Defaults to DefaultMinHorizon (1 h).
@@ -61,12 +68,17 @@ func (c *PurgerConfig) setDefaults() {
 // ErrHorizonTooShort is returned by NewPurger for a horizon below MinHorizon.
 var ErrHorizonTooShort = errors.New("processed: replay horizon below the configured minimum")
 
+// ErrHorizonBelowClaim is returned by NewPurger when its horizon is below
+// its store's Config.Horizon, or the store has none (its claim refuses no
+// event, so any purged event would be claimed, and applied, again).
+var ErrHorizonBelowClaim = errors.New("processed: purge horizon below the claim's horizon (processed.Config.Horizon)")
+
 // Validate reports the first invalid field, naming it (c with defaults applied).
 func (c PurgerConfig) Validate() error {
 	return c.settings().Validate("processed: PurgerConfig", ErrHorizonTooShort)
 }
 
-// Purger deletes processed rows older than the replay horizon, in bounded
+// Purger deletes processed rows dated (event_at) before the replay horizon, in bounded
 // batches, on one dedicated connection that holds a session-level advisory
 // lock for the run: however many instances run a Purger on the same table,
 // one works at a time and the others skip that run.
@@ -85,9 +97,16 @@ func NewPurger(store *Store, pool sqldb.Pool, cfg PurgerConfig, logger watermill
 	if store == nil || pool == nil {
 		return nil, errors.New("processed: NewPurger needs a store and a pool")
 	}
+	if cfg.Horizon == 0 {
+		cfg.Horizon = store.Horizon()
+	}
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
+	}
+	if store.Horizon() <= 0 || cfg.Horizon < store.Horizon() {
+		return nil, fmt.Errorf("%w: PurgerConfig.Horizon %s, store %s horizon %s: the purge would delete rows whose redelivery the claim still accepts",
+			ErrHorizonBelowClaim, cfg.Horizon, store.table, store.Horizon())
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
@@ -99,10 +118,27 @@ func NewPurger(store *Store, pool sqldb.Pool, cfg PurgerConfig, logger watermill
 }
 
 // PurgeNow runs one purge: it takes the advisory lock (or returns ran=false
-// at once when another purger holds it), deletes batch after batch until a
-// batch comes back short, releases the lock and returns the rows deleted.
+// at once when another purger holds it), with LayoutPartitioned creates and
+// drops partitions (Store.MaintainPartitions), deletes batch after batch
+// until a batch comes back short, releases the lock and returns the rows
+// deleted (rows of dropped partitions are not counted).
 func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err error) {
+	maintained := p.store.layout != LayoutPartitioned
 	batch := func(ctx context.Context, q sqldb.Querier, limit int) (int64, error) {
+		if !maintained { // once per run, under the lock
+			maintained = true
+			rep, err := p.store.MaintainPartitions(ctx, q, p.cfg.Horizon)
+			if err != nil {
+				return 0, err
+			}
+			f := watermill.LogFields{"table": p.store.table.String(), "created": rep.Created, "dropped": rep.Dropped}
+			for _, e := range rep.Skipped {
+				p.logger.Error("Partition maintenance deferred to the next run", e, f)
+			}
+			if len(rep.Created)+len(rep.Dropped) > 0 {
+				p.logger.Info("Partitions maintained", f)
+			}
+		}
 		return p.store.PurgeBatch(ctx, q, p.cfg.Horizon, limit)
 	}
 	deleted, ran, err = purgeloop.Drain(ctx, p.pool, p.lock, batch, p.cfg.BatchSize, p.cfg.OnPurge)

@@ -87,7 +87,7 @@ func TestPurgeEveryLayoutDeletesOnlyExpiredRows(t *testing.T) {
 // ageRow moves one row's times back by d, as if it had been processed d ago.
 func ageRow(t *testing.T, pool *pgxpool.Pool, consumer string, id uuid.UUID, d time.Duration) {
 	t.Helper()
-	_, err := pool.Exec(context.Background(), `UPDATE processed_event SET processed_at = processed_at - $3::bigint * interval '1 microsecond'
+	_, err := pool.Exec(context.Background(), `UPDATE processed_event SET event_at = event_at - $3::bigint * interval '1 microsecond'
 		WHERE consumer = $1 AND event_id = $2`, consumer, id, d.Microseconds())
 	require.NoError(t, err)
 }

@@ -23,14 +23,25 @@ import (
 func TestPurgerConfigValidate(t *testing.T) {
 	t.Parallel()
 	pool, _ := testenv.Pool(t)
-	s, err := processed.NewStore(processed.Config{})
+	none, err := processed.NewStore(processed.Config{})
+	require.NoError(t, err)
+	_, err = processed.NewPurger(none, sqldb.PgxPool(pool), processed.PurgerConfig{}, nil)
+	require.ErrorContains(t, err, "PurgerConfig.Horizon")
+	// A store whose claim refuses nothing cannot be purged safely.
+	_, err = processed.NewPurger(none, sqldb.PgxPool(pool), processed.PurgerConfig{Horizon: time.Hour}, nil)
+	require.ErrorIs(t, err, processed.ErrHorizonBelowClaim)
+
+	s, err := processed.NewStore(processed.Config{Horizon: time.Minute})
 	require.NoError(t, err)
 	_, err = processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{}, nil)
-	require.ErrorContains(t, err, "PurgerConfig.Horizon")
-	_, err = processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{Horizon: time.Minute}, nil)
-	require.ErrorIs(t, err, processed.ErrHorizonTooShort)
-	_, err = processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{Horizon: time.Minute, MinHorizon: time.Second}, nil)
+	require.ErrorIs(t, err, processed.ErrHorizonTooShort, "the store's horizon is the default, and it is below MinHorizon")
+	p, err := processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{MinHorizon: time.Second}, nil)
 	require.NoError(t, err)
+	require.NotNil(t, p)
+	_, err = processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{Horizon: 59 * time.Second, MinHorizon: time.Second}, nil)
+	require.ErrorIs(t, err, processed.ErrHorizonBelowClaim, "purging before the claim refuses would apply redeliveries twice")
+	_, err = processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{Horizon: time.Hour}, nil)
+	require.NoError(t, err, "a longer purge horizon is safe")
 }
 
 // Rows just inside and just outside the horizon, purged by a process whose
@@ -49,7 +60,7 @@ func TestPurgeHorizonAnyTimeZone(t *testing.T) {
 			ctx := context.Background()
 			s := newStore(t, sqldb.Pgx(pool))
 			inside, outside := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
-			_, err := pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, processed_at) VALUES
+			_, err := pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, event_at) VALUES
 				('c', $1, now() - interval '59 minutes'), ('c', $2, now() - interval '61 minutes')`, inside, outside)
 			require.NoError(t, err)
 
@@ -95,7 +106,7 @@ func purgeChild(schema, sessionTZ string) int {
 		return 2
 	}
 	defer pool.Close()
-	s, _ := processed.NewStore(processed.Config{})
+	s, _ := processed.NewStore(processed.Config{Horizon: time.Hour})
 	p, err := processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{Horizon: time.Hour}, nil)
 	if err != nil {
 		fmt.Println(err)
@@ -116,7 +127,7 @@ func TestTwoPurgersOneWorks(t *testing.T) {
 	pool, schema := testenv.Pool(t)
 	ctx := context.Background()
 	s := newStore(t, sqldb.Pgx(pool))
-	_, err := pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, processed_at)
+	_, err := pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, event_at)
 		SELECT 'c', gen_random_uuid(), now() - interval '2 hours' FROM generate_series(1, 50)`)
 	require.NoError(t, err)
 	inRun := make(chan struct{})
@@ -151,7 +162,7 @@ func TestPurgerStartStop(t *testing.T) {
 	pool, _ := testenv.Pool(t)
 	ctx := context.Background()
 	s := newStore(t, sqldb.Pgx(pool))
-	_, err := pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, processed_at)
+	_, err := pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, event_at)
 		SELECT 'c', gen_random_uuid(), now() - interval '2 hours' FROM generate_series(1, 10)`)
 	require.NoError(t, err)
 	var total atomic.Int64
@@ -177,7 +188,7 @@ func TestPurgeMillionRowsInBoundedBatchesWhileClaiming(t *testing.T) {
 	pool, schema := testenv.Pool(t)
 	ctx := context.Background()
 	s := newStore(t, sqldb.Pgx(pool))
-	_, err := pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, processed_at)
+	_, err := pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, event_at)
 		SELECT 'old', gen_random_uuid(), now() - interval '2 hours' FROM generate_series(1, $1::int)`, rows)
 	require.NoError(t, err)
 	var sample []uuid.UUID
@@ -247,7 +258,7 @@ func TestPurgeMillionRowsInBoundedBatchesWhileClaiming(t *testing.T) {
 	require.LessOrEqual(t, maxDeleted, int64(batch), "no transaction deletes more than one batch")
 	require.GreaterOrEqual(t, txs, int64(rows/batch), "one transaction per batch")
 	var left int
-	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE processed_at < now() - interval '1 hour'`).Scan(&left))
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE event_at < now() - interval '1 hour'`).Scan(&left))
 	require.Zero(t, left)
 	t.Logf("purged %d rows in %d transactions while %d claims committed", n, txs, claims.Load())
 }

@@ -15,10 +15,21 @@ var mysqlSQL = dialectSQL{
 	// changed rows unless clientFoundRows=true, which this store forbids), and
 	// 1 for an insert. A concurrent uncommitted claim of the same key makes
 	// InnoDB wait on its lock, as PostgreSQL does.
-	claim:  `INSERT INTO %[1]s (consumer, event_id) VALUES (?, ?) ON DUPLICATE KEY UPDATE consumer = consumer`,
-	exists: `SELECT EXISTS (SELECT 1 FROM %[1]s WHERE consumer = ? AND event_id = ?)`,
+	claim: `INSERT INTO %[1]s (consumer, event_id, event_at) VALUES (?, ?, COALESCE(?, UTC_TIMESTAMP(6))) ON DUPLICATE KEY UPDATE consumer = consumer`,
+	// The claim with the replay window (see the PostgreSQL text). The
+	// third parameter is repeated: ? placeholders cannot be reused.
+	window: `INSERT INTO %[1]s (consumer, event_id, event_at)
+SELECT ?, ?, COALESCE(?, UTC_TIMESTAMP(6)) FROM DUAL
+WHERE ? IS NULL OR ? BETWEEN UTC_TIMESTAMP(6) - INTERVAL %[2]d MICROSECOND AND UTC_TIMESTAMP(6) + INTERVAL %[3]d MICROSECOND
+ON DUPLICATE KEY UPDATE consumer = consumer`,
+	verdict: `SELECT EXISTS (SELECT 1 FROM %[1]s WHERE consumer = ? AND event_id = ?),
+       ? < UTC_TIMESTAMP(6) - INTERVAL %[2]d MICROSECOND,
+       DATE_FORMAT(UTC_TIMESTAMP(6), '%%Y-%%m-%%dT%%H:%%i:%%s.%%fZ')`,
+	windowArgs: func(c, id, at any) []any { return []any{c, id, at, at, at} },
+	eventAt:    func(t time.Time) any { return t.UTC().Format("2006-01-02 15:04:05.000000") },
+	exists:     `SELECT EXISTS (SELECT 1 FROM %[1]s WHERE consumer = ? AND event_id = ?)`,
 	// Bounded delete; UTC_TIMESTAMP(6) is the server clock in UTC, as stored.
-	purgeBatch: `DELETE FROM %[1]s WHERE processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND ORDER BY processed_at LIMIT ?`,
+	purgeBatch: `DELETE FROM %[1]s WHERE event_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND ORDER BY event_at LIMIT ?`,
 	purgeArgs:  func(h time.Duration, limit int) []any { return []any{h.Microseconds(), limit} },
 	// InnoDB has no per-transaction lock timeout: this sets the session's
 	// (whole seconds, at least 1), which stays on the pooled connection.

@@ -16,9 +16,24 @@ var postgresSQL = dialectSQL{
 	// committed after we waited on its uncommitted insert): a duplicate. A
 	// unique violation is never raised, so the transaction is never aborted
 	// (catching 23505 would leave it in state 25P02).
-	claim:  `INSERT INTO %[1]s (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
-	exists: `SELECT EXISTS (SELECT 1 FROM %[1]s WHERE consumer = $1 AND event_id = $2)`,
-	// Deletes at most $2 rows older than the database clock minus $1
+	// $3 is the event's time (NULL: unknown, dated now()).
+	claim: `INSERT INTO %[1]s (consumer, event_id, event_at) VALUES ($1, $2, coalesce($3::timestamptz, now())) ON CONFLICT DO NOTHING`,
+	// The claim with the replay window: an event dated before now() minus
+	// the horizon or after now() plus the future skew (microseconds, from
+	// the store's config) inserts nothing. now() is the transaction's start
+	// on the server: the same clock and instant as the purge's cutoff and
+	// as Verdict's, which runs in the same transaction.
+	window: `INSERT INTO %[1]s (consumer, event_id, event_at)
+SELECT $1, $2, coalesce($3::timestamptz, now())
+WHERE $3::timestamptz IS NULL
+   OR $3::timestamptz BETWEEN now() - interval '%[2]d microseconds' AND now() + interval '%[3]d microseconds'
+ON CONFLICT DO NOTHING`,
+	verdict: `SELECT EXISTS (SELECT 1 FROM %[1]s WHERE consumer = $1 AND event_id = $2),
+       $3::timestamptz < now() - interval '%[2]d microseconds',
+       to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`,
+	eventAt: func(t time.Time) any { return t },
+	exists:  `SELECT EXISTS (SELECT 1 FROM %[1]s WHERE consumer = $1 AND event_id = $2)`,
+	// Deletes at most $2 rows dated (event_at) before the database clock minus $1
 	// microseconds. now() is the server's transaction start, so neither the
 	// process's TZ nor the session's timezone enters the cutoff; a
 	// microsecond interval has no calendar (DST) component. Rows locked by a
@@ -28,7 +43,7 @@ var postgresSQL = dialectSQL{
 	// across partitions and a ctid list deletes rows of other partitions.
 	purgeBatch: `DELETE FROM %[1]s WHERE (consumer, event_id) IN (
     SELECT consumer, event_id FROM %[1]s
-    WHERE processed_at < now() - ($1::bigint * interval '1 microsecond')
+    WHERE event_at < now() - ($1::bigint * interval '1 microsecond')
     LIMIT $2
     FOR UPDATE SKIP LOCKED)`,
 	purgeArgs: func(h time.Duration, limit int) []any { return []any{h.Microseconds(), limit} },

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/google/uuid"
@@ -23,11 +24,53 @@ type Config struct {
 
 	// Dialect is the SQL dialect. Defaults to sqldb.PostgreSQL.
 	Dialect sqldb.Dialect
+
+	// Horizon is the replay horizon: how long a processed row is kept, and
+	// the age beyond which the claim refuses an event (ErrExpired). Both
+	// are judged by one clock, the database's now(), on one time, the
+	// event's own (its UUIDv7 timestamp, RFC 9562 §5.7, else the occurred_at
+	// the caller passes), stored in the row as event_at. The claim refuses
+	// event_at < now() − Horizon and the purge deletes event_at < now() −
+	// PurgerConfig.Horizon, which NewPurger requires to be ≥ this one
+	// (PurgerConfig.Horizon defaults to it): a redelivery either finds its
+	// row or is refused, whatever the producer's and the consumer's clocks
+	// say. 0 (the default) refuses nothing, and NewPurger then refuses to
+	// purge (a purged event would be claimed again). Set it to the
+	// longest outbox replay window + the longest queue or dead-letter wait
+	// + a margin for incidents.
+	Horizon time.Duration
+
+	// MaxFutureSkew bounds how far ahead of the database clock an event may
+	// be dated: a claim of an event with event_at > now() + MaxFutureSkew is
+	// refused (ErrFuture; the middleware poisons it and logs it at ERROR),
+	// since its producer's clock is wrong. Only with Horizon > 0. Defaults
+	// to DefaultMaxFutureSkew; it must be ≥ 0.
+	MaxFutureSkew time.Duration
+
+	// Layout is the table's layout: LayoutPlain (default) or
+	// LayoutPartitioned (PostgreSQL only; see Layout).
+	Layout Layout
+
+	// PartitionSpan is the time span of one partition with
+	// LayoutPartitioned: whole minutes, at least one. Defaults to
+	// DefaultPartitionSpan (1 h). Rows stay up to one span longer than the
+	// purge horizon (a partition goes when its whole span has expired).
+	PartitionSpan time.Duration
 }
+
+// DefaultMaxFutureSkew is the default Config.MaxFutureSkew: how far ahead of
+// the database clock an event's time may be before its claim is refused.
+const DefaultMaxFutureSkew = 5 * time.Minute
 
 func (c *Config) setDefaults() {
 	if c.Table == "" {
 		c.Table = DefaultTable
+	}
+	if c.MaxFutureSkew == 0 {
+		c.MaxFutureSkew = DefaultMaxFutureSkew
+	}
+	if c.PartitionSpan == 0 {
+		c.PartitionSpan = DefaultPartitionSpan
 	}
 }
 
@@ -45,7 +88,13 @@ func (c Config) Validate() error {
 	if err := c.Dialect.Validate(); err != nil {
 		return fmt.Errorf("processed: Config.Dialect: %w", err)
 	}
-	return nil
+	if c.Horizon < 0 {
+		return fmt.Errorf("processed: Config.Horizon %s: must be ≥ 0", c.Horizon)
+	}
+	if c.MaxFutureSkew < 0 {
+		return fmt.Errorf("processed: Config.MaxFutureSkew %s: must be ≥ 0", c.MaxFutureSkew)
+	}
+	return c.validateLayout()
 }
 
 // Store is the processed-event store of one table: it claims (consumer,
@@ -57,21 +106,39 @@ type Store struct {
 	table   sqldb.Ident
 	dialect sqldb.Dialect
 	sql     dialectSQL
+	horizon time.Duration
+	skew    time.Duration
+	layout  Layout
+	span    time.Duration
+	other   *otherSQL // LayoutPartitioned: the side table of non-v7 ids
 
-	claimSQL  string
-	existsSQL string
-	purgeSQL  string
-	identity  identityStatements // payload verification (fingerprint.go)
+	claimSQL   string
+	existsSQL  string
+	purgeSQL   string
+	verdictSQL string
+	identity   identityStatements // payload verification (fingerprint.go)
 }
 
 // dialectSQL is one dialect's statements and argument encodings (one file per
 // dialect: sql_postgres.go, sql_mysql.go, sql_sqlite.go).
 type dialectSQL struct {
-	claim, exists, purgeBatch string
-	purgeArgs                 func(horizon time.Duration, limit int) []any
-	lockTimeout               func(time.Duration) (string, []any) // nil: none
-	tryLock, unlock           string                              // one parameter, the table; "": in-process lock only
-	eventID                   func(uuid.UUID) any
+	// claim inserts (consumer, event_id, event_at); window is the same
+	// statement refusing an event_at outside [now − horizon, now + skew]
+	// (see NewStore for the
+	// format arguments).
+	claim, window, exists, purgeBatch string
+	// verdict reads, after a claim that inserted nothing, whether the row
+	// exists and whether event_at is older than now − horizon (%[2]d µs).
+	verdict string
+	// eventAt encodes an event time for the claim; nil (unknown) → now().
+	eventAt func(time.Time) any
+	// windowArgs lays out the window claim's arguments (nil: consumer,
+	// event_id, event_at).
+	windowArgs      func(consumer, eventID, eventAt any) []any
+	purgeArgs       func(horizon time.Duration, limit int) []any
+	lockTimeout     func(time.Duration) (string, []any) // nil: none
+	tryLock, unlock string                              // one parameter, the table; "": in-process lock only
+	eventID         func(uuid.UUID) any
 }
 
 func sqlFor(d sqldb.Dialect) dialectSQL {
@@ -95,16 +162,40 @@ func NewStore(cfg Config) (*Store, error) {
 	table, _ := sqldb.ParseIdent(cfg.Table)
 	q := table.Quoted(cfg.Dialect.QuoteChar())
 	d := sqlFor(cfg.Dialect)
-	return &Store{
+	s := &Store{
 		table:     table,
 		dialect:   cfg.Dialect,
 		sql:       d,
+		layout:    cfg.Layout,
+		span:      cfg.PartitionSpan,
+		horizon:   cfg.Horizon.Truncate(time.Microsecond),
+		skew:      cfg.MaxFutureSkew.Truncate(time.Microsecond),
 		claimSQL:  fmt.Sprintf(d.claim, q),
 		existsSQL: fmt.Sprintf(d.exists, q),
 		purgeSQL:  fmt.Sprintf(d.purgeBatch, q),
 		identity:  newIdentityStatements(cfg.Dialect, q),
-	}, nil
+	}
+	// %[2]d, %[3]d: horizon and skew in microseconds; %[4]s, %[5]s: in
+	// seconds with 6 decimals (SQLite's date modifiers).
+	secs := func(d time.Duration) string { return strconv.FormatFloat(d.Seconds(), 'f', 6, 64) }
+	window := func(text string) string {
+		return fmt.Sprintf(text, q, s.horizon.Microseconds(), s.skew.Microseconds(), secs(s.horizon), secs(s.skew))
+	}
+	s.verdictSQL = window(d.verdict)
+	if s.horizon > 0 {
+		s.claimSQL = window(d.window)
+	}
+	if s.layout == LayoutPartitioned {
+		s.initPartitioned()
+	}
+	return s, nil
 }
+
+// Horizon is Config.Horizon (0: the claim refuses nothing).
+func (s *Store) Horizon() time.Duration { return s.horizon }
+
+// MaxFutureSkew is Config.MaxFutureSkew with its default applied.
+func (s *Store) MaxFutureSkew() time.Duration { return s.skew }
 
 // Table is the store's validated table identifier.
 func (s *Store) Table() sqldb.Ident { return s.table }
@@ -113,11 +204,51 @@ func (s *Store) Table() sqldb.Ident { return s.table }
 func (s *Store) Dialect() sqldb.Dialect { return s.dialect }
 
 // ClaimQuery returns the claim statement and its arguments for (consumer,
-// eventID): rows affected 1 for a claim and 0 for a duplicate. It is exported
-// for drivers that send it in a pipeline with BEGIN (see the middleware's pgx
-// beginner); most callers want Claim.
+// eventID) with no event time but the id's own (ClaimQueryAt with a zero
+// time). Most callers want Claim.
 func (s *Store) ClaimQuery(consumer string, eventID uuid.UUID) (string, []any) {
-	return s.claimSQL, []any{consumer, s.sql.eventID(eventID)}
+	return s.ClaimQueryAt(consumer, eventID, time.Time{})
+}
+
+// ClaimQueryAt returns the claim statement and its arguments for (consumer,
+// eventID) dated at: rows affected 1 for a claim, 0 for a duplicate or (with
+// Config.Horizon > 0) an event refused as expired or future, which Verdict
+// tells apart. The event's time is its UUIDv7 timestamp when eventID is a
+// UUIDv7 (at is then ignored), else at, else (at zero) unknown: the row is
+// dated with the database clock and the event is never refused. It is
+// exported for drivers that send it in a pipeline with BEGIN (see the
+// middleware's pgx beginner); most callers want ClaimAt.
+func (s *Store) ClaimQueryAt(consumer string, eventID uuid.UUID, at time.Time) (string, []any) {
+	id, t := s.sql.eventID(eventID), s.eventAtArg(eventID, at)
+	if s.routed(eventID) {
+		return s.other.claim, []any{consumer, id, t}
+	}
+	if s.horizon > 0 && s.sql.windowArgs != nil {
+		return s.claimSQL, s.sql.windowArgs(consumer, id, t)
+	}
+	return s.claimSQL, []any{consumer, id, t}
+}
+
+// EventTime is the time the store dates eventID's row with: the UUIDv7
+// timestamp (milliseconds) for a UUIDv7, else at; ok=false when neither
+// gives one (at zero).
+func EventTime(eventID uuid.UUID, at time.Time) (time.Time, bool) {
+	if eventID.Version() == 7 {
+		sec, nsec := eventID.Time().UnixTime()
+		return time.Unix(sec, nsec).UTC(), true
+	}
+	if at.IsZero() {
+		return time.Time{}, false
+	}
+	return at.UTC(), true
+}
+
+func (s *Store) eventAtArg(eventID uuid.UUID, at time.Time) any {
+	t, ok := EventTime(eventID, at)
+	if !ok {
+		return nil
+	}
+	return s.sql.eventAt(t)
 }
 
 // LockTimeoutQuery returns the statement that bounds lock waits to d in the
@@ -139,39 +270,128 @@ var ErrNilEventID = errors.New("processed: nil event_id")
 // ErrEmptyConsumer is returned by Claim when consumer is "".
 var ErrEmptyConsumer = errors.New("processed: empty consumer")
 
-// Claim records (consumer, eventID) in q's transaction with one INSERT … ON
-// CONFLICT DO NOTHING and reports whether this call inserted it. false means
-// the event was already processed by that consumer (or is being processed and
-// committed while we waited on the primary key): the caller must not apply
-// the effect. The row becomes visible to others, and final, only when q's
-// transaction commits; a rollback releases the claim with the effects.
+// Claim is ClaimAt with no event time but the id's own.
+func (s *Store) Claim(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) (bool, error) {
+	return s.ClaimAt(ctx, q, consumer, eventID, time.Time{})
+}
+
+// ClaimAt records (consumer, eventID) in q's transaction with one INSERT …
+// ON CONFLICT DO NOTHING and reports whether this call inserted it. false
+// with a nil error means the event was already processed by that consumer
+// (or is being processed and committed while we waited on the primary key):
+// the caller must not apply the effect. The row becomes visible to others,
+// and final, only when q's transaction commits; a rollback releases the
+// claim with the effects.
+//
+// With Config.Horizon > 0 the same statement refuses an event dated (see
+// ClaimQueryAt) before now() − Horizon or after now() + MaxFutureSkew by the
+// database clock: false and an error wrapping ErrExpired or ErrFuture
+// (a *RefusedError), found by one more statement (Verdict) that runs only
+// when nothing was inserted.
 //
 // Run it on a transaction. On a pool the claim commits by itself at once,
 // which loses the guarantee (a failure after it would drop the event).
-func (s *Store) Claim(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) (bool, error) {
+func (s *Store) ClaimAt(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID, at time.Time) (bool, error) {
+	ok, err := s.TryClaimAt(ctx, q, consumer, eventID, at)
+	if err != nil || ok {
+		return ok, err
+	}
+	return false, s.Verdict(ctx, q, consumer, eventID, at)
+}
+
+// TryClaimAt runs the claim statement alone (ClaimQueryAt): true when it
+// inserted the row; false for a duplicate or a refused event, which Verdict
+// tells apart.
+func (s *Store) TryClaimAt(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID, at time.Time) (bool, error) {
 	if consumer == "" {
 		return false, ErrEmptyConsumer
 	}
 	if eventID == uuid.Nil {
 		return false, ErrNilEventID
 	}
-	n, err := q.Exec(ctx, s.claimSQL, consumer, s.sql.eventID(eventID))
+	query, args := s.ClaimQueryAt(consumer, eventID, at)
+	n, err := q.Exec(ctx, query, args...)
 	if err != nil {
 		return false, fmt.Errorf("processed: claim %s/%s: %w", consumer, eventID, err)
 	}
 	return n == 1, nil
 }
 
+// ErrExpired: the claim refused an event dated before now() − Horizon by the
+// database clock; its row may already be purged, so applying it could apply
+// it twice. Permanent.
+var ErrExpired = errors.New("processed: event older than the replay horizon")
+
+// ErrFuture: the claim refused an event dated after now() +
+// MaxFutureSkew by the database clock (its producer's clock is wrong).
+// Permanent.
+var ErrFuture = errors.New("processed: event dated too far in the future")
+
+// RefusedError is the error of a refused claim: it wraps ErrExpired or
+// ErrFuture and carries the times the verdict was judged with.
+type RefusedError struct {
+	Reason   error     // ErrExpired or ErrFuture
+	EventID  uuid.UUID // the refused event
+	EventAt  time.Time // the event's time (ClaimQueryAt)
+	Horizon  time.Duration
+	MaxSkew  time.Duration
+	Database time.Time // the database clock (now()) of the verdict
+}
+
+func (e *RefusedError) Error() string {
+	return fmt.Sprintf("%v: event %s dated %s, database clock %s, horizon %s, max future skew %s",
+		e.Reason, e.EventID, e.EventAt.UTC().Format(time.RFC3339Nano), e.Database.UTC().Format(time.RFC3339Nano), e.Horizon, e.MaxSkew)
+}
+
+func (e *RefusedError) Unwrap() error { return e.Reason }
+
+// Verdict explains a claim (TryClaimAt, or ClaimQueryAt's statement) that
+// inserted nothing, on the same transaction: nil when the row exists (a
+// duplicate), or a *RefusedError wrapping ErrExpired or ErrFuture. When the
+// row does not exist the claim refused the event: it is expired when its
+// time is older than now() − Horizon now, otherwise it was in the future
+// (a purge only removes rows that are expired, so a row cannot have
+// vanished in between otherwise). Without Horizon or an event time it
+// returns nil at once, without a statement.
+func (s *Store) Verdict(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID, at time.Time) error {
+	t, ok := EventTime(eventID, at)
+	if s.horizon <= 0 || !ok {
+		return nil
+	}
+	var exists, expired bool
+	var clock string
+	verdict := s.verdictSQL
+	if s.routed(eventID) {
+		verdict = s.other.verdict
+	}
+	if err := q.QueryRow(ctx, verdict, consumer, s.sql.eventID(eventID), s.sql.eventAt(t)).Scan(&exists, &expired, &clock); err != nil {
+		return fmt.Errorf("processed: claim verdict %s/%s: %w", consumer, eventID, err)
+	}
+	now, _ := time.Parse(time.RFC3339Nano, clock) // for the error text only
+	if exists {
+		return nil
+	}
+	e := &RefusedError{Reason: ErrFuture, EventID: eventID, EventAt: t, Horizon: s.horizon, MaxSkew: s.skew, Database: now}
+	if expired {
+		e.Reason = ErrExpired
+	}
+	return e
+}
+
 // Processed reports whether (consumer, eventID) has a committed row visible to q.
 func (s *Store) Processed(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) (bool, error) {
 	var ok bool
-	if err := q.QueryRow(ctx, s.existsSQL, consumer, s.sql.eventID(eventID)).Scan(&ok); err != nil {
+	exists := s.existsSQL
+	if s.routed(eventID) {
+		exists = s.other.exists
+	}
+	if err := q.QueryRow(ctx, exists, consumer, s.sql.eventID(eventID)).Scan(&ok); err != nil {
 		return false, fmt.Errorf("processed: lookup %s/%s: %w", consumer, eventID, err)
 	}
 	return ok, nil
 }
 
-// PurgeBatch deletes at most limit rows whose processed_at is older than the
+// PurgeBatch deletes at most limit rows whose event_at is older than the
 // database's now() minus horizon, in one statement (one short transaction when
 // q is a pool), and returns how many it deleted. Rows locked by a concurrent
 // transaction are skipped, never waited on. horizon is truncated to whole
@@ -183,7 +403,13 @@ func (s *Store) PurgeBatch(ctx context.Context, q sqldb.Querier, horizon time.Du
 	if horizon < 0 {
 		return 0, fmt.Errorf("processed: purge horizon %s: must be ≥ 0", horizon)
 	}
-	n, err := q.Exec(ctx, s.purgeSQL, s.sql.purgeArgs(horizon, limit)...)
+	var n int64
+	var err error
+	if s.layout == LayoutPartitioned {
+		err = q.QueryRow(ctx, s.purgeSQL, s.sql.purgeArgs(horizon, limit)...).Scan(&n)
+	} else {
+		n, err = q.Exec(ctx, s.purgeSQL, s.sql.purgeArgs(horizon, limit)...)
+	}
 	if err != nil {
 		return 0, fmt.Errorf("processed: purge: %w", err)
 	}

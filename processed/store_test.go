@@ -18,7 +18,7 @@ import (
 
 func newStore(t *testing.T, db sqldb.Querier) *processed.Store {
 	t.Helper()
-	s, err := processed.NewStore(processed.Config{})
+	s, err := processed.NewStore(processed.Config{Horizon: time.Hour})
 	require.NoError(t, err)
 	require.NoError(t, s.Migrate(context.Background(), db))
 	return s
@@ -55,15 +55,15 @@ func TestMigrateConcurrentAndIdempotent(t *testing.T) {
 		cols = append(cols, c)
 	}
 	require.NoError(t, rows.Err())
-	require.Equal(t, []string{"consumer:text", "event_id:uuid", "processed_at:timestamp with time zone", "event_name:text", "fingerprint:bytea"}, cols)
+	require.Equal(t, []string{"consumer:text", "event_id:uuid", "processed_at:timestamp with time zone", "event_at:timestamp with time zone", "event_name:text", "fingerprint:bytea"}, cols)
 	var idx int
 	require.NoError(t, pool.QueryRow(context.Background(),
-		`SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = 'inbox' AND indexdef LIKE '%(processed_at)%'`, schema).Scan(&idx))
+		`SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = 'inbox' AND indexdef LIKE '%(event_at)%'`, schema).Scan(&idx))
 	require.Equal(t, 1, idx)
 	var recorded int
 	require.NoError(t, pool.QueryRow(context.Background(),
 		`SELECT count(*) FROM idempotency_migration WHERE component = $1`, "processed:"+schema+".inbox").Scan(&recorded))
-	require.Equal(t, 2, recorded)
+	require.Equal(t, 3, recorded, "versions 1 to 3, each recorded once, next to the table")
 }
 
 func TestConfigValidateNamesField(t *testing.T) {
@@ -75,7 +75,7 @@ func TestConfigValidateNamesField(t *testing.T) {
 	s, err := processed.NewStore(processed.Config{Table: "inbox.processed_event"})
 	require.NoError(t, err)
 	q, _ := s.ClaimQuery("c", uuid.New())
-	require.Equal(t, `INSERT INTO "inbox"."processed_event" (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`, q)
+	require.Equal(t, `INSERT INTO "inbox"."processed_event" (consumer, event_id, event_at) VALUES ($1, $2, coalesce($3::timestamptz, now())) ON CONFLICT DO NOTHING`, q)
 }
 
 func TestPurgeBatch(t *testing.T) {
@@ -90,7 +90,7 @@ func TestPurgeBatch(t *testing.T) {
 		if i >= 5 {
 			age = "30 minutes"
 		}
-		_, err := pool.Exec(ctx, fmt.Sprintf(`INSERT INTO processed_event (consumer, event_id, processed_at) VALUES ('c', $1, now() - interval '%s')`, age), uuid.Must(uuid.NewV7()))
+		_, err := pool.Exec(ctx, fmt.Sprintf(`INSERT INTO processed_event (consumer, event_id, event_at) VALUES ('c', $1, now() - interval '%s')`, age), uuid.Must(uuid.NewV7()))
 		require.NoError(t, err)
 	}
 	n, err := s.PurgeBatch(ctx, db, time.Hour, 2)

@@ -63,50 +63,125 @@ func RenderMigrations(fsys fs.FS, dir string, data any) ([]Migration, error) {
 }
 
 // MigrationsFS lays migrations out as an fs.FS of files at its root with
-// their names ("NNNN_name.up.sql", the layout golang-migrate reads), each
-// prefixed with a "-- +goose Up" annotation so goose applies it as is.
-func MigrationsFS(ms []Migration) fs.FS {
+// their own versions (0001, 0002, …). Several components laid out this way
+// collide in one version table (every one starts at 1): use ComponentFS.
+func MigrationsFS(ms []Migration) fs.FS { return ComponentFS(ms, 0) }
+
+// Version bases of the library's components in ComponentFS: a component's
+// migration N is version base+N for goose and golang-migrate, so that the
+// components' numbers are disjoint and one version table (goose's default
+// goose_db_version, golang-migrate's schema_migrations) can hold them all.
+const (
+	VersionBaseProcessed = 10000
+	VersionBaseOperation = 20000
+	VersionBaseVersioned = 30000
+	VersionBaseOutbox    = 40000
+)
+
+// ComponentFS lays migrations out as an fs.FS of files at its root named
+// "<base+N>_<name>.up.sql" (the layout golang-migrate reads), each prefixed
+// with a "-- +goose Up" annotation so goose applies it as is. base is the
+// component's VersionBase constant.
+//
+// Applying several components with goose's defaults into one version table
+// works in the bases' order (processed, operation, versioned, outbox) on a
+// fresh database. A later release adding migration N+1 to a component whose
+// base is below another's applied version is "out of order" for goose: use
+// goose.WithAllowOutofOrder(true), or give each component its own version
+// table (goose.WithTableName, golang-migrate's x-migrations-table), which
+// golang-migrate needs anyway (it stores one version per table).
+func ComponentFS(ms []Migration, base int) fs.FS {
 	out := fstest.MapFS{}
 	for _, m := range ms {
-		out[m.Name] = &fstest.MapFile{Data: []byte("-- +goose Up\n" + m.SQL), Mode: 0o444}
+		name := m.Name
+		if _, rest, ok := strings.Cut(m.Name, "_"); ok {
+			name = fmt.Sprintf("%04d_%s", base+m.Version, rest)
+		}
+		out[name] = &fstest.MapFile{Data: []byte("-- +goose Up\n" + m.SQL), Mode: 0o444}
 	}
 	return out
 }
 
-// Migrate applies ms in order on q and records each as (component, version)
-// in the idempotency_migration table. Migrations must be idempotent (IF NOT
-// EXISTS): Migrate is safe to run from several instances at once because
+// MigrationTable is the name of the table Migrate records applied versions
+// in, next to the table they create.
+const MigrationTable = "idempotency_migration"
+
+// Migrate is MigrateTable with the bookkeeping table unqualified (the first
+// schema of the search_path, or the connection's current database).
+func Migrate(ctx context.Context, q Querier, d Dialect, component string, ms []Migration) error {
+	return MigrateTable(ctx, q, d, Ident{}, component, ms)
+}
+
+// MigrateTable applies, in order, the migrations of ms that are not yet
+// recorded for component, and records each as (component, version) in the
+// idempotency_migration table of next's schema (next is the table the
+// migrations create: "s.t" records in "s".idempotency_migration, an
+// unqualified name in the unqualified table, which is where an unqualified
+// table is created). A recorded version is never run again.
+//
+// Several instances at once:
 //   - on PostgreSQL each migration runs as one script in one implicit
 //     transaction (the simple query protocol, which pgx and its stdlib use for
 //     a statement without parameters) behind a transaction-scoped advisory
-//     lock derived from component, so instances apply it one after another;
+//     lock derived from component: instances apply it one after another. Two
+//     instances that both found it unrecorded both run it, so PostgreSQL
+//     migrations must stay idempotent (IF NOT EXISTS);
 //   - on MySQL and SQLite each statement runs alone (DDL commits implicitly
-//     there); CREATE … IF NOT EXISTS is atomic, so concurrent instances
-//     converge.
-func Migrate(ctx context.Context, q Querier, d Dialect, component string, ms []Migration) error {
+//     there). When one fails, the record is read again: if another instance
+//     recorded the version meanwhile, the failure is ignored; otherwise it is
+//     returned (run Migrate again once the other instance is done).
+func MigrateTable(ctx context.Context, q Querier, d Dialect, next Ident, component string, ms []Migration) error {
+	bk := MigrationTable
+	if schema, _, ok := strings.Cut(next.String(), "."); ok {
+		bk = schema + "." + MigrationTable
+	}
+	bkID, err := ParseIdent(bk)
+	if err != nil {
+		return fmt.Errorf("migrate %s: %w", component, err)
+	}
+	table := bkID.Quoted(d.QuoteChar())
 	quoted := "'" + strings.ReplaceAll(component, "'", "''") + "'"
+	create := migrationsTable(d, table)
+	if d == PostgreSQL {
+		// Concurrent CREATE TABLE IF NOT EXISTS can fail on PostgreSQL
+		// (23505 on pg_type): serialise it behind a lock of its own.
+		create = fmt.Sprintf("SELECT pg_advisory_xact_lock(%d);\n%s", lockKey("idempotency-migrate-table:"+bk), create)
+	}
+	if _, err := q.Exec(ctx, create); err != nil {
+		return fmt.Errorf("migrate %s: create %s: %w", component, bk, err)
+	}
+	applied := func(v int) (bool, error) {
+		var ok bool
+		err := q.QueryRow(ctx, fmt.Sprintf("SELECT EXISTS (SELECT 1 FROM %s WHERE component = %s AND version = %d)", table, quoted, v)).Scan(&ok)
+		return ok, err
+	}
+	record := fmt.Sprintf("INSERT INTO %s (component, version) VALUES (%s, %%d) ON CONFLICT DO NOTHING", table, quoted)
+	if d == MySQL {
+		record = fmt.Sprintf("INSERT INTO %s (component, version) VALUES (%s, %%d) ON DUPLICATE KEY UPDATE version = version", table, quoted)
+	}
 	for _, m := range ms {
-		var err error
+		done, err := applied(m.Version)
+		if err != nil {
+			return fmt.Errorf("migrate %s: read %s: %w", component, bk, err)
+		}
+		if done {
+			continue
+		}
 		switch d {
 		case PostgreSQL:
-			h := fnv.New64a()
-			_, _ = h.Write([]byte("idempotency-migrate:" + component))
 			script := strings.Join([]string{
-				fmt.Sprintf("SELECT pg_advisory_xact_lock(%d)", int64(h.Sum64())),
-				migrationsTable(d),
+				fmt.Sprintf("SELECT pg_advisory_xact_lock(%d)", lockKey("idempotency-migrate:"+component)),
 				m.SQL,
-				fmt.Sprintf("INSERT INTO idempotency_migration (component, version) VALUES (%s, %d) ON CONFLICT DO NOTHING", quoted, m.Version),
+				fmt.Sprintf(record, m.Version),
 			}, ";\n")
 			_, err = q.Exec(ctx, script)
 		default:
-			stmts := append([]string{migrationsTable(d)}, SplitStatements(m.SQL)...)
-			record := "INSERT INTO idempotency_migration (component, version) VALUES (%s, %d) ON CONFLICT DO NOTHING"
-			if d == MySQL {
-				record = "INSERT INTO idempotency_migration (component, version) VALUES (%s, %d) ON DUPLICATE KEY UPDATE version = version"
-			}
-			stmts = append(stmts, fmt.Sprintf(record, quoted, m.Version))
+			stmts := append(SplitStatements(m.SQL), fmt.Sprintf(record, m.Version))
 			for _, s := range stmts {
 				if _, err = q.Exec(ctx, s); err != nil {
+					if done, rerr := applied(m.Version); rerr == nil && done {
+						err = nil // another instance applied it meanwhile
+					}
 					break
 				}
 			}
@@ -116,9 +191,9 @@ func Migrate(ctx context.Context, q Querier, d Dialect, component string, ms []M
 		}
 	}
 	if d == MySQL && len(ms) > 0 {
-		// A no-op upsert of the record just written: 0 rows affected with
-		// the driver's default changed-rows count, 1 with clientFoundRows.
-		n, err := q.Exec(ctx, "INSERT INTO idempotency_migration (component, version) VALUES (?, ?) ON DUPLICATE KEY UPDATE version = version",
+		// A no-op upsert of the last record: 0 rows affected with the
+		// driver's default changed-rows count, 1 with clientFoundRows.
+		n, err := q.Exec(ctx, fmt.Sprintf("INSERT INTO %s (component, version) VALUES (?, ?) ON DUPLICATE KEY UPDATE version = version", table),
 			component, ms[len(ms)-1].Version)
 		switch {
 		case err != nil:
@@ -130,6 +205,12 @@ func Migrate(ctx context.Context, q Querier, d Dialect, component string, ms []M
 	return nil
 }
 
+func lockKey(name string) int64 {
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(name))
+	return int64(h.Sum64())
+}
+
 // ErrMySQLFoundRows is returned by Migrate on MySQL when the connection
 // counts found rows rather than changed rows (go-sql-driver/mysql's
 // clientFoundRows=true). The library's MySQL claims and upserts read their
@@ -138,7 +219,7 @@ func Migrate(ctx context.Context, q Querier, d Dialect, component string, ms []M
 // the consumers, so that this check covers them.
 var ErrMySQLFoundRows = errors.New("the MySQL connection reports found rows, not changed rows (remove clientFoundRows=true from the DSN)")
 
-func migrationsTable(d Dialect) string {
+func migrationsTable(d Dialect, table string) string {
 	ts := "timestamptz NOT NULL DEFAULT now()"
 	switch d {
 	case MySQL:
@@ -146,7 +227,7 @@ func migrationsTable(d Dialect) string {
 	case SQLite:
 		ts = "TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))"
 	}
-	return `CREATE TABLE IF NOT EXISTS idempotency_migration (
+	return `CREATE TABLE IF NOT EXISTS ` + table + ` (
     component  varchar(255) NOT NULL,
     version    int          NOT NULL,
     applied_at ` + ts + `,
@@ -181,8 +262,14 @@ func SplitStatements(sql string) []string {
 
 // TableMigrations renders the templates under root/<dialect> (for example
 // "migrations/postgres") for one table: {{.Table}} is the quoted, possibly
-// schema-qualified name, {{.Prefix}} the bare name (for index names).
+// schema-qualified name, {{.Prefix}} the bare name (for index names),
+// {{.IndexSchema}} the quoted schema followed by "." (or "" for an
+// unqualified table), to qualify an index name in DROP INDEX.
 func TableMigrations(fsys fs.FS, root string, d Dialect, table Ident) ([]Migration, error) {
-	data := struct{ Table, Prefix string }{Table: table.Quoted(d.QuoteChar()), Prefix: table.Name()}
+	data := struct{ Table, Prefix, IndexSchema string }{Table: table.Quoted(d.QuoteChar()), Prefix: table.Name()}
+	if schema, _, ok := strings.Cut(table.String(), "."); ok {
+		q := string(d.QuoteChar())
+		data.IndexSchema = q + schema + q + "."
+	}
 	return RenderMigrations(fsys, path.Join(root, d.String()), data)
 }

@@ -371,7 +371,7 @@ func FamilyMigrationsFS(latestTable, appliedTable string, dialect sqldb.Dialect)
 	if err != nil {
 		return nil, err
 	}
-	return sqldb.MigrationsFS(ms), nil
+	return sqldb.ComponentFS(ms, sqldb.VersionBaseVersioned), nil
 }
 
 // Migrate applies the store's migrations in version order and records each
@@ -391,7 +391,7 @@ func (s *FamilyStore) Migrate(ctx context.Context, q sqldb.Querier) error {
 		return err
 	}
 	component := "versioned-family:" + s.latest.String() + "," + s.applied.String()
-	if err := sqldb.Migrate(ctx, q, s.dialect, component, ms); err != nil {
+	if err := sqldb.MigrateTable(ctx, q, s.dialect, s.applied, component, ms); err != nil {
 		return fmt.Errorf("versioned: %w", err)
 	}
 	return nil

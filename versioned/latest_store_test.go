@@ -248,7 +248,7 @@ func TestFamilyStoreMigrate(t *testing.T) {
 		require.NoError(t, err)
 		names, err := fs.Glob(fsys, "*.up.sql")
 		require.NoError(t, err)
-		require.Equal(t, []string{"0001_create_family_tables.up.sql", "0002_family_retired.up.sql"}, names)
+		require.Equal(t, []string{"30001_create_family_tables.up.sql", "30002_family_retired.up.sql"}, names)
 		body, err := fs.ReadFile(fsys, names[0])
 		require.NoError(t, err)
 		require.Contains(t, string(body), "-- +goose Up\n")

@@ -89,7 +89,8 @@ type consumerSpec struct {
 	handler      message.NoPublishHandlerFunc
 	publish      message.HandlerFunc
 	publishTopic string
-	outbox       *outbox.Outbox // the service's outbox and relay, optional
+	outbox       *outbox.Outbox   // the service's outbox and relay, optional
+	store        *processed.Store // the processed-event store; nil: the default
 	// relayDest wraps the relay's destination (fault injection), optional.
 	relayDest func(message.Publisher) message.Publisher
 }
@@ -303,10 +304,17 @@ func (d *demo) setup(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		if err := c.migrate(ctx, db, nil); err != nil {
+		store, err := d.processedStore(ctx, db, schema)
+		if err != nil {
 			return err
 		}
-		if *c.dst, err = d.startConsumer(ctx, consumerSpec{consumer: c.c, db: db, schema: schema, handler: c.handler}); err != nil {
+		if err := c.migrate(ctx, db, store); err != nil {
+			return err
+		}
+		if err := d.maintainPartitions(ctx, db, store); err != nil {
+			return err
+		}
+		if *c.dst, err = d.startConsumer(ctx, consumerSpec{consumer: c.c, db: db, schema: schema, handler: c.handler, store: store}); err != nil {
 			return err
 		}
 	}
@@ -533,7 +541,7 @@ func (d *demo) startConsumer(ctx context.Context, s consumerSpec) (*consumerRun,
 		RelayDest:  s.relayDest,
 		Workers:    d.cfg.Workers,
 		Middleware: mws,
-		Idempotent: middleware.Config{Recorder: r.rec},
+		Idempotent: middleware.Config{Recorder: r.rec, Store: s.store},
 		Chain:      middleware.ChainConfig{InitialInterval: 20 * time.Millisecond, MaxInterval: time.Second},
 		Logger:     d.logger,
 	}

@@ -48,6 +48,15 @@ func TestDemo(t *testing.T) {
 	checkDemo(t, smallConfig())
 }
 
+// -partitioned: stock and shipping on processed.LayoutPartitioned pass the
+// same checks on PostgreSQL; the claims landed in time partitions.
+func TestDemoPartitioned(t *testing.T) {
+	t.Parallel()
+	c := smallConfig()
+	c.Partitioned = true
+	checkDemo(t, c)
+}
+
 // The embedded default (SQLite files and the in-process broker, nothing
 // installed) passes the same checks, with the same faults.
 func TestDemoEmbedded(t *testing.T) {

@@ -132,6 +132,7 @@ type config struct {
 	Keep                 bool
 	Verbose              bool
 	IDAtReception        bool          // the classic mistake, to show what the checks catch
+	Partitioned          bool          // stock and shipping on processed.LayoutPartitioned (PostgreSQL)
 	Progress             time.Duration // progress line interval
 }
 
@@ -198,8 +199,12 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.BoolVar(&c.Keep, "keep", c.Keep, "keep the run's schemas, exchange and queues")
 	fs.BoolVar(&c.Verbose, "v", c.Verbose, "log Watermill and the middleware to stderr")
 	fs.BoolVar(&c.IDAtReception, "id-at-reception", c.IDAtReception, "break it on purpose: give each delivery a new event id on reception (the classic mistake) and watch the checks fail")
+	fs.BoolVar(&c.Partitioned, "partitioned", c.Partitioned, "stock and shipping keep their processed events in the partitioned layout (processed.LayoutPartitioned, PostgreSQL only: -backend services)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
+	}
+	if c.Partitioned && c.Backend != backendServices {
+		return c, fmt.Errorf("-partitioned needs PostgreSQL: -backend services")
 	}
 	switch {
 	case c.Backend != backendEmbedded && c.Backend != backendServices && c.Backend != backendJetStream:

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"os"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
@@ -27,7 +28,9 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 		return err
 	}
 	defer pool.Close()
-	store, err := processed.NewStore(processed.Config{}) // table processed_event
+	// Table processed_event; events older than the replay horizon (by the
+	// database clock) are refused, so its Purger may delete their rows.
+	store, err := processed.NewStore(processed.Config{Horizon: 7 * 24 * time.Hour})
 	if err != nil {
 		return err
 	}
