@@ -177,7 +177,7 @@ func (r *e2eRig) consume(ctx context.Context, q string, c e2eCell, n int, progre
 	}
 	h := r.vs.handlerFor(variant, handler(h1))
 	for i := 0; i < c.consumers; i++ {
-		router.AddNoPublisherHandler("bench_"+strconv.Itoa(i), q, sub, func(msg *message.Message) error {
+		router.AddConsumerHandler("bench_"+strconv.Itoa(i), q, sub, func(msg *message.Message) error {
 			_, err := h(msg)
 			return err
 		})

@@ -9,7 +9,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/examples/order"
@@ -94,20 +93,15 @@ func childRelay() error {
 	if err != nil {
 		return err
 	}
-	killAfterPublish := func(h message.HandlerFunc) message.HandlerFunc {
-		return func(msg *message.Message) ([]*message.Message, error) {
-			out, err := h(msg) // nil: the broker confirmed the publish
-			if err == nil {
-				killSelf() // before the forwarder acks and the position is stored
-			}
-			return out, err
+	crashpoint.Set(func(name string) {
+		if name == crashpoint.OutboxAfterPublish {
+			killSelf() // the broker confirmed; the row is not deleted yet
 		}
-	}
+	})
 	relay, err := order.NewRelay(order.RelayConfig{
 		Pool:         pool,
 		Publisher:    pub,
 		PollInterval: 10 * time.Millisecond,
-		Middleware:   []message.HandlerMiddleware{killAfterPublish},
 		Logger:       logger,
 	})
 	if err != nil {

@@ -2,13 +2,14 @@ package e2e_test
 
 import (
 	"context"
+	"errors"
+	"net/url"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -21,6 +22,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/outbox"
 )
 
 // producer is the order service on a schema of its own.
@@ -60,43 +62,52 @@ func (p *producer) publishIn(t *testing.T, tx pgx.Tx, id string) {
 
 func (p *producer) pending(t *testing.T) int {
 	t.Helper()
-	n, err := p.svc.Pending(context.Background(), "")
+	n, err := p.svc.Pending(context.Background())
 	require.NoError(t, err)
 	return n
 }
 
-// countingOffsets counts the relay's reads (one NextOffsetQuery per poll) and
-// can fail the position update of chosen batches (a relay that dies after
-// the broker confirmed, before it stored its position).
-type countingOffsets struct {
-	wsql.DefaultPostgreSQLOffsetsAdapter
-	polls    atomic.Int64
-	failAcks atomic.Int64 // fail this many position updates
+// rounds counts the relay's rounds (outbox.Recorder).
+type rounds struct {
+	outbox.NopRecorder
+	n atomic.Int64
 }
 
-func (c *countingOffsets) NextOffsetQuery(p wsql.NextOffsetQueryParams) (wsql.Query, error) {
-	c.polls.Add(1)
-	return c.DefaultPostgreSQLOffsetsAdapter.NextOffsetQuery(p)
+func (r *rounds) Round(int) { r.n.Add(1) }
+
+// loseConfirms reports a failure after the broker took the message, for
+// the first lose publishes: a relay whose confirm was lost publishes the
+// row again, with the same event_id.
+type loseConfirms struct {
+	message.Publisher
+	lose atomic.Int64
 }
 
-func (c *countingOffsets) AckMessageQuery(p wsql.AckMessageQueryParams) (wsql.Query, error) {
-	if c.failAcks.Add(-1) >= 0 {
-		return wsql.Query{Query: "SELECT 1/0"}, nil
+func (l *loseConfirms) Publish(topic string, msgs ...*message.Message) error {
+	if err := l.Publisher.Publish(topic, msgs...); err != nil {
+		return err
 	}
-	return c.DefaultPostgreSQLOffsetsAdapter.AckMessageQuery(p)
+	if l.lose.Add(-1) >= 0 {
+		return errors.New("confirm lost")
+	}
+	return nil
 }
 
-// startRelay runs a relay of p to e's exchange until the test ends.
-func (e *env) startRelay(p *producer, offsets wsql.OffsetsAdapter, batch int) *order.Relay {
+// startRelay runs a relay of p to dest (e's exchange when nil) until the
+// test ends.
+func (e *env) startRelay(p *producer, rec outbox.Recorder, dest message.Publisher, batch int) *order.Relay {
 	e.t.Helper()
+	if dest == nil {
+		dest = e.publisher()
+	}
 	relay, err := order.NewRelay(order.RelayConfig{
-		Pool:           p.pool,
-		Publisher:      e.publisher(),
-		BatchSize:      batch,
-		PollInterval:   10 * time.Millisecond,
-		RetryInterval:  10 * time.Millisecond,
-		OffsetsAdapter: offsets,
-		Logger:         watermill.NopLogger{},
+		Pool:          p.pool,
+		Publisher:     dest,
+		BatchSize:     batch,
+		PollInterval:  10 * time.Millisecond,
+		RetryInterval: 10 * time.Millisecond,
+		Recorder:      rec,
+		Logger:        watermill.NopLogger{},
 	})
 	require.NoError(e.t, err)
 	done := make(chan error, 1)
@@ -120,10 +131,9 @@ func TestC13(t *testing.T) {
 	t.Parallel()
 
 	// Base: tx A writes E1 and stays open; tx B writes E2 and commits; the
-	// relay runs; A commits; the relay runs twice more. watermill-sql v4
-	// reads only rows of transactions older than the oldest one running
-	// (pg_snapshot_xmin), so while A is open it holds back E2 as well: that
-	// is how E1 is never skipped. Both arrive once A commits, once each.
+	// relay runs and publishes E2 while A is open (it claims committed rows;
+	// no position moves past E1); A commits; the relay runs twice more and
+	// E1 arrives: never skipped, each once.
 	t.Run("base", func(t *testing.T) {
 		t.Parallel()
 		e := newEnv(t, testConsumer)
@@ -136,18 +146,17 @@ func TestC13(t *testing.T) {
 		p.publishIn(t, txA, E1)
 		p.write(t, E2)
 
-		offsets := &countingOffsets{}
-		e.startRelay(p, offsets, 0)
-		eventually(t, 10*time.Second, "the relay to poll 3 times", func(o *testenv.Observed) bool { return testenv.See(o, "polls", offsets.polls.Load()) >= 3 })
+		rec := &rounds{}
+		e.startRelay(p, rec, nil, 0)
+		eventually(t, 15*time.Second, "E2 arrives while tx A is open", func(o *testenv.Observed) bool { return o.Int("effects(E2)", e.effects(E2)) == 1 })
 		require.Equal(t, 0, e.effects(E1), "E1 is not committed yet")
-		t.Logf("while tx A was open, E2 had %d effect(s) (watermill-sql v4 holds it back behind A)", e.effects(E2))
 		require.NoError(t, txA.Commit(ctx))
 
 		eventually(t, 15*time.Second, "E1 and E2 both arrive", func(o *testenv.Observed) bool {
 			return o.Int("effects(E1)", e.effects(E1)) == 1 && o.Int("effects(E2)", e.effects(E2)) == 1
 		})
-		n := offsets.polls.Load()
-		eventually(t, 10*time.Second, "the relay to poll twice more", func(o *testenv.Observed) bool { return testenv.See(o, "polls", offsets.polls.Load()) >= n+2 })
+		n := rec.n.Load()
+		eventually(t, 10*time.Second, "the relay runs twice more", func(o *testenv.Observed) bool { return testenv.See(o, "rounds", rec.n.Load()) >= n+2 })
 		require.Equal(t, 0, p.pending(t))
 		require.Len(t, pr.of(E1), 1)
 		require.Len(t, pr.of(E2), 1)
@@ -156,7 +165,8 @@ func TestC13(t *testing.T) {
 	})
 
 	// V: the broker confirms E1, then the relay is killed (SIGKILL, child
-	// process) before it stores its position; the restarted relay publishes
+	// process, crash point outbox-after-publish) before it deletes the row;
+	// the restarted relay publishes
 	// E1 again, same event_id, and the consumer's claim absorbs it.
 	t.Run("V", func(t *testing.T) {
 		t.Parallel()
@@ -167,9 +177,9 @@ func TestC13(t *testing.T) {
 		p.write(t, E1)
 		spawn(t, "relay", "E2E_SCHEMA="+p.schema, "E2E_PREFIX="+e.topo.Prefix)
 		eventually(t, 15*time.Second, "the killed relay's publish processed", func(o *testenv.Observed) bool { return o.Int("effects(E1)", e.effects(E1)) == 1 })
-		require.Equal(t, 1, p.pending(t), "the position was not stored")
+		require.Equal(t, 1, p.pending(t), "the row was not deleted")
 
-		e.startRelay(p, nil, 0)
+		e.startRelay(p, nil, nil, 0)
 		eventually(t, 15*time.Second, "E1 republished", func(o *testenv.Observed) bool {
 			return o.Int("deliveries(E1)", len(pr.of(E1))) == 2 && o.Int("pending", p.pending(t)) == 0
 		})
@@ -197,7 +207,7 @@ func TestC13(t *testing.T) {
 		var wg sync.WaitGroup
 		for i := 0; i < 2; i++ {
 			wg.Add(1)
-			go func() { defer wg.Done(); e.startRelay(p, nil, 10) }()
+			go func() { defer wg.Done(); e.startRelay(p, nil, nil, 10) }()
 		}
 		wg.Wait()
 		eventually(t, 30*time.Second, "100 events processed", func(o *testenv.Observed) bool {
@@ -211,7 +221,7 @@ func TestC13(t *testing.T) {
 	})
 }
 
-// The relay publishes an order's event twice (its position update failed
+// The relay publishes an order's event twice (the broker's confirm was lost
 // after the publish), and an operator replays the range later: the stock
 // consumer reserves the order's lines once.
 func TestRelayDuplicateThenReplay(t *testing.T) {
@@ -233,9 +243,9 @@ func TestRelayDuplicateThenReplay(t *testing.T) {
 	evID, err := p.svc.PlaceOrder(ctx, "o-1", []shop.OrderLine{{SKU: "sku-1", Quantity: "2.000"}, {SKU: "sku-2", Quantity: "0.250"}})
 	require.NoError(t, err)
 
-	offsets := &countingOffsets{}
-	offsets.failAcks.Store(1)
-	e.startRelay(p, offsets, 0)
+	lose := &loseConfirms{Publisher: e.publisher()}
+	lose.lose.Store(1)
+	e.startRelay(p, nil, lose, 0)
 	eventually(t, 15*time.Second, "the relay republished the event", func(o *testenv.Observed) bool {
 		return o.Int("duplicates", rec.Count(middleware.OutcomeDuplicate)) == 1 && o.Int("pending", p.pending(t)) == 0
 	})
@@ -258,4 +268,46 @@ func TestRelayDuplicateThenReplay(t *testing.T) {
 		(SELECT sum(reserved)::text FROM stock_level)`).Scan(&q1, &q2, &total))
 	require.Equal(t, []string{"2.000", "0.250", "2.250"}, []string{q1, q2, total})
 	require.Equal(t, 0, e.ready(e.topo.DeadLetterQueue(e.consumer)))
+}
+
+// TestN07 — the outbox relay behind a transaction that stays open elsewhere.
+// Session S runs BEGIN; SELECT pg_current_xact_id(); and stays open, in
+// another database of the server (S1) and in the producer's own database
+// with its own outbox row (S2). Meanwhile the producer commits one order: it
+// reaches the consumer while both are still open (the relay's normal
+// latency, not S's lifetime), and S2's row, committed later, is not skipped.
+func TestN07(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, testConsumer)
+	p := newProducer(t)
+	e.startConsumer(consumerOpts{})
+	e.startRelay(p, nil, nil, 0)
+
+	u, err := url.Parse(testenv.PostgresURL())
+	require.NoError(t, err)
+	u.Path = "/postgres"
+	other, err := pgx.Connect(ctx, u.String())
+	require.NoError(t, err)
+	defer other.Close(ctx)
+	s1, err := other.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = s1.Rollback(ctx) }()
+	var xid string
+	require.NoError(t, s1.QueryRow(ctx, `SELECT pg_current_xact_id()::text`).Scan(&xid))
+
+	s2, err := p.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = s2.Rollback(ctx) }()
+	require.NoError(t, s2.QueryRow(ctx, `SELECT pg_current_xact_id()::text`).Scan(&xid))
+	p.publishIn(t, s2, E2)
+
+	start := time.Now()
+	p.write(t, E1)
+	eventually(t, 8*time.Second, "E1 applied while S1 and S2 are open", func(o *testenv.Observed) bool { return o.Int("effects(E1)", e.effects(E1)) == 1 })
+	t.Logf("E1 applied %s after its commit, S1 and S2 open", time.Since(start))
+	require.Equal(t, 0, e.effects(E2))
+	require.NoError(t, s2.Commit(ctx))
+	eventually(t, 15*time.Second, "S2's own row, committed later, is relayed", func(o *testenv.Observed) bool { return o.Int("effects(E2)", e.effects(E2)) == 1 })
+	eventually(t, 10*time.Second, "nothing pending", func(o *testenv.Observed) bool { return o.Int("pending", p.pending(t)) == 0 })
 }

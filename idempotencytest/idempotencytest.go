@@ -65,7 +65,7 @@ type Report struct {
 }
 
 // NoPublish adapts a handler that produces no messages (what
-// router.AddNoPublisherHandler takes) to Subject.Handler.
+// router.AddConsumerHandler takes) to Subject.Handler.
 func NoPublish(h message.NoPublishHandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) { return nil, h(msg) }
 }

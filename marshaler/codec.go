@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 )
 
 // This file is the transport-neutral half of every adapter (marshaler/amqp,
@@ -27,6 +28,14 @@ type Decoder struct {
 	// MaxSize is the largest body in bytes; a larger one is flagged
 	// malformed. 0 or less means [DefaultMaxSize].
 	MaxSize int
+
+	// ClaimKey, when set, derives the event id (the claim key) of a
+	// CloudEvent whose id is not a UUID; [UUIDv5ClaimKey] is the usual
+	// choice, and its doc says the trade-offs. Nil (the default) flags such
+	// an event malformed. An error or the nil UUID flags it malformed too.
+	// It is called only for events from producers that are not ours: an
+	// envelope always carries a UUID.
+	ClaimKey func(ForeignID) (uuid.UUID, error)
 }
 
 // DecodeMessage is Decoder{MaxSize: maxSize}.Decode(body, transportID): the
@@ -38,7 +47,8 @@ func DecodeMessage(body []byte, maxSize int, transportID string) *message.Messag
 // Decode turns one received body into a message. It never returns nil and
 // never panics.
 //
-// A body that [Decode] accepts gives msg.UUID = the canonical event_id
+// A body that [Decode] accepts, or a structured CloudEvent (see
+// [ForeignID] and the CloudEvents notes in cloudevents.go), gives msg.UUID = the canonical event_id
 // (transportID is ignored: a broker's message id identifies a delivery or a
 // publish, not the event), msg.Payload = the payload bytes as received (a
 // copy), and metadata [MetadataEventName], [MetadataOccurredAt] and the
@@ -59,11 +69,39 @@ func (d Decoder) Decode(body []byte, transportID string) (msg *message.Message) 
 			msg = NewMalformed(body, transportID, fmt.Sprintf("marshaler: internal error decoding the body: %v", r))
 		}
 	}()
-	env, err := Decode(body, d.MaxSize)
-	if err != nil {
+	return d.decode(body, transportID, nil)
+}
+
+// decode tries the envelope, then a structured CloudEvent, then (with
+// headers) a binary CloudEvent; anything else is flagged with the envelope's
+// refusal.
+func (d Decoder) decode(body []byte, transportID string, headers map[string]string) *message.Message {
+	limit := d.MaxSize
+	if limit <= 0 {
+		limit = DefaultMaxSize
+	}
+	env, err := Decode(body, limit)
+	if err == nil {
+		return FromEnvelope(env)
+	}
+	if len(body) > limit {
 		return NewMalformed(body, transportID, err.Error())
 	}
-	return FromEnvelope(env)
+	if ce, ok, cerr := d.structuredCloudEvent(body); ok {
+		if cerr != nil {
+			return NewMalformed(body, transportID, cerr.Error())
+		}
+		return FromEnvelope(ce)
+	}
+	if headers != nil {
+		if ce, ok, cerr := d.binaryCloudEvent(body, headers); ok {
+			if cerr != nil {
+				return NewMalformed(body, transportID, cerr.Error())
+			}
+			return FromEnvelope(ce)
+		}
+	}
+	return NewMalformed(body, transportID, err.Error())
 }
 
 // NewMalformed returns a message flagged malformed: Payload = a copy of body,
@@ -163,4 +201,41 @@ func EncodeMessage(msg *message.Message, maxSize int) (body []byte, headers map[
 		}
 	}
 	return body, headers, nil
+}
+
+// Delivery is what an adapter read from its transport, in neutral form, for
+// [Decoder.DecodeDelivery].
+type Delivery struct {
+	// Body is the message body as received.
+	Body []byte
+	// Headers are the transport's headers as text (the adapter renders
+	// non-text values). Keys [ReservedKey] reports are ignored.
+	Headers map[string]string
+	// TransportID is the transport's id of the message (a message-id header,
+	// a Watermill UUID header, a record coordinate), used only as the UUID of
+	// a message flagged malformed. May be empty.
+	TransportID string
+}
+
+// DecodeDelivery is [Decoder.Decode] of in.Body, where a binary-mode
+// CloudEvent (ce-id, ce-type, ce-source, ce-specversion, ce-time headers) is
+// accepted too, followed by the copy of every header that [ReservedKey] does
+// not report into the metadata. It never returns nil and never panics.
+func (d Decoder) DecodeDelivery(in Delivery) (msg *message.Message) {
+	defer func() {
+		if r := recover(); r != nil {
+			msg = NewMalformed(in.Body, in.TransportID, fmt.Sprintf("marshaler: internal error decoding the delivery: %v", r))
+		}
+	}()
+	headers := in.Headers
+	if headers == nil {
+		headers = map[string]string{}
+	}
+	msg = d.decode(in.Body, in.TransportID, headers)
+	for k, v := range in.Headers {
+		if !ReservedKey(k) {
+			msg.Metadata.Set(k, v)
+		}
+	}
+	return msg
 }

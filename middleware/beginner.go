@@ -28,6 +28,9 @@ type claimRequest struct {
 	store    *processed.Store
 	consumer string
 	eventID  uuid.UUID
+	// identity is stored with the claim and compared on a duplicate
+	// (payload verification, identity.go); nil when off.
+	identity *processed.Identity
 	// lockTimeout is the dialect's lock-timeout statement and arguments,
 	// built once by NewIdempotent; nil → leave the session's lock timeout
 	// alone.
@@ -117,7 +120,7 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	if q, args, ok := c.lockTimeoutQuery(); ok {
 		batch.Queue(q, args...)
 	}
-	claimSQL, claimArgs := c.store.ClaimQuery(c.consumer, c.eventID)
+	claimSQL, claimArgs := c.claimQuery()
 	batch.Queue(claimSQL, claimArgs...)
 	br := conn.SendBatch(ctx, batch)
 	var tagErr error
@@ -158,7 +161,7 @@ func (b *pgxBeginner) beginClaimUnpipelined(ctx context.Context, c claimRequest)
 			return nil, false, err
 		}
 	}
-	claimed, err := c.store.Claim(ctx, sqldb.Pgx(tx), c.consumer, c.eventID)
+	claimed, err := c.claim(ctx, sqldb.Pgx(tx))
 	if err != nil {
 		_ = a.rollback(ctx)
 		return nil, false, err
@@ -213,7 +216,7 @@ func (b *stdBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 			return nil, false, err
 		}
 	}
-	claimed, err := c.store.Claim(ctx, sqldb.Std(tx), c.consumer, c.eventID)
+	claimed, err := c.claim(ctx, sqldb.Std(tx))
 	if err != nil {
 		_ = a.rollback(ctx)
 		return nil, false, err

@@ -156,19 +156,25 @@ func TestFailedAttempt_ProducedMessagesDiscarded(t *testing.T) {
 	}
 }
 
-// panickingSchema is watermill-sql's PostgreSQL schema whose InsertQuery
-// panics while armed: a SchemaAdapter (user code) failing inside the outbox
-// write, after the handler returned.
-type panickingSchema struct {
-	wsql.DefaultPostgreSQLSchema
+// panickingOutbox returns an outbox publisher decorator (user code, as an
+// instrumentation would be) whose Publish panics while armed counts down
+// above zero: a failure inside the outbox write, after the handler returned.
+func panickingOutbox(armed *atomic.Int32) message.PublisherDecorator {
+	return func(pub message.Publisher) (message.Publisher, error) {
+		return panickingPublisher{Publisher: pub, armed: armed}, nil
+	}
+}
+
+type panickingPublisher struct {
+	message.Publisher
 	armed *atomic.Int32 // panics while > 0, counting down
 }
 
-func (s panickingSchema) InsertQuery(p wsql.InsertQueryParams) (wsql.Query, error) {
-	if s.armed.Add(-1) >= 0 {
-		panic("schema adapter panicked")
+func (p panickingPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if p.armed.Add(-1) >= 0 {
+		panic("outbox publisher decorator panicked")
 	}
-	return s.DefaultPostgreSQLSchema.InsertQuery(p)
+	return p.Publisher.Publish(topic, msgs...)
 }
 
 // beginnerUnderTest is one of the beginners on its own handles, whose
@@ -257,7 +263,7 @@ func TestFailedAttempt_PanicReleasesConnection(t *testing.T) {
 		for _, b := range beginnersUnderTest(t, e.schema) {
 			t.Run(where+"/"+b.name, func(t *testing.T) {
 				armed := &atomic.Int32{}
-				ob, err := outbox.New(outbox.Config{SchemaAdapter: panickingSchema{armed: armed}}, nil)
+				ob, err := outbox.New(outbox.Config{PublisherDecorators: []message.PublisherDecorator{panickingOutbox(armed)}}, nil)
 				require.NoError(t, err)
 				idem, err := middleware.NewIdempotent(middleware.Config{
 					Beginner: b.beginner, Store: e.store, Consumer: "panic-" + where + "-" + b.name,
@@ -414,7 +420,7 @@ func TestFailedAttempt_SavepointJoinPanicNeverAcksUnapplied(t *testing.T) {
 	logger := watermill.NopLogger{}
 	armed := &atomic.Int32{}
 	armed.Store(1)
-	ob, err := outbox.New(outbox.Config{SchemaAdapter: panickingSchema{armed: armed}}, nil)
+	ob, err := outbox.New(outbox.Config{PublisherDecorators: []message.PublisherDecorator{panickingOutbox(armed)}}, nil)
 	require.NoError(t, err)
 	idem, err := middleware.NewIdempotent(middleware.Config{
 		Beginner: middleware.NewSQLSubscriberBeginner(), Store: r.e.store, Consumer: "stock",

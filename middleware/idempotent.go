@@ -92,6 +92,21 @@ type Config struct {
 	// loses them (the redelivery is a duplicate and produces nothing).
 	Outbox *outbox.Outbox
 
+	// DisablePayloadVerification turns off the check of duplicates against
+	// what was applied. With it on (the default), the claim also stores the
+	// event's name and a fingerprint of its name and payload bytes
+	// (processed.NewIdentity; needs processed migration 0003), and a
+	// duplicate is compared with the row it collided with: equal, or a row
+	// without fingerprint (written before the migration), → a duplicate as
+	// always; different → another event under a reused event_id, refused as
+	// permanent (ErrEventIDReused, reason "event_id_reused", OutcomeConflict,
+	// logged at error with both event names), so it reaches the poison topic
+	// once instead of being acked unseen. A new event pays the hash (about a
+	// microsecond per KiB) and ~40 bytes more per row, in the same single
+	// INSERT; a duplicate pays one more primary-key lookup. Defaults to
+	// false (verification on).
+	DisablePayloadVerification bool
+
 	// OutboxTopic is the destination topic of returned messages written to
 	// the outbox. Defaults to the handler's publish topic
 	// (message.PublishTopicFromCtx).
@@ -249,12 +264,14 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCtx context.Context,
 	consumer string, eventID uuid.UUID, start time.Time, fields watermill.LogFields) ([]*message.Message, error) {
 	// Begin and claim: errors here come from the attempt's own connection.
-	tx, claimed, err := m.cfg.Beginner.beginClaim(origCtx, claimRequest{
+	req := claimRequest{
 		store:       m.cfg.Store,
 		consumer:    consumer,
 		eventID:     eventID,
+		identity:    m.identityOf(msg),
 		lockTimeout: m.lockTimeout,
-	})
+	}
+	tx, claimed, err := m.cfg.Beginner.beginClaim(origCtx, req)
 	claimDur := time.Since(start)
 	if err != nil {
 		err = fmt.Errorf("idempotency: begin and claim %s/%s: %w", consumer, eventID, claimError(err, m.cfg.Classifier))
@@ -282,6 +299,16 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	}()
 
 	if !claimed {
+		// A duplicate: with payload verification, the stored fingerprint
+		// must be this message's (identity.go).
+		if conflict, vErr := m.verifyDuplicate(origCtx, tx, req, fields); vErr != nil {
+			_ = rollback(origCtx, tx)
+			ended = true
+			if conflict {
+				return nil, m.finish(consumer, OutcomeConflict, start, claimDur, fields, permanent("event_id_reused", vErr))
+			}
+			return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, claimError(vErr, m.cfg.Classifier))
+		}
 		// Nothing was written: end the transaction and ack.
 		if rbErr := rollback(origCtx, tx); rbErr != nil {
 			m.logger.Debug("Rollback after duplicate failed", fields.Add(watermill.LogFields{"error": oneLine(rbErr.Error())}))

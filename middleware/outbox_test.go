@@ -121,7 +121,7 @@ func newOutboxEnv(t *testing.T) (*env, *outbox.Outbox) {
 }
 
 func (e *env) outboxRows() int {
-	return e.count(`SELECT count(*) FROM watermill_outbox`)
+	return e.count(`SELECT count(*) FROM outbox`)
 }
 
 // Returned messages and context-published ones are written to the outbox in
@@ -186,10 +186,12 @@ func TestOutboxSurvivesCrashAfterCommit(t *testing.T) {
 	require.Equal(t, 1, e.outboxRows())
 	require.Equal(t, 1, e.effects(E1))
 
+	var outboxUUID string
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT event_id FROM outbox`).Scan(&outboxUUID))
 	logger := watermill.NopLogger{}
 	broker := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger)
 	relay, err := ob.NewRelay(wsql.BeginnerFromPgx(e.pool), broker, outbox.RelayConfig{
-		Subscriber: wsql.SubscriberConfig{PollInterval: 20 * time.Millisecond},
+		PollInterval: 20 * time.Millisecond,
 	})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -216,8 +218,6 @@ func TestOutboxSurvivesCrashAfterCommit(t *testing.T) {
 		require.NoError(t, err)
 	}
 	require.Equal(t, 1, e.effects(got.UUID))
-	var outboxUUID string
-	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT payload::jsonb->>'uuid' FROM watermill_outbox`).Scan(&outboxUUID))
 	require.Equal(t, outboxUUID, got.UUID, "the relayed message keeps the event_id written in the outbox")
 }
 

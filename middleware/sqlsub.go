@@ -52,7 +52,7 @@ func (sqlSubscriberBeginner) beginClaim(ctx context.Context, c claimRequest) (at
 			return nil, false, err
 		}
 	}
-	claimed, err := c.store.Claim(ctx, a.q, c.consumer, c.eventID)
+	claimed, err := c.claim(ctx, a.q)
 	if err != nil {
 		_ = a.rollback(ctx)
 		return nil, false, err

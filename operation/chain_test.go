@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 )
@@ -224,7 +225,7 @@ func TestC14(t *testing.T) {
 			case <-time.After(10 * time.Second):
 				t.Fatal("no worker reached the provider")
 			}
-			eventually(t, "the second worker waiting for the key", func() bool { return e.lockWaiters(t, key) == 1 })
+			eventually(t, "the second worker waiting for the key", func(o *testenv.Observed) bool { return o.Int("lock waiters", e.lockWaiters(t, key)) == 1 })
 			unblock()
 			origins := map[operation.Origin]int{}
 			for range 2 {

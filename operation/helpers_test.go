@@ -249,16 +249,11 @@ func (h httpProvider) reconcile(ctx context.Context, rec operation.Record) (oper
 	}
 }
 
-// eventually polls cond every 5ms until it holds or 10s pass.
-func eventually(t *testing.T, what string, cond func() bool) {
+// eventually polls cond until it holds or 10s pass; the failure names what
+// it waited for and what cond saw last (testenv.Eventually).
+func eventually(t *testing.T, what string, cond func(o *testenv.Observed) bool) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	testenv.Eventually(t, 10*time.Second, what, cond)
 }
 
 // lockWaiters counts attempts waiting for the lock of key: sessions

@@ -468,7 +468,7 @@ AND classid::bigint = $1 AND objid::bigint = $2 AND objsubid = 1`, int64(id>>32)
 			session, ok := holder()
 			require.True(t, ok, "the attempt holds the key's lock during its call")
 			kill(session)
-			eventually(t, "the lock to go with the session", func() bool { _, held := holder(); return !held })
+			eventually(t, "the lock to go with the session", func(o *testenv.Observed) bool { _, held := holder(); return !o.Bool("held", held) })
 			second, err := r.Do(ctx, k, eur100, func(context.Context, string) (operation.Result, error) {
 				return operation.Result{Reference: "second"}, nil
 			}, operation.WithReconcile(notFound))

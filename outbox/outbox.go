@@ -1,71 +1,115 @@
-// Package outbox writes messages into a transactional outbox — a
-// watermill-sql v4 table, in the caller's transaction — and relays them to the
-// broker with Watermill's forwarder.
+// Package outbox is a transactional outbox: a producer writes messages into
+// an outbox table in its own transaction (Publisher), and a relay (Relay)
+// publishes the committed rows to the broker and deletes them.
 //
-// Guarantees: a message written through Publisher exists if and only if the
-// transaction commits; its UUID (the event_id) is fixed when it is written,
-// so every re-send by the relay carries the same event_id. The relay delivers
-// at least once: it publishes before marking the row forwarded, so a crash in
-// between republishes the row (consumers deduplicate; that is the idempotent
-// middleware's job). The PostgreSQL schema adapter orders rows by transaction
-// id and skips rows of transactions still in flight, so a row committed late
-// is not skipped (ThreeDotsLabs/watermill#311).
+// # Producer
+//
+// A message written through Publisher exists if and only if the producer's
+// transaction commits. Its UUID (the event_id) is fixed when it is written, so
+// every send of the row carries the same event_id.
+//
+// # Relay: why a row that commits late is never skipped
+//
+// The relay keeps no read position. Each round is one transaction that
+// claims the oldest pending rows (SELECT … ORDER BY id … FOR UPDATE SKIP
+// LOCKED LIMIT n under READ COMMITTED), publishes them, then deletes them (or
+// moves them to the archive) and commits. A row of a transaction still open
+// is invisible to the claim and is simply claimed by a later round once it
+// commits: there is no offset to move past it, so it cannot be skipped, and
+// no open transaction anywhere on the server (another database, the same
+// one, any length of time) holds back rows that are already committed. This
+// is unlike watermill-sql's PostgreSQL schema, which reads only below
+// pg_snapshot_xmin(pg_current_snapshot()) and so stops every relay on the
+// server while any write transaction is open (ThreeDotsLabs/watermill#311).
+//
+// At least once: a row is deleted only in the transaction that follows its
+// publish, so a crash between publish and commit leaves the row pending and
+// a later round publishes it again with the same event_id; consumers
+// deduplicate (that is the idempotent middleware's job).
+//
+// # Order and several relays
+//
+// By default a relay round first takes the outbox's lock row (FOR UPDATE
+// SKIP LOCKED on PostgreSQL and MySQL; on SQLite the database's single write
+// lock, taken by an UPDATE of that row): one relay publishes at a time, the
+// others stand by and take over as soon as it stops, so rows are published in
+// id order. For two rows of the same topic written by transactions that
+// followed each other (the second began after the first committed, e.g. both
+// updated the same aggregate row), id order is write order. Rows of
+// concurrent transactions are published in the order they become visible by
+// id. A row whose publish fails is retried with backoff and does not hold
+// back the rows behind it: it is published after them (or dead-lettered).
+// RelayConfig.Parallel lets relays claim disjoint batches at once (SKIP
+// LOCKED), giving up order across batches.
+//
+// # Failures, dead letters, retention
+//
+// A row whose publish fails is retried up to RelayConfig.MaxAttempts times
+// with exponential backoff, then moved to the dead-letter table
+// (<table>_dead), counted (Recorder.DeadLettered) and logged at ERROR with its
+// id and reason. Relayed rows leave the outbox table in the round that
+// publishes them: at rest it holds only pending rows. With
+// RelayConfig.Retention > 0 they are kept in the archive table
+// (<table>_relayed) for that long, for Replay.
 package outbox
 
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
-	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+
+	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
-// DefaultForwarderTopic is the watermill-sql topic (table "watermill_outbox")
-// holding the outbox rows when Config.ForwarderTopic is empty.
-const DefaultForwarderTopic = "outbox"
+// DefaultTable is the outbox table when Config.Table is empty.
+const DefaultTable = "outbox"
 
 // Config configures an Outbox.
 type Config struct {
-	// ForwarderTopic is the watermill-sql topic the outbox rows are written
-	// to and the relay reads. Defaults to DefaultForwarderTopic.
-	ForwarderTopic string
-	// SchemaAdapter defaults to watermill-sql's DefaultPostgreSQLSchema.
-	SchemaAdapter wsql.SchemaAdapter
-	// OffsetsAdapter (relay side) defaults to DefaultPostgreSQLOffsetsAdapter.
-	OffsetsAdapter wsql.OffsetsAdapter
-}
-
-func (c *Config) setDefaults() {
-	if c.ForwarderTopic == "" {
-		c.ForwarderTopic = DefaultForwarderTopic
-	}
-	if c.SchemaAdapter == nil {
-		c.SchemaAdapter = wsql.DefaultPostgreSQLSchema{}
-	}
-	if c.OffsetsAdapter == nil {
-		c.OffsetsAdapter = wsql.DefaultPostgreSQLOffsetsAdapter{}
-	}
+	// Table is the outbox table, optionally schema-qualified ("app.outbox");
+	// letters, digits and '_' per part. The relay's other tables are named
+	// after it: <table>_dead (dead letters), <table>_relayed (archive),
+	// <table>_relay (the relay lock row). Defaults to DefaultTable.
+	Table string
+	// Dialect is the database's SQL dialect. Defaults to sqldb.PostgreSQL
+	// (the zero value).
+	Dialect sqldb.Dialect
+	// PublisherDecorators wrap every publisher Publisher returns, outermost
+	// last, as Watermill's router applies its publisher decorators: use the
+	// same decorators as the router's (trace context injection, metrics) so
+	// messages written to the outbox carry what directly published ones do.
+	// What a decorator writes into the metadata is stored and relayed.
+	PublisherDecorators []message.PublisherDecorator
 }
 
 // Validate reports the first invalid field, naming it.
 func (c Config) Validate() error {
-	for _, r := range c.ForwarderTopic {
-		if !(r == '_' || r == '-' || r == '.' || r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9') {
-			return fmt.Errorf("outbox: Config.ForwarderTopic %q: only letters, digits, '_', '-', '.'", c.ForwarderTopic)
+	if c.Table != "" {
+		if _, err := sqldb.ParseIdent(c.Table); err != nil {
+			return fmt.Errorf("outbox: Config.Table %q: %w", c.Table, err)
 		}
+	}
+	if err := c.Dialect.Validate(); err != nil {
+		return fmt.Errorf("outbox: Config.Dialect: %w", err)
 	}
 	return nil
 }
 
-// Outbox writes to and relays from one outbox topic. Safe for concurrent use.
+// Outbox writes to, relays from and replays one outbox table. Safe for
+// concurrent use.
 type Outbox struct {
 	cfg    Config
 	logger watermill.LoggerAdapter
+	q      queries
 }
 
 // New validates cfg (a copy, defaults applied). A nil logger is NopLogger.
@@ -73,27 +117,43 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	cfg.setDefaults()
+	if cfg.Table == "" {
+		cfg.Table = DefaultTable
+	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	return &Outbox{cfg: cfg, logger: logger}, nil
+	names, err := tableNames(cfg.Table, cfg.Dialect)
+	if err != nil {
+		return nil, err
+	}
+	return &Outbox{cfg: cfg, logger: logger, q: newQueries(cfg.Dialect, names)}, nil
 }
 
-// ForwarderTopic is the outbox's watermill-sql topic.
-func (o *Outbox) ForwarderTopic() string { return o.cfg.ForwarderTopic }
+// Table is the outbox table's name as configured (unquoted).
+func (o *Outbox) Table() string { return o.cfg.Table }
+
+// Dialect is the outbox's SQL dialect.
+func (o *Outbox) Dialect() sqldb.Dialect { return o.cfg.Dialect }
 
 // Publisher returns a publisher that writes into the outbox through tx (a
-// watermill-sql transaction: wsql.TxFromPgx, wsql.TxFromStdSQL). Publish
-// (topic, msgs…) records each message for destination topic; nothing leaves
-// the database before tx commits. The outbox table must exist
-// (InitializeSchema): a publisher on a transaction never creates tables.
+// transaction: wsql.TxFromPgx, wsql.TxFromStdSQL, or anything with
+// ExecContext/QueryContext). Publish(topic, msgs…) stores each message for
+// destination topic with its UUID, payload and metadata; nothing leaves the
+// database before tx commits. The tables must exist (Migrate). Close is a
+// no-op. Config.PublisherDecorators wrap the result.
 func (o *Outbox) Publisher(tx wsql.ContextExecutor) (message.Publisher, error) {
-	pub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: o.cfg.SchemaAdapter}, o.logger)
-	if err != nil {
-		return nil, fmt.Errorf("outbox: publisher: %w", err)
+	if tx == nil {
+		return nil, errors.New("outbox: Publisher: nil transaction")
 	}
-	return forwarder.NewPublisher(pub, forwarder.PublisherConfig{ForwarderTopic: o.cfg.ForwarderTopic}), nil
+	var pub message.Publisher = &txPublisher{o: o, tx: tx}
+	for _, d := range o.cfg.PublisherDecorators {
+		var err error
+		if pub, err = d(pub); err != nil {
+			return nil, fmt.Errorf("outbox: publisher decorator: %w", err)
+		}
+	}
+	return pub, nil
 }
 
 // PgxPublisher is Publisher on a pgx transaction.
@@ -106,62 +166,125 @@ func (o *Outbox) StdPublisher(tx *sql.Tx) (message.Publisher, error) {
 	return o.Publisher(wsql.TxFromStdSQL(tx))
 }
 
-// InitializeSchema creates the outbox table and the relay's offsets table if
-// they do not exist (watermill-sql's schema initialisation, under its
-// advisory lock).
-func (o *Outbox) InitializeSchema(ctx context.Context, db wsql.Beginner) error {
-	sub, err := o.subscriber(db, RelayConfig{})
-	if err != nil {
-		return err
+// ErrEmptyTopic is returned by a Publisher's Publish for topic "".
+var ErrEmptyTopic = errors.New("outbox: empty destination topic")
+
+type txPublisher struct {
+	o  *Outbox
+	tx wsql.ContextExecutor
+}
+
+func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if topic == "" {
+		return ErrEmptyTopic
 	}
-	defer sub.Close()
-	if err := sub.SubscribeInitialize(o.cfg.ForwarderTopic); err != nil {
-		return fmt.Errorf("outbox: initialize schema: %w", err)
+	now := time.Now().UnixMicro()
+	for _, m := range msgs {
+		if m == nil {
+			return errors.New("outbox: publish: nil message")
+		}
+		md, err := json.Marshal(m.Metadata)
+		if err != nil {
+			return fmt.Errorf("outbox: publish %s: metadata: %w", m.UUID, err)
+		}
+		payload := []byte(m.Payload)
+		if payload == nil {
+			payload = []byte{}
+		}
+		if _, err := p.tx.ExecContext(m.Context(), p.o.q.insert, m.UUID, topic, payload, string(md), now); err != nil {
+			return fmt.Errorf("outbox: publish %s: %w", m.UUID, err)
+		}
 	}
 	return nil
 }
 
-// RelayConfig configures NewRelay.
-type RelayConfig struct {
-	// ConsumerGroup lets several relays share the outbox as one group; empty
-	// is watermill-sql's default group.
-	ConsumerGroup string
-	// Subscriber tunes the watermill-sql subscriber (poll interval, ack
-	// deadline, …); SchemaAdapter/OffsetsAdapter/ConsumerGroup are set by the
-	// outbox.
-	Subscriber wsql.SubscriberConfig
-	// Forwarder tunes Watermill's forwarder; ForwarderTopic is set by the outbox.
-	Forwarder forwarder.Config
+func (p *txPublisher) Close() error { return nil }
+
+// Pending counts the outbox's pending rows (committed, not yet relayed nor
+// dead-lettered). Rows of transactions still open are not visible.
+func (o *Outbox) Pending(ctx context.Context, db wsql.ContextExecutor) (int, error) {
+	n, _, err := o.stats(ctx, db)
+	return n, err
 }
 
-// NewRelay returns Watermill's forwarder from the outbox to dest: Run it (or
-// run the router given in cfg.Forwarder.Router) to relay, Close to stop.
-func (o *Outbox) NewRelay(db wsql.Beginner, dest message.Publisher, cfg RelayConfig) (*forwarder.Forwarder, error) {
-	if dest == nil {
-		return nil, errors.New("outbox: NewRelay: destination publisher is nil")
+// DeadLetters counts the rows in the dead-letter table.
+func (o *Outbox) DeadLetters(ctx context.Context, db wsql.ContextExecutor) (int, error) {
+	var n int
+	if err := queryRow(ctx, db, o.q.countDead, nil, &n); err != nil {
+		return 0, fmt.Errorf("outbox: dead letters: %w", err)
 	}
-	sub, err := o.subscriber(db, cfg)
-	if err != nil {
-		return nil, err
-	}
-	fc := cfg.Forwarder
-	fc.ForwarderTopic = o.cfg.ForwarderTopic
-	fwd, err := forwarder.NewForwarder(sub, dest, o.logger, fc)
-	if err != nil {
-		return nil, fmt.Errorf("outbox: relay: %w", err)
-	}
-	return fwd, nil
+	return n, nil
 }
 
-func (o *Outbox) subscriber(db wsql.Beginner, cfg RelayConfig) (*wsql.Subscriber, error) {
-	sc := cfg.Subscriber
-	sc.SchemaAdapter = o.cfg.SchemaAdapter
-	sc.OffsetsAdapter = o.cfg.OffsetsAdapter
-	sc.ConsumerGroup = cfg.ConsumerGroup
-	sc.InitializeSchema = true
-	sub, err := wsql.NewSubscriber(db, sc, o.logger)
-	if err != nil {
-		return nil, fmt.Errorf("outbox: subscriber: %w", err)
+// stats returns the pending rows and the write time of the oldest (zero when
+// none).
+func (o *Outbox) stats(ctx context.Context, db wsql.ContextExecutor) (int, time.Time, error) {
+	var n int
+	var oldest sql.NullInt64
+	if err := queryRow(ctx, db, o.q.stats, nil, &n, &oldest); err != nil {
+		return 0, time.Time{}, fmt.Errorf("outbox: pending: %w", err)
 	}
-	return sub, nil
+	if !oldest.Valid {
+		return n, time.Time{}, nil
+	}
+	return n, time.UnixMicro(oldest.Int64), nil
+}
+
+// queryRow runs a query expected to return one row and scans it.
+func queryRow(ctx context.Context, db wsql.ContextExecutor, q string, args []any, dest ...any) error {
+	rows, err := db.QueryContext(ctx, q, args...)
+	if err != nil {
+		return err
+	}
+	if !rows.Next() {
+		if err := rows.Close(); err != nil {
+			return err
+		}
+		return sql.ErrNoRows
+	}
+	if err := rows.Scan(dest...); err != nil {
+		_ = rows.Close()
+		return err
+	}
+	return rows.Close()
+}
+
+// tables are the quoted names of an outbox's tables.
+type tables struct {
+	Table, Dead, Archive, Lock, Prefix string
+}
+
+func tableNames(table string, d sqldb.Dialect) (tables, error) {
+	var out tables
+	for _, t := range []struct {
+		dst    *string
+		suffix string
+	}{{&out.Table, ""}, {&out.Dead, "_dead"}, {&out.Archive, "_relayed"}, {&out.Lock, "_relay"}} {
+		id, err := sqldb.ParseIdent(table + t.suffix)
+		if err != nil {
+			return tables{}, fmt.Errorf("outbox: Config.Table %q: %w", table, err)
+		}
+		*t.dst = id.Quoted(d.QuoteChar())
+		if t.suffix == "" {
+			out.Prefix = id.Name()
+		}
+	}
+	return out, nil
+}
+
+// placeholders returns n placeholders of d starting at from (1-based), comma
+// separated.
+func placeholders(d sqldb.Dialect, from, n int) string {
+	var b strings.Builder
+	for i := 0; i < n; i++ {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		if d == sqldb.PostgreSQL {
+			fmt.Fprintf(&b, "$%d", from+i)
+		} else {
+			b.WriteByte('?')
+		}
+	}
+	return b.String()
 }

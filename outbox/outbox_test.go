@@ -5,7 +5,6 @@ import (
 	"testing"
 	"time"
 
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/stretchr/testify/require"
@@ -13,67 +12,79 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
+	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 func TestConfigValidate(t *testing.T) {
 	t.Parallel()
-	_, err := outbox.New(outbox.Config{ForwarderTopic: "bad topic; drop"}, nil)
-	require.ErrorContains(t, err, "Config.ForwarderTopic")
+	_, err := outbox.New(outbox.Config{Table: "bad table; drop"}, nil)
+	require.ErrorContains(t, err, "Config.Table")
+	_, err = outbox.New(outbox.Config{Dialect: sqldb.Dialect(9)}, nil)
+	require.ErrorContains(t, err, "Config.Dialect")
 	o, err := outbox.New(outbox.Config{}, nil)
 	require.NoError(t, err)
-	require.Equal(t, outbox.DefaultForwarderTopic, o.ForwarderTopic())
+	require.Equal(t, outbox.DefaultTable, o.Table())
 	_, err = o.NewRelay(nil, nil, outbox.RelayConfig{})
 	require.Error(t, err)
+	require.ErrorContains(t, outbox.RelayConfig{BatchSize: -1}.Validate(), "RelayConfig.BatchSize")
+	require.ErrorContains(t, outbox.RelayConfig{PollInterval: -1}.Validate(), "RelayConfig.PollInterval")
+	require.ErrorContains(t, outbox.ReplayFilter{}.Validate(), "ReplayFilter.From/To")
+	ms, err := o.Migrations()
+	require.NoError(t, err)
+	require.NotEmpty(t, ms)
 }
 
-// A message written in a transaction exists only if the transaction
-// commits, and the relay publishes it with the UUID it was written with.
-func TestWriteInTxThenRelay(t *testing.T) {
+// traceparent stands in for an OpenTelemetry publisher decorator (the
+// router's AddPublisherDecorators): it injects the W3C traceparent of the
+// message's context into its metadata at publish time.
+type traceKey struct{}
+
+func traceparentDecorator(pub message.Publisher) (message.Publisher, error) {
+	return message.MessageTransformPublisherDecorator(func(m *message.Message) {
+		if tp, ok := m.Context().Value(traceKey{}).(string); ok {
+			m.Metadata.Set("traceparent", tp)
+		}
+	})(pub)
+}
+
+// Item 7: a message written to the outbox inside a traced handler carries
+// the traceparent the publisher decorators injected from its context; the
+// relay keeps it, and the consumer reads it.
+func TestTraceparentReachesConsumer(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool, _ := testenv.Pool(t)
-	o, err := outbox.New(outbox.Config{ForwarderTopic: "orders_outbox"}, nil)
+	o, err := outbox.New(outbox.Config{Table: "traced_outbox", PublisherDecorators: []message.PublisherDecorator{traceparentDecorator}}, nil)
 	require.NoError(t, err)
-	require.NoError(t, o.InitializeSchema(ctx, wsql.BeginnerFromPgx(pool)))
+	require.NoError(t, o.Migrate(ctx, sqldb.Pgx(pool)))
 
-	write := func(commit bool) *message.Message {
-		tx, err := pool.Begin(ctx)
-		require.NoError(t, err)
-		pub, err := o.PgxPublisher(tx)
-		require.NoError(t, err)
-		m, err := marshaler.NewMessage("order.placed", map[string]string{"order_id": "o-1"})
-		require.NoError(t, err)
-		require.NoError(t, pub.Publish("events", m))
-		if commit {
-			require.NoError(t, tx.Commit(ctx))
-		} else {
-			require.NoError(t, tx.Rollback(ctx))
-		}
-		return m
-	}
-	write(false)
-	kept := write(true)
+	const tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	pub, err := o.PgxPublisher(tx)
+	require.NoError(t, err)
+	m, err := marshaler.NewMessage("order.placed", map[string]string{"order_id": "o-1"})
+	require.NoError(t, err)
+	m.SetContext(context.WithValue(ctx, traceKey{}, tp))
+	require.NoError(t, pub.Publish("events", m))
+	require.NoError(t, tx.Commit(ctx))
 
 	broker := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
-	relay, err := o.NewRelay(wsql.BeginnerFromPgx(pool), broker, outbox.RelayConfig{
-		Subscriber: wsql.SubscriberConfig{PollInterval: 20 * time.Millisecond},
-	})
+	defer broker.Close()
+	relay, err := o.NewRelay(beginnerPgx(pool), broker, outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
 	require.NoError(t, err)
-	runCtx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	go func() { _ = relay.Run(runCtx) }()
+	go func() { _ = relay.Run(ctx) }()
 	defer relay.Close()
-	msgs, err := broker.Subscribe(runCtx, "events")
+	msgs, err := broker.Subscribe(ctx, "events")
 	require.NoError(t, err)
 	select {
 	case got := <-msgs:
 		got.Ack()
-		require.Equal(t, kept.UUID, got.UUID)
-		require.Equal(t, string(kept.Payload), string(got.Payload))
+		require.Equal(t, m.UUID, got.UUID)
+		require.Equal(t, tp, got.Metadata.Get("traceparent"))
+		require.Equal(t, "order.placed", marshaler.EventName(got))
 	case <-time.After(30 * time.Second):
-		t.Fatal("the committed message was never relayed")
+		t.Fatal("never relayed")
 	}
-	var rows int
-	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM watermill_orders_outbox`).Scan(&rows))
-	require.Equal(t, 1, rows, "the rolled back write left no row")
 }

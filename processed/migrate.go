@@ -53,7 +53,7 @@ func renderMigrations(dialect sqldb.Dialect, table sqldb.Ident) ([]Migration, er
 // the idempotency_migration table (component "processed:<table>"). It is safe
 // to run from several instances at once (see sqldb.Migrate).
 func (s *Store) Migrate(ctx context.Context, q sqldb.Querier) error {
-	ms, err := s.Migrations()
+	ms, err := s.pendingMigrations(ctx, q)
 	if err != nil {
 		return err
 	}

@@ -61,6 +61,7 @@ type Store struct {
 	claimSQL  string
 	existsSQL string
 	purgeSQL  string
+	identity  identityStatements // payload verification (fingerprint.go)
 }
 
 // dialectSQL is one dialect's statements and argument encodings (one file per
@@ -101,6 +102,7 @@ func NewStore(cfg Config) (*Store, error) {
 		claimSQL:  fmt.Sprintf(d.claim, q),
 		existsSQL: fmt.Sprintf(d.exists, q),
 		purgeSQL:  fmt.Sprintf(d.purgeBatch, q),
+		identity:  newIdentityStatements(cfg.Dialect, q),
 	}, nil
 }
 

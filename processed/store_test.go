@@ -55,7 +55,7 @@ func TestMigrateConcurrentAndIdempotent(t *testing.T) {
 		cols = append(cols, c)
 	}
 	require.NoError(t, rows.Err())
-	require.Equal(t, []string{"consumer:text", "event_id:uuid", "processed_at:timestamp with time zone"}, cols)
+	require.Equal(t, []string{"consumer:text", "event_id:uuid", "processed_at:timestamp with time zone", "event_name:text", "fingerprint:bytea"}, cols)
 	var idx int
 	require.NoError(t, pool.QueryRow(context.Background(),
 		`SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = 'inbox' AND indexdef LIKE '%(processed_at)%'`, schema).Scan(&idx))
@@ -63,7 +63,7 @@ func TestMigrateConcurrentAndIdempotent(t *testing.T) {
 	var recorded int
 	require.NoError(t, pool.QueryRow(context.Background(),
 		`SELECT count(*) FROM idempotency_migration WHERE component = $1`, "processed:"+schema+".inbox").Scan(&recorded))
-	require.Equal(t, 1, recorded)
+	require.Equal(t, 2, recorded)
 }
 
 func TestConfigValidateNamesField(t *testing.T) {

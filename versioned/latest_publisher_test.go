@@ -62,7 +62,7 @@ func TestLatestPublisherInOutboxTransaction(t *testing.T) {
 	require.NoError(t, publishInTx(false, jsonMsg(5)))
 	_, ok := latest()
 	require.False(t, ok, "rolled back: no record")
-	require.Equal(t, 0, e.count(`SELECT count(*) FROM watermill_outbox`))
+	require.Equal(t, 0, e.count(`SELECT count(*) FROM outbox`))
 
 	m3, m2 := jsonMsg(3), jsonMsg(2)
 	require.NoError(t, publishInTx(true, m3, jsonMsg(0), m2))
@@ -70,7 +70,7 @@ func TestLatestPublisherInOutboxTransaction(t *testing.T) {
 	require.True(t, ok)
 	require.Equal(t, int64(3), p.Seq, "the newest of the batch")
 	require.Equal(t, m3.UUID, p.EventID.String())
-	require.Equal(t, 3, e.count(`SELECT count(*) FROM watermill_outbox`))
+	require.Equal(t, 3, e.count(`SELECT count(*) FROM outbox`))
 
 	require.NoError(t, publishInTx(true, jsonMsg(1)))
 	p, _ = latest()
@@ -81,7 +81,7 @@ func TestLatestPublisherInOutboxTransaction(t *testing.T) {
 	require.ErrorIs(t, publishInTx(true, jsonMsg(9), bad), versioned.ErrFamilyInvalid)
 	p, _ = latest()
 	require.Equal(t, int64(3), p.Seq)
-	require.Equal(t, 4, e.count(`SELECT count(*) FROM watermill_outbox`), "nothing of the refused batch")
+	require.Equal(t, 4, e.count(`SELECT count(*) FROM outbox`), "nothing of the refused batch")
 }
 
 // With Redis the record is written only once the message is out: right

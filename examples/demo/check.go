@@ -17,6 +17,8 @@ import (
 
 // result is the run's report; its JSON form is the last line of stdout.
 type result struct {
+	// Backend is the run's backend (-backend), first in the JSON line.
+	Backend              string  `json:"backend"`
 	Orders               int     `json:"orders"`
 	Events               int     `json:"events"`
 	Deliveries           int64   `json:"deliveries"`
@@ -53,7 +55,8 @@ type result struct {
 	rows     []checkRow
 	counts   []counts // per consumer, in d.consumers() order
 	reason   []string
-	replayed int // order events; Replayed adds the catalogue's
+	replayed int  // order events; Replayed adds the catalogue's
+	openTx   bool // a session held a write transaction open on the server all run
 }
 
 type counts struct {
@@ -98,6 +101,7 @@ func (d *demo) check(ctx context.Context) (*result, error) {
 		RelayRepublished:  d.flaky.republished.Load() + bill.flaky.republished.Load() + cat.flaky.republished.Load(),
 		Replayed:          d.replayed + cat.replayed,
 		replayed:          d.replayed,
+		openTx:            d.cfg.OpenTx && !d.embedded(),
 		Reordered:         d.reorder.reordered.Load() + cat.reorder.reordered.Load(),
 		Charges:           bill.provider.Charges(),
 		Mails:             bill.mailer.Count(),
@@ -411,6 +415,9 @@ func (r *result) print(w io.Writer) {
 		r.id, r.seed, r.Orders, r.Events, r.Products, r.ProductUpdates/max(r.Products, 1), r.Malformed)
 	fmt.Fprintf(w, "faults: relays republished %d rows, %d consumer connections cut before the ack, operator replayed %d events (%d order, %d catalogue), %d messages reordered, %d provider timeouts after charging\n\n",
 		r.RelayRepublished, r.ConnectionCuts, r.Replayed, r.replayed, r.Replayed-r.replayed, r.Reordered, r.ProviderTimeouts)
+	if r.openTx {
+		fmt.Fprintf(w, "fault: a session in another database of the server held a write transaction open for the whole run; the relays did not wait for it\n\n")
+	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "check\texpected\tactual\t\t")
 	for _, row := range r.rows {

@@ -14,8 +14,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
-	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -92,6 +90,8 @@ type consumerSpec struct {
 	publish      message.HandlerFunc
 	publishTopic string
 	outbox       *outbox.Outbox // the service's outbox and relay, optional
+	// relayDest wraps the relay's destination (fault injection), optional.
+	relayDest func(message.Publisher) message.Publisher
 }
 
 // billingRun is the billing service's state beside its two consumers.
@@ -100,7 +100,7 @@ type billingRun struct {
 	provider *billing.Provider
 	mailer   *billing.Mailer
 	outbox   *outbox.Outbox
-	flaky    *flakyOffsets
+	flaky    *flakyConfirms
 	charge   *consumerRun // billing.Consumer: orders → charges + confirmations
 	mail     *consumerRun // billing.MailerConsumer: confirmations → e-mails
 }
@@ -110,9 +110,9 @@ type catalogueRun struct {
 	cat       *indexer.Catalogue
 	db        shop.DB
 	schema    string
-	flaky     *flakyOffsets
+	flaky     *flakyConfirms
 	reorder   *reorderingPublisher
-	relay     *forwarder.Forwarder
+	relay     *outbox.Relay
 	relayDone chan error
 	ix        *indexer.Indexer
 	index     *indexer.SearchIndex
@@ -145,7 +145,7 @@ type demo struct {
 	relay     *order.Relay
 	relayDone chan error
 	reorder   *reorderingPublisher
-	flaky     *flakyOffsets
+	flaky     *flakyConfirms
 
 	placed, changed  atomic.Int64
 	malformedIDs     []string
@@ -184,12 +184,14 @@ func run(ctx context.Context, cfg config, stdout, stderr io.Writer) int {
 		d.logger = watermill.NewStdLoggerWithOut(stderr, false, false)
 	}
 	defer d.cleanup()
+	fmt.Fprintln(stdout, "demo:", backendLine(cfg))
 	res, err := d.run(ctx)
 	d.stopProgress()
 	if err != nil {
-		fmt.Fprintln(stderr, "demo:", err)
+		fmt.Fprintln(stderr, "demo:", err, "("+backendLine(cfg)+")")
 		return 2
 	}
+	res.Backend = cfg.Backend
 	res.print(stdout)
 	if !res.OK {
 		return 1
@@ -230,14 +232,6 @@ func randomID() string {
 	return hex.EncodeToString(b[:])
 }
 
-// relaySubscriber is the watermill-sql subscriber tuning of the demo's
-// outbox relays: short waits, so that a run is quick.
-var relaySubscriber = wsql.SubscriberConfig{
-	PollInterval:   20 * time.Millisecond,
-	ResendInterval: 20 * time.Millisecond,
-	RetryInterval:  20 * time.Millisecond,
-}
-
 // setup creates the run's schemas, tables, broker topology, services and
 // relays, and starts them.
 func (d *demo) setup(ctx context.Context) error {
@@ -267,6 +261,11 @@ func (d *demo) setup(ctx context.Context) error {
 		}
 		if d.broker, err = d.newAMQPBroker(all); err != nil {
 			return err
+		}
+		if d.cfg.OpenTx {
+			if err := d.holdOpenTransaction(ctx); err != nil {
+				return err
+			}
 		}
 	}
 
@@ -322,17 +321,16 @@ func (d *demo) setup(ctx context.Context) error {
 		rng:          d.rng,
 		held:         map[string]heldMessage{},
 	}
-	_, offsets := d.orderDB.OutboxAdapters(0)
-	d.flaky = d.newFlakyOffsets(offsets)
+	d.flaky = d.newFlakyConfirms(d.reorder)
 	d.relay, err = order.NewRelay(order.RelayConfig{
-		Pool:           d.orderDB.Pool,
-		DB:             d.orderDB.SQL,
-		Publisher:      d.reorder,
-		BatchSize:      d.cfg.BatchSize,
-		PollInterval:   20 * time.Millisecond,
-		RetryInterval:  20 * time.Millisecond,
-		OffsetsAdapter: d.flaky,
-		Logger:         d.logger,
+		Pool:          d.orderDB.Pool,
+		DB:            d.orderDB.SQL,
+		Publisher:     d.flaky,
+		BatchSize:     d.cfg.BatchSize,
+		PollInterval:  relayConfig.PollInterval,
+		RetryInterval: relayConfig.RetryInterval,
+		MaxAttempts:   relayConfig.MaxAttempts,
+		Logger:        d.logger,
 	})
 	if err != nil {
 		return err
@@ -387,13 +385,11 @@ func (d *demo) setupBilling(ctx context.Context) error {
 			return err
 		}
 	}
-	schemaAdapter, offsets := db.OutboxAdapters(0)
-	b.flaky = d.newFlakyOffsets(offsets)
-	b.outbox, err = outbox.New(outbox.Config{ForwarderTopic: "billing_outbox", SchemaAdapter: schemaAdapter, OffsetsAdapter: b.flaky}, d.logger)
+	b.outbox, err = db.Outbox("billing_outbox", d.logger)
 	if err != nil {
 		return err
 	}
-	if err := b.outbox.InitializeSchema(ctx, db.Beginner()); err != nil {
+	if err := b.outbox.Migrate(ctx, db.Querier()); err != nil {
 		return err
 	}
 	b.provider = billing.NewProvider()
@@ -406,6 +402,7 @@ func (d *demo) setupBilling(ctx context.Context) error {
 	b.charge, err = d.startConsumer(ctx, consumerSpec{
 		consumer: billing.Consumer, db: db, schema: schema,
 		publish: b.svc.HandleOrderPlaced, publishTopic: billing.EventConfirmationRequested, outbox: b.outbox,
+		relayDest: func(p message.Publisher) message.Publisher { b.flaky = d.newFlakyConfirms(p); return b.flaky },
 	})
 	if err != nil {
 		return err
@@ -426,9 +423,7 @@ func (d *demo) setupCatalogue(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	_, offsets := c.db.OutboxAdapters(0)
-	c.flaky = d.newFlakyOffsets(offsets)
-	c.cat, err = indexer.NewCatalogue(indexer.CatalogueConfig{Pool: c.db.Pool, DB: c.db.SQL, OffsetsAdapter: c.flaky, Logger: d.logger})
+	c.cat, err = indexer.NewCatalogue(indexer.CatalogueConfig{Pool: c.db.Pool, DB: c.db.SQL, Logger: d.logger})
 	if err != nil {
 		return err
 	}
@@ -474,7 +469,8 @@ func (d *demo) setupCatalogue(ctx context.Context) error {
 		rng:          d.rng,
 		held:         map[string]heldMessage{},
 	}
-	c.relay, err = c.cat.NewRelay(c.reorder, outbox.RelayConfig{Subscriber: relaySubscriber})
+	c.flaky = d.newFlakyConfirms(c.reorder)
+	c.relay, err = c.cat.NewRelay(c.flaky, relayConfig)
 	if err != nil {
 		return err
 	}
@@ -528,7 +524,8 @@ func (d *demo) startConsumer(ctx context.Context, s consumerSpec) (*consumerRun,
 		Pool:       s.db.Pool,
 		DB:         s.db.SQL,
 		Outbox:     s.outbox,
-		Relay:      outbox.RelayConfig{Subscriber: relaySubscriber},
+		Relay:      relayConfig,
+		RelayDest:  s.relayDest,
 		Workers:    d.cfg.Workers,
 		Middleware: mws,
 		Idempotent: middleware.Config{Recorder: r.rec},
@@ -681,13 +678,13 @@ func (p pending) total() int { return p.order + p.catalogue + p.billing }
 func (d *demo) pending(ctx context.Context) (pending, error) {
 	var p pending
 	var err error
-	if p.order, err = d.orders.Pending(ctx, ""); err != nil {
+	if p.order, err = d.orders.Pending(ctx); err != nil {
 		return p, err
 	}
-	if p.catalogue, err = shop.OutboxPending(ctx, d.catalogue.db, d.catalogue.cat.OutboxTopic(), ""); err != nil {
+	if p.catalogue, err = shop.OutboxPending(ctx, d.catalogue.db, d.catalogue.cat.Outbox()); err != nil {
 		return p, err
 	}
-	p.billing, err = shop.OutboxPending(ctx, d.billing.charge.db, d.billing.outbox.ForwarderTopic(), "")
+	p.billing, err = shop.OutboxPending(ctx, d.billing.charge.db, d.billing.outbox)
 	return p, err
 }
 

@@ -75,6 +75,11 @@ func checkDemo(t *testing.T, cfg config) {
 	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", out.String(), errb.String())
 	require.Contains(t, out.String(), `"ok":true`)
 	m := lastJSON(t, out.String())
+	first, _, _ := strings.Cut(out.String(), "\n")
+	require.True(t, strings.HasPrefix(first, "demo: backend "+cfg.Backend+":"), "the first line names the backend: %q", first)
+	require.Equal(t, cfg.Backend, m["backend"], "the last line names the backend")
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	require.True(t, strings.HasPrefix(lines[len(lines)-1], `{"backend":"`+cfg.Backend+`"`), "the last line starts with the backend: %q", lines[len(lines)-1])
 	for _, k := range []string{"orders", "deliveries", "reservations", "expected_reservations", "duplicates_skipped", "stale_skipped", "poisoned", "lost",
 		"charges", "expected_charges", "mails", "index_updates", "obsolete_skipped", "ok"} {
 		require.Contains(t, m, k)
@@ -162,4 +167,14 @@ func TestDemoUnreachableService(t *testing.T) {
 	var out, errb bytes.Buffer
 	require.Equal(t, 2, run(context.Background(), c, &out, &errb))
 	require.Contains(t, errb.String(), "RabbitMQ")
+}
+
+// The first line names the backend without the services' passwords.
+func TestBackendLine(t *testing.T) {
+	c := defaultConfig()
+	c.Backend, c.DatabaseURL, c.AMQPURL = backendServices, "postgres://u:secret@db:5432/x", "amqp://guest:guest@mq:5672/"
+	line := backendLine(c)
+	require.Equal(t, "backend services: PostgreSQL postgres://u:xxxxx@db:5432/x, RabbitMQ amqp://guest:xxxxx@mq:5672/", line)
+	c.Backend = backendEmbedded
+	require.Contains(t, backendLine(c), "backend embedded: SQLite")
 }

@@ -3,17 +3,22 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"math/rand/v2"
+	"net/url"
 	"sync"
 	"sync/atomic"
+	"time"
 
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/watermill-idempotency/idempotency/examples/indexer"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/outbox"
 )
 
 // The demo's fault injectors. Each reproduces one way at-least-once delivery
@@ -41,57 +46,83 @@ func (l *lockedRand) intN(n int) int {
 	return l.r.IntN(n)
 }
 
-// flakyOffsets makes the relay fail to store its position after a share of
-// batches, as a relay that crashes after the broker confirmed the publishes
-// and before it marked the rows sent: the statement fails, the read
-// transaction rolls back, and the next read publishes the same rows again,
-// with the same event ids. It never fails two batches in a row, so the relay
-// always progresses.
-type flakyOffsets struct {
-	wsql.OffsetsAdapter // the relay's own
-	// failQuery is a statement that fails on the server.
-	failQuery string
-	share     float64
-	rng       *lockedRand
+// flakyConfirms sits between a relay and the broker and, for a share of
+// publishes, reports a failure after the broker took the message: a relay
+// whose confirm was lost (or that crashed before deleting the row). The relay
+// keeps the row and publishes it again later, with the same event id. It
+// never fails two publishes in a row, so the relay always progresses.
+type flakyConfirms struct {
+	message.Publisher // toward the broker
+	share             float64
+	rng               *lockedRand
 
 	mu          sync.Mutex
 	lastFailed  bool
 	republished atomic.Int64 // rows published again
-	failures    atomic.Int64 // batches
 }
 
-var _ wsql.OffsetsAdapter = (*flakyOffsets)(nil)
+// errConfirmLost is the failure flakyConfirms reports.
+var errConfirmLost = errors.New("demo: fault: confirm lost after the broker took the message")
 
-func (f *flakyOffsets) AckMessageQuery(p wsql.AckMessageQueryParams) (wsql.Query, error) {
+func (f *flakyConfirms) Publish(topic string, msgs ...*message.Message) error {
+	if err := f.Publisher.Publish(topic, msgs...); err != nil {
+		return err
+	}
 	f.mu.Lock()
 	fail := !f.lastFailed && f.rng.chance(f.share)
 	f.lastFailed = fail
 	f.mu.Unlock()
 	if !fail {
-		return f.OffsetsAdapter.AckMessageQuery(p)
+		return nil
 	}
-	published := len(p.Rows)
-	for i, r := range p.Rows {
-		if r.Offset == p.LastRow.Offset {
-			published = i + 1
-			break
-		}
-	}
-	f.republished.Add(int64(published))
-	f.failures.Add(1)
-	return wsql.Query{Query: f.failQuery}, nil
+	f.republished.Add(int64(len(msgs)))
+	return errConfirmLost
 }
 
-// newFlakyOffsets wraps inner, the relay's offsets adapter on a database of
-// d's backend.
-func (d *demo) newFlakyOffsets(inner wsql.OffsetsAdapter) *flakyOffsets {
-	// A statement that fails on the server: PostgreSQL's division_by_zero
-	// (22012); SQLite divides by zero into NULL, so a missing table there.
-	fail := "SELECT 1/0"
-	if d.embedded() {
-		fail = "SELECT * FROM demo_relay_fault_injected"
+// newFlakyConfirms wraps a relay's destination.
+func (d *demo) newFlakyConfirms(inner message.Publisher) *flakyConfirms {
+	return &flakyConfirms{Publisher: inner, share: d.cfg.RelayFail, rng: d.rng}
+}
+
+// relayConfig is the outbox relay tuning of the demo: short waits, so that a
+// run is quick; many attempts, so that the injected confirm losses never
+// dead-letter a row.
+var relayConfig = outbox.RelayConfig{
+	PollInterval:  20 * time.Millisecond,
+	RetryInterval: 20 * time.Millisecond,
+	MaxBackoff:    200 * time.Millisecond,
+	MaxAttempts:   1000,
+	Retention:     time.Hour,
+}
+
+// holdOpenTransaction is the "open transaction elsewhere" fault: a session
+// on another database of the same PostgreSQL server runs BEGIN; SELECT
+// pg_current_xact_id(); and stays open for the whole run. The outbox relays
+// must not wait for it (they claim rows, they do not read below the
+// server's oldest open transaction).
+func (d *demo) holdOpenTransaction(ctx context.Context) error {
+	u, err := url.Parse(d.cfg.DatabaseURL)
+	if err != nil {
+		return fmt.Errorf("open-tx fault: %w", err)
 	}
-	return &flakyOffsets{OffsetsAdapter: inner, failQuery: fail, share: d.cfg.RelayFail, rng: d.rng}
+	u.Path = "/postgres"
+	conn, err := pgx.Connect(ctx, u.String())
+	if err != nil {
+		return fmt.Errorf("open-tx fault: connect to database postgres: %w", err)
+	}
+	tx, err := conn.Begin(ctx)
+	if err == nil {
+		_, err = tx.Exec(ctx, `SELECT pg_current_xact_id()`)
+	}
+	if err != nil {
+		_ = conn.Close(ctx)
+		return fmt.Errorf("open-tx fault: %w", err)
+	}
+	d.defer_(func() {
+		_ = tx.Rollback(context.Background())
+		_ = conn.Close(context.Background())
+	})
+	return nil
 }
 
 // reorderingPublisher sits between a relay and the broker and, for a share

@@ -14,8 +14,8 @@
 //     is shop.ChannelBroker: Watermill's in-process pub/sub (GoChannel) as the
 //     exchange and an in-memory queue per consumer that requeues nacked
 //     deliveries and redelivers the ones whose ack a cut lost, as RabbitMQ
-//     does. The outboxes use watermill-sql with the example's SQLite
-//     adapters (shop.SQLiteSchema); billing's operation records live in a
+//     does. The outboxes are the library's (package outbox) in its SQLite
+//     dialect; billing's operation records live in a
 //     SQLite file of their own (one writer per file).
 //   - services, the default when either is set: PostgreSQL (a schema per
 //     service) and RabbitMQ (the shop topology, a TCP fault proxy in front
@@ -28,7 +28,7 @@
 // chain, on its own database (PostgreSQL schema or SQLite file):
 //
 //   - order (producer): orders and their status changes, through its outbox
-//     and relay (Watermill's forwarder);
+//     and relay (package outbox);
 //   - stock: reserves each order line once;
 //   - shipping: keeps a versioned copy of each order's status;
 //   - billing: charges each placed order once at a fake payment provider
@@ -110,7 +110,8 @@ type config struct {
 	Workers              int           // subscriptions per consumer queue
 	Prefetch             int           // consumer prefetch
 	BatchSize            int           // relay batch size
-	RelayFail            float64       // share of relay batches whose position update fails
+	RelayFail            float64       // share of relay publishes whose confirm is lost (republished)
+	OpenTx               bool          // a session keeps a write transaction open on the server all run (PostgreSQL)
 	CutEvery             int           // cut a consumer's connection after every n-th commit (0: never)
 	ReplayShare          float64       // share of the run's time range replayed by the operator
 	Malformed            int           // malformed messages published raw
@@ -140,6 +141,7 @@ func defaultConfig() config {
 		Prefetch:             16,
 		BatchSize:            50,
 		RelayFail:            0.2,
+		OpenTx:               true,
 		CutEvery:             150,
 		ReplayShare:          0.1,
 		Malformed:            6,
@@ -173,7 +175,8 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.IntVar(&c.Workers, "workers", c.Workers, "subscriptions per consumer queue (above 1, a cut may also break another worker's ack: a poisoned message may then reach the dead-letter queue twice)")
 	fs.IntVar(&c.Prefetch, "prefetch", c.Prefetch, "consumer prefetch")
 	fs.IntVar(&c.BatchSize, "batch", c.BatchSize, "relay batch size")
-	fs.Float64Var(&c.RelayFail, "relay-fail", c.RelayFail, "share of relay batches whose position update fails (republished)")
+	fs.Float64Var(&c.RelayFail, "relay-fail", c.RelayFail, "share of relay publishes whose confirm is lost (republished)")
+	fs.BoolVar(&c.OpenTx, "open-tx", c.OpenTx, "keep a write transaction open in another database of the PostgreSQL server for the whole run (the relays must not wait for it)")
 	fs.IntVar(&c.CutEvery, "cut-every", c.CutEvery, "cut a consumer's AMQP connection after every n-th commit, before the ack (0: never)")
 	fs.Float64Var(&c.ReplayShare, "replay", c.ReplayShare, "share of the run's time range the operator replays")
 	fs.IntVar(&c.Malformed, "malformed", c.Malformed, "malformed messages published raw")

@@ -9,8 +9,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
-	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -29,8 +27,7 @@ const EventProductUpdated = "catalogue.product.updated.v1"
 // is (FamilyKind, SKU), its sequence number the product's version.
 const FamilyKind = "catalogue.product"
 
-// DefaultOutboxTopic is the catalogue's outbox (forwarder) topic: its rows
-// live in the table "watermill_catalogue_outbox".
+// DefaultOutboxTopic is the catalogue's outbox table (outbox.Config.Table).
 const DefaultOutboxTopic = "catalogue_outbox"
 
 // Consumer is the indexer's subscription in the shop topology: queue
@@ -84,10 +81,10 @@ type CatalogueConfig struct {
 	// tables Migrate creates. Exactly one of Pool and DB is required.
 	Pool *pgxpool.Pool
 	// DB, instead of Pool, is the catalogue's database on SQLite (see
-	// shop.SQLiteDB): the outbox then uses shop.SQLiteSchema and
-	// shop.SQLiteOffsetsAdapter, the family store the SQLite dialect.
+	// shop.SQLiteDB): the outbox and the family store then use the SQLite
+	// dialect.
 	DB *sql.DB
-	// OutboxTopic is the outbox's forwarder topic. Defaults to
+	// OutboxTopic is the outbox table. Defaults to
 	// DefaultOutboxTopic.
 	OutboxTopic string
 	// Families is the family store whose latest table the catalogue
@@ -98,10 +95,6 @@ type CatalogueConfig struct {
 	// *versioned.RedisLatest): after each transaction's commit
 	// (LatestPublisherConfig.Deferred). Defaults to Families.
 	Latest versioned.LatestStore
-	// OffsetsAdapter stores the relay's read position (NewRelay). Defaults
-	// to watermill-sql's DefaultPostgreSQLOffsetsAdapter; fault-injection
-	// tests and the demo wrap it.
-	OffsetsAdapter wsql.OffsetsAdapter
 	// Logger defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
@@ -142,11 +135,7 @@ func NewCatalogue(cfg CatalogueConfig) (*Catalogue, error) {
 	if cfg.Latest == nil {
 		cfg.Latest = cfg.Families
 	}
-	schema, offsets := db.OutboxAdapters(0)
-	if cfg.OffsetsAdapter != nil {
-		offsets = cfg.OffsetsAdapter
-	}
-	ob, err := outbox.New(outbox.Config{ForwarderTopic: cfg.OutboxTopic, SchemaAdapter: schema, OffsetsAdapter: offsets}, cfg.Logger)
+	ob, err := db.Outbox(cfg.OutboxTopic, cfg.Logger)
 	if err != nil {
 		return nil, fmt.Errorf("indexer: CatalogueConfig.OutboxTopic: %w", err)
 	}
@@ -173,25 +162,28 @@ func (c *Catalogue) Migrate(ctx context.Context) error {
 	return c.outbox.InitializeSchema(ctx, c.db.Beginner())
 }
 
-// OutboxTopic is the catalogue's forwarder topic (the outbox table is
-// "watermill_" + it).
-func (c *Catalogue) OutboxTopic() string { return c.outbox.ForwarderTopic() }
+// OutboxTopic is the catalogue's outbox table.
+func (c *Catalogue) OutboxTopic() string { return c.outbox.Table() }
+
+// Outbox is the catalogue's outbox (pending counts, replay).
+func (c *Catalogue) Outbox() *outbox.Outbox { return c.outbox }
 
 // NewRelay returns the relay from the catalogue's outbox to dest (a
 // watermill-amqp publisher of shop.Topology.PublisherConfig in the demo):
 // Run it, Close it to stop. It publishes each update to EventProductUpdated,
 // at least once, with the event_id it was written with. The relay does not
 // close dest.
-func (c *Catalogue) NewRelay(dest message.Publisher, cfg outbox.RelayConfig) (*forwarder.Forwarder, error) {
+func (c *Catalogue) NewRelay(dest message.Publisher, cfg outbox.RelayConfig) (*outbox.Relay, error) {
 	return c.outbox.NewRelay(c.db.Beginner(), dest, cfg)
 }
 
-// Replay republishes, through pub (the relay's destination), every update of
-// the outbox whose occurred_at is in [from, to), with its original event id
-// and family metadata, as an operator does after an incident (see
-// shop.ReplayOutbox). The indexer skips them: duplicates by their event id.
+// Replay republishes, through pub (the relay's destination), every relayed
+// update of the outbox written in [from, to) (kept for the relay's
+// RelayConfig.Retention), with its original event id and family metadata, as
+// an operator does after an incident (see shop.ReplayOutbox). The indexer
+// skips them: duplicates by their event id.
 func (c *Catalogue) Replay(ctx context.Context, pub message.Publisher, from, to time.Time) (int, error) {
-	n, err := shop.ReplayOutboxDB(ctx, c.db, shop.OutboxTable(c.db, c.outbox.ForwarderTopic()), pub, from, to)
+	n, err := shop.ReplayOutbox(ctx, c.db, c.outbox, pub, from, to)
 	if err != nil {
 		return n, fmt.Errorf("indexer: %w", err)
 	}

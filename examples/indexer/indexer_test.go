@@ -11,7 +11,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -134,7 +133,7 @@ func newShopDB(t *testing.T, latest versioned.LatestStore) *shopDB {
 // startRelay relays the catalogue's outbox to dest until the test ends.
 func startRelay(t *testing.T, c *indexer.Catalogue, dest message.Publisher) {
 	t.Helper()
-	relay, err := c.NewRelay(dest, outbox.RelayConfig{Subscriber: wsql.SubscriberConfig{PollInterval: 20 * time.Millisecond}})
+	relay, err := c.NewRelay(dest, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, Retention: time.Hour})
 	require.NoError(t, err)
 	runInBackground(t, relay.Run, relay.Running(), relay.Close)
 }

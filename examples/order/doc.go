@@ -3,39 +3,34 @@
 //
 // # The outbox
 //
-// PlaceOrder and ChangeStatus write the order rows and the event in one pgx
+// PlaceOrder and ChangeStatus write the order rows and the event in one
 // transaction. The event is a Watermill message built by
 // marshaler.NewMessage (its UUID, the event_id, is a UUIDv7 fixed here, when
-// the outbox row is written, and never again). It is "published" with a
-// watermill-sql v4 publisher on that same transaction (sql.TxFromPgx), wrapped
-// by Watermill's forwarder publisher (forwarder.NewPublisher): the outbox row
-// is the forwarder's JSON envelope {destination_topic, uuid, payload,
-// metadata} in the table "watermill_<OutboxTopic>", so it commits or rolls
-// back with the order.
+// the outbox row is written, and never again). It is written with the
+// library outbox's publisher (outbox.Outbox.Publisher) on that same
+// transaction: one row (event_id, topic, payload, metadata) in the table
+// OutboxTopic, committed or rolled back with the order.
 //
-// The Relay is Watermill's forwarder (forwarder.NewForwarder) reading that
-// table with the watermill-sql v4 subscriber and publishing each message to
-// the events exchange with amqpmarshaler.Marshaler. The forwarder envelope keeps
-// msg.UUID, payload and metadata unchanged, so the AMQP envelope carries the
-// event_id set at write time.
+// The Relay is the library relay (outbox.Relay): it claims committed rows in
+// id order, publishes each to the events exchange with amqpmarshaler.Marshaler, and
+// deletes it (keeping a copy for RelayConfig.Retention, for Replay) in the
+// same transaction.
 //
 // # Guarantees and windows
 //
-//   - No event is lost: the row commits with the order, and the relay's read
-//     position (the offsets table) only moves after the broker confirmed the
-//     publish (publisher confirms) and the subscriber's transaction commits.
-//   - No event is skipped: the watermill-sql v4 subscriber only reads rows of
-//     transactions older than the oldest transaction still running on the
-//     server (pg_snapshot_xmin), so a row that commits late behind a row that
-//     committed early is still read. The price: the relay waits behind the
-//     oldest open write transaction of the whole PostgreSQL cluster.
-//   - Events are republished: a relay that crashes (or fails to store its
-//     position) after the broker confirmed publishes again, with the same
-//     event_id, up to a batch (RelayConfig.BatchSize) of rows. Replay
-//     republishes on purpose. Consumers deduplicate by event_id: that is the
-//     idempotent middleware's job.
-//   - Order: rows are published in commit order of their transactions, one
-//     at a time, by one relay at a time (the offsets row is locked). Replays,
-//     republished batches and broker redeliveries break that order at the
-//     consumer; state copies must be versioned (see examples/shipping).
+//   - No event is lost: the row commits with the order, and it leaves the
+//     outbox only in the relay transaction that follows the broker's confirm.
+//   - No event is skipped: the relay keeps no read position; a row that
+//     commits late is claimed by a later round. No open transaction anywhere
+//     on the server holds the relay back (see package outbox).
+//   - Events are republished: a relay that crashes after the broker
+//     confirmed publishes again, with the same event_id, up to a batch
+//     (RelayConfig.BatchSize) of rows. Replay republishes on purpose.
+//     Consumers deduplicate by event_id: that is the idempotent middleware's
+//     job.
+//   - Order: one relay publishes at a time (the outbox's lock row), rows in
+//     id order. A row whose publish failed is retried after the rows behind
+//     it; replays, republished batches and broker redeliveries break order
+//     at the consumer too; state copies must be versioned (see
+//     examples/shipping).
 package order

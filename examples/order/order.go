@@ -9,19 +9,19 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
-	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
-// DefaultOutboxTopic is the forwarder topic of the outbox: its rows live in
-// the table "watermill_order_outbox", the relay's position in
-// "watermill_offsets_order_outbox".
+// DefaultOutboxTopic is the outbox table (outbox.Config.Table) of the
+// service: "order_outbox", with its relay tables order_outbox_dead,
+// order_outbox_relayed and order_outbox_relay.
 const DefaultOutboxTopic = "order_outbox"
 
 // Config configures the order service (New).
@@ -31,11 +31,10 @@ type Config struct {
 	Pool *pgxpool.Pool
 	// DB, instead of Pool, is the order service's database on SQLite
 	// (database/sql with modernc.org/sqlite; see shop.SQLiteDB): the outbox
-	// then uses shop.SQLiteSchema and shop.SQLiteOffsetsAdapter.
+	// then uses the library outbox's SQLite dialect.
 	DB *sql.DB
-	// OutboxTopic is the forwarder topic, i.e. the outbox table
-	// "watermill_<OutboxTopic>". Letters, digits and _ only. Defaults to
-	// DefaultOutboxTopic.
+	// OutboxTopic is the outbox table. Letters, digits and _ only. Defaults
+	// to DefaultOutboxTopic.
 	OutboxTopic string
 	// Logger defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
@@ -46,7 +45,7 @@ type Config struct {
 type Service struct {
 	db     shop.DB
 	topic  string
-	schema wsql.SchemaAdapter
+	ob     *outbox.Outbox
 	sql    dialectSQL
 	logger watermill.LoggerAdapter
 }
@@ -66,8 +65,11 @@ func New(cfg Config) (*Service, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = watermill.NopLogger{}
 	}
-	schema, _ := db.OutboxAdapters(0)
-	return &Service{db: db, topic: cfg.OutboxTopic, schema: schema, sql: sqlFor(db), logger: cfg.Logger}, nil
+	ob, err := db.Outbox(cfg.OutboxTopic, cfg.Logger)
+	if err != nil {
+		return nil, fmt.Errorf("order: %w", err)
+	}
+	return &Service{db: db, topic: cfg.OutboxTopic, ob: ob, sql: sqlFor(db), logger: cfg.Logger}, nil
 }
 
 func validateTopic(t string) error {
@@ -89,30 +91,23 @@ func dbOf(pool *pgxpool.Pool, db *sql.DB) shop.DB {
 	return shop.PgxDB(pool)
 }
 
-// Migrate creates the order tables and watermill-sql's outbox and offsets
-// tables for OutboxTopic (with watermill-sql's own DDL, run in a transaction
-// behind its advisory lock). Idempotent.
+// Migrate creates the order tables and the outbox's tables (the library
+// outbox's embedded migrations, outbox.Outbox.Migrate). Idempotent.
 func (s *Service) Migrate(ctx context.Context) error {
 	if err := s.db.Exec(ctx, s.sql.schema); err != nil {
 		return fmt.Errorf("order: migrate: %w", err)
 	}
-	_, offsets := s.db.OutboxAdapters(0)
-	sub, err := wsql.NewSubscriber(s.db.Beginner(), wsql.SubscriberConfig{
-		SchemaAdapter:  s.schema,
-		OffsetsAdapter: offsets,
-	}, s.logger)
-	if err != nil {
-		return fmt.Errorf("order: migrate outbox: %w", err)
-	}
-	defer sub.Close()
-	if err := sub.SubscribeInitialize(s.topic); err != nil {
+	if err := s.ob.Migrate(ctx, s.db.Querier()); err != nil {
 		return fmt.Errorf("order: migrate outbox: %w", err)
 	}
 	return nil
 }
 
-// OutboxTopic is the forwarder topic (the outbox table is "watermill_" + it).
+// OutboxTopic is the outbox table.
 func (s *Service) OutboxTopic() string { return s.topic }
+
+// Outbox is the service's outbox (relay, replay, pending counts).
+func (s *Service) Outbox() *outbox.Outbox { return s.ob }
 
 // PlaceOrder inserts the order (status "placed", version 1) and its lines,
 // and writes an EventOrderPlaced event to the outbox, in one transaction. It
@@ -190,11 +185,10 @@ func (s *Service) ChangeStatus(ctx context.Context, orderID, status string) (ver
 // event_id is fixed here, before the row is written. It is how PlaceOrder
 // and ChangeStatus publish, exported for code that owns its transaction.
 //
-// Under the hood: a watermill-sql v4 publisher on tx (sql.TxFromPgx; that
-// adapter must never commit or roll back: the caller owns tx), wrapped by
-// Watermill's forwarder publisher, so the row is the forwarder's envelope
-// in the table "watermill_<OutboxTopic>". The INSERT runs on ctx. The
-// publishers hold no resources; one per call is cheap.
+// Under the hood: the library outbox's publisher on tx (outbox.Publisher;
+// it never commits or rolls back: the caller owns tx): one row per message
+// (event_id, topic, payload, metadata) in the table OutboxTopic. The INSERT
+// runs on ctx. The publisher holds no resources; one per call is cheap.
 func (s *Service) PublishInTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error {
 	return s.writeOutbox(ctx, wsql.TxFromPgx(tx), topic, msgs...)
 }
@@ -205,12 +199,12 @@ func (s *Service) PublishInStdTx(ctx context.Context, tx *sql.Tx, topic string, 
 }
 
 func (s *Service) writeOutbox(ctx context.Context, tx wsql.ContextExecutor, topic string, msgs ...*message.Message) error {
-	sqlPub, err := wsql.NewPublisher(tx, wsql.PublisherConfig{SchemaAdapter: s.schema}, s.logger)
+	pub, err := s.ob.Publisher(tx)
 	if err != nil {
 		return err
 	}
 	for _, m := range msgs {
-		m.SetContext(ctx) // the SQL publisher runs its INSERT on the first message's context
+		m.SetContext(ctx) // each INSERT runs on its message's context
 	}
-	return forwarder.NewPublisher(sqlPub, forwarder.PublisherConfig{ForwarderTopic: s.topic}).Publish(topic, msgs...)
+	return pub.Publish(topic, msgs...)
 }

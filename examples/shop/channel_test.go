@@ -3,12 +3,12 @@ package shop_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/stretchr/testify/require"
@@ -36,10 +36,10 @@ func receive(t *testing.T, msgs <-chan *message.Message) *message.Message {
 
 func waitQueued(t *testing.T, b *shop.ChannelBroker, c shop.Consumer, want int) {
 	t.Helper()
-	require.Eventually(t, func() bool {
+	testenv.Eventually(t, 10*time.Second, fmt.Sprintf("%d messages queued for %s", want, c.Name), func(o *testenv.Observed) bool {
 		n, err := b.Queued(c)
-		return err == nil && n == want
-	}, 10*time.Second, 5*time.Millisecond)
+		return o.Err("err", err) && o.Int("queued", n) == want
+	})
 }
 
 // The channel broker behaves like the RabbitMQ queue for what the demo
@@ -123,16 +123,15 @@ func TestChannelBroker(t *testing.T) {
 	require.Error(t, err)
 }
 
-// The SQLite outbox adapters: rows written in a transaction exist only if
-// it commits, the relay publishes them in commit order with their event
-// ids, and its position leaves nothing pending.
+// The outbox on SQLite: rows written in a transaction exist only if it
+// commits, the relay publishes them in commit order with their event ids,
+// and leaves nothing pending.
 func TestSQLiteOutbox(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	db := shop.SQLiteDB(testenv.SQLiteDB(t))
-	schema, offsets := db.OutboxAdapters(2)
-	ob, err := outbox.New(outbox.Config{ForwarderTopic: "order_outbox", SchemaAdapter: schema, OffsetsAdapter: offsets}, nil)
+	ob, err := db.Outbox("order_outbox", nil)
 	require.NoError(t, err)
 	require.NoError(t, ob.InitializeSchema(ctx, db.Beginner()))
 
@@ -157,7 +156,7 @@ func TestSQLiteOutbox(t *testing.T) {
 	write(false)
 	write(true)
 	write(true)
-	n, err := shop.OutboxPending(ctx, db, "order_outbox", "")
+	n, err := shop.OutboxPending(ctx, db, ob)
 	require.NoError(t, err)
 	require.Equal(t, 3, n)
 
@@ -165,7 +164,7 @@ func TestSQLiteOutbox(t *testing.T) {
 	defer b.Close()
 	require.NoError(t, b.Declare(consumer))
 	relay, err := ob.NewRelay(db.Beginner(), b.Publisher(), outbox.RelayConfig{
-		Subscriber: wsql.SubscriberConfig{PollInterval: 10 * time.Millisecond},
+		PollInterval: 10 * time.Millisecond,
 	})
 	require.NoError(t, err)
 	go func() { _ = relay.Run(ctx) }()
@@ -181,10 +180,10 @@ func TestSQLiteOutbox(t *testing.T) {
 		require.Equal(t, id, m.UUID)
 		m.Ack()
 	}
-	require.Eventually(t, func() bool {
-		n, err := shop.OutboxPending(ctx, db, "order_outbox", "")
-		return err == nil && n == 0
-	}, 10*time.Second, 10*time.Millisecond)
+	testenv.Eventually(t, 10*time.Second, "the outbox relayed", func(o *testenv.Observed) bool {
+		n, err := shop.OutboxPending(ctx, db, ob)
+		return o.Err("err", err) && o.Int("pending", n) == 0
+	})
 }
 
 // A service on SQLite and the channel broker: an event published twice, whose

@@ -6,11 +6,13 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/ThreeDotsLabs/watermill"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
@@ -119,15 +121,9 @@ func (d DB) TxBeginner() (middleware.TxBeginner, error) {
 	return middleware.NewStdBeginner(d.SQL)
 }
 
-// OutboxAdapters are the watermill-sql schema and offsets adapters of an
-// outbox in d: watermill-sql's PostgreSQL ones, or this package's SQLite
-// ones (SQLiteSchema, SQLiteOffsetsAdapter). batch is the relay's batch size
-// (0: the adapter's default).
-func (d DB) OutboxAdapters(batch int) (wsql.SchemaAdapter, wsql.OffsetsAdapter) {
-	if d.IsSQLite() {
-		return SQLiteSchema{SubscribeBatchSize: batch}, SQLiteOffsetsAdapter{}
-	}
-	return wsql.DefaultPostgreSQLSchema{SubscribeBatchSize: batch}, wsql.DefaultPostgreSQLOffsetsAdapter{}
+// Outbox is the library outbox (outbox.New) of table in d, in d's dialect.
+func (d DB) Outbox(table string, logger watermill.LoggerAdapter) (*outbox.Outbox, error) {
+	return outbox.New(outbox.Config{Table: table, Dialect: d.Dialect}, logger)
 }
 
 // Tx is one transaction of a DB, in the forms the examples need.
@@ -160,33 +156,10 @@ func (d DB) InTx(ctx context.Context, fn func(Tx) error) error {
 	return tx.Commit()
 }
 
-// OutboxPending counts the rows of the outbox of topic in db (the default
-// adapters of DB.OutboxAdapters) that the relay group has not yet marked
-// sent. Rows of transactions still open are not visible and not counted.
-func OutboxPending(ctx context.Context, db DB, topic, group string) (int, error) {
-	var q string
-	if db.IsSQLite() {
-		q = `SELECT count(*) FROM ` + (SQLiteSchema{}).MessagesTable(topic) + ` WHERE "offset" > COALESCE(
-	(SELECT offset_acked FROM ` + (SQLiteOffsetsAdapter{}).MessagesOffsetsTable(topic) + ` WHERE consumer_group = ?), 0)`
-	} else {
-		q = `SELECT count(*) FROM ` + (wsql.DefaultPostgreSQLSchema{}).MessagesTable(topic) + ` m
-	WHERE NOT EXISTS (SELECT 1 FROM ` + (wsql.DefaultPostgreSQLOffsetsAdapter{}).MessagesOffsetsTable(topic) + ` o WHERE o.consumer_group = $1
-	  AND (m.transaction_id < o.last_processed_transaction_id
-	    OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked)))`
-	}
-	var n int
-	if err := db.Querier().QueryRow(ctx, q, group).Scan(&n); err != nil {
-		return 0, fmt.Errorf("outbox %s: pending: %w", topic, err)
-	}
-	return n, nil
-}
-
-// OutboxTable is the quoted messages table of the outbox of topic in db.
-func OutboxTable(db DB, topic string) string {
-	if db.IsSQLite() {
-		return (SQLiteSchema{}).MessagesTable(topic)
-	}
-	return (wsql.DefaultPostgreSQLSchema{}).MessagesTable(topic)
+// OutboxPending counts the pending rows of ob in db (committed, not yet
+// relayed). Rows of transactions still open are not visible and not counted.
+func OutboxPending(ctx context.Context, db DB, ob *outbox.Outbox) (int, error) {
+	return ob.Pending(ctx, db.Beginner())
 }
 
 // SQLiteDSN is the modernc.org/sqlite DSN the examples use for a database
@@ -194,7 +167,7 @@ func OutboxTable(db DB, topic string) string {
 // writer; busy_timeout 10 s, so a second writer waits instead of failing with
 // SQLITE_BUSY; _txlock=immediate, so every transaction takes the write lock
 // at BEGIN (no deadlock upgrading a read lock, and outbox offsets in commit
-// order, see SQLiteSchema); foreign keys on.
+// order); foreign keys on.
 func SQLiteDSN(path string) string {
 	return "file:" + path + "?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_pragma=foreign_keys(1)&_txlock=immediate"
 }

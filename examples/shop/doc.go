@@ -42,7 +42,7 @@
 //
 // NewService builds one consumer service from a ServiceConfig:
 //
-//	ob, _ := outbox.New(outbox.Config{ForwarderTopic: "billing_outbox"}, logger)
+//	ob, _ := outbox.New(outbox.Config{Table: "billing_outbox"}, logger)
 //	_ = ob.InitializeSchema(ctx, wsql.BeginnerFromPgx(pool)) // with the migrations
 //	svc, err := shop.NewService(shop.ServiceConfig{
 //		AMQPURL:        amqpURL,
@@ -68,10 +68,8 @@
 // ChannelBroker, Watermill's GoChannel with an in-memory queue per consumer
 // (ServiceConfig.Transport): what the demo does when no DATABASE_URL or
 // AMQP_URL is set. DB is the examples' driver seam: each service keeps its SQL
-// text per dialect and runs it through DB and Tx. watermill-sql has no
-// SQLite adapter; SQLiteSchema and SQLiteOffsetsAdapter are a small one for
-// the outboxes, correct because every SQLite transaction of the examples
-// takes the write lock at BEGIN (_txlock=immediate). ChannelBroker keeps
+// text per dialect and runs it through DB and Tx. The outboxes are the
+// library's (package outbox, SQLite dialect: DB.Outbox). ChannelBroker keeps
 // RabbitMQ's at-least-once behaviour (requeue on nack, redelivery of the
 // deliveries whose ack a broken connection lost, dead letters) but nothing
 // survives the process.

@@ -10,7 +10,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
-	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -54,7 +53,7 @@ type ServiceConfig struct {
 	// middleware.NewStdBeginner and the processed store's SQLite dialect, and
 	// the handler finds the attempt's transaction with
 	// middleware.QuerierFromContext or middleware.SQLTxFromContext. The
-	// Outbox must then use this package's SQLite adapters (DB.OutboxAdapters).
+	// Outbox must then be in the SQLite dialect (DB.Outbox).
 	DB *sql.DB
 	// Handler is the service's handler. It runs inside the attempt's
 	// transaction, at most once per event_id with a committed effect.
@@ -79,8 +78,11 @@ type ServiceConfig struct {
 	// tables must exist before Run (Outbox.InitializeSchema, a migration).
 	// Setting Idempotent.Outbox to another outbox is an error.
 	Outbox *outbox.Outbox
-	// Relay tunes the relay of Outbox (poll interval, consumer group, …).
+	// Relay tunes the relay of Outbox (poll interval, batch size, retention, …).
 	Relay outbox.RelayConfig
+	// RelayDest, when set, wraps the relay's destination publisher (the
+	// events publisher): fault injection, metrics. Optional.
+	RelayDest func(message.Publisher) message.Publisher
 	// Workers is how many subscriptions (router handlers named
 	// "<consumer>-1", "<consumer>-2", …) consume the queue, each handling one
 	// delivery at a time. All share the claim key's consumer name
@@ -147,7 +149,7 @@ type Service struct {
 	poison     message.Publisher
 	events     message.Publisher // router's publisher and relay's destination; nil without either
 	reconcile  message.Publisher // nil without Consumer.Reconcile
-	relay      *forwarder.Forwarder
+	relay      *outbox.Relay
 	running    chan struct{}
 	closeOnce  sync.Once
 	closeErr   error
@@ -241,7 +243,11 @@ func (s *Service) build(cfg ServiceConfig, mw *middleware.Idempotent) error {
 		}
 	}
 	if cfg.Outbox != nil {
-		if s.relay, err = cfg.Outbox.NewRelay(cfg.db().Beginner(), s.events, cfg.Relay); err != nil {
+		dest := s.events
+		if cfg.RelayDest != nil {
+			dest = cfg.RelayDest(dest)
+		}
+		if s.relay, err = cfg.Outbox.NewRelay(cfg.db().Beginner(), dest, cfg.Relay); err != nil {
 			return fmt.Errorf("shop: relay: %w", err)
 		}
 	}
@@ -259,7 +265,7 @@ func (s *Service) build(cfg ServiceConfig, mw *middleware.Idempotent) error {
 		if cfg.PublishHandler != nil {
 			s.Router.AddHandler(name, queue, s.subscriber, cfg.PublishTopic, s.events, cfg.PublishHandler)
 		} else {
-			s.Router.AddNoPublisherHandler(name, queue, s.subscriber, cfg.Handler)
+			s.Router.AddConsumerHandler(name, queue, s.subscriber, cfg.Handler)
 		}
 	}
 	return nil

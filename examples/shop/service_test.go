@@ -111,7 +111,7 @@ func TestPublishHandlerThroughOutbox(t *testing.T) {
 	b := newBroker(t)
 	b.extra = append(b.extra, tap)
 	require.NoError(t, b.topo.Declare(b.channel(), tap))
-	ob, err := outbox.New(outbox.Config{ForwarderTopic: "shop_outbox"}, nil)
+	ob, err := outbox.New(outbox.Config{Table: "shop_outbox"}, nil)
 	require.NoError(t, err)
 	var failFirst atomic.Bool
 	failFirst.Store(true)
@@ -119,19 +119,19 @@ func TestPublishHandlerThroughOutbox(t *testing.T) {
 		PublishHandler: produceOne(&failFirst),
 		PublishTopic:   eventProduced,
 		Outbox:         ob,
-		Relay:          outbox.RelayConfig{Subscriber: wsql.SubscriberConfig{PollInterval: 10 * time.Millisecond}},
+		Relay:          outbox.RelayConfig{PollInterval: 10 * time.Millisecond, Retention: time.Hour},
 	})
 	id := uuid.NewString()
 	publishEvent(t, b, id)
 	publishEvent(t, b, id) // the producer's relay republished it
 
 	q := b.topo.Queue(tap)
-	require.Eventually(t, func() bool { return b.ready(q) >= 1 }, 20*time.Second, 10*time.Millisecond)
+	testenv.Eventually(t, 20*time.Second, "a message in "+q, func(o *testenv.Observed) bool { return o.Int("ready", b.ready(q)) >= 1 })
 	var processed int
-	require.Eventually(t, func() bool {
+	testenv.Eventually(t, 20*time.Second, "the event processed and acked", func(o *testenv.Observed) bool {
 		require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_event`).Scan(&processed))
-		return processed == 1 && b.ready(b.topo.Queue(consumer)) == 0
-	}, 20*time.Second, 10*time.Millisecond)
+		return o.Int("processed", processed) == 1 && o.Int("ready(queue)", b.ready(b.topo.Queue(consumer))) == 0
+	})
 	got := b.drain(q) // the outbox holds one row (below): nothing else can come
 
 	require.Len(t, got, 1)
@@ -140,9 +140,16 @@ func TestPublishHandlerThroughOutbox(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, eventProduced, env.EventName)
 	require.JSONEq(t, `{"from":"`+id+`"}`, string(env.Payload))
+	// One row was written and relayed (kept in the archive): the failed
+	// attempt's row rolled back.
+	require.Eventually(t, func() bool {
+		var rows int
+		err := pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM shop_outbox) + (SELECT count(*) FROM shop_outbox_relayed)`).Scan(&rows)
+		return err == nil && rows == 1
+	}, 10*time.Second, 10*time.Millisecond, "the failed attempt's outbox row rolled back")
 	var rows int
-	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM watermill_shop_outbox`).Scan(&rows))
-	require.Equal(t, 1, rows, "the failed attempt's outbox row rolled back")
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM shop_outbox_relayed`).Scan(&rows))
+	require.Equal(t, 1, rows)
 }
 
 // Without an outbox the router publishes the produced message after the
@@ -156,7 +163,7 @@ func TestPublishHandlerWithoutOutbox(t *testing.T) {
 	runService(t, b, shop.ServiceConfig{PublishHandler: produceOne(&failFirst), PublishTopic: eventProduced})
 	publishEvent(t, b, uuid.NewString())
 	q := b.topo.Queue(tap)
-	require.Eventually(t, func() bool { return b.ready(q) == 1 }, 20*time.Second, 10*time.Millisecond)
+	testenv.Eventually(t, 20*time.Second, "one message in "+q, func(o *testenv.Observed) bool { return o.Int("ready", b.ready(q)) == 1 })
 }
 
 // With Consumer.Reconcile, an operation whose outcome is uncertain and
@@ -185,7 +192,9 @@ func TestReconcileQueue(t *testing.T) {
 	id := uuid.NewString()
 	publishEvent(t, b, id)
 	rq := b.topo.ReconcileQueue(billing)
-	require.Eventually(t, func() bool { return b.ready(rq) == 1 && b.ready(b.topo.Queue(billing)) == 0 }, 20*time.Second, 10*time.Millisecond)
+	testenv.Eventually(t, 20*time.Second, "the uncertain operation routed to reconciliation", func(o *testenv.Observed) bool {
+		return o.Int("ready(reconcile)", b.ready(rq)) == 1 && o.Int("ready(queue)", b.ready(b.topo.Queue(billing))) == 0
+	})
 	got := b.drain(rq)
 	require.Len(t, got, 1)
 	require.Equal(t, id, got[0].MessageId)

@@ -130,7 +130,9 @@ func TestDeclare(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, ok)
 	require.NoError(t, d.Reject(false))
-	require.Eventually(t, func() bool { return b.ready(b.topo.DeadLetterQueue(consumer)) == 1 }, 5*time.Second, 10*time.Millisecond)
+	testenv.Eventually(t, 5*time.Second, "one message dead-lettered", func(o *testenv.Observed) bool {
+		return o.Int("ready(dlq)", b.ready(b.topo.DeadLetterQueue(consumer))) == 1
+	})
 }
 
 // service starts a consumer service with handler h on a fresh schema.
@@ -209,7 +211,9 @@ func TestPoisonAndTransient(t *testing.T) {
 		publishEvent(t, b, id)
 	}
 	dlq := b.topo.DeadLetterQueue(consumer)
-	require.Eventually(t, func() bool { return transientDone.Load() && b.ready(dlq) == 2 }, 20*time.Second, 10*time.Millisecond)
+	testenv.Eventually(t, 20*time.Second, "the transient one done and two dead-lettered", func(o *testenv.Observed) bool {
+		return o.Bool("transientDone", transientDone.Load()) && o.Int("ready(dlq)", b.ready(dlq)) == 2
+	})
 
 	mu.Lock()
 	require.Equal(t, 1, attempts[permanentID], "a permanent error is not retried")

@@ -37,10 +37,10 @@ func TestSubscriberRejectsUndecodable(t *testing.T) {
 	ch, err := conn.Channel()
 	require.NoError(t, err)
 	require.NoError(t, ch.PublishWithContext(context.Background(), topo.ExchangeName(), EventOrderPlaced, false, false, amqp091.Publishing{Body: []byte("x")}))
-	require.Eventually(t, func() bool {
+	testenv.Eventually(t, 10*time.Second, "one message dead-lettered", func(o *testenv.Observed) bool {
 		q, err := ch.QueueDeclarePassive(topo.DeadLetterQueue(c), true, false, false, false, nil)
-		return err == nil && q.Messages == 1
-	}, 10*time.Second, 10*time.Millisecond)
+		return o.Err("err", err) && o.Int("ready(dlq)", q.Messages) == 1
+	})
 	select {
 	case m := <-msgs:
 		t.Fatalf("an undecodable delivery reached the router: %v", m)

@@ -10,7 +10,7 @@ import (
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	amqpmarshaler "github.com/watermill-idempotency/idempotency/marshaler/amqp"
+	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 )
 
 // Topology defaults.
@@ -185,16 +185,23 @@ func (t Topology) Declare(ch *amqp091.Channel, consumers ...Consumer) error {
 	return nil
 }
 
+// deadLetter is c's dead-letter topology for the library's helper: the
+// fanout exchange DeadLetterExchange(c) (an exchange layout, as c's
+// subscriber publishes through the events exchange) and the quorum queue
+// DeadLetterQueue(c) bound to it.
+func (t Topology) deadLetter(amqpURL string, c Consumer) idamqp.DeadLetterConfig {
+	return idamqp.DeadLetterConfig{
+		Subscriber: t.SubscriberConfig(amqpURL, c),
+		Topic:      t.DeadLetterExchange(c),
+		Queue:      t.DeadLetterQueue(c),
+		Quorum:     true,
+	}
+}
+
 func (t Topology) declareConsumer(ch *amqp091.Channel, c Consumer) error {
-	dlx, dlq, q := t.DeadLetterExchange(c), t.DeadLetterQueue(c), t.Queue(c)
-	if err := ch.ExchangeDeclare(dlx, amqp091.ExchangeFanout, true, false, false, false, nil); err != nil {
-		return fmt.Errorf("shop: declare dead-letter exchange %s: %w", dlx, err)
-	}
-	if _, err := ch.QueueDeclare(dlq, true, false, false, false, amqp091.Table{"x-queue-type": "quorum"}); err != nil {
-		return fmt.Errorf("shop: declare dead-letter queue %s: %w", dlq, err)
-	}
-	if err := ch.QueueBind(dlq, "", dlx, false, nil); err != nil {
-		return fmt.Errorf("shop: bind %s to %s: %w", dlq, dlx, err)
+	q := t.Queue(c)
+	if err := t.deadLetter("", c).Declare(ch); err != nil {
+		return fmt.Errorf("shop: %w", err)
 	}
 	if c.Reconcile {
 		rq := t.ReconcileQueue(c)
@@ -262,24 +269,15 @@ func (t Topology) PublisherConfig(amqpURL string) wamqp.Config {
 }
 
 // PoisonPublisherConfig is the watermill-amqp configuration of c's poison
-// publisher (ChainConfig.PoisonPublisher): it publishes on c's dead-letter
-// exchange (fanout, durable), so every poisoned message lands in c's
-// dead-letter queue whatever the Watermill topic; with publisher confirms, so
-// the poisoned delivery is acked only after the broker holds its copy.
-// Malformed deliveries are published verbatim (see amqpmarshaler.Marshaler.Marshal).
+// publisher (ChainConfig.PoisonPublisher), from the library's
+// idamqp.DeadLetterConfig: it publishes on c's dead-letter exchange (fanout,
+// durable), so every poisoned message lands in c's dead-letter queue
+// whatever the Watermill topic; with publisher confirms, so the poisoned
+// delivery is acked only after the broker holds its copy.
+// Malformed deliveries are published verbatim (see idamqp.Marshaler.Marshal).
 func (t Topology) PoisonPublisherConfig(amqpURL string, c Consumer) wamqp.Config {
-	t = t.withDefaults()
-	cfg := t.baseConfig(amqpURL)
-	cfg.Exchange = wamqp.ExchangeConfig{
-		GenerateName: wamqp.GenerateExchangeNameConstant(t.DeadLetterExchange(c)),
-		Type:         amqp091.ExchangeFanout,
-		Durable:      true,
-	}
-	cfg.Publish = wamqp.PublishConfig{
-		GenerateRoutingKey: func(topic string) string { return topic },
-		ConfirmDelivery:    true,
-		ChannelPoolSize:    1,
-	}
+	cfg := t.deadLetter(amqpURL, c).PublisherConfig() // idamqp.DeadLetterConfig.PublisherConfig
+	cfg.Publish.ChannelPoolSize = 1
 	return cfg
 }
 
@@ -334,7 +332,7 @@ func (t Topology) SubscriberConfig(amqpURL string, c Consumer) wamqp.Config {
 func (t Topology) baseConfig(amqpURL string) wamqp.Config {
 	return wamqp.Config{
 		Connection: wamqp.ConnectionConfig{AmqpURI: amqpURL, Reconnect: t.Reconnect},
-		Marshaler:  amqpmarshaler.Marshaler{},
+		Marshaler:  idamqp.Marshaler{},
 		// Publisher-side declarations go through ExchangeDeclare below, so
 		// they use the same kind and durability as Declare.
 		TopologyBuilder: &topologyBuilder{t: t},

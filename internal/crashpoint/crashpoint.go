@@ -16,6 +16,9 @@ const (
 	// AfterCommit: COMMIT succeeded; the router has not acked (nor published
 	// returned messages) yet.
 	AfterCommit = "after-commit"
+	// OutboxAfterPublish: the outbox relay published a round's rows (the
+	// broker confirmed them) and has not yet deleted them.
+	OutboxAfterPublish = "outbox-after-publish"
 )
 
 var hook atomic.Pointer[func(name string)]

@@ -28,6 +28,7 @@ import (
 
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/watermill-idempotency/idempotency/marshaler"
@@ -52,6 +53,9 @@ type Marshaler struct {
 	// persistent (2), which the default is. Persistent messages in a durable
 	// queue survive a broker restart.
 	NotPersistent bool
+	// ClaimKey is [marshaler.Decoder.ClaimKey]: it derives the claim key of
+	// a CloudEvent whose id is not a UUID. Nil flags such an event malformed.
+	ClaimKey func(marshaler.ForeignID) (uuid.UUID, error)
 }
 
 var _ wamqp.Marshaler = Marshaler{}
@@ -142,8 +146,10 @@ func brokerHeader(k string) bool {
 // Unmarshal turns a delivery into a message. It never returns an error (see
 // [Marshaler]).
 //
-// The body is decoded by [marshaler.Decoder.Decode] with the delivery's
-// MessageId as the transport id: a valid envelope gives msg.UUID = the
+// The body and headers are decoded by [marshaler.Decoder.DecodeDelivery]
+// (the envelope, or a CloudEvent in structured mode or in binary mode with
+// cloudEvents:* / cloudEvents_* headers) with the delivery's MessageId as the
+// transport id: a valid envelope gives msg.UUID = the
 // canonical event_id (the MessageId is ignored), anything else a message
 // flagged malformed whose UUID is the MessageId or a random id.
 //
@@ -166,12 +172,11 @@ func (m Marshaler) Unmarshal(d amqp091.Delivery) (msg *message.Message, _ error)
 		}
 	}()
 
-	msg = marshaler.Decoder{MaxSize: m.MaxSize}.Decode(d.Body, d.MessageId)
+	in := marshaler.Delivery{Body: d.Body, Headers: make(map[string]string, len(d.Headers)), TransportID: d.MessageId}
 	for k, v := range d.Headers {
-		if !marshaler.ReservedKey(k) {
-			msg.Metadata.Set(k, headerText(v))
-		}
+		in.Headers[k] = headerText(v)
 	}
+	msg = marshaler.Decoder{MaxSize: m.MaxSize, ClaimKey: m.ClaimKey}.DecodeDelivery(in)
 	marshaler.SetRedelivered(msg, d.Redelivered)
 	if n, ok := deliveryCount(d.Headers[headerDeliveryCount]); ok {
 		msg.Metadata.Set(marshaler.MetadataDeliveryCount, n)

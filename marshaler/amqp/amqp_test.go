@@ -445,3 +445,29 @@ func ptr(s string) *string { return &s }
 func validBody() []byte {
 	return envelopeJSON(ptr(`"`+testID+`"`), ptr(`"order.placed"`), ptr(`"2024-07-01T10:00:00.000Z"`), ptr(`{"order_id":42}`))
 }
+
+// TestAMQPCloudEventsBinary: the AMQP binding's cloudEvents:* headers (and
+// the older cloudEvents_*) carry the attributes; a non-UUID id needs a
+// ClaimKey.
+func TestAMQPCloudEventsBinary(t *testing.T) {
+	t.Parallel()
+	for _, p := range []string{"cloudEvents:", "cloudEvents_"} {
+		d := amqp091.Delivery{Body: []byte(`{"order_id":42}`), Headers: amqp091.Table{
+			p + "specversion": "1.0", p + "id": "order-42", p + "source": "/shop",
+			p + "type": "order.placed", p + "time": "2024-07-01T10:00:00Z",
+		}}
+		msg, err := Marshaler{}.Unmarshal(d)
+		require.NoError(t, err)
+		_, bad := marshaler.Malformed(msg)
+		require.True(t, bad, "non-UUID id, no ClaimKey")
+
+		m := Marshaler{ClaimKey: marshaler.UUIDv5ClaimKey(uuid.MustParse(testID))}
+		msg, err = m.Unmarshal(d)
+		require.NoError(t, err)
+		_, bad = marshaler.Malformed(msg)
+		require.False(t, bad, msg.Metadata.Get(marshaler.MetadataMalformedReason))
+		require.Equal(t, "order.placed", marshaler.EventName(msg))
+		again, _ := m.Unmarshal(d)
+		require.Equal(t, msg.UUID, again.UUID)
+	}
+}

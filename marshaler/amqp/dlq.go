@@ -68,6 +68,13 @@ func (c DeadLetterConfig) Validate() error {
 		return errors.New("amqp: DeadLetterConfig.Subscriber.Connection.AmqpURI is required")
 	case c.Subscriber.Marshaler == nil:
 		return errors.New("amqp: DeadLetterConfig.Subscriber.Marshaler is required")
+	}
+	return c.validateNames()
+}
+
+// validateNames checks what Declare needs (it is given a channel: no URI).
+func (c DeadLetterConfig) validateNames() error {
+	switch {
 	case !validName(c.Topic):
 		return fmt.Errorf("amqp: DeadLetterConfig.Topic %q: 1 to 255 of [A-Za-z0-9_.:-], not amq.*", c.Topic)
 	case c.Queue != "" && !validName(c.Queue):
@@ -127,9 +134,9 @@ func (c DeadLetterConfig) queueArgs() amqp091.Table {
 // quorum when Quorum) and, for an exchange layout, the fanout exchange
 // Topic (durable) with the queue bound to it. A declaration that conflicts
 // with an existing object fails with the broker's channel error, which
-// closes ch.
+// closes ch. Subscriber's connection and marshaler are not needed here.
 func (c DeadLetterConfig) Declare(ch *amqp091.Channel) error {
-	if err := c.Validate(); err != nil {
+	if err := c.validateNames(); err != nil {
 		return err
 	}
 	c = c.withDefaults()

@@ -1,0 +1,115 @@
+package readme_test
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// README:begin
+
+// runStock consumes "order.order.placed.v1" events: each one reserves stock
+// once, in the transaction that records the event as processed.
+func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill.LoggerAdapter) error {
+	pool, err := pgxpool.New(ctx, databaseURL)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	store, err := processed.NewStore(processed.Config{}) // table processed_event
+	if err != nil {
+		return err
+	}
+	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil { // or processed.MigrationsFS with goose / golang-migrate
+		return err
+	}
+	beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
+	if err != nil {
+		return err
+	}
+	idem, err := middleware.NewIdempotent(middleware.Config{
+		Consumer: "stock", // required: the claim key's consumer name; competing workers share it
+		Beginner: beginner,
+		Store:    store,
+	}, logger)
+	if err != nil {
+		return err
+	}
+
+	// The consumer's durable quorum queue "stock.events", bound to the topic
+	// exchange "events" by event name; the envelope marshaler.
+	subCfg := amqp.NewDurableTopicConfig(amqpURL, "events", "stock.events")
+	subCfg.Exchange.Durable = true
+	subCfg.Queue.Arguments = amqp091.Table{"x-queue-type": "quorum"}
+	subCfg.Marshaler = idamqp.Marshaler{}
+	subscriber, err := amqp.NewSubscriber(subCfg, logger)
+	if err != nil {
+		return err
+	}
+	// The dead-letter queue, declared before anything is poisoned, on an
+	// exchange of its own: never SubscribeInitialize(dlq) on subCfg, which
+	// binds stock.events itself to the poison topic, so poisoned messages
+	// come straight back.
+	dlq := idamqp.DeadLetterConfig{Subscriber: subCfg, Topic: "stock.events.dlq", Quorum: true}
+	if _, err := idamqp.DeclareDeadLetter(dlq); err != nil {
+		return err
+	}
+	// Confirms + mandatory: a poisoned delivery is acked only once the broker
+	// stored its copy in a queue; otherwise the chain keeps it and retries.
+	poison, err := idamqp.NewPoisonPublisher(idamqp.PoisonPublisherConfig{URL: amqpURL, Exchange: dlq.ExchangeName()}, logger)
+	if err != nil {
+		return err
+	}
+	defer poison.Close()
+
+	// The whole chain as one middleware: Poison → Retry → Recoverer →
+	// Idempotent (only what survived the retries or is permanent is
+	// poisoned; every attempt gets a fresh transaction; infrastructure
+	// errors hold the delivery, they never poison it).
+	chain, err := middleware.NewHandlerMiddleware(middleware.ChainConfig{
+		Idempotent:      idem,
+		PoisonPublisher: poison,
+		PoisonTopic:     dlq.Topic,
+	}, logger)
+	if err != nil {
+		return err
+	}
+	router, err := message.NewRouter(message.RouterConfig{}, logger)
+	if err != nil {
+		return err
+	}
+	router.AddConsumerHandler("reserve_stock", "order.order.placed.v1", subscriber, func(msg *message.Message) error {
+		var order struct {
+			OrderID string `json:"order_id"`
+		}
+		if err := json.Unmarshal(msg.Payload, &order); err != nil {
+			return middleware.Permanent(err) // poisoned at once, never retried
+		}
+		tx, _ := middleware.PgxTxFromContext(msg.Context()) // the attempt's transaction: write effects here
+		_, err := tx.Exec(msg.Context(), `INSERT INTO reservation (order_id) VALUES ($1)`, order.OrderID)
+		return err // error → rollback, retried; nil → commit, ack
+	}).AddMiddleware(chain) // per handler, not router.AddMiddleware (see NewHandlerMiddleware)
+	return router.Run(ctx)
+}
+
+// README:end
+
+// The README's snippet: a stock consumer on PostgreSQL and RabbitMQ.
+// Compiled by go test, not run (it consumes until ctx ends).
+func Example() {
+	logger := watermill.NewStdLogger(false, false)
+	if err := runStock(context.Background(), os.Getenv("AMQP_URL"), os.Getenv("DATABASE_URL"), logger); err != nil {
+		logger.Error("stock consumer stopped", err, nil)
+	}
+}

@@ -1,0 +1,84 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+//go:embed migrations
+var migrationTemplates embed.FS
+
+// Migrations returns the outbox's migrations in version order, rendered for
+// its tables and dialect (files migrations/<dialect>/NNNN_*.up.sql). Each one
+// is idempotent (IF NOT EXISTS).
+func (o *Outbox) Migrations() ([]sqldb.Migration, error) {
+	ms, err := sqldb.RenderMigrations(migrationTemplates, "migrations/"+o.cfg.Dialect.String(), o.q.t)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: %w", err)
+	}
+	return ms, nil
+}
+
+// MigrationsFS returns Migrations as an fs.FS of "NNNN_name.up.sql" files
+// (golang-migrate's layout, with goose annotations), for a migration tool
+// that owns the schema instead of Migrate.
+func (o *Outbox) MigrationsFS() (fs.FS, error) {
+	ms, err := o.Migrations()
+	if err != nil {
+		return nil, err
+	}
+	return sqldb.MigrationsFS(ms), nil
+}
+
+// Migrate applies the migrations in version order and records each in the
+// idempotency_migration table (component "outbox:<table>"); safe from
+// several instances at once (sqldb.Migrate).
+func (o *Outbox) Migrate(ctx context.Context, q sqldb.Querier) error {
+	ms, err := o.Migrations()
+	if err != nil {
+		return err
+	}
+	if err := sqldb.Migrate(ctx, q, o.cfg.Dialect, "outbox:"+o.cfg.Table, ms); err != nil {
+		return fmt.Errorf("outbox: %w", err)
+	}
+	return nil
+}
+
+// InitializeSchema is Migrate on a watermill-sql Beginner (wsql.BeginnerFromPgx,
+// wsql.BeginnerFromStdSQL): statements run outside a transaction.
+func (o *Outbox) InitializeSchema(ctx context.Context, db wsql.Beginner) error {
+	return o.Migrate(ctx, execQuerier{db})
+}
+
+// execQuerier adapts a wsql.ContextExecutor to sqldb.Querier.
+type execQuerier struct{ e wsql.ContextExecutor }
+
+func (q execQuerier) Exec(ctx context.Context, query string, args ...any) (int64, error) {
+	res, err := q.e.ExecContext(ctx, query, args...)
+	if err != nil {
+		return 0, err
+	}
+	return res.RowsAffected()
+}
+
+func (q execQuerier) QueryRow(ctx context.Context, query string, args ...any) sqldb.Row {
+	return rowFunc(func(dest ...any) error {
+		err := queryRow(ctx, q.e, query, args, dest...)
+		if errors.Is(err, sql.ErrNoRows) {
+			return sqldb.ErrNoRows
+		}
+		return err
+	})
+}
+
+type rowFunc func(dest ...any) error
+
+func (f rowFunc) Scan(dest ...any) error { return f(dest...) }

@@ -1,0 +1,34 @@
+package outbox
+
+import "time"
+
+// Recorder receives a relay's metrics. Implementations must be safe for
+// concurrent use and fast (they run in the relay loop). outbox/outboxprom
+// implements it with Prometheus.
+type Recorder interface {
+	// Round is called after each committed relay round with the rows it
+	// published (0 for an empty round).
+	Round(published int)
+	// PublishFailed is called for each failed publish of a row to topic.
+	PublishFailed(topic string)
+	// DeadLettered is called for each row moved to the dead-letter table.
+	DeadLettered(topic string)
+	// Pending is called every RelayConfig.StatsInterval with the pending
+	// rows and the age of the oldest (0 when none).
+	Pending(rows int, oldest time.Duration)
+}
+
+// NopRecorder records nothing.
+type NopRecorder struct{}
+
+// Round implements Recorder.
+func (NopRecorder) Round(int) {}
+
+// PublishFailed implements Recorder.
+func (NopRecorder) PublishFailed(string) {}
+
+// DeadLettered implements Recorder.
+func (NopRecorder) DeadLettered(string) {}
+
+// Pending implements Recorder.
+func (NopRecorder) Pending(int, time.Duration) {}

@@ -1,0 +1,182 @@
+package processed
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"unicode/utf8"
+
+	"github.com/google/uuid"
+
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// FingerprintVersion is the first byte of every fingerprint the store writes:
+// the version of the algorithm (SHA-256 over the event name's length, the
+// name and the payload). A stored fingerprint of another version is never
+// compared (see Identity.Verdict), so a future change of algorithm cannot turn
+// stored rows into conflicts.
+const FingerprintVersion byte = 1
+
+// MaxStoredEventName is how many bytes of the event name a claim stores for
+// the conflict log (the fingerprint covers the whole name): longer names are
+// cut at a character boundary.
+const MaxStoredEventName = 255
+
+// Identity is what a claim with payload verification records about the event
+// it applied: its name (for the log of a conflict) and its fingerprint.
+// Build one with NewIdentity.
+type Identity struct {
+	// EventName is the event's name as given (the stored copy is cut to
+	// MaxStoredEventName bytes).
+	EventName string
+	// Fingerprint is FingerprintVersion followed by the 32 bytes of
+	// SHA-256(uvarint(len(name)) ‖ name ‖ payload).
+	Fingerprint []byte
+}
+
+// NewIdentity fingerprints an event: its name and its payload bytes, exactly
+// as received (the envelope keeps the payload byte for byte, so every copy of
+// one event, whether republished by the relay or redelivered by the broker,
+// has the same bytes). The name's length is hashed first, so no other split
+// of the same bytes between name and payload gives the same fingerprint.
+func NewIdentity(eventName string, payload []byte) Identity {
+	h := sha256.New()
+	var n [binary.MaxVarintLen64]byte
+	h.Write(n[:binary.PutUvarint(n[:], uint64(len(eventName)))])
+	h.Write([]byte(eventName))
+	h.Write(payload)
+	fp := make([]byte, 1, 1+sha256.Size)
+	fp[0] = FingerprintVersion
+	return Identity{EventName: eventName, Fingerprint: h.Sum(fp)}
+}
+
+// storedName is the event name as the claim stores it.
+func (id Identity) storedName() string {
+	s := id.EventName
+	if len(s) <= MaxStoredEventName {
+		return s
+	}
+	s = s[:MaxStoredEventName]
+	for len(s) > 0 && !utf8.ValidString(s) {
+		s = s[:len(s)-1]
+	}
+	return s
+}
+
+// StoredIdentity is what a processed row says about the event it recorded.
+type StoredIdentity struct {
+	// Found is false when no row exists (it was purged, or the duplicate's
+	// claim waited on a transaction that then rolled back: impossible while
+	// the caller's claim returned 0 rows in the same transaction, short of a
+	// purge in between).
+	Found bool
+	// EventName is the stored name; "" when the row has none.
+	EventName string
+	// Fingerprint is the stored fingerprint; nil on rows written before the
+	// fingerprint column existed, or by a claim without verification.
+	Fingerprint []byte
+}
+
+// Verdict is the comparison of a duplicate with the row it collided with.
+type Verdict int
+
+const (
+	// SameEvent: the fingerprints are equal; the duplicate is the event
+	// that was applied.
+	SameEvent Verdict = iota
+	// Unverified: the row has no fingerprint of this store's version (a row
+	// written before the column existed, by a claim without verification,
+	// with another algorithm version, or no row at all): a plain duplicate.
+	Unverified
+	// OtherEvent: the fingerprints differ: the event id was reused for
+	// another event (a producer bug). Nothing is applied.
+	OtherEvent
+)
+
+// Verdict compares id, the identity of a message whose claim found a row,
+// with that row's stored identity.
+func (id Identity) Verdict(stored StoredIdentity) Verdict {
+	fp := stored.Fingerprint
+	if !stored.Found || len(fp) == 0 || fp[0] != FingerprintVersion || len(id.Fingerprint) == 0 {
+		return Unverified
+	}
+	if bytes.Equal(fp, id.Fingerprint) {
+		return SameEvent
+	}
+	return OtherEvent
+}
+
+// ClaimIdentityQuery is ClaimQuery for a claim that also stores id (payload
+// verification): the same single INSERT … ON CONFLICT DO NOTHING, with the
+// event name and fingerprint as two more columns; rows affected 1 for a
+// claim and 0 for a duplicate. It needs the 0003_fingerprint migration.
+func (s *Store) ClaimIdentityQuery(consumer string, eventID uuid.UUID, id Identity) (string, []any) {
+	return s.identity.claim, []any{consumer, s.sql.eventID(eventID), id.storedName(), id.Fingerprint}
+}
+
+// ClaimIdentity is Claim storing id with the row (see ClaimIdentityQuery).
+// On false (a duplicate), StoredIdentity and Identity.Verdict tell whether
+// the row recorded the same event.
+func (s *Store) ClaimIdentity(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID, id Identity) (bool, error) {
+	if consumer == "" {
+		return false, ErrEmptyConsumer
+	}
+	if eventID == uuid.Nil {
+		return false, ErrNilEventID
+	}
+	query, args := s.ClaimIdentityQuery(consumer, eventID, id)
+	n, err := q.Exec(ctx, query, args...)
+	if err != nil {
+		return false, fmt.Errorf("processed: claim %s/%s: %w", consumer, eventID, err)
+	}
+	return n == 1, nil
+}
+
+// StoredIdentity reads the event name and fingerprint of the row of
+// (consumer, eventID), with one primary-key lookup. Run it on the
+// transaction whose claim returned 0 rows: it is the duplicate path's only
+// extra statement (a new event costs none).
+func (s *Store) StoredIdentity(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) (StoredIdentity, error) {
+	var (
+		name []byte
+		fp   []byte
+	)
+	err := q.QueryRow(ctx, s.identity.stored, consumer, s.sql.eventID(eventID)).Scan(&name, &fp)
+	switch {
+	case errors.Is(err, sqldb.ErrNoRows):
+		return StoredIdentity{}, nil
+	case err != nil:
+		return StoredIdentity{}, fmt.Errorf("processed: read fingerprint %s/%s: %w", consumer, eventID, err)
+	}
+	return StoredIdentity{Found: true, EventName: string(name), Fingerprint: fp}, nil
+}
+
+// identityStatements are the payload-verification statements of one store,
+// built once by NewStore.
+type identityStatements struct {
+	claim, stored string
+}
+
+func newIdentityStatements(d sqldb.Dialect, q string) identityStatements {
+	switch d {
+	case sqldb.MySQL:
+		return identityStatements{
+			claim:  "INSERT INTO " + q + " (consumer, event_id, event_name, fingerprint) VALUES (?, ?, ?, ?) ON DUPLICATE KEY UPDATE consumer = consumer",
+			stored: "SELECT event_name, fingerprint FROM " + q + " WHERE consumer = ? AND event_id = ?",
+		}
+	case sqldb.SQLite:
+		return identityStatements{
+			claim:  "INSERT INTO " + q + " (consumer, event_id, event_name, fingerprint) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
+			stored: "SELECT event_name, fingerprint FROM " + q + " WHERE consumer = ? AND event_id = ?",
+		}
+	default:
+		return identityStatements{
+			claim:  "INSERT INTO " + q + " (consumer, event_id, event_name, fingerprint) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+			stored: "SELECT event_name, fingerprint FROM " + q + " WHERE consumer = $1 AND event_id = $2",
+		}
+	}
+}

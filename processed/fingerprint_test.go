@@ -1,0 +1,122 @@
+package processed_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// The fingerprint migration upgrades a processed_event table of today's
+// schema in place, on every database: rows written before it are plain
+// duplicates (no fingerprint), new claims store the event name and the
+// fingerprint, and a duplicate with other content is told apart.
+func TestFingerprintMigrationUpgradesInPlace(t *testing.T) {
+	t.Parallel()
+	eachTarget(t, func(t *testing.T, tg target) {
+		ctx := context.Background()
+		s, err := processed.NewStore(processed.Config{Dialect: tg.dialect})
+		require.NoError(t, err)
+		ms, err := s.Migrations()
+		require.NoError(t, err)
+		require.Equal(t, "0001_create_processed_event.up.sql", ms[0].Name)
+		require.Equal(t, "0003_fingerprint.up.sql", ms[len(ms)-1].Name)
+
+		// Today's schema only, and a row claimed by today's statement.
+		require.NoError(t, sqldb.Migrate(ctx, tg.db, tg.dialect, "processed:"+s.Table().String(), ms[:1]))
+		old := uuid.Must(uuid.NewV7())
+		tx, end := tg.begin(t)
+		ok, err := s.Claim(ctx, tx, "stock", old)
+		require.NoError(t, err)
+		require.True(t, ok)
+		end(true)
+
+		// The upgrade, twice (idempotent).
+		require.NoError(t, s.Migrate(ctx, tg.db))
+		require.NoError(t, s.Migrate(ctx, tg.db))
+
+		// The old row: a duplicate without a fingerprint.
+		idA := processed.NewIdentity("order.placed", []byte(`{"order_id":1}`))
+		tx, end = tg.begin(t)
+		ok, err = s.ClaimIdentity(ctx, tx, "stock", old, idA)
+		require.NoError(t, err)
+		require.False(t, ok)
+		stored, err := s.StoredIdentity(ctx, tx, "stock", old)
+		require.NoError(t, err)
+		require.True(t, stored.Found)
+		require.Nil(t, stored.Fingerprint)
+		require.Equal(t, processed.Unverified, idA.Verdict(stored))
+		end(false)
+
+		// A new event, claimed with its identity.
+		id := uuid.Must(uuid.NewV7())
+		tx, end = tg.begin(t)
+		ok, err = s.ClaimIdentity(ctx, tx, "stock", id, idA)
+		require.NoError(t, err)
+		require.True(t, ok)
+		end(true)
+		done, err := s.Processed(ctx, tg.db, "stock", id)
+		require.NoError(t, err)
+		require.True(t, done)
+
+		tx, end = tg.begin(t)
+		defer end(false)
+		ok, err = s.ClaimIdentity(ctx, tx, "stock", id, idA)
+		require.NoError(t, err)
+		require.False(t, ok, "a duplicate")
+		stored, err = s.StoredIdentity(ctx, tx, "stock", id)
+		require.NoError(t, err)
+		require.Equal(t, "order.placed", stored.EventName)
+		require.Equal(t, idA.Fingerprint, stored.Fingerprint)
+		require.Equal(t, processed.SameEvent, idA.Verdict(stored))
+		require.Equal(t, processed.OtherEvent, processed.NewIdentity("order.placed", []byte(`{"order_id":2}`)).Verdict(stored))
+		require.Equal(t, processed.OtherEvent, processed.NewIdentity("order.cancelled", []byte(`{"order_id":1}`)).Verdict(stored))
+
+		// The plain claim still works on the upgraded table (verification off).
+		plain := uuid.Must(uuid.NewV7())
+		ok, err = s.Claim(ctx, tx, "stock", plain)
+		require.NoError(t, err)
+		require.True(t, ok)
+		stored, err = s.StoredIdentity(ctx, tx, "stock", plain)
+		require.NoError(t, err)
+		require.Equal(t, processed.Unverified, idA.Verdict(stored))
+
+		// A long name is stored cut, at a character boundary; the
+		// fingerprint covers all of it.
+		long := strings.Repeat("é", 200)
+		idLong := processed.NewIdentity(long, nil)
+		lid := uuid.Must(uuid.NewV7())
+		ok, err = s.ClaimIdentity(ctx, tx, "stock", lid, idLong)
+		require.NoError(t, err)
+		require.True(t, ok)
+		stored, err = s.StoredIdentity(ctx, tx, "stock", lid)
+		require.NoError(t, err)
+		require.Equal(t, long[:processed.MaxStoredEventName-1], stored.EventName)
+		require.Equal(t, processed.SameEvent, idLong.Verdict(stored))
+
+		// No row at all (purged): nothing to compare.
+		stored, err = s.StoredIdentity(ctx, tx, "stock", uuid.Must(uuid.NewV7()))
+		require.NoError(t, err)
+		require.False(t, stored.Found)
+		require.Equal(t, processed.Unverified, idA.Verdict(stored))
+	})
+}
+
+// The fingerprint separates name from payload, and carries its version.
+func TestIdentityFingerprint(t *testing.T) {
+	t.Parallel()
+	a := processed.NewIdentity("ab", []byte("c"))
+	b := processed.NewIdentity("a", []byte("bc"))
+	require.NotEqual(t, a.Fingerprint, b.Fingerprint)
+	require.Len(t, a.Fingerprint, 33)
+	require.Equal(t, processed.FingerprintVersion, a.Fingerprint[0])
+	require.Equal(t, a.Fingerprint, processed.NewIdentity("ab", []byte("c")).Fingerprint)
+	other := append([]byte{processed.FingerprintVersion + 1}, b.Fingerprint[1:]...)
+	require.Equal(t, processed.Unverified, a.Verdict(processed.StoredIdentity{Found: true, Fingerprint: other}),
+		"a fingerprint of another version is not compared")
+}
