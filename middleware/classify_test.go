@@ -120,7 +120,16 @@ func TestConnectionLostInHandlerIsHeld(t *testing.T) {
 	poison := &capture{msgs: make(chan *message.Message, 1)}
 	var calls atomic.Int32
 	var seen []error
-	h := chained(t, idem, poison, nil, func(msg *message.Message) ([]*message.Message, error) {
+	// A long hold: the retry on a new connection must not race the hold's
+	// bound on a loaded machine (chained's 300 ms is for tests that expect
+	// the bound to pass).
+	mw, err := middleware.NewHandlerMiddleware(middleware.ChainConfig{
+		Idempotent: idem, PoisonPublisher: poison, PoisonTopic: "poison",
+		MaxRetries: 2, InitialInterval: 5 * time.Millisecond, MaxInterval: 20 * time.Millisecond,
+		MaxHold: time.Minute,
+	}, nil)
+	require.NoError(t, err)
+	h := mw(func(msg *message.Message) ([]*message.Message, error) {
 		if calls.Add(1) == 1 {
 			proxy.Cut() // the attempt's connection dies under the handler
 		}

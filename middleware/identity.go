@@ -84,9 +84,9 @@ func (m *Idempotent) verifyDuplicate(ctx context.Context, tx attemptTx, c claimR
 	}
 	err = fmt.Errorf("%w: %s/%s was processed as %q, this message is %q with another fingerprint",
 		ErrEventIDReused, c.consumer, c.eventID, stored.EventName, c.identity.EventName)
-	m.logger.Error("Event id reused for another event: not applied", err, fields.Add(watermill.LogFields{
-		"stored_event_name": stored.EventName,
-		"hint":              "the producer gave one event_id to two different events; this message goes to the poison topic",
-	}))
+	// Logged once, at ERROR, by finish (the rejection's line), with both
+	// event names.
+	fields["stored_event_name"] = stored.EventName
+	fields["hint"] = "the producer gave one event_id to two different events; this message goes to the poison topic"
 	return true, err
 }

@@ -56,9 +56,11 @@ func TestEventIDReusedIsAConflict(t *testing.T) {
 		store, err := processed.NewStore(processed.Config{Dialect: tg.Dialect})
 		require.NoError(t, err)
 		require.NoError(t, store.Migrate(ctx, tg.DB))
-		beginner := mustBeginner(middleware.NewStdBeginner(tg.Std))
+		var beginner middleware.TxBeginner
 		if tg.Pgx != nil {
 			beginner = mustBeginner(middleware.NewPgxBeginner(tg.Pgx, middleware.PgxBeginnerConfig{}))
+		} else {
+			beginner = mustBeginner(middleware.NewStdBeginner(tg.Std))
 		}
 		logger := &captureLogger{}
 		rec := &recorder{}
@@ -105,8 +107,8 @@ func TestEventIDReusedIsAConflict(t *testing.T) {
 		require.Len(t, errLines, 3)
 		require.Equal(t, "order.cancelled", errLines[0].fields["event_name"])
 		require.Equal(t, "order.placed", errLines[0].fields["stored_event_name"])
-		require.Contains(t, fmt.Sprint(errLines[0].fields["err"]), `"order.placed"`)
-		require.Contains(t, fmt.Sprint(errLines[0].fields["err"]), `"order.cancelled"`)
+		require.Contains(t, fmt.Sprint(errLines[0].fields["error"]), `"order.placed"`)
+		require.Contains(t, fmt.Sprint(errLines[0].fields["error"]), `"order.cancelled"`)
 
 		// A row written without a fingerprint (before the migration, or
 		// with verification off) keeps working: a plain duplicate.

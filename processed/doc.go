@@ -14,6 +14,13 @@
 //     handler and never releases).
 //   - Migrate is safe from several instances at once; MigrationsFS gives the
 //     same SQL to goose or golang-migrate.
+//   - ClaimIdentity is the same single INSERT storing the event's name and a
+//     versioned fingerprint (NewIdentity: SHA-256 of name and payload bytes);
+//     on a duplicate, StoredIdentity (one primary-key read) and
+//     Identity.Verdict tell the same event (SameEvent) from another one under
+//     a reused id (OtherEvent). Migration 0003 adds the two columns in place;
+//     rows written before it, by Claim, or with a fingerprint of another
+//     version, are Unverified (plain duplicates), never conflicts.
 //   - PurgeBatch and Purger delete rows older than a replay horizon in bounded
 //     batches, each its own short transaction, with the cutoff taken from the
 //     database clock (now() − horizon): neither the process's TZ nor the
@@ -26,6 +33,8 @@
 //   - After a row is purged, a redelivery of its event would be claimed
 //     again: refuse events older than the horizon (middleware
 //     Config.ReplayHorizon, same value as PurgerConfig.Horizon).
-//   - Event ids are trusted: two different events with one event_id are one
-//     event. Producers must mint them (UUIDv7, marshaler.NewMessage).
+//   - Event ids are trusted beyond what the fingerprint checks: a reused id
+//     meeting a row without a fingerprint is a duplicate, and the payload is
+//     compared byte for byte (a re-encoded replay is OtherEvent). Producers
+//     must mint ids (UUIDv7, marshaler.NewMessage).
 package processed

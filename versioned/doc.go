@@ -140,6 +140,19 @@
 // family's newest message is never older than the record. Losing records only
 // lets more through.
 //
+// A poisoned newest message never freezes its family: with
+// LatestFilter.RetireOnPoison in middleware.ChainConfig.AfterPoison, a
+// message the filter let through and that is then poisoned is recorded as
+// retired for that consumer (the retired table, the applied table's name +
+// "_retired", written on its own outside the failed transaction; a failed
+// write turns the poisoning into a transient retry). A latest record naming
+// a retired message makes nothing obsolete at that consumer: an older
+// message of the family that arrives afterwards and is newer than what was
+// applied is applied, whichever latest store holds the records (SQL or
+// Redis). A newer message published later moves the latest record on, and
+// filtering resumes. Retirement is per consumer: another consumer that
+// applied the message filters as before.
+//
 // Retention: FamilyPurger deletes families idle for longer than a horizon
 // (both tables, bounded batches, one purger at a time under a lock: advisory
 // on PostgreSQL, GET_LOCK on MySQL, per process on SQLite; Start/Stop); RedisLatest keys expire by themselves. Choose the horizon ≥
@@ -150,9 +163,9 @@
 //   - Latest-only is a choice about effects: messages must be snapshots (the
 //     newest carries everything the older ones did), not deltas or commands
 //     whose every instance matters.
-//   - If the newest message of a family fails permanently (poison topic), the
-//     older ones were already acked as obsolete: nothing of the family is
-//     applied until a newer message comes or the poisoned one is replayed.
+//   - Messages of a family dropped as obsolete while its newest message was
+//     still being retried, before it was poisoned, are not brought back (they
+//     were acked); see "A poisoned newest message" above.
 //   - Producers own the order: sequence numbers must grow per family, and
 //     occurred_at from several unsynchronised clocks only orders as well as
 //     those clocks agree. A producer must not stop sending sequence numbers

@@ -296,6 +296,7 @@ func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		obs.Outcome = FilterHandled
 		f.record(obs)
 		f.logger.Trace("Latest message of its family handled", fields)
+		noteHandled(ctx, consumer, fam, pos) // for RetireOnPoison, latest_retire.go
 		return h(msg)
 	}
 }
@@ -318,7 +319,15 @@ func (f *LatestFilter) twoSteps(msg *message.Message, q sqldb.Querier, consumer 
 		f.logger.Error("Latest-per-family record unreadable; judging the message by the applied check alone", err,
 			watermill.LogFields{"event_id": msg.UUID, "family_kind": fam.Kind, "family_id": fam.ID})
 	case known && latest.After(pos):
-		return verdictObsolete, nil
+		// Obsolete unless the latest message was retired here (poisoned:
+		// it will never be applied, latest_retire.go).
+		retired, err := f.cfg.Families.isRetired(ctx, q, consumer, fam, latest)
+		if err != nil {
+			return 0, err
+		}
+		if !retired {
+			return verdictObsolete, nil
+		}
 	}
 	recorded, err := f.cfg.Families.RecordApplied(ctx, q, consumer, fam, pos)
 	if err != nil {

@@ -36,6 +36,11 @@ type familySQL struct {
 	// latest record there?) then applied run one after the other in the
 	// handler's transaction.
 	check, newer string
+	// retire records a consumer's poisoned position of a family in the
+	// retired table (parameters and arguments as applied; no result);
+	// retired says whether a given position is the retired one (parameters
+	// consumer, kind, id, order_key). See latest_retire.go.
+	retire, retired string
 
 	purgeLatest, purgeApplied string
 	purgeArgs                 func(horizon time.Duration, limit int64) []any
@@ -47,15 +52,16 @@ type familySQL struct {
 	lock func(ctx context.Context, conn sqldb.Conn, name string) (unlock func(), ok bool, err error)
 }
 
-func familySQLFor(d sqldb.Dialect, latest, applied sqldb.Ident) (familySQL, error) {
-	l, a := latest.Quoted(d.QuoteChar()), applied.Quoted(d.QuoteChar())
-	f := func(s string) string { return fmt.Sprintf(s, l, a) }
+func familySQLFor(d sqldb.Dialect, latest, applied, retired sqldb.Ident) (familySQL, error) {
+	l, a, r := latest.Quoted(d.QuoteChar()), applied.Quoted(d.QuoteChar()), retired.Quoted(d.QuoteChar())
+	f := func(s string) string { return fmt.Sprintf(s, l, a, r) }
 	var s familySQL
 	switch d {
 	case sqldb.PostgreSQL:
 		s = familySQL{
 			advance: f(pgFamilyAdvance), applied: f(pgFamilyApplied), returning: true,
 			latest: f(pgFamilyLatest), check: f(pgFamilyCheck),
+			retire: f(pgFamilyRetire), retired: f(pgFamilyRetired),
 			purgeLatest:  fmt.Sprintf(pgFamilyPurge, l, "family_kind, family_id"),
 			purgeApplied: fmt.Sprintf(pgFamilyPurge, a, "consumer, family_kind, family_id"),
 			eventID:      func(id uuid.UUID) any { return pgtype.UUID{Bytes: id, Valid: true} },
@@ -71,6 +77,7 @@ func familySQLFor(d sqldb.Dialect, latest, applied sqldb.Ident) (familySQL, erro
 				return []any{consumer, kind, id, key, eventID, key, eventID, key, key, key}
 			},
 			latest: f(myFamilyLatest), newer: f(myFamilyNewer),
+			retire: f(myFamilyRetire), retired: f(myFamilyRetired),
 			purgeLatest: fmt.Sprintf(myFamilyPurge, l), purgeApplied: fmt.Sprintf(myFamilyPurge, a),
 			eventID: func(id uuid.UUID) any { return id[:] },
 			lock:    myFamilyLock,
@@ -86,6 +93,7 @@ func familySQLFor(d sqldb.Dialect, latest, applied sqldb.Ident) (familySQL, erro
 				return []any{kind, id, key, eventID, seq, text}
 			},
 			latest: f(liteFamilyLatest), newer: f(liteFamilyNewer),
+			retire: f(liteFamilyRetire), retired: f(liteFamilyRetired),
 			purgeLatest:  fmt.Sprintf(liteFamilyPurge, l, "family_kind, family_id"),
 			purgeApplied: fmt.Sprintf(liteFamilyPurge, a, "consumer, family_kind, family_id"),
 			purgeArgs: func(h time.Duration, limit int64) []any {
@@ -154,9 +162,16 @@ RETURNING true`
 	// (false: stale). A data-modifying CTE runs exactly once whether or not
 	// the outer query reads it; the casts give the parameters their types,
 	// which INSERT … SELECT would not infer.
+	//
+	// A latest record naming a message this consumer retired (poisoned:
+	// %[3]s, see latest_retire.go) makes nothing obsolete: that message
+	// will never be applied here.
 	pgFamilyCheck = `WITH latest AS (
-    SELECT EXISTS (SELECT 1 FROM %[1]s
-                   WHERE family_kind = $2::text AND family_id = $3::text AND order_key > $4::bytea) AS obsolete
+    SELECT EXISTS (SELECT 1 FROM %[1]s l
+                   WHERE l.family_kind = $2::text AND l.family_id = $3::text AND l.order_key > $4::bytea
+                     AND NOT EXISTS (SELECT 1 FROM %[3]s r
+                                     WHERE r.consumer = $1::text AND r.family_kind = l.family_kind
+                                       AND r.family_id = l.family_id AND r.order_key = l.order_key)) AS obsolete
 ), recorded AS (
     INSERT INTO %[2]s AS cur (consumer, family_kind, family_id, order_key, event_id)
     SELECT $1::text, $2::text, $3::text, $4::bytea, $5::uuid FROM latest WHERE NOT latest.obsolete
@@ -166,6 +181,19 @@ RETURNING true`
     RETURNING true
 )
 SELECT latest.obsolete, EXISTS (SELECT 1 FROM recorded) FROM latest`
+
+	// pgFamilyRetire moves a consumer's retired position of a family
+	// forward (parameters as pgFamilyApplied), committed on its own.
+	pgFamilyRetire = `INSERT INTO %[3]s AS cur (consumer, family_kind, family_id, order_key, event_id)
+VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (consumer, family_kind, family_id) DO UPDATE
+SET order_key = EXCLUDED.order_key, event_id = EXCLUDED.event_id, updated_at = now()
+WHERE cur.order_key < EXCLUDED.order_key`
+
+	// pgFamilyRetired: is order_key the consumer's retired position of the
+	// family? Parameters: consumer, kind, id, order_key.
+	pgFamilyRetired = `SELECT EXISTS (SELECT 1 FROM %[3]s
+    WHERE consumer = $1 AND family_kind = $2 AND family_id = $3 AND order_key = $4)`
 
 	// pgFamilyPurge deletes at most $2 rows idle for longer than $1
 	// microseconds by the database clock (now() is the transaction's start
@@ -238,7 +266,21 @@ const (
 	// (consistent, non-locking) read, so it never blocks producers; run
 	// before myFamilyApplied in the handler's transaction. Parameters:
 	// kind, id, order_key.
-	myFamilyNewer = "SELECT EXISTS (SELECT 1 FROM %[1]s WHERE family_kind = ? AND family_id = ? AND order_key > ?)"
+	// A latest record naming a message the consumer retired (%[3]s) does
+	// not count. Parameters: kind, id, order_key, consumer.
+	myFamilyNewer = "SELECT EXISTS (SELECT 1 FROM %[1]s l WHERE l.family_kind = ? AND l.family_id = ? AND l.order_key > ?" +
+		" AND NOT EXISTS (SELECT 1 FROM %[3]s r WHERE r.consumer = ? AND r.family_kind = l.family_kind" +
+		" AND r.family_id = l.family_id AND r.order_key = l.order_key))"
+
+	// myFamilyRetire: as myFamilyApplied, on the retired table.
+	myFamilyRetire = "INSERT INTO %[3]s (consumer, family_kind, family_id, order_key, event_id)" +
+		" VALUES (?, ?, ?, ?, ?)" +
+		" ON DUPLICATE KEY UPDATE" +
+		" event_id = IF(order_key < ?, ?, event_id)," +
+		" updated_at = IF(order_key < ?, UTC_TIMESTAMP(6), updated_at)," +
+		" order_key = IF(order_key < ?, ?, order_key)"
+
+	myFamilyRetired = "SELECT EXISTS (SELECT 1 FROM %[3]s WHERE consumer = ? AND family_kind = ? AND family_id = ? AND order_key = ?)"
 
 	// myFamilyPurge deletes at most ? rows idle for longer than ?
 	// microseconds by the server's clock in UTC (as stored). Unlike
@@ -288,7 +330,18 @@ SET order_key = excluded.order_key, event_id = excluded.event_id,
 WHERE order_key < excluded.order_key
 RETURNING 1`
 
-	liteFamilyNewer = `SELECT EXISTS (SELECT 1 FROM %[1]s WHERE family_kind = ? AND family_id = ? AND order_key > ?)`
+	liteFamilyNewer = `SELECT EXISTS (SELECT 1 FROM %[1]s l WHERE l.family_kind = ? AND l.family_id = ? AND l.order_key > ?
+    AND NOT EXISTS (SELECT 1 FROM %[3]s r WHERE r.consumer = ? AND r.family_kind = l.family_kind
+                    AND r.family_id = l.family_id AND r.order_key = l.order_key))`
+
+	liteFamilyRetire = `INSERT INTO %[3]s (consumer, family_kind, family_id, order_key, event_id)
+VALUES (?, ?, ?, ?, ?)
+ON CONFLICT (consumer, family_kind, family_id) DO UPDATE
+SET order_key = excluded.order_key, event_id = excluded.event_id,
+    updated_at = strftime('%%Y-%%m-%%dT%%H:%%M:%%fZ', 'now')
+WHERE order_key < excluded.order_key`
+
+	liteFamilyRetired = `SELECT EXISTS (SELECT 1 FROM %[3]s WHERE consumer = ? AND family_kind = ? AND family_id = ? AND order_key = ?)`
 
 	// liteFamilyPurge: %[1]s the table, %[2]s its primary key columns;
 	// parameters: the strftime modifier "-N seconds", the limit.

@@ -121,6 +121,7 @@ func (c FamilyStoreConfig) Validate() error {
 // instead of skipping them. SQLite's purge lock is per process.
 type FamilyStore struct {
 	latest, applied sqldb.Ident
+	retired         sqldb.Ident // applied + "_retired" (latest_retire.go)
 	dialect         sqldb.Dialect
 	sql             familySQL
 }
@@ -137,11 +138,15 @@ func NewFamilyStore(cfg FamilyStoreConfig) (*FamilyStore, error) {
 	}
 	latest, _ := sqldb.ParseIdent(cfg.LatestTable)
 	applied, _ := sqldb.ParseIdent(cfg.AppliedTable)
-	q, err := familySQLFor(cfg.Dialect, latest, applied)
+	retired, err := retiredTable(applied)
+	if err != nil {
+		return nil, fmt.Errorf("versioned: FamilyStoreConfig.AppliedTable: %w", err)
+	}
+	q, err := familySQLFor(cfg.Dialect, latest, applied, retired)
 	if err != nil {
 		return nil, fmt.Errorf("versioned: FamilyStoreConfig.Dialect: %w", err)
 	}
-	return &FamilyStore{latest: latest, applied: applied, dialect: cfg.Dialect, sql: q}, nil
+	return &FamilyStore{latest: latest, applied: applied, retired: retired, dialect: cfg.Dialect, sql: q}, nil
 }
 
 // LatestTable is the store's validated latest table.
@@ -255,7 +260,7 @@ func (s *FamilyStore) check(ctx context.Context, q sqldb.Querier, consumer strin
 	var err error
 	if s.sql.check != "" {
 		err = q.QueryRow(ctx, s.sql.check, consumer, f.Kind, f.ID, pos.key(), s.sql.eventID(pos.EventID)).Scan(&obsolete, &recorded)
-	} else if err = q.QueryRow(ctx, s.sql.newer, f.Kind, f.ID, pos.key()).Scan(&obsolete); err == nil && !obsolete {
+	} else if err = q.QueryRow(ctx, s.sql.newer, f.Kind, f.ID, pos.key(), consumer).Scan(&obsolete); err == nil && !obsolete {
 		recorded, err = s.recordApplied(ctx, q, consumer, f, pos)
 	}
 	switch {
@@ -333,6 +338,7 @@ func (s *FamilyStore) Migrations() ([]FamilyMigration, error) {
 	data := struct {
 		Latest, LatestName, Applied, AppliedName             string
 		LatestSchema, LatestBare, AppliedSchema, AppliedBare string
+		Retired                                              string
 	}{
 		Latest:        s.latest.Quoted(q),
 		LatestName:    s.latest.Name(),
@@ -342,6 +348,7 @@ func (s *FamilyStore) Migrations() ([]FamilyMigration, error) {
 		LatestBare:    bare(s.latest),
 		AppliedSchema: schemaOf(s.applied),
 		AppliedBare:   bare(s.applied),
+		Retired:       s.retired.Quoted(q),
 	}
 	ms, err := sqldb.RenderMigrations(familyMigrationFiles, path.Join("migrations", s.dialect.String()), data)
 	if err != nil {

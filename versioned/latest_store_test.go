@@ -242,13 +242,13 @@ func TestFamilyStoreMigrate(t *testing.T) {
 		require.Equal(t, 2, indexes)
 		require.NoError(t, tg.DB.QueryRow(ctx, tg.Rebind(`SELECT count(*) FROM idempotency_migration WHERE component = $1`),
 			"versioned-family:"+schema+".latest,applied").Scan(&recorded))
-		require.Equal(t, 1, recorded)
+		require.Equal(t, 2, recorded)
 
 		fsys, err := versioned.FamilyMigrationsFS("", "", tg.Dialect)
 		require.NoError(t, err)
 		names, err := fs.Glob(fsys, "*.up.sql")
 		require.NoError(t, err)
-		require.Equal(t, []string{"0001_create_family_tables.up.sql"}, names)
+		require.Equal(t, []string{"0001_create_family_tables.up.sql", "0002_family_retired.up.sql"}, names)
 		body, err := fs.ReadFile(fsys, names[0])
 		require.NoError(t, err)
 		require.Contains(t, string(body), "-- +goose Up\n")
