@@ -199,12 +199,11 @@ func envOr(name, def string) string {
 // flags returns the command's flag set with the common flags registered.
 func (e *env) flags() *flag.FlagSet {
 	fs := flag.NewFlagSet("idem "+e.cmd.name, flag.ContinueOnError)
-	fs.SetOutput(e.stderr)
-	fs.Usage = func() {
-		fmt.Fprintf(e.stderr, "usage: idem %s\n\nFlags:\n", e.cmd.usage)
-		fs.PrintDefaults()
-		fmt.Fprint(e.stderr, "\n"+exitCodesHelp)
-	}
+	// The flag package prints its error and the whole usage on a parse
+	// error; idem prints one line instead (RunContext), and the usage only
+	// for -h (parse).
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
 	fs.StringVar(&e.databaseURL, "database-url", envOr("DATABASE_URL", defaultDatabaseURL), "database URL or DSN ($DATABASE_URL)")
 	fs.StringVar(&e.dialectName, "dialect", envOr("IDEM_DIALECT", "postgres"), "SQL dialect: postgres, mysql or sqlite ($IDEM_DIALECT)")
 	fs.StringVar(&e.amqpURL, "amqp-url", envOr("AMQP_URL", defaultAMQPURL), "RabbitMQ URL ($AMQP_URL)")
@@ -221,6 +220,10 @@ func (e *env) parse(fs *flag.FlagSet, args []string, minPos, maxPos int) ([]stri
 	for {
 		if err := fs.Parse(args); err != nil {
 			if errors.Is(err, flag.ErrHelp) {
+				fmt.Fprintf(e.stderr, "usage: idem %s\n\nFlags:\n", e.cmd.usage)
+				fs.SetOutput(e.stderr)
+				fs.PrintDefaults()
+				fmt.Fprint(e.stderr, "\n"+exitCodesHelp)
 				return nil, err
 			}
 			return nil, usageErr("%v", err)

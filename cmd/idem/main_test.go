@@ -81,3 +81,16 @@ func TestUsage(t *testing.T) {
 }
 
 func sqldbPgx(p *pgxpool.Pool) sqldb.Querier { return sqldb.Pgx(p) }
+
+func TestUnknownFlagOneLine(t *testing.T) {
+	r := idem(t, "x", "processed", "show", "0190f0e2-1234-7abc-8def-0123456789ab", "--bogus")
+	wantCode(t, r, exitUsage)
+	if n := strings.Count(strings.TrimSpace(r.stderr), "\n"); n != 0 {
+		t.Fatalf("want one line, got %q", r.stderr)
+	}
+	r = idem(t, "x", "dlq", "redrive", "-h")
+	wantCode(t, r, exitOK)
+	if !strings.Contains(r.stderr, "-window") || !strings.Contains(r.stderr, "Exit codes") {
+		t.Fatalf("-h: %q", r.stderr)
+	}
+}

@@ -5,18 +5,21 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
-	"github.com/google/uuid"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
+	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
-// TestOutboxReplay: the events of a time range (and topic) are published
-// again to the events exchange with their original event ids; a dry run
-// publishes nothing; bad input changes nothing.
+// TestOutboxReplay: the relayed events written in a time range (and of a
+// topic) are published again to the events exchange with their original
+// event ids, through the outbox library's Replay; a dry run publishes
+// nothing; bad input changes nothing.
 func TestOutboxReplay(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -25,23 +28,19 @@ func TestOutboxReplay(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ob.InitializeSchema(ctx, wsql.BeginnerFromPgx(pool)); err != nil {
+	if err := ob.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
 		t.Fatal(err)
 	}
-	base := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
-	type ev struct {
-		topic string
-		at    time.Time
-	}
-	evs := []ev{
-		{"order.placed", base.Add(-time.Minute)},       // before the range
-		{"order.placed", base.Add(time.Minute)},        // in
-		{"order.cancelled", base.Add(2 * time.Minute)}, // in, other topic
-		{"order.placed", base.Add(5 * time.Minute)},    // at To: out
-	}
-	ids := make([]string, len(evs))
-	for i, e := range evs {
-		msg, err := marshaler.NewMessageWithID(uuid.Must(uuid.NewV7()), e.topic, e.at, map[string]int{"order": i})
+	// Four events written one after the other; the range [from, to) is cut
+	// between their write times (the outbox stamps them in microseconds).
+	topics := []string{"order.placed", "order.placed", "order.cancelled", "order.placed"}
+	ids := make([]string, len(topics))
+	var cuts []time.Time
+	for i, topic := range topics {
+		if i == 1 || i == 3 {
+			cuts = append(cuts, nextMicro())
+		}
+		msg, err := marshaler.NewMessage(topic, map[string]int{"order": i})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -54,14 +53,30 @@ func TestOutboxReplay(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := pub.Publish(e.topic, msg); err != nil {
+		if err := pub.Publish(topic, msg); err != nil {
 			_ = tx.Rollback(ctx)
 			t.Fatal(err)
 		}
 		if err := tx.Commit(ctx); err != nil {
 			t.Fatal(err)
 		}
+		nextMicro()
 	}
+	// The relay sends them (to nowhere) and keeps them in its archive.
+	sink := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	relay, err := ob.NewRelay(wsql.BeginnerFromPgx(pool), sink, outbox.RelayConfig{Retention: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = relay.Run(rctx) }()
+	eventually(t, "the relay to send the 4 rows", func() bool {
+		n, err := ob.Pending(ctx, wsql.BeginnerFromPgx(pool))
+		return err == nil && n == 0
+	})
+	stop()
+	<-done
 
 	conn, err := amqp091.Dial(testenv.AMQPURL())
 	if err != nil {
@@ -86,7 +101,7 @@ func TestOutboxReplay(t *testing.T) {
 		_, _ = ch.QueueDelete(queue, false, false, false)
 		_ = ch.ExchangeDelete(exchange, false, false)
 	})
-	from, to := base.Format(time.RFC3339), base.Add(5*time.Minute).Format(time.RFC3339)
+	from, to := cuts[0].Format(time.RFC3339Nano), cuts[1].Format(time.RFC3339Nano)
 	sh := &shop{t: t, conn: conn}
 
 	r := idem(t, schema, "outbox", "replay", "--from", from, "--to", to, "--dry-run", "--json")
@@ -129,5 +144,16 @@ func TestOutboxReplay(t *testing.T) {
 	want := map[string]int{"order.placed " + ids[1]: 2, "order.cancelled " + ids[2]: 1}
 	if len(got) != len(want) || got["order.placed "+ids[1]] != 2 || got["order.cancelled "+ids[2]] != 1 {
 		t.Fatalf("replayed %v, want %v", got, want)
+	}
+}
+
+// nextMicro waits until the wall clock moves to the next microsecond and
+// returns it (write times are microseconds).
+func nextMicro() time.Time {
+	start := time.Now().UnixMicro()
+	for {
+		if now := time.Now(); now.UnixMicro() > start {
+			return now
+		}
 	}
 }
