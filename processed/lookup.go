@@ -36,7 +36,8 @@ func (s *Store) LookupQuery(eventID uuid.UUID, consumer string) (string, []any) 
 // clock now, the cutoff the purger uses with horizon (now minus horizon,
 // as PurgeBatch computes it), the rows of the table, the rows older than
 // the cutoff (those a purge run would delete now, locked rows aside), and
-// the oldest processed_at (NULL when the table is empty). Times scan as
+// the oldest event_at (NULL when the table is empty): the purge deletes by
+// event time (event_at), on the database clock. Times scan as
 // PurgeBatch's dialect stores them: time.Time on PostgreSQL and MySQL
 // (UTC), ISO 8601 UTC text on SQLite.
 func (s *Store) PurgePreviewQuery(horizon time.Duration) (string, []any) {
@@ -56,7 +57,7 @@ func (s *Store) PurgePreviewQuery(horizon time.Duration) (string, []any) {
 		args = []any{horizon.Microseconds()}
 	}
 	return fmt.Sprintf(`SELECT %[2]s, %[3]s, count(*),
-    COALESCE(SUM(CASE WHEN processed_at < %[3]s THEN 1 ELSE 0 END), 0),
-    MIN(processed_at)
+    COALESCE(SUM(CASE WHEN event_at < %[3]s THEN 1 ELSE 0 END), 0),
+    MIN(event_at)
 FROM %[1]s`, q, now, cutoff), args
 }

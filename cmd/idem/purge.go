@@ -15,7 +15,7 @@ type purgePreview struct {
 	Table      string    `json:"table"`
 	Horizon    string    `json:"horizon"`
 	DatabaseAt jsonTime  `json:"database_now"`
-	Cutoff     jsonTime  `json:"cutoff"` // rows with processed_at < cutoff go
+	Cutoff     jsonTime  `json:"cutoff"` // rows with event_at < cutoff go
 	Rows       int64     `json:"rows"`
 	ToDelete   int64     `json:"to_delete"`
 	Batches    int64     `json:"batches"`
@@ -75,7 +75,7 @@ func runPurge(ctx context.Context, e *env, args []string) error {
 	}
 	fields(e.stdout, [][2]string{
 		{"table", out.Table}, {"horizon", out.Horizon}, {"database now", ts(now.t)},
-		{"cutoff", ts(cutoff.t) + " (rows processed before it would be deleted)"},
+		{"cutoff", ts(cutoff.t) + " (rows whose event time is before it would be deleted)"},
 		{"rows", strconv.FormatInt(out.Rows, 10)},
 		{"would delete", fmt.Sprintf("%d (in %d batch(es) of at most %d)", out.ToDelete, out.Batches, *batch)},
 		{"oldest", tsPtr(out.Oldest)},

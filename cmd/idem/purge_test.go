@@ -15,7 +15,7 @@ func TestPurgeDryRun(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db, q, schema := schemaDB(t)
-	store, err := processed.NewStore(processed.Config{})
+	store, err := processed.NewStore(processed.Config{Horizon: 48 * time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -25,8 +25,8 @@ func TestPurgeDryRun(t *testing.T) {
 	// 7 rows 3 days old, 5 rows 1 hour old, 4 new (database clock).
 	for i, age := range []string{"3 days", "3 days", "3 days", "3 days", "3 days", "3 days", "3 days",
 		"1 hour", "1 hour", "1 hour", "1 hour", "1 hour", "0", "0", "0", "0"} {
-		if _, err := db.ExecContext(ctx, `INSERT INTO processed_event (consumer, event_id, processed_at)
-			VALUES ('stock', gen_random_uuid(), now() - $1::interval)`, age); err != nil {
+		if _, err := db.ExecContext(ctx, `INSERT INTO processed_event (consumer, event_id, processed_at, event_at)
+			VALUES ('stock', gen_random_uuid(), now() - $1::interval, now() - $1::interval)`, age); err != nil {
 			t.Fatal(i, err)
 		}
 	}

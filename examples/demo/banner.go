@@ -14,8 +14,10 @@ func backendLine(cfg config) string {
 		return "backend embedded: SQLite files, in-process broker (Watermill gochannel)"
 	case backendServices:
 		return fmt.Sprintf("backend services: PostgreSQL %s, RabbitMQ %s", redact(cfg.DatabaseURL), redact(cfg.AMQPURL))
+	case backendJetStream:
+		return fmt.Sprintf("backend jetstream: PostgreSQL %s, NATS JetStream %s", redact(cfg.DatabaseURL), redact(cfg.NATSURL))
 	default:
-		return "backend " + cfg.Backend
+		return "backend " + cfg.Backend + ":"
 	}
 }
 

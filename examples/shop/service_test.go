@@ -142,11 +142,13 @@ func TestPublishHandlerThroughOutbox(t *testing.T) {
 	require.JSONEq(t, `{"from":"`+id+`"}`, string(env.Payload))
 	// One row was written and relayed (kept in the archive): the failed
 	// attempt's row rolled back.
-	require.Eventually(t, func() bool {
-		var rows int
-		err := pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM shop_outbox) + (SELECT count(*) FROM shop_outbox_relayed)`).Scan(&rows)
-		return err == nil && rows == 1
-	}, 10*time.Second, 10*time.Millisecond, "the failed attempt's outbox row rolled back")
+	// The relay deletes and archives the row in the transaction after the
+	// broker's confirm: wait for that commit (the message may be seen first).
+	testenv.Eventually(t, 10*time.Second, "the row relayed and archived, the failed attempt's row rolled back", func(o *testenv.Observed) bool {
+		var pending, relayed int
+		err := pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM shop_outbox), (SELECT count(*) FROM shop_outbox_relayed)`).Scan(&pending, &relayed)
+		return o.Err("err", err) && o.Int("pending", pending) == 0 && o.Int("relayed", relayed) == 1
+	})
 	var rows int
 	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM shop_outbox_relayed`).Scan(&rows))
 	require.Equal(t, 1, rows)
