@@ -40,7 +40,7 @@ func ExampleNewHandlerMiddleware() {
 		panic(err)
 	}
 	defer db.Close()
-	store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+	store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite, Horizon: 7 * 24 * time.Hour})
 	if err != nil {
 		panic(err)
 	}
@@ -57,11 +57,10 @@ func ExampleNewHandlerMiddleware() {
 	}
 	seen := make(outcomes, 2)
 	idem, err := middleware.NewIdempotent(middleware.Config{
-		Consumer:      "stock",
-		Beginner:      beginner,
-		Store:         store,
-		Recorder:      seen,
-		ReplayHorizon: 7 * 24 * time.Hour,
+		Consumer: "stock",
+		Beginner: beginner,
+		Store:    store,
+		Recorder: seen,
 	}, logger)
 	if err != nil {
 		panic(err)
