@@ -48,7 +48,7 @@ func BenchmarkPayloadVerification(b *testing.B) {
 	}
 	handler := func(verify bool) message.HandlerFunc {
 		m, err := middleware.NewIdempotent(middleware.Config{
-			Beginner: middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}),
+			Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})),
 			Store:    store, Consumer: "stock", DisablePayloadVerification: !verify,
 		}, nil)
 		if err != nil {
