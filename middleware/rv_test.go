@@ -1,0 +1,99 @@
+package middleware_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/middleware"
+)
+
+// endTx ends the attempt's transaction from inside the handler (a misuse the
+// docs forbid), on whichever driver the attempt runs.
+func endTx(t *testing.T, msg *message.Message, commit bool) {
+	ctx := msg.Context()
+	if tx, ok := middleware.PgxTxFromContext(ctx); ok {
+		if commit {
+			require.NoError(t, tx.Commit(ctx))
+		} else {
+			require.NoError(t, tx.Rollback(ctx))
+		}
+		return
+	}
+	tx, ok := middleware.SQLTxFromContext(ctx)
+	require.True(t, ok)
+	if commit {
+		require.NoError(t, tx.Commit())
+	} else {
+		require.NoError(t, tx.Rollback())
+	}
+}
+
+// TestRV_HandlerEndedTxIsNotInfrastructure: a handler that rolls back the
+// attempt's transaction itself makes the middleware's COMMIT fail with
+// pgx.ErrTxClosed / sql.ErrTxDone. That is the handler's doing, not the
+// connection's: it must be ordinary (retried, then poisoned once), never an
+// InfrastructureError held in place forever (each hold re-runs the handler,
+// which rolls back again, then nacks after MaxHold, and the broker
+// redelivers: an endless loop that never reaches the poison topic). A
+// handler that commits it itself applied its effect: the retry finds the
+// claim and acks as a duplicate. No connection stays acquired.
+func TestRV_HandlerEndedTxIsNotInfrastructure(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	for _, b := range beginnersUnderTest(t, e.schema) {
+		for _, commit := range []bool{false, true} {
+			name := b.name + "/rollback"
+			if commit {
+				name = b.name + "/commit"
+			}
+			t.Run(name, func(t *testing.T) {
+				idem, err := middleware.NewIdempotent(middleware.Config{Beginner: b.beginner, Store: e.store, Consumer: "rv-" + name}, nil)
+				require.NoError(t, err)
+				poison := &capture{msgs: make(chan *message.Message, 2)}
+				mw, err := middleware.NewHandlerMiddleware(middleware.ChainConfig{
+					Idempotent: idem, PoisonPublisher: poison, PoisonTopic: "poison",
+					MaxRetries: 2, InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond,
+					MaxHold: -1, // held until the message context ends: only the class decides
+				}, nil)
+				require.NoError(t, err)
+				calls := 0
+				ctx, cancel := context.WithCancel(context.Background())
+				defer cancel()
+				h := mw(func(msg *message.Message) ([]*message.Message, error) {
+					calls++
+					if calls > 10 { // held in a loop: end it, the test fails below
+						cancel()
+						return nil, context.Canceled
+					}
+					if err := writeEffectQ(msg, name); err != nil {
+						return nil, err
+					}
+					endTx(t, msg, commit)
+					return nil, nil
+				})
+				id := newID()
+				msg := newMsg(id)
+				msg.SetContext(ctx)
+				_, err = h(msg)
+				require.NoError(t, err, "acked")
+				require.Zero(t, b.inUse(), "no connection stays acquired")
+				if commit {
+					require.Equal(t, 1, calls, "the retry is a duplicate")
+					require.Empty(t, poison.msgs)
+					require.Equal(t, 1, e.effects(id))
+					require.Equal(t, 1, e.processed(id))
+					return
+				}
+				require.Equal(t, 3, calls, "1 + MaxRetries attempts, then poisoned")
+				require.Len(t, poison.msgs, 1, "poisoned once")
+				require.Equal(t, "exhausted", (<-poison.msgs).Metadata.Get(middleware.MetadataPoisonClass))
+				require.Zero(t, e.effects(id))
+				require.Zero(t, e.processed(id))
+			})
+		}
+	}
+}
