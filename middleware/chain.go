@@ -275,7 +275,7 @@ func (p *holdPoison) middleware(h message.HandlerFunc) message.HandlerFunc {
 			}
 			class := ClassOf(err)
 			fields := watermill.LogFields{"message_uuid": msg.UUID, "topic": message.SubscribeTopicFromCtx(orig),
-				"handler": message.HandlerNameFromCtx(orig), "class": class.String(), "held": held, "err": err}
+				"handler": message.HandlerNameFromCtx(orig), "class": class.String(), "held": held}
 			if class == ClassPermanent || class == ClassOrdinary {
 				if !p.poisonLoop(msg, orig) {
 					return nil, p.poison(msg, orig, err, class, start, wait)
@@ -291,7 +291,7 @@ func (p *holdPoison) middleware(h message.HandlerFunc) message.HandlerFunc {
 				}
 				p.logger.Error("Configuration error: delivery held, not poisoned", err, fields.Add(watermill.LogFields{"hint": hint}))
 			} else {
-				p.logger.Info("Infrastructure failure: delivery held, not poisoned", fields)
+				p.logger.Info("Infrastructure failure: delivery held, not poisoned", fields.Add(watermill.LogFields{"error": err}))
 			}
 			if !p.sleep(orig, start, wait) {
 				return nil, err

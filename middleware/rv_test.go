@@ -2,6 +2,8 @@ package middleware_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -96,4 +98,46 @@ func TestRV_HandlerEndedTxIsNotInfrastructure(t *testing.T) {
 			})
 		}
 	}
+}
+
+// TestRV_HoldLogsUseErrorField: the chain's hold lines name the error
+// "error", as the middleware's own lines and watermill.NewSlogLogger do,
+// never "err" (the merged hold path logged "err", and its ERROR lines
+// carried the error twice).
+func TestRV_HoldLogsUseErrorField(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	logger := &captureLogger{}
+	idem, err := middleware.NewIdempotent(middleware.Config{
+		Beginner: mustBeginner(middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{})), Store: e.store, Consumer: "stock",
+	}, nil)
+	require.NoError(t, err)
+	mw, err := middleware.NewHandlerMiddleware(middleware.ChainConfig{
+		Idempotent: idem, PoisonPublisher: &capture{msgs: make(chan *message.Message, 1)}, PoisonTopic: "poison",
+		InitialInterval: time.Millisecond, MaxInterval: time.Millisecond, MaxHold: -1,
+	}, logger)
+	require.NoError(t, err)
+	calls := 0
+	_, err = mw(func(msg *message.Message) ([]*message.Message, error) {
+		calls++
+		switch calls {
+		case 1:
+			return nil, middleware.Transient(errors.New("provider says later"))
+		case 2:
+			return nil, &middleware.ConfigurationError{Hint: "fix it", Err: errors.New("missing grant")}
+		}
+		return nil, writeEffect(msg, "x")
+	})(newMsg(E1))
+	require.NoError(t, err)
+	logger.mu.Lock()
+	defer logger.mu.Unlock()
+	held := 0
+	for _, l := range logger.lines {
+		require.NotContains(t, l.fields, "err", l.msg)
+		if l.fields["held"] != nil {
+			held++
+			require.Contains(t, fmt.Sprint(l.fields["error"]), map[int]string{0: "provider says later", 1: "missing grant"}[l.fields["held"].(int)], l.msg)
+		}
+	}
+	require.Equal(t, 2, held)
 }
