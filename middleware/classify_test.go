@@ -347,7 +347,15 @@ func TestTransientErrorsSkipRetry(t *testing.T) {
 	require.NoError(t, err)
 	var calls atomic.Int32
 	poison := &capture{msgs: make(chan *message.Message, 1)}
-	h := chained(t, idem, poison, nil, func(msg *message.Message) ([]*message.Message, error) {
+	// No hold bound (chained's 300 ms): four attempts on a loaded machine
+	// could pass it and fail the test for the wrong reason.
+	mw, err := middleware.NewHandlerMiddleware(middleware.ChainConfig{
+		Idempotent: idem, PoisonPublisher: poison, PoisonTopic: "poison",
+		MaxRetries: 2, InitialInterval: 5 * time.Millisecond, MaxInterval: 20 * time.Millisecond,
+		MaxHold: time.Hour,
+	}, nil)
+	require.NoError(t, err)
+	h := mw(func(msg *message.Message) ([]*message.Message, error) {
 		if calls.Add(1) <= 3 {
 			return nil, middleware.Transient(errors.New("provider says later"))
 		}
