@@ -8,8 +8,11 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
@@ -140,4 +143,43 @@ func TestRV_HoldLogsUseErrorField(t *testing.T) {
 		}
 	}
 	require.Equal(t, 2, held)
+}
+
+// TestRV_ClaimStatementTimeoutIsInfrastructure: the claim on the attempt's
+// own connection cancelled by the server (57014 query_canceled: a
+// statement_timeout set on the role or the pool while another transaction
+// holds the claim) is the attempt's infrastructure: transient, held. The
+// merged claimError took every "ordinary" SQLSTATE of the claim for a
+// schema mismatch and reported a ConfigurationError telling the operator to
+// run the migrations.
+func TestRV_ClaimStatementTimeoutIsInfrastructure(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	cfg := testenv.PoolConfig(t, testenv.PostgresURL(), e.schema, 2)
+	cfg.ConnConfig.RuntimeParams["statement_timeout"] = "100ms"
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	defer pool.Close()
+	for _, pipelined := range []bool{true, false} {
+		idem, err := middleware.NewIdempotent(middleware.Config{
+			Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{DisablePipeline: !pipelined})),
+			Store:    e.store, Consumer: "stock", LockTimeout: -1, // the session's lock_timeout (none): statement_timeout decides
+		}, nil)
+		require.NoError(t, err)
+		id := newID()
+		// Another delivery of the same event holds its claim, uncommitted.
+		holder, err := e.pool.Begin(context.Background())
+		require.NoError(t, err)
+		_, err = holder.Exec(context.Background(), `INSERT INTO processed_event (consumer, event_id) VALUES ('stock', $1)`, id)
+		require.NoError(t, err)
+		_, err = idem.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })(newMsg(id))
+		require.NoError(t, holder.Rollback(context.Background()))
+		require.Error(t, err)
+		var pg *pgconn.PgError
+		require.ErrorAs(t, err, &pg)
+		require.Equal(t, "57014", pg.Code)
+		require.False(t, middleware.IsConfiguration(err), "not a schema problem: %v", err)
+		require.True(t, middleware.IsTransient(err), "%v", err)
+		require.ErrorIs(t, err, middleware.ErrInfrastructure)
+	}
 }
