@@ -181,7 +181,8 @@ func NewHandlerMiddleware(cfg ChainConfig, logger watermill.LoggerAdapter) (mess
 //     is acked, once, only after the publish returned nil; a failed publish
 //     is retried with backoff. A transient or configuration error holds the
 //     delivery: the attempt is re-run in place with capped backoff (logged:
-//     WARN for transient, ERROR with what to fix for configuration) until it
+//     at info with the error for transient, ERROR with what to fix for
+//     configuration; Watermill's LoggerAdapter has no warn level) until it
 //     succeeds, the message context ends (shutdown) or MaxHold passes; then
 //     the error is returned and the router nacks. The broker never sees a
 //     nack per failed attempt, so a database outage does not spend a quorum

@@ -372,11 +372,12 @@ func attemptError(err, rbErr error, cls ErrorClassifier) error {
 	return classify(err, cls)
 }
 
-// classifyCommitError classifies a failed COMMIT: ErrTxCommitRollback-like answers
-// (a statement of the handler failed) stay ordinary, a typed code keeps its
-// class, and any other failure is the connection's (InfrastructureError).
-func classifyCommitError(cErr error, rolledBack bool, cls ErrorClassifier) error {
-	if rolledBack || IsPermanent(cErr) {
+// classifyCommitError classifies a failed COMMIT that was not an aborted
+// transaction (commitError handles those): a permanent error or a typed
+// code keeps its class, and any other failure is the connection's
+// (InfrastructureError).
+func classifyCommitError(cErr error, cls ErrorClassifier) error {
+	if IsPermanent(cErr) {
 		return cErr
 	}
 	if c := classify(cErr, cls); ClassOf(c) != ClassOrdinary {

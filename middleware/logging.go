@@ -47,7 +47,7 @@ func commitError(consumer string, eventID uuid.UUID, err error, cls ErrorClassif
 	case errors.Is(err, pgx.ErrTxClosed) || errors.Is(err, sql.ErrTxDone):
 		err = fmt.Errorf("the handler ended the attempt's transaction itself (do not Commit or Rollback it): %w", err)
 	default:
-		err = classifyCommitError(err, false, cls)
+		err = classifyCommitError(err, cls)
 	}
 	return fmt.Errorf("%w: %s/%s: %w", ErrCommit, consumer, eventID, err)
 }
