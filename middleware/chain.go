@@ -181,7 +181,8 @@ func NewHandlerMiddleware(cfg ChainConfig, logger watermill.LoggerAdapter) (mess
 //     is acked, once, only after the publish returned nil; a failed publish
 //     is retried with backoff. A transient or configuration error holds the
 //     delivery: the attempt is re-run in place with capped backoff (logged:
-//     WARN for transient, ERROR with what to fix for configuration) until it
+//     at info with the error for transient, ERROR with what to fix for
+//     configuration; Watermill's LoggerAdapter has no warn level) until it
 //     succeeds, the message context ends (shutdown) or MaxHold passes; then
 //     the error is returned and the router nacks. The broker never sees a
 //     nack per failed attempt, so a database outage does not spend a quorum
@@ -275,7 +276,7 @@ func (p *holdPoison) middleware(h message.HandlerFunc) message.HandlerFunc {
 			}
 			class := ClassOf(err)
 			fields := watermill.LogFields{"message_uuid": msg.UUID, "topic": message.SubscribeTopicFromCtx(orig),
-				"handler": message.HandlerNameFromCtx(orig), "class": class.String(), "held": held, "err": err}
+				"handler": message.HandlerNameFromCtx(orig), "class": class.String(), "held": held}
 			if class == ClassPermanent || class == ClassOrdinary {
 				if !p.poisonLoop(msg, orig) {
 					return nil, p.poison(msg, orig, err, class, start, wait)
@@ -291,7 +292,7 @@ func (p *holdPoison) middleware(h message.HandlerFunc) message.HandlerFunc {
 				}
 				p.logger.Error("Configuration error: delivery held, not poisoned", err, fields.Add(watermill.LogFields{"hint": hint}))
 			} else {
-				p.logger.Info("Infrastructure failure: delivery held, not poisoned", fields)
+				p.logger.Info("Infrastructure failure: delivery held, not poisoned", fields.Add(watermill.LogFields{"error": err}))
 			}
 			if !p.sleep(orig, start, wait) {
 				return nil, err

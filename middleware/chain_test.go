@@ -55,10 +55,14 @@ func TestChainPoisonRetryAndMetrics(t *testing.T) {
 		MaxRetries:      2,
 		InitialInterval: time.Millisecond,
 		MaxInterval:     time.Millisecond,
-		MaxHold:         500 * time.Millisecond,
+		// No time bound: the infra case below ends its hold by ending the
+		// message context, so a loaded machine cannot race it.
+		MaxHold: time.Hour,
 	}, nil)
 	require.NoError(t, err)
 
+	infraCtx, stopInfra := context.WithCancel(context.Background())
+	defer stopInfra()
 	calls := map[string]*atomic.Int32{}
 	for _, k := range []string{"permanent", "flaky", "infra", "ok"} {
 		calls[k] = &atomic.Int32{}
@@ -75,6 +79,9 @@ func TestChainPoisonRetryAndMetrics(t *testing.T) {
 		case "flaky":
 			return nil, errors.New("provider said 500")
 		case "infra":
+			if calls[kind].Load() == 2 {
+				stopInfra() // the second held attempt: shutdown, give it back
+			}
 			return nil, &pgconn.PgError{Code: "57P01", Message: "terminating connection due to administrator command"}
 		}
 		return nil, nil
@@ -86,6 +93,9 @@ func TestChainPoisonRetryAndMetrics(t *testing.T) {
 	run := func(kind, id string) error {
 		m := newMsg(id)
 		m.Metadata.Set("kind", kind)
+		if kind == "infra" {
+			m.SetContext(infraCtx)
+		}
 		_, err := h(m)
 		return err
 	}
@@ -102,12 +112,12 @@ func TestChainPoisonRetryAndMetrics(t *testing.T) {
 	p = <-poison.msgs
 	require.Contains(t, p.Metadata.Get(wmw.ReasonForPoisonedKey), "provider said 500")
 
-	// Infrastructure error: held (re-run in place, not by Retry) until
-	// MaxHold, never poisoned, then returned (nack).
+	// Infrastructure error: held (re-run in place, not by Retry) until the
+	// message context ends, never poisoned, then returned (nack).
 	err = run("infra", "01906dbc-ad00-70a1-8a1b-000000000003")
 	require.Error(t, err)
 	require.True(t, middleware.IsTransient(err))
-	require.GreaterOrEqual(t, calls["infra"].Load(), int32(2), "held and re-run in place")
+	require.EqualValues(t, 2, calls["infra"].Load(), "held and re-run in place")
 	select {
 	case m := <-poison.msgs:
 		t.Fatalf("an infrastructure error reached the poison topic: %v", m.Metadata)

@@ -314,8 +314,10 @@ const claimHint = "the claim failed: run processed.Migrate for this store's tabl
 
 // claimError classifies an error of the middleware's own BEGIN, lock
 // timeout and claim (the attempt's connection, by origin): a lock timeout is
-// ErrInFlight, a configuration code is a ConfigurationError, anything else
-// an InfrastructureError (the connection or the server failed).
+// ErrInFlight, a configuration code, or another server error on our own
+// statement, is a ConfigurationError, a cancelled statement (57014) and
+// anything else an InfrastructureError (the connection or the server
+// failed).
 func claimError(err error, cls ErrorClassifier) error {
 	var ce *ConfigurationError
 	if IsPermanent(err) || errors.As(err, &ce) {
@@ -328,6 +330,11 @@ func claimError(err error, cls ErrorClassifier) error {
 	}
 	var s interface{ SQLState() string }
 	if errors.As(err, &s) {
+		if s.SQLState() == "57014" {
+			// query_canceled (statement_timeout, pg_cancel_backend): the
+			// server stopped our statement, which fits the table.
+			return &InfrastructureError{Op: "begin and claim", Err: err}
+		}
 		switch sqlStateCodeClass(s.SQLState()) {
 		case ClassConfiguration:
 			return &ConfigurationError{Hint: claimHint, Err: err}
@@ -365,11 +372,12 @@ func attemptError(err, rbErr error, cls ErrorClassifier) error {
 	return classify(err, cls)
 }
 
-// classifyCommitError classifies a failed COMMIT: ErrTxCommitRollback-like answers
-// (a statement of the handler failed) stay ordinary, a typed code keeps its
-// class, and any other failure is the connection's (InfrastructureError).
-func classifyCommitError(cErr error, rolledBack bool, cls ErrorClassifier) error {
-	if rolledBack || IsPermanent(cErr) {
+// classifyCommitError classifies a failed COMMIT that was not an aborted
+// transaction (commitError handles those): a permanent error or a typed
+// code keeps its class, and any other failure is the connection's
+// (InfrastructureError).
+func classifyCommitError(cErr error, cls ErrorClassifier) error {
+	if IsPermanent(cErr) {
 		return cErr
 	}
 	if c := classify(cErr, cls); ClassOf(c) != ClassOrdinary {

@@ -1,6 +1,7 @@
 package middleware
 
 import (
+	"database/sql"
 	"errors"
 	"fmt"
 	"strings"
@@ -28,16 +29,25 @@ func invalidEventID(id string) error {
 // (pgx.ErrTxCommitRollback, SQLSTATE 25P02 in_failed_sql_transaction), it
 // also wraps ErrTxAborted: the handler's failure, not the database's.
 //
+// When the transaction was already ended (pgx.ErrTxClosed, sql.ErrTxDone),
+// only the handler can have ended it (it called Commit or Rollback on the
+// attempt's transaction): an ordinary error, retried then poisoned, never
+// held as infrastructure (the handler would end it again on every held
+// attempt). If it committed, the retry finds the claim and acks.
+//
 // Otherwise the failure is classified by classifyCommitError: a typed code
 // keeps its class, any other failure is the attempt's connection's
 // (InfrastructureError).
 func commitError(consumer string, eventID uuid.UUID, err error, cls ErrorClassifier) error {
 	var pgErr *pgconn.PgError
 	aborted := errors.Is(err, pgx.ErrTxCommitRollback) || (errors.As(err, &pgErr) && pgErr.Code == "25P02")
-	if aborted {
+	switch {
+	case aborted:
 		err = fmt.Errorf("%w: %w", ErrTxAborted, err)
-	} else {
-		err = classifyCommitError(err, false, cls)
+	case errors.Is(err, pgx.ErrTxClosed) || errors.Is(err, sql.ErrTxDone):
+		err = fmt.Errorf("the handler ended the attempt's transaction itself (do not Commit or Rollback it): %w", err)
+	default:
+		err = classifyCommitError(err, cls)
 	}
 	return fmt.Errorf("%w: %s/%s: %w", ErrCommit, consumer, eventID, err)
 }
