@@ -192,7 +192,7 @@ func TestConnectionLostAtCommitIsHeld(t *testing.T) {
 	for _, m := range logger.Captured()[watermill.InfoLogLevel] {
 		if m.Msg == "Infrastructure failure: delivery held, not poisoned" {
 			held++
-			require.ErrorIs(t, m.Fields["err"].(error), middleware.ErrInfrastructure)
+			require.ErrorIs(t, m.Fields["error"].(error), middleware.ErrInfrastructure)
 		}
 	}
 	require.GreaterOrEqual(t, held, 1, "the failed COMMIT was held (later holds: idle connections the cut killed)")
