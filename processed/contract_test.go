@@ -38,7 +38,16 @@ func eachTarget(t *testing.T, fn func(t *testing.T, tg target)) {
 		tg.begin = func(t *testing.T) (sqldb.Querier, func(bool)) {
 			tx, err := et.BeginTx(context.Background())
 			require.NoError(t, err)
+			// A failing test never leaves its transaction open (the pool's
+			// Close would wait for it forever): roll back at cleanup.
+			ended := false
+			t.Cleanup(func() {
+				if !ended {
+					_ = tx.Rollback()
+				}
+			})
 			return tx, func(commit bool) {
+				ended = true
 				if commit {
 					require.NoError(t, tx.Commit())
 				} else {

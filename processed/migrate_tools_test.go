@@ -34,7 +34,7 @@ func TestMigrationsFSWithGoose(t *testing.T) {
 	require.NoError(t, err)
 	results, err := provider.Up(context.Background())
 	require.NoError(t, err)
-	require.Len(t, results, 2)
+	require.Len(t, results, 3)
 
 	s, err := processed.NewStore(processed.Config{})
 	require.NoError(t, err)
