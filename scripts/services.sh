@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Brings up the local services the tests need (PostgreSQL, RabbitMQ, Redis,
-# MariaDB)
+# MariaDB, NATS with JetStream)
 # when they are installed but stopped; fails with a one-line instruction when
 # one is neither running nor installed. Idempotent; safe to run repeatedly.
 set -uo pipefail
@@ -35,6 +35,8 @@ ensure Redis 6379 'redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --s
   'apt-get install -y redis-server (then rerun)' 30 || ok=1
 ensure MariaDB 3306 'start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd' \
   'apt-get install -y mariadb-server (then rerun)' 60 || ok=1
+ensure "NATS (JetStream)" 4222 'start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server' \
+  'apt-get install -y nats-server (then rerun)' 30 || ok=1
 # This script only starts services that are down; it never restarts,
 # reconfigures or adds locales to a running server (other clients share it).
 exit $ok
