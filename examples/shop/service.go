@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/outbox"
@@ -233,7 +234,10 @@ func (s *Service) build(cfg ServiceConfig, mw *middleware.Idempotent) error {
 		}
 		chainCfg.AfterPoison = append([]message.HandlerMiddleware{route}, cfg.Chain.AfterPoison...)
 	}
-	chain, err := middleware.NewChain(chainCfg, cfg.Logger)
+	// The whole chain as one handler middleware, wired per handler (never
+	// router-wide: a router that also consumed the poison topic would wrap
+	// its handler too).
+	chain, err := middleware.NewHandlerMiddleware(chainCfg, cfg.Logger)
 	if err != nil {
 		return err
 	}
@@ -258,15 +262,16 @@ func (s *Service) build(cfg ServiceConfig, mw *middleware.Idempotent) error {
 		return err
 	}
 	s.Router.AddMiddleware(cfg.Middleware...)
-	s.Router.AddMiddleware(chain...)
 	queue := cfg.Topology.Queue(cfg.Consumer)
 	for i := 1; i <= cfg.Workers; i++ {
 		name := fmt.Sprintf("%s-%d", cfg.Consumer.Name, i)
+		var h *message.Handler
 		if cfg.PublishHandler != nil {
-			s.Router.AddHandler(name, queue, s.subscriber, cfg.PublishTopic, s.events, cfg.PublishHandler)
+			h = s.Router.AddHandler(name, queue, s.subscriber, cfg.PublishTopic, s.events, cfg.PublishHandler)
 		} else {
-			s.Router.AddConsumerHandler(name, queue, s.subscriber, cfg.Handler)
+			h = s.Router.AddConsumerHandler(name, queue, s.subscriber, cfg.Handler)
 		}
+		h.AddMiddleware(chain)
 	}
 	return nil
 }
@@ -406,9 +411,12 @@ func (t AMQPTransport) EventsPublisher(logger watermill.LoggerAdapter) (message.
 }
 
 // PoisonPublisher implements Transport: a publisher to c's dead-letter
-// exchange, and the poison topic to give it.
+// exchange (fanout, bound to c's dead-letter queue by Topology.Declare), and
+// the poison topic to give it. It is the library's confirmed publisher
+// (idamqp.NewPoisonPublisher: confirms + mandatory), so a poisoned delivery
+// is acked only once its copy is stored in a queue.
 func (t AMQPTransport) PoisonPublisher(c Consumer, logger watermill.LoggerAdapter) (message.Publisher, string, error) {
-	p, err := wamqp.NewPublisher(t.Topology.PoisonPublisherConfig(t.URL, c), logger)
+	p, err := idamqp.NewPoisonPublisher(t.Topology.PoisonPublisherConfig(t.URL, c), logger)
 	if err != nil {
 		return nil, "", err
 	}

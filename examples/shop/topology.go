@@ -268,17 +268,16 @@ func (t Topology) PublisherConfig(amqpURL string) wamqp.Config {
 	return cfg
 }
 
-// PoisonPublisherConfig is the watermill-amqp configuration of c's poison
-// publisher (ChainConfig.PoisonPublisher), from the library's
-// idamqp.DeadLetterConfig: it publishes on c's dead-letter exchange (fanout,
-// durable), so every poisoned message lands in c's dead-letter queue
-// whatever the Watermill topic; with publisher confirms, so the poisoned
-// delivery is acked only after the broker holds its copy.
-// Malformed deliveries are published verbatim (see idamqp.Marshaler.Marshal).
-func (t Topology) PoisonPublisherConfig(amqpURL string, c Consumer) wamqp.Config {
-	cfg := t.deadLetter(amqpURL, c).PublisherConfig() // idamqp.DeadLetterConfig.PublisherConfig
-	cfg.Publish.ChannelPoolSize = 1
-	return cfg
+// PoisonPublisherConfig is the configuration of c's poison publisher
+// (ChainConfig.PoisonPublisher), from the library's
+// idamqp.DeadLetterConfig: idamqp.NewPoisonPublisher on c's dead-letter
+// exchange (fanout, durable), so every poisoned message lands in c's
+// dead-letter queue whatever the Watermill topic; confirmed and mandatory,
+// so the poisoned delivery is acked only after the broker stored its copy in
+// a queue. Malformed deliveries are published verbatim (see
+// idamqp.Marshaler.Marshal).
+func (t Topology) PoisonPublisherConfig(amqpURL string, c Consumer) idamqp.PoisonPublisherConfig {
+	return t.deadLetter(amqpURL, c).PoisonPublisherConfig()
 }
 
 // ReconcilePublisherConfig is the watermill-amqp configuration of the
