@@ -31,7 +31,7 @@ func TestOtherDialects(t *testing.T) {
 		}
 		t.Cleanup(func() { _ = db.Close() })
 		dialectCase(t, db, sqldb.SQLite, "sqlite", dsn,
-			`INSERT INTO processed_event (consumer, event_id, processed_at) VALUES (?, ?, strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-3 days'))`)
+			`INSERT INTO processed_event (consumer, event_id, processed_at, event_at) VALUES (?, ?, strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-3 days'), strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-3 days'))`)
 	})
 	t.Run("mysql", func(t *testing.T) {
 		t.Parallel()
@@ -41,7 +41,7 @@ func TestOtherDialects(t *testing.T) {
 			t.Fatal(err)
 		}
 		dialectCase(t, db, sqldb.MySQL, "mysql", testenv.MySQLDSN()+name,
-			`INSERT INTO processed_event (consumer, event_id, processed_at) VALUES (?, ?, UTC_TIMESTAMP(6) - INTERVAL 3 DAY)`)
+			`INSERT INTO processed_event (consumer, event_id, processed_at, event_at) VALUES (?, ?, UTC_TIMESTAMP(6) - INTERVAL 3 DAY, UTC_TIMESTAMP(6) - INTERVAL 3 DAY)`)
 	})
 }
 
