@@ -77,7 +77,10 @@ func TestRabbitMQ(t *testing.T) {
 		NewTopic: func(t *testing.T) transporttest.Topic {
 			topo := shop.Topology{Prefix: testenv.UniqueName("ct") + ".", Reconnect: reconnect}
 			consumer := shop.Consumer{Name: "contract", Bindings: []string{"#"}}
-			name := "contract.happened"
+			// A name of its own per topic (the rig's event topic and its
+			// poison topic are two): the chain recognises a delivery from
+			// its poison topic by the subscribe topic's name.
+			name := topo.Prefix + "contract.happened"
 			ch, err := conn.Channel()
 			require.NoError(t, err)
 			require.NoError(t, topo.Declare(ch, consumer))
