@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+
+	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // State is the recorded state of an operation.
@@ -125,7 +127,7 @@ func (s *recordScan) record() Record {
 	r.Error = s.errText.String
 	r.Attempts = int(s.attempts)
 	r.Owner = s.owner.text
-	r.CreatedAt, r.UpdatedAt = s.created.t, s.updated.t
+	r.CreatedAt, r.UpdatedAt = s.created.T, s.updated.T
 	return r
 }
 
@@ -161,31 +163,5 @@ func (o *ownerScan) Scan(src any) error {
 	return nil
 }
 
-// timeScan reads a timestamp: a time.Time (pgx, MySQL with parseTime), or
-// the text SQLite (ISO 8601, UTC) or MySQL without parseTime stores.
-type timeScan struct{ t time.Time }
-
-func (ts *timeScan) Scan(src any) error {
-	var text string
-	switch v := src.(type) {
-	case nil:
-		ts.t = time.Time{}
-		return nil
-	case time.Time:
-		ts.t = v
-		return nil
-	case string:
-		text = v
-	case []byte:
-		text = string(v)
-	default:
-		return fmt.Errorf("operation: time: unsupported type %T", src)
-	}
-	for _, layout := range []string{time.RFC3339Nano, "2006-01-02 15:04:05.999999999"} {
-		if t, err := time.Parse(layout, text); err == nil {
-			ts.t = t.UTC()
-			return nil
-		}
-	}
-	return fmt.Errorf("operation: time: cannot parse %q", text)
-}
+// timeScan is the dialect-neutral timestamp scanner of the driver seam.
+type timeScan = sqldb.Time

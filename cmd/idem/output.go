@@ -7,6 +7,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // table prints rows under a header, columns aligned.
@@ -83,31 +85,5 @@ func truncate(s string, n int) string {
 	return string(r[:n-1]) + "…"
 }
 
-// timeScan reads a timestamp column of any dialect: time.Time (pgx, MySQL
-// with parseTime) or text (SQLite's ISO 8601 UTC).
-type timeScan struct{ t time.Time }
-
-func (ts *timeScan) Scan(src any) error {
-	var text string
-	switch v := src.(type) {
-	case nil:
-		ts.t = time.Time{}
-		return nil
-	case time.Time:
-		ts.t = v
-		return nil
-	case string:
-		text = v
-	case []byte:
-		text = string(v)
-	default:
-		return fmt.Errorf("time: unsupported type %T", src)
-	}
-	for _, layout := range []string{time.RFC3339Nano, "2006-01-02 15:04:05.999999999", "2006-01-02T15:04:05.999999999"} {
-		if t, err := time.Parse(layout, text); err == nil {
-			ts.t = t.UTC()
-			return nil
-		}
-	}
-	return fmt.Errorf("time: cannot parse %q", text)
-}
+// timeScan is the dialect-neutral timestamp scanner of the driver seam.
+type timeScan = sqldb.Time

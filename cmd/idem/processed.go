@@ -65,7 +65,7 @@ func runProcessedShow(ctx context.Context, e *env, args []string) error {
 		if err := rows.Scan(&c, &at); err != nil {
 			return dbErr("processed lookup", e.processedTable, err)
 		}
-		out.Records = append(out.Records, processedRow{Consumer: string(c), ProcessedAt: jsonTime(at.t)})
+		out.Records = append(out.Records, processedRow{Consumer: string(c), ProcessedAt: jsonTime(at.T)})
 	}
 	if err := rows.Err(); err != nil {
 		return dbErr("processed lookup", e.processedTable, err)

@@ -64,18 +64,18 @@ func runPurge(ctx context.Context, e *env, args []string) error {
 	if err := db.QueryRowContext(ctx, q, qargs...).Scan(&now, &cutoff, &out.Rows, &out.ToDelete, &oldest); err != nil {
 		return dbErr("purge preview", e.processedTable, err)
 	}
-	out.DatabaseAt, out.Cutoff = jsonTime(now.t), jsonTime(cutoff.t)
+	out.DatabaseAt, out.Cutoff = jsonTime(now.T), jsonTime(cutoff.T)
 	out.Batches = (out.ToDelete + int64(*batch) - 1) / int64(*batch)
-	if !oldest.t.IsZero() {
-		t := jsonTime(oldest.t)
+	if !oldest.T.IsZero() {
+		t := jsonTime(oldest.T)
 		out.Oldest = &t
 	}
 	if e.json {
 		return printJSON(e.stdout, out)
 	}
 	fields(e.stdout, [][2]string{
-		{"table", out.Table}, {"horizon", out.Horizon}, {"database now", ts(now.t)},
-		{"cutoff", ts(cutoff.t) + " (rows whose event time is before it would be deleted)"},
+		{"table", out.Table}, {"horizon", out.Horizon}, {"database now", ts(now.T)},
+		{"cutoff", ts(cutoff.T) + " (rows whose event time is before it would be deleted)"},
 		{"rows", strconv.FormatInt(out.Rows, 10)},
 		{"would delete", fmt.Sprintf("%d (in %d batch(es) of at most %d)", out.ToDelete, out.Batches, *batch)},
 		{"oldest", tsPtr(out.Oldest)},
