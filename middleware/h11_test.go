@@ -1,0 +1,233 @@
+package middleware_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/go-sql-driver/mysql"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/middleware/mysqlerr"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// faultCalls is how many deliveries of a test's handler hit the fault
+// before it stops: more than 1 + MaxRetries (2), so an ordinary error is
+// poisoned on the old code, while a held one reaches the healthy call.
+const faultCalls = 4
+
+// sqlState is the SQLSTATE in err's chain, or "".
+func sqlState(err error) string {
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		return pg.Code
+	}
+	return ""
+}
+
+// TestH11_ServerStateCodesAreHeldByClass (item 2): SQLSTATEs of the
+// server's state that were not on the old hand list (XX000, 58000, 57014
+// from a handler statement, 55006) are transient by their class; each is
+// produced for real on the attempt's connection, four deliveries in a
+// row: none is poisoned, the fifth call applies the effect once. On the old
+// code XX000, 58000, 57014 (outside the claim) and 55006 were ordinary:
+// retried twice, then poisoned. 57P01 (the attempt's own backend
+// terminated) and 25P03 (idle_in_transaction_session_timeout) were held
+// before too and are checked for the kind.
+func TestH11_ServerStateCodesAreHeldByClass(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	raise := func(code string) func(context.Context, pgx.Tx) error {
+		return func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, fmt.Sprintf(`DO $$BEGIN RAISE EXCEPTION 'server state %s' USING ERRCODE = '%s'; END$$`, code, code))
+			return err
+		}
+	}
+	cases := []struct {
+		name  string
+		codes []string // what the handler may see (a dead connection: "")
+		fault func(ctx context.Context, tx pgx.Tx) error
+	}{
+		{"XX000-internal-error", []string{"XX000"}, raise("XX000")},
+		{"XX001-data-corrupted", []string{"XX001"}, raise("XX001")},
+		{"58000-system-error", []string{"58000"}, raise("58000")},
+		{"58P01-undefined-file", []string{"58P01"}, func(ctx context.Context, tx pgx.Tx) error {
+			// a file missing on the server's side (superuser function)
+			_, err := tx.Exec(ctx, `SELECT pg_read_file('h11-no-such-file-'||pg_backend_pid())`)
+			return err
+		}},
+		{"57014-statement-timeout", []string{"57014"}, func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `SET LOCAL statement_timeout = '20ms'`); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, `SELECT pg_sleep(10)`)
+			return err
+		}},
+		{"55006-object-in-use", []string{"55006"}, func(ctx context.Context, tx pgx.Tx) error {
+			for _, q := range []string{
+				`CREATE TEMP TABLE h11_in_use (x int) ON COMMIT DROP`,
+				`INSERT INTO h11_in_use VALUES (1), (2)`,
+				`DECLARE h11_c CURSOR FOR SELECT x FROM h11_in_use`,
+				`FETCH 1 FROM h11_c`,
+				`DROP TABLE h11_in_use`,
+			} {
+				if _, err := tx.Exec(ctx, q); err != nil {
+					return err
+				}
+			}
+			return errors.New("DROP TABLE under an open cursor succeeded")
+		}},
+		{"57P01-own-backend-terminated", []string{"57P01", ""}, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `SELECT pg_terminate_backend(pg_backend_pid())`)
+			return err
+		}},
+		{"25P03-idle-in-transaction-timeout", []string{"25P03", ""}, func(ctx context.Context, tx pgx.Tx) error {
+			var pid int
+			if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+				return err
+			}
+			if _, err := tx.Exec(ctx, `SET LOCAL idle_in_transaction_session_timeout = '50ms'`); err != nil {
+				return err
+			}
+			testenv.Eventually(t, 30*time.Second, "the idle transaction's backend ended by the server", func(o *testenv.Observed) bool {
+				return o.Int("backends", e.count(`SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid)) == 0
+			})
+			_, err := tx.Exec(ctx, `SELECT 1`)
+			return err
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			poison := &capture{msgs: make(chan *message.Message, 1)}
+			var calls atomic.Int32
+			var mu sync.Mutex
+			var seen []error
+			h := chainedHold(t, e.idempotent(e.pool), poison, nil, 2*time.Minute, func(msg *message.Message) ([]*message.Message, error) {
+				tx, _ := middleware.PgxTxFromContext(msg.Context())
+				if calls.Add(1) <= faultCalls {
+					err := tc.fault(msg.Context(), tx)
+					mu.Lock()
+					seen = append(seen, err)
+					mu.Unlock()
+					return nil, err
+				}
+				return nil, writeEffect(msg, "x")
+			})
+			id := uuid.Must(uuid.NewV7()).String()
+			_, err := h(newMsg(id))
+			require.NoError(t, err)
+			mu.Lock()
+			defer mu.Unlock()
+			require.Len(t, seen, faultCalls)
+			for _, err := range seen {
+				require.Error(t, err)
+				require.Contains(t, tc.codes, sqlState(err), "the fault produced the code for real: %v", err)
+			}
+			require.Empty(t, poison.msgs, "held as the server's state, never poisoned")
+			require.EqualValues(t, faultCalls+1, calls.Load())
+			require.Equal(t, 1, e.effects(id))
+			require.Equal(t, 1, e.processed(id))
+		})
+	}
+}
+
+// TestH11_SQLStateClassTable (item 2): every code of the transient classes
+// and the listed codes of mixed classes, as PostgreSQL 15's errcodes.txt
+// names them, is transient wherever it arises; the neighbours that are the
+// data's or the handler's stay ordinary.
+func TestH11_SQLStateClassTable(t *testing.T) {
+	t.Parallel()
+	for _, code := range []string{
+		"08000", "08003", "08006", "08001", "08004", "08007", "08P01",
+		"53000", "53100", "53200", "53300", "53400",
+		"57000", "57014", "57P01", "57P02", "57P03", "57P04", "57P05",
+		"58000", "58030", "58P01", "58P02", "58P03",
+		"72000", "F0000", "F0001", "XX000", "XX001", "XX002",
+		"25006", "25P03", "25P04", "40001", "40003", "40P01", "55006", "55P03",
+	} {
+		err := fmt.Errorf("handler: %w", &pgconn.PgError{Code: code})
+		require.Equal(t, middleware.ClassTransient, middleware.ClassOf(err), code)
+		require.False(t, middleware.ShouldPoison(err), code)
+	}
+	for _, code := range []string{"23505", "22012", "25P02", "25001", "40000", "40002", "55000", "P0001", "42601", "0A000"} {
+		require.Equal(t, middleware.ClassOrdinary, middleware.ClassOf(&pgconn.PgError{Code: code}), code)
+	}
+	require.Equal(t, middleware.ClassPermanent, middleware.ClassOf(middleware.Permanent(&pgconn.PgError{Code: "XX000"})), "permanent wins")
+}
+
+// TestH11_MySQLServerStateCodesAreHeld (item 2): on MariaDB, a handler
+// statement stopped by max_statement_time (1969 ER_STATEMENT_TIMEOUT,
+// produced for real) is transient with mysqlerr.Classify: held, never
+// poisoned, applied once on the healthy call. On the old code 1969 was
+// ordinary and poisoned after the retries. The table checks the numbers
+// added, each against MariaDB's perror / the MySQL reference.
+func TestH11_MySQLServerStateCodesAreHeld(t *testing.T) {
+	t.Parallel()
+	for _, n := range []uint16{
+		1205, 1213, 1614, 1637, 1180, 1181, 1040, 1203, 1135, 1152, 1154, 1155, 1156, 1157, 1158, 1159,
+		1160, 1161, 1184, 1927, 4031, 1053, 1077, 1079, 1080, 1317, 1969, 3024, 1290, 1792, 1836,
+		1021, 1114, 1037, 1038, 1041, 1206, 3019, 2002, 2003, 2006, 2013, 2055,
+	} {
+		require.Equal(t, middleware.ClassTransient, mysqlerr.Classify(fmt.Errorf("x: %w", &mysql.MySQLError{Number: n})), n)
+	}
+	for _, n := range []uint16{1153, 3020, 2005, 1062, 1064, 1452} {
+		require.Equal(t, middleware.ClassOrdinary, mysqlerr.Classify(&mysql.MySQLError{Number: n}), n)
+	}
+
+	ctx := context.Background()
+	name := testenv.MySQLDatabase(t)
+	db, err := sql.Open("mysql", testenv.MySQLDatabaseDSN(name))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = db.Close() })
+	store, err := processed.NewStore(processed.Config{Dialect: sqldb.MySQL})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx, sqldb.Std(db)))
+	_, err = db.Exec(`CREATE TABLE effect (event_id varchar(36) NOT NULL, note varchar(100))`)
+	require.NoError(t, err)
+	idem, err := middleware.NewIdempotent(middleware.Config{
+		Beginner: mustBeginner(middleware.NewStdBeginner(db)), Store: store, Consumer: "stock", Classifier: mysqlerr.Classify,
+	}, nil)
+	require.NoError(t, err)
+	poison := &capture{msgs: make(chan *message.Message, 1)}
+	var calls atomic.Int32
+	var seen []uint16
+	h := chainedHold(t, idem, poison, nil, 2*time.Minute, func(msg *message.Message) ([]*message.Message, error) {
+		tx, _ := middleware.SQLTxFromContext(msg.Context())
+		if calls.Add(1) <= faultCalls {
+			_, err := tx.ExecContext(msg.Context(), `SET STATEMENT max_statement_time=0.01 FOR SELECT SLEEP(5) FROM seq_1_to_3`)
+			var me *mysql.MySQLError
+			if errors.As(err, &me) {
+				seen = append(seen, me.Number)
+			}
+			if err == nil {
+				err = errors.New("max_statement_time did not stop the statement")
+			}
+			return nil, err
+		}
+		_, err := tx.ExecContext(msg.Context(), `INSERT INTO effect VALUES (?, 'x')`, msg.UUID)
+		return nil, err
+	})
+	id := uuid.Must(uuid.NewV7()).String()
+	_, err = h(newMsg(id))
+	require.NoError(t, err)
+	require.Equal(t, []uint16{1969, 1969, 1969, 1969}, seen, "the server stopped the statement (ER_STATEMENT_TIMEOUT)")
+	require.Empty(t, poison.msgs)
+	require.EqualValues(t, faultCalls+1, calls.Load())
+	var n int
+	require.NoError(t, db.QueryRow(`SELECT count(*) FROM effect WHERE event_id = ?`, id).Scan(&n))
+	require.Equal(t, 1, n)
+}
