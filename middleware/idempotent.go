@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
+	"github.com/watermill-idempotency/idempotency/internal/sqlitefile"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/processed"
@@ -176,7 +177,12 @@ type Idempotent struct {
 }
 
 // NewIdempotent validates cfg (on a copy with defaults applied) and returns
-// the middleware. A nil logger is watermill.NopLogger.
+// the middleware. A nil logger is watermill.NopLogger. On SQLite
+// (NewStdBeginner with a SQLite Store) it reads the handle's database file
+// (one query) and refuses, with an error wrapping sqldb.ErrSharedSQLiteFile
+// naming operation.Config.DB, a file that an operation.Runner built in this
+// process records its operations in (SQLite has one writer per file; see
+// operation.Config.DB).
 func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -193,7 +199,34 @@ func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, err
 	if _, pgxOnly := cfg.Beginner.(*pgxBeginner); pgxOnly && cfg.Store.Dialect() != sqldb.PostgreSQL {
 		return nil, fmt.Errorf("middleware: Config.Beginner: the pgx beginner needs a PostgreSQL store, not %s (use NewStdBeginner)", cfg.Store.Dialect())
 	}
+	if err := registerSQLiteInbox(cfg); err != nil {
+		return nil, err
+	}
 	return &Idempotent{cfg: cfg, logger: logger, lockTimeout: newLockTimeoutStmt(cfg.Store, cfg.LockTimeout)}, nil
+}
+
+// registerSQLiteInbox records, on SQLite, the database file of the
+// beginner's handle as the file of the middleware's transactions, and
+// refuses it (wrapping sqldb.ErrSharedSQLiteFile) when an operation.Runner
+// built in this process records its operations in the same file: the
+// Runner, called from a handler, could never commit its started record
+// while the attempt's transaction holds the file's write lock.
+func registerSQLiteInbox(cfg Config) error {
+	b, ok := cfg.Beginner.(*stdBeginner)
+	if !ok || cfg.Store.Dialect() != sqldb.SQLite {
+		return nil
+	}
+	path, err := sqlitefile.Register(b.db, sqlitefile.Inbox)
+	if errors.Is(err, sqldb.ErrSharedSQLiteFile) {
+		return fmt.Errorf("middleware: Config.Beginner: the SQLite file %s is the database of an operation.Runner "+
+			"(operation.Config.DB) in this process; the Runner, called from a handler, commits its records while the "+
+			"attempt's transaction holds this file's write lock: open operation.Config.DB on a database file of its own "+
+			"and run Runner.Migrate there: %w", path, err)
+	}
+	if err != nil {
+		return fmt.Errorf("middleware: Config.Beginner: %w", err)
+	}
+	return nil
 }
 
 // Middleware wraps h so that its effect is applied once per (consumer,
