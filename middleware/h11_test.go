@@ -10,7 +10,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/go-sql-driver/mysql"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -230,4 +232,143 @@ func TestH11_MySQLServerStateCodesAreHeld(t *testing.T) {
 	var n int
 	require.NoError(t, db.QueryRow(`SELECT count(*) FROM effect WHERE event_id = ?`, id).Scan(&n))
 	require.Equal(t, 1, n)
+}
+
+// logged returns the captured lines of level whose message is msg.
+func logged(l *watermill.CaptureLoggerAdapter, level watermill.LogLevel, msg string) []watermill.CapturedMessage {
+	var out []watermill.CapturedMessage
+	for _, m := range l.Captured()[level] {
+		if m.Msg == msg {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// TestH11_IdempotentTwiceIsAConfigurationError (item 3, wiring): the
+// idempotent middleware of one consumer wrapped twice around a handler
+// (added by hand inside the chain, or a router-level chain plus a
+// handler-level one). The inner attempt's claim waited for the outer
+// attempt's uncommitted claim of the same key: LockTimeout per attempt,
+// ErrInFlight (transient), held, then nacked, forever, with no word of
+// the cause. Now the inner middleware sees the outer attempt in the
+// context and fails at once with a ConfigurationError that says to wire it
+// once: held and logged at ERROR with the hint, never poisoned, the handler
+// never called, no claim left.
+func TestH11_IdempotentTwiceIsAConfigurationError(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	idem, err := middleware.NewIdempotent(middleware.Config{
+		Beginner: mustBeginner(middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{})),
+		Store:    e.store, Consumer: "stock", LockTimeout: 300 * time.Millisecond,
+	}, nil)
+	require.NoError(t, err)
+	logger := watermill.NewCaptureLogger()
+	poison := &capture{msgs: make(chan *message.Message, 1)}
+	var calls atomic.Int32
+	h := chainedHold(t, idem, poison, logger, time.Second, idem.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		return nil, writeEffect(msg, "x")
+	}))
+	id := uuid.Must(uuid.NewV7()).String()
+	_, err = h(newMsg(id))
+	require.Error(t, err, "held, then given back")
+	require.ErrorIs(t, err, middleware.ErrConfiguration, "%v", err)
+	require.NotErrorIs(t, err, middleware.ErrInFlight)
+	require.ErrorContains(t, err, "twice")
+	require.Zero(t, calls.Load())
+	require.Empty(t, poison.msgs)
+	require.Zero(t, e.processed(id))
+	lines := logged(logger, watermill.ErrorLogLevel, "Configuration error: delivery held, not poisoned")
+	require.NotEmpty(t, lines)
+	require.Contains(t, lines[0].Fields["hint"], "once")
+}
+
+// TestH11_ChainTwiceHoldsAndRetriesOnce (item 3, wiring): a chain wrapped
+// inside another chain (a router-level NewChain plus a handler-level
+// NewHandlerMiddleware, each with its own idempotent middleware of one
+// consumer). Before, the inner chain held and retried on its own, then the
+// outer one again (MaxHold twice, MaxRetries squared), while the nested
+// claim waited for itself. Now the inner chain's hold and retry pass
+// through (the outer chain holds, retries and poisons), and the nested
+// idempotent middleware is a configuration error: the inner chain's logger
+// sees nothing, the outer logs the configuration error at ERROR.
+func TestH11_ChainTwiceHoldsAndRetriesOnce(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	newIdem := func() *middleware.Idempotent {
+		idem, err := middleware.NewIdempotent(middleware.Config{
+			Beginner: mustBeginner(middleware.NewPgxBeginner(e.pool, middleware.PgxBeginnerConfig{})),
+			Store:    e.store, Consumer: "stock", LockTimeout: 300 * time.Millisecond,
+		}, nil)
+		require.NoError(t, err)
+		return idem
+	}
+	outerLog, innerLog := watermill.NewCaptureLogger(), watermill.NewCaptureLogger()
+	poison := &capture{msgs: make(chan *message.Message, 1)}
+	var calls atomic.Int32
+	inner := chainedHold(t, newIdem(), poison, innerLog, time.Second, func(msg *message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		return nil, writeEffect(msg, "x")
+	})
+	h := chainedHold(t, newIdem(), poison, outerLog, time.Second, inner)
+	id := uuid.Must(uuid.NewV7()).String()
+	_, err := h(newMsg(id))
+	require.ErrorIs(t, err, middleware.ErrConfiguration, "%v", err)
+	require.Zero(t, calls.Load())
+	require.Empty(t, poison.msgs)
+	require.Empty(t, innerLog.Captured(), "the inner chain passes through: no hold, retry or poison of its own")
+	require.NotEmpty(t, logged(outerLog, watermill.ErrorLogLevel, "Configuration error: delivery held, not poisoned"))
+}
+
+// TestH11_PoisonTopicIsTheHandlersOwnTopic (item 3, wiring): ChainConfig.
+// PoisonTopic set to the topic the handler consumes. Such a message is
+// never published back to its own topic (held instead: no loop), but the
+// ERROR said "poisoned message failed again on the poison topic's consumer"
+// with a hint about router-level wiring, for a message that was never
+// poisoned. Now the ERROR names the field to fix.
+func TestH11_PoisonTopicIsTheHandlersOwnTopic(t *testing.T) {
+	t.Parallel()
+	logger := watermill.NewCaptureLogger()
+	poison := &capture{msgs: make(chan *message.Message, 1)}
+	idem, err := middleware.NewIdempotent(middleware.Config{Beginner: mustBeginner(middleware.NewStdBeginner(testenv.SQLiteDB(t))),
+		Store: mustSQLiteStore(t), Consumer: "stock"}, nil)
+	require.NoError(t, err)
+	mw, err := middleware.NewHandlerMiddleware(middleware.ChainConfig{
+		Idempotent: idem, PoisonPublisher: poison, PoisonTopic: "orders",
+		MaxRetries: 1, InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond, MaxHold: 50 * time.Millisecond,
+	}, logger)
+	require.NoError(t, err)
+	pubsub := gochannel.NewGoChannel(gochannel.Config{}, nil)
+	defer pubsub.Close()
+	runRouter(t, func(router *message.Router) {
+		router.AddNoPublisherHandler("orders", "orders", pubsub, func(*message.Message) error { return nil }).AddMiddleware(mw)
+	})
+	require.NoError(t, pubsub.Publish("orders", message.NewMessage("not-a-uuid", []byte(`{}`))))
+	testenv.Eventually(t, 30*time.Second, "an ERROR with a hint", func(o *testenv.Observed) bool {
+		n := 0
+		for _, m := range logger.Captured()[watermill.ErrorLogLevel] {
+			if m.Fields["hint"] != nil {
+				n++
+			}
+		}
+		return o.Int("hinted errors", n) > 0
+	})
+	require.Empty(t, poison.msgs, "never poisoned onto its own topic")
+	var lines []watermill.CapturedMessage
+	for _, m := range logger.Captured()[watermill.ErrorLogLevel] {
+		if m.Fields["hint"] != nil {
+			lines = append(lines, m)
+		}
+	}
+	require.NotEmpty(t, lines)
+	require.Contains(t, lines[0].Fields["hint"], "ChainConfig.PoisonTopic")
+	require.NotContains(t, lines[0].Msg, "failed again", "the message was never poisoned")
+}
+
+func mustSQLiteStore(t *testing.T) *processed.Store {
+	t.Helper()
+	s, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+	require.NoError(t, err)
+	return s
 }

@@ -232,6 +232,10 @@ func registerSQLiteInbox(cfg Config) error {
 // Middleware wraps h so that its effect is applied once per (consumer,
 // event_id), however often the message is delivered. Per attempt:
 //
+//  0. Inside an attempt of the same consumer (the middleware wrapped twice
+//     around one handler, e.g. a router-level chain plus a handler-level
+//     one), it fails at once with a ConfigurationError ("runs twice"):
+//     its claim would only wait for the outer attempt's own claim.
 //  1. A message flagged malformed by the marshaler, or whose msg.UUID is not
 //     a non-nil UUID, fails with a PermanentError before any SQL runs.
 //  2. A transaction is begun and (consumer, event_id) claimed in it with one
@@ -274,6 +278,16 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		reject := func(o Outcome, reason string, err error) ([]*message.Message, error) {
 			return nil, m.finish(consumer, o, start, 0, fields, permanent(reason, err))
+		}
+		if outer, nested := origCtx.Value(attemptKey{}).(*attemptState); nested && outer.consumer == consumer {
+			// Wired twice (by hand, or a router-level chain plus a
+			// handler-level one): this claim would wait for the outer
+			// attempt's uncommitted claim of the same key, forever.
+			return nil, m.finish(consumer, OutcomeFailed, start, 0, fields, &ConfigurationError{
+				Hint: "wire the idempotent middleware of a consumer once per handler: use middleware.NewHandlerMiddleware on the handler " +
+					"and no router-level chain or Idempotent.Middleware besides",
+				Err: fmt.Errorf("idempotency: the idempotent middleware of consumer %q runs twice around one handler (nested attempt)", consumer),
+			})
 		}
 		if reason, bad := marshaler.Malformed(msg); bad {
 			// msg.UUID is the transport's message id here, not an event id.
