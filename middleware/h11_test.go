@@ -24,6 +24,7 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/middleware/mysqlerr"
 	"github.com/watermill-idempotency/idempotency/processed"
@@ -333,7 +334,7 @@ func TestH11_ChainTwiceHoldsAndRetriesOnce(t *testing.T) {
 // poisoned. Now the ERROR names the field to fix.
 func TestH11_PoisonTopicIsTheHandlersOwnTopic(t *testing.T) {
 	t.Parallel()
-	logger := watermill.NewCaptureLogger()
+	logger := &captureLogger{}
 	poison := &capture{msgs: make(chan *message.Message, 1)}
 	idem, err := middleware.NewIdempotent(middleware.Config{Beginner: mustBeginner(middleware.NewStdBeginner(testenv.SQLiteDB(t))),
 		Store: mustSQLiteStore(t), Consumer: "stock"}, nil)
@@ -349,25 +350,36 @@ func TestH11_PoisonTopicIsTheHandlersOwnTopic(t *testing.T) {
 		router.AddNoPublisherHandler("orders", "orders", pubsub, func(*message.Message) error { return nil }).AddMiddleware(mw)
 	})
 	require.NoError(t, pubsub.Publish("orders", message.NewMessage("not-a-uuid", []byte(`{}`))))
-	testenv.Eventually(t, 30*time.Second, "an ERROR with a hint", func(o *testenv.Observed) bool {
-		n := 0
-		for _, m := range logger.Captured()[watermill.ErrorLogLevel] {
-			if m.Fields["hint"] != nil {
-				n++
+	hinted := func() []logLine {
+		var out []logLine
+		for _, l := range logger.at("error", "") {
+			if l.fields["hint"] != nil {
+				out = append(out, l)
 			}
 		}
-		return o.Int("hinted errors", n) > 0
+		return out
+	}
+	testenv.Eventually(t, 30*time.Second, "an ERROR with a hint", func(o *testenv.Observed) bool {
+		return o.Int("hinted errors", len(hinted())) > 0
 	})
 	require.Empty(t, poison.msgs, "never poisoned onto its own topic")
-	var lines []watermill.CapturedMessage
-	for _, m := range logger.Captured()[watermill.ErrorLogLevel] {
-		if m.Fields["hint"] != nil {
-			lines = append(lines, m)
+	lines := hinted()
+	require.Contains(t, lines[0].fields["hint"], "ChainConfig.PoisonTopic")
+	require.NotContains(t, lines[0].msg, "failed again", "the message was never poisoned")
+}
+
+// at returns, under the lock, the lines of level whose message is msg
+// (any message when msg is "").
+func (l *captureLogger) at(level, msg string) []logLine {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []logLine
+	for _, x := range l.lines {
+		if x.level == level && (msg == "" || x.msg == msg) {
+			out = append(out, x)
 		}
 	}
-	require.NotEmpty(t, lines)
-	require.Contains(t, lines[0].Fields["hint"], "ChainConfig.PoisonTopic")
-	require.NotContains(t, lines[0].Msg, "failed again", "the message was never poisoned")
+	return out
 }
 
 func mustSQLiteStore(t *testing.T) *processed.Store {
@@ -615,6 +627,59 @@ FOR EACH ROW EXECUTE FUNCTION h11_slow_commit()`)
 				require.NotEmpty(t, held, "the unknown COMMIT was held, not acked")
 				require.ErrorIs(t, held[0].Fields["error"].(error), middleware.ErrCommit)
 			})
+		}
+	}
+}
+
+// TestH11_HandlerEndedTxIsPoisonedNotSilentlyLost (item 3, wiring): a
+// handler that commits the attempt's transaction itself, then returns a
+// message (router or outbox). The middleware's outbox write or COMMIT then
+// fails with pgx.ErrTxClosed / sql.ErrTxDone. Before, that was ordinary:
+// the retry found the claim the handler had committed, acked it as a
+// duplicate, and the produced message was never published nor written:
+// lost, with no poisoned message to show for it. Now a transaction the
+// handler ended (the message context still live) is permanent, reason
+// "handler_ended_tx": poisoned once at once, so the operator sees it; a
+// handler that rolled back instead is poisoned the same way, without
+// retries that would only repeat it.
+func TestH11_HandlerEndedTxIsPoisonedNotSilentlyLost(t *testing.T) {
+	t.Parallel()
+	e, ob := newOutboxEnv(t)
+	for _, b := range beginnersUnderTest(t, e.schema) {
+		for _, withOutbox := range []bool{false, true} {
+			for _, commit := range []bool{true, false} {
+				name := fmt.Sprintf("%s/outbox=%v/commit=%v", b.name, withOutbox, commit)
+				t.Run(name, func(t *testing.T) {
+					cfg := middleware.Config{Beginner: b.beginner, Store: e.store, Consumer: "h11-" + name}
+					if withOutbox {
+						cfg.Outbox, cfg.OutboxTopic = ob, "out"
+					}
+					idem, err := middleware.NewIdempotent(cfg, nil)
+					require.NoError(t, err)
+					poison := &capture{msgs: make(chan *message.Message, 3)}
+					var calls atomic.Int32
+					h := chainedHold(t, idem, poison, nil, time.Minute, func(msg *message.Message) ([]*message.Message, error) {
+						calls.Add(1)
+						if err := writeEffectQ(msg, name); err != nil {
+							return nil, err
+						}
+						endTx(t, msg, commit)
+						out, err := marshaler.NewMessage("stock.reserved", map[string]string{"e": msg.UUID})
+						require.NoError(t, err)
+						return []*message.Message{out}, nil
+					})
+					id := newID()
+					produced, err := h(newMsg(id))
+					require.NoError(t, err, "poisoned = acked")
+					require.Empty(t, produced, "nothing returned from a failed attempt")
+					require.EqualValues(t, 1, calls.Load(), "permanent: not retried")
+					require.Len(t, poison.msgs, 1, "poisoned once, visible")
+					pm := <-poison.msgs
+					require.Equal(t, "permanent", pm.Metadata.Get(middleware.MetadataPoisonClass))
+					require.Contains(t, pm.Metadata.Get("reason_poisoned"), "ended the attempt's transaction")
+					require.Zero(t, b.inUse(), "no connection stays acquired")
+				})
+			}
 		}
 	}
 }

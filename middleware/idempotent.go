@@ -393,6 +393,9 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	}
 	if err == nil {
 		produced, err = m.emit(origCtx, state, produced)
+		if err != nil && txEnded(err) && origCtx.Err() == nil {
+			err = handlerEndedTx(err) // the outbox write found the transaction ended
+		}
 	}
 	if err != nil {
 		err = attemptError(err, rollback(origCtx, tx), m.cfg.Classifier)
@@ -406,7 +409,7 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	if cErr := tx.commit(origCtx); cErr != nil {
 		_ = rollback(origCtx, tx)
 		ended = true
-		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, commitError(consumer, eventID, cErr, m.cfg.Classifier))
+		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, commitError(consumer, eventID, cErr, m.cfg.Classifier, origCtx.Err() != nil))
 	}
 	ended = true
 	crashpoint.Reached(crashpoint.AfterCommit)
