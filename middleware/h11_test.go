@@ -683,3 +683,56 @@ func TestH11_HandlerEndedTxIsPoisonedNotSilentlyLost(t *testing.T) {
 		}
 	}
 }
+
+// TestH11_TxKeptAfterTheHandlerReturnedIsRefused (item 3, wiring): a
+// handler that keeps the attempt's transaction (pgx.Tx, *sql.Tx or the
+// querier) and uses it after it returned, e.g. from the next message's
+// handler. Every use is refused (pgx.ErrTxClosed / sql.ErrTxDone), nothing
+// lands in the later attempt's transaction, and no connection stays
+// acquired: for every beginner.
+func TestH11_TxKeptAfterTheHandlerReturnedIsRefused(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	for _, b := range beginnersUnderTest(t, e.schema) {
+		t.Run(b.name, func(t *testing.T) {
+			idem, err := middleware.NewIdempotent(middleware.Config{Beginner: b.beginner, Store: e.store, Consumer: "kept-" + b.name}, nil)
+			require.NoError(t, err)
+			var kept sqldb.Querier
+			var keptPgx pgx.Tx
+			var keptSQL *sql.Tx
+			var lateErrs []error
+			h := idem.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+				if kept != nil { // the second message: use the first one's transaction
+					_, err := kept.Exec(msg.Context(), `INSERT INTO effect (event_id, note) VALUES ($1, 'late')`, msg.UUID)
+					lateErrs = append(lateErrs, err)
+					if keptPgx != nil {
+						_, err = keptPgx.Exec(msg.Context(), `INSERT INTO effect (event_id, note) VALUES ($1, 'late')`, msg.UUID)
+						lateErrs = append(lateErrs, err)
+					}
+					if keptSQL != nil {
+						_, err = keptSQL.ExecContext(msg.Context(), `INSERT INTO effect (event_id, note) VALUES ($1, 'late')`, msg.UUID)
+						lateErrs = append(lateErrs, err)
+					}
+					return nil, writeEffectQ(msg, "second")
+				}
+				kept, _ = middleware.QuerierFromContext(msg.Context())
+				keptPgx, _ = middleware.PgxTxFromContext(msg.Context())
+				keptSQL, _ = middleware.SQLTxFromContext(msg.Context())
+				return nil, writeEffectQ(msg, "first")
+			})
+			first, second := newID(), newID()
+			_, err = h(newMsg(first))
+			require.NoError(t, err)
+			_, err = h(newMsg(second))
+			require.NoError(t, err)
+			require.NotEmpty(t, lateErrs)
+			for _, err := range lateErrs {
+				require.True(t, errors.Is(err, pgx.ErrTxClosed) || errors.Is(err, sql.ErrTxDone), "refused: %v", err)
+			}
+			require.Equal(t, 1, e.effects(first))
+			require.Equal(t, 1, e.effects(second), "nothing of the kept transaction in the later attempt")
+			require.Zero(t, e.count(`SELECT count(*) FROM effect WHERE note = 'late'`))
+			require.Zero(t, b.inUse())
+		})
+	}
+}
