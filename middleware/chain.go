@@ -220,7 +220,23 @@ func NewChain(cfg ChainConfig, logger watermill.LoggerAdapter) ([]message.Handle
 	outer := &holdPoison{cfg: cfg, logger: logger}
 	chain := []message.HandlerMiddleware{outer.middleware}
 	chain = append(chain, cfg.AfterPoison...)
-	return append(chain, retry.Middleware, wmw.Recoverer, cfg.Idempotent.Middleware), nil
+	return append(chain, outer.ownRetry(retry.Middleware), wmw.Recoverer, cfg.Idempotent.Middleware), nil
+}
+
+// ownRetry runs retry only inside this chain's own outer layer: in a chain
+// nested in another one (a router-level chain and a handler-level one), the
+// outer chain retries, holds and poisons, and the inner one passes through,
+// so that retries are not multiplied and holds not added up.
+func (p *holdPoison) ownRetry(retry message.HandlerMiddleware) message.HandlerMiddleware {
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		r := retry(h)
+		return func(msg *message.Message) ([]*message.Message, error) {
+			if msg.Context().Value(chainKey{}) != p {
+				return h(msg)
+			}
+			return r(msg)
+		}
+	}
 }
 
 // compensatedBackoff returns the InitialInterval and Multiplier to give
@@ -247,7 +263,8 @@ func ShouldPoison(err error) bool {
 	return c == ClassPermanent || c == ClassOrdinary
 }
 
-// chainKey marks a message context as running inside the chain.
+// chainKey marks a message context as running inside the chain; its value
+// is the outermost chain's *holdPoison.
 type chainKey struct{}
 
 // holdPoison is the chain's outer layer.
@@ -259,7 +276,12 @@ type holdPoison struct {
 func (p *holdPoison) middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		orig := msg.Context()
-		inner := context.WithValue(orig, chainKey{}, true)
+		if orig.Value(chainKey{}) != nil {
+			// A chain inside another chain (router-level and
+			// handler-level): the outer one holds and poisons.
+			return h(msg)
+		}
+		inner := context.WithValue(orig, chainKey{}, p)
 		defer msg.SetContext(orig)
 		start := time.Now()
 		wait := newBackoff(p.cfg)
@@ -281,9 +303,17 @@ func (p *holdPoison) middleware(h message.HandlerFunc) message.HandlerFunc {
 				if !p.poisonLoop(msg, orig) {
 					return nil, p.poison(msg, orig, err, class, start, wait)
 				}
-				p.logger.Error("Poisoned message failed again on the poison topic's consumer: not re-poisoned, held", err, fields.Add(watermill.LogFields{
-					"hint": "wire the chain per handler (middleware.NewHandlerMiddleware), not with router.AddMiddleware on a router that also consumes the poison topic",
-				}))
+				if msg.Metadata.Get(wmw.ReasonForPoisonedKey) == "" {
+					// Never poisoned: the handler consumes the poison topic.
+					p.logger.Error("Poison topic is the topic this handler consumes: not poisoned, held", err, fields.Add(watermill.LogFields{
+						"hint": fmt.Sprintf("ChainConfig.PoisonTopic %q is the topic this handler consumes: give the chain a poison topic of its own "+
+							"(a dead-letter queue), and wire the chain per handler, never around the poison topic's consumer", p.cfg.PoisonTopic),
+					}))
+				} else {
+					p.logger.Error("Poisoned message failed again on the poison topic's consumer: not re-poisoned, held", err, fields.Add(watermill.LogFields{
+						"hint": "wire the chain per handler (middleware.NewHandlerMiddleware), not with router.AddMiddleware on a router that also consumes the poison topic",
+					}))
+				}
 			} else if class == ClassConfiguration {
 				hint := ""
 				var ce *ConfigurationError

@@ -213,13 +213,16 @@ func (e *ConfigurationError) Configuration() bool { return true }
 //     authorization.
 //   - ClassTransient: Transient() bool true (TransientError,
 //     InfrastructureError, operation's transient errors), ErrInFlight, or a
-//     typed SQLSTATE of a connection or server-state failure: class 08
-//     (connection exception), class 53 (insufficient resources: 53100 disk
-//     full, 53200 out of memory, 53300 too many connections, …), 57P01,
-//     57P02, 57P03 (shutdown, cannot connect now), 58030 (I/O error), 25006
+//     typed SQLSTATE of a connection or server-state failure, decided by
+//     class: 08 (connection exception), 53 (insufficient resources), 57
+//     (operator intervention, 57014 query canceled included), 58 (system
+//     error), 72 (snapshot too old), F0 (configuration file), XX (internal
+//     error, data or index corrupted); and in mixed classes 25006
 //     (read-only transaction: a standby or a demoted primary), 25P03/25P04
-//     (session ended by a timeout), 40001 (serialization failure), 40P01
-//     (deadlock), 55P03 (lock not available).
+//     (session ended by a timeout), 40001 (serialization failure), 40003
+//     (statement completion unknown), 40P01 (deadlock), 55006 (object in
+//     use), 55P03 (lock not available). See sqlStateCodeClass for the
+//     source of each.
 //   - ClassOrdinary: everything else, including a bare io.EOF, net.Error,
 //     context.DeadlineExceeded, syscall.ECONNREFUSED or driver.ErrBadConn
 //     that a handler returns: it may come from the handler's own
@@ -270,16 +273,53 @@ func sqlStateClass(err error) Class {
 	return sqlStateCodeClass(s.SQLState())
 }
 
+// sqlStateCodeClass classifies a PostgreSQL SQLSTATE (PostgreSQL
+// documentation, Appendix A "PostgreSQL Error Codes"; the server's
+// src/backend/utils/errcodes.txt). Infrastructure is decided by CLASS (the
+// first two characters) where the whole class is the server's or the
+// connection's state, so that a code we did not list (a newer one, a
+// rarely seen one) is never poisoned:
+//
+//   - class 08 connection exception (08000, 08003, 08006, 08001, 08004,
+//     08007 transaction resolution unknown, 08P01 protocol violation);
+//   - class 53 insufficient resources (53000, 53100 disk full, 53200 out of
+//     memory, 53300 too many connections, 53400 configuration limit
+//     exceeded);
+//   - class 57 operator intervention (57000, 57014 query canceled:
+//     statement_timeout or pg_cancel_backend, 57P01 admin shutdown: also
+//     pg_terminate_backend, 57P02 crash shutdown, 57P03 cannot connect
+//     now, 57P04 database dropped, 57P05 idle session timeout);
+//   - class 58 system error, errors external to PostgreSQL (58000, 58030
+//     I/O error, 58P01 undefined file, 58P02 duplicate file, and later
+//     additions such as 58P03);
+//   - class 72 snapshot failure (72000 snapshot too old);
+//   - class F0 configuration file error (F0000, F0001 lock file exists);
+//   - class XX internal error (XX000 internal error, XX001 data corrupted,
+//     XX002 index corrupted).
+//
+// In mixed classes only the codes of the server's state are transient:
+// 25006 read-only transaction (a standby, a demoted primary), 25P03
+// idle-in-transaction session timeout, 25P04 transaction timeout (17+);
+// 40001 serialization failure, 40003 statement completion unknown, 40P01
+// deadlock detected (40000 and 40002, a deferred constraint, are the
+// data's: ordinary); 55006 object in use, 55P03 lock not available.
+//
+// These codes come from the server's state, not from a message: they are
+// transient wherever they arise in the attempt (the claim, a handler
+// statement, the commit), including a PL/pgSQL RAISE … USING ERRCODE of
+// such a code (whoever raises a server-state code asks for a retry).
+// Configuration (held, ERROR with a hint): 42P01, 42703, 42883, 42501,
+// 3F000, 3D000, 28000, 28P01.
 func sqlStateCodeClass(code string) Class {
 	if len(code) != 5 {
 		return ClassOrdinary
 	}
 	switch code[:2] {
-	case "08", "53":
+	case "08", "53", "57", "58", "72", "F0", "XX":
 		return ClassTransient
 	}
 	switch code {
-	case "57P01", "57P02", "57P03", "58030", "25006", "25P03", "25P04", "40001", "40P01", "55P03":
+	case "25006", "25P03", "25P04", "40001", "40003", "40P01", "55006", "55P03":
 		return ClassTransient
 	case "42P01", "42703", "42883", "42501", "3F000", "3D000", "28000", "28P01":
 		return ClassConfiguration
@@ -330,11 +370,9 @@ func claimError(err error, cls ErrorClassifier) error {
 	}
 	var s interface{ SQLState() string }
 	if errors.As(err, &s) {
-		if s.SQLState() == "57014" {
-			// query_canceled (statement_timeout, pg_cancel_backend): the
-			// server stopped our statement, which fits the table.
-			return &InfrastructureError{Op: "begin and claim", Err: err}
-		}
+		// A transient class (57014 query_canceled by statement_timeout,
+		// 08, 53, 57, 58, XX, …, see sqlStateCodeClass) falls through to
+		// InfrastructureError below.
 		switch sqlStateCodeClass(s.SQLState()) {
 		case ClassConfiguration:
 			return &ConfigurationError{Hint: claimHint, Err: err}

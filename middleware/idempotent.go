@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
+	"github.com/watermill-idempotency/idempotency/internal/sqlitefile"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/processed"
@@ -176,7 +177,12 @@ type Idempotent struct {
 }
 
 // NewIdempotent validates cfg (on a copy with defaults applied) and returns
-// the middleware. A nil logger is watermill.NopLogger.
+// the middleware. A nil logger is watermill.NopLogger. On SQLite
+// (NewStdBeginner with a SQLite Store) it reads the handle's database file
+// (one query) and refuses, with an error wrapping sqldb.ErrSharedSQLiteFile
+// naming operation.Config.DB, a file that an operation.Runner built in this
+// process records its operations in (SQLite has one writer per file; see
+// operation.Config.DB).
 func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -193,12 +199,43 @@ func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, err
 	if _, pgxOnly := cfg.Beginner.(*pgxBeginner); pgxOnly && cfg.Store.Dialect() != sqldb.PostgreSQL {
 		return nil, fmt.Errorf("middleware: Config.Beginner: the pgx beginner needs a PostgreSQL store, not %s (use NewStdBeginner)", cfg.Store.Dialect())
 	}
+	if err := registerSQLiteInbox(cfg); err != nil {
+		return nil, err
+	}
 	return &Idempotent{cfg: cfg, logger: logger, lockTimeout: newLockTimeoutStmt(cfg.Store, cfg.LockTimeout)}, nil
+}
+
+// registerSQLiteInbox records, on SQLite, the database file of the
+// beginner's handle as the file of the middleware's transactions, and
+// refuses it (wrapping sqldb.ErrSharedSQLiteFile) when an operation.Runner
+// built in this process records its operations in the same file: the
+// Runner, called from a handler, could never commit its started record
+// while the attempt's transaction holds the file's write lock.
+func registerSQLiteInbox(cfg Config) error {
+	b, ok := cfg.Beginner.(*stdBeginner)
+	if !ok || cfg.Store.Dialect() != sqldb.SQLite {
+		return nil
+	}
+	path, err := sqlitefile.Register(b.db, sqlitefile.Inbox)
+	if errors.Is(err, sqldb.ErrSharedSQLiteFile) {
+		return fmt.Errorf("middleware: Config.Beginner: the SQLite file %s is the database of an operation.Runner "+
+			"(operation.Config.DB) in this process; the Runner, called from a handler, commits its records while the "+
+			"attempt's transaction holds this file's write lock: open operation.Config.DB on a database file of its own "+
+			"and run Runner.Migrate there: %w", path, err)
+	}
+	if err != nil {
+		return fmt.Errorf("middleware: Config.Beginner: %w", err)
+	}
+	return nil
 }
 
 // Middleware wraps h so that its effect is applied once per (consumer,
 // event_id), however often the message is delivered. Per attempt:
 //
+//  0. Inside an attempt of the same consumer (the middleware wrapped twice
+//     around one handler, e.g. a router-level chain plus a handler-level
+//     one), it fails at once with a ConfigurationError ("runs twice"):
+//     its claim would only wait for the outer attempt's own claim.
 //  1. A message flagged malformed by the marshaler, or whose msg.UUID is not
 //     a non-nil UUID, fails with a PermanentError before any SQL runs.
 //  2. A transaction is begun and (consumer, event_id) claimed in it with one
@@ -241,6 +278,16 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		reject := func(o Outcome, reason string, err error) ([]*message.Message, error) {
 			return nil, m.finish(consumer, o, start, 0, fields, permanent(reason, err))
+		}
+		if outer, nested := origCtx.Value(attemptKey{}).(*attemptState); nested && outer.consumer == consumer {
+			// Wired twice (by hand, or a router-level chain plus a
+			// handler-level one): this claim would wait for the outer
+			// attempt's uncommitted claim of the same key, forever.
+			return nil, m.finish(consumer, OutcomeFailed, start, 0, fields, &ConfigurationError{
+				Hint: "wire the idempotent middleware of a consumer once per handler: use middleware.NewHandlerMiddleware on the handler " +
+					"and no router-level chain or Idempotent.Middleware besides",
+				Err: fmt.Errorf("idempotency: the idempotent middleware of consumer %q runs twice around one handler (nested attempt)", consumer),
+			})
 		}
 		if reason, bad := marshaler.Malformed(msg); bad {
 			// msg.UUID is the transport's message id here, not an event id.
@@ -346,6 +393,9 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	}
 	if err == nil {
 		produced, err = m.emit(origCtx, state, produced)
+		if err != nil && txEnded(err) && origCtx.Err() == nil {
+			err = handlerEndedTx(err) // the outbox write found the transaction ended
+		}
 	}
 	if err != nil {
 		err = attemptError(err, rollback(origCtx, tx), m.cfg.Classifier)
@@ -359,7 +409,7 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	if cErr := tx.commit(origCtx); cErr != nil {
 		_ = rollback(origCtx, tx)
 		ended = true
-		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, commitError(consumer, eventID, cErr, m.cfg.Classifier))
+		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, commitError(consumer, eventID, cErr, m.cfg.Classifier, origCtx.Err() != nil))
 	}
 	ended = true
 	crashpoint.Reached(crashpoint.AfterCommit)

@@ -29,27 +29,45 @@ func invalidEventID(id string) error {
 // (pgx.ErrTxCommitRollback, SQLSTATE 25P02 in_failed_sql_transaction), it
 // also wraps ErrTxAborted: the handler's failure, not the database's.
 //
-// When the transaction was already ended (pgx.ErrTxClosed, sql.ErrTxDone),
-// only the handler can have ended it (it called Commit or Rollback on the
-// attempt's transaction): an ordinary error, retried then poisoned, never
-// held as infrastructure (the handler would end it again on every held
-// attempt). If it committed, the retry finds the claim and acks.
+// When the transaction was already ended (pgx.ErrTxClosed, sql.ErrTxDone)
+// while the message context is live, only the handler can have ended it
+// (it called Commit or Rollback on the attempt's transaction): see
+// handlerEndedTx. (With the message context ended, database/sql rolled the
+// transaction back itself: the error is returned as is and the chain gives
+// the delivery back.)
 //
 // Otherwise the failure is classified by classifyCommitError: a typed code
 // keeps its class, any other failure is the attempt's connection's
 // (InfrastructureError).
-func commitError(consumer string, eventID uuid.UUID, err error, cls ErrorClassifier) error {
+func commitError(consumer string, eventID uuid.UUID, err error, cls ErrorClassifier, ctxDone bool) error {
 	var pgErr *pgconn.PgError
 	aborted := errors.Is(err, pgx.ErrTxCommitRollback) || (errors.As(err, &pgErr) && pgErr.Code == "25P02")
 	switch {
 	case aborted:
 		err = fmt.Errorf("%w: %w", ErrTxAborted, err)
-	case errors.Is(err, pgx.ErrTxClosed) || errors.Is(err, sql.ErrTxDone):
-		err = fmt.Errorf("the handler ended the attempt's transaction itself (do not Commit or Rollback it): %w", err)
+	case txEnded(err) && !ctxDone:
+		return handlerEndedTx(err)
+	case txEnded(err):
 	default:
 		err = classifyCommitError(err, cls)
 	}
 	return fmt.Errorf("%w: %s/%s: %w", ErrCommit, consumer, eventID, err)
+}
+
+// txEnded reports whether err says the attempt's transaction was already
+// committed or rolled back (pgx.ErrTxClosed, sql.ErrTxDone).
+func txEnded(err error) bool { return errors.Is(err, pgx.ErrTxClosed) || errors.Is(err, sql.ErrTxDone) }
+
+// handlerEndedTx is the error of an attempt whose handler returned nil after
+// it committed or rolled back the attempt's transaction itself (a misuse:
+// the middleware commits): permanent, reason "handler_ended_tx", so the
+// message is poisoned once and the misuse is seen. Ordinary, it was lost
+// unseen when the handler had committed: the retry found the committed
+// claim and acked a duplicate, and the messages the handler produced were
+// never written or returned.
+func handlerEndedTx(err error) error {
+	return permanent("handler_ended_tx", fmt.Errorf("idempotency: the handler ended the attempt's transaction itself "+
+		"(do not Commit or Rollback it; the middleware commits): the messages it produced were not written: %w", err))
 }
 
 // singleLine returns err unchanged when its text is one line, else err

@@ -211,11 +211,14 @@ func (c *countingPublisher) gaps() []time.Duration {
 
 // TestN10 — a database outage longer than the queue's delivery limit: a
 // quorum queue with x-delivery-limit 3, the recommended chain (MaxRetries
-// 2), the consumer's PostgreSQL refused by a proxy; one message published at
-// the start. It is not dead-lettered during the outage (the delivery is
-// held, not nacked per failed attempt) and is applied once after recovery.
-// Without the hold, each delivery fails within ≈ 0.3 s and the fourth
-// nack dead-letters it: 5 s of outage prove the point.
+// 2), the consumer's PostgreSQL refused by a proxy for 25 s (the case's
+// length); one message published at the start. It is not dead-lettered
+// during the outage (the delivery is held, not nacked per failed attempt):
+// the broker delivers it exactly once, the chain logs the hold at info
+// repeatedly (the outage really hit the attempts), nothing at error, the
+// DLQ stays at 0 while sampled and at the end, and the message is applied
+// once after recovery. Without the hold, each delivery fails within ≈ 0.3 s
+// and the fourth nack dead-letters it.
 func TestN10(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
@@ -237,30 +240,43 @@ func TestN10(t *testing.T) {
 	require.NoError(t, err)
 	defer proxied.Close()
 
+	logger := &captureLogger{}
 	mw, err := middleware.NewHandlerMiddleware(middleware.ChainConfig{
 		Idempotent: e.idempotent(proxied), PoisonPublisher: r.poisonPublisher(), PoisonTopic: r.dlq,
 		MaxRetries: 2, MaxInterval: 500 * time.Millisecond,
-	}, nil)
+	}, logger)
 	require.NoError(t, err)
-	var calls atomic.Int32
-	const outage = 5 * time.Second
-	proxy.Refuse(outage)
+	var calls, deliveries atomic.Int32
+	countDeliveries := func(h message.HandlerFunc) message.HandlerFunc { // outside the chain: once per broker delivery
+		return func(msg *message.Message) ([]*message.Message, error) {
+			deliveries.Add(1)
+			return h(msg)
+		}
+	}
+	held := func() int { return len(logger.at("info", "Infrastructure failure: delivery held, not poisoned")) }
+	const outage = 25 * time.Second
+	proxy.Refuse(time.Hour) // ended by Restore after the sampling below
 	end := time.Now().Add(outage)
 	runRouter(t, func(router *message.Router) {
 		router.AddNoPublisherHandler("stock", r.queue, r.subscriber(), func(msg *message.Message) error {
 			calls.Add(1)
 			return writeEffect(msg, "reserved")
-		}).AddMiddleware(mw)
+		}).AddMiddleware(countDeliveries, mw)
 	})
 	ids := r.publishEvents(1)
 	for time.Now().Before(end) {
 		require.Zero(t, r.depth(r.dlq), "dead-lettered by the broker during the outage")
 		time.Sleep(200 * time.Millisecond) // sampling cadence, not a wait for work
 	}
+	heldDuringOutage := held()
+	require.GreaterOrEqual(t, heldDuringOutage, 3, "the outage hit the attempts, which were held in place")
+	require.Zero(t, calls.Load(), "no handler call without the database")
 	proxy.Restore()
 	require.Eventually(t, func() bool { return e.effects(ids[0]) == 1 }, 30*time.Second, 20*time.Millisecond)
 	require.Eventually(t, func() bool { return r.depth(r.queue) == 0 }, 10*time.Second, 20*time.Millisecond)
 	require.Zero(t, r.depth(r.dlq), "DLQ 0")
 	require.Equal(t, 1, e.processed(ids[0]))
 	require.EqualValues(t, 1, calls.Load())
+	require.EqualValues(t, 1, deliveries.Load(), "delivered once by the broker: held, never nacked back")
+	require.Empty(t, logger.at("error", ""), "an outage is logged at info, not error")
 }

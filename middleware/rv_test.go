@@ -40,12 +40,14 @@ func endTx(t *testing.T, msg *message.Message, commit bool) {
 // TestRV_HandlerEndedTxIsNotInfrastructure: a handler that rolls back the
 // attempt's transaction itself makes the middleware's COMMIT fail with
 // pgx.ErrTxClosed / sql.ErrTxDone. That is the handler's doing, not the
-// connection's: it must be ordinary (retried, then poisoned once), never an
+// connection's: it must be poisoned, never an
 // InfrastructureError held in place forever (each hold re-runs the handler,
 // which rolls back again, then nacks after MaxHold, and the broker
-// redelivers: an endless loop that never reaches the poison topic). A
-// handler that commits it itself applied its effect: the retry finds the
-// claim and acks as a duplicate. No connection stays acquired.
+// redelivers: an endless loop that never reaches the poison topic). Since
+// h11 it is permanent (poisoned once at once), also when the handler
+// committed (its effect applied once; its produced messages were not
+// written, which the poisoned message makes visible). No connection stays
+// acquired.
 func TestRV_HandlerEndedTxIsNotInfrastructure(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
@@ -86,16 +88,17 @@ func TestRV_HandlerEndedTxIsNotInfrastructure(t *testing.T) {
 				_, err = h(msg)
 				require.NoError(t, err, "acked")
 				require.Zero(t, b.inUse(), "no connection stays acquired")
+				// h11: a transaction the handler ended is permanent
+				// ("handler_ended_tx", TestH11_HandlerEndedTxIsPoisonedNotSilentlyLost):
+				// poisoned once at once, never held, never retried.
+				require.Equal(t, 1, calls, "permanent: poisoned at once")
+				require.Len(t, poison.msgs, 1, "poisoned once")
+				require.Equal(t, "permanent", (<-poison.msgs).Metadata.Get(middleware.MetadataPoisonClass))
 				if commit {
-					require.Equal(t, 1, calls, "the retry is a duplicate")
-					require.Empty(t, poison.msgs)
-					require.Equal(t, 1, e.effects(id))
+					require.Equal(t, 1, e.effects(id), "the handler committed its effect")
 					require.Equal(t, 1, e.processed(id))
 					return
 				}
-				require.Equal(t, 3, calls, "1 + MaxRetries attempts, then poisoned")
-				require.Len(t, poison.msgs, 1, "poisoned once")
-				require.Equal(t, "exhausted", (<-poison.msgs).Metadata.Get(middleware.MetadataPoisonClass))
 				require.Zero(t, e.effects(id))
 				require.Zero(t, e.processed(id))
 			})

@@ -19,8 +19,15 @@ type (
 // PgxTxFromContext returns the attempt's transaction when the middleware runs
 // on pgx (NewPgxBeginner). ok is false outside the middleware or on another
 // driver; it never panics. Do not Commit or Rollback it: the middleware does,
-// after the handler returns (a Commit from the handler would end the claim's
-// transaction early; the middleware then reports a failure).
+// after the handler returns. A handler that ends it itself fails the
+// attempt as permanent (reason "handler_ended_tx": poisoned once; when it
+// committed, its effect stays applied but the messages it produced are not
+// written). The transaction is valid only until the handler returns and,
+// like pgx's own, not safe for concurrent use: a goroutine the handler
+// starts must be done with it before the handler returns. Retry belongs
+// outside the idempotent middleware (NewChain puts it there): a Retry
+// inside it re-runs the handler in the same transaction, keeping the
+// failed try's writes.
 func PgxTxFromContext(ctx context.Context) (tx pgx.Tx, ok bool) {
 	tx, ok = ctx.Value(pgxTxKey{}).(pgx.Tx)
 	return tx, ok

@@ -88,6 +88,12 @@
 //     key's lock, so no other attempt writes between them.
 //   - The window "the connection of a live attempt breaks during its call"
 //     below does not exist on SQLite (no session to lose).
+//   - On SQLite the runner's records live in a database file of their own,
+//     never the file of the idempotent middleware's transactions (one
+//     writer per file: the started record could not commit while the
+//     handler's transaction holds the write lock). NewRunner and
+//     middleware.NewIdempotent refuse that wiring in a process, whichever
+//     is built second (ErrSharedSQLiteFile).
 //
 // # Liveness: who holds a key
 //

@@ -3,6 +3,8 @@ package operation
 import (
 	"errors"
 	"fmt"
+
+	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // Sentinels callers branch on with errors.Is. Every error Runner.Do returns
@@ -54,12 +56,15 @@ var (
 	// it never calls blindly.
 	ErrNotRecorded = errors.New("operation: outcome not recorded")
 
-	// ErrSharedSQLiteFile: on SQLite, Do was called inside a transaction on
-	// the runner's own database file (the handler's, from the idempotent
-	// middleware): it could only wait for that transaction's write lock and
-	// fail with SQLITE_BUSY, retry after retry. Permanent; the provider was
-	// not called. Give the Runner a database file of its own (Config.DB).
-	ErrSharedSQLiteFile = errors.New("operation: the runner's SQLite database file is the one of the caller's transaction")
+	// ErrSharedSQLiteFile (= sqldb.ErrSharedSQLiteFile): on SQLite, the
+	// runner's database file is the one the idempotent middleware's
+	// transactions write to. NewRunner refuses such a Config.DB when a
+	// middleware on that file was built in this process (and
+	// middleware.NewIdempotent refuses the middleware when the runner came
+	// first); Do refuses a call inside a transaction on its own file
+	// (permanent, the provider not called) for the wirings the constructors
+	// cannot see. Give the Runner a database file of its own (Config.DB).
+	ErrSharedSQLiteFile = sqldb.ErrSharedSQLiteFile
 )
 
 // ConflictError is returned by Runner.Do when key is recorded with a

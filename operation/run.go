@@ -5,6 +5,8 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -13,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
+	"github.com/watermill-idempotency/idempotency/internal/sqlitefile"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
@@ -61,10 +64,15 @@ type Config struct {
 	// handler's (the idempotent middleware's) transaction writes to: SQLite
 	// has one writer per file, and the Runner commits its started record
 	// before the external call, while the handler's transaction holds that
-	// file's write lock. Do called inside such a transaction (as
-	// sqldb.TxFromContext finds it) on the same file returns a permanent
-	// error wrapping ErrSharedSQLiteFile at once, instead of waiting for
-	// busy_timeout and failing with SQLITE_BUSY on every retry.
+	// file's write lock. NewRunner reads DB's file (one query) and refuses
+	// it, with an error wrapping ErrSharedSQLiteFile, when an idempotent
+	// middleware on the same file (same inode) was built in this process;
+	// middleware.NewIdempotent refuses the same wiring in the other order.
+	// Do called inside a transaction on the runner's own file (as
+	// sqldb.TxFromContext finds it: a wiring the constructors cannot see)
+	// returns a permanent error wrapping ErrSharedSQLiteFile at once,
+	// instead of waiting for busy_timeout and failing with SQLITE_BUSY on
+	// every retry.
 	DB *sql.DB
 
 	// Dialect is the SQL dialect of DB: sqldb.PostgreSQL, sqldb.MySQL
@@ -147,8 +155,11 @@ type Runner struct {
 }
 
 // NewRunner validates cfg (on a copy with defaults applied) and builds the
-// SQL text once. A nil logger is watermill.NopLogger. It does not touch the
-// database: run Migrate (or apply MigrationsFS) first.
+// SQL text once. A nil logger is watermill.NopLogger. It does not write to
+// the database: run Migrate (or apply MigrationsFS) first. On SQLite it reads
+// Config.DB's database file (one query, bounded by 10 s) and refuses, with an
+// error wrapping ErrSharedSQLiteFile that names Config.DB and the file, the
+// file of an idempotent middleware built in this process (see Config.DB).
 func NewRunner(cfg Config, logger watermill.LoggerAdapter) (*Runner, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -157,6 +168,20 @@ func NewRunner(cfg Config, logger watermill.LoggerAdapter) (*Runner, error) {
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
+	var file *string
+	if cfg.Dialect == sqldb.SQLite {
+		path, err := sqlitefile.Register(cfg.DB, sqlitefile.Operations)
+		if err != nil {
+			if errors.Is(err, ErrSharedSQLiteFile) {
+				return nil, fmt.Errorf("operation.Config.DB: the SQLite file %s is the database of an idempotent middleware "+
+					"(middleware.NewIdempotent) in this process, whose transactions hold its write lock while handlers call Do: "+
+					"open operation.Config.DB on a database file of its own (for example %s next to it, with busy_timeout and WAL) "+
+					"and run Runner.Migrate there: %w", path, ownFileHint(path), err)
+			}
+			return nil, fmt.Errorf("operation: Config.DB: %w", err)
+		}
+		file = &path
+	}
 	table, _ := sqldb.ParseIdent(cfg.Table)
 	var pool connPool
 	if cfg.Pool != nil {
@@ -164,7 +189,7 @@ func NewRunner(cfg Config, logger watermill.LoggerAdapter) (*Runner, error) {
 	} else {
 		pool = newStdConnPool(cfg.DB)
 	}
-	return &Runner{
+	r := &Runner{
 		pool:         pool,
 		dialect:      cfg.Dialect,
 		table:        table,
@@ -172,7 +197,17 @@ func NewRunner(cfg Config, logger watermill.LoggerAdapter) (*Runner, error) {
 		writeTimeout: cfg.WriteTimeout,
 		logger:       logger,
 		sql:          sqlFor(cfg.Dialect).render(table.Quoted(cfg.Dialect.QuoteChar())),
-	}, nil
+	}
+	if file != nil {
+		r.file.Store(file)
+	}
+	return r, nil
+}
+
+// ownFileHint is a file name next to path for the runner's records.
+func ownFileHint(path string) string {
+	ext := filepath.Ext(path)
+	return strings.TrimSuffix(path, ext) + "-operations" + ext
 }
 
 // checkOwnFile refuses, on SQLite, a Do inside a caller's transaction on the
@@ -207,7 +242,7 @@ func (r *Runner) checkOwnFile(ctx context.Context, key Key) error {
 
 // sqliteMainFile is the path of the connection's main database file ("" for
 // an in-memory or temporary one).
-const sqliteMainFile = `SELECT file FROM pragma_database_list WHERE name = 'main'`
+const sqliteMainFile = sqlitefile.MainFileQuery
 
 // Table is the runner's validated table identifier.
 func (r *Runner) Table() sqldb.Ident { return r.table }

@@ -3,6 +3,7 @@ package operation_test
 import (
 	"context"
 	"database/sql"
+	"os"
 	"path/filepath"
 	"sync/atomic"
 	"testing"
@@ -32,17 +33,17 @@ func openSQLite(t *testing.T, path string) *sql.DB {
 // cannot commit its started record while that transaction holds the file's
 // write lock. Do refuses it at once with a permanent error wrapping
 // ErrSharedSQLiteFile that says what to do, without calling the provider
-// (before: SQLITE_BUSY after busy_timeout, transient, retried forever). A
-// Runner on a file of its own works inside the same handler.
+// (before: SQLITE_BUSY after busy_timeout, transient, retried forever), for
+// a wiring the constructors cannot see: the caller's own transaction bound
+// with sqldb.ContextWithTx (TestH11_SQLiteSharedFileRefusedAtConstruction
+// covers the middleware). A Runner on a file of its own works inside the
+// same transaction.
 func TestD15_SQLiteRunnerOnHandlersFileRefused(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	dir := t.TempDir()
 	service := filepath.Join(dir, "service.db")
 	db := openSQLite(t, service)
-	store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx, sqldb.Std(db)))
 
 	shared, err := operation.NewRunner(operation.Config{DB: openSQLite(t, service), Dialect: sqldb.SQLite}, nil)
 	require.NoError(t, err)
@@ -63,36 +64,147 @@ func TestD15_SQLiteRunnerOnHandlersFileRefused(t *testing.T) {
 		"own-file":               {own, false},
 	} {
 		t.Run(name, func(t *testing.T) {
-			idem, err := middleware.NewIdempotent(middleware.Config{
-				Beginner: mustStdBeginner(t, db), Store: store, Consumer: "billing-" + name,
-			}, nil)
+			tx, err := db.BeginTx(ctx, nil)
 			require.NoError(t, err)
+			defer func() { _ = tx.Rollback() }()
+			_, err = tx.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS handler_effect (x int)`)
+			require.NoError(t, err) // the caller's transaction holds the write lock
 			var calls atomic.Int32
-			var doErr error
-			h := idem.Middleware(func(msg *message.Message) ([]*message.Message, error) {
-				key, err := operation.NewKey("charge", msg.UUID)
-				if err != nil {
-					return nil, err
-				}
-				_, doErr = tc.runner.Do(msg.Context(), key, map[string]string{"amount": "10"}, func(context.Context, string) (operation.Result, error) {
-					calls.Add(1)
-					return operation.Result{Reference: "ch_1"}, nil
-				})
-				return nil, doErr
-			})
-			m, err := marshaler.NewMessage("order.placed", map[string]string{})
+			key, err := operation.NewKey("charge", name)
 			require.NoError(t, err)
-			_, err = h(m)
+			_, doErr := tc.runner.Do(sqldb.ContextWithTx(ctx, sqldb.Std(tx)), key, map[string]string{"amount": "10"}, func(context.Context, string) (operation.Result, error) {
+				calls.Add(1)
+				return operation.Result{Reference: "ch_1"}, nil
+			})
 			if !tc.shared {
-				require.NoError(t, err)
+				require.NoError(t, doErr)
 				require.Equal(t, int32(1), calls.Load())
 				return
 			}
 			require.ErrorIs(t, doErr, operation.ErrSharedSQLiteFile)
 			require.ErrorContains(t, doErr, "operation.Config.DB")
-			require.True(t, middleware.IsPermanent(err), "refused for good, not retried forever: %v", err)
-			require.False(t, middleware.IsTransient(err))
+			require.True(t, middleware.IsPermanent(doErr), "refused for good, not retried forever: %v", doErr)
+			require.False(t, middleware.IsTransient(doErr))
 			require.Zero(t, calls.Load(), "the provider is never called")
+		})
+	}
+}
+
+// TestH11_SQLiteSharedFileRefusedAtConstruction (item 1, D.15): the wiring
+// "operation.Runner and the idempotent middleware on one SQLite file" cannot
+// be built: whichever of NewRunner and NewIdempotent comes second fails,
+// wrapping ErrSharedSQLiteFile and saying to give operation.Config.DB a file
+// of its own, whatever the path's spelling (another handle, a symlink). On
+// the old code both constructors succeeded and every Do inside the handler
+// was refused at run time (the message poisoned). A Runner on a file of its
+// own, built in either order, works inside the handler's transaction: the
+// provider is called once, the record and the effect committed.
+func TestH11_SQLiteSharedFileRefusedAtConstruction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	newStore := func(t *testing.T, db *sql.DB) *processed.Store {
+		store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+		require.NoError(t, err)
+		require.NoError(t, store.Migrate(ctx, sqldb.Std(db)))
+		return store
+	}
+	newIdem := func(db *sql.DB, store *processed.Store) (*middleware.Idempotent, error) {
+		return middleware.NewIdempotent(middleware.Config{Beginner: mustStdBeginner(t, db), Store: store, Consumer: "billing"}, nil)
+	}
+	refused := func(t *testing.T, err error, field string) {
+		t.Helper()
+		require.ErrorIs(t, err, operation.ErrSharedSQLiteFile)
+		require.ErrorIs(t, err, sqldb.ErrSharedSQLiteFile)
+		require.ErrorContains(t, err, field)
+		require.ErrorContains(t, err, "operation.Config.DB")
+		require.ErrorContains(t, err, "file of its own")
+	}
+
+	t.Run("middleware-first", func(t *testing.T) {
+		t.Parallel()
+		service := filepath.Join(t.TempDir(), "service.db")
+		db := openSQLite(t, service)
+		_, err := newIdem(db, newStore(t, db))
+		require.NoError(t, err)
+		_, err = operation.NewRunner(operation.Config{DB: openSQLite(t, service), Dialect: sqldb.SQLite}, nil)
+		refused(t, err, "Config.DB")
+		_, err = operation.NewRunner(operation.Config{DB: db, Dialect: sqldb.SQLite}, nil)
+		refused(t, err, "Config.DB")
+	})
+	t.Run("runner-first", func(t *testing.T) {
+		t.Parallel()
+		service := filepath.Join(t.TempDir(), "service.db")
+		db := openSQLite(t, service)
+		store := newStore(t, db)
+		_, err := operation.NewRunner(operation.Config{DB: openSQLite(t, service), Dialect: sqldb.SQLite}, nil)
+		require.NoError(t, err)
+		_, err = newIdem(db, store)
+		refused(t, err, "Config.Beginner")
+	})
+	t.Run("symlinked-path", func(t *testing.T) {
+		t.Parallel()
+		dir := t.TempDir()
+		service := filepath.Join(dir, "service.db")
+		db := openSQLite(t, service)
+		_, err := newIdem(db, newStore(t, db))
+		require.NoError(t, err)
+		link := filepath.Join(dir, "alias.db")
+		require.NoError(t, os.Symlink(service, link))
+		_, err = operation.NewRunner(operation.Config{DB: openSQLite(t, link), Dialect: sqldb.SQLite}, nil)
+		refused(t, err, "Config.DB")
+	})
+	for _, order := range []string{"own-file-middleware-first", "own-file-runner-first"} {
+		t.Run(order, func(t *testing.T) {
+			t.Parallel()
+			dir := t.TempDir()
+			db := openSQLite(t, filepath.Join(dir, "service.db"))
+			store := newStore(t, db)
+			_, err := db.Exec(`CREATE TABLE charge (event_id text, reference text)`)
+			require.NoError(t, err)
+			opsDB := openSQLite(t, filepath.Join(dir, "service-operations.db"))
+			var idem *middleware.Idempotent
+			var runner *operation.Runner
+			if order == "own-file-middleware-first" {
+				idem, err = newIdem(db, store)
+				require.NoError(t, err)
+			}
+			runner, err = operation.NewRunner(operation.Config{DB: opsDB, Dialect: sqldb.SQLite}, nil)
+			require.NoError(t, err)
+			require.NoError(t, runner.Migrate(ctx, sqldb.Std(opsDB)))
+			if idem == nil {
+				idem, err = newIdem(db, store)
+				require.NoError(t, err)
+			}
+			var calls atomic.Int32
+			h := idem.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+				key, err := operation.NewKey("charge", msg.UUID)
+				if err != nil {
+					return nil, err
+				}
+				res, err := runner.Do(msg.Context(), key, map[string]string{"amount": "10"}, func(context.Context, string) (operation.Result, error) {
+					calls.Add(1)
+					return operation.Result{Reference: "ch_1"}, nil
+				})
+				if err != nil {
+					return nil, err
+				}
+				tx, _ := middleware.SQLTxFromContext(msg.Context())
+				_, err = tx.ExecContext(msg.Context(), `INSERT INTO charge VALUES (?, ?)`, msg.UUID, res.Reference)
+				return nil, err
+			})
+			m, err := marshaler.NewMessage("order.placed", map[string]string{})
+			require.NoError(t, err)
+			_, err = h(m)
+			require.NoError(t, err)
+			_, err = h(m) // a redelivery: a duplicate, nothing called
+			require.NoError(t, err)
+			require.EqualValues(t, 1, calls.Load())
+			var n int
+			require.NoError(t, db.QueryRow(`SELECT count(*) FROM charge WHERE reference = 'ch_1'`).Scan(&n))
+			require.Equal(t, 1, n)
+			rec, err := runner.Get(ctx, mustKey(t, "charge", m.UUID))
+			require.NoError(t, err)
+			require.Equal(t, operation.StateSucceeded, rec.State)
 		})
 	}
 }

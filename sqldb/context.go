@@ -1,6 +1,9 @@
 package sqldb
 
-import "context"
+import (
+	"context"
+	"errors"
+)
 
 type txKey struct{}
 
@@ -19,3 +22,13 @@ func TxFromContext(ctx context.Context) (q Querier, ok bool) {
 	q, ok = ctx.Value(txKey{}).(Querier)
 	return q, ok
 }
+
+// ErrSharedSQLiteFile: on SQLite, one database file was given both to the
+// idempotent middleware (the handlers' transactions) and to an
+// operation.Runner (its records). SQLite has one writer per file, and the
+// Runner commits its started record before the external call while the
+// handler's transaction holds the file's write lock, so the two cannot share
+// it. middleware.NewIdempotent and operation.NewRunner refuse the second of
+// the two wirings in a process; operation.Runner.Do refuses a call inside a
+// transaction on its own file. Give the Runner a database file of its own.
+var ErrSharedSQLiteFile = errors.New("the SQLite database file of the operation runner is the one of the idempotent middleware's transactions")
