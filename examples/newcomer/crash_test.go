@@ -1,0 +1,147 @@
+package newcomer_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+)
+
+const childEnv = "NEWCOMER_CHILD"
+
+func TestMain(m *testing.M) {
+	if spec := os.Getenv(childEnv); spec != "" {
+		os.Exit(runChild(spec))
+	}
+	os.Exit(m.Run())
+}
+
+// childSpec is what the parent hands its child process.
+type childSpec struct {
+	Names    names
+	DBURL    string
+	AMQPURL  string
+	KillAt   string // a crashpoint name
+	Deadline time.Duration
+}
+
+// runChild is one process of the README's service: it runs until it
+// SIGKILLs itself at the named crash point (or the deadline passes).
+func runChild(spec string) int {
+	var s childSpec
+	if err := json.Unmarshal([]byte(spec), &s); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	crashpoint.Set(func(name string) {
+		if name == s.KillAt {
+			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+			select {} // never returns
+		}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), s.Deadline)
+	defer cancel()
+	if err := runStock(ctx, s.AMQPURL, s.DBURL, watermill.NopLogger{}, s.Names, wiring{}); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	return 3 // the deadline passed without reaching the crash point
+}
+
+// crashChild starts a process of the service with names n, lets it take
+// the next delivery and waits until it SIGKILLed itself at killAt.
+func (e *env) crashChild(n names, killAt string, publish func()) {
+	e.t.Helper()
+	spec, _ := json.Marshal(childSpec{Names: n, DBURL: e.dbURL, AMQPURL: testenv.AMQPURL(), KillAt: killAt, Deadline: 90 * time.Second})
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), childEnv+"="+string(spec))
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		e.t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	testenv.Eventually(e.t, 60*time.Second, "the child consumes", func(o *testenv.Observed) bool {
+		return o.Int("consumers", e.consumers(n.Queue)) >= 1
+	})
+	publish()
+	select {
+	case err := <-done:
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) {
+			e.t.Fatalf("child: %v", err)
+		}
+		ws, ok := ee.Sys().(syscall.WaitStatus)
+		if !ok || !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
+			e.t.Fatalf("child ended with %v, not SIGKILL at %s", err, killAt)
+		}
+	case <-time.After(120 * time.Second):
+		_ = cmd.Process.Kill()
+		e.t.Fatalf("child did not reach %s", killAt)
+	}
+}
+
+// A process of the README's service is SIGKILLed at each crash point
+// (after the claim, before COMMIT, after COMMIT and before the ack); a
+// second process with the same Consumer gets the redelivery. The effect is
+// applied once, nothing is dead-lettered and the queue is empty.
+func TestNewcomer_CrashAtEveryPointThenRedelivery(t *testing.T) {
+	t.Parallel()
+	for _, point := range []string{crashpoint.AfterClaim, crashpoint.BeforeCommit, crashpoint.AfterCommit} {
+		t.Run(point, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			e.crashChild(e.n, point, func() { e.order("A", 1) })
+			e.start(e.n, wiring{})
+			testenv.Eventually(t, 60*time.Second, "the redelivery settled", func(o *testenv.Observed) bool {
+				return o.Int("settled", e.logs.settledDeliveries()) >= 1
+			})
+			if n := e.reservations("A"); n != 1 {
+				t.Fatalf("crash at %s: %d reservations, want 1", point, n)
+			}
+			if n, _ := e.depth(e.n.DLQ); n != 0 {
+				t.Fatalf("crash at %s: %d dead-lettered, want 0", point, n)
+			}
+		})
+	}
+}
+
+// The crash after COMMIT and before the ack, in a service whose two
+// processes were deployed with different Consumer names ("stock" on the
+// first, "stock-2" on the second: a name from the host or from an
+// environment variable set on one deployment only). The README says every
+// competing worker "in any process, uses the same name"; nothing checks it.
+//
+// Symptom (proven on RabbitMQ 3.10 + PostgreSQL 15): the second process
+// claims the redelivered event under its own name and applies it again:
+// two reservations for one event, no ERROR logged.
+func TestNewcomer_CrashBeforeAckWithDifferentConsumerNamesAppliesTwice(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	e.crashChild(e.n, crashpoint.AfterCommit, func() { e.order("A", 1) })
+	other := e.n
+	other.Consumer = "stock-2"
+	e.start(other, wiring{})
+	testenv.Eventually(t, 60*time.Second, "the redelivery settled", func(o *testenv.Observed) bool {
+		return o.Int("settled", e.logs.settledDeliveries()) >= 1
+	})
+	n := e.reservations("A")
+	if n == 1 {
+		return
+	}
+	if errs := e.logs.all("ERROR"); len(errs) > 0 {
+		t.Logf("detected: %v", errs)
+		return
+	}
+	t.Fatalf("crash before the ack, redelivered to a process with another Consumer name: %d reservations for one event (want 1), no ERROR logged", n)
+}
