@@ -173,10 +173,17 @@ type env struct {
 
 func newEnv(t *testing.T) *env {
 	t.Helper()
-	pool, schema := testenv.Pool(t)
+	return newEnvOn(t, testenv.PostgresURL())
+}
+
+// newEnvOn is newEnv on the PostgreSQL server at dbURL (a private one).
+func newEnvOn(t *testing.T, dbURL string) *env {
+	t.Helper()
+	schema := testenv.SchemaOn(t, dbURL)
+	pool := testenv.PoolAt(t, dbURL, schema, 8)
 	e := &env{t: t, pool: pool, schema: schema, logs: &capture{}}
 	e.dumpOnFailure()
-	e.dbURL = withSearchPath(testenv.PostgresURL(), schema)
+	e.dbURL = withSearchPath(dbURL, schema)
 	e.n = names{
 		Exchange: testenv.UniqueName("nc_events"),
 		Queue:    testenv.UniqueName("nc_stock.events"),
