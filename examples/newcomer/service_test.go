@@ -51,6 +51,9 @@ type wiring struct {
 	// handler replaces the body after the README's JSON decoding, with the
 	// attempt's transaction; nil: the README's INSERT.
 	handler func(msg *message.Message, orderID string) error
+	// subscriber changes the subscriber's config after the README's lines
+	// (a line forgotten).
+	subscriber func(*amqp.Config)
 	// extraHandlers adds handlers to the same router (fan-out variants).
 	extraHandlers func(router *message.Router, amqpURL string, idem *middleware.Idempotent, chain message.HandlerMiddleware, logger watermill.LoggerAdapter) error
 }
@@ -98,6 +101,9 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 	subCfg.Exchange.Durable = true
 	subCfg.Queue.Arguments = amqp091.Table{"x-queue-type": "quorum"}
 	subCfg.Marshaler = idamqp.Marshaler{}
+	if w.subscriber != nil {
+		w.subscriber(&subCfg)
+	}
 	subscriber, err := amqp.NewSubscriber(subCfg, logger)
 	if err != nil {
 		return err

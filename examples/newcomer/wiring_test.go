@@ -19,6 +19,8 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // insertNote writes the effect with a note telling which handler made it.
@@ -299,3 +301,77 @@ func tail(s []string, n int) []string {
 
 var _ = context.Background
 var _ = strings.Contains
+
+// store.Migrate forgotten (the README: "Configuration errors (a missing
+// table, e.g. the processed table before Migrate …) are held the same way,
+// with an ERROR log saying what to fix: they never empty the queue into the
+// poison topic"). Then the operator runs the migration: each event is
+// applied once.
+func TestNewcomer_MigrationsNotRun(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	e.start(e.n, wiring{skipMigrate: true})
+	e.order("A", 2)
+	testenv.Eventually(t, 60*time.Second, "an ERROR saying what to fix", func(o *testenv.Observed) bool {
+		return o.Int("errors", len(e.logs.errors("processed.Migrate"))) >= 1
+	})
+	if n, _ := e.depth(e.n.DLQ); n != 0 {
+		t.Fatalf("%d message(s) dead-lettered for a missing table", n)
+	}
+	store, err := processed.NewStore(processed.Config{Horizon: 7 * 24 * time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Migrate(context.Background(), sqldb.Pgx(e.pool)); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 60*time.Second, "applied once migrated", func(o *testenv.Observed) bool {
+		return o.Int("A", e.reservations("A")) == 1 && o.Int("settled", e.logs.settledDeliveries()) == 2
+	})
+	if n := e.reservations("A"); n != 1 {
+		t.Fatalf("%d reservations, want 1", n)
+	}
+}
+
+// The handler's own table missing (the README's snippet INSERTs into
+// reservation, which nothing in it creates): held with an ERROR saying
+// what to fix, never dead-lettered; applied once the table exists.
+func TestNewcomer_HandlerTableMissing(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	e.exec(`DROP TABLE reservation`)
+	e.start(e.n, wiring{})
+	e.order("A", 1)
+	testenv.Eventually(t, 60*time.Second, "an ERROR saying what to fix", func(o *testenv.Observed) bool {
+		return o.Int("errors", len(e.logs.errors("Configuration error"))) >= 1
+	})
+	if n, _ := e.depth(e.n.DLQ); n != 0 {
+		t.Fatalf("%d message(s) dead-lettered for a missing table", n)
+	}
+	e.exec(`CREATE TABLE reservation (order_id text NOT NULL, note text NOT NULL DEFAULT '')`)
+	testenv.Eventually(t, 60*time.Second, "applied once the table exists", func(o *testenv.Observed) bool {
+		return o.Int("A", e.reservations("A")) == 1 && o.Int("settled", e.logs.settledDeliveries()) == 1
+	})
+}
+
+// subCfg.Marshaler = idamqp.Marshaler{} forgotten (watermill-amqp's default
+// marshaler): the README says "a message with no UUID is refused with a
+// hint to configure the envelope marshaler". Each event is refused loudly
+// (dead-lettered once, never applied, never looping) with that hint.
+func TestNewcomer_EnvelopeMarshalerForgotten(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	e.start(e.n, wiring{subscriber: func(c *amqp.Config) { c.Marshaler = amqp.DefaultMarshaler{} }})
+	e.order("A", 1)
+	testenv.Eventually(t, 60*time.Second, "refused with a hint naming the marshaler", func(o *testenv.Observed) bool {
+		return o.Int("hints", len(e.logs.errors("marshaler"))) >= 1
+	})
+	testenv.Eventually(t, 60*time.Second, "dead-lettered once", func(o *testenv.Observed) bool {
+		dlq, _ := e.depth(e.n.DLQ)
+		return o.Int("dlq", dlq) == 1
+	})
+	if n := e.reservations("A"); n != 0 {
+		t.Fatalf("%d reservations without an event id", n)
+	}
+	t.Logf("hint: %s", e.logs.errors("marshaler")[0])
+}
