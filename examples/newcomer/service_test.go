@@ -3,6 +3,7 @@ package newcomer_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/url"
 	"strings"
@@ -145,7 +146,10 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 		if w.handler != nil {
 			return w.handler(msg, order.OrderID)
 		}
-		tx, _ := middleware.PgxTxFromContext(msg.Context()) // the attempt's transaction: write effects here
+		tx, ok := middleware.PgxTxFromContext(msg.Context()) // the attempt's transaction: write effects here
+		if !ok {
+			return errors.New("reserve_stock: no transaction (and no deduplication): add the chain with AddMiddleware(chain)")
+		}
 		_, err := tx.Exec(msg.Context(), `INSERT INTO reservation (order_id) VALUES ($1)`, order.OrderID)
 		return err // error → rollback, retried; nil → commit, ack
 	})
