@@ -6,10 +6,12 @@ import (
 	"net"
 	"net/url"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
@@ -319,3 +321,47 @@ func TestNewcomer_WatermillPoisonQueueDeadLettersAnOutage(t *testing.T) {
 }
 
 var _ = pgxpool.New
+
+// README: "Database outages don't poison, and don't spend the delivery
+// limit … the chain holds the delivery and re-runs it in place … so a
+// quorum queue's x-delivery-limit is not spent by an outage". The README's
+// quorum queue with x-delivery-limit 1 (a message nacked twice is dropped:
+// no dead-letter exchange on it) through a 10 s outage: every event is
+// applied once afterwards, each at its first delivery (no x-delivery-count,
+// not redelivered). The middleware tests' outage test uses a classic
+// queue and checks no ack and no poison, so a chain that nacked each
+// failed attempt would pass it; this one fails then.
+func TestNewcomer_OutageDoesNotSpendTheDeliveryLimit(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	proxy := e.dbProxy()
+	var mu sync.Mutex
+	counts := map[string]string{}
+	e.start(e.n, wiring{
+		subscriber: func(c *amqp.Config) { c.Queue.Arguments["x-delivery-limit"] = 1 },
+		handler: func(msg *message.Message, orderID string) error {
+			mu.Lock()
+			counts[orderID] = msg.Metadata.Get(marshaler.MetadataDeliveryCount) + "/" + msg.Metadata.Get(marshaler.MetadataRedelivered)
+			mu.Unlock()
+			return insertNote(msg, orderID, "")
+		},
+	})
+	proxy.Refuse(time.Hour)
+	for i := 0; i < 3; i++ {
+		e.order(fmt.Sprintf("O%d", i), 1)
+	}
+	testenv.Eventually(t, 60*time.Second, "held through the outage", func(o *testenv.Observed) bool {
+		return o.Int("held", e.logs.countLines("INFO", "Infrastructure failure")) >= 8
+	})
+	proxy.Restore()
+	testenv.Eventually(t, 60*time.Second, "every event applied after the outage", func(o *testenv.Observed) bool {
+		return o.Int("orders", e.count(`SELECT count(DISTINCT order_id) FROM reservation`)) == 3
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	for id, c := range counts {
+		if c != "/false" && c != "0/false" {
+			t.Errorf("%s applied at delivery count/redelivered %s: the outage spent deliveries", id, c)
+		}
+	}
+}
