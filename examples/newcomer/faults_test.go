@@ -155,7 +155,8 @@ func grep(lines []string, sub string) []string {
 // The README's producer side (outbox + relay) feeding the README's
 // consumer while a transaction elsewhere on the server holds an xid
 // (BEGIN; SELECT pg_current_xact_id(); left open, as a stuck session
-// does): every order reaches the consumer and is applied once.
+// does): every order reaches the consumer and is applied once; then an
+// operator replays the range, and nothing is applied again.
 func TestNewcomer_RelayWithAStuckTransactionElsewhere(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
@@ -191,6 +192,7 @@ func TestNewcomer_RelayWithAStuckTransactionElsewhere(t *testing.T) {
 	relayDone := make(chan error, 1)
 	go func() { relayDone <- relay.Run(ctx) }()
 	const orders = 10
+	written := time.Now()
 	for i := 0; i < orders; i++ {
 		tx, err := e.pool.Begin(ctx)
 		if err != nil {
@@ -217,6 +219,19 @@ func TestNewcomer_RelayWithAStuckTransactionElsewhere(t *testing.T) {
 	})
 	if n := e.count(`SELECT count(*) FROM reservation`); n != orders {
 		t.Fatalf("%d reservations for %d orders", n, orders)
+	}
+	// An operator replays the range (the stuck transaction still open):
+	// every event arrives again with its event id and is skipped.
+	settled := e.logs.settledDeliveries()
+	n, err := ob.Replay(ctx, wsql.TxFromPgx(mustBegin(t, e.pool)), e.pub, outbox.ReplayFilter{From: written.Add(-time.Second), To: time.Now().Add(time.Second)})
+	if err != nil || n != orders {
+		t.Fatalf("replay: %d events, %v", n, err)
+	}
+	testenv.Eventually(t, 60*time.Second, "every replayed event settled", func(o *testenv.Observed) bool {
+		return o.Int("settled", e.logs.settledDeliveries()) >= settled+orders
+	})
+	if n := e.count(`SELECT count(*) FROM reservation`); n != orders {
+		t.Fatalf("after the replay: %d reservations for %d orders", n, orders)
 	}
 	cancel()
 	select {
@@ -320,7 +335,6 @@ func TestNewcomer_WatermillPoisonQueueDeadLettersAnOutage(t *testing.T) {
 		dlq, e.reservations("A"), e.reservations("B"), e.logs.all("ERROR"))
 }
 
-var _ = pgxpool.New
 
 // README: "Database outages don't poison, and don't spend the delivery
 // limit … the chain holds the delivery and re-runs it in place … so a
@@ -364,4 +378,47 @@ func TestNewcomer_OutageDoesNotSpendTheDeliveryLimit(t *testing.T) {
 			t.Errorf("%s applied at delivery count/redelivered %s: the outage spent deliveries", id, c)
 		}
 	}
+}
+
+// The producer's newcomer mistake: a message built with Watermill's
+// message.NewMessage(watermill.NewUUID(), payload) (no event name, no
+// occurred_at) instead of marshaler.NewMessage, written to the outbox. It
+// could never be relayed as an envelope: refused when written (the
+// transaction can roll back), never a row that blocks its topic.
+func TestNewcomer_ProducerMessageWithoutEnvelopeIsRefusedAtWrite(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := context.Background()
+	ob, err := outbox.New(outbox.Config{Table: "orders_outbox"}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx, sqldb.Pgx(e.pool)); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := e.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	pub, err := ob.PgxPublisher(tx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = pub.Publish(e.n.Topic, message.NewMessage(watermill.NewUUID(), []byte(`{"order_id":"Z"}`)))
+	if err == nil {
+		t.Fatalf("outbox accepted a message without event name: the relay cannot publish it as an envelope")
+	}
+	t.Logf("refused: %v", err)
+}
+
+// mustBegin opens a read transaction for the replay, rolled back at the end.
+func mustBegin(t *testing.T, pool *pgxpool.Pool) pgx.Tx {
+	t.Helper()
+	tx, err := pool.Begin(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	return tx
 }
