@@ -335,7 +335,6 @@ func TestNewcomer_WatermillPoisonQueueDeadLettersAnOutage(t *testing.T) {
 		dlq, e.reservations("A"), e.reservations("B"), e.logs.all("ERROR"))
 }
 
-
 // README: "Database outages don't poison, and don't spend the delivery
 // limit … the chain holds the delivery and re-runs it in place … so a
 // quorum queue's x-delivery-limit is not spent by an outage". The README's
