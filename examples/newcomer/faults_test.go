@@ -421,3 +421,86 @@ func mustBegin(t *testing.T, pool *pgxpool.Pool) pgx.Tx {
 	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
 	return tx
 }
+
+// The README's producer writes one order whose envelope is over the
+// marshaler's 1 MiB limit (an order with many lines: the outbox takes it,
+// idamqp.Marshaler refuses to publish it), then an ordinary order on the
+// same topic, the only topic of this outbox. README: "A bad row does not
+// wedge it … after MaxAttempts the next row of its topic is published as a
+// probe; if the broker takes it, the failing row moves to <table>_dead …
+// and the rest follow in order".
+//
+// Symptom (proven on RabbitMQ 3.10 + PostgreSQL 15, MaxAttempts 3): the
+// ordinary order is never published; the bad row's attempts climb past
+// MaxAttempts forever (20 in 30 s under -race, logged at INFO "outbox row publish
+// failed, will retry"), nothing is dead-lettered. Cause (outbox/relay.go):
+// the probe is only chosen while the head is waiting (q.waiting:
+// next_try_us > now, relay.go round: probes from heads), but after a round
+// that published nothing Run sleeps backoff(failures) (relay.go:230-232),
+// which equals the head's own retry delay (backoff(attempts-1)): the relay
+// wakes exactly when the head is due again, claims it first (ORDER BY id),
+// fails it and blocks its topic, so the probe round never happens. With
+// another topic publishing (PoisonRowDeadLettered) the relay polls every
+// 50 ms and the probe runs; with one topic it never does.
+func TestNewcomer_RelayOneOversizedRowWedgesItsTopic(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	e.start(e.n, wiring{})
+	ob, err := outbox.New(outbox.Config{Table: "orders_outbox"}, e.logs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx, sqldb.Pgx(e.pool)); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := e.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, err := ob.PgxPublisher(tx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	big, err := marshaler.NewMessage("order.order.placed.v1", map[string]string{"order_id": "BIG", "lines": strings.Repeat("x", 2<<20)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	good, err := marshaler.NewMessage("order.order.placed.v1", map[string]string{"order_id": "G"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Publish(e.n.Topic, big, good); err != nil {
+		t.Fatalf("outbox write: %v", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	relay, err := ob.NewRelay(wsql.BeginnerFromPgx(e.pool), e.pub, outbox.RelayConfig{
+		Retention: 24 * time.Hour, RetryInterval: 10 * time.Millisecond, MaxBackoff: 200 * time.Millisecond, MaxAttempts: 3,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	relayDone := make(chan error, 1)
+	go func() { relayDone <- relay.Run(ctx) }()
+	defer func() {
+		cancel()
+		<-relayDone
+	}()
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) { // polling
+		if e.reservations("G") == 1 {
+			dead, err := ob.DeadLetters(ctx, wsql.TxFromPgx(mustBegin(t, e.pool)))
+			if err != nil || dead != 1 {
+				t.Fatalf("dead letters %d, %v; want the oversized row", dead, err)
+			}
+			return
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	dead, _ := ob.DeadLetters(ctx, wsql.TxFromPgx(mustBegin(t, e.pool)))
+	t.Fatalf("one oversized row wedged its topic: the order behind it was not relayed in 30 s (MaxAttempts 3); %d failed attempts logged, dead letters: %d",
+		e.logs.countLines("INFO", "outbox row publish failed"), dead)
+}
