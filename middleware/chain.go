@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"sort"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -31,6 +33,13 @@ const (
 	// DefaultMaxHeaderBytes bounds each metadata value the chain adds to a
 	// poisoned message (the reason, the topic, handler and subscriber names).
 	DefaultMaxHeaderBytes = 4096
+
+	// DefaultMaxCopiedHeaderBytes bounds the metadata the chain copies from
+	// the failed message onto its poisoned copy (keys and values added up):
+	// 64 KiB, so that the copy plus the chain's own headers (at most 4 ×
+	// MaxHeaderBytes and a few short ones) fit RabbitMQ's default frame_max
+	// (128 KiB: AMQP 0-9-1 sends all headers in one content-header frame).
+	DefaultMaxCopiedHeaderBytes = 64 << 10
 )
 
 // Metadata keys the chain sets on a poisoned message. The Watermill keys
@@ -44,6 +53,12 @@ const (
 	// MetadataReasonBytes is the length in bytes of the full reason, set
 	// only when reason_poisoned was truncated.
 	MetadataReasonBytes = "idempotency_reason_bytes"
+	// MetadataDroppedHeaders lists, comma-separated (bounded by
+	// MaxHeaderBytes), the metadata keys of the failed message that were
+	// not copied onto its poisoned copy because all of them together passed
+	// MaxCopiedHeaderBytes (the largest values are dropped first). Set only
+	// when some were dropped.
+	MetadataDroppedHeaders = "idempotency_dropped_headers"
 )
 
 // ChainConfig configures NewChain and NewHandlerMiddleware: the recommended
@@ -105,6 +120,15 @@ type ChainConfig struct {
 	// (RabbitMQ's frame_max, 128 KiB by default, limits all headers
 	// together). Defaults to DefaultMaxHeaderBytes; minimum 64.
 	MaxHeaderBytes int
+
+	// MaxCopiedHeaderBytes bounds the failed message's metadata copied onto
+	// its poisoned copy, keys and values added up; past it the largest
+	// values are left out (named in MetadataDroppedHeaders), so a message
+	// whose own headers are near the broker's frame limit can still be
+	// poisoned: otherwise the copy, which adds the chain's headers, would be
+	// refused and the delivery held forever. Defaults to
+	// DefaultMaxCopiedHeaderBytes; negative: copy nothing.
+	MaxCopiedHeaderBytes int
 }
 
 func (c *ChainConfig) setDefaults() {
@@ -128,6 +152,9 @@ func (c *ChainConfig) setDefaults() {
 	}
 	if c.MaxHeaderBytes == 0 {
 		c.MaxHeaderBytes = DefaultMaxHeaderBytes
+	}
+	if c.MaxCopiedHeaderBytes == 0 {
+		c.MaxCopiedHeaderBytes = DefaultMaxCopiedHeaderBytes
 	}
 }
 
@@ -350,8 +377,10 @@ func (p *holdPoison) poisonLoop(msg *message.Message, ctx context.Context) bool 
 // retried with backoff while the delivery is held.
 func (p *holdPoison) poison(msg *message.Message, ctx context.Context, cause error, class Class, start time.Time, wait *holdBackoff) error {
 	pm := message.NewMessage(msg.UUID, msg.Payload)
-	for k, v := range msg.Metadata {
-		pm.Metadata.Set(k, v)
+	copied, dropped := boundedMetadata(msg.Metadata, p.cfg.MaxCopiedHeaderBytes)
+	pm.Metadata = copied
+	if len(dropped) > 0 {
+		pm.Metadata.Set(MetadataDroppedHeaders, bound(strings.Join(dropped, ","), p.cfg.MaxHeaderBytes))
 	}
 	reason := cause.Error()
 	if len(reason) > p.cfg.MaxHeaderBytes {
@@ -399,6 +428,42 @@ func (p *holdPoison) sleep(ctx context.Context, start time.Time, b *holdBackoff)
 	}
 }
 
+// boundedMetadata copies md, leaving out the largest values until keys and
+// values add up to at most budget bytes (negative: nothing). It returns the
+// copy and the keys left out, sorted.
+func boundedMetadata(md message.Metadata, budget int) (message.Metadata, []string) {
+	out := make(message.Metadata, len(md))
+	total := 0
+	for k, v := range md {
+		out[k] = v
+		total += len(k) + len(v)
+	}
+	if total <= budget {
+		return out, nil
+	}
+	keys := make([]string, 0, len(md))
+	for k := range md {
+		keys = append(keys, k)
+	}
+	sort.Slice(keys, func(i, j int) bool {
+		if len(md[keys[i]]) != len(md[keys[j]]) {
+			return len(md[keys[i]]) > len(md[keys[j]])
+		}
+		return keys[i] < keys[j]
+	})
+	var dropped []string
+	for _, k := range keys {
+		if total <= budget && budget >= 0 {
+			break
+		}
+		total -= len(k) + len(md[k])
+		delete(out, k)
+		dropped = append(dropped, k)
+	}
+	sort.Strings(dropped)
+	return out, dropped
+}
+
 // bound cuts s to at most max bytes (on a UTF-8 boundary), saying so.
 func bound(s string, max int) string {
 	if len(s) <= max {
@@ -427,32 +492,4 @@ func (b *holdBackoff) next() time.Duration {
 	d := b.cur
 	b.cur = time.Duration(math.Min(float64(b.max), float64(b.cur)*b.mult))
 	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
-}
-
-// UnchainedFailureDelay is how long the idempotent middleware waits before
-// returning a failure when it runs under a Watermill router but outside the
-// chain (NewChain, NewHandlerMiddleware): the router would nack the message
-// and the broker redeliver it at once, forever, for a malformed message.
-// The wait bounds that loop to one redelivery per second per consumer; an
-// ERROR log says how to wire the chain.
-const UnchainedFailureDelay = time.Second
-
-// guardUnchained runs when an attempt ends: outside the chain, under a
-// router, a failure other than a transient one is logged at ERROR and
-// returned only after UnchainedFailureDelay (or when the message context
-// ends).
-func (m *Idempotent) guardUnchained(ctx context.Context, msg *message.Message, err error) {
-	if err == nil || ctx.Value(chainKey{}) != nil || message.HandlerNameFromCtx(ctx) == "" || IsTransient(err) {
-		return
-	}
-	m.logger.Error("Idempotent middleware runs without the chain: the router will nack and the broker redeliver this message in a loop", err, watermill.LogFields{
-		"message_uuid": msg.UUID, "handler": message.HandlerNameFromCtx(ctx),
-		"hint": "wrap the handler with middleware.NewHandlerMiddleware (or router.AddMiddleware(middleware.NewChain(…)...))",
-	})
-	t := time.NewTimer(UnchainedFailureDelay)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-	case <-t.C:
-	}
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -174,6 +175,8 @@ type Idempotent struct {
 	cfg         Config
 	logger      watermill.LoggerAdapter
 	lockTimeout *lockTimeoutStmt // built once from cfg.LockTimeout
+
+	unchainedSeen sync.Map // handler name → true: logged once (unchained.go)
 }
 
 // NewIdempotent validates cfg (on a copy with defaults applied) and returns
@@ -263,11 +266,32 @@ func registerSQLiteInbox(cfg Config) error {
 // again with the same message) gets a fresh transaction. Without an outbox,
 // the messages h returns are returned after the commit, for the router to
 // publish: a crash between the commit and that publish loses them.
+//
+// Wire it through NewHandlerMiddleware (or NewChain). Under a router but
+// outside that chain (the middleware alone, Watermill's own PoisonQueue and
+// Retry around it, or a chain in another order), it protects the delivery
+// itself, since no outer layer of it will: a transient or configuration
+// failure is held and retried in place with capped backoff (the chain's
+// defaults, up to DefaultMaxHold) instead of being returned to layers that
+// would poison it or nack it into a hot loop, and any other failure is
+// returned only after UnchainedFailureDelay. Each such delivery is logged at
+// ERROR, naming the missing chain (see unchained.go).
 func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	attempt := m.middleware(h)
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if ctx.Value(chainKey{}) != nil || message.HandlerNameFromCtx(ctx) == "" {
+			return attempt(msg) // inside the chain, or called directly (tests, own loops)
+		}
+		return m.unchained(attempt, msg)
+	}
+}
+
+// middleware is one attempt: see Middleware.
+func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) (_ []*message.Message, err error) {
 		start := time.Now()
 		origCtx := msg.Context()
-		defer func() { m.guardUnchained(origCtx, msg, err) }()
 		consumer := m.cfg.Consumer
 		fields := watermill.LogFields{
 			"event_id":     msg.UUID,

@@ -3,6 +3,7 @@ package readme_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"os"
 	"time"
 
@@ -99,7 +100,10 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 		if err := json.Unmarshal(msg.Payload, &order); err != nil {
 			return middleware.Permanent(err) // poisoned at once, never retried
 		}
-		tx, _ := middleware.PgxTxFromContext(msg.Context()) // the attempt's transaction: write effects here
+		tx, ok := middleware.PgxTxFromContext(msg.Context()) // the attempt's transaction: write effects here
+		if !ok {
+			return errors.New("reserve_stock: no transaction (and no deduplication): add the chain with AddMiddleware(chain)")
+		}
 		_, err := tx.Exec(msg.Context(), `INSERT INTO reservation (order_id) VALUES ($1)`, order.OrderID)
 		return err // error → rollback, retried; nil → commit, ack
 	}).AddMiddleware(chain) // per handler, not router.AddMiddleware
