@@ -25,6 +25,11 @@ var (
 	// it, wrapping this sentinel).
 	ErrNoConsumer = errors.New("idempotency: no consumer name (set Config.Consumer)")
 
+	// ErrSharedConsumer: one idempotent middleware (one Config.Consumer)
+	// serves several router handlers; logged at ERROR once per new handler
+	// (see Idempotent.Middleware), never returned by an attempt.
+	ErrSharedConsumer = errors.New("idempotency: one consumer name serves several handlers (a fan-out needs one Consumer per handler)")
+
 	// ErrExpired: the event is older than Config.ReplayHorizon; its processed
 	// record may have been purged, so it is refused. Permanent.
 	ErrExpired = errors.New("idempotency: event older than the replay horizon")

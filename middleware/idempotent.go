@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -47,7 +48,10 @@ type Config struct {
 	// a default from the Watermill handler name applied events twice when two
 	// processes of one consumer named their handlers differently. Keep it
 	// stable across deployments: renaming it makes every retained event new
-	// again.
+	// again. The middleware cannot see queues: one Idempotent that serves
+	// two router handlers is logged at ERROR (ErrSharedConsumer), but two
+	// processes configured with different names for one queue are not
+	// detected (each name applies the events it receives once).
 	Consumer string
 
 	// LockTimeout bounds the wait on a claim held by another, uncommitted
@@ -177,6 +181,50 @@ type Idempotent struct {
 	lockTimeout *lockTimeoutStmt // built once from cfg.LockTimeout
 
 	unchainedSeen sync.Map // handler name → true: logged once (unchained.go)
+
+	handlersMu sync.RWMutex
+	handlers   map[string]struct{} // handler names seen (noteHandler)
+}
+
+// noteHandler records the router handler a delivery came through and logs,
+// once per new handler, at ERROR when this middleware (one Consumer) serves
+// more than one handler. Competing workers of one consumer are processes
+// (or subscriber goroutines) on one queue, which a router runs as one
+// handler; two handlers of one router with one Consumer are nearly always
+// a fan-out (each handler receives its own copy of an event) that was
+// given one name: the first handler to claim an event makes the other's
+// copy a duplicate, and that handler's effect is silently skipped.
+func (m *Idempotent) noteHandler(name string) {
+	if name == "" {
+		return
+	}
+	m.handlersMu.RLock()
+	_, seen := m.handlers[name]
+	m.handlersMu.RUnlock()
+	if seen {
+		return
+	}
+	m.handlersMu.Lock()
+	if m.handlers == nil {
+		m.handlers = map[string]struct{}{}
+	}
+	_, seen = m.handlers[name]
+	others := make([]string, 0, len(m.handlers))
+	for h := range m.handlers {
+		others = append(others, h)
+	}
+	m.handlers[name] = struct{}{}
+	m.handlersMu.Unlock()
+	if seen || len(others) == 0 {
+		return
+	}
+	sort.Strings(others)
+	m.logger.Error("One consumer serves several handlers", ErrSharedConsumer, watermill.LogFields{
+		"consumer": m.cfg.Consumer, "handler": name, "other_handlers": strings.Join(others, ","),
+		"hint": "if each handler receives its own copy of an event (fan-out: one queue each), give each its own " +
+			"Config.Consumer (one Idempotent per handler): with one name, the first handler's claim makes the " +
+			"other handler's copy a duplicate and its effect is skipped",
+	})
 }
 
 // NewIdempotent validates cfg (on a copy with defaults applied) and returns
@@ -280,6 +328,7 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	attempt := m.middleware(h)
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
+		m.noteHandler(message.HandlerNameFromCtx(ctx))
 		if ctx.Value(chainKey{}) != nil || message.HandlerNameFromCtx(ctx) == "" {
 			return attempt(msg) // inside the chain, or called directly (tests, own loops)
 		}

@@ -137,36 +137,6 @@ func TestNewcomer_CrashAtEveryPointThenRedelivery(t *testing.T) {
 	}
 }
 
-// The crash after COMMIT and before the ack, in a service whose two
-// processes were deployed with different Consumer names ("stock" on the
-// first, "stock-2" on the second: a name from the host or from an
-// environment variable set on one deployment only). The README says every
-// competing worker "in any process, uses the same name"; nothing checks it.
-//
-// Symptom (proven on RabbitMQ 3.10 + PostgreSQL 15): the second process
-// claims the redelivered event under its own name and applies it again:
-// two reservations for one event, no ERROR logged.
-func TestNewcomer_CrashBeforeAckWithDifferentConsumerNamesAppliesTwice(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	e.crashChild(e.n, crashpoint.AfterCommit, func() { e.order("A", 1) })
-	other := e.n
-	other.Consumer = "stock-2"
-	e.start(other, wiring{})
-	testenv.Eventually(t, 60*time.Second, "the redelivery settled", func(o *testenv.Observed) bool {
-		return o.Int("settled", e.logs.settledDeliveries()) >= 1
-	})
-	n := e.reservations("A")
-	if n == 1 {
-		return
-	}
-	if errs := e.logs.all("ERROR"); len(errs) > 0 {
-		t.Logf("detected: %v", errs)
-		return
-	}
-	t.Fatalf("crash before the ack, redelivered to a process with another Consumer name: %d reservations for one event (want 1), no ERROR logged", n)
-}
-
 // lockedBuffer is a bytes.Buffer safe for the child's stderr copier and the
 // test's reads.
 type lockedBuffer struct {

