@@ -113,6 +113,8 @@ type Outbox struct {
 	cfg    Config
 	logger watermill.LoggerAdapter
 	q      queries
+	// now is the process clock (time.Now); tests skew it (export_test.go).
+	now func() time.Time
 }
 
 // New validates cfg (a copy, defaults applied). A nil logger is NopLogger.
@@ -130,7 +132,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Outbox{cfg: cfg, logger: logger, q: newQueries(cfg.Dialect, names)}, nil
+	return &Outbox{cfg: cfg, logger: logger, q: newQueries(cfg.Dialect, names), now: time.Now}, nil
 }
 
 // Table is the outbox table's name as configured (unquoted).
@@ -181,7 +183,6 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 	if topic == "" {
 		return ErrEmptyTopic
 	}
-	now := time.Now().UnixMicro()
 	for _, m := range msgs {
 		if m == nil {
 			return errors.New("outbox: publish: nil message")
@@ -194,7 +195,7 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 		if payload == nil {
 			payload = []byte{}
 		}
-		if _, err := p.tx.ExecContext(m.Context(), p.o.q.insert, m.UUID, topic, payload, string(md), now); err != nil {
+		if _, err := p.tx.ExecContext(m.Context(), p.o.q.insert, m.UUID, topic, payload, string(md)); err != nil {
 			return fmt.Errorf("outbox: publish %s: %w", m.UUID, err)
 		}
 	}
@@ -219,18 +220,17 @@ func (o *Outbox) DeadLetters(ctx context.Context, db wsql.ContextExecutor) (int,
 	return n, nil
 }
 
-// stats returns the pending rows and the write time of the oldest (zero when
-// none).
-func (o *Outbox) stats(ctx context.Context, db wsql.ContextExecutor) (int, time.Time, error) {
+// stats returns the pending rows and the age of the oldest (0 when none),
+// both read by the database: the age is its clock minus the row's write
+// time (its clock too), so no process clock is involved; ≥ 0 even if the
+// database clock stepped back.
+func (o *Outbox) stats(ctx context.Context, db wsql.ContextExecutor) (int, time.Duration, error) {
 	var n int
-	var oldest sql.NullInt64
-	if err := queryRow(ctx, db, o.q.stats, nil, &n, &oldest); err != nil {
-		return 0, time.Time{}, fmt.Errorf("outbox: pending: %w", err)
+	var ageUs sql.NullInt64
+	if err := queryRow(ctx, db, o.q.stats, nil, &n, &ageUs); err != nil {
+		return 0, 0, fmt.Errorf("outbox: pending: %w", err)
 	}
-	if !oldest.Valid {
-		return n, time.Time{}, nil
-	}
-	return n, time.UnixMicro(oldest.Int64), nil
+	return n, time.Duration(max(ageUs.Int64, 0)) * time.Microsecond, nil
 }
 
 // queryRow runs a query expected to return one row and scans it.
