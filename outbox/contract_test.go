@@ -228,6 +228,7 @@ func TestContract(t *testing.T) {
 		t.Run("PoisonRowDeadLettered", func(t *testing.T) { testPoison(t, newBox(t, tg)) })
 		t.Run("PermanentDeadLetteredAtOnce", func(t *testing.T) { testPermanent(t, newBox(t, tg)) })
 		t.Run("BrokerOutageDeadLettersNothing", func(t *testing.T) { testOutage(t, newBox(t, tg)) })
+		t.Run("OutageAfterSuccessDeadLettersNothing", func(t *testing.T) { testOutageAfterSuccess(t, newBox(t, tg)) })
 		t.Run("RetentionAndReplay", func(t *testing.T) { testReplay(t, newBox(t, tg)) })
 		t.Run("OrderWithStandbyRelays", func(t *testing.T) { testOrder(t, newBox(t, tg)) })
 		t.Run("StatsAndStallWarning", func(t *testing.T) { testStats(t, newBox(t, tg)) })
@@ -567,6 +568,40 @@ func testOutage(t *testing.T, b *box) {
 	require.Equal(t, ids, []string{s.all()[0].uuid, s.all()[1].uuid, s.all()[2].uuid})
 	require.Zero(t, rec.dead.Load())
 	eventually(t, 30*time.Second, func() bool { return b.pending(t) == 0 }, "nothing pending")
+}
+
+// A row fails while the broker is up (another row goes through), then the
+// broker goes down: attempts during the outage are not the row's fault, so
+// it is not dead-lettered however many it uses; after the outage it is
+// published. (A rule "some publish succeeded since the row's first
+// failure" would dead-letter it during the outage.)
+func testOutageAfterSuccess(t *testing.T, b *box) {
+	x, y := newID(), newID()
+	b.write(t, "a", x)
+	var down atomic.Bool
+	s := &sink{}
+	s.refuse = func(topic string, m *message.Message) error {
+		switch {
+		case down.Load():
+			return errors.New("connection refused")
+		case m.UUID == x:
+			return errors.New("transient")
+		}
+		return nil
+	}
+	rec := &counts{}
+	b.relay(t, s, outbox.RelayConfig{MaxAttempts: 3, RetryInterval: 50 * time.Millisecond, MaxBackoff: 50 * time.Millisecond, Recorder: rec})
+	eventually(t, 30*time.Second, func() bool { return rec.failed.Load() >= 1 && b.nextTry(t) != 0 }, "x failed once, broker up")
+	b.write(t, "b", y) // published after x's first failure: the broker is up
+	eventually(t, 30*time.Second, func() bool { return s.count(y) == 1 }, "y published")
+	down.Store(true) // then the outage begins
+	n := rec.failed.Load()
+	eventually(t, 30*time.Second, func() bool { return rec.failed.Load() >= n+6 || rec.dead.Load() > 0 }, "x retried well past MaxAttempts during the outage")
+	require.Zero(t, rec.dead.Load(), "no dead letter during the outage")
+	s.setRefuse(nil)
+	down.Store(false)
+	eventually(t, 30*time.Second, func() bool { return s.count(x) == 1 }, "x published after the outage")
+	require.Zero(t, rec.dead.Load())
 }
 
 // With Retention the relayed rows move to the archive (the outbox table

@@ -44,16 +44,39 @@
 //
 // # Failures, dead letters, retention
 //
-// A row whose publish fails is retried up to RelayConfig.MaxAttempts times
-// with exponential backoff, then moved to the dead-letter table
-// (<table>_dead), counted (Recorder.DeadLettered) and logged at ERROR with its
-// id and reason, once the broker is shown to be up: some publish succeeded
-// after the row first failed, or the next row of its topic, published as a
-// probe, was taken. While every publish fails (an outage) nothing is
-// dead-lettered. Relayed rows leave the outbox table in the round that
-// publishes them: at rest it holds only pending rows. With
-// RelayConfig.Retention > 0 they are kept in the archive table
-// (<table>_relayed) for that long, for Replay.
+// A row whose publish fails is retried with exponential backoff
+// (RelayConfig.RetryInterval doubling up to MaxBackoff) and, after
+// RelayConfig.MaxAttempts failed attempts while the broker is up, moved to
+// the dead-letter table (<table>_dead, with the reason), counted
+// (Recorder.DeadLettered) and logged at ERROR with its row id, event_id and
+// reason; the relay goes on with the rest. Whose fault a failure is comes
+// from its origin, not its text: a round where some publish failed and the
+// broker took another row, or else the probe (RelayConfig.Probe: by default
+// a probe message published through the same publisher), shows the broker
+// up, so the failure is the row's (a marshaler that refuses it, a mandatory
+// publish nobody routes, a header the broker rejects). A round where
+// nothing went through, probe included, is an outage (connection refused,
+// every publish failing): no row is dead-lettered however long it lasts,
+// rows wait with capped backoff, and the relay backs off as a whole. So a
+// lone bad row with no other row behind it is dead-lettered after
+// MaxAttempts, and an outage never empties the outbox into the dead-letter
+// table. RelayConfig.Permanent dead-letters a row at its first failure.
+// Relayed rows leave the outbox table in the round that publishes them: at
+// rest it holds only pending rows. With RelayConfig.Retention > 0 they are
+// kept in the archive table (<table>_relayed) for that long, for Replay.
+//
+// # Clocks
+//
+// Every time the outbox stores or compares (a row's write time, its next
+// retry, dead-letter and relay times, the age of the oldest pending row,
+// the archive's retention) is read from the database server's clock in UTC
+// microseconds, in the SQL statement itself: producers and relays in
+// several processes whose clocks disagree, and sessions in any time zone
+// (PostgreSQL TimeZone, MySQL time_zone), compare one clock. A relay whose
+// clock is an hour off neither starves the others' retries (next try an
+// hour late) nor hot-loops them (an hour early), nor reports a wrong age.
+// Process clocks only pace a relay's own loop (poll interval, backoff
+// waits). SQLite's clock is the host's, to the millisecond.
 package outbox
 
 import (
