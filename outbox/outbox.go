@@ -39,7 +39,10 @@
 // concurrent transactions are published in the order they become visible by
 // id. A row whose publish fails holds back the rows of its topic behind it
 // until it is published or dead-lettered (per-topic order); other topics go
-// on. RelayConfig.Parallel lets relays claim disjoint batches at once (SKIP
+// on. A committed row that another session holds a row lock on (SELECT …
+// FOR UPDATE) is not skipped past: the relay reads its candidates without
+// locks, then locks them with SKIP LOCKED, and a candidate it could not
+// lock holds back its topic until the lock is gone (other topics go on). RelayConfig.Parallel lets relays claim disjoint batches at once (SKIP
 // LOCKED), giving up order across batches (and the hold-back).
 //
 // # Failures, dead letters, retention

@@ -25,6 +25,8 @@ type queries struct {
 	countDead string
 	lock      string // relay lock: a row (SQLite: an update) when this relay holds it
 	claim     string // %s: exclusions (holdBack), %d: batch size
+	peek      string // claim's candidates without locks (ids, topics); %s, %d as claim
+	lockIDs   string // %s: inIDs; locks the candidates, skipping those locked
 	waiting   string // rows waiting for a retry, oldest first
 	purge     string
 	replay    string // %s: extra topic condition
@@ -69,6 +71,8 @@ func newQueries(d sqldb.Dialect, t tables) queries {
 		q.claim = `SELECT id, event_id, topic, payload, metadata, attempts FROM ` + t.Table +
 			` WHERE next_try_us <= ` + now + `%s ORDER BY id LIMIT %d FOR UPDATE SKIP LOCKED`
 	}
+	q.peek = `SELECT id, topic FROM ` + t.Table + ` WHERE next_try_us <= ` + now + `%s ORDER BY id LIMIT %d`
+	q.lockIDs = `SELECT id, event_id, topic, payload, metadata, attempts FROM ` + t.Table + ` WHERE id%s ORDER BY id FOR UPDATE SKIP LOCKED`
 	q.waiting = `SELECT id, topic FROM ` + t.Table + ` WHERE next_try_us > ` + now + ` ORDER BY id`
 	q.purge = `DELETE FROM ` + t.Archive + ` WHERE relayed_at_us < ` + now + ` - ` + p(1)
 	q.replay = `SELECT id, event_id, topic, payload, metadata, created_at_us FROM ` + t.Archive +

@@ -500,12 +500,81 @@ func (r *Relay) lock(ctx context.Context, tx wsql.Tx) (bool, error) {
 	return true, nil
 }
 
+// claim returns the rows this round publishes, in id order, locked.
+//
+// Parallel (and SQLite, one writer): the oldest due rows not locked by
+// another relay (FOR UPDATE SKIP LOCKED). Default (one active relay, per
+// topic order): SKIP LOCKED alone would skip a committed row that some
+// other session holds a row lock on (an operator's SELECT … FOR UPDATE, a
+// foreign key check) and publish the rows of its topic behind it first. So
+// the candidates are read without locks (a committed row is visible
+// whoever locks it), then locked by id with SKIP LOCKED; a candidate that
+// could not be locked holds back the candidates of its topic behind it this
+// round, and is claimed by a later round once its lock is gone. Other
+// topics go on; nothing waits for the other session.
 func (r *Relay) claim(ctx context.Context, tx wsql.Tx, held []waitingHead) ([]pendingRow, error) {
 	var args []any
 	for _, h := range held {
 		args = append(args, h.topic, h.id)
 	}
-	rows, err := tx.QueryContext(ctx, fmt.Sprintf(r.o.q.claim, r.o.q.holdBack(1, len(held)), r.cfg.BatchSize), args...)
+	exclude := r.o.q.holdBack(1, len(held))
+	if r.cfg.Parallel || r.o.cfg.Dialect == sqldb.SQLite {
+		return r.scanRows(tx.QueryContext(ctx, fmt.Sprintf(r.o.q.claim, exclude, r.cfg.BatchSize), args...))
+	}
+	type candidate struct {
+		id    int64
+		topic string
+	}
+	rows, err := tx.QueryContext(ctx, fmt.Sprintf(r.o.q.peek, exclude, r.cfg.BatchSize), args...)
+	if err != nil {
+		return nil, fmt.Errorf("claim: %w", err)
+	}
+	var cands []candidate
+	for rows.Next() {
+		var c candidate
+		if err := rows.Scan(&c.id, &c.topic); err != nil {
+			_ = rows.Close()
+			return nil, fmt.Errorf("claim: scan: %w", err)
+		}
+		cands = append(cands, c)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, fmt.Errorf("claim: %w", err)
+	}
+	if len(cands) == 0 {
+		return nil, nil
+	}
+	ids := make([]any, len(cands))
+	for i, c := range cands {
+		ids[i] = c.id
+	}
+	locked, err := r.scanRows(tx.QueryContext(ctx, fmt.Sprintf(r.o.q.lockIDs, r.o.q.inIDs(1, len(ids))), ids...))
+	if err != nil {
+		return nil, err
+	}
+	if len(locked) == len(cands) {
+		return locked, nil
+	}
+	byID := make(map[int64]pendingRow, len(locked))
+	for _, p := range locked {
+		byID[p.id] = p
+	}
+	blocked := map[string]bool{}
+	out := locked[:0:0]
+	for _, c := range cands {
+		p, ok := byID[c.id]
+		switch {
+		case blocked[c.topic]:
+		case !ok:
+			blocked[c.topic] = true // locked by another session: its topic waits
+		default:
+			out = append(out, p)
+		}
+	}
+	return out, nil
+}
+
+func (r *Relay) scanRows(rows wsql.Rows, err error) ([]pendingRow, error) {
 	if err != nil {
 		return nil, fmt.Errorf("claim: %w", err)
 	}
