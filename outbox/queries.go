@@ -34,8 +34,11 @@ type queries struct {
 
 // dbNow returns d's expression for the database clock in µs since the
 // epoch, independent of the session time zone:
-//   - PostgreSQL: extract(epoch from clock_timestamp()) (timestamptz: an
-//     absolute instant; TimeZone only changes how it prints);
+//   - PostgreSQL: extract(epoch from statement_timestamp()) (timestamptz:
+//     an absolute instant; TimeZone only changes how it prints). STABLE, so
+//     "next_try_us <= dbNow" can use the index; clock_timestamp() is
+//     VOLATILE and made every claim scan the whole table (measured: 715
+//     instead of thousands of msg/s with 100k rows pending);
 //   - MySQL/MariaDB: microseconds from 1970-01-01 00:00:00 to
 //     UTC_TIMESTAMP(6) (UNIX_TIMESTAMP(NOW(6)) would read NOW in the
 //     session time_zone and is ambiguous in a DST fall-back hour);
@@ -48,7 +51,7 @@ func dbNow(d sqldb.Dialect) string {
 	case sqldb.SQLite:
 		return `CAST((julianday('now') - 2440587.5) * 86400000000.0 AS INTEGER)`
 	default:
-		return `(extract(epoch from clock_timestamp()) * 1000000)::bigint`
+		return `(extract(epoch from statement_timestamp()) * 1000000)::bigint`
 	}
 }
 
