@@ -139,7 +139,9 @@ type Outbox struct {
 	cfg    Config
 	logger watermill.LoggerAdapter
 	q      queries
-	// now is the process clock (time.Now); tests skew it (export_test.go).
+	// now is the process clock (time.Now). Nothing stored or compared
+	// reads it (the database clock does, queries.dbNow); tests skew it
+	// (export_test.go) to show that a wrong process clock changes nothing.
 	now func() time.Time
 }
 
