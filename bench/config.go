@@ -117,7 +117,7 @@ var Tiny = Sizes{
 
 // Parts of a run, in order. "experiments" (claim configurations that could
 // lower the cost, for proposals) runs only when asked for.
-var Parts = []string{"overhead", "growth", "e2e", "purge", "memory"}
+var Parts = []string{"overhead", "growth", "e2e", "purge", "memory", "relay"}
 
 var optionalParts = []string{"experiments"}
 

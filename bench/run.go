@@ -55,6 +55,8 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 			err = purge(ctx, e, sz.Purge, res)
 		case "experiments":
 			err = experiments(ctx, e, sz.Overhead, res)
+		case "relay":
+			err = relay(ctx, e, relaySizes(sz.Name), res)
 		case "memory":
 			err = memory(ctx, e, sz.Memory, sz.E2E.HeadConsumers, sz.E2E.HeadPrefetch, res)
 		default:

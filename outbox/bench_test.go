@@ -24,7 +24,10 @@ import (
 )
 
 // Benchmarks of the relay (run with -benchtime=1x: each iteration is a whole
-// measurement):
+// measurement). The bench command's relay part (bench/relay.go, `go run
+// ./bench/cmd/idembench -parts relay`) measures the same latency and table
+// at rest and writes bench/RESULTS.md; these stay for the comparison with
+// watermill-sql's forwarder and for profiling:
 //
 //	go test -run '^$' -bench 'Relay' -benchtime=1x ./outbox/
 //

@@ -52,6 +52,7 @@ type sent struct {
 type sink struct {
 	mu     sync.Mutex
 	got    []sent
+	probes int // probe messages taken (outbox.DefaultProbeTopic), not in got
 	refuse func(topic string, m *message.Message) error
 }
 
@@ -63,6 +64,10 @@ func (s *sink) Publish(topic string, msgs ...*message.Message) error {
 			if err := s.refuse(topic, m); err != nil {
 				return err
 			}
+		}
+		if topic == outbox.DefaultProbeTopic {
+			s.probes++
+			continue
 		}
 		md := message.Metadata{}
 		for k, v := range m.Metadata {
@@ -223,6 +228,7 @@ func TestContract(t *testing.T) {
 		t.Run("PoisonRowDeadLettered", func(t *testing.T) { testPoison(t, newBox(t, tg)) })
 		t.Run("PermanentDeadLetteredAtOnce", func(t *testing.T) { testPermanent(t, newBox(t, tg)) })
 		t.Run("BrokerOutageDeadLettersNothing", func(t *testing.T) { testOutage(t, newBox(t, tg)) })
+		t.Run("OutageAfterSuccessDeadLettersNothing", func(t *testing.T) { testOutageAfterSuccess(t, newBox(t, tg)) })
 		t.Run("RetentionAndReplay", func(t *testing.T) { testReplay(t, newBox(t, tg)) })
 		t.Run("OrderWithStandbyRelays", func(t *testing.T) { testOrder(t, newBox(t, tg)) })
 		t.Run("StatsAndStallWarning", func(t *testing.T) { testStats(t, newBox(t, tg)) })
@@ -564,16 +570,55 @@ func testOutage(t *testing.T, b *box) {
 	eventually(t, 30*time.Second, func() bool { return b.pending(t) == 0 }, "nothing pending")
 }
 
+// A row fails while the broker is up (another row goes through), then the
+// broker goes down: attempts during the outage are not the row's fault, so
+// it is not dead-lettered however many it uses; after the outage it is
+// published. (A rule "some publish succeeded since the row's first
+// failure" would dead-letter it during the outage.)
+func testOutageAfterSuccess(t *testing.T, b *box) {
+	x, y := newID(), newID()
+	b.write(t, "a", x)
+	var down atomic.Bool
+	s := &sink{}
+	s.refuse = func(topic string, m *message.Message) error {
+		switch {
+		case down.Load():
+			return errors.New("connection refused")
+		case m.UUID == x:
+			return errors.New("transient")
+		}
+		return nil
+	}
+	rec := &counts{}
+	b.relay(t, s, outbox.RelayConfig{MaxAttempts: 3, RetryInterval: 50 * time.Millisecond, MaxBackoff: 50 * time.Millisecond, Recorder: rec})
+	eventually(t, 30*time.Second, func() bool { return rec.failed.Load() >= 1 && b.nextTry(t) != 0 }, "x failed once, broker up")
+	b.write(t, "b", y) // published after x's first failure: the broker is up
+	eventually(t, 30*time.Second, func() bool { return s.count(y) == 1 }, "y published")
+	down.Store(true) // then the outage begins
+	n := rec.failed.Load()
+	eventually(t, 30*time.Second, func() bool { return rec.failed.Load() >= n+6 || rec.dead.Load() > 0 }, "x retried well past MaxAttempts during the outage")
+	require.Zero(t, rec.dead.Load(), "no dead letter during the outage")
+	s.setRefuse(nil)
+	down.Store(false)
+	eventually(t, 30*time.Second, func() bool { return s.count(x) == 1 }, "x published after the outage")
+	require.Zero(t, rec.dead.Load())
+}
+
 // With Retention the relayed rows move to the archive (the outbox table
 // holds only pending rows); Replay republishes a write-time range with the
 // original ids, filtered by topic, or counts it (DryRun); the archive is
 // purged after the retention.
 func testReplay(t *testing.T, b *box) {
-	t0 := time.Now()
+	// Write times are the database's clock (SQLite's: milliseconds, so
+	// the bounds keep a millisecond clear of the writes).
+	t0 := time.Now().Add(-2 * time.Millisecond)
 	a1, a2, c1 := newID(), newID(), newID()
 	b.write(t, "a", a1, a2)
 	b.write(t, "c", c1)
 	t1 := time.Now()
+	for time.Since(t1) < 2*time.Millisecond {
+		time.Sleep(time.Millisecond)
+	}
 	late := newID()
 	b.write(t, "a", late)
 	s := &sink{}

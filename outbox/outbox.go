@@ -39,21 +39,47 @@
 // concurrent transactions are published in the order they become visible by
 // id. A row whose publish fails holds back the rows of its topic behind it
 // until it is published or dead-lettered (per-topic order); other topics go
-// on. RelayConfig.Parallel lets relays claim disjoint batches at once (SKIP
+// on. A committed row that another session holds a row lock on (SELECT …
+// FOR UPDATE) is not skipped past: the relay reads its candidates without
+// locks, then locks them with SKIP LOCKED, and a candidate it could not
+// lock holds back its topic until the lock is gone (other topics go on). RelayConfig.Parallel lets relays claim disjoint batches at once (SKIP
 // LOCKED), giving up order across batches (and the hold-back).
 //
 // # Failures, dead letters, retention
 //
-// A row whose publish fails is retried up to RelayConfig.MaxAttempts times
-// with exponential backoff, then moved to the dead-letter table
-// (<table>_dead), counted (Recorder.DeadLettered) and logged at ERROR with its
-// id and reason, once the broker is shown to be up: some publish succeeded
-// after the row first failed, or the next row of its topic, published as a
-// probe, was taken. While every publish fails (an outage) nothing is
-// dead-lettered. Relayed rows leave the outbox table in the round that
-// publishes them: at rest it holds only pending rows. With
-// RelayConfig.Retention > 0 they are kept in the archive table
-// (<table>_relayed) for that long, for Replay.
+// A row whose publish fails is retried with exponential backoff
+// (RelayConfig.RetryInterval doubling up to MaxBackoff) and, after
+// RelayConfig.MaxAttempts failed attempts while the broker is up, moved to
+// the dead-letter table (<table>_dead, with the reason), counted
+// (Recorder.DeadLettered) and logged at ERROR with its row id, event_id and
+// reason; the relay goes on with the rest. Whose fault a failure is comes
+// from its origin, not its text: a round where some publish failed and the
+// broker took another row, or else the probe (RelayConfig.Probe: by default
+// a probe message published through the same publisher), shows the broker
+// up, so the failure is the row's (a marshaler that refuses it, a mandatory
+// publish nobody routes, a header the broker rejects). A round where
+// nothing went through, probe included, is an outage (connection refused,
+// every publish failing): no row is dead-lettered however long it lasts,
+// rows wait with capped backoff, and the relay backs off as a whole. So a
+// lone bad row with no other row behind it is dead-lettered after
+// MaxAttempts, and an outage never empties the outbox into the dead-letter
+// table. RelayConfig.Permanent dead-letters a row at its first failure.
+// Relayed rows leave the outbox table in the round that publishes them: at
+// rest it holds only pending rows. With RelayConfig.Retention > 0 they are
+// kept in the archive table (<table>_relayed) for that long, for Replay.
+//
+// # Clocks
+//
+// Every time the outbox stores or compares (a row's write time, its next
+// retry, dead-letter and relay times, the age of the oldest pending row,
+// the archive's retention) is read from the database server's clock in UTC
+// microseconds, in the SQL statement itself: producers and relays in
+// several processes whose clocks disagree, and sessions in any time zone
+// (PostgreSQL TimeZone, MySQL time_zone), compare one clock. A relay whose
+// clock is an hour off neither starves the others' retries (next try an
+// hour late) nor hot-loops them (an hour early), nor reports a wrong age.
+// Process clocks only pace a relay's own loop (poll interval, backoff
+// waits). SQLite's clock is the host's, to the millisecond.
 package outbox
 
 import (
@@ -113,6 +139,10 @@ type Outbox struct {
 	cfg    Config
 	logger watermill.LoggerAdapter
 	q      queries
+	// now is the process clock (time.Now). Nothing stored or compared
+	// reads it (the database clock does, queries.dbNow); tests skew it
+	// (export_test.go) to show that a wrong process clock changes nothing.
+	now func() time.Time
 }
 
 // New validates cfg (a copy, defaults applied). A nil logger is NopLogger.
@@ -130,7 +160,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Outbox{cfg: cfg, logger: logger, q: newQueries(cfg.Dialect, names)}, nil
+	return &Outbox{cfg: cfg, logger: logger, q: newQueries(cfg.Dialect, names), now: time.Now}, nil
 }
 
 // Table is the outbox table's name as configured (unquoted).
@@ -181,7 +211,6 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 	if topic == "" {
 		return ErrEmptyTopic
 	}
-	now := time.Now().UnixMicro()
 	for _, m := range msgs {
 		if m == nil {
 			return errors.New("outbox: publish: nil message")
@@ -194,7 +223,7 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 		if payload == nil {
 			payload = []byte{}
 		}
-		if _, err := p.tx.ExecContext(m.Context(), p.o.q.insert, m.UUID, topic, payload, string(md), now); err != nil {
+		if _, err := p.tx.ExecContext(m.Context(), p.o.q.insert, m.UUID, topic, payload, string(md)); err != nil {
 			return fmt.Errorf("outbox: publish %s: %w", m.UUID, err)
 		}
 	}
@@ -219,18 +248,17 @@ func (o *Outbox) DeadLetters(ctx context.Context, db wsql.ContextExecutor) (int,
 	return n, nil
 }
 
-// stats returns the pending rows and the write time of the oldest (zero when
-// none).
-func (o *Outbox) stats(ctx context.Context, db wsql.ContextExecutor) (int, time.Time, error) {
+// stats returns the pending rows and the age of the oldest (0 when none),
+// both read by the database: the age is its clock minus the row's write
+// time (its clock too), so no process clock is involved; ≥ 0 even if the
+// database clock stepped back.
+func (o *Outbox) stats(ctx context.Context, db wsql.ContextExecutor) (int, time.Duration, error) {
 	var n int
-	var oldest sql.NullInt64
-	if err := queryRow(ctx, db, o.q.stats, nil, &n, &oldest); err != nil {
-		return 0, time.Time{}, fmt.Errorf("outbox: pending: %w", err)
+	var ageUs sql.NullInt64
+	if err := queryRow(ctx, db, o.q.stats, nil, &n, &ageUs); err != nil {
+		return 0, 0, fmt.Errorf("outbox: pending: %w", err)
 	}
-	if !oldest.Valid {
-		return n, time.Time{}, nil
-	}
-	return n, time.UnixMicro(oldest.Int64), nil
+	return n, time.Duration(max(ageUs.Int64, 0)) * time.Microsecond, nil
 }
 
 // queryRow runs a query expected to return one row and scans it.

@@ -9,39 +9,75 @@ import (
 
 // queries is the SQL text of one outbox in one dialect. Statements with a
 // variable number of ids are built per call (inIDs).
+//
+// Every time the outbox stores or compares (created_at_us, next_try_us,
+// first_fail_us, dead_at_us, relayed_at_us, the oldest row's age) is the
+// database server's clock in microseconds since the Unix epoch (dbNow),
+// never a process's: producers and relays in several processes, with clocks
+// that disagree, compare one clock. dbNow reads it in UTC whatever the
+// session's time zone (PostgreSQL TimeZone, MySQL time_zone).
 type queries struct {
 	d         sqldb.Dialect
 	t         tables
+	now       string // dbNow: the database's clock, µs since the epoch
 	insert    string
 	stats     string
 	countDead string
 	lock      string // relay lock: a row (SQLite: an update) when this relay holds it
 	claim     string // %s: exclusions (holdBack), %d: batch size
+	peek      string // claim's candidates without locks (ids, topics); %s, %d as claim
+	lockIDs   string // %s: inIDs; locks the candidates, skipping those locked
 	waiting   string // rows waiting for a retry, oldest first
 	purge     string
 	replay    string // %s: extra topic condition
 }
 
+// dbNow returns d's expression for the database clock in µs since the
+// epoch, independent of the session time zone:
+//   - PostgreSQL: extract(epoch from statement_timestamp()) (timestamptz:
+//     an absolute instant; TimeZone only changes how it prints). STABLE, so
+//     "next_try_us <= dbNow" can use the index; clock_timestamp() is
+//     VOLATILE and made every claim scan the whole table (measured: 715
+//     instead of thousands of msg/s with 100k rows pending);
+//   - MySQL/MariaDB: microseconds from 1970-01-01 00:00:00 to
+//     UTC_TIMESTAMP(6) (UNIX_TIMESTAMP(NOW(6)) would read NOW in the
+//     session time_zone and is ambiguous in a DST fall-back hour);
+//   - SQLite: julianday('now') (UTC; the clock of the process running
+//     SQLite, which is the database's), millisecond precision.
+func dbNow(d sqldb.Dialect) string {
+	switch d {
+	case sqldb.MySQL:
+		return `TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))`
+	case sqldb.SQLite:
+		return `CAST((julianday('now') - 2440587.5) * 86400000000.0 AS INTEGER)`
+	default:
+		return `(extract(epoch from statement_timestamp()) * 1000000)::bigint`
+	}
+}
+
 func newQueries(d sqldb.Dialect, t tables) queries {
 	p := func(i int) string { return placeholders(d, i, 1) }
-	q := queries{d: d, t: t}
-	q.insert = `INSERT INTO ` + t.Table + ` (event_id, topic, payload, metadata, created_at_us) VALUES (` + placeholders(d, 1, 5) + `)`
-	q.stats = `SELECT count(*), min(created_at_us) FROM ` + t.Table
+	now := dbNow(d)
+	q := queries{d: d, t: t, now: now}
+	q.insert = `INSERT INTO ` + t.Table + ` (event_id, topic, payload, metadata, created_at_us) VALUES (` + placeholders(d, 1, 4) + `, ` + now + `)`
+	q.stats = `SELECT count(*), ` + now + ` - min(created_at_us) FROM ` + t.Table
 	q.countDead = `SELECT count(*) FROM ` + t.Dead
 	switch d {
 	case sqldb.SQLite:
 		// SQLite has one writer: the UPDATE takes the database's write lock
 		// (held to COMMIT), so relays on one file take turns.
-		q.lock = `UPDATE ` + t.Lock + ` SET beat_us = ? WHERE name = 'relay'`
-		q.claim = `SELECT id, event_id, topic, payload, metadata, attempts, first_fail_us FROM ` + t.Table +
-			` WHERE next_try_us <= ?%s ORDER BY id LIMIT %d`
+		q.lock = `UPDATE ` + t.Lock + ` SET beat_us = ` + now + ` WHERE name = 'relay'`
+		q.claim = `SELECT id, event_id, topic, payload, metadata, attempts FROM ` + t.Table +
+			` WHERE next_try_us <= ` + now + `%s ORDER BY id LIMIT %d`
 	default:
 		q.lock = `SELECT name FROM ` + t.Lock + ` WHERE name = 'relay' FOR UPDATE SKIP LOCKED`
-		q.claim = `SELECT id, event_id, topic, payload, metadata, attempts, first_fail_us FROM ` + t.Table +
-			` WHERE next_try_us <= ` + p(1) + `%s ORDER BY id LIMIT %d FOR UPDATE SKIP LOCKED`
+		q.claim = `SELECT id, event_id, topic, payload, metadata, attempts FROM ` + t.Table +
+			` WHERE next_try_us <= ` + now + `%s ORDER BY id LIMIT %d FOR UPDATE SKIP LOCKED`
 	}
-	q.waiting = `SELECT id, event_id, topic, attempts, first_fail_us, last_error FROM ` + t.Table + ` WHERE next_try_us > ` + p(1) + ` ORDER BY id`
-	q.purge = `DELETE FROM ` + t.Archive + ` WHERE relayed_at_us < ` + p(1)
+	q.peek = `SELECT id, topic FROM ` + t.Table + ` WHERE next_try_us <= ` + now + `%s ORDER BY id LIMIT %d`
+	q.lockIDs = `SELECT id, event_id, topic, payload, metadata, attempts FROM ` + t.Table + ` WHERE id%s ORDER BY id FOR UPDATE SKIP LOCKED`
+	q.waiting = `SELECT id, topic FROM ` + t.Table + ` WHERE next_try_us > ` + now + ` ORDER BY id`
+	q.purge = `DELETE FROM ` + t.Archive + ` WHERE relayed_at_us < ` + now + ` - ` + p(1)
 	q.replay = `SELECT id, event_id, topic, payload, metadata, created_at_us FROM ` + t.Archive +
 		` WHERE created_at_us >= ` + p(1) + ` AND created_at_us < ` + p(2) + `%s ORDER BY id`
 	return q
@@ -54,7 +90,7 @@ func (q queries) inIDs(from, n int) string {
 
 func (q queries) archive(n int) string {
 	return `INSERT INTO ` + q.t.Archive + ` (id, event_id, topic, payload, metadata, created_at_us, relayed_at_us) SELECT id, event_id, topic, payload, metadata, created_at_us, ` +
-		placeholders(q.d, 1, 1) + ` FROM ` + q.t.Table + ` WHERE id` + q.inIDs(2, n)
+		q.now + ` FROM ` + q.t.Table + ` WHERE id` + q.inIDs(1, n)
 }
 
 func (q queries) delete(n int) string {
@@ -62,10 +98,10 @@ func (q queries) delete(n int) string {
 }
 
 // deadLetter copies one row into the dead-letter table: args attempts,
-// reason, now, id.
+// reason, id.
 func (q queries) deadLetter() string {
 	return `INSERT INTO ` + q.t.Dead + ` (id, event_id, topic, payload, metadata, created_at_us, attempts, reason, dead_at_us) SELECT id, event_id, topic, payload, metadata, created_at_us, ` +
-		placeholders(q.d, 1, 3) + ` FROM ` + q.t.Table + ` WHERE id = ` + placeholders(q.d, 4, 1)
+		placeholders(q.d, 1, 2) + `, ` + q.now + ` FROM ` + q.t.Table + ` WHERE id = ` + placeholders(q.d, 3, 1)
 }
 
 // holdBack is the claim's exclusion of the rows behind a waiting row of
@@ -78,10 +114,11 @@ func (q queries) holdBack(from, n int) string {
 	return b.String()
 }
 
-// retry records a failed attempt: args attempts, next try, first failure,
-// error, id.
+// retry records a failed attempt: args attempts, backoff (µs), error, id.
+// The next try is the database's now + backoff; first_fail_us keeps the
+// first failure's time.
 func (q queries) retry() string {
 	ph := func(i int) string { return placeholders(q.d, i, 1) }
-	return fmt.Sprintf(`UPDATE %s SET attempts = %s, next_try_us = %s, first_fail_us = %s, last_error = %s WHERE id = %s`,
-		q.t.Table, ph(1), ph(2), ph(3), ph(4), ph(5))
+	return fmt.Sprintf(`UPDATE %s SET attempts = %s, next_try_us = %s + %s, first_fail_us = CASE WHEN first_fail_us = 0 THEN %s ELSE first_fail_us END, last_error = %s WHERE id = %s`,
+		q.t.Table, ph(1), q.now, ph(2), q.now, ph(3), ph(4))
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
+	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
@@ -39,6 +40,8 @@ const (
 	// (Recorder.Pending), checks the oldest against StalledAfter and purges
 	// the archive.
 	DefaultStatsInterval = 10 * time.Second
+	// DefaultProbeTopic is the default probe's topic (RelayConfig.ProbeTopic).
+	DefaultProbeTopic = "outbox.probe"
 	// DefaultStalledAfter is the age of the oldest pending row above which
 	// the relay logs a warning.
 	DefaultStalledAfter = time.Minute
@@ -58,14 +61,41 @@ type RelayConfig struct {
 	RetryInterval time.Duration
 	// MaxBackoff caps the backoff. Defaults to DefaultMaxBackoff.
 	MaxBackoff time.Duration
-	// MaxAttempts is the publish attempts of a row before it is moved to the
-	// dead-letter table. A row is dead-lettered only once the broker is shown
-	// to be up (some publish succeeded after its first failure, or the next
-	// row of its topic, published as a probe, was taken) or Permanent says
-	// so: while every publish fails the broker is taken to be down, and rows
-	// wait for it at MaxBackoff instead of being dead-lettered. Defaults to
-	// DefaultMaxAttempts.
+	// MaxAttempts bounds the publish attempts of a row the broker is up
+	// for: a row whose publish failed MaxAttempts times (with backoff
+	// between them) is moved to the dead-letter table, counted
+	// (Recorder.DeadLettered) and logged at ERROR with its row id, event_id
+	// and reason, and the relay goes on. Failures are told apart by origin,
+	// not by the error's text: an attempt counts against the row when the
+	// broker took something else in the same round (another row, or else
+	// the Probe); when nothing went through, probe included, the broker is
+	// taken to be down (connection refused, every publish failing) and no
+	// row is dead-lettered, however long the outage: rows keep waiting with
+	// backoff capped at MaxBackoff, the relay backs off as a whole, and the
+	// first round after the outage publishes them. So a lone failing row
+	// with nothing behind it is dead-lettered after MaxAttempts too (the
+	// probe shows the broker up), and an outage dead-letters nothing.
+	// Defaults to DefaultMaxAttempts.
 	MaxAttempts int
+	// Probe reports whether the broker takes publishes at all (nil) or not
+	// (an error). The relay calls it in a round where publishes failed and
+	// none succeeded (at most once per round, so at most once per backoff
+	// interval during an outage); its answer decides whether those failures
+	// are the rows' (counted towards MaxAttempts' dead-lettering) or the
+	// broker's (nothing dead-lettered). A probe that fails while the broker
+	// is up (a wrong ProbeTopic) keeps every failing row waiting: the relay
+	// logs each failed probe at ERROR. Defaults to publishing ProbeMessage()
+	// to ProbeTopic through the destination publisher: the same connection,
+	// exchange, marshaler and confirms as the rows.
+	Probe func(ctx context.Context) error
+	// ProbeTopic is the topic the default Probe publishes to. The broker
+	// must accept a publish there while it is up: with a publisher that
+	// fails unroutable messages (mandatory publish, e.g.
+	// marshaler/amqp.PoisonPublisher) bind a queue to it (with a message
+	// TTL or length limit); plain watermill-amqp drops an unroutable probe
+	// and reports success, which is what is wanted. Defaults to
+	// DefaultProbeTopic. Ignored when Probe is set.
+	ProbeTopic string
 	// Permanent, if set, classifies a publish error as permanent (the row can
 	// never be published, e.g. the marshaler refuses it): the row is
 	// dead-lettered at once. Classify by type or origin, not message text.
@@ -117,6 +147,9 @@ func (c *RelayConfig) setDefaults() {
 	if c.Recorder == nil {
 		c.Recorder = NopRecorder{}
 	}
+	if c.ProbeTopic == "" {
+		c.ProbeTopic = DefaultProbeTopic
+	}
 }
 
 // Validate reports the first invalid field, naming it.
@@ -158,8 +191,6 @@ type Relay struct {
 	closing chan struct{}
 	closeMu sync.Once
 	done    chan struct{}
-	// lastOK is the unix µs of the relay's last successful publish.
-	lastOK atomic.Int64
 }
 
 // NewRelay validates cfg (on a copy with defaults applied) and returns a
@@ -180,6 +211,9 @@ func (o *Outbox) NewRelay(db wsql.Beginner, dest message.Publisher, cfg RelayCon
 		return nil, errors.New("outbox: RelayConfig.Parallel: not supported on SQLite (one writer)")
 	}
 	cfg.setDefaults()
+	if cfg.Probe == nil {
+		cfg.Probe = publishProbe(dest, cfg.ProbeTopic)
+	}
 	r := &Relay{
 		o: o, db: db, dest: dest, cfg: cfg,
 		logger:  o.logger.With(watermill.LogFields{"outbox": o.cfg.Table}),
@@ -227,8 +261,8 @@ func (r *Relay) Run(ctx context.Context) error {
 			r.logger.Error("outbox relay round failed", err, nil)
 			wait = r.backoff(failures)
 			failures++
-		case res.failed > 0 && res.published == 0:
-			wait = r.backoff(failures) // the broker looks down
+		case res.down:
+			wait = r.backoff(failures) // the broker is down
 			failures++
 		case res.claimed == r.cfg.BatchSize:
 			failures = 0
@@ -273,36 +307,37 @@ func (r *Relay) backoff(n int) time.Duration {
 }
 
 type pendingRow struct {
-	id          int64
-	eventID     string
-	topic       string
-	payload     []byte
-	metadata    string
-	attempts    int
-	firstFailUs int64
-	lastError   string
-	err         error
+	id       int64
+	eventID  string
+	topic    string
+	payload  []byte
+	metadata string
+	attempts int
+	err      error
 }
 
-type roundResult struct{ claimed, published, failed int }
-
-// waitingHead is the oldest row of a topic waiting for its retry: the rows
-// of its topic behind it are held back (per-topic order), except one probe
-// once it has used its attempts (see round).
-type waitingHead struct {
-	row     pendingRow
-	waiting int // rows of the topic waiting for a retry
+// roundResult is what a round did. down: some publish failed and the
+// broker did not take anything this round, the probe included.
+type roundResult struct {
+	claimed, published, failed int
+	down                       bool
 }
 
 // round is one relay transaction: lock, claim, publish, remove, commit.
 //
 // Per-topic order (default, not Parallel): when a row's publish fails, the
 // rows of its topic behind it are not published (this round, and while it
-// waits for its retry). Once the failing row has used MaxAttempts, the next
-// row of its topic is published as a probe: if the broker takes it, the
-// failing row is the problem and is dead-lettered in the same transaction
-// (before the probe's row is removed, so no published row overtakes it); if
-// the probe fails too, the broker is taken to be down and both wait.
+// waits for its retry: the claim excludes them), until it is published or
+// dead-lettered.
+//
+// Who is at fault (see RelayConfig.MaxAttempts): a failed row is the row's
+// fault only when the broker took something in the same round: another
+// row, or else the probe (RelayConfig.Probe), which the round publishes
+// once when rows failed and none succeeded. A row that failed
+// MaxAttempts times and is the row's fault is dead-lettered; while the
+// broker takes nothing (an outage: connection refused, every publish
+// failing) nothing is dead-lettered, rows keep their backoff, and the
+// relay backs off as a whole (res.down).
 func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 	tx, err := r.db.BeginTx(ctx, r.txOpts)
 	if err != nil {
@@ -314,27 +349,17 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 			_ = tx.Rollback()
 		}
 	}()
-	nowUs := time.Now().UnixMicro()
-	var heads map[string]*waitingHead
+	var held []waitingHead
 	if !r.cfg.Parallel {
-		held, err := r.lock(ctx, tx, nowUs)
-		if err != nil || !held {
+		locked, err := r.lock(ctx, tx)
+		if err != nil || !locked {
 			return res, err
 		}
-		if heads, err = r.waiting(ctx, tx, nowUs); err != nil {
+		if held, err = r.waiting(ctx, tx); err != nil {
 			return res, err
 		}
 	}
-	probes := map[string]*waitingHead{} // topic → head whose probe this round may publish
-	var held []*waitingHead             // topics whose rows behind the head are excluded
-	for _, h := range heads {
-		if h.waiting == 1 && h.row.attempts >= r.cfg.MaxAttempts {
-			probes[h.row.topic] = h
-		} else {
-			held = append(held, h)
-		}
-	}
-	rows, err := r.claim(ctx, tx, nowUs, held)
+	rows, err := r.claim(ctx, tx, held)
 	if err != nil {
 		return res, err
 	}
@@ -349,20 +374,11 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 	}
 	var ok []int64
 	var failed []*pendingRow
-	var dead []*pendingRow // with err set: the reason
 	blocked := map[string]bool{}
 	for i := range rows {
 		row := &rows[i]
 		if blocked[row.topic] {
 			continue // behind a row of its topic that failed this round
-		}
-		h, isProbe := probes[row.topic]
-		if isProbe {
-			delete(probes, row.topic)
-			if row.id < h.row.id {
-				isProbe = false // a row that committed late, before the head: not a probe
-				probes[row.topic] = h
-			}
 		}
 		if row.err = r.publish(ctx, row); row.err != nil {
 			if ctx.Err() != nil {
@@ -375,23 +391,25 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 			}
 			continue
 		}
-		r.lastOK.Store(time.Now().UnixMicro())
-		if isProbe {
-			// The broker took the next row of the head's topic: the head is
-			// the problem. Move it aside before the probe's row goes.
-			head := h.row
-			head.err = errors.New(head.lastError)
-			if err := r.deadLetter(ctx, tx, &head, head.attempts, head.lastError); err != nil {
-				return res, err
-			}
-			dead = append(dead, &head)
-		}
 		ok = append(ok, row.id)
 	}
 	res.published = len(ok)
 	for _, row := range failed {
 		r.cfg.Recorder.PublishFailed(row.topic)
 	}
+	brokerUp := len(ok) > 0
+	if len(failed) > 0 && !brokerUp {
+		// Nothing went through: the rows or the broker? Ask the probe.
+		if perr := r.cfg.Probe(ctx); perr != nil {
+			if ctx.Err() != nil {
+				return res, ctx.Err()
+			}
+			r.logger.Error("outbox relay: publishes and the broker probe failed, taking the broker to be down (nothing is dead-lettered)", perr, watermill.LogFields{"failed_rows": len(failed)})
+		} else {
+			brokerUp = true
+		}
+	}
+	res.down = len(failed) > 0 && !brokerUp
 	if len(ok) > 0 {
 		// The broker has these rows; a crash here republishes them.
 		crashpoint.Reached(crashpoint.OutboxAfterPublish)
@@ -399,8 +417,9 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 			return res, err
 		}
 	}
+	var dead []*pendingRow
 	for _, row := range failed {
-		isDead, err := r.fail(ctx, tx, row)
+		isDead, err := r.fail(ctx, tx, row, brokerUp)
 		if err != nil {
 			return res, err
 		}
@@ -422,26 +441,31 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 	return res, nil
 }
 
+// waitingHead is the oldest row of a topic waiting for its retry: the rows
+// of its topic behind it are held back (per-topic order).
+type waitingHead struct {
+	id    int64
+	topic string
+}
+
 // waiting returns, per topic, the oldest row waiting for its retry.
-func (r *Relay) waiting(ctx context.Context, tx wsql.Tx, nowUs int64) (map[string]*waitingHead, error) {
-	rows, err := tx.QueryContext(ctx, r.o.q.waiting, nowUs)
+func (r *Relay) waiting(ctx context.Context, tx wsql.Tx) ([]waitingHead, error) {
+	rows, err := tx.QueryContext(ctx, r.o.q.waiting)
 	if err != nil {
 		return nil, fmt.Errorf("waiting rows: %w", err)
 	}
-	out := map[string]*waitingHead{}
+	var out []waitingHead
+	seen := map[string]bool{}
 	for rows.Next() {
-		var p pendingRow
-		var lastErr sql.NullString
-		if err := rows.Scan(&p.id, &p.eventID, &p.topic, &p.attempts, &p.firstFailUs, &lastErr); err != nil {
+		var h waitingHead
+		if err := rows.Scan(&h.id, &h.topic); err != nil {
 			_ = rows.Close()
 			return nil, fmt.Errorf("waiting rows: %w", err)
 		}
-		p.lastError = lastErr.String
-		if h, ok := out[p.topic]; ok {
-			h.waiting++
-			continue
+		if !seen[h.topic] {
+			seen[h.topic] = true
+			out = append(out, h)
 		}
-		out[p.topic] = &waitingHead{row: p, waiting: 1}
 	}
 	if err := rows.Close(); err != nil {
 		return nil, fmt.Errorf("waiting rows: %w", err)
@@ -451,9 +475,9 @@ func (r *Relay) waiting(ctx context.Context, tx wsql.Tx, nowUs int64) (map[strin
 
 // lock takes the outbox's relay lock for this transaction; false means
 // another relay holds it (this one stands by).
-func (r *Relay) lock(ctx context.Context, tx wsql.Tx, nowUs int64) (bool, error) {
+func (r *Relay) lock(ctx context.Context, tx wsql.Tx) (bool, error) {
 	if r.o.cfg.Dialect == sqldb.SQLite {
-		res, err := tx.ExecContext(ctx, r.o.q.lock, nowUs)
+		res, err := tx.ExecContext(ctx, r.o.q.lock)
 		if err != nil {
 			return false, fmt.Errorf("relay lock: %w", err)
 		}
@@ -476,19 +500,88 @@ func (r *Relay) lock(ctx context.Context, tx wsql.Tx, nowUs int64) (bool, error)
 	return true, nil
 }
 
-func (r *Relay) claim(ctx context.Context, tx wsql.Tx, nowUs int64, held []*waitingHead) ([]pendingRow, error) {
-	args := []any{nowUs}
+// claim returns the rows this round publishes, in id order, locked.
+//
+// Parallel (and SQLite, one writer): the oldest due rows not locked by
+// another relay (FOR UPDATE SKIP LOCKED). Default (one active relay, per
+// topic order): SKIP LOCKED alone would skip a committed row that some
+// other session holds a row lock on (an operator's SELECT … FOR UPDATE, a
+// foreign key check) and publish the rows of its topic behind it first. So
+// the candidates are read without locks (a committed row is visible
+// whoever locks it), then locked by id with SKIP LOCKED; a candidate that
+// could not be locked holds back the candidates of its topic behind it this
+// round, and is claimed by a later round once its lock is gone. Other
+// topics go on; nothing waits for the other session.
+func (r *Relay) claim(ctx context.Context, tx wsql.Tx, held []waitingHead) ([]pendingRow, error) {
+	var args []any
 	for _, h := range held {
-		args = append(args, h.row.topic, h.row.id)
+		args = append(args, h.topic, h.id)
 	}
-	rows, err := tx.QueryContext(ctx, fmt.Sprintf(r.o.q.claim, r.o.q.holdBack(2, len(held)), r.cfg.BatchSize), args...)
+	exclude := r.o.q.holdBack(1, len(held))
+	if r.cfg.Parallel || r.o.cfg.Dialect == sqldb.SQLite {
+		return r.scanRows(tx.QueryContext(ctx, fmt.Sprintf(r.o.q.claim, exclude, r.cfg.BatchSize), args...))
+	}
+	type candidate struct {
+		id    int64
+		topic string
+	}
+	rows, err := tx.QueryContext(ctx, fmt.Sprintf(r.o.q.peek, exclude, r.cfg.BatchSize), args...)
+	if err != nil {
+		return nil, fmt.Errorf("claim: %w", err)
+	}
+	var cands []candidate
+	for rows.Next() {
+		var c candidate
+		if err := rows.Scan(&c.id, &c.topic); err != nil {
+			_ = rows.Close()
+			return nil, fmt.Errorf("claim: scan: %w", err)
+		}
+		cands = append(cands, c)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, fmt.Errorf("claim: %w", err)
+	}
+	if len(cands) == 0 {
+		return nil, nil
+	}
+	ids := make([]any, len(cands))
+	for i, c := range cands {
+		ids[i] = c.id
+	}
+	locked, err := r.scanRows(tx.QueryContext(ctx, fmt.Sprintf(r.o.q.lockIDs, r.o.q.inIDs(1, len(ids))), ids...))
+	if err != nil {
+		return nil, err
+	}
+	if len(locked) == len(cands) {
+		return locked, nil
+	}
+	byID := make(map[int64]pendingRow, len(locked))
+	for _, p := range locked {
+		byID[p.id] = p
+	}
+	blocked := map[string]bool{}
+	out := locked[:0:0]
+	for _, c := range cands {
+		p, ok := byID[c.id]
+		switch {
+		case blocked[c.topic]:
+		case !ok:
+			blocked[c.topic] = true // locked by another session: its topic waits
+		default:
+			out = append(out, p)
+		}
+	}
+	return out, nil
+}
+
+func (r *Relay) scanRows(rows wsql.Rows, err error) ([]pendingRow, error) {
 	if err != nil {
 		return nil, fmt.Errorf("claim: %w", err)
 	}
 	var out []pendingRow
 	for rows.Next() {
 		var p pendingRow
-		if err := rows.Scan(&p.id, &p.eventID, &p.topic, &p.payload, &p.metadata, &p.attempts, &p.firstFailUs); err != nil {
+		if err := rows.Scan(&p.id, &p.eventID, &p.topic, &p.payload, &p.metadata, &p.attempts); err != nil {
 			_ = rows.Close()
 			return nil, fmt.Errorf("claim: scan: %w", err)
 		}
@@ -498,6 +591,42 @@ func (r *Relay) claim(ctx context.Context, tx wsql.Tx, nowUs int64, held []*wait
 		return nil, fmt.Errorf("claim: %w", err)
 	}
 	return out, nil
+}
+
+// ProbeEventName is the event name of ProbeMessage.
+const ProbeEventName = "outbox.probe"
+
+// MetadataProbe is set ("true") on ProbeMessage: a consumer of the probe
+// topic can tell probes apart and drop them.
+const MetadataProbe = "outbox_probe"
+
+// ProbeMessage returns a new probe message: a valid envelope
+// (marshaler.NewMessage, a fresh UUIDv7 event id, event name
+// ProbeEventName, payload {"probe":true}) with metadata MetadataProbe
+// "true", so envelope-checking marshalers take it.
+func ProbeMessage() (*message.Message, error) {
+	m, err := marshaler.NewMessage(ProbeEventName, map[string]bool{"probe": true})
+	if err != nil {
+		return nil, err
+	}
+	m.Metadata.Set(MetadataProbe, "true")
+	return m, nil
+}
+
+// publishProbe is the default RelayConfig.Probe: ProbeMessage to topic
+// through dest.
+func publishProbe(dest message.Publisher, topic string) func(context.Context) error {
+	return func(ctx context.Context) error {
+		m, err := ProbeMessage()
+		if err != nil {
+			return err
+		}
+		m.SetContext(ctx)
+		if err := dest.Publish(topic, m); err != nil {
+			return fmt.Errorf("outbox: probe publish to %q: %w", topic, err)
+		}
+		return nil
+	}
 }
 
 // publish sends one row as the message it was written as.
@@ -528,19 +657,14 @@ func rowMessage(eventID string, payload []byte, metadata string) (*message.Messa
 }
 
 func (r *Relay) remove(ctx context.Context, tx wsql.Tx, ids []int64) error {
-	args := make([]any, 0, len(ids)+1)
+	args := make([]any, 0, len(ids))
+	for _, id := range ids {
+		args = append(args, id)
+	}
 	if r.cfg.Retention > 0 {
-		args = append(args, time.Now().UnixMicro())
-		for _, id := range ids {
-			args = append(args, id)
-		}
 		if _, err := tx.ExecContext(ctx, r.o.q.archive(len(ids)), args...); err != nil {
 			return fmt.Errorf("archive: %w", err)
 		}
-		args = args[:0]
-	}
-	for _, id := range ids {
-		args = append(args, id)
 	}
 	if _, err := tx.ExecContext(ctx, r.o.q.delete(len(ids)), args...); err != nil {
 		return fmt.Errorf("delete relayed: %w", err)
@@ -549,39 +673,34 @@ func (r *Relay) remove(ctx context.Context, tx wsql.Tx, ids []int64) error {
 }
 
 // fail records a failed publish of row: another attempt later, or the
-// dead-letter table. It reports whether the row was dead-lettered.
-func (r *Relay) fail(ctx context.Context, tx wsql.Tx, row *pendingRow) (bool, error) {
-	nowUs := time.Now().UnixMicro()
-	firstFail := row.firstFailUs
-	if firstFail == 0 {
-		firstFail = nowUs
-	}
+// dead-letter table. brokerUp: the broker took something this round (a row
+// or the probe), so the failure is the row's. It reports whether the row was
+// dead-lettered.
+func (r *Relay) fail(ctx context.Context, tx wsql.Tx, row *pendingRow, brokerUp bool) (bool, error) {
 	attempts := row.attempts + 1
+	row.attempts = attempts
 	permanent := errors.Is(row.err, ErrBadMetadata) || (r.cfg.Permanent != nil && r.cfg.Permanent(row.err))
-	// Dead only when the broker took some message after this row first
-	// failed: otherwise every failure may be the broker's outage.
-	brokerUp := r.lastOK.Load() > firstFail
 	reason := row.err.Error()
 	if len(reason) > maxReason {
 		reason = reason[:maxReason] + "… (truncated)"
 	}
 	if permanent || (attempts >= r.cfg.MaxAttempts && brokerUp) {
-		row.attempts = attempts
 		return true, r.deadLetter(ctx, tx, row, attempts, reason)
 	}
-	next := nowUs + r.backoff(attempts-1).Microseconds()
-	if _, err := tx.ExecContext(ctx, r.o.q.retry(), attempts, next, firstFail, reason, row.id); err != nil {
+	backoff := r.backoff(attempts - 1).Microseconds()
+	if _, err := tx.ExecContext(ctx, r.o.q.retry(), attempts, backoff, reason, row.id); err != nil {
 		return false, fmt.Errorf("retry row %d: %w", row.id, err)
 	}
 	r.logger.Info("outbox row publish failed, will retry", watermill.LogFields{
 		"row_id": row.id, "event_id": row.eventID, "topic": row.topic, "attempts": attempts, "error": reason,
+		"broker_up": brokerUp,
 	})
 	return false, nil
 }
 
 // deadLetter moves row to the dead-letter table.
 func (r *Relay) deadLetter(ctx context.Context, tx wsql.Tx, row *pendingRow, attempts int, reason string) error {
-	if _, err := tx.ExecContext(ctx, r.o.q.deadLetter(), attempts, reason, time.Now().UnixMicro(), row.id); err != nil {
+	if _, err := tx.ExecContext(ctx, r.o.q.deadLetter(), attempts, reason, row.id); err != nil {
 		return fmt.Errorf("dead-letter row %d: %w", row.id, err)
 	}
 	if _, err := tx.ExecContext(ctx, r.o.q.delete(1), row.id); err != nil {
@@ -597,16 +716,12 @@ type warner interface {
 // housekeeping reports pending rows, warns about a stalled outbox and
 // purges the archive. Errors are logged; the relay goes on.
 func (r *Relay) housekeeping(ctx context.Context) {
-	n, oldest, err := r.o.stats(ctx, r.db)
+	n, age, err := r.o.stats(ctx, r.db)
 	if err != nil {
 		if ctx.Err() == nil {
 			r.logger.Error("outbox stats", err, nil)
 		}
 		return
-	}
-	var age time.Duration
-	if !oldest.IsZero() {
-		age = max(time.Since(oldest), 0)
 	}
 	r.cfg.Recorder.Pending(n, age)
 	if age > r.cfg.StalledAfter {
@@ -618,8 +733,7 @@ func (r *Relay) housekeeping(ctx context.Context) {
 		}
 	}
 	if r.cfg.Retention > 0 {
-		cut := time.Now().Add(-r.cfg.Retention).UnixMicro()
-		if _, err := r.db.ExecContext(ctx, r.o.q.purge, cut); err != nil && ctx.Err() == nil {
+		if _, err := r.db.ExecContext(ctx, r.o.q.purge, r.cfg.Retention.Microseconds()); err != nil && ctx.Err() == nil {
 			r.logger.Error("outbox archive purge", err, nil)
 		}
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"testing"
 	"time"
+	_ "time/tzdata" // zones for the offsets test, whatever the machine has
 
 	"github.com/ThreeDotsLabs/watermill"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
@@ -108,6 +109,21 @@ func TestOutboxReplay(t *testing.T) {
 	wantCode(t, r, exitOK)
 	if rep := decode[replayReport](t, r); rep.Published != 2 || !rep.DryRun {
 		t.Fatalf("dry run: %+v", rep)
+	}
+	// The same instants written with other offsets (the operator's zone,
+	// whatever the process TZ) select the same rows: write times are UTC
+	// instants of the database clock.
+	for _, zone := range []string{"Pacific/Chatham", "America/St_Johns"} {
+		loc, err := time.LoadLocation(zone)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f, tt := cuts[0].In(loc).Format(time.RFC3339Nano), cuts[1].In(loc).Format(time.RFC3339Nano)
+		r := idem(t, schema, "outbox", "replay", "--from", f, "--to", tt, "--dry-run", "--json")
+		wantCode(t, r, exitOK)
+		if rep := decode[replayReport](t, r); rep.Published != 2 {
+			t.Fatalf("dry run with offsets of %s (%s, %s): %+v", zone, f, tt, rep)
+		}
 	}
 	for _, args := range [][]string{
 		{"--from", to, "--to", from},        // empty range

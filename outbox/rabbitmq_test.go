@@ -1,0 +1,180 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	idemamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
+	"github.com/watermill-idempotency/idempotency/outbox"
+)
+
+// rabbit is a RabbitMQ destination for a relay, reached through a fault
+// proxy: a confirmed, mandatory publisher on the default exchange (topic =
+// queue name), so a row for a topic with no queue is refused by the broker
+// (basic.return, idemamqp.ErrUnroutable) while the broker is up.
+type rabbit struct {
+	t     *testing.T
+	proxy *faultproxy.Proxy
+	ch    *amqp091.Channel // direct, not through the proxy
+	pub   *idemamqp.PoisonPublisher
+}
+
+func newRabbit(t *testing.T) *rabbit {
+	t.Helper()
+	u, err := url.Parse(testenv.AMQPURL())
+	require.NoError(t, err)
+	conn, err := amqp091.Dial(u.String())
+	require.NoError(t, err, "RabbitMQ at %s", u.Host)
+	t.Cleanup(func() { _ = conn.Close() })
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	proxy, err := faultproxy.Start(u.Host)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+	u.Host = proxy.Addr()
+	pub, err := idemamqp.NewPoisonPublisher(idemamqp.PoisonPublisherConfig{URL: u.String(), ConfirmTimeout: 5 * time.Second}, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pub.Close() })
+	return &rabbit{t: t, proxy: proxy, ch: ch, pub: pub}
+}
+
+// queue declares a queue of its own (deleted at the end) and returns its
+// name: a routable topic.
+func (r *rabbit) queue(prefix string) string {
+	r.t.Helper()
+	q, err := r.ch.QueueDeclare(testenv.UniqueName(prefix), false, false, false, false, nil)
+	require.NoError(r.t, err)
+	r.t.Cleanup(func() { _, _ = r.ch.QueueDelete(q.Name, false, false, false) })
+	return q.Name
+}
+
+// received returns the event ids waiting in queue, in order (consumed).
+func (r *rabbit) received(queue string) []string {
+	r.t.Helper()
+	var ids []string
+	for {
+		d, ok, err := r.ch.Get(queue, true)
+		require.NoError(r.t, err)
+		if !ok {
+			return ids
+		}
+		ids = append(ids, d.MessageId)
+	}
+}
+
+// writeEvent commits one outbox row holding a valid envelope for topic.
+func (b *box) writeEvent(t *testing.T, topic string) string {
+	t.Helper()
+	m, err := marshaler.NewMessage("order.placed", map[string]string{"k": "v"})
+	require.NoError(t, err)
+	tx, pub := b.begin(t)
+	require.NoError(t, pub.Publish(topic, m))
+	require.NoError(t, tx.Commit())
+	return m.UUID
+}
+
+// TestRelayRabbitMQ: who is at fault when a publish fails, with RabbitMQ,
+// on every database.
+func TestRelayRabbitMQ(t *testing.T) {
+	t.Parallel()
+	testenv.EachTarget(t, func(t *testing.T, tg testenv.Target) {
+		t.Run("LoneUnroutableRowDeadLettered", func(t *testing.T) { testLoneBadRow(t, newBox(t, tg)) })
+		t.Run("OutageThroughProxyDeadLettersNothing", func(t *testing.T) { testProxyOutage(t, newBox(t, tg)) })
+	})
+}
+
+// One row the broker refuses (mandatory publish to a topic no queue is
+// bound to), alone in the outbox: nothing else is published, so only the
+// probe (to a bound queue, through the same connection) shows the broker
+// is up. The row is retried MaxAttempts times with backoff, then moved to
+// the dead-letter table with the broker's reason, counted and logged at
+// ERROR with its ids; a row written afterwards is delivered.
+func testLoneBadRow(t *testing.T, b *box) {
+	rb := newRabbit(t)
+	probeQ, goodQ := rb.queue("probe"), rb.queue("good")
+	unroutable := testenv.UniqueName("nobody")
+	bad := b.writeEvent(t, unroutable)
+	logger := watermill.NewCaptureLogger()
+	ob, err := outbox.New(outbox.Config{Table: b.table, Dialect: b.tg.Dialect}, logger)
+	require.NoError(t, err)
+	b.ob = ob
+	rec := &counts{}
+	b.relay(t, rb.pub, outbox.RelayConfig{MaxAttempts: 3, RetryInterval: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond, ProbeTopic: probeQ, Recorder: rec})
+	eventually(t, 60*time.Second, func() bool { return rec.dead.Load() == 1 }, "the lone refused row is dead-lettered")
+	require.GreaterOrEqual(t, rec.failed.Load(), int64(3), "MaxAttempts attempts")
+	require.Equal(t, 0, b.pending(t))
+	var id, reason string
+	var attempts int
+	require.NoError(t, b.tg.DB.QueryRow(context.Background(), `SELECT event_id, reason, attempts FROM `+b.tg.Quote(b.table+"_dead")).Scan(&id, &reason, &attempts))
+	require.Equal(t, bad, id)
+	require.Equal(t, 3, attempts)
+	require.Contains(t, reason, idemamqp.ErrUnroutable.Error())
+	var logged bool
+	for _, e := range logger.Captured()[watermill.ErrorLogLevel] {
+		if e.Msg == "outbox row dead-lettered" && e.Fields["event_id"] == bad && e.Fields["row_id"] != nil && errors.Is(e.Err, idemamqp.ErrUnroutable) {
+			logged = true
+		}
+	}
+	require.True(t, logged, "ERROR log with the row id, event id and reason")
+	require.NotEmpty(t, rb.received(probeQ), "the probe went through")
+
+	good := b.writeEvent(t, goodQ)
+	var got []string
+	eventually(t, 60*time.Second, func() bool { got = append(got, rb.received(goodQ)...); return len(got) == 1 }, "the relay goes on")
+	require.Equal(t, []string{good}, got)
+}
+
+// RabbitMQ unreachable (the proxy refuses connections) for longer than
+// MaxAttempts attempts of each topic's head row: nothing is dead-lettered, neither the
+// good rows nor one that would be refused; once the broker is back the
+// good rows are delivered in order, and only the refused row is
+// dead-lettered, after MaxAttempts attempts with the broker up.
+func testProxyOutage(t *testing.T, b *box) {
+	rb := newRabbit(t)
+	probeQ, goodQ := rb.queue("probe"), rb.queue("good")
+	rb.proxy.Refuse(time.Hour)
+	ids := []string{b.writeEvent(t, goodQ), b.writeEvent(t, goodQ), b.writeEvent(t, goodQ)}
+	bad := b.writeEvent(t, testenv.UniqueName("nobody"))
+	rec := &counts{}
+	logger := watermill.NewCaptureLogger()
+	ob, err := outbox.New(outbox.Config{Table: b.table, Dialect: b.tg.Dialect}, logger)
+	require.NoError(t, err)
+	b.ob = ob
+	const maxAttempts = 2
+	b.relay(t, rb.pub, outbox.RelayConfig{MaxAttempts: maxAttempts, RetryInterval: 5 * time.Millisecond, MaxBackoff: 20 * time.Millisecond, ProbeTopic: probeQ, Recorder: rec})
+	eventually(t, 60*time.Second, func() bool {
+		// The head of each topic is tried; the rows behind it wait for it.
+		var heads int
+		require.NoError(t, b.tg.DB.QueryRow(context.Background(), `SELECT count(*) FROM `+b.tg.Quote(b.table)+` WHERE attempts >= 3 * `+"2").Scan(&heads))
+		return heads == 2
+	}, "the head row of each topic failed well past MaxAttempts during the outage")
+	require.Zero(t, rec.dead.Load(), "an outage dead-letters nothing")
+	require.Equal(t, 4, b.pending(t))
+	var probeFailed bool
+	for _, e := range logger.Captured()[watermill.ErrorLogLevel] {
+		probeFailed = probeFailed || strings.Contains(e.Msg, "broker probe failed")
+	}
+	require.True(t, probeFailed, "the failed probe is logged")
+
+	rb.proxy.Restore()
+	var got []string
+	eventually(t, 60*time.Second, func() bool { got = append(got, rb.received(goodQ)...); return len(got) >= 3 }, "delivered after the outage")
+	require.Equal(t, ids, got, "in order, once each")
+	eventually(t, 60*time.Second, func() bool { return rec.dead.Load() == 1 && b.pending(t) == 0 }, "only the refused row is dead-lettered")
+	var id string
+	require.NoError(t, b.tg.DB.QueryRow(context.Background(), `SELECT event_id FROM `+b.tg.Quote(b.table+"_dead")).Scan(&id))
+	require.Equal(t, bad, id)
+	_ = message.NewMessage
+}
