@@ -165,6 +165,7 @@ func (b *box) write(t *testing.T, topic string, ids ...string) {
 func msg(id string) *message.Message {
 	m := message.NewMessage(id, []byte(`{"id":"`+id+`"}`))
 	m.Metadata.Set("event_name", "order.placed")
+	m.Metadata.Set("occurred_at", "2024-07-01T10:00:00.000Z")
 	return m
 }
 
@@ -260,7 +261,7 @@ func testWriteInTxThenRelay(t *testing.T, b *box) {
 	b.relay(t, s, outbox.RelayConfig{})
 	eventually(t, 30*time.Second, func() bool { return len(s.all()) == 1 && b.pending(t) == 0 }, "relayed")
 	got := s.all()[0]
-	require.Equal(t, sent{"events", kept, `{"id":"` + kept + `"}`, message.Metadata{"event_name": "order.placed"}}, got)
+	require.Equal(t, sent{"events", kept, `{"id":"` + kept + `"}`, message.Metadata{"event_name": "order.placed", "occurred_at": "2024-07-01T10:00:00.000Z"}}, got)
 	require.Zero(t, s.count(rolledBack))
 	require.Equal(t, 0, b.count(t, b.table), "the table at rest holds only pending rows")
 	require.Equal(t, 0, b.count(t, b.table+"_relayed"), "no archive without Retention")

@@ -96,6 +96,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
@@ -173,7 +174,8 @@ func (o *Outbox) Dialect() sqldb.Dialect { return o.cfg.Dialect }
 // transaction: wsql.TxFromPgx, wsql.TxFromStdSQL, or anything with
 // ExecContext/QueryContext). Publish(topic, msgs…) stores each message for
 // destination topic with its UUID, payload and metadata; nothing leaves the
-// database before tx commits. The tables must exist (Migrate). Close is a
+// database before tx commits. A message that is not an event envelope is
+// refused before anything is written (ErrNotEnvelope). The tables must exist (Migrate). Close is a
 // no-op. Config.PublisherDecorators wrap the result.
 func (o *Outbox) Publisher(tx wsql.ContextExecutor) (message.Publisher, error) {
 	if tx == nil {
@@ -202,6 +204,15 @@ func (o *Outbox) StdPublisher(tx *sql.Tx) (message.Publisher, error) {
 // ErrEmptyTopic is returned by a Publisher's Publish for topic "".
 var ErrEmptyTopic = errors.New("outbox: empty destination topic")
 
+// ErrNotEnvelope is returned (wrapped, with the message's UUID and what is
+// wrong) by a Publisher's Publish for a message that is not an event
+// envelope the relay could ever publish (marshaler.ToEnvelope refuses it: no
+// event name, a UUID that is not an event id, a payload that is not JSON):
+// written anyway, it would fail at every relay round and end dead-lettered.
+// Nothing of the call is written when it is returned for any message.
+// Build messages with marshaler.NewMessage.
+var ErrNotEnvelope = errors.New("outbox: message is not an event envelope")
+
 type txPublisher struct {
 	o  *Outbox
 	tx wsql.ContextExecutor
@@ -215,6 +226,15 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 		if m == nil {
 			return errors.New("outbox: publish: nil message")
 		}
+		env, err := marshaler.ToEnvelope(m)
+		if err == nil {
+			_, err = env.Encode()
+		}
+		if err != nil {
+			return fmt.Errorf("%w: %q: %w (build it with marshaler.NewMessage)", ErrNotEnvelope, m.UUID, err)
+		}
+	}
+	for _, m := range msgs {
 		md, err := json.Marshal(m.Metadata)
 		if err != nil {
 			return fmt.Errorf("outbox: publish %s: metadata: %w", m.UUID, err)
