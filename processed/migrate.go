@@ -3,6 +3,7 @@ package processed
 import (
 	"context"
 	"embed"
+	"errors"
 	"fmt"
 	"io/fs"
 	"strings"
@@ -69,13 +70,46 @@ func renderMigrations(dialect sqldb.Dialect, table sqldb.Ident) ([]Migration, er
 // Migrate applies the store's migrations in version order and records each in
 // the idempotency_migration table (component "processed:<table>"). It is safe
 // to run from several instances at once (see sqldb.Migrate).
+//
+// With LayoutPartitioned it refuses a table that exists and is not
+// partitioned (ErrPlainTable: convert it with MigrateToPartitioned), and it
+// creates the partitions of the current and next spans, so that claims
+// made before the Purger's first run land in time partitions.
 func (s *Store) Migrate(ctx context.Context, q sqldb.Querier) error {
+	if s.layout == LayoutPartitioned {
+		return s.migratePartitioned(ctx, q)
+	}
 	ms, err := s.pendingMigrations(ctx, q)
 	if err != nil {
 		return err
 	}
 	if err := sqldb.MigrateTable(ctx, q, s.dialect, s.table, "processed:"+s.table.String(), ms); err != nil {
 		return fmt.Errorf("processed: %w", err)
+	}
+	return nil
+}
+
+func (s *Store) migratePartitioned(ctx context.Context, q sqldb.Querier) error {
+	var kind string
+	if err := q.QueryRow(ctx, `SELECT coalesce((SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)), '')`, s.table.Quoted('"')).Scan(&kind); err != nil {
+		return fmt.Errorf("processed: migrate: read %s: %w", s.table, err)
+	}
+	if kind != "" && kind != "p" {
+		return fmt.Errorf("%w: %s", ErrPlainTable, s.table)
+	}
+	ms, err := s.Migrations()
+	if err != nil {
+		return err
+	}
+	if err := sqldb.MigrateTable(ctx, q, s.dialect, s.table, "processed-partitioned:"+s.table.String(), ms); err != nil {
+		return fmt.Errorf("processed: %w", err)
+	}
+	rep, err := s.maintain(ctx, q, 0)
+	if err != nil {
+		return err
+	}
+	if len(rep.Skipped) > 0 {
+		return fmt.Errorf("processed: migrate: create the first partitions: %w", errors.Join(rep.Skipped...))
 	}
 	return nil
 }
