@@ -86,6 +86,33 @@ func (s *Store) Migrate(ctx context.Context, q sqldb.Querier) error {
 	if err := sqldb.MigrateTable(ctx, q, s.dialect, s.table, "processed:"+s.table.String(), ms); err != nil {
 		return fmt.Errorf("processed: %w", err)
 	}
+	if s.dialect == sqldb.PostgreSQL {
+		return s.checkGlobalKey(ctx, q)
+	}
+	return nil
+}
+
+// ErrNoGlobalKey is returned by Migrate on PostgreSQL when no unique index
+// of the table is exactly (consumer, event_id): the claim's ON CONFLICT DO
+// NOTHING then lets one event be claimed twice. It happens when a user
+// partitions the table by a column outside the key (range on event_at, say:
+// PostgreSQL requires the partition key in the primary key, which then
+// stops being unique per event). Partition by hash or range on event_id or
+// consumer, or use LayoutPartitioned (range on event_id by time).
+var ErrNoGlobalKey = errors.New("processed: no unique index on exactly (consumer, event_id): one event could be claimed twice")
+
+func (s *Store) checkGlobalKey(ctx context.Context, q sqldb.Querier) error {
+	var ok bool
+	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_index x WHERE x.indrelid = $1::regclass AND x.indisunique
+    AND x.indnkeyatts = 2 AND x.indpred IS NULL AND x.indexprs IS NULL
+    AND (SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_attribute a
+         WHERE a.attrelid = x.indrelid AND a.attnum = ANY (x.indkey[0:1])) = ARRAY['consumer', 'event_id'])`, s.table.Quoted('"')).Scan(&ok)
+	if err != nil {
+		return fmt.Errorf("processed: migrate: read the keys of %s: %w", s.table, err)
+	}
+	if !ok {
+		return fmt.Errorf("%w: table %s", ErrNoGlobalKey, s.table)
+	}
 	return nil
 }
 

@@ -352,3 +352,45 @@ func TestH16_PartitionedMigrateOnPlainTableIsRefused(t *testing.T) {
 	err = s.Migrate(ctx, sqldb.Pgx(pool))
 	require.ErrorIs(t, err, processed.ErrPlainTable)
 }
+
+// A table partitioned by its user by range on event_at must carry event_at
+// in its primary key (PostgreSQL requires the partition key in every
+// unique index), so (consumer, event_id) is no longer unique: two claims of
+// one event dated differently (an id that is not a UUIDv7, dated by the
+// claim's now()) both insert, and the effect is applied twice. Migrate
+// refuses such a table (ErrNoGlobalKey); the code before this test accepted
+// it, and the second claim below inserted a second row.
+func TestH16_UserRangeOnEventAtIsRefused(t *testing.T) {
+	t.Parallel()
+	pool, _ := testenv.Pool(t)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE processed_event (
+    consumer text NOT NULL, event_id uuid NOT NULL, processed_at timestamptz NOT NULL DEFAULT now(),
+    event_at timestamptz NOT NULL DEFAULT now(), event_name text, fingerprint bytea,
+    PRIMARY KEY (consumer, event_id, event_at)) PARTITION BY RANGE (event_at);
+CREATE TABLE processed_event_all PARTITION OF processed_event FOR VALUES FROM (MINVALUE) TO (MAXVALUE)`)
+	require.NoError(t, err)
+	s, err := processed.NewStore(processed.Config{Horizon: 2 * time.Hour})
+	require.NoError(t, err)
+	err = s.Migrate(ctx, sqldb.Pgx(pool))
+	require.ErrorIs(t, err, processed.ErrNoGlobalKey)
+
+	// What it prevents: the same event claimed twice.
+	id := uuid.New()
+	for i := 0; i < 2; i++ {
+		ok, _ := claimTx(t, pool, s, "c", id)
+		if i == 1 {
+			require.True(t, ok, "without the check the second claim inserts: the reason Migrate refuses the table")
+		}
+	}
+	// Hash or range on event_id or consumer keep the key: accepted.
+	pool2, _ := testenv.Pool(t)
+	_, err = pool2.Exec(ctx, `CREATE TABLE processed_event (
+    consumer text NOT NULL, event_id uuid NOT NULL, processed_at timestamptz NOT NULL DEFAULT now(),
+    event_at timestamptz NOT NULL DEFAULT now(), event_name text, fingerprint bytea,
+    PRIMARY KEY (consumer, event_id)) PARTITION BY HASH (event_id);
+CREATE TABLE processed_event_h0 PARTITION OF processed_event FOR VALUES WITH (MODULUS 2, REMAINDER 0);
+CREATE TABLE processed_event_h1 PARTITION OF processed_event FOR VALUES WITH (MODULUS 2, REMAINDER 1)`)
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, sqldb.Pgx(pool2)))
+}
