@@ -127,7 +127,8 @@ func (s *Store) MigrateToPartitioned(ctx context.Context, q sqldb.Querier) error
 	}
 	script := []string{
 		fmt.Sprintf("SET LOCAL lock_timeout = '%dms'", switchLockTimeout.Milliseconds()),
-		fmt.Sprintf("LOCK TABLE %s IN ACCESS EXCLUSIVE MODE", s.table.Quoted('"')),
+		// The rename takes the ACCESS EXCLUSIVE lock (no LOCK TABLE, which
+		// YugabyteDB lacks): it waits for the claims in flight.
 		fmt.Sprintf(`ALTER TABLE %s RENAME TO "%s_legacy"`, s.table.Quoted('"'), name),
 		// The primary key's index keeps its name (<table>_pkey) through the
 		// rename; the new table needs it.
