@@ -102,13 +102,9 @@ func (s *Store) Migrate(ctx context.Context, q sqldb.Querier) error {
 var ErrNoGlobalKey = errors.New("processed: no unique index on exactly (consumer, event_id): one event could be claimed twice")
 
 func (s *Store) checkGlobalKey(ctx context.Context, q sqldb.Querier) error {
-	var ok bool
-	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_index x WHERE x.indrelid = $1::regclass AND x.indisunique
-    AND x.indnkeyatts = 2 AND x.indpred IS NULL AND x.indexprs IS NULL
-    AND (SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_attribute a
-         WHERE a.attrelid = x.indrelid AND a.attnum = ANY (x.indkey[0:1])) = ARRAY['consumer', 'event_id'])`, s.table.Quoted('"')).Scan(&ok)
+	ok, err := sqldb.HasUniqueKey(ctx, q, s.table.Quoted('"'), "consumer", "event_id")
 	if err != nil {
-		return fmt.Errorf("processed: migrate: read the keys of %s: %w", s.table, err)
+		return fmt.Errorf("processed: migrate: %w", err)
 	}
 	if !ok {
 		return fmt.Errorf("%w: table %s", ErrNoGlobalKey, s.table)

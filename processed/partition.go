@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
@@ -216,6 +217,13 @@ func (s *Store) maintain(ctx context.Context, q sqldb.Querier, purgeHorizon time
 			stmt := fmt.Sprintf(`%sCREATE TABLE IF NOT EXISTS %s PARTITION OF %s FOR VALUES FROM ('%s') TO ('%s')`,
 				lockTimeout, s.sibling(suffix), parent, v7Bound(from), v7Bound(to))
 			if _, err := q.Exec(ctx, stmt); err != nil {
+				var pgErr *pgconn.PgError
+				if errors.As(err, &pgErr) && pgErr.Code == "23514" {
+					// A claim put a row of this range into the default
+					// partition since the check above.
+					rep.Waiting = append(rep.Waiting, name)
+					continue
+				}
 				rep.Skipped = append(rep.Skipped, fmt.Errorf("create %s: %w", name, err))
 				continue
 			}
@@ -248,6 +256,18 @@ func (s *Store) maintain(ctx context.Context, q sqldb.Querier, purgeHorizon time
 		rep.Dropped = append(rep.Dropped, p.name)
 	}
 	return rep, nil
+}
+
+// spanStatements returns the CREATE statements of the spans from now's to
+// now + MaxFutureSkew + 3 spans, for an empty partitioned table (the
+// switch of MigrateToPartitioned, before any claim can reach it).
+func (s *Store) spanStatements(now time.Time) []string {
+	var out []string
+	for start := now.Truncate(s.span); !start.After(now.Add(s.skew + partitionAhead*s.span)); start = start.Add(s.span) {
+		out = append(out, fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s PARTITION OF %s FOR VALUES FROM ('%s') TO ('%s')`,
+			s.sibling("p"+start.UTC().Format(partitionSuffix)), s.table.Quoted('"'), v7Bound(start), v7Bound(start.Add(s.span))))
+	}
+	return out
 }
 
 // dropLockTimeout bounds a partition create's or drop's wait for its lock,

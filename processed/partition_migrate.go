@@ -39,7 +39,7 @@ import (
 // legacyMoveTrigger is the trigger's SQL: %[1]s the function's qualified
 // name, %[2]s the quoted legacy table, %[3]s the quoted parent, %[4]s the
 // quoted side table, %[5]s the trigger's name, %[6]s the side table's bare
-// name as a literal.
+// name as a literal, %[7]d the advisory lock space (legacyLockSpace).
 const legacyMoveTrigger = `CREATE OR REPLACE FUNCTION %[1]s() RETURNS trigger LANGUAGE plpgsql AS $fn$
 DECLARE
     r record;
@@ -50,6 +50,11 @@ BEGIN
         -- An id that is not a UUIDv7 claimed since the switch by the
         -- other kind of consumer: LayoutPlain ones insert it into the
         -- partitioned table, LayoutPartitioned ones into the side table.
+        -- Both take this transaction-scoped lock of the (consumer, event)
+        -- first and keep it to their commit, so the second waits for the
+        -- first and then sees its row (READ COMMITTED: each statement here
+        -- reads with a fresh snapshot).
+        PERFORM pg_advisory_xact_lock(%[7]d, hashtext(NEW.consumer || ' ' || NEW.event_id::text));
         IF TG_TABLE_NAME = %[6]s THEN
             DELETE FROM %[3]s WHERE consumer = NEW.consumer AND event_id = NEW.event_id RETURNING * INTO r;
         ELSE
@@ -69,6 +74,11 @@ DROP TRIGGER IF EXISTS %[5]s ON %[3]s;
 CREATE TRIGGER %[5]s BEFORE INSERT ON %[3]s FOR EACH ROW EXECUTE FUNCTION %[1]s();
 DROP TRIGGER IF EXISTS %[5]s ON %[4]s;
 CREATE TRIGGER %[5]s BEFORE INSERT ON %[4]s FOR EACH ROW EXECUTE FUNCTION %[1]s()`
+
+// legacyLockSpace is the first key of the two-key advisory locks the
+// trigger takes per (consumer, event) for ids that are not UUIDv7 (two-key
+// locks never collide with the one-key locks of the purgers).
+const legacyLockSpace = 0x1de1
 
 // switchLockTimeout bounds the switch's wait for its ACCESS EXCLUSIVE lock
 // on the plain table (claims in flight hold it for their transaction).
@@ -142,8 +152,16 @@ END $do$`, legacy, name),
 	for _, m := range ms {
 		script = append(script, strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(m.SQL), ";")))
 	}
+	// The first spans, created in the switch itself: once it commits,
+	// claims reach the new table at once, and a row in the default
+	// partition would keep its span from being created.
+	var now time.Time
+	if err := q.QueryRow(ctx, `SELECT now()`).Scan(&now); err != nil {
+		return fmt.Errorf("processed: migrate to partitioned: clock: %w", err)
+	}
+	script = append(script, s.spanStatements(now.UTC())...)
 	fn := fmt.Sprintf(`%s"%s_legacy_move"`, qualifier, name)
-	script = append(script, fmt.Sprintf(legacyMoveTrigger, fn, legacy, s.table.Quoted('"'), s.sibling("other"), `"`+name+`_legacy_move"`, "'"+name+"_other'"))
+	script = append(script, fmt.Sprintf(legacyMoveTrigger, fn, legacy, s.table.Quoted('"'), s.sibling("other"), `"`+name+`_legacy_move"`, "'"+name+"_other'", legacyLockSpace))
 	if _, err := q.Exec(ctx, strings.Join(script, ";\n")); err != nil {
 		return fmt.Errorf("processed: migrate to partitioned: switch %s: %w", s.table, err)
 	}
