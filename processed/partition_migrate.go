@@ -26,6 +26,12 @@ import (
 // which is now the partitioned one (PostgreSQL resolves the name again after
 // the rename), and its trigger consults the legacy table for them too.
 //
+// Ids that are not UUIDv7 claimed after the switch: LayoutPlain consumers
+// insert them into the partitioned table, LayoutPartitioned ones into
+// <table>_other; the trigger moves such a row from the one to the other on
+// the next claim, under a transaction-scoped advisory lock of the (consumer,
+// event) that both kinds take, so two such claims at once are serialised.
+//
 // Two claims of one legacy event at once: the first DELETEs the legacy row
 // (row lock); the second's DELETE waits for it and, once the first commits,
 // finds nothing, so it inserts and meets the first's moved row on the
