@@ -124,9 +124,14 @@ func NewPurger(store *Store, pool sqldb.Pool, cfg PurgerConfig, logger watermill
 // deleted (rows of dropped partitions are not counted).
 func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err error) {
 	maintained := p.store.layout != LayoutPartitioned
+	legacy := false // an upgrade from the plain layout in progress
 	batch := func(ctx context.Context, q sqldb.Querier, limit int) (int64, error) {
 		if !maintained { // once per run, under the lock
 			maintained = true
+			var err error
+			if legacy, err = p.store.legacyExists(ctx, q); err != nil {
+				return 0, err
+			}
 			rep, err := p.store.MaintainPartitions(ctx, q, p.cfg.Horizon)
 			if err != nil {
 				return 0, err
@@ -139,7 +144,15 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 				p.logger.Info("Partitions maintained", f)
 			}
 		}
-		return p.store.PurgeBatch(ctx, q, p.cfg.Horizon, limit)
+		n, err := p.store.PurgeBatch(ctx, q, p.cfg.Horizon, limit)
+		if err != nil || !legacy {
+			return n, err
+		}
+		// The legacy table of an upgrade (MigrateToPartitioned): its
+		// expired rows go by DELETE too; the run ends when both come back
+		// short.
+		m, err := p.store.purgeLegacyBatch(ctx, q, p.cfg.Horizon, limit)
+		return n + m, err // ≥ limit (one more batch) while either is full
 	}
 	deleted, ran, err = purgeloop.Drain(ctx, p.pool, p.lock, batch, p.cfg.BatchSize, p.cfg.OnPurge)
 	if err != nil {

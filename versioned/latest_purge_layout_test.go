@@ -73,3 +73,26 @@ func TestFamilyPurgeEveryLayout(t *testing.T) {
 		})
 	}
 }
+
+// A latest table its user partitioned by range on updated_at (the purge's
+// column, a tempting choice) must carry updated_at in its primary key, so
+// the family key is no longer unique and the upsert's ON CONFLICT never
+// fires across partitions: one family gets two latest rows and an older
+// event is applied after a newer one. Migrate refuses such a table
+// (ErrNoFamilyKey); the code before this test accepted it.
+func TestH16_FamilyRangeOnUpdatedAtIsRefused(t *testing.T) {
+	t.Parallel()
+	pool, _ := testenv.Pool(t)
+	db := sqldb.Pgx(pool)
+	ctx := context.Background()
+	tpl := testenv.Schema(t)
+	tplStore, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{LatestTable: tpl + ".family_latest", AppliedTable: tpl + ".family_applied"})
+	require.NoError(t, err)
+	require.NoError(t, tplStore.Migrate(ctx, db))
+	_, err = pool.Exec(ctx, strings.ReplaceAll(`CREATE TABLE family_latest (LIKE tpl.family_latest INCLUDING DEFAULTS, PRIMARY KEY (family_kind, family_id, updated_at)) PARTITION BY RANGE (updated_at);
+		CREATE TABLE family_latest_all PARTITION OF family_latest FOR VALUES FROM (MINVALUE) TO (MAXVALUE)`, "tpl.", tpl+"."))
+	require.NoError(t, err)
+	s, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{})
+	require.NoError(t, err)
+	require.ErrorIs(t, s.Migrate(ctx, db), versioned.ErrNoFamilyKey)
+}

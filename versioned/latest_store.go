@@ -394,8 +394,33 @@ func (s *FamilyStore) Migrate(ctx context.Context, q sqldb.Querier) error {
 	if err := sqldb.MigrateTable(ctx, q, s.dialect, s.applied, component, ms); err != nil {
 		return fmt.Errorf("versioned: %w", err)
 	}
+	if s.dialect != sqldb.PostgreSQL {
+		return nil
+	}
+	for _, k := range []struct {
+		table sqldb.Ident
+		cols  []string
+	}{{s.latest, []string{"family_kind", "family_id"}}, {s.applied, []string{"consumer", "family_kind", "family_id"}}} {
+		ok, err := sqldb.HasUniqueKey(ctx, q, k.table.Quoted('"'), k.cols...)
+		if err != nil {
+			return fmt.Errorf("versioned: migrate: %w", err)
+		}
+		if !ok {
+			return fmt.Errorf("%w: table %s, key %v", ErrNoFamilyKey, k.table, k.cols)
+		}
+	}
 	return nil
 }
+
+// ErrNoFamilyKey is returned by FamilyStore.Migrate on PostgreSQL when the
+// latest table has no unique index on exactly (family_kind, family_id), or
+// the applied table none on exactly (consumer, family_kind, family_id):
+// the store's upserts (ON CONFLICT on that key) would then insert a second
+// row for one family. It happens when a user partitions a table by a column
+// outside the key (range on updated_at, say: PostgreSQL requires the
+// partition key in the primary key). Partition by hash or range on a key
+// column instead.
+var ErrNoFamilyKey = errors.New("versioned: no unique index on exactly the family key")
 
 // ErrMySQLFoundRows is returned (wrapped) by FamilyStore.Migrate on MySQL when
 // the connection counts found rows rather than changed rows

@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/pprof"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -30,6 +31,7 @@ func main() {
 	dur := flag.Duration("dur", 0, "override the per-variant duration of one round (overhead, experiments)")
 	results := flag.String("results", "", "also write the result as markdown to this file (bench/RESULTS.md)")
 	noCheckpoint := flag.Bool("no-checkpoint", false, "do not CHECKPOINT before measuring WAL per claim")
+	growthRows := flag.String("growth-rows", "", "override the growth part's table sizes: comma-separated row counts, the first 0 (e.g. 0,1000000,10000000)")
 	flag.Parse()
 
 	sizes := bench.Full
@@ -41,6 +43,18 @@ func main() {
 	}
 	if *dur > 0 {
 		sizes.Overhead.Dur = *dur
+	}
+	if *growthRows != "" {
+		var rows []int
+		for _, f := range strings.Split(*growthRows, ",") {
+			n, err := strconv.Atoi(strings.TrimSpace(f))
+			if err != nil || n < 0 || (len(rows) == 0 && n != 0) {
+				fmt.Fprintf(os.Stderr, "idembench: -growth-rows %q: row counts ≥ 0, the first 0\n", *growthRows)
+				os.Exit(2)
+			}
+			rows = append(rows, n)
+		}
+		sizes.Growth.Rows = rows
 	}
 	ps, err := bench.ParseParts(*parts)
 	if err != nil {
