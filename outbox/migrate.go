@@ -27,15 +27,17 @@ func (o *Outbox) Migrations() ([]sqldb.Migration, error) {
 	return ms, nil
 }
 
-// MigrationsFS returns Migrations as an fs.FS of "NNNN_name.up.sql" files
-// (golang-migrate's layout, with goose annotations), for a migration tool
-// that owns the schema instead of Migrate.
+// MigrationsFS returns Migrations as an fs.FS of "<40000+N>_name.up.sql"
+// files (golang-migrate's layout, with goose annotations; versions from
+// sqldb.VersionBaseOutbox, disjoint from the other components', so goose's
+// default shared version table applies every component), for a migration
+// tool that owns the schema instead of Migrate. See sqldb.ComponentFS.
 func (o *Outbox) MigrationsFS() (fs.FS, error) {
 	ms, err := o.Migrations()
 	if err != nil {
 		return nil, err
 	}
-	return sqldb.MigrationsFS(ms), nil
+	return sqldb.ComponentFS(ms, sqldb.VersionBaseOutbox), nil
 }
 
 // Migrate applies the migrations in version order and records each in the

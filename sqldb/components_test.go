@@ -12,6 +12,7 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/operation"
+	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 	"github.com/watermill-idempotency/idempotency/versioned"
@@ -35,8 +36,12 @@ func TestGooseDefaultsApplyEveryComponent(t *testing.T) {
 	require.NoError(t, err)
 	vfs, err := versioned.FamilyMigrationsFS("", "", sqldb.PostgreSQL)
 	require.NoError(t, err)
+	ob, err := outbox.New(outbox.Config{}, nil)
+	require.NoError(t, err)
+	xfs, err := ob.MigrationsFS()
+	require.NoError(t, err)
 	seen := map[string]string{}
-	for name, fsys := range map[string]fs.FS{"processed": pfs, "operation": ofs, "versioned": vfs} {
+	for name, fsys := range map[string]fs.FS{"processed": pfs, "operation": ofs, "versioned": vfs, "outbox": xfs} {
 		files, err := fs.Glob(fsys, "*.up.sql")
 		require.NoError(t, err)
 		for _, f := range files {
@@ -45,13 +50,13 @@ func TestGooseDefaultsApplyEveryComponent(t *testing.T) {
 			seen[v] = name
 		}
 	}
-	for _, fsys := range []fs.FS{pfs, ofs, vfs} { // in the bases' order
+	for _, fsys := range []fs.FS{pfs, ofs, vfs, xfs} { // in the bases' order
 		p, err := goose.NewProvider(goose.DialectPostgres, db, fsys)
 		require.NoError(t, err)
 		_, err = p.Up(ctx)
 		require.NoError(t, err)
 	}
-	for _, table := range []string{processed.DefaultTable, operation.DefaultTable, versioned.DefaultLatestTable, versioned.DefaultAppliedTable} {
+	for _, table := range []string{processed.DefaultTable, operation.DefaultTable, versioned.DefaultLatestTable, versioned.DefaultAppliedTable, outbox.DefaultTable} {
 		var n int
 		require.NoError(t, db.QueryRowContext(ctx, `SELECT count(*) FROM information_schema.tables WHERE table_schema = $1 AND table_name = $2`, schema, table).Scan(&n))
 		require.Equal(t, 1, n, "table %s exists", table)
