@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
@@ -112,7 +113,10 @@ func relay(ctx context.Context, e *env, sz RelaySizes, res *Result) error {
 			}
 			msgs := make([]*message.Message, len(ids))
 			for i, id := range ids {
-				msgs[i] = message.NewMessage(id, []byte(`{"bench":true}`))
+				m := message.NewMessage(id, []byte(`{"bench":true}`))
+				m.Metadata.Set(marshaler.MetadataEventName, "bench.relay")
+				m.Metadata.Set(marshaler.MetadataOccurredAt, time.Now().UTC().Format(time.RFC3339Nano))
+				msgs[i] = m
 			}
 			return pub.Publish("events", msgs...)
 		})
