@@ -42,6 +42,10 @@ func TestQuickCodePathTiny(t *testing.T) {
 		require.True(t, ok, "key %s is not a number (%v) in %s", k, v, last)
 		require.False(t, math.IsNaN(f) || math.IsInf(f, 0), "key %s is not finite", k)
 	}
+	for _, k := range []string{"server_instructions_per_claim", "client_instructions_per_msg", "allocs_per_msg_plain"} {
+		_, ok := got[k] // null in the tiny profile (no valgrind run)
+		require.True(t, ok, "key %s missing from %s", k, last)
+	}
 	require.Contains(t, out.String(), "-- 1. claim overhead")
 	require.Contains(t, out.String(), "-- 5. memory")
 	require.Contains(t, out.String(), "-- experiments")

@@ -57,6 +57,8 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 			err = experiments(ctx, e, sz.Overhead, res)
 		case "memory":
 			err = memory(ctx, e, sz.Memory, sz.E2E.HeadConsumers, sz.E2E.HeadPrefetch, res)
+		case "counts":
+			err = counts(ctx, e, sz.Counts, res)
 		default:
 			err = fmt.Errorf("bench: unknown part %q", p)
 		}
