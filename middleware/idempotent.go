@@ -51,7 +51,7 @@ type Config struct {
 	// LockTimeout bounds the wait on a claim held by another, uncommitted
 	// transaction (two deliveries of one event at once). When it expires the
 	// attempt fails with the transient ErrInFlight and is retried later. It
-	// is set with SET LOCAL semantics (set_config(…, true)) for the whole
+	// is set with SET LOCAL lock_timeout for the whole
 	// attempt's transaction, so a handler statement that waits longer than it
 	// on a lock also fails, transiently (SQLSTATE 55P03). Defaults to
 	// DefaultLockTimeout; a negative value leaves the session's lock_timeout
@@ -306,6 +306,20 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	}()
 
 	if !claimed {
+		if d, ok := tx.(duplicateEnder); ok {
+			// pgx: the stored identity is read in one round trip with
+			// the ROLLBACK (duplicate.go).
+			ended = true
+			o, reason, dErr := m.endDuplicate(origCtx, d, req, fields)
+			switch {
+			case dErr != nil && reason == "":
+				return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, claimError(dErr, m.cfg.Classifier))
+			case dErr != nil:
+				return nil, m.finish(consumer, o, start, claimDur, fields, permanent(reason, dErr))
+			}
+			_ = m.finish(consumer, OutcomeDuplicate, start, claimDur, fields, nil)
+			return nil, nil
+		}
 		// Refused by the replay window (expired or future), or a duplicate.
 		if o, reason, rerr := m.refused(origCtx, tx, consumer, eventID, eventAt, fields); rerr != nil {
 			_ = rollback(origCtx, tx)

@@ -79,6 +79,15 @@ func (m *Idempotent) verifyDuplicate(ctx context.Context, tx attemptTx, c claimR
 	if err != nil {
 		return false, err
 	}
+	return m.compareIdentity(c, stored, fields)
+}
+
+// compareIdentity is verifyDuplicate's comparison, of the identity stored in
+// the row (read by StoredIdentity, or with the ROLLBACK: duplicateEnder).
+func (m *Idempotent) compareIdentity(c claimRequest, stored processed.StoredIdentity, fields watermill.LogFields) (conflict bool, err error) {
+	if c.identity == nil || c.identity.Verdict(stored) != processed.OtherEvent {
+		return false, nil
+	}
 	if c.identity.Verdict(stored) != processed.OtherEvent {
 		return false, nil
 	}

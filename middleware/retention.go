@@ -42,7 +42,11 @@ func (m *Idempotent) refused(ctx context.Context, tx attemptTx, consumer string,
 		return "", "", nil
 	}
 	q, _ := QuerierFromContext(tx.bind(ctx))
-	err := m.cfg.Store.Verdict(ctx, q, consumer, id, at)
+	return m.refusal(m.cfg.Store.Verdict(ctx, q, consumer, id, at), fields)
+}
+
+// refusal maps a verdict (processed.Store.Verdict) to refused's results.
+func (m *Idempotent) refusal(err error, fields watermill.LogFields) (Outcome, string, error) {
 	switch {
 	case err == nil:
 		return "", "", nil

@@ -217,7 +217,8 @@ func (s *Store) StoredIdentity(ctx context.Context, q sqldb.Querier, consumer st
 		name []byte
 		fp   []byte
 	)
-	err := q.QueryRow(ctx, s.identity.stored, consumer, s.sql.eventID(eventID)).Scan(&name, &fp)
+	query, args := s.StoredIdentityQuery(consumer, eventID)
+	err := q.QueryRow(ctx, query, args...).Scan(&name, &fp)
 	switch {
 	case errors.Is(err, sqldb.ErrNoRows):
 		return StoredIdentity{}, nil
@@ -227,10 +228,25 @@ func (s *Store) StoredIdentity(ctx context.Context, q sqldb.Querier, consumer st
 	return StoredIdentity{Found: true, EventName: string(name), Fingerprint: fp}, nil
 }
 
+// StoredIdentityQuery returns StoredIdentity's statement and arguments: one
+// primary-key read of the row's event_name and fingerprint (bytea/blob;
+// no row when none exists). It is exported for drivers that send it in one
+// round trip with the duplicate's ROLLBACK (the middleware's pgx beginner);
+// most callers want StoredIdentity. On a partitioned store, ids that are not
+// UUIDv7 are read from the side table, where their claim wrote them.
+func (s *Store) StoredIdentityQuery(consumer string, eventID uuid.UUID) (string, []any) {
+	query := s.identity.stored
+	if s.routed(eventID) && s.identity.storedOther != "" {
+		query = s.identity.storedOther
+	}
+	return query, []any{consumer, s.sql.eventID(eventID)}
+}
+
 // identityStatements are the payload-verification statements of one store,
 // built once by NewStore.
 type identityStatements struct {
-	stored string // the duplicate path's read of the stored identity
+	stored      string // the duplicate path's read of the stored identity
+	storedOther string // the same on the partitioned layout's side table
 }
 
 func newIdentityStatements(d sqldb.Dialect, q string) identityStatements {
