@@ -78,6 +78,10 @@ type attemptTx interface {
 	release()
 	// outboxExec is the transaction as watermill-sql sees it (outbox writes).
 	outboxExec() wsql.ContextExecutor
+	// parts is the transaction as the handler sees it: as a sqldb.Querier,
+	// and the driver's own type (one of p and s is nil), for the one
+	// context value of the attempt (attemptState).
+	parts() (q sqldb.Querier, p pgx.Tx, s *sql.Tx)
 }
 
 // PgxBeginnerConfig configures NewPgxBeginner.
@@ -193,6 +197,8 @@ func (a *pgxNativeTx) release() {}
 
 func (a *pgxNativeTx) outboxExec() wsql.ContextExecutor { return wsql.TxFromPgx(a.tx) }
 
+func (a *pgxNativeTx) parts() (sqldb.Querier, pgx.Tx, *sql.Tx) { return sqldb.Pgx(a.tx), a.tx, nil }
+
 // NewStdBeginner returns the database/sql TxBeginner over db (tested with
 // pgx's stdlib driver on PostgreSQL). Each attempt costs BeginTx, the lock
 // timeout and the claim as separate round trips; use NewPgxBeginner for the
@@ -244,3 +250,5 @@ func (a *stdTx) rollback(context.Context) error {
 func (a *stdTx) release() {}
 
 func (a *stdTx) outboxExec() wsql.ContextExecutor { return wsql.TxFromStdSQL(a.tx) }
+
+func (a *stdTx) parts() (sqldb.Querier, pgx.Tx, *sql.Tx) { return sqldb.Std(a.tx), nil, a.tx }

@@ -173,6 +173,26 @@ type Idempotent struct {
 	cfg         Config
 	logger      watermill.LoggerAdapter
 	lockTimeout *lockTimeoutStmt // built once from cfg.LockTimeout
+	// quiet: the logger is Watermill's NopLogger, so no log field is built;
+	// recording: a Recorder is set (it needs the handler's name).
+	quiet, recording bool
+}
+
+// isNopLogger reports whether l is Watermill's NopLogger (it logs nothing).
+func isNopLogger(l watermill.LoggerAdapter) bool {
+	switch l.(type) {
+	case watermill.NopLogger, *watermill.NopLogger:
+		return true
+	}
+	return false
+}
+
+// setField sets k in f unless f is nil (no fields are built for a quiet
+// logger).
+func setField(f watermill.LogFields, k string, v any) {
+	if f != nil {
+		f[k] = v
+	}
 }
 
 // NewIdempotent validates cfg (on a copy with defaults applied) and returns
@@ -193,7 +213,9 @@ func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, err
 	if _, pgxOnly := cfg.Beginner.(*pgxBeginner); pgxOnly && cfg.Store.Dialect() != sqldb.PostgreSQL {
 		return nil, fmt.Errorf("middleware: Config.Beginner: the pgx beginner needs a PostgreSQL store, not %s (use NewStdBeginner)", cfg.Store.Dialect())
 	}
-	return &Idempotent{cfg: cfg, logger: logger, lockTimeout: newLockTimeoutStmt(cfg.Store, cfg.LockTimeout)}, nil
+	_, nopRec := cfg.Recorder.(nopRecorder)
+	return &Idempotent{cfg: cfg, logger: logger, lockTimeout: newLockTimeoutStmt(cfg.Store, cfg.LockTimeout),
+		quiet: isNopLogger(logger), recording: !nopRec}, nil
 }
 
 // Middleware wraps h so that its effect is applied once per (consumer,
@@ -232,12 +254,20 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		origCtx := msg.Context()
 		defer func() { m.guardUnchained(origCtx, msg, err) }()
 		consumer := m.cfg.Consumer
-		fields := watermill.LogFields{
-			"event_id":     msg.UUID,
-			"event_name":   marshaler.EventName(msg),
-			"consumer":     consumer,
-			"handler_name": message.HandlerNameFromCtx(origCtx),
-			"attempt":      nextAttempt(msg),
+		attempt := nextAttempt(msg)
+		// Log fields are built only for a logger that logs (a NopLogger
+		// gets none; the Recorder needs only the handler's name).
+		var fields watermill.LogFields
+		switch {
+		case !m.quiet:
+			fields = make(watermill.LogFields, 8)
+			fields["event_id"] = msg.UUID
+			fields["event_name"] = marshaler.EventName(msg)
+			fields["consumer"] = consumer
+			fields["handler_name"] = message.HandlerNameFromCtx(origCtx)
+			fields["attempt"] = attempt
+		case m.recording:
+			fields = watermill.LogFields{"handler_name": message.HandlerNameFromCtx(origCtx)}
 		}
 		reject := func(o Outcome, reason string, err error) ([]*message.Message, error) {
 			return nil, m.finish(consumer, o, start, 0, fields, permanent(reason, err))
@@ -245,16 +275,18 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if reason, bad := marshaler.Malformed(msg); bad {
 			// msg.UUID is the transport's message id here, not an event id.
 			delete(fields, "event_id")
-			fields["transport_message_id"] = msg.UUID
+			setField(fields, "transport_message_id", msg.UUID)
 			return reject(OutcomeRejected, "malformed", fmt.Errorf("%w: %s", ErrMalformed, reason))
 		}
 		eventID, perr := marshaler.ParseEventID(msg.UUID) // the marshaler's strict forms, never uuid.Parse's lenient ones
 		if perr != nil {
 			delete(fields, "event_id")
-			fields["transport_message_id"] = msg.UUID
+			setField(fields, "transport_message_id", msg.UUID)
 			return reject(OutcomeRejected, "invalid_event_id", invalidEventID(msg.UUID))
 		}
-		fields["event_id"] = eventID.String()
+		if !m.quiet {
+			fields["event_id"] = eventID.String()
+		}
 		// The replay window is the claim's (the database clock, see
 		// retention.go): no expiry check runs here on the process clock.
 		return m.attempt(h, msg, origCtx, consumer, eventID, start, fields)
@@ -350,7 +382,8 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 
 	crashpoint.Reached(crashpoint.AfterClaim)
 	state := &attemptState{consumer: consumer, outcome: OutcomeProcessed, outbox: m.cfg.Outbox, tx: tx}
-	msg.SetContext(context.WithValue(tx.bind(origCtx), attemptKey{}, state))
+	state.q, state.ptx, state.stx = tx.parts()
+	msg.SetContext(sqldb.ContextWithTx(origCtx, state)) // the attempt's one context value
 
 	produced, err := h(msg)
 	if err == nil {
@@ -475,6 +508,12 @@ func (m *Idempotent) finish(consumer string, o Outcome, start time.Time, claim t
 	total := time.Since(start)
 	handlerName, _ := fields["handler_name"].(string)
 	m.cfg.Recorder.RecordOutcome(Observation{Consumer: consumer, HandlerName: handlerName, Outcome: o, Claim: claim, Total: total})
+	if m.quiet {
+		if o == OutcomeProcessed || o == OutcomeDuplicate || o == OutcomeStale || o == OutcomeObsolete {
+			return nil
+		}
+		return singleLine(err)
+	}
 	f := fields.Add(watermill.LogFields{"outcome": string(o), "duration": total})
 	switch o {
 	case OutcomeProcessed:

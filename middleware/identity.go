@@ -88,14 +88,11 @@ func (m *Idempotent) compareIdentity(c claimRequest, stored processed.StoredIden
 	if c.identity == nil || c.identity.Verdict(stored) != processed.OtherEvent {
 		return false, nil
 	}
-	if c.identity.Verdict(stored) != processed.OtherEvent {
-		return false, nil
-	}
 	err = fmt.Errorf("%w: %s/%s was processed as %q, this message is %q with another fingerprint",
 		ErrEventIDReused, c.consumer, c.eventID, stored.EventName, c.identity.EventName)
 	// Logged once, at ERROR, by finish (the rejection's line), with both
 	// event names.
-	fields["stored_event_name"] = stored.EventName
-	fields["hint"] = "the producer gave one event_id to two different events; this message goes to the poison topic"
+	setField(fields, "stored_event_name", stored.EventName)
+	setField(fields, "hint", "the producer gave one event_id to two different events; this message goes to the poison topic")
 	return true, err
 }

@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"strconv"
 
@@ -75,6 +76,8 @@ func (tx *pgxTx) release() {
 }
 
 func (tx *pgxTx) outboxExec() wsql.ContextExecutor { return wsql.TxFromPgx(tx) }
+
+func (tx *pgxTx) parts() (sqldb.Querier, pgx.Tx, *sql.Tx) { return sqldb.Pgx(tx), tx, nil }
 
 // readAndRollback ends the transaction of a claim that inserted nothing (a
 // duplicate, or an event refused by the replay window) in one round trip:

@@ -54,7 +54,7 @@ func (m *Idempotent) refusal(err error, fields watermill.LogFields) (Outcome, st
 		return OutcomeExpired, "expired", fmt.Errorf("%w: %w", ErrExpired, err)
 	case errors.Is(err, processed.ErrFuture):
 		// Logged once, at ERROR, by finish (the rejection's line).
-		fields["hint"] = "the event is dated after the database clock plus MaxFutureSkew: its producer's clock is wrong"
+		setField(fields, "hint", "the event is dated after the database clock plus MaxFutureSkew: its producer's clock is wrong")
 		return OutcomeFuture, "future", fmt.Errorf("%w: %w", ErrFuture, err)
 	default:
 		return OutcomeFailed, "", err // classified by the caller (the attempt's connection)

@@ -123,6 +123,15 @@ func (s *Store) ClaimIdentityQuery(consumer string, eventID uuid.UUID, id Identi
 // fingerprint as two more columns; rows affected 1 for a claim and 0 for a
 // duplicate or a refusal (Verdict). It needs the fingerprint migration.
 func (s *Store) ClaimIdentityQueryAt(consumer string, eventID uuid.UUID, at time.Time, id Identity) (string, []any) {
+	if s.dialect == sqldb.PostgreSQL {
+		// The statement text is built once (NewStore); its two extra
+		// placeholders come last.
+		id7, t := s.sql.eventID(eventID), s.eventAtArg(eventID, at)
+		if s.routed(eventID) {
+			return s.identity.claimOther, []any{consumer, id7, t, id.storedName(), id.Fingerprint}
+		}
+		return s.identity.claim, []any{consumer, id7, t, id.storedName(), id.Fingerprint}
+	}
 	query, args := s.ClaimQueryAt(consumer, eventID, at)
 	return withIdentityColumns(query, args, id.storedName(), id.Fingerprint)
 }
@@ -247,6 +256,9 @@ func (s *Store) StoredIdentityQuery(consumer string, eventID uuid.UUID) (string,
 type identityStatements struct {
 	stored      string // the duplicate path's read of the stored identity
 	storedOther string // the same on the partitioned layout's side table
+	// PostgreSQL: the claims with the identity columns (built once), on the
+	// table and on the partitioned layout's side table.
+	claim, claimOther string
 }
 
 func newIdentityStatements(d sqldb.Dialect, q string) identityStatements {

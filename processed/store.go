@@ -189,6 +189,13 @@ func NewStore(cfg Config) (*Store, error) {
 		s.initPartitioned()
 		s.identity.storedOther = "SELECT event_name, fingerprint FROM " + s.sibling("other") + " WHERE consumer = $1 AND event_id = $2"
 	}
+	if s.dialect == sqldb.PostgreSQL {
+		three := []any{nil, nil, nil}
+		s.identity.claim, _ = withIdentityColumns(s.claimSQL, three, "", nil)
+		if s.other != nil {
+			s.identity.claimOther, _ = withIdentityColumns(s.other.claim, three, "", nil)
+		}
+	}
 	return s, nil
 }
 
