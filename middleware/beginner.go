@@ -147,7 +147,8 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	if tagErr == nil {
 		tagErr = closeErr
 	}
-	tx := &pgxTx{conn: conn, pc: conn.Conn(), savepoints: new(int)}
+	tx := &pgxTx{conn: conn, pc: conn.Conn()}
+	tx.savepoints = &tx.spCount
 	if tagErr != nil {
 		_ = tx.rollback(ctx)
 		tx.release()

@@ -46,6 +46,7 @@ type pgxTx struct {
 	// shared by all of them: each gets a name of its own, so siblings are
 	// distinct and rolling back one never undoes another.
 	savepoints *int
+	spCount    int // the root's counter (savepoints points here)
 	closed     bool
 }
 
