@@ -90,7 +90,7 @@ var Quick = Sizes{
 	E2E:    E2ESizes{Consumers: nil, Prefetch: nil, Messages: 1200, Rounds: 4, HeadConsumers: 4, HeadPrefetch: 50},
 	Purge:  PurgeSizes{Rows: 100_000, Rounds: 3, Workers: 4, BaseDur: 600 * time.Millisecond, MinCount: 100},
 	Memory: MemorySizes{First: 1000, Second: 4000, AllocMsgs: 1000},
-	Counts: CountSizes{N1: 100, N2: 400},
+	Counts: CountSizes{N1: 200, N2: 1000},
 }
 
 // Full is `make bench`: the sizes of the issue (1M/10M rows, 100k messages).

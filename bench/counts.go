@@ -19,12 +19,14 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
@@ -133,10 +135,24 @@ func countChild(specJSON string) error {
 		msgs[i] = m
 	}
 	v := s.Variant
-	if v == vDuplicate {
-		v = vOurs
+	h := vs.handlerFor(v, handler(h1)) // none, idempotent, duplicate (vs.handlerFor: ours)
+	if mod, ok := countConfigs[v]; ok {
+		beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
+		if err != nil {
+			return err
+		}
+		cfg := middleware.Config{Beginner: beginner, Store: store, Consumer: consumerName, Recorder: vs.sink}
+		mod(&cfg)
+		idem, err := middleware.NewIdempotent(cfg, watermill.NopLogger{})
+		if err != nil {
+			return err
+		}
+		chain, _, err := chainWith(idem)
+		if err != nil {
+			return err
+		}
+		h = compose(handler(h1), chain...)
 	}
-	h := vs.handlerFor(v, handler(h1))
 	var rep countReport
 	var lsn0 string
 	if err := pool.QueryRow(ctx, "SELECT pg_backend_pid(), pg_current_wal_insert_lsn()::text").Scan(&rep.PID, &lsn0); err != nil {
@@ -170,7 +186,21 @@ type CountSizes struct {
 }
 
 // countVariants are the variants counted, the first the baseline.
-var countVariants = []string{vNone, vOurs, vDuplicate}
+var countVariants = []string{vNone, vOurs, vDuplicate, "idem_no_lock_timeout", "idem_no_verify", "dup_no_lock_timeout_no_verify"}
+
+// countConfigs are the counted configurations of the middleware other than
+// the default: where its cost goes.
+var countConfigs = map[string]func(*middleware.Config){
+	// Config.LockTimeout < 0: no SET LOCAL lock_timeout in the batch (the
+	// pool's sessions would carry lock_timeout instead).
+	"idem_no_lock_timeout": func(c *middleware.Config) { c.LockTimeout = -1 },
+	// Config.DisablePayloadVerification: no fingerprint, no identity read.
+	"idem_no_verify": func(c *middleware.Config) { c.DisablePayloadVerification = true },
+	// A duplicate with neither: BEGIN, claim, ROLLBACK only.
+	"dup_no_lock_timeout_no_verify": func(c *middleware.Config) {
+		c.LockTimeout, c.DisablePayloadVerification = -1, true
+	},
+}
 
 type countResult struct {
 	client, server float64 // instructions per message
@@ -243,7 +273,7 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	run := func(v string, n int) (client, server int64, rep countReport, err error) {
 		out := filepath.Join(srv.dir, fmt.Sprintf("child_%s_%d", v, n))
 		spec := countSpec{URL: srv.url, Schema: schema, Variant: v, N: n, Out: out + ".json"}
-		if v == vDuplicate {
+		if strings.HasPrefix(v, "dup") {
 			spec.IDsFile = idsFile
 		}
 		sj, _ := json.Marshal(spec)
@@ -309,6 +339,7 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	}
 	ours, dup := got[vOurs], got[vDuplicate]
 	t.Notes = []string{
+		"idem_no_lock_timeout: Config.LockTimeout < 0 (no SET LOCAL); idem_no_verify: DisablePayloadVerification (no fingerprint, no identity read on a duplicate); dup_no_lock_timeout_no_verify: a duplicate with neither (BEGIN, claim, ROLLBACK).",
 		fmt.Sprintf("(I(%d) − I(%d)) ÷ %d per message: process start and connection cancel out; building the message is inside (same for all).", sz.N2, sz.N1, sz.N2-sz.N1),
 		"server: a scratch PostgreSQL (initdb, loopback, fsync off) run by this part under cachegrind, the child's backend only; WAL: pg_current_wal_insert_lsn diff; allocs: MemStats.Mallocs.",
 		fmt.Sprintf("server instructions per claim (ours − none): %s k; duplicate CPU ÷ new message CPU: %s.", k(ours.server-base.server), f3((dup.client+dup.server)/(ours.client+ours.server))),
@@ -326,6 +357,11 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	res.set("wal_bytes_per_msg_plain", base.wal)
 	res.set("allocs_per_msg_chain", ours.allocs)
 	res.set("allocs_per_msg_chain_plain", base.allocs)
+	res.set("server_instructions_per_msg_no_lock_timeout", got["idem_no_lock_timeout"].server)
+	res.set("server_instructions_per_msg_no_verify", got["idem_no_verify"].server)
+	res.set("client_instructions_per_msg_no_verify", got["idem_no_verify"].client)
+	floor := got["dup_no_lock_timeout_no_verify"]
+	res.set("duplicate_cpu_ratio_no_lock_timeout_no_verify", (floor.client+floor.server)/(ours.client+ours.server))
 	return nil
 }
 
