@@ -29,8 +29,9 @@ type claimRequest struct {
 	consumer string
 	eventID  uuid.UUID
 	// identity is stored with the claim and compared on a duplicate
-	// (payload verification, identity.go); nil when off.
-	identity *processed.Identity
+	// (payload verification, identity.go) when verify is set.
+	identity processed.Identity
+	verify   bool
 	// eventAt is the event's occurred_at for ids that carry no time (zero:
 	// unknown); the store dates a UUIDv7 by its id (processed.EventTime).
 	eventAt time.Time
@@ -78,9 +79,10 @@ type attemptTx interface {
 	release()
 	// outboxExec is the transaction as watermill-sql sees it (outbox writes).
 	outboxExec() wsql.ContextExecutor
-	// parts is the transaction as the handler sees it: as a sqldb.Querier,
-	// and the driver's own type (one of p and s is nil), for the one
-	// context value of the attempt (attemptState).
+	// parts is the transaction as the handler sees it: as a sqldb.Querier
+	// (nil when p is set: the attempt's state adapts p itself), and the
+	// driver's own type (one of p and s is nil), for the one context value
+	// of the attempt (attemptState).
 	parts() (q sqldb.Querier, p pgx.Tx, s *sql.Tx)
 }
 
@@ -198,7 +200,7 @@ func (a *pgxNativeTx) release() {}
 
 func (a *pgxNativeTx) outboxExec() wsql.ContextExecutor { return wsql.TxFromPgx(a.tx) }
 
-func (a *pgxNativeTx) parts() (sqldb.Querier, pgx.Tx, *sql.Tx) { return sqldb.Pgx(a.tx), a.tx, nil }
+func (a *pgxNativeTx) parts() (sqldb.Querier, pgx.Tx, *sql.Tx) { return nil, a.tx, nil }
 
 // NewStdBeginner returns the database/sql TxBeginner over db (tested with
 // pgx's stdlib driver on PostgreSQL). Each attempt costs BeginTx, the lock

@@ -30,7 +30,7 @@ type duplicateEnder interface {
 // why, on the database clock. Results as refused: reason "" with an error
 // means the attempt's connection failed (retry).
 func (m *Idempotent) endDuplicate(ctx context.Context, d duplicateEnder, req claimRequest, fields watermill.LogFields) (Outcome, string, error) {
-	if req.identity == nil && m.cfg.Store.Horizon() <= 0 {
+	if !req.verify && m.cfg.Store.Horizon() <= 0 {
 		// Nothing to read: a duplicate.
 		if err := rollback(ctx, d); err != nil {
 			m.logger.Debug("Rollback after duplicate failed", fields.Add(watermill.LogFields{"error": oneLine(err.Error())}))

@@ -57,9 +57,12 @@ type Config struct {
 	// DefaultLockTimeout; a negative value leaves the session's lock_timeout
 	// untouched.
 	//
-	// Setting it costs one statement per attempt (and PostgreSQL's reset of
-	// the setting at the end of the transaction): about 3 % of throughput on
-	// a one-INSERT handler (bench/RESULTS.md, experiments). To save it, set
+	// Setting it costs one statement per attempt, sent in the claim's round
+	// trip (and PostgreSQL's reset of the setting at the end of the
+	// transaction): 10.6k server and 4.6k client instructions, 7
+	// allocations, about 4 % of the CPU of a message on a one-INSERT handler
+	// (bench part 6, counts; it was a SELECT set_config costing twice as
+	// much on the server). To save it, set
 	// lock_timeout on the pool's sessions instead
 	// (pgxpool.Config.ConnConfig.RuntimeParams["lock_timeout"] = "15s") and
 	// LockTimeout to a negative value; the bound then also applies to every
@@ -104,9 +107,11 @@ type Config struct {
 	// 1.2 µs for a 200-byte payload, processed.BenchmarkNewIdentity) and
 	// ~45 bytes more per row, in the same single INSERT (measured with
 	// BenchmarkPayloadVerification, messages alternating on one table: new
-	// events verified/plain 0.94-1.02, no difference beyond noise); a
-	// duplicate pays one more round trip, a primary-key read (×1.5 on a
-	// duplicate, about 100 µs on loopback under load). Rows
+	// events verified/plain 0.94-1.02, no difference beyond noise; bench
+	// part 6: 7.7k client instructions and 4 allocations per message, 48 B
+	// of WAL); a duplicate pays a primary-key read, sent in one round trip
+	// with its ROLLBACK on the pgx beginner (one more statement, no more
+	// round trips; other beginners: one more round trip). Rows
 	// written before the migration have no fingerprint and stay plain
 	// duplicates. Run processed migration 0003 before deploying a release
 	// with verification on: without the columns every claim fails (and is
@@ -173,9 +178,8 @@ type Idempotent struct {
 	cfg         Config
 	logger      watermill.LoggerAdapter
 	lockTimeout *lockTimeoutStmt // built once from cfg.LockTimeout
-	// quiet: the logger is Watermill's NopLogger, so no log field is built;
-	// recording: a Recorder is set (it needs the handler's name).
-	quiet, recording bool
+	// quiet: the logger is Watermill's NopLogger, so no log field is built.
+	quiet bool
 }
 
 // isNopLogger reports whether l is Watermill's NopLogger (it logs nothing).
@@ -213,9 +217,8 @@ func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, err
 	if _, pgxOnly := cfg.Beginner.(*pgxBeginner); pgxOnly && cfg.Store.Dialect() != sqldb.PostgreSQL {
 		return nil, fmt.Errorf("middleware: Config.Beginner: the pgx beginner needs a PostgreSQL store, not %s (use NewStdBeginner)", cfg.Store.Dialect())
 	}
-	_, nopRec := cfg.Recorder.(nopRecorder)
 	return &Idempotent{cfg: cfg, logger: logger, lockTimeout: newLockTimeoutStmt(cfg.Store, cfg.LockTimeout),
-		quiet: isNopLogger(logger), recording: !nopRec}, nil
+		quiet: isNopLogger(logger)}, nil
 }
 
 // Middleware wraps h so that its effect is applied once per (consumer,
@@ -255,22 +258,20 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		defer func() { m.guardUnchained(origCtx, msg, err) }()
 		consumer := m.cfg.Consumer
 		attempt := nextAttempt(msg)
+		handlerName := message.HandlerNameFromCtx(origCtx)
 		// Log fields are built only for a logger that logs (a NopLogger
-		// gets none; the Recorder needs only the handler's name).
+		// gets none).
 		var fields watermill.LogFields
-		switch {
-		case !m.quiet:
+		if !m.quiet {
 			fields = make(watermill.LogFields, 8)
 			fields["event_id"] = msg.UUID
 			fields["event_name"] = marshaler.EventName(msg)
 			fields["consumer"] = consumer
-			fields["handler_name"] = message.HandlerNameFromCtx(origCtx)
+			fields["handler_name"] = handlerName
 			fields["attempt"] = attempt
-		case m.recording:
-			fields = watermill.LogFields{"handler_name": message.HandlerNameFromCtx(origCtx)}
 		}
 		reject := func(o Outcome, reason string, err error) ([]*message.Message, error) {
-			return nil, m.finish(consumer, o, start, 0, fields, permanent(reason, err))
+			return nil, m.finish(handlerName, o, start, 0, fields, permanent(reason, err))
 		}
 		if reason, bad := marshaler.Malformed(msg); bad {
 			// msg.UUID is the transport's message id here, not an event id.
@@ -289,7 +290,7 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		// The replay window is the claim's (the database clock, see
 		// retention.go): no expiry check runs here on the process clock.
-		return m.attempt(h, msg, origCtx, consumer, eventID, start, fields)
+		return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields)
 	}
 }
 
@@ -299,7 +300,7 @@ func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
 // connection, so a panic anywhere (handler, outbox write, schema adapter,
 // commit) leaves no transaction, no lock and no acquired connection behind.
 func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCtx context.Context,
-	consumer string, eventID uuid.UUID, start time.Time, fields watermill.LogFields) ([]*message.Message, error) {
+	consumer, handlerName string, eventID uuid.UUID, start time.Time, fields watermill.LogFields) ([]*message.Message, error) {
 	eventAt, _ := eventTime(msg, eventID) // occurred_at for ids without a time
 	// Begin and claim: errors here come from the attempt's own connection.
 	req := claimRequest{
@@ -307,14 +308,14 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		consumer:    consumer,
 		eventID:     eventID,
 		eventAt:     eventAt,
-		identity:    m.identityOf(msg),
 		lockTimeout: m.lockTimeout,
 	}
+	req.identity, req.verify = m.identityOf(msg)
 	tx, claimed, err := m.cfg.Beginner.beginClaim(origCtx, req)
 	claimDur := time.Since(start)
 	if err != nil {
 		err = fmt.Errorf("idempotency: begin and claim %s/%s: %w", consumer, eventID, claimError(err, m.cfg.Classifier))
-		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
+		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, err)
 	}
 
 	// ended is set once the transaction was committed or rolled back on a
@@ -333,7 +334,7 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		if r == nil { // runtime.Goexit (t.FailNow in a handler): nothing to re-raise
 			return
 		}
-		_ = m.finish(consumer, OutcomeFailed, start, claimDur, fields, fmt.Errorf("idempotency: panic: %v", r))
+		_ = m.finish(handlerName, OutcomeFailed, start, claimDur, fields, fmt.Errorf("idempotency: panic: %v", r))
 		panic(r)
 	}()
 
@@ -345,11 +346,11 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 			o, reason, dErr := m.endDuplicate(origCtx, d, req, fields)
 			switch {
 			case dErr != nil && reason == "":
-				return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, claimError(dErr, m.cfg.Classifier))
+				return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(dErr, m.cfg.Classifier))
 			case dErr != nil:
-				return nil, m.finish(consumer, o, start, claimDur, fields, permanent(reason, dErr))
+				return nil, m.finish(handlerName, o, start, claimDur, fields, permanent(reason, dErr))
 			}
-			_ = m.finish(consumer, OutcomeDuplicate, start, claimDur, fields, nil)
+			_ = m.finish(handlerName, OutcomeDuplicate, start, claimDur, fields, nil)
 			return nil, nil
 		}
 		// Refused by the replay window (expired or future), or a duplicate.
@@ -357,9 +358,9 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 			_ = rollback(origCtx, tx)
 			ended = true
 			if reason == "" { // the verdict itself failed: the attempt's connection
-				return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, claimError(rerr, m.cfg.Classifier))
+				return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(rerr, m.cfg.Classifier))
 			}
-			return nil, m.finish(consumer, o, start, claimDur, fields, permanent(reason, rerr))
+			return nil, m.finish(handlerName, o, start, claimDur, fields, permanent(reason, rerr))
 		}
 		// A duplicate: with payload verification, the stored fingerprint
 		// must be this message's (identity.go).
@@ -367,16 +368,16 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 			_ = rollback(origCtx, tx)
 			ended = true
 			if conflict {
-				return nil, m.finish(consumer, OutcomeConflict, start, claimDur, fields, permanent("event_id_reused", vErr))
+				return nil, m.finish(handlerName, OutcomeConflict, start, claimDur, fields, permanent("event_id_reused", vErr))
 			}
-			return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, claimError(vErr, m.cfg.Classifier))
+			return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(vErr, m.cfg.Classifier))
 		}
 		// Nothing was written: end the transaction and ack.
 		if rbErr := rollback(origCtx, tx); rbErr != nil {
 			m.logger.Debug("Rollback after duplicate failed", fields.Add(watermill.LogFields{"error": oneLine(rbErr.Error())}))
 		}
 		ended = true
-		_ = m.finish(consumer, OutcomeDuplicate, start, claimDur, fields, nil)
+		_ = m.finish(handlerName, OutcomeDuplicate, start, claimDur, fields, nil)
 		return nil, nil
 	}
 
@@ -397,7 +398,7 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	if err != nil {
 		err = attemptError(err, rollback(origCtx, tx), m.cfg.Classifier)
 		ended = true
-		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
+		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, err)
 	}
 
 	crashpoint.Reached(crashpoint.BeforeCommit)
@@ -406,11 +407,11 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	if cErr := tx.commit(origCtx); cErr != nil {
 		_ = rollback(origCtx, tx)
 		ended = true
-		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, commitError(consumer, eventID, cErr, m.cfg.Classifier))
+		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, commitError(consumer, eventID, cErr, m.cfg.Classifier))
 	}
 	ended = true
 	crashpoint.Reached(crashpoint.AfterCommit)
-	_ = m.finish(consumer, state.outcome, start, claimDur, fields, nil)
+	_ = m.finish(handlerName, state.outcome, start, claimDur, fields, nil)
 	return produced, nil
 }
 
@@ -504,10 +505,9 @@ func eventTime(msg *message.Message, id uuid.UUID) (time.Time, bool) {
 // rejections and handler errors (bound for the poison topic) and any other
 // failure someone must look at. A transient failure (the message stays on
 // the broker and is retried) is logged at info with the field "error".
-func (m *Idempotent) finish(consumer string, o Outcome, start time.Time, claim time.Duration, fields watermill.LogFields, err error) error {
+func (m *Idempotent) finish(handlerName string, o Outcome, start time.Time, claim time.Duration, fields watermill.LogFields, err error) error {
 	total := time.Since(start)
-	handlerName, _ := fields["handler_name"].(string)
-	m.cfg.Recorder.RecordOutcome(Observation{Consumer: consumer, HandlerName: handlerName, Outcome: o, Claim: claim, Total: total})
+	m.cfg.Recorder.RecordOutcome(Observation{Consumer: m.cfg.Consumer, HandlerName: handlerName, Outcome: o, Claim: claim, Total: total})
 	if m.quiet {
 		if o == OutcomeProcessed || o == OutcomeDuplicate || o == OutcomeStale || o == OutcomeObsolete {
 			return nil

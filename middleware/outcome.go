@@ -64,12 +64,22 @@ type attemptState struct {
 
 // Exec runs query on the attempt's transaction (sqldb.Querier).
 func (st *attemptState) Exec(ctx context.Context, query string, args ...any) (int64, error) {
-	return st.q.Exec(ctx, query, args...)
+	if st.q != nil {
+		return st.q.Exec(ctx, query, args...)
+	}
+	tag, err := st.ptx.Exec(ctx, query, args...)
+	if err != nil {
+		return 0, err
+	}
+	return tag.RowsAffected(), nil
 }
 
 // QueryRow runs query on the attempt's transaction (sqldb.Querier).
 func (st *attemptState) QueryRow(ctx context.Context, query string, args ...any) sqldb.Row {
-	return st.q.QueryRow(ctx, query, args...)
+	if st.q != nil {
+		return st.q.QueryRow(ctx, query, args...)
+	}
+	return sqldb.Pgx(st.ptx).QueryRow(ctx, query, args...)
 }
 
 // stateFrom returns the attempt's state from a handler's context.

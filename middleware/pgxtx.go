@@ -78,7 +78,7 @@ func (tx *pgxTx) release() {
 
 func (tx *pgxTx) outboxExec() wsql.ContextExecutor { return wsql.TxFromPgx(tx) }
 
-func (tx *pgxTx) parts() (sqldb.Querier, pgx.Tx, *sql.Tx) { return sqldb.Pgx(tx), tx, nil }
+func (tx *pgxTx) parts() (sqldb.Querier, pgx.Tx, *sql.Tx) { return nil, tx, nil }
 
 // readAndRollback ends the transaction of a claim that inserted nothing (a
 // duplicate, or an event refused by the replay window) in one round trip:
