@@ -357,6 +357,7 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	res.set("wal_bytes_per_msg_plain", base.wal)
 	res.set("allocs_per_msg_chain", ours.allocs)
 	res.set("allocs_per_msg_chain_plain", base.allocs)
+	res.set("allocs_ratio_chain", ours.allocs/base.allocs)
 	res.set("server_instructions_per_msg_no_lock_timeout", got["idem_no_lock_timeout"].server)
 	res.set("server_instructions_per_msg_no_verify", got["idem_no_verify"].server)
 	res.set("client_instructions_per_msg_no_verify", got["idem_no_verify"].client)
