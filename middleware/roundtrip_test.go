@@ -147,3 +147,62 @@ func TestConcurrentDuplicateIsVerified(t *testing.T) {
 		})
 	}
 }
+
+// Every pgx query-exec mode works on the pipelined beginner, the duplicate's
+// read-and-rollback batch included: prepared statements (the default),
+// describe/exec without a statement cache (what pgbouncer's transaction mode
+// needs) and the simple protocol (parameters interpolated by pgx, one
+// multi-statement query per batch). A new event is applied once, its
+// redelivery is a duplicate, another payload under its id a conflict.
+func TestPipelinedBeginnerEveryExecMode(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			_, schema := testenv.Pool(t)
+			cfg := testenv.PoolConfig(t, testenv.PostgresURL(), schema, 2)
+			cfg.ConnConfig.DefaultQueryExecMode = mode
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			store, err := processed.NewStore(processed.Config{Horizon: time.Hour})
+			require.NoError(t, err)
+			require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
+			_, err = pool.Exec(ctx, `CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL, note text)`)
+			require.NoError(t, err)
+			beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
+			require.NoError(t, err)
+			m, err := middleware.NewIdempotent(middleware.Config{Beginner: beginner, Store: store, Consumer: "stock"}, watermill.NopLogger{})
+			require.NoError(t, err)
+			var calls atomic.Int32
+			h := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+				calls.Add(1)
+				return nil, writeEffect(msg, "x")
+			})
+			id := uuid.Must(uuid.NewV7())
+			msgOf := func(p string) *message.Message {
+				msg, err := marshaler.NewMessageWithID(id, "order.placed", time.Now().UTC(), []byte(p))
+				require.NoError(t, err)
+				msg.SetContext(ctx)
+				return msg
+			}
+			for i := 0; i < 3; i++ {
+				_, err = h(msgOf(`{"n":1}`))
+				require.NoError(t, err)
+			}
+			_, err = h(msgOf(`{"n":2}`))
+			require.ErrorIs(t, err, middleware.ErrEventIDReused)
+			require.EqualValues(t, 1, calls.Load())
+			var effects int
+			require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM effect`).Scan(&effects))
+			require.Equal(t, 1, effects)
+			// Every connection is back in the pool, idle, outside a transaction.
+			for _, c := range pool.AcquireAllIdle(ctx) {
+				require.Equal(t, byte('I'), c.Conn().PgConn().TxStatus())
+				c.Release()
+			}
+		})
+	}
+}
