@@ -42,6 +42,10 @@ func TestQuickCodePathTiny(t *testing.T) {
 		require.True(t, ok, "key %s is not a number (%v) in %s", k, v, last)
 		require.False(t, math.IsNaN(f) || math.IsInf(f, 0), "key %s is not finite", k)
 	}
+	for _, k := range []string{"server_instructions_per_claim", "client_instructions_per_msg", "allocs_per_msg_plain"} {
+		_, ok := got[k] // null in the tiny profile (no valgrind run)
+		require.True(t, ok, "key %s missing from %s", k, last)
+	}
 	require.Contains(t, out.String(), "-- 1. claim overhead")
 	require.Contains(t, out.String(), "-- 5. memory")
 	require.Contains(t, out.String(), "-- experiments")
@@ -78,20 +82,21 @@ func TestJSONNullsNonFinite(t *testing.T) {
 // allocations: go test -run '^$' -bench . -benchmem ./bench
 //
 // They measure one variant at a time; for ratios use the command, which
-// interleaves the variants.
+// interleaves the variants. Like with like: "noop/<variant>" is each
+// variant's own middleware alone around a no-op handler (no chain: none is
+// pgx's Begin/Commit, idempotent our middleware), "1stmt/<variant>" the
+// one-INSERT handler through the recommended chain for every variant.
 func BenchmarkVariants(b *testing.B) {
 	ctx := context.Background()
 	vs, dups := benchSetup(b, 2)
 	for _, hk := range []string{"noop", h1} {
 		for _, v := range variants1 {
 			b.Run(hk+"/"+v, func(b *testing.B) {
-				h := handler(hk)
+				var full message.HandlerFunc
 				if hk == "noop" {
-					h = noopHandler
-				}
-				full := vs.handlerFor(v, h)
-				if hk == "noop" && (v == vOurs || v == vDuplicate) {
-					full = vs.ours.Middleware(h) // the middleware alone
+					full = vs.innerFor(v, noopHandler) // the variant alone, no chain
+				} else {
+					full = vs.handlerFor(v, handler(hk)) // through the chain
 				}
 				gen := newV7
 				if v == vDuplicate {

@@ -22,6 +22,9 @@ type Sizes struct {
 	Purge PurgeSizes
 	// Memory: RSS of a running consumer; allocations per message.
 	Memory MemorySizes
+	// Counts: instructions (client and server), WAL and allocations per
+	// message under cachegrind; zero: not measured.
+	Counts CountSizes
 }
 
 // OverheadSizes sizes part 1 (claim overhead, no broker).
@@ -87,6 +90,7 @@ var Quick = Sizes{
 	E2E:    E2ESizes{Consumers: nil, Prefetch: nil, Messages: 1200, Rounds: 4, HeadConsumers: 4, HeadPrefetch: 50},
 	Purge:  PurgeSizes{Rows: 100_000, Rounds: 3, Workers: 4, BaseDur: 600 * time.Millisecond, MinCount: 100},
 	Memory: MemorySizes{First: 1000, Second: 4000, AllocMsgs: 1000},
+	Counts: CountSizes{N1: 200, N2: 1000},
 }
 
 // Full is `make bench`: the sizes of the issue (1M/10M rows, 100k messages).
@@ -100,6 +104,7 @@ var Full = Sizes{
 	E2E:    E2ESizes{Consumers: []int{1, 2, 4}, Prefetch: []int{1, 10, 50}, Messages: 6000, Rounds: 5, HeadConsumers: 4, HeadPrefetch: 50},
 	Purge:  PurgeSizes{Rows: 1_000_000, Rounds: 3, Workers: 4, BaseDur: 10 * time.Second, MinCount: 500},
 	Memory: MemorySizes{First: 10_000, Second: 100_000, AllocMsgs: 5000},
+	Counts: CountSizes{N1: 300, N2: 1500},
 }
 
 // Tiny is the CI test's profile: every code path, seconds.
@@ -117,7 +122,7 @@ var Tiny = Sizes{
 
 // Parts of a run, in order. "experiments" (claim configurations that could
 // lower the cost, for proposals) runs only when asked for.
-var Parts = []string{"overhead", "growth", "e2e", "purge", "memory", "relay"}
+var Parts = []string{"overhead", "growth", "e2e", "purge", "memory", "relay", "counts"}
 
 var optionalParts = []string{"experiments"}
 

@@ -72,6 +72,23 @@
 // Idempotent.Middleware around a no-op handler (sequential new events;
 // MemStats.Mallocs), with the plain pgx transaction beside it.
 //
+// allocs_per_msg_plain is the plain transaction's figure (the same as
+// allocs_per_msg_plain_tx).
+//
+// 6. counts. Per message on the one-INSERT handler through the chain (none,
+// idempotent, duplicate), one worker: client instructions (the command
+// re-runs itself under valgrind's cachegrind), server instructions (a
+// scratch PostgreSQL this part starts itself under cachegrind, initdb on a
+// free loopback port; never the shared server), WAL bytes and allocations.
+// Instruction counts do not move with the machine's load. Each count is
+// the difference of a run of N2 and one of N1 messages, divided by N2 − N1.
+// Keys: client_instructions_per_msg (ours) and _plain (none),
+// server_instructions_per_msg and _plain, server_instructions_per_claim
+// (ours − none on the server), duplicate_cpu_ratio (client + server
+// instructions of a duplicate ÷ those of a new message), wal_bytes_per_msg,
+// allocs_per_msg_chain and _plain. Without valgrind (or in the tiny profile)
+// they are null. See counts.go.
+//
 // "experiments" (only with -parts experiments) compares configurations of
 // the claim that could lower its cost: no per-transaction lock_timeout,
 // no processed_at index, a BRIN processed_at index.

@@ -18,7 +18,7 @@ import (
 // processed table that could lower the claim's cost, each against none:
 //
 //   - idempotent: the default (BEGIN + lock_timeout + claim pipelined).
-//   - no_lock_timeout: Config.LockTimeout < 0 (no set_config in the batch).
+//   - no_lock_timeout: Config.LockTimeout < 0 (no SET LOCAL in the batch).
 //   - no_event_at_idx: the processed table without its event_at
 //     btree (purge would then need another access path).
 //   - brin_processed_at: that index (event_at) as BRIN instead of btree.

@@ -109,6 +109,7 @@ func memory(ctx context.Context, e *env, sz MemorySizes, consumers, prefetch int
 	res.Tables = append(res.Tables, t)
 	res.set("allocs_per_msg", a.ours)
 	res.set("allocs_per_msg_duplicate", a.dup)
+	res.set("allocs_per_msg_plain", a.none)
 	res.set("allocs_per_msg_plain_tx", a.none)
 	res.set("rss_first_mb", mb(s1.rss))
 	res.set("rss_second_mb", mb(s2.rss))

@@ -59,6 +59,8 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 			err = relay(ctx, e, relaySizes(sz.Name), res)
 		case "memory":
 			err = memory(ctx, e, sz.Memory, sz.E2E.HeadConsumers, sz.E2E.HeadPrefetch, res)
+		case "counts":
+			err = counts(ctx, e, sz.Counts, res)
 		default:
 			err = fmt.Errorf("bench: unknown part %q", p)
 		}

@@ -299,6 +299,27 @@ func (vs *variantSet) handlerFor(v string, h message.HandlerFunc) message.Handle
 	}
 }
 
+// innerFor returns variant v around h without the recommended chain's
+// outer middlewares (Poison, Retry, Recoverer): every variant alone, so that
+// the Go benchmarks compare like with like.
+func (vs *variantSet) innerFor(v string, h message.HandlerFunc) message.HandlerFunc {
+	tx := txMiddleware(vs.pool)
+	switch v {
+	case vOurs, vDuplicate:
+		return vs.ours.Middleware(h)
+	case vUnpipelined:
+		return vs.unpipelined.Middleware(h)
+	case vNaive:
+		return compose(h, tx, naiveClaim(vs.store))
+	case vSeparate:
+		return compose(h, separateClaim(vs.pool, vs.store), tx)
+	case vInMemory:
+		return compose(h, vs.inmem, tx)
+	default: // vNone
+		return tx(h)
+	}
+}
+
 // idArg encodes an event id as the claim statement binds it (PostgreSQL uuid).
 func idArg(id uuid.UUID) any { return pgtype.UUID{Bytes: id, Valid: true} }
 

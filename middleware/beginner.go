@@ -29,8 +29,9 @@ type claimRequest struct {
 	consumer string
 	eventID  uuid.UUID
 	// identity is stored with the claim and compared on a duplicate
-	// (payload verification, identity.go); nil when off.
-	identity *processed.Identity
+	// (payload verification, identity.go) when verify is set.
+	identity processed.Identity
+	verify   bool
 	// eventAt is the event's occurred_at for ids that carry no time (zero:
 	// unknown); the store dates a UUIDv7 by its id (processed.EventTime).
 	eventAt time.Time
@@ -78,6 +79,11 @@ type attemptTx interface {
 	release()
 	// outboxExec is the transaction as watermill-sql sees it (outbox writes).
 	outboxExec() wsql.ContextExecutor
+	// parts is the transaction as the handler sees it: as a sqldb.Querier
+	// (nil when p is set: the attempt's state adapts p itself), and the
+	// driver's own type (one of p and s is nil), for the one context value
+	// of the attempt (attemptState).
+	parts() (q sqldb.Querier, p pgx.Tx, s *sql.Tx)
 }
 
 // PgxBeginnerConfig configures NewPgxBeginner.
@@ -143,7 +149,8 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	if tagErr == nil {
 		tagErr = closeErr
 	}
-	tx := &pgxTx{conn: conn, pc: conn.Conn(), savepoints: new(int)}
+	tx := &pgxTx{conn: conn, pc: conn.Conn()}
+	tx.savepoints = &tx.spCount
 	if tagErr != nil {
 		_ = tx.rollback(ctx)
 		tx.release()
@@ -192,6 +199,8 @@ func (a *pgxNativeTx) rollback(ctx context.Context) error {
 func (a *pgxNativeTx) release() {}
 
 func (a *pgxNativeTx) outboxExec() wsql.ContextExecutor { return wsql.TxFromPgx(a.tx) }
+
+func (a *pgxNativeTx) parts() (sqldb.Querier, pgx.Tx, *sql.Tx) { return nil, a.tx, nil }
 
 // NewStdBeginner returns the database/sql TxBeginner over db (tested with
 // pgx's stdlib driver on PostgreSQL). Each attempt costs BeginTx, the lock
@@ -244,3 +253,5 @@ func (a *stdTx) rollback(context.Context) error {
 func (a *stdTx) release() {}
 
 func (a *stdTx) outboxExec() wsql.ContextExecutor { return wsql.TxFromStdSQL(a.tx) }
+
+func (a *stdTx) parts() (sqldb.Querier, pgx.Tx, *sql.Tx) { return sqldb.Std(a.tx), nil, a.tx }

@@ -57,15 +57,18 @@ type Config struct {
 	// LockTimeout bounds the wait on a claim held by another, uncommitted
 	// transaction (two deliveries of one event at once). When it expires the
 	// attempt fails with the transient ErrInFlight and is retried later. It
-	// is set with SET LOCAL semantics (set_config(…, true)) for the whole
+	// is set with SET LOCAL lock_timeout for the whole
 	// attempt's transaction, so a handler statement that waits longer than it
 	// on a lock also fails, transiently (SQLSTATE 55P03). Defaults to
 	// DefaultLockTimeout; a negative value leaves the session's lock_timeout
 	// untouched.
 	//
-	// Setting it costs one statement per attempt (and PostgreSQL's reset of
-	// the setting at the end of the transaction): about 3 % of throughput on
-	// a one-INSERT handler (bench/RESULTS.md, experiments). To save it, set
+	// Setting it costs one statement per attempt, sent in the claim's round
+	// trip (and PostgreSQL's reset of the setting at the end of the
+	// transaction): 10.6k server and 4.6k client instructions, 7
+	// allocations, about 4 % of the CPU of a message on a one-INSERT handler
+	// (bench part 6, counts; it was a SELECT set_config costing twice as
+	// much on the server). To save it, set
 	// lock_timeout on the pool's sessions instead
 	// (pgxpool.Config.ConnConfig.RuntimeParams["lock_timeout"] = "15s") and
 	// LockTimeout to a negative value; the bound then also applies to every
@@ -110,9 +113,11 @@ type Config struct {
 	// 1.2 µs for a 200-byte payload, processed.BenchmarkNewIdentity) and
 	// ~45 bytes more per row, in the same single INSERT (measured with
 	// BenchmarkPayloadVerification, messages alternating on one table: new
-	// events verified/plain 0.94-1.02, no difference beyond noise); a
-	// duplicate pays one more round trip, a primary-key read (×1.5 on a
-	// duplicate, about 100 µs on loopback under load). Rows
+	// events verified/plain 0.94-1.02, no difference beyond noise; bench
+	// part 6: 7.7k client instructions and 4 allocations per message, 48 B
+	// of WAL); a duplicate pays a primary-key read, sent in one round trip
+	// with its ROLLBACK on the pgx beginner (one more statement, no more
+	// round trips; other beginners: one more round trip). Rows
 	// written before the migration have no fingerprint and stay plain
 	// duplicates. Run processed migration 0003 before deploying a release
 	// with verification on: without the columns every claim fails (and is
@@ -184,6 +189,9 @@ type Idempotent struct {
 
 	handlersMu sync.RWMutex
 	handlers   map[string]struct{} // handler names seen (noteHandler)
+
+	// quiet: the logger is Watermill's NopLogger, so no log field is built.
+	quiet bool
 }
 
 // noteHandler records the router handler a delivery came through and logs,
@@ -227,6 +235,23 @@ func (m *Idempotent) noteHandler(name string) {
 	})
 }
 
+// isNopLogger reports whether l is Watermill's NopLogger (it logs nothing).
+func isNopLogger(l watermill.LoggerAdapter) bool {
+	switch l.(type) {
+	case watermill.NopLogger, *watermill.NopLogger:
+		return true
+	}
+	return false
+}
+
+// setField sets k in f unless f is nil (no fields are built for a quiet
+// logger).
+func setField(f watermill.LogFields, k string, v any) {
+	if f != nil {
+		f[k] = v
+	}
+}
+
 // NewIdempotent validates cfg (on a copy with defaults applied) and returns
 // the middleware. A nil logger is watermill.NopLogger. On SQLite
 // (NewStdBeginner with a SQLite Store) it reads the handle's database file
@@ -253,7 +278,8 @@ func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, err
 	if err := registerSQLiteInbox(cfg); err != nil {
 		return nil, err
 	}
-	return &Idempotent{cfg: cfg, logger: logger, lockTimeout: newLockTimeoutStmt(cfg.Store, cfg.LockTimeout)}, nil
+	return &Idempotent{cfg: cfg, logger: logger, lockTimeout: newLockTimeoutStmt(cfg.Store, cfg.LockTimeout),
+		quiet: isNopLogger(logger)}, nil
 }
 
 // registerSQLiteInbox records, on SQLite, the database file of the
@@ -342,21 +368,27 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		start := time.Now()
 		origCtx := msg.Context()
 		consumer := m.cfg.Consumer
-		fields := watermill.LogFields{
-			"event_id":     msg.UUID,
-			"event_name":   marshaler.EventName(msg),
-			"consumer":     consumer,
-			"handler_name": message.HandlerNameFromCtx(origCtx),
-			"attempt":      nextAttempt(msg),
+		attempt := nextAttempt(msg)
+		handlerName := message.HandlerNameFromCtx(origCtx)
+		// Log fields are built only for a logger that logs (a NopLogger
+		// gets none).
+		var fields watermill.LogFields
+		if !m.quiet {
+			fields = make(watermill.LogFields, 8)
+			fields["event_id"] = msg.UUID
+			fields["event_name"] = marshaler.EventName(msg)
+			fields["consumer"] = consumer
+			fields["handler_name"] = handlerName
+			fields["attempt"] = attempt
 		}
 		reject := func(o Outcome, reason string, err error) ([]*message.Message, error) {
-			return nil, m.finish(consumer, o, start, 0, fields, permanent(reason, err))
+			return nil, m.finish(handlerName, o, start, 0, fields, permanent(reason, err))
 		}
-		if outer, nested := origCtx.Value(attemptKey{}).(*attemptState); nested && outer.consumer == consumer {
+		if outer, nested := stateFrom(origCtx); nested && outer.consumer == consumer {
 			// Wired twice (by hand, or a router-level chain plus a
 			// handler-level one): this claim would wait for the outer
 			// attempt's uncommitted claim of the same key, forever.
-			return nil, m.finish(consumer, OutcomeFailed, start, 0, fields, &ConfigurationError{
+			return nil, m.finish(handlerName, OutcomeFailed, start, 0, fields, &ConfigurationError{
 				Hint: "wire the idempotent middleware of a consumer once per handler: use middleware.NewHandlerMiddleware on the handler " +
 					"and no router-level chain or Idempotent.Middleware besides",
 				Err: fmt.Errorf("idempotency: the idempotent middleware of consumer %q runs twice around one handler (nested attempt)", consumer),
@@ -365,19 +397,21 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		if reason, bad := marshaler.Malformed(msg); bad {
 			// msg.UUID is the transport's message id here, not an event id.
 			delete(fields, "event_id")
-			fields["transport_message_id"] = msg.UUID
+			setField(fields, "transport_message_id", msg.UUID)
 			return reject(OutcomeRejected, "malformed", fmt.Errorf("%w: %s", ErrMalformed, reason))
 		}
 		eventID, perr := marshaler.ParseEventID(msg.UUID) // the marshaler's strict forms, never uuid.Parse's lenient ones
 		if perr != nil {
 			delete(fields, "event_id")
-			fields["transport_message_id"] = msg.UUID
+			setField(fields, "transport_message_id", msg.UUID)
 			return reject(OutcomeRejected, "invalid_event_id", invalidEventID(msg.UUID))
 		}
-		fields["event_id"] = eventID.String()
+		if !m.quiet {
+			fields["event_id"] = eventID.String()
+		}
 		// The replay window is the claim's (the database clock, see
 		// retention.go): no expiry check runs here on the process clock.
-		return m.attempt(h, msg, origCtx, consumer, eventID, start, fields)
+		return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields)
 	}
 }
 
@@ -387,7 +421,7 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 // connection, so a panic anywhere (handler, outbox write, schema adapter,
 // commit) leaves no transaction, no lock and no acquired connection behind.
 func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCtx context.Context,
-	consumer string, eventID uuid.UUID, start time.Time, fields watermill.LogFields) ([]*message.Message, error) {
+	consumer, handlerName string, eventID uuid.UUID, start time.Time, fields watermill.LogFields) ([]*message.Message, error) {
 	eventAt, _ := eventTime(msg, eventID) // occurred_at for ids without a time
 	// Begin and claim: errors here come from the attempt's own connection.
 	req := claimRequest{
@@ -395,14 +429,14 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		consumer:    consumer,
 		eventID:     eventID,
 		eventAt:     eventAt,
-		identity:    m.identityOf(msg),
 		lockTimeout: m.lockTimeout,
 	}
+	req.identity, req.verify = m.identityOf(msg)
 	tx, claimed, err := m.cfg.Beginner.beginClaim(origCtx, req)
 	claimDur := time.Since(start)
 	if err != nil {
 		err = fmt.Errorf("idempotency: begin and claim %s/%s: %w", consumer, eventID, claimError(err, m.cfg.Classifier))
-		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
+		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, err)
 	}
 
 	// ended is set once the transaction was committed or rolled back on a
@@ -421,19 +455,33 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		if r == nil { // runtime.Goexit (t.FailNow in a handler): nothing to re-raise
 			return
 		}
-		_ = m.finish(consumer, OutcomeFailed, start, claimDur, fields, fmt.Errorf("idempotency: panic: %v", r))
+		_ = m.finish(handlerName, OutcomeFailed, start, claimDur, fields, fmt.Errorf("idempotency: panic: %v", r))
 		panic(r)
 	}()
 
 	if !claimed {
+		if d, ok := tx.(duplicateEnder); ok {
+			// pgx: the stored identity is read in one round trip with
+			// the ROLLBACK (duplicate.go).
+			ended = true
+			o, reason, dErr := m.endDuplicate(origCtx, d, req, fields)
+			switch {
+			case dErr != nil && reason == "":
+				return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(dErr, m.cfg.Classifier))
+			case dErr != nil:
+				return nil, m.finish(handlerName, o, start, claimDur, fields, permanent(reason, dErr))
+			}
+			_ = m.finish(handlerName, OutcomeDuplicate, start, claimDur, fields, nil)
+			return nil, nil
+		}
 		// Refused by the replay window (expired or future), or a duplicate.
 		if o, reason, rerr := m.refused(origCtx, tx, consumer, eventID, eventAt, fields); rerr != nil {
 			_ = rollback(origCtx, tx)
 			ended = true
 			if reason == "" { // the verdict itself failed: the attempt's connection
-				return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, claimError(rerr, m.cfg.Classifier))
+				return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(rerr, m.cfg.Classifier))
 			}
-			return nil, m.finish(consumer, o, start, claimDur, fields, permanent(reason, rerr))
+			return nil, m.finish(handlerName, o, start, claimDur, fields, permanent(reason, rerr))
 		}
 		// A duplicate: with payload verification, the stored fingerprint
 		// must be this message's (identity.go).
@@ -441,22 +489,23 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 			_ = rollback(origCtx, tx)
 			ended = true
 			if conflict {
-				return nil, m.finish(consumer, OutcomeConflict, start, claimDur, fields, permanent("event_id_reused", vErr))
+				return nil, m.finish(handlerName, OutcomeConflict, start, claimDur, fields, permanent("event_id_reused", vErr))
 			}
-			return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, claimError(vErr, m.cfg.Classifier))
+			return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(vErr, m.cfg.Classifier))
 		}
 		// Nothing was written: end the transaction and ack.
 		if rbErr := rollback(origCtx, tx); rbErr != nil {
 			m.logger.Debug("Rollback after duplicate failed", fields.Add(watermill.LogFields{"error": oneLine(rbErr.Error())}))
 		}
 		ended = true
-		_ = m.finish(consumer, OutcomeDuplicate, start, claimDur, fields, nil)
+		_ = m.finish(handlerName, OutcomeDuplicate, start, claimDur, fields, nil)
 		return nil, nil
 	}
 
 	crashpoint.Reached(crashpoint.AfterClaim)
 	state := &attemptState{consumer: consumer, outcome: OutcomeProcessed, outbox: m.cfg.Outbox, tx: tx}
-	msg.SetContext(context.WithValue(tx.bind(origCtx), attemptKey{}, state))
+	state.q, state.ptx, state.stx = tx.parts()
+	msg.SetContext(sqldb.ContextWithTx(origCtx, state)) // the attempt's one context value
 
 	produced, err := h(msg)
 	if err == nil {
@@ -473,7 +522,7 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	if err != nil {
 		err = attemptError(err, rollback(origCtx, tx), m.cfg.Classifier)
 		ended = true
-		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, err)
+		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, err)
 	}
 
 	crashpoint.Reached(crashpoint.BeforeCommit)
@@ -482,11 +531,11 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	if cErr := tx.commit(origCtx); cErr != nil {
 		_ = rollback(origCtx, tx)
 		ended = true
-		return nil, m.finish(consumer, OutcomeFailed, start, claimDur, fields, commitError(consumer, eventID, cErr, m.cfg.Classifier, origCtx.Err() != nil))
+		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, commitError(consumer, eventID, cErr, m.cfg.Classifier, origCtx.Err() != nil))
 	}
 	ended = true
 	crashpoint.Reached(crashpoint.AfterCommit)
-	_ = m.finish(consumer, state.outcome, start, claimDur, fields, nil)
+	_ = m.finish(handlerName, state.outcome, start, claimDur, fields, nil)
 	return produced, nil
 }
 
@@ -580,10 +629,15 @@ func eventTime(msg *message.Message, id uuid.UUID) (time.Time, bool) {
 // rejections and handler errors (bound for the poison topic) and any other
 // failure someone must look at. A transient failure (the message stays on
 // the broker and is retried) is logged at info with the field "error".
-func (m *Idempotent) finish(consumer string, o Outcome, start time.Time, claim time.Duration, fields watermill.LogFields, err error) error {
+func (m *Idempotent) finish(handlerName string, o Outcome, start time.Time, claim time.Duration, fields watermill.LogFields, err error) error {
 	total := time.Since(start)
-	handlerName, _ := fields["handler_name"].(string)
-	m.cfg.Recorder.RecordOutcome(Observation{Consumer: consumer, HandlerName: handlerName, Outcome: o, Claim: claim, Total: total})
+	m.cfg.Recorder.RecordOutcome(Observation{Consumer: m.cfg.Consumer, HandlerName: handlerName, Outcome: o, Claim: claim, Total: total})
+	if m.quiet {
+		if o == OutcomeProcessed || o == OutcomeDuplicate || o == OutcomeStale || o == OutcomeObsolete {
+			return nil
+		}
+		return singleLine(err)
+	}
 	f := fields.Add(watermill.LogFields{"outcome": string(o), "duration": total})
 	switch o {
 	case OutcomeProcessed:

@@ -33,29 +33,28 @@ var ErrEventIDReused = errors.New("idempotency: event_id reused for another even
 // permanent.
 const OutcomeConflict Outcome = "conflict"
 
-// identityOf is the identity the claim stores for msg, or nil when payload
+// identityOf is the identity the claim stores for msg; false when payload
 // verification is off.
-func (m *Idempotent) identityOf(msg *message.Message) *processed.Identity {
+func (m *Idempotent) identityOf(msg *message.Message) (processed.Identity, bool) {
 	if m.cfg.DisablePayloadVerification {
-		return nil
+		return processed.Identity{}, false
 	}
-	id := processed.NewIdentity(marshaler.EventName(msg), msg.Payload)
-	return &id
+	return processed.NewIdentity(marshaler.EventName(msg), msg.Payload), true
 }
 
 // claimQuery is the claim statement of c: with the identity columns when
 // payload verification is on.
 func (c claimRequest) claimQuery() (string, []any) {
-	if c.identity != nil {
-		return c.store.ClaimIdentityQueryAt(c.consumer, c.eventID, c.eventAt, *c.identity)
+	if c.verify {
+		return c.store.ClaimIdentityQueryAt(c.consumer, c.eventID, c.eventAt, c.identity)
 	}
 	return c.store.ClaimQueryAt(c.consumer, c.eventID, c.eventAt)
 }
 
 // claim runs the claim statement of c on q.
 func (c claimRequest) claim(ctx context.Context, q sqldb.Querier) (bool, error) {
-	if c.identity != nil {
-		return c.store.ClaimIdentityAt(ctx, q, c.consumer, c.eventID, c.eventAt, *c.identity)
+	if c.verify {
+		return c.store.ClaimIdentityAt(ctx, q, c.consumer, c.eventID, c.eventAt, c.identity)
 	}
 	return c.store.TryClaimAt(ctx, q, c.consumer, c.eventID, c.eventAt)
 }
@@ -68,7 +67,7 @@ func (c claimRequest) claim(ctx context.Context, q sqldb.Querier) (bool, error) 
 // verification off) is a plain duplicate. An error reading the row is
 // returned as is (not permanent: the attempt is retried).
 func (m *Idempotent) verifyDuplicate(ctx context.Context, tx attemptTx, c claimRequest, fields watermill.LogFields) (conflict bool, err error) {
-	if c.identity == nil {
+	if !c.verify {
 		return false, nil
 	}
 	q, ok := QuerierFromContext(tx.bind(ctx))
@@ -79,14 +78,20 @@ func (m *Idempotent) verifyDuplicate(ctx context.Context, tx attemptTx, c claimR
 	if err != nil {
 		return false, err
 	}
-	if c.identity.Verdict(stored) != processed.OtherEvent {
+	return m.compareIdentity(c, stored, fields)
+}
+
+// compareIdentity is verifyDuplicate's comparison, of the identity stored in
+// the row (read by StoredIdentity, or with the ROLLBACK: duplicateEnder).
+func (m *Idempotent) compareIdentity(c claimRequest, stored processed.StoredIdentity, fields watermill.LogFields) (conflict bool, err error) {
+	if !c.verify || c.identity.Verdict(stored) != processed.OtherEvent {
 		return false, nil
 	}
 	err = fmt.Errorf("%w: %s/%s was processed as %q, this message is %q with another fingerprint",
 		ErrEventIDReused, c.consumer, c.eventID, stored.EventName, c.identity.EventName)
 	// Logged once, at ERROR, by finish (the rejection's line), with both
 	// event names.
-	fields["stored_event_name"] = stored.EventName
-	fields["hint"] = "the producer gave one event_id to two different events; this message goes to the poison topic"
+	setField(fields, "stored_event_name", stored.EventName)
+	setField(fields, "hint", "the producer gave one event_id to two different events; this message goes to the poison topic")
 	return true, err
 }

@@ -2,11 +2,14 @@ package middleware
 
 import (
 	"context"
+	"database/sql"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/watermill-idempotency/idempotency/outbox"
+	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // Outcome is what happened to one attempt, as recorded and logged.
@@ -39,6 +42,11 @@ type attemptState struct {
 	tx       attemptTx
 	pub      message.Publisher
 
+	// The transaction as the handler sees it (attemptTx.parts).
+	q   sqldb.Querier
+	ptx pgx.Tx
+	stx *sql.Tx
+
 	// buffered holds what the handler published through
 	// PublisherFromContext; it is written to the outbox only once the
 	// handler succeeded, and dropped with the attempt otherwise.
@@ -46,6 +54,42 @@ type attemptState struct {
 	// refused is the first refusal of PublisherFromContext (an invalid
 	// message): it fails the attempt even if the handler ignored it.
 	refused error
+}
+
+// The attempt's state is the one value the middleware puts in the
+// handler's context, under sqldb's key (sqldb.ContextWithTx): it is the
+// transaction as a sqldb.Querier (QuerierFromContext, library helpers) and
+// carries the driver's own transaction (PgxTxFromContext,
+// SQLTxFromContext), the consumer, the outcome and the outbox publisher.
+
+// Exec runs query on the attempt's transaction (sqldb.Querier).
+func (st *attemptState) Exec(ctx context.Context, query string, args ...any) (int64, error) {
+	if st.q != nil {
+		return st.q.Exec(ctx, query, args...)
+	}
+	tag, err := st.ptx.Exec(ctx, query, args...)
+	if err != nil {
+		return 0, err
+	}
+	return tag.RowsAffected(), nil
+}
+
+// QueryRow runs query on the attempt's transaction (sqldb.Querier).
+func (st *attemptState) QueryRow(ctx context.Context, query string, args ...any) sqldb.Row {
+	if st.q != nil {
+		return st.q.QueryRow(ctx, query, args...)
+	}
+	return sqldb.Pgx(st.ptx).QueryRow(ctx, query, args...)
+}
+
+// stateFrom returns the attempt's state from a handler's context.
+func stateFrom(ctx context.Context) (*attemptState, bool) {
+	q, ok := sqldb.TxFromContext(ctx)
+	if !ok {
+		return nil, false
+	}
+	st, ok := q.(*attemptState)
+	return st, ok
 }
 
 type publishCall struct {
@@ -69,7 +113,7 @@ func (st *attemptState) publisher() (message.Publisher, error) {
 // and is recorded and logged as OutcomeObsolete. It reports false outside
 // the middleware.
 func MarkObsolete(ctx context.Context) bool {
-	st, ok := ctx.Value(attemptKey{}).(*attemptState)
+	st, ok := stateFrom(ctx)
 	if ok {
 		st.outcome = OutcomeObsolete
 	}
@@ -79,7 +123,7 @@ func MarkObsolete(ctx context.Context) bool {
 // ConsumerFromContext returns, inside a handler run by the middleware, the
 // consumer name the claim used (Config.Consumer).
 func ConsumerFromContext(ctx context.Context) (string, bool) {
-	st, ok := ctx.Value(attemptKey{}).(*attemptState)
+	st, ok := stateFrom(ctx)
 	if !ok {
 		return "", false
 	}
@@ -98,7 +142,7 @@ func ConsumerFromContext(ctx context.Context) (string, bool) {
 // Publish return a permanent error wrapping ErrInvalidProduced, and fails the
 // attempt even if the handler ignores that error.
 func PublisherFromContext(ctx context.Context) (pub message.Publisher, ok bool) {
-	st, ok := ctx.Value(attemptKey{}).(*attemptState)
+	st, ok := stateFrom(ctx)
 	if !ok || st.outbox == nil {
 		return nil, false
 	}
@@ -130,7 +174,7 @@ func (ctxPublisher) Close() error { return nil }
 // commits its claim, and is recorded and logged as OutcomeStale instead of
 // OutcomeProcessed. It reports false outside the middleware.
 func MarkStale(ctx context.Context) bool {
-	st, ok := ctx.Value(attemptKey{}).(*attemptState)
+	st, ok := stateFrom(ctx)
 	if ok {
 		st.outcome = OutcomeStale
 	}

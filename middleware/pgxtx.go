@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"strconv"
 
@@ -45,6 +46,7 @@ type pgxTx struct {
 	// shared by all of them: each gets a name of its own, so siblings are
 	// distinct and rolling back one never undoes another.
 	savepoints *int
+	spCount    int // the root's counter (savepoints points here)
 	closed     bool
 }
 
@@ -75,6 +77,57 @@ func (tx *pgxTx) release() {
 }
 
 func (tx *pgxTx) outboxExec() wsql.ContextExecutor { return wsql.TxFromPgx(tx) }
+
+func (tx *pgxTx) parts() (sqldb.Querier, pgx.Tx, *sql.Tx) { return nil, tx, nil }
+
+// readAndRollback ends the transaction of a claim that inserted nothing (a
+// duplicate, or an event refused by the replay window) in one round trip:
+// query (the stored identity's read, processed.Store.StoredIdentityQuery)
+// and ROLLBACK sent together in one batch. found is false when query
+// returned no row. The read is a statement of its own after the claim, so
+// under READ COMMITTED it takes a new snapshot and sees a row that a
+// concurrent claim committed while this one waited on it. The transaction
+// is closed afterwards whatever happened: a read that failed leaves it
+// aborted and skips the ROLLBACK (one Sync ends the batch), so ROLLBACK is
+// sent on its own; a connection whose ROLLBACK failed is closed, as by
+// Rollback. After it, afterEnd runs statements on the connection in
+// autocommit mode (the replay window's verdict) until release.
+func (tx *pgxTx) readAndRollback(ctx context.Context, query string, args []any, dest ...any) (found bool, err error) {
+	if tx.closed {
+		return false, pgx.ErrTxClosed
+	}
+	tx.closed = true
+	b := &pgx.Batch{}
+	b.Queue(query, args...)
+	b.Queue("rollback")
+	br := tx.pc.SendBatch(ctx, b)
+	err = br.QueryRow().Scan(dest...)
+	found = err == nil
+	if errors.Is(err, pgx.ErrNoRows) {
+		err = nil
+	}
+	_, rbErr := br.Exec()
+	closeErr := br.Close()
+	if err == nil {
+		err = rbErr
+	}
+	if err == nil {
+		err = closeErr
+	}
+	if tx.pc.PgConn().TxStatus() != 'I' {
+		if _, rerr := tx.pc.Exec(ctx, "rollback"); rerr != nil {
+			_ = tx.pc.Close(context.WithoutCancel(ctx))
+			if err == nil {
+				err = rerr
+			}
+		}
+	}
+	return found, err
+}
+
+// afterEnd is the connection in autocommit mode, for statements after
+// readAndRollback ended the transaction.
+func (tx *pgxTx) afterEnd() sqldb.Querier { return sqldb.Pgx(tx.pc) }
 
 // Begin starts a savepoint inside the transaction.
 func (tx *pgxTx) Begin(ctx context.Context) (pgx.Tx, error) {

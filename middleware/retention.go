@@ -42,7 +42,11 @@ func (m *Idempotent) refused(ctx context.Context, tx attemptTx, consumer string,
 		return "", "", nil
 	}
 	q, _ := QuerierFromContext(tx.bind(ctx))
-	err := m.cfg.Store.Verdict(ctx, q, consumer, id, at)
+	return m.refusal(m.cfg.Store.Verdict(ctx, q, consumer, id, at), fields)
+}
+
+// refusal maps a verdict (processed.Store.Verdict) to refused's results.
+func (m *Idempotent) refusal(err error, fields watermill.LogFields) (Outcome, string, error) {
 	switch {
 	case err == nil:
 		return "", "", nil
@@ -50,7 +54,7 @@ func (m *Idempotent) refused(ctx context.Context, tx attemptTx, consumer string,
 		return OutcomeExpired, "expired", fmt.Errorf("%w: %w", ErrExpired, err)
 	case errors.Is(err, processed.ErrFuture):
 		// Logged once, at ERROR, by finish (the rejection's line).
-		fields["hint"] = "the event is dated after the database clock plus MaxFutureSkew: its producer's clock is wrong"
+		setField(fields, "hint", "the event is dated after the database clock plus MaxFutureSkew: its producer's clock is wrong")
 		return OutcomeFuture, "future", fmt.Errorf("%w: %w", ErrFuture, err)
 	default:
 		return OutcomeFailed, "", err // classified by the caller (the attempt's connection)

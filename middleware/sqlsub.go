@@ -2,10 +2,12 @@ package middleware
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
@@ -65,6 +67,18 @@ type savepointTx struct {
 	tx   wsql.Tx
 	q    sqldb.Querier
 	done bool
+}
+
+func (a *savepointTx) parts() (sqldb.Querier, pgx.Tx, *sql.Tx) {
+	switch t := a.tx.(type) {
+	case *wsql.PgxTx:
+		return a.q, t.Tx, nil
+	case wsql.PgxTx:
+		return a.q, t.Tx, nil
+	case *wsql.StdSQLTx:
+		return a.q, nil, t.Tx
+	}
+	return a.q, nil, nil
 }
 
 func (a *savepointTx) bind(ctx context.Context) context.Context {

@@ -11,9 +11,8 @@ import (
 
 // Unexported key types: no other package can read or overwrite these values.
 type (
-	pgxTxKey   struct{}
-	sqlTxKey   struct{}
-	attemptKey struct{}
+	pgxTxKey struct{}
+	sqlTxKey struct{}
 )
 
 // PgxTxFromContext returns the attempt's transaction when the middleware runs
@@ -29,6 +28,9 @@ type (
 // inside it re-runs the handler in the same transaction, keeping the
 // failed try's writes.
 func PgxTxFromContext(ctx context.Context) (tx pgx.Tx, ok bool) {
+	if st, ok := stateFrom(ctx); ok {
+		return st.ptx, st.ptx != nil
+	}
 	tx, ok = ctx.Value(pgxTxKey{}).(pgx.Tx)
 	return tx, ok
 }
@@ -37,6 +39,9 @@ func PgxTxFromContext(ctx context.Context) (tx pgx.Tx, ok bool) {
 // on database/sql (NewStdBeginner). ok is false otherwise; it never panics.
 // Do not Commit or Rollback it.
 func SQLTxFromContext(ctx context.Context) (tx *sql.Tx, ok bool) {
+	if st, ok := stateFrom(ctx); ok {
+		return st.stx, st.stx != nil
+	}
 	tx, ok = ctx.Value(sqlTxKey{}).(*sql.Tx)
 	return tx, ok
 }

@@ -46,14 +46,21 @@ type Identity struct {
 // has the same bytes). The name's length is hashed first, so no other split
 // of the same bytes between name and payload gives the same fingerprint.
 func NewIdentity(eventName string, payload []byte) Identity {
-	h := sha256.New()
-	var n [binary.MaxVarintLen64]byte
-	h.Write(n[:binary.PutUvarint(n[:], uint64(len(eventName)))])
-	h.Write([]byte(eventName))
-	h.Write(payload)
-	fp := make([]byte, 1, 1+sha256.Size)
+	// One buffer hashed with Sum256: on the stack for the usual sizes (one
+	// allocation per identity, the fingerprint, instead of three).
+	var stack [512]byte
+	buf := stack[:0]
+	if need := binary.MaxVarintLen64 + len(eventName) + len(payload); need > len(stack) {
+		buf = make([]byte, 0, need)
+	}
+	buf = binary.AppendUvarint(buf, uint64(len(eventName)))
+	buf = append(buf, eventName...)
+	buf = append(buf, payload...)
+	sum := sha256.Sum256(buf)
+	fp := make([]byte, 1+sha256.Size)
 	fp[0] = FingerprintVersion
-	return Identity{EventName: eventName, Fingerprint: h.Sum(fp)}
+	copy(fp[1:], sum[:])
+	return Identity{EventName: eventName, Fingerprint: fp}
 }
 
 // storedName is the event name as the claim stores it.
@@ -123,6 +130,15 @@ func (s *Store) ClaimIdentityQuery(consumer string, eventID uuid.UUID, id Identi
 // fingerprint as two more columns; rows affected 1 for a claim and 0 for a
 // duplicate or a refusal (Verdict). It needs the fingerprint migration.
 func (s *Store) ClaimIdentityQueryAt(consumer string, eventID uuid.UUID, at time.Time, id Identity) (string, []any) {
+	if s.dialect == sqldb.PostgreSQL {
+		// The statement text is built once (NewStore); its two extra
+		// placeholders come last.
+		id7, t := s.sql.eventID(eventID), s.eventAtArg(eventID, at)
+		if s.routed(eventID) {
+			return s.identity.claimOther, []any{consumer, id7, t, id.storedName(), id.Fingerprint}
+		}
+		return s.identity.claim, []any{consumer, id7, t, id.storedName(), id.Fingerprint}
+	}
 	query, args := s.ClaimQueryAt(consumer, eventID, at)
 	return withIdentityColumns(query, args, id.storedName(), id.Fingerprint)
 }
@@ -217,7 +233,8 @@ func (s *Store) StoredIdentity(ctx context.Context, q sqldb.Querier, consumer st
 		name []byte
 		fp   []byte
 	)
-	err := q.QueryRow(ctx, s.identity.stored, consumer, s.sql.eventID(eventID)).Scan(&name, &fp)
+	query, args := s.StoredIdentityQuery(consumer, eventID)
+	err := q.QueryRow(ctx, query, args...).Scan(&name, &fp)
 	switch {
 	case errors.Is(err, sqldb.ErrNoRows):
 		return StoredIdentity{}, nil
@@ -227,10 +244,28 @@ func (s *Store) StoredIdentity(ctx context.Context, q sqldb.Querier, consumer st
 	return StoredIdentity{Found: true, EventName: string(name), Fingerprint: fp}, nil
 }
 
+// StoredIdentityQuery returns StoredIdentity's statement and arguments: one
+// primary-key read of the row's event_name and fingerprint (bytea/blob;
+// no row when none exists). It is exported for drivers that send it in one
+// round trip with the duplicate's ROLLBACK (the middleware's pgx beginner);
+// most callers want StoredIdentity. On a partitioned store, ids that are not
+// UUIDv7 are read from the side table, where their claim wrote them.
+func (s *Store) StoredIdentityQuery(consumer string, eventID uuid.UUID) (string, []any) {
+	query := s.identity.stored
+	if s.routed(eventID) && s.identity.storedOther != "" {
+		query = s.identity.storedOther
+	}
+	return query, []any{consumer, s.sql.eventID(eventID)}
+}
+
 // identityStatements are the payload-verification statements of one store,
 // built once by NewStore.
 type identityStatements struct {
-	stored string // the duplicate path's read of the stored identity
+	stored      string // the duplicate path's read of the stored identity
+	storedOther string // the same on the partitioned layout's side table
+	// PostgreSQL: the claims with the identity columns (built once), on the
+	// table and on the partitioned layout's side table.
+	claim, claimOther string
 }
 
 func newIdentityStatements(d sqldb.Dialect, q string) identityStatements {

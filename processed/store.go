@@ -187,6 +187,14 @@ func NewStore(cfg Config) (*Store, error) {
 	}
 	if s.layout == LayoutPartitioned {
 		s.initPartitioned()
+		s.identity.storedOther = "SELECT event_name, fingerprint FROM " + s.sibling("other") + " WHERE consumer = $1 AND event_id = $2"
+	}
+	if s.dialect == sqldb.PostgreSQL {
+		three := []any{nil, nil, nil}
+		s.identity.claim, _ = withIdentityColumns(s.claimSQL, three, "", nil)
+		if s.other != nil {
+			s.identity.claimOther, _ = withIdentityColumns(s.other.claim, three, "", nil)
+		}
 	}
 	return s, nil
 }
@@ -252,7 +260,7 @@ func (s *Store) eventAtArg(eventID uuid.UUID, at time.Time) any {
 }
 
 // LockTimeoutQuery returns the statement that bounds lock waits to d in the
-// current transaction (PostgreSQL: set_config('lock_timeout', …, true);
+// current transaction (PostgreSQL: SET LOCAL lock_timeout = '<d>ms';
 // MySQL: the session's innodb_lock_wait_timeout, whole seconds), or ok=false
 // when the dialect has none (SQLite: the driver's busy_timeout applies).
 func (s *Store) LockTimeoutQuery(d time.Duration) (query string, args []any, ok bool) {

@@ -24,8 +24,9 @@ import (
 )
 
 func main() {
+	bench.RunCountChild() // the counts part's child (under valgrind): runs and exits
 	quick := flag.Bool("quick", false, "small sizes (under a minute)")
-	parts := flag.String("parts", "all", "comma-separated parts: overhead,growth,e2e,purge,memory,relay")
+	parts := flag.String("parts", "all", "comma-separated parts: overhead,growth,e2e,purge,memory,relay,counts")
 	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile of the run to this file")
 	rounds := flag.Int("rounds", 0, "override the interleaved rounds of the overhead and experiments parts")
 	dur := flag.Duration("dur", 0, "override the per-variant duration of one round (overhead, experiments)")

@@ -1,0 +1,530 @@
+package bench
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// Part "counts": per message on the one-INSERT handler through the
+// recommended chain, one worker, counts that other load cannot move:
+//
+//   - client instructions: the benchmark re-executes itself as a child
+//     process (countChildEnv) under valgrind's cachegrind (--cache-sim=no:
+//     instructions only) and runs N1, then N2 messages; the per-message count
+//     is (I(N2) − I(N1)) ÷ (N2 − N1), so process start, connecting and
+//     building the chain cancel out. Building the messages is inside (the
+//     same for every variant).
+//   - server instructions: a scratch PostgreSQL the part starts itself
+//     (initdb in a temporary directory, a free loopback port; never the
+//     shared server) runs under cachegrind too; each child's backend writes
+//     its count when the child disconnects; the same difference per message.
+//     server_instructions_per_claim = ours − none (what the claim adds).
+//   - WAL bytes: pg_current_wal_lsn() before and after the N2 run's loop.
+//   - allocations: runtime.MemStats.Mallocs around the N2 run's loop.
+//
+// Without valgrind or the PostgreSQL binaries the part reports its keys as
+// null and says why.
+
+// countChildEnv carries a child's countSpec (JSON); see RunCountChild.
+const countChildEnv = "IDEMBENCH_COUNT_CHILD"
+
+type countSpec struct {
+	URL     string `json:"url"`
+	Schema  string `json:"schema"`
+	Variant string `json:"variant"`
+	N       int    `json:"n"`
+	IDsFile string `json:"ids_file,omitempty"` // duplicate variant: processed ids, one a line
+	Out     string `json:"out"`                // the child writes its countReport here
+}
+
+type countReport struct {
+	PID    uint32  `json:"pid"`    // the backend's pid
+	WAL    int64   `json:"wal"`    // bytes of WAL during the loop
+	Allocs float64 `json:"allocs"` // per message
+	Bytes  float64 `json:"bytes"`  // per message
+}
+
+// RunCountChild runs the counts part's child when the process was started
+// as one (the environment variable countChildEnv set) and exits; otherwise
+// it returns at once. The benchmark command calls it first thing.
+func RunCountChild() {
+	spec := os.Getenv(countChildEnv)
+	if spec == "" {
+		return
+	}
+	if err := countChild(spec); err != nil {
+		fmt.Fprintln(os.Stderr, "idembench count child:", err)
+		os.Exit(1)
+	}
+	os.Exit(0)
+}
+
+func countChild(specJSON string) error {
+	var s countSpec
+	if err := json.Unmarshal([]byte(specJSON), &s); err != nil {
+		return err
+	}
+	ctx := context.Background()
+	cfg, err := pgxpool.ParseConfig(s.URL)
+	if err != nil {
+		return err
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = s.Schema
+	cfg.MaxConns, cfg.MinConns = 1, 1
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	store, err := processed.NewStore(processed.Config{Table: s.Schema + ".processed_event", Horizon: time.Hour})
+	if err != nil {
+		return err
+	}
+	vs, err := newVariantSet(pool, store)
+	if err != nil {
+		return err
+	}
+	var ids []uuid.UUID
+	if s.IDsFile != "" {
+		b, err := os.ReadFile(s.IDsFile)
+		if err != nil {
+			return err
+		}
+		for _, l := range strings.Fields(string(b)) {
+			ids = append(ids, uuid.MustParse(l))
+		}
+	}
+	msgs := make([]*message.Message, s.N)
+	for i := range msgs {
+		var m *message.Message
+		if ids != nil {
+			m, err = marshaler.NewMessageWithID(ids[i%len(ids)], eventName, time.Now().UTC(), payload())
+		} else {
+			m, err = newV7()
+		}
+		if err != nil {
+			return err
+		}
+		m.SetContext(ctx)
+		msgs[i] = m
+	}
+	v := s.Variant
+	h := vs.handlerFor(v, handler(h1)) // none, idempotent, duplicate (vs.handlerFor: ours)
+	if mod, ok := countConfigs[v]; ok {
+		beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
+		if err != nil {
+			return err
+		}
+		cfg := middleware.Config{Beginner: beginner, Store: store, Consumer: consumerName, Recorder: vs.sink}
+		mod(&cfg)
+		idem, err := middleware.NewIdempotent(cfg, watermill.NopLogger{})
+		if err != nil {
+			return err
+		}
+		chain, _, err := chainWith(idem)
+		if err != nil {
+			return err
+		}
+		h = compose(handler(h1), chain...)
+	}
+	var rep countReport
+	var lsn0 string
+	if err := pool.QueryRow(ctx, "SELECT pg_backend_pid(), pg_current_wal_insert_lsn()::text").Scan(&rep.PID, &lsn0); err != nil {
+		return err
+	}
+	var a, b runtime.MemStats
+	runtime.ReadMemStats(&a)
+	for _, m := range msgs {
+		if _, err := h(m); err != nil {
+			return err
+		}
+	}
+	runtime.ReadMemStats(&b)
+	if err := pool.QueryRow(ctx, "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), $1::pg_lsn)::bigint", lsn0).Scan(&rep.WAL); err != nil {
+		return err
+	}
+	n := float64(s.N)
+	rep.Allocs = float64(b.Mallocs-a.Mallocs) / n
+	rep.Bytes = float64(b.TotalAlloc-a.TotalAlloc) / n
+	out, err := json.Marshal(rep)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(s.Out, out, 0o644)
+}
+
+// CountSizes sizes the counts part: N1 and N2 messages per child (0: the
+// part is skipped).
+type CountSizes struct {
+	N1, N2 int
+}
+
+// countVariants are the variants counted, the first the baseline.
+var countVariants = []string{vNone, vOurs, vDuplicate, "idem_no_lock_timeout", "idem_no_verify", "dup_no_lock_timeout_no_verify"}
+
+// countConfigs are the counted configurations of the middleware other than
+// the default: where its cost goes.
+var countConfigs = map[string]func(*middleware.Config){
+	// Config.LockTimeout < 0: no SET LOCAL lock_timeout in the batch (the
+	// pool's sessions would carry lock_timeout instead).
+	"idem_no_lock_timeout": func(c *middleware.Config) { c.LockTimeout = -1 },
+	// Config.DisablePayloadVerification: no fingerprint, no identity read.
+	"idem_no_verify": func(c *middleware.Config) { c.DisablePayloadVerification = true },
+	// A duplicate with neither: BEGIN, claim, ROLLBACK only.
+	"dup_no_lock_timeout_no_verify": func(c *middleware.Config) {
+		c.LockTimeout, c.DisablePayloadVerification = -1, true
+	},
+}
+
+type countResult struct {
+	client, server float64 // instructions per message
+	wal            float64 // bytes per message
+	allocs, bytes  float64 // per message (N2 run)
+}
+
+func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
+	keys := []string{"server_instructions_per_claim", "client_instructions_per_msg", "client_instructions_per_msg_plain",
+		"server_instructions_per_msg", "server_instructions_per_msg_plain", "duplicate_cpu_ratio"}
+	skip := func(why string) error {
+		for _, k := range keys {
+			res.set(k, math.NaN())
+		}
+		res.Tables = append(res.Tables, Table{Title: "6. counts: not measured", Header: []string{"why"}, Rows: [][]string{{why}}})
+		fmt.Fprintf(e.log, "counts: skipped: %s\n", why)
+		return nil
+	}
+	if sz.N2 <= sz.N1 || sz.N1 <= 0 {
+		return skip("no sizes in this profile")
+	}
+	valgrind, err := exec.LookPath("valgrind")
+	if err != nil {
+		return skip("valgrind not found (apt-get install valgrind)")
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return skip(err.Error())
+	}
+	srv, err := startScratch(ctx, valgrind)
+	if err != nil {
+		return fmt.Errorf("bench: counts: scratch PostgreSQL: %w", err)
+	}
+	defer srv.stop()
+	fmt.Fprintf(e.log, "counts: scratch PostgreSQL under cachegrind on port %d\n", srv.port)
+
+	setup, err := pgx.Connect(ctx, srv.url)
+	if err != nil {
+		return err
+	}
+	const schema = "counts"
+	if _, err := setup.Exec(ctx, "CREATE SCHEMA "+schema+"; SET search_path = "+schema+";"+handlerSchema); err != nil {
+		setup.Close(ctx)
+		return err
+	}
+	store, err := processed.NewStore(processed.Config{Table: schema + ".processed_event", Horizon: time.Hour})
+	if err == nil {
+		err = store.Migrate(ctx, sqldb.Pgx(setup))
+	}
+	if err != nil {
+		setup.Close(ctx)
+		return err
+	}
+	// Already-processed ids for the duplicate variant.
+	var idb bytes.Buffer
+	for i := 0; i < sz.N2; i++ {
+		id, _ := uuid.NewV7()
+		if _, err := store.Claim(ctx, sqldb.Pgx(setup), consumerName, id); err != nil {
+			setup.Close(ctx)
+			return err
+		}
+		idb.WriteString(id.String() + "\n")
+	}
+	setup.Close(ctx)
+	idsFile := filepath.Join(srv.dir, "dup_ids")
+	if err := os.WriteFile(idsFile, idb.Bytes(), 0o644); err != nil {
+		return err
+	}
+
+	run := func(v string, n int) (client, server int64, rep countReport, err error) {
+		out := filepath.Join(srv.dir, fmt.Sprintf("child_%s_%d", v, n))
+		spec := countSpec{URL: srv.url, Schema: schema, Variant: v, N: n, Out: out + ".json"}
+		if strings.HasPrefix(v, "dup") {
+			spec.IDsFile = idsFile
+		}
+		sj, _ := json.Marshal(spec)
+		cmd := exec.CommandContext(ctx, valgrind, "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file="+out+".cg", self)
+		cmd.Env = append(os.Environ(), countChildEnv+"="+string(sj), "GODEBUG=asyncpreemptoff=1,cpu.rdtscp=off")
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		if err := cmd.Run(); err != nil {
+			return 0, 0, rep, fmt.Errorf("child %s n=%d: %w\n%s", v, n, err, tail(stderr.String(), 2000))
+		}
+		if client, err = cgSummary(out + ".cg"); err != nil {
+			return 0, 0, rep, err
+		}
+		b, err := os.ReadFile(out + ".json")
+		if err != nil {
+			return 0, 0, rep, err
+		}
+		if err := json.Unmarshal(b, &rep); err != nil {
+			return 0, 0, rep, err
+		}
+		// The backend writes its count when it exits, after the child
+		// disconnected.
+		sf := filepath.Join(srv.dir, "cg", fmt.Sprintf("cg.%d", rep.PID))
+		deadline := time.Now().Add(60 * time.Second)
+		for {
+			if server, err = cgSummary(sf); err == nil {
+				break
+			}
+			if time.Now().After(deadline) {
+				return 0, 0, rep, fmt.Errorf("backend %d wrote no count: %w", rep.PID, err)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		return client, server, rep, nil
+	}
+	got := map[string]countResult{}
+	for _, v := range countVariants {
+		fmt.Fprintf(e.log, "counts: %s (%d and %d messages)\n", v, sz.N1, sz.N2)
+		c1, s1, _, err := run(v, sz.N1)
+		if err != nil {
+			return fmt.Errorf("bench: counts: %w", err)
+		}
+		c2, s2, rep, err := run(v, sz.N2)
+		if err != nil {
+			return fmt.Errorf("bench: counts: %w", err)
+		}
+		d := float64(sz.N2 - sz.N1)
+		got[v] = countResult{
+			client: float64(c2-c1) / d, server: float64(s2-s1) / d,
+			wal: float64(rep.WAL) / float64(sz.N2), allocs: rep.Allocs, bytes: rep.Bytes,
+		}
+	}
+	k := func(x float64) string { return f1(x / 1000) }
+	t := Table{
+		Title:  "6. counts per message (one-INSERT handler through the chain, one worker; instructions from cachegrind, load-independent)",
+		Header: []string{"variant", "client kinstr", "server kinstr", "client+server", "× none", "WAL B", "allocs", "bytes"},
+	}
+	base := got[vNone]
+	for _, v := range countVariants {
+		r := got[v]
+		t.Rows = append(t.Rows, []string{v, k(r.client), k(r.server), k(r.client + r.server),
+			f3((r.client + r.server) / (base.client + base.server)), f0(r.wal), f1(r.allocs), f0(r.bytes)})
+	}
+	ours, dup := got[vOurs], got[vDuplicate]
+	t.Notes = []string{
+		"idem_no_lock_timeout: Config.LockTimeout < 0 (no SET LOCAL); idem_no_verify: DisablePayloadVerification (no fingerprint, no identity read on a duplicate); dup_no_lock_timeout_no_verify: a duplicate with neither (BEGIN, claim, ROLLBACK).",
+		fmt.Sprintf("(I(%d) − I(%d)) ÷ %d per message: process start and connection cancel out; building the message is inside (same for all).", sz.N2, sz.N1, sz.N2-sz.N1),
+		"server: a scratch PostgreSQL (initdb, loopback, fsync off) run by this part under cachegrind, the child's backend only; WAL: pg_current_wal_insert_lsn diff; allocs: MemStats.Mallocs.",
+		fmt.Sprintf("server instructions per claim (ours − none): %s k; duplicate CPU ÷ new message CPU: %s.", k(ours.server-base.server), f3((dup.client+dup.server)/(ours.client+ours.server))),
+	}
+	res.Tables = append(res.Tables, t)
+	res.set("server_instructions_per_claim", ours.server-base.server)
+	res.set("client_instructions_per_msg", ours.client)
+	res.set("client_instructions_per_msg_plain", base.client)
+	res.set("server_instructions_per_msg", ours.server)
+	res.set("server_instructions_per_msg_plain", base.server)
+	res.set("client_instructions_per_duplicate", dup.client)
+	res.set("server_instructions_per_duplicate", dup.server)
+	res.set("duplicate_cpu_ratio", (dup.client+dup.server)/(ours.client+ours.server))
+	res.set("wal_bytes_per_msg", ours.wal)
+	res.set("wal_bytes_per_msg_plain", base.wal)
+	res.set("allocs_per_msg_chain", ours.allocs)
+	res.set("allocs_per_msg_chain_plain", base.allocs)
+	res.set("allocs_ratio_chain", ours.allocs/base.allocs)
+	res.set("server_instructions_per_msg_no_lock_timeout", got["idem_no_lock_timeout"].server)
+	res.set("server_instructions_per_msg_no_verify", got["idem_no_verify"].server)
+	res.set("client_instructions_per_msg_no_verify", got["idem_no_verify"].client)
+	floor := got["dup_no_lock_timeout_no_verify"]
+	res.set("duplicate_cpu_ratio_no_lock_timeout_no_verify", (floor.client+floor.server)/(ours.client+ours.server))
+	return nil
+}
+
+func tail(s string, n int) string {
+	if len(s) > n {
+		return s[len(s)-n:]
+	}
+	return s
+}
+
+// cgSummary reads the instruction total of a cachegrind output file.
+func cgSummary(path string) (int64, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		if rest, ok := strings.CutPrefix(sc.Text(), "summary:"); ok {
+			return strconv.ParseInt(strings.Fields(rest)[0], 10, 64)
+		}
+	}
+	return 0, fmt.Errorf("%s: no summary line", path)
+}
+
+// scratch is the counts part's own PostgreSQL server.
+type scratch struct {
+	dir, url string
+	port     int
+	cmd      *exec.Cmd
+	exited   chan error
+}
+
+// startScratch runs initdb in a temporary directory and starts postgres
+// under cachegrind (one count file per process, cg/cg.<pid>) on a free
+// loopback port. Run as root, the server runs as "postgres" (else
+// "nobody"), as PostgreSQL refuses root.
+func startScratch(ctx context.Context, valgrind string) (*scratch, error) {
+	bin := os.Getenv("PG_BINDIR")
+	if bin == "" {
+		p, err := exec.LookPath("initdb")
+		if err != nil {
+			return nil, errors.New("initdb not found (set PG_BINDIR)")
+		}
+		bin = filepath.Dir(p)
+	}
+	dir, err := os.MkdirTemp("", "idembench-counts-")
+	if err != nil {
+		return nil, err
+	}
+	s := &scratch{dir: dir}
+	if err := os.Mkdir(filepath.Join(dir, "cg"), 0o755); err != nil {
+		return nil, err
+	}
+	var cred *syscall.Credential
+	if os.Geteuid() == 0 {
+		var u *user.User
+		for _, name := range []string{"postgres", "nobody"} {
+			if u, err = user.Lookup(name); err == nil {
+				break
+			}
+		}
+		if err != nil {
+			return nil, err
+		}
+		uid, _ := strconv.Atoi(u.Uid)
+		gid, _ := strconv.Atoi(u.Gid)
+		_ = os.Chmod(dir, 0o755)
+		if err := filepath.Walk(dir, func(p string, _ os.FileInfo, err error) error {
+			if err != nil {
+				return err
+			}
+			return os.Lchown(p, uid, gid)
+		}); err != nil {
+			return nil, err
+		}
+		cred = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+	}
+	env := append(os.Environ(), "LC_ALL=C", "LANG=C")
+	var out bytes.Buffer
+	initdb := exec.CommandContext(ctx, filepath.Join(bin, "initdb"), "-D", filepath.Join(dir, "data"), "-U", "postgres", "--auth=trust",
+		"--no-sync", "--no-instructions", "--encoding=UTF8", "--locale=C")
+	initdb.Env, initdb.Dir, initdb.Stdout, initdb.Stderr = env, dir, &out, &out
+	initdb.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
+	if err := initdb.Run(); err != nil {
+		s.stop()
+		return nil, fmt.Errorf("initdb: %v\n%s", err, out.String())
+	}
+	l, err := netListenLoopback()
+	if err != nil {
+		s.stop()
+		return nil, err
+	}
+	s.port = l
+	s.url = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", s.port)
+	logf, err := os.Create(filepath.Join(dir, "log"))
+	if err != nil {
+		s.stop()
+		return nil, err
+	}
+	defer logf.Close()
+	s.cmd = exec.Command(valgrind, "--tool=cachegrind", "--cache-sim=no", "--trace-children=no",
+		"--cachegrind-out-file="+filepath.Join(dir, "cg", "cg.%p"),
+		filepath.Join(bin, "postgres"), "-D", filepath.Join(dir, "data"),
+		"-c", "port="+strconv.Itoa(s.port), "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories=",
+		"-c", "fsync=off", "-c", "max_connections=20", "-c", "shared_buffers=64MB", "-c", "autovacuum=off",
+		"-c", "dynamic_shared_memory_type=posix", "-c", "max_parallel_workers_per_gather=0")
+	s.cmd.Env, s.cmd.Dir, s.cmd.Stdout, s.cmd.Stderr = env, dir, logf, logf
+	s.cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred, Pdeathsig: syscall.SIGQUIT}
+	if err := s.cmd.Start(); err != nil {
+		s.stop()
+		return nil, err
+	}
+	s.exited = make(chan error, 1)
+	go func() { s.exited <- s.cmd.Wait() }()
+	deadline := time.Now().Add(120 * time.Second)
+	for {
+		c, cancel := context.WithTimeout(ctx, 5*time.Second)
+		conn, err := pgx.Connect(c, s.url)
+		cancel()
+		if err == nil {
+			_ = conn.Close(ctx)
+			return s, nil
+		}
+		select {
+		case werr := <-s.exited:
+			s.exited <- werr
+			lg, _ := os.ReadFile(filepath.Join(dir, "log"))
+			s.stop()
+			return nil, fmt.Errorf("postgres exited: %v\n%s", werr, tail(string(lg), 2000))
+		case <-time.After(200 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			s.stop()
+			return nil, fmt.Errorf("postgres not accepting connections within 120 s: %v", err)
+		}
+	}
+}
+
+// stop shuts the server down (fast shutdown) and removes its files.
+func (s *scratch) stop() {
+	if s.cmd != nil && s.cmd.Process != nil {
+		_ = s.cmd.Process.Signal(syscall.SIGINT)
+		select {
+		case <-s.exited:
+		case <-time.After(60 * time.Second):
+			_ = s.cmd.Process.Kill()
+			<-s.exited
+		}
+	}
+	_ = os.RemoveAll(s.dir)
+}
+
+// netListenLoopback returns a loopback TCP port nobody listened on a moment
+// ago.
+func netListenLoopback() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}

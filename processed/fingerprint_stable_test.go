@@ -1,0 +1,34 @@
+package processed_test
+
+import (
+	"crypto/sha256"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/processed"
+)
+
+// The fingerprint is what rows already store: version 1 is
+// 0x01 ‖ SHA-256(uvarint(len(name)) ‖ name ‖ payload), whatever the sizes
+// (the stack buffer of NewIdentity and its heap fallback give the same).
+func TestFingerprintAlgorithmIsStable(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct{ name, payload string }{
+		{"order.placed", `{"n":1}`},
+		{strings.Repeat("n", 200), strings.Repeat("p", 100)}, // uvarint of 200 takes two bytes
+		{"big", strings.Repeat("x", 5000)},                   // beyond the stack buffer
+	} {
+		var want []byte
+		n := len(c.name)
+		for n >= 0x80 {
+			want = append(want, byte(n)|0x80)
+			n >>= 7
+		}
+		want = append(want, byte(n))
+		sum := sha256.Sum256(append(append(want, c.name...), c.payload...))
+		got := processed.NewIdentity(c.name, []byte(c.payload))
+		require.Equal(t, append([]byte{1}, sum[:]...), got.Fingerprint, "name %d bytes, payload %d bytes", len(c.name), len(c.payload))
+	}
+}
