@@ -143,6 +143,21 @@ func ToEnvelope(msg *message.Message) (Envelope, error) {
 	return env, nil
 }
 
+// CheckEnvelope reports whether msg can be published as an event envelope:
+// nil when [ToEnvelope] accepts it and the envelope encodes, else the error
+// of the first that refuses it (no event name, no occurred_at, a msg.UUID
+// that is not an event id, a payload that is not JSON, a malformed flag).
+// The outbox (outbox.ErrNotEnvelope) and the idempotent middleware
+// (middleware.ErrInvalidProduced) refuse what it refuses, before writing.
+func CheckEnvelope(msg *message.Message) error {
+	env, err := ToEnvelope(msg)
+	if err != nil {
+		return err
+	}
+	_, err = env.Encode()
+	return err
+}
+
 // FromEnvelope returns a message carrying e: msg.UUID is the canonical
 // EventID, msg.Payload a copy of Payload, and metadata [MetadataEventName],
 // [MetadataOccurredAt] (the decoded text when OccurredAt is unchanged, else

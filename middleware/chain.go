@@ -418,14 +418,7 @@ func (p *holdPoison) sleep(ctx context.Context, start time.Time, b *holdBackoff)
 	if p.cfg.MaxHold > 0 && time.Since(start)+d > p.cfg.MaxHold {
 		return false
 	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
+	return sleepCtx(ctx, d)
 }
 
 // boundedMetadata copies md, leaving out the largest values until keys and

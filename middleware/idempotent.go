@@ -550,14 +550,16 @@ func rollback(ctx context.Context, tx attemptTx) error {
 // emit checks every message the attempt produced (returned and published
 // through PublisherFromContext) and, with an outbox, writes them to it in the
 // attempt's transaction. It returns the messages for the router: none with
-// an outbox.
+// an outbox. Returned messages bound for the outbox are checked once, by the
+// outbox's Publish (outbox.ErrNotEnvelope, mapped by writeOutbox); those
+// published through PublisherFromContext were checked when published.
 func (m *Idempotent) emit(ctx context.Context, st *attemptState, returned []*message.Message) ([]*message.Message, error) {
-	for _, p := range returned {
-		if err := checkProduced(p); err != nil {
-			return nil, err
-		}
-	}
 	if m.cfg.Outbox == nil {
+		for _, p := range returned {
+			if err := checkProduced(p); err != nil {
+				return nil, err
+			}
+		}
 		return returned, nil
 	}
 	for _, b := range st.buffered {
@@ -586,6 +588,9 @@ func (m *Idempotent) writeOutbox(_ context.Context, st *attemptState, topic stri
 		return err
 	}
 	if err := pub.Publish(topic, msgs...); err != nil {
+		if errors.Is(err, outbox.ErrNotEnvelope) {
+			return permanent("invalid_produced", fmt.Errorf("%w: %w", ErrInvalidProduced, err))
+		}
 		return fmt.Errorf("idempotency: write produced messages to the outbox: %w", err)
 	}
 	return nil

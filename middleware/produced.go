@@ -28,11 +28,7 @@ var ErrTxAborted = errors.New("idempotency: the handler returned nil but a state
 // checkProduced refuses a produced message that the outbox relay or the
 // router could not deliver as an envelope.
 func checkProduced(msg *message.Message) error {
-	env, err := marshaler.ToEnvelope(msg)
-	if err == nil {
-		_, err = env.Encode()
-	}
-	if err != nil {
+	if err := marshaler.CheckEnvelope(msg); err != nil {
 		id := ""
 		if msg != nil {
 			id = msg.UUID

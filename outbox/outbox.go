@@ -226,11 +226,7 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 		if m == nil {
 			return errors.New("outbox: publish: nil message")
 		}
-		env, err := marshaler.ToEnvelope(m)
-		if err == nil {
-			_, err = env.Encode()
-		}
-		if err != nil {
+		if err := marshaler.CheckEnvelope(m); err != nil {
 			return fmt.Errorf("%w: %q: %w (build it with marshaler.NewMessage)", ErrNotEnvelope, m.UUID, err)
 		}
 	}
