@@ -100,6 +100,12 @@ var Quick = Sizes{
 }
 
 // Full is `make bench`: the sizes of the issue (1M/10M rows, 100k messages).
+// Sized so that `-parts overhead,e2e,memory,counts` (every figure of issue
+// 17's targets) takes about 25 minutes on an idle 2-core machine: overhead
+// 3 worker counts × 14 variants × (20 rounds × 0.5 s + 0.5 s warm-up) ≈ 7.4
+// min (time-boxed); e2e 2 transports × 3 headline cells × 10 rounds × 3000
+// messages plus RabbitMQ's grid (16 runs) in 3 rounds ≈ 324k messages;
+// memory 100k messages; counts under valgrind.
 var Full = Sizes{
 	Name: "full",
 	Overhead: OverheadSizes{

@@ -442,9 +442,13 @@ func (t e2eTransport) run(ctx context.Context, rig *e2eRig, sz E2ESizes, res *Re
 	}
 	for _, c := range append(append([]e2eCell{}, t.grid...), t.head...) {
 		sp := spreadOf(perRound(c, e2eCell{c.consumers, c.prefetch, vNone}))
+		spText := sp.short()
+		if c.variant == vNone {
+			spText = "-" // the baseline: 1 in every round
+		}
 		tab.Rows = append(tab.Rows, []string{
 			strconv.Itoa(c.consumers), strconv.Itoa(c.prefetch), c.variant,
-			f0(median(rates[c])), f3(sp.med), sp.short(),
+			f0(median(rates[c])), f3(sp.med), spText,
 		})
 	}
 	hc, hp := sz.HeadConsumers, sz.HeadPrefetch

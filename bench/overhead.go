@@ -88,7 +88,7 @@ func overhead(ctx context.Context, e *env, sz OverheadSizes, res *Result) error 
 					strconv.Itoa(w), hk, v,
 					f0(medianOf(s, func(x roundSample) float64 { return x.rate })),
 					f3(perRound(s, base, rateRatio)),
-					spreadOf(perRoundXs(s, base, rateRatio)).short(),
+					spreadText(v, perRoundXs(s, base, rateRatio)),
 					f0(medianOf(s, func(x roundSample) float64 { return us(x.p50) })),
 					f0(medianOf(s, func(x roundSample) float64 { return us(x.p99) })),
 					f3(perRound(s, base, p50Ratio)),
@@ -134,6 +134,15 @@ func overhead(ctx context.Context, e *env, sz OverheadSizes, res *Result) error 
 	res.set("idempotent_msg_per_s", medianOf(s(h1, vOurs), func(x roundSample) float64 { return x.rate }))
 	res.set("duplicate_msg_per_s", medianOf(s(h1, vDuplicate), func(x roundSample) float64 { return x.rate }))
 	return nil
+}
+
+// spreadText is the min–max of a variant's per-round ratios, "-" for none
+// (the baseline, 1 in every round).
+func spreadText(variant string, xs []float64) string {
+	if variant == vNone {
+		return "-"
+	}
+	return spreadOf(xs).short()
 }
 
 func containsInt(xs []int, x int) bool {
