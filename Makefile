@@ -17,11 +17,20 @@ demo: services
 
 # Benchmarks (bench/, results in bench/RESULTS.md): a table, then one JSON
 # line. Ratios come from variants interleaved in one process. bench-quick:
-# small sizes, under a minute; bench: the full sizes (1M/10M rows, 100k
-# messages), long.
-.PHONY: bench-quick bench
-bench-quick: services
+# small sizes (a minute, plus the counts part under valgrind); bench: the
+# full sizes (1M/10M rows, 100k messages), long. Both only check that the
+# services they use are reachable (bench-services): they never start,
+# restart or reconfigure one (other clients share them; `make services`
+# starts the stopped ones).
+.PHONY: bench-quick bench bench-services
+bench-services:
+	@bash -c 'for s in PostgreSQL:5432 RabbitMQ:5672 NATS:4222; do \
+	  (exec 3<>/dev/tcp/127.0.0.1/$${s#*:}) 2>/dev/null || \
+	  { echo "bench: $${s%%:*} is not reachable on 127.0.0.1:$${s#*:} (make services starts it)" >&2; exit 1; }; \
+	done'
+
+bench-quick: bench-services
 	PATH="$$PATH:/usr/local/go/bin" go run ./bench/cmd/idembench -quick
 
-bench: services
+bench: bench-services
 	PATH="$$PATH:/usr/local/go/bin" go run ./bench/cmd/idembench -results bench/RESULTS.md

@@ -46,6 +46,28 @@ func TestQuickCodePathTiny(t *testing.T) {
 		_, ok := got[k] // null in the tiny profile (no valgrind run)
 		require.True(t, ok, "key %s missing from %s", k, last)
 	}
+	// The JetStream half of part 3 ran, and every headline ratio carries its
+	// spread over the rounds.
+	for _, k := range []string{"e2e_ratio_jetstream", "e2e_dup30_ratio_jetstream", "inmemory_overhead_ratio"} {
+		f, ok := got[k].(float64)
+		require.True(t, ok, "key %s is not a number in %s", k, last)
+		require.False(t, math.IsNaN(f) || math.IsInf(f, 0), "key %s is not finite", k)
+	}
+	for _, k := range []string{"claim_overhead_ratio", "claim_overhead_ratio_3stmt", "e2e_ratio", "e2e_ratio_jetstream"} {
+		for _, suffix := range []string{"_min", "_max", "_iqr"} {
+			_, ok := got[k+suffix].(float64)
+			require.True(t, ok, "key %s%s missing or not a number in %s", k, suffix, last)
+		}
+		require.LessOrEqual(t, got[k+"_min"].(float64), got[k].(float64))
+		require.GreaterOrEqual(t, got[k+"_max"].(float64), got[k].(float64))
+	}
+	require.Contains(t, out.String(), "-- 3b. end to end over NATS JetStream")
+	require.Contains(t, out.String(), "-- targets (issue 17")
+	md := res.TargetsMarkdown()
+	for _, tg := range targets17 {
+		require.Contains(t, md, "`"+tg.key+"`")
+	}
+	require.Contains(t, md, "0.936 generic, 0.99 physical; in-memory Deduplicator ")
 	require.Contains(t, out.String(), "-- 1. claim overhead")
 	require.Contains(t, out.String(), "-- 5. memory")
 	require.Contains(t, out.String(), "-- experiments")
@@ -62,6 +84,33 @@ func TestPercentileAndMedian(t *testing.T) {
 	require.Equal(t, 3.0, median([]float64{3, 1, 5}))
 	require.True(t, math.IsNaN(median(nil)))
 	require.Equal(t, []int{3, 1, 2}, rotate([]int{1, 2, 3}, 2))
+}
+
+func TestSpreadOf(t *testing.T) {
+	t.Parallel()
+	sp := spreadOf([]float64{0.9, 0.8, 1.0, 0.95, 0.85, 0.7, 0.92, 0.88})
+	require.Equal(t, 8, sp.n)
+	require.Equal(t, 0.7, sp.min)
+	require.Equal(t, 1.0, sp.max)
+	require.Equal(t, 0.8, sp.q1)  // 2nd of 8 sorted
+	require.Equal(t, 0.92, sp.q3) // 6th of 8 sorted
+	require.InDelta(t, 0.89, sp.med, 1e-9)
+	require.Equal(t, "0.700–1.000 (IQR 0.800–0.920, 8 rounds)", sp.String())
+	require.Equal(t, "-", spreadOf(nil).String())
+
+	r := &Result{Profile: "x"}
+	r.setRatio("claim_overhead_ratio", []float64{0.9, 0.8, 1.0})
+	r.setRatio("inmemory_overhead_ratio", []float64{0.97, 0.99})
+	var got map[string]any
+	require.NoError(t, json.Unmarshal(r.JSON(), &got))
+	require.Equal(t, 0.9, got["claim_overhead_ratio"])
+	require.Equal(t, 0.8, got["claim_overhead_ratio_min"])
+	require.Equal(t, 1.0, got["claim_overhead_ratio_max"])
+	require.InDelta(t, 0.2, got["claim_overhead_ratio_iqr"], 1e-9)
+	md := r.TargetsMarkdown()
+	require.Contains(t, md, "| claim, one-INSERT handler (rate ÷ no dedup, 4 workers) | `claim_overhead_ratio` | 0.900 | 0.800–1.000 (IQR 0.800–1.000, 3 rounds) | ≥ 0.92 | no | 0.936 generic, 0.99 physical; in-memory Deduplicator 0.980 (0.970–0.990) (this run) |")
+	require.Contains(t, md, "| `e2e_ratio_jetstream` | - | - | ≥ 0.95 | n/a | - |")
+	require.Contains(t, md, "| `server_instructions_per_claim` | - | - | ≤ 50k | n/a | - |")
 }
 
 func TestJSONNullsNonFinite(t *testing.T) {

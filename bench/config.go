@@ -53,12 +53,18 @@ type GrowthSizes struct {
 	WALClaims int // sequential claims whose WAL is measured, per table
 }
 
-// E2ESizes sizes part 3 (end to end over RabbitMQ).
+// E2ESizes sizes part 3 (end to end over RabbitMQ and over NATS JetStream).
 type E2ESizes struct {
+	// Consumers × Prefetch is RabbitMQ's grid of cells (none and
+	// idempotent each); JetStream runs the headline cell only.
 	Consumers []int // consumer goroutines (router handlers on the queue)
 	Prefetch  []int
-	Messages  int // per run (pre-filled queue)
+	Messages  int // per run (pre-filled queue or stream)
 	Rounds    int
+	// GridRounds: the grid's cells run in the first GridRounds rounds only
+	// (0: in every round); the headline cells run in every round, so that
+	// their spread over the rounds means something.
+	GridRounds int
 	// HeadConsumers/HeadPrefetch is the cell of e2e_ratio; it is always run,
 	// with the 30 % duplicate mix, even when not in the lists above.
 	HeadConsumers, HeadPrefetch int
@@ -84,7 +90,7 @@ var Quick = Sizes{
 	Name: "quick",
 	Overhead: OverheadSizes{
 		Workers: []int{4}, Rounds: 12, Dur: 120 * time.Millisecond, Warmup: 100 * time.Millisecond,
-		MinCount: 50, Variants3: []string{vNone, vOurs}, DupIDs: 20000,
+		MinCount: 50, Variants3: []string{vNone, vOurs, vInMemory}, DupIDs: 20000,
 	},
 	Growth: GrowthSizes{Rows: []int{0, 100_000}, Workers: 2, Rounds: 6, Dur: 250 * time.Millisecond, MinCount: 100, WALClaims: 300},
 	E2E:    E2ESizes{Consumers: nil, Prefetch: nil, Messages: 1200, Rounds: 4, HeadConsumers: 4, HeadPrefetch: 50},
@@ -94,14 +100,20 @@ var Quick = Sizes{
 }
 
 // Full is `make bench`: the sizes of the issue (1M/10M rows, 100k messages).
+// Sized so that `-parts overhead,e2e,memory,counts` (every figure of issue
+// 17's targets) takes about 25 minutes on an idle 2-core machine: overhead
+// 3 worker counts × 14 variants × (20 rounds × 0.5 s + 0.5 s warm-up) ≈ 7.4
+// min (time-boxed); e2e 2 transports × 3 headline cells × 10 rounds × 3000
+// messages plus RabbitMQ's grid (16 runs) in 3 rounds ≈ 324k messages;
+// memory 100k messages; counts under valgrind.
 var Full = Sizes{
 	Name: "full",
 	Overhead: OverheadSizes{
-		Workers: []int{1, 4, 16}, Rounds: 10, Dur: time.Second, Warmup: 500 * time.Millisecond,
+		Workers: []int{1, 4, 16}, Rounds: 20, Dur: 500 * time.Millisecond, Warmup: 500 * time.Millisecond,
 		MinCount: 200, Variants3: variants1, DupIDs: 200_000,
 	},
 	Growth: GrowthSizes{Rows: []int{0, 1_000_000, 10_000_000}, Workers: 2, Rounds: 8, Dur: 2 * time.Second, MinCount: 500, WALClaims: 2000},
-	E2E:    E2ESizes{Consumers: []int{1, 2, 4}, Prefetch: []int{1, 10, 50}, Messages: 6000, Rounds: 5, HeadConsumers: 4, HeadPrefetch: 50},
+	E2E:    E2ESizes{Consumers: []int{1, 2, 4}, Prefetch: []int{1, 10, 50}, Messages: 3000, Rounds: 10, GridRounds: 3, HeadConsumers: 4, HeadPrefetch: 50},
 	Purge:  PurgeSizes{Rows: 1_000_000, Rounds: 3, Workers: 4, BaseDur: 10 * time.Second, MinCount: 500},
 	Memory: MemorySizes{First: 10_000, Second: 100_000, AllocMsgs: 5000},
 	Counts: CountSizes{N1: 300, N2: 1500},

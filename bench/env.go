@@ -2,12 +2,14 @@ package bench
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
@@ -16,11 +18,13 @@ import (
 )
 
 // env owns what a run creates on the services: schemas (dropped with CASCADE
-// at the end), pools (closed) and queues (deleted). Every name is random
-// (testenv.UniqueName), so runs and tests can share the servers.
+// at the end), pools (closed), queues and JetStream streams (deleted). Every
+// name is random (testenv.UniqueName), so runs and tests can share the
+// servers.
 type env struct {
 	pgURL   string
 	amqpURL string
+	natsURL string
 	log     io.Writer
 
 	admin *pgxpool.Pool
@@ -28,11 +32,14 @@ type env struct {
 	mu      sync.Mutex
 	schemas []string
 	queues  []string
+	streams []string
 	pools   []*pgxpool.Pool
+	nc      *nats.Conn // opened by jetStream, closed by close
+	js      nats.JetStreamContext
 }
 
 func newEnv(ctx context.Context, log io.Writer) (*env, error) {
-	e := &env{pgURL: testenv.PostgresURL(), amqpURL: testenv.AMQPURL(), log: log}
+	e := &env{pgURL: testenv.PostgresURL(), amqpURL: testenv.AMQPURL(), natsURL: testenv.NATSURL(), log: log}
 	cfg, err := pgxpool.ParseConfig(e.pgURL)
 	if err != nil {
 		return nil, fmt.Errorf("bench: PostgreSQL URL %s: %w", e.pgURL, err)
@@ -176,7 +183,66 @@ func (e *env) close() {
 		}
 	}
 	e.queues = nil
+	if e.js != nil {
+		for _, s := range e.streams {
+			if err := e.js.DeleteStream(s, nats.Context(ctx)); err != nil && !errors.Is(err, nats.ErrStreamNotFound) {
+				fmt.Fprintf(e.log, "bench: delete stream %s: %v\n", s, err)
+			}
+		}
+		e.nc.Close()
+	}
+	e.streams = nil
 	e.admin.Close()
+}
+
+// jetStream returns the run's JetStream context, connecting on first use
+// (NATS_URL or testenv's default).
+func (e *env) jetStream() (nats.JetStreamContext, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.js != nil {
+		return e.js, nil
+	}
+	nc, err := nats.Connect(e.natsURL)
+	if err != nil {
+		return nil, fmt.Errorf("bench: NATS at %s unreachable (make services): %w", e.natsURL, err)
+	}
+	js, err := nc.JetStream()
+	if err != nil {
+		nc.Close()
+		return nil, fmt.Errorf("bench: JetStream at %s: %w", e.natsURL, err)
+	}
+	e.nc, e.js = nc, js
+	return js, nil
+}
+
+// trackStream records a stream the run created, deleted by dropStream or
+// close.
+func (e *env) trackStream(name string) {
+	e.mu.Lock()
+	e.streams = append(e.streams, name)
+	e.mu.Unlock()
+}
+
+// dropStream deletes a stream of the run now; on failure close retries.
+func (e *env) dropStream(name string) {
+	js, err := e.jetStream()
+	if err != nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := js.DeleteStream(name, nats.Context(ctx)); err != nil && !errors.Is(err, nats.ErrStreamNotFound) {
+		return
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for i, s := range e.streams {
+		if s == name {
+			e.streams = append(e.streams[:i], e.streams[i+1:]...)
+			break
+		}
+	}
 }
 
 // closePool closes p now (a part's pool), instead of at the end of the run.

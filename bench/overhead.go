@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strconv"
 )
 
@@ -72,7 +73,7 @@ func overhead(ctx context.Context, e *env, sz OverheadSizes, res *Result) error 
 
 	t := Table{
 		Title:  "1. claim overhead, no broker (same handler through the recommended chain; ratios: median of per-round ratios to none)",
-		Header: []string{"workers", "handler", "variant", "msg/s", "× none", "p50 µs", "p99 µs", "p50 × none", "p99 × none", "CPU µs/msg", "of which DB", "CPU × none"},
+		Header: []string{"workers", "handler", "variant", "msg/s", "× none", "spread", "p50 µs", "p99 µs", "p50 × none", "p99 × none", "CPU µs/msg", "of which DB", "CPU × none"},
 	}
 	for _, w := range sz.Workers {
 		for _, hk := range []string{h1, h3} {
@@ -87,6 +88,7 @@ func overhead(ctx context.Context, e *env, sz OverheadSizes, res *Result) error 
 					strconv.Itoa(w), hk, v,
 					f0(medianOf(s, func(x roundSample) float64 { return x.rate })),
 					f3(perRound(s, base, rateRatio)),
+					spreadText(v, perRoundXs(s, base, rateRatio)),
 					f0(medianOf(s, func(x roundSample) float64 { return us(x.p50) })),
 					f0(medianOf(s, func(x roundSample) float64 { return us(x.p99) })),
 					f3(perRound(s, base, p50Ratio)),
@@ -103,6 +105,7 @@ func overhead(ctx context.Context, e *env, sz OverheadSizes, res *Result) error 
 		"unpipelined: ours with DisablePipeline (pgx BeginTx, then lock_timeout, then the claim). naive: SELECT then INSERT in the handler's tx.",
 		"separate_tx: the claim committed alone, then the handler's tx. inmemory: Watermill Deduplicator (map, keyed by event id) + the handler's tx.",
 		"duplicate: our middleware fed ids already processed (rate of duplicates; its ratio to idempotent is duplicate_speedup).",
+		"× none is the median of the per-round rate ratios; spread: their min–max over the rounds.",
 		fmt.Sprintf("%d rounds × %s per variant; latency is the whole chain call; CPU: this process + the pool's PostgreSQL backends (schedstat), per message.", sz.Rounds, sz.Dur),
 	}
 	res.Tables = append(res.Tables, t)
@@ -112,8 +115,12 @@ func overhead(ctx context.Context, e *env, sz OverheadSizes, res *Result) error 
 		hw = sz.Workers[len(sz.Workers)/2]
 	}
 	s := func(hk, v string) []roundSample { return samples[hw][name(hk, v)] }
-	res.set("claim_overhead_ratio", perRound(s(h1, vOurs), s(h1, vNone), rateRatio))
-	res.set("claim_overhead_ratio_3stmt", perRound(s(h3, vOurs), s(h3, vNone), rateRatio))
+	res.setRatio("claim_overhead_ratio", perRoundXs(s(h1, vOurs), s(h1, vNone), rateRatio))
+	res.setRatio("claim_overhead_ratio_3stmt", perRoundXs(s(h3, vOurs), s(h3, vNone), rateRatio))
+	res.setRatio("inmemory_overhead_ratio", perRoundXs(s(h1, vInMemory), s(h1, vNone), rateRatio))
+	if slices.Contains(sz.Variants3, vInMemory) {
+		res.setRatio("inmemory_overhead_ratio_3stmt", perRoundXs(s(h3, vInMemory), s(h3, vNone), rateRatio))
+	}
 	res.set("vs_naive_ratio", perRound(s(h1, vOurs), s(h1, vNaive), rateRatio))
 	res.set("vs_separate_tx_ratio", perRound(s(h1, vOurs), s(h1, vSeparate), rateRatio))
 	res.set("vs_inmemory_ratio", perRound(s(h1, vOurs), s(h1, vInMemory), rateRatio))
@@ -127,6 +134,15 @@ func overhead(ctx context.Context, e *env, sz OverheadSizes, res *Result) error 
 	res.set("idempotent_msg_per_s", medianOf(s(h1, vOurs), func(x roundSample) float64 { return x.rate }))
 	res.set("duplicate_msg_per_s", medianOf(s(h1, vDuplicate), func(x roundSample) float64 { return x.rate }))
 	return nil
+}
+
+// spreadText is the min–max of a variant's per-round ratios, "-" for none
+// (the baseline, 1 in every round).
+func spreadText(variant string, xs []float64) string {
+	if variant == vNone {
+		return "-"
+	}
+	return spreadOf(xs).short()
 }
 
 func containsInt(xs []int, x int) bool {

@@ -156,3 +156,41 @@ func schedstat(path string) (time.Duration, bool) {
 	}
 	return time.Duration(ns), true
 }
+
+// spread summarises per-round ratios: their median, extremes and quartiles
+// (nearest rank on the sorted values; with fewer than 4 rounds the quartiles
+// are the extremes). n is the number of rounds.
+type spread struct {
+	med, min, q1, q3, max float64
+	n                     int
+}
+
+func spreadOf(xs []float64) spread {
+	if len(xs) == 0 {
+		nan := math.NaN()
+		return spread{nan, nan, nan, nan, nan, 0}
+	}
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	q := func(p float64) float64 {
+		i := int(math.Ceil(p*float64(len(s)))) - 1
+		return s[min(max(i, 0), len(s)-1)]
+	}
+	return spread{med: median(s), min: s[0], q1: q(0.25), q3: q(0.75), max: s[len(s)-1], n: len(s)}
+}
+
+// String is "min–max (IQR q1–q3, n rounds)", or "-" for no rounds.
+func (s spread) String() string {
+	if s.n == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%s–%s (IQR %s–%s, %d rounds)", f3(s.min), f3(s.max), f3(s.q1), f3(s.q3), s.n)
+}
+
+// short is "min–max" ("-" for no rounds), for table cells.
+func (s spread) short() string {
+	if s.n == 0 {
+		return "-"
+	}
+	return f3(s.min) + "–" + f3(s.max)
+}

@@ -509,13 +509,18 @@ func interleave(ctx context.Context, e *env, label string, pool *pgxpool.Pool, v
 
 // perRound is the median over rounds of f(a's sample, b's sample).
 func perRound(a, b []roundSample, f func(x, y roundSample) float64) float64 {
+	return median(perRoundXs(a, b, f))
+}
+
+// perRoundXs is f(a's sample, b's sample) of every round (NaN skipped).
+func perRoundXs(a, b []roundSample, f func(x, y roundSample) float64) []float64 {
 	var xs []float64
 	for i := 0; i < len(a) && i < len(b); i++ {
 		if v := f(a[i], b[i]); !math.IsNaN(v) {
 			xs = append(xs, v)
 		}
 	}
-	return median(xs)
+	return xs
 }
 
 func rateRatio(a, b roundSample) float64 { return ratio(a.rate, b.rate) }

@@ -5,7 +5,8 @@
 //	go run ./bench/cmd/idembench              # make bench (full sizes)
 //	go run ./bench/cmd/idembench -quick -parts overhead -cpuprofile cpu.out
 //
-// Services: DATABASE_URL and AMQP_URL, or the local defaults of the tests.
+// Services: DATABASE_URL, AMQP_URL and NATS_URL, or the local defaults of
+// the tests.
 package main
 
 import (
@@ -30,6 +31,8 @@ func main() {
 	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile of the run to this file")
 	rounds := flag.Int("rounds", 0, "override the interleaved rounds of the overhead and experiments parts")
 	dur := flag.Duration("dur", 0, "override the per-variant duration of one round (overhead, experiments)")
+	e2eRounds := flag.Int("e2e-rounds", 0, "override the interleaved rounds of the e2e part (RabbitMQ and JetStream)")
+	e2eMessages := flag.Int("e2e-messages", 0, "override the messages per e2e run")
 	results := flag.String("results", "", "also write the result as markdown to this file (bench/RESULTS.md)")
 	noCheckpoint := flag.Bool("no-checkpoint", false, "do not CHECKPOINT before measuring WAL per claim")
 	growthRows := flag.String("growth-rows", "", "override the growth part's table sizes: comma-separated row counts, the first 0 (e.g. 0,1000000,10000000)")
@@ -44,6 +47,12 @@ func main() {
 	}
 	if *dur > 0 {
 		sizes.Overhead.Dur = *dur
+	}
+	if *e2eRounds > 0 {
+		sizes.E2E.Rounds = *e2eRounds
+	}
+	if *e2eMessages > 0 {
+		sizes.E2E.Messages = *e2eMessages
 	}
 	if *growthRows != "" {
 		var rows []int
