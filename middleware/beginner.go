@@ -108,12 +108,23 @@ func NewPgxBeginner(pool *pgxpool.Pool, cfg PgxBeginnerConfig) (TxBeginner, erro
 	if pool == nil {
 		return nil, fmt.Errorf("middleware: NewPgxBeginner: pool: %w", ErrNilHandle)
 	}
-	return &pgxBeginner{pool: pool, pipeline: !cfg.DisablePipeline}, nil
+	b := &pgxBeginner{pool: pool, pipeline: !cfg.DisablePipeline}
+	cc := pool.Config().ConnConfig
+	b.prepared = b.pipeline && cc.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
+	b.tracer, _ = cc.Tracer.(pgx.BatchTracer)
+	return b, nil
 }
 
 type pgxBeginner struct {
 	pool     *pgxpool.Pool
 	pipeline bool
+	// prepared: the pool prepares statements (QueryExecModeCacheStatement),
+	// so the claim's batch is sent with statements of its own prepared once
+	// per connection (pgxclaim.go); otherwise a pgx.Batch in the pool's mode.
+	prepared bool
+	// tracer is the pool's pgx.BatchTracer, if any: the prepared claim's
+	// batch is traced as a pgx.Batch would be.
+	tracer pgx.BatchTracer
 }
 
 func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx, bool, error) {
@@ -123,6 +134,18 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	conn, err := b.pool.Acquire(ctx)
 	if err != nil {
 		return nil, false, fmt.Errorf("acquire connection: %w", err)
+	}
+	if b.prepared {
+		var id *processed.Identity
+		if c.verify {
+			id = &c.identity
+		}
+		if p, ok := c.store.ClaimParamsAt(c.consumer, c.eventID, c.eventAt, id); ok {
+			claimed, err := b.claimPrepared(ctx, conn.Conn(), &c, &p)
+			if err != errFallback {
+				return b.claimed(ctx, conn, claimed, err)
+			}
+		}
 	}
 	batch := &pgx.Batch{}
 	batch.Queue("begin")
@@ -149,12 +172,18 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	if tagErr == nil {
 		tagErr = closeErr
 	}
+	return b.claimed(ctx, conn, claimed, tagErr)
+}
+
+// claimed is the attempt's transaction on conn after the claim's batch; on
+// err the transaction is rolled back and conn released.
+func (b *pgxBeginner) claimed(ctx context.Context, conn *pgxpool.Conn, claimed bool, err error) (attemptTx, bool, error) {
 	tx := &pgxTx{conn: conn, pc: conn.Conn()}
 	tx.savepoints = &tx.spCount
-	if tagErr != nil {
+	if err != nil {
 		_ = tx.rollback(ctx)
 		tx.release()
-		return nil, false, tagErr
+		return nil, false, err
 	}
 	return tx, claimed, nil
 }
