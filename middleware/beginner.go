@@ -44,6 +44,7 @@ type claimRequest struct {
 type lockTimeoutStmt struct {
 	query string
 	args  []any
+	d     time.Duration // the timeout (the prepared claim sets it itself)
 }
 
 // newLockTimeoutStmt builds the statement for d, or nil when d ≤ 0 or the
@@ -56,7 +57,7 @@ func newLockTimeoutStmt(store *processed.Store, d time.Duration) *lockTimeoutStm
 	if !ok {
 		return nil
 	}
-	return &lockTimeoutStmt{query: q, args: args}
+	return &lockTimeoutStmt{query: q, args: args, d: d}
 }
 
 // lockTimeoutQuery is the dialect's lock-timeout statement, if any.
@@ -100,10 +101,18 @@ type PgxBeginnerConfig struct {
 var ErrNilHandle = errors.New("middleware: nil database handle")
 
 // NewPgxBeginner returns the pgx v5 TxBeginner over pool. By default BEGIN,
-// the transaction's lock timeout and the claim travel in one round trip (a
-// pgx.Batch on an acquired connection) and the handler receives a pgx.Tx of
-// this package that runs on that connection (see PgxTxFromContext). A nil
-// pool is an error wrapping ErrNilHandle.
+// the transaction's lock timeout and the claim travel in one round trip and
+// the handler receives a pgx.Tx of this package that runs on that
+// connection (see PgxTxFromContext). On a pool whose
+// ConnConfig.DefaultQueryExecMode is pgx.QueryExecModeCacheStatement (pgx's
+// default) they are statements of the beginner's own, prepared once per
+// connection (named "idempotency_<n>"; the claim sets the lock timeout
+// itself, see Config.LockTimeout) and sent in one pgconn.Batch with
+// parameters the beginner encodes; a connection that lost them (DISCARD
+// ALL, DEALLOCATE ALL) prepares them again once. In the other modes
+// (simple protocol, exec/describe for poolers such as pgbouncer) they are a
+// pgx.Batch in the pool's mode. A pgx.BatchTracer on the pool sees the
+// batch either way. A nil pool is an error wrapping ErrNilHandle.
 func NewPgxBeginner(pool *pgxpool.Pool, cfg PgxBeginnerConfig) (TxBeginner, error) {
 	if pool == nil {
 		return nil, fmt.Errorf("middleware: NewPgxBeginner: pool: %w", ErrNilHandle)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strconv"
 	"sync/atomic"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -13,16 +14,17 @@ import (
 )
 
 // The prepared claim (issue 17): on a pool whose DefaultQueryExecMode is
-// pgx.QueryExecModeCacheStatement, BEGIN, the lock timeout and the claim are
-// prepared once per connection (named statements, PgConn.Prepare) and then
-// sent in one pgconn.Batch (Bind/Describe/Execute each, one Sync: one round
-// trip) with parameters encoded by this file into buffers kept per
-// connection: the consumer and the event name as text, the event id as 16
-// binary bytes, the event time as binary timestamptz (or NULL), the
-// fingerprint as binary bytea. pgx's Batch, its pipeline state and its type
-// mapping are not involved. The statements are the same as on the pgx.Batch
-// path (the claim is processed.Store's one INSERT … ON CONFLICT DO NOTHING),
-// so the server does the same work.
+// pgx.QueryExecModeCacheStatement, BEGIN and the claim are prepared once
+// per connection (named statements, PgConn.Prepare) and then sent in one
+// pgconn.Batch (Bind/Describe/Execute each, one Sync: one round trip) with
+// parameters encoded by this file into buffers kept per connection: the
+// consumer and the event name as text, the event id as 16 binary bytes,
+// the event time as binary timestamptz (or NULL), the fingerprint as binary
+// bytea. pgx's Batch, its pipeline state and its type mapping are not
+// involved. The claim is processed.Store's one INSERT … ON CONFLICT DO
+// NOTHING (ClaimParamsAt), and with Config.LockTimeout it sets the
+// transaction's lock_timeout itself before inserting
+// (processed.ClaimSettingLockTimeout), instead of a SET LOCAL statement.
 //
 // A connection that lost the statements (DISCARD ALL, DEALLOCATE ALL, a
 // pooler's reset) answers 26000 (invalid_sql_statement_name): the attempt
@@ -52,7 +54,10 @@ const (
 // takes the pgx.Batch path on that connection).
 type preparedStmt struct {
 	sql, name string
-	ok        bool
+	// lock is the lock timeout the statement sets itself (0: none; see
+	// processed.ClaimSettingLockTimeout).
+	lock time.Duration
+	ok   bool
 }
 
 // connClaim is the per-connection state: the prepared statements and the
@@ -80,14 +85,25 @@ func connClaimOf(pc *pgconn.PgConn) *connClaim {
 // stmt returns sql's statement on pc, preparing it first when needed.
 // types, when not nil, are the parameter types the statement must have
 // (each entry: the accepted OIDs).
-func (st *connClaim) stmt(ctx context.Context, pc *pgconn.PgConn, sql string, types [][]uint32) (preparedStmt, error) {
+// With lock > 0, the statement is sql setting the lock timeout itself
+// (processed.ClaimSettingLockTimeout); ok is false when sql has no such
+// form.
+func (st *connClaim) stmt(ctx context.Context, pc *pgconn.PgConn, sql string, lock time.Duration, types [][]uint32) (preparedStmt, error) {
 	for _, s := range st.stmts {
-		if s.sql == sql {
+		if s.sql == sql && s.lock == lock {
 			return s, nil
 		}
 	}
-	s := preparedStmt{sql: sql, name: "idempotency_" + strconv.FormatInt(stmtSeq.Add(1), 10)}
-	sd, err := pc.Prepare(ctx, s.name, sql, nil)
+	s := preparedStmt{sql: sql, lock: lock, name: "idempotency_" + strconv.FormatInt(stmtSeq.Add(1), 10)}
+	text, ok := sql, true
+	if lock > 0 {
+		text, ok = processed.ClaimSettingLockTimeout(sql, lock)
+	}
+	if !ok {
+		st.stmts = append(st.stmts, s)
+		return s, nil
+	}
+	sd, err := pc.Prepare(ctx, s.name, text, nil)
 	if err != nil {
 		return preparedStmt{}, err
 	}
@@ -165,43 +181,31 @@ var errFallback = errors.New("middleware: prepared claim not applicable")
 func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *claimRequest, p *processed.ClaimParams) (bool, error) {
 	pc := conn.PgConn()
 	st := connClaimOf(pc)
-	lockSQL := ""
+	var lock time.Duration
 	if c.lockTimeout != nil {
-		if len(c.lockTimeout.args) != 0 {
-			return false, errFallback
-		}
-		lockSQL = c.lockTimeout.query
+		lock = c.lockTimeout.d
 	}
 	types := claimTypes
 	if p.Identity {
 		types = claimIdentityTypes
 	}
 	for try := 0; ; try++ {
-		begin, err := st.stmt(ctx, pc, "begin", nil)
+		begin, err := st.stmt(ctx, pc, "begin", 0, nil)
 		if err != nil {
 			return false, err
 		}
-		var lock preparedStmt
-		if lockSQL != "" {
-			if lock, err = st.stmt(ctx, pc, lockSQL, nil); err != nil {
-				return false, err
-			}
-		}
-		claim, err := st.stmt(ctx, pc, p.SQL, types)
+		claim, err := st.stmt(ctx, pc, p.SQL, lock, types)
 		if err != nil {
 			return false, err
 		}
-		if !begin.ok || (lockSQL != "" && !lock.ok) || !claim.ok {
+		if !begin.ok || !claim.ok {
 			return false, errFallback
 		}
 		vals := st.encode(p)
 		var batch pgconn.Batch
 		batch.ExecPrepared(begin.name, nil, nil, nil)
-		if lockSQL != "" {
-			batch.ExecPrepared(lock.name, nil, nil, nil)
-		}
 		batch.ExecPrepared(claim.name, vals, st.formats[:len(vals)], nil)
-		claimed, err := b.execClaimBatch(ctx, conn, &batch, lockSQL, p.SQL)
+		claimed, err := b.execClaimBatch(ctx, conn, &batch, p.SQL)
 		if err == nil || try > 0 || !statementLost(err) || pc.IsClosed() {
 			return claimed, err
 		}
@@ -219,14 +223,11 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *clai
 // execClaimBatch sends batch and returns whether its last statement (the
 // claim) inserted one row. With a pgx.BatchTracer on the pool, the batch
 // is traced as pgx would trace a pgx.Batch of the same statements.
-func (b *pgxBeginner) execClaimBatch(ctx context.Context, conn *pgx.Conn, batch *pgconn.Batch, lockSQL, claimSQL string) (bool, error) {
+func (b *pgxBeginner) execClaimBatch(ctx context.Context, conn *pgx.Conn, batch *pgconn.Batch, claimSQL string) (bool, error) {
 	var tb *pgx.Batch
 	if b.tracer != nil {
 		tb = &pgx.Batch{}
 		tb.Queue("begin")
-		if lockSQL != "" {
-			tb.Queue(lockSQL)
-		}
 		tb.Queue(claimSQL)
 		ctx = b.tracer.TraceBatchStart(ctx, conn, pgx.TraceBatchStartData{Batch: tb})
 	}
@@ -248,11 +249,7 @@ func (b *pgxBeginner) execClaimBatch(ctx context.Context, conn *pgx.Conn, batch 
 	if err != nil {
 		return false, err
 	}
-	n := 2
-	if lockSQL != "" {
-		n = 3
-	}
-	if i != n {
+	if n := 2; i != n {
 		return false, errors.New("middleware: prepared claim: " + strconv.Itoa(i) + " results for " + strconv.Itoa(n) + " statements")
 	}
 	return tag.RowsAffected() == 1, nil

@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -24,6 +25,11 @@ import (
 // mode, on a fresh schema, whose handler runs inspect (if set) in the
 // attempt's transaction and writes one effect row.
 func preparedClaimSetup(t *testing.T, mode pgx.QueryExecMode, maxConns int32, inspect func(ctx context.Context, tx pgx.Tx) error) (*pgxpool.Pool, message.HandlerFunc) {
+	return preparedClaimSetupLock(t, mode, maxConns, 0, inspect)
+}
+
+// preparedClaimSetupLock is preparedClaimSetup with Config.LockTimeout lock.
+func preparedClaimSetupLock(t *testing.T, mode pgx.QueryExecMode, maxConns int32, lock time.Duration, inspect func(ctx context.Context, tx pgx.Tx) error) (*pgxpool.Pool, message.HandlerFunc) {
 	t.Helper()
 	ctx := context.Background()
 	_, schema := testenv.Pool(t)
@@ -39,7 +45,7 @@ func preparedClaimSetup(t *testing.T, mode pgx.QueryExecMode, maxConns int32, in
 	require.NoError(t, err)
 	beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
 	require.NoError(t, err)
-	m, err := middleware.NewIdempotent(middleware.Config{Beginner: beginner, Store: store, Consumer: "stock"}, watermill.NopLogger{})
+	m, err := middleware.NewIdempotent(middleware.Config{Beginner: beginner, Store: store, Consumer: "stock", LockTimeout: lock}, watermill.NopLogger{})
 	require.NoError(t, err)
 	return pool, m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		if inspect != nil {
@@ -74,8 +80,8 @@ FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%'`).Scan(&stmts, &cla
 }
 
 // On a pool in QueryExecModeCacheStatement the claim is sent as the
-// beginner's own prepared statements (BEGIN, SET LOCAL lock_timeout, the
-// claim: three per connection, prepared once) and each new message
+// beginner's own prepared statements (BEGIN, the claim that sets the lock
+// timeout itself: two per connection, prepared once) and each new message
 // executes the prepared claim once (issue 17). In the other modes no such
 // statement exists: the pgx.Batch path.
 func TestPreparedClaimIsTaken(t *testing.T) {
@@ -94,7 +100,7 @@ func TestPreparedClaimIsTaken(t *testing.T) {
 				require.NoError(t, err)
 			}
 			if mode == pgx.QueryExecModeCacheStatement {
-				require.Equal(t, []int{3, 3, 3}, stmts, "begin, lock timeout, claim: prepared once on the one connection")
+				require.Equal(t, []int{2, 2, 2}, stmts, "begin, the claim setting the lock timeout: prepared once on the one connection")
 				require.Equal(t, []int{1, 2, 3}, claims, "one execution of the prepared claim per message")
 				return
 			}
@@ -158,7 +164,7 @@ func TestPreparedClaimRecoversLostStatements(t *testing.T) {
 	require.Equal(t, byte('I'), c.Conn().PgConn().TxStatus())
 	var stmts int
 	require.NoError(t, c.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%'`).Scan(&stmts))
-	require.Equal(t, 3, stmts, "prepared again after each loss")
+	require.Equal(t, 2, stmts, "prepared again after each loss")
 }
 
 // The prepared claim's own parameter encoding stores what pgx's encoding
@@ -214,4 +220,52 @@ func TestPreparedClaimStoresTheSameRow(t *testing.T) {
 	v7, _ := processed.EventTime(ids[2], time.Time{})
 	require.Equal(t, v7, got[2].At)
 	require.Equal(t, processed.NewIdentity("order.placed", []byte(`{"n":1}`)).Fingerprint, got[0].Fingerprint)
+}
+
+// Config.LockTimeout holds for the whole attempt's transaction in every
+// exec mode (the prepared claim sets it inside the claim statement, the
+// pgx.Batch path with SET LOCAL): the handler sees it, and the session's
+// own setting is back once the attempt ended. A handler statement that
+// waits on a lock longer than it fails with 55P03.
+func TestLockTimeoutHoldsForTheHandler(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeSimpleProtocol} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			var seen string
+			var waitErr error
+			pool, h := preparedClaimSetupLock(t, mode, 2, 250*time.Millisecond, func(ctx context.Context, tx pgx.Tx) error {
+				if err := tx.QueryRow(ctx, "SHOW lock_timeout").Scan(&seen); err != nil {
+					return err
+				}
+				_, waitErr = tx.Exec(ctx, "LOCK TABLE effect IN EXCLUSIVE MODE")
+				return nil
+			})
+			// Another session holds a lock the handler's statement waits on.
+			other, err := pool.Acquire(ctx)
+			require.NoError(t, err)
+			otx, err := other.Begin(ctx)
+			require.NoError(t, err)
+			defer func() { _ = otx.Rollback(ctx) }()
+			_, err = otx.Exec(ctx, "LOCK TABLE effect IN EXCLUSIVE MODE")
+			require.NoError(t, err)
+
+			_, err = h(preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":1}`))
+			require.Error(t, err) // the handler's INSERT runs in the aborted transaction
+			require.Equal(t, "250ms", seen)
+			var pgErr *pgconn.PgError
+			require.ErrorAs(t, waitErr, &pgErr)
+			require.Equal(t, "55P03", pgErr.Code)
+			require.NoError(t, otx.Rollback(ctx))
+			other.Release()
+
+			c, err := pool.Acquire(ctx)
+			require.NoError(t, err)
+			defer c.Release()
+			var after string
+			require.NoError(t, c.QueryRow(ctx, "SHOW lock_timeout").Scan(&after))
+			require.Equal(t, "0", after)
+		})
+	}
 }
