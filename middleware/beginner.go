@@ -152,7 +152,11 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 		if p, ok := c.store.ClaimParamsAt(c.consumer, c.eventID, c.eventAt, id); ok {
 			claimed, err := b.claimPrepared(ctx, conn.Conn(), &c, &p)
 			if err != errFallback {
-				return b.claimed(ctx, conn, claimed, err)
+				tx, claimed, err := b.claimed(ctx, conn, claimed, err)
+				if ptx, ok := tx.(*pgxTx); ok {
+					ptx.prepared, ptx.tracer = true, b.tracer
+				}
+				return tx, claimed, err
 			}
 		}
 	}

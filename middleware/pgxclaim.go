@@ -206,8 +206,12 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *clai
 		batch.ExecPrepared(begin.name, nil, nil, nil)
 		batch.ExecPrepared(claim.name, vals, st.formats[:len(vals)], nil)
 		claimed, err := b.execClaimBatch(ctx, conn, &batch, p.SQL)
-		if err == nil || try > 0 || !statementLost(err) || pc.IsClosed() {
+		if err == nil || !statementLost(err) || pc.IsClosed() {
 			return claimed, err
+		}
+		if try > 0 {
+			st.forget() // the next attempt prepares them again
+			return claimed, lostStatement(err)
 		}
 		// The connection lost our statements: end what the batch opened,
 		// then prepare them again and resend, once.
@@ -260,4 +264,95 @@ func (b *pgxBeginner) execClaimBatch(ctx context.Context, conn *pgx.Conn, batch 
 func statementLost(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == "26000"
+}
+
+// identityReadTypes are the stored-identity read's parameter types.
+var identityReadTypes = [][]uint32{{oidText, oidVarchar}, {oidUUID}}
+
+// binaryResults asks for the stored identity's two columns in binary: the
+// bytes of the text and of the bytea as stored.
+var binaryResults = []int16{1, 1}
+
+// readAndRollbackPrepared is readAndRollback after a prepared claim: query
+// (processed.Store.StoredIdentityQuery, $1 consumer, $2 event id) and
+// ROLLBACK as statements prepared once per connection, in one pgconn.Batch,
+// the parameters encoded as the claim's. errFallback (nothing sent, tx
+// still open) asks for the pgx.Batch path.
+func (tx *pgxTx) readAndRollbackPrepared(ctx context.Context, query string, key identityKey, name, fp *[]byte) (found bool, err error) {
+	pc := tx.pc.PgConn()
+	st := connClaimOf(pc)
+	read, err := st.stmt(ctx, pc, query, 0, identityReadTypes)
+	if err != nil {
+		tx.closed = true
+		return false, tx.endAfterBatch(ctx, err)
+	}
+	rb, err := st.stmt(ctx, pc, "rollback", 0, nil)
+	if err != nil {
+		tx.closed = true
+		return false, tx.endAfterBatch(ctx, err)
+	}
+	if !read.ok || !rb.ok {
+		return false, errFallback
+	}
+	tx.closed = true
+	st.text[0] = append(st.text[0][:0], key.consumer...)
+	st.vals[0] = st.text[0]
+	st.uuid = key.eventID
+	st.vals[1] = st.uuid[:]
+	var batch pgconn.Batch
+	batch.ExecPrepared(read.name, st.vals[:2], st.formats[:2], binaryResults)
+	batch.ExecPrepared(rb.name, nil, nil, nil)
+	var tb *pgx.Batch
+	if tx.tracer != nil {
+		tb = &pgx.Batch{}
+		tb.Queue(query, key.consumer, key.eventID)
+		tb.Queue("rollback")
+		ctx = tx.tracer.TraceBatchStart(ctx, tx.pc, pgx.TraceBatchStartData{Batch: tb})
+	}
+	mrr := pc.ExecBatch(ctx, &batch)
+	results := 0
+	for mrr.NextResult() {
+		rr := mrr.ResultReader()
+		if results == 0 {
+			for rr.NextRow() {
+				v := rr.Values()
+				if len(v) == 2 {
+					found = true
+					*name = append((*name)[:0], v[0]...)
+					*fp = nil
+					if v[1] != nil {
+						*fp = append([]byte(nil), v[1]...)
+					}
+				}
+			}
+		}
+		tag, rerr := rr.Close()
+		if tb != nil {
+			tx.tracer.TraceBatchQuery(ctx, tx.pc, pgx.TraceBatchQueryData{SQL: tb.QueuedQueries[results].SQL, Args: tb.QueuedQueries[results].Arguments, CommandTag: tag, Err: rerr})
+		}
+		results++
+	}
+	err = mrr.Close()
+	if tb != nil {
+		tx.tracer.TraceBatchEnd(ctx, tx.pc, pgx.TraceBatchEndData{Err: err})
+	}
+	if statementLost(err) {
+		// The read's statement was lost since it was prepared (the claim's
+		// were not): this attempt fails, transiently, and the next one
+		// prepares it again.
+		st.forget()
+		err = lostStatement(err)
+	}
+	if err == nil && results != 2 {
+		err = errors.New("middleware: prepared duplicate read: " + strconv.Itoa(results) + " results for 2 statements")
+	}
+	return found, tx.endAfterBatch(ctx, err)
+}
+
+// lostStatement is err, a statement of this file the connection does not
+// know (26000), as what it is by origin: the attempt's connection lost the
+// beginner's own statement (transient; the next attempt prepares it
+// again), never a configuration error of the claim.
+func lostStatement(err error) error {
+	return &InfrastructureError{Op: "prepared statement lost", Err: err}
 }

@@ -164,7 +164,7 @@ func TestPreparedClaimRecoversLostStatements(t *testing.T) {
 	require.Equal(t, byte('I'), c.Conn().PgConn().TxStatus())
 	var stmts int
 	require.NoError(t, c.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%'`).Scan(&stmts))
-	require.Equal(t, 2, stmts, "prepared again after each loss")
+	require.Equal(t, 4, stmts, "prepared again after each loss: begin, the claim, the duplicate's read and rollback")
 }
 
 // The prepared claim's own parameter encoding stores what pgx's encoding
@@ -268,4 +268,44 @@ func TestLockTimeoutHoldsForTheHandler(t *testing.T) {
 			require.Equal(t, "0", after)
 		})
 	}
+}
+
+// A duplicate whose stored-identity read lost its prepared statement alone
+// (DEALLOCATE of that one statement: the claim's statements still exist)
+// fails transiently (ErrInfrastructure, never a configuration or
+// permanent error), and the next delivery prepares it again and is a
+// duplicate: no loop of failures.
+func TestPreparedDuplicateReadLostIsTransient(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	var calls atomic.Int32
+	pool, h := preparedClaimSetup(t, pgx.QueryExecModeCacheStatement, 1, func(context.Context, pgx.Tx) error {
+		calls.Add(1)
+		return nil
+	})
+	id := uuid.Must(uuid.NewV7())
+	_, err := h(preparedClaimMsg(t, id, `{"n":1}`))
+	require.NoError(t, err)
+	_, err = h(preparedClaimMsg(t, id, `{"n":1}`)) // prepares the read
+	require.NoError(t, err)
+
+	c, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	var name string
+	require.NoError(t, c.QueryRow(ctx, `SELECT name FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%' AND statement LIKE 'SELECT event_name%'`).Scan(&name))
+	_, err = c.Exec(ctx, "DEALLOCATE "+name)
+	require.NoError(t, err)
+	c.Release()
+
+	_, err = h(preparedClaimMsg(t, id, `{"n":1}`))
+	require.ErrorIs(t, err, middleware.ErrInfrastructure)
+	require.True(t, middleware.IsTransient(err))
+	require.False(t, middleware.IsPermanent(err))
+	require.NotErrorIs(t, err, middleware.ErrConfiguration)
+
+	_, err = h(preparedClaimMsg(t, id, `{"n":1}`))
+	require.NoError(t, err)
+	_, err = h(preparedClaimMsg(t, id, `{"n":2}`))
+	require.ErrorIs(t, err, middleware.ErrEventIDReused)
+	require.EqualValues(t, 1, calls.Load())
 }
