@@ -69,7 +69,7 @@ type Config struct {
 	// statement itself — set_config('lock_timeout', '<ms>ms', true) in the
 	// claim's WHERE, evaluated before the row is inserted, so the claim's
 	// own wait is bounded (processed.ClaimSettingLockTimeout) — at no
-	// statement of its own: 11.6k server instructions per attempt (the
+	// statement of its own: 11.3–11.6k server instructions per attempt (the
 	// setting and PostgreSQL's reset of it at the end of the transaction;
 	// bench part 6, counts). In the other exec modes, with
 	// DisablePipeline, NewStdBeginner and the SQL subscriber's beginner, by
