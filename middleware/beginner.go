@@ -44,6 +44,7 @@ type claimRequest struct {
 type lockTimeoutStmt struct {
 	query string
 	args  []any
+	d     time.Duration // the timeout (the prepared claim sets it itself)
 }
 
 // newLockTimeoutStmt builds the statement for d, or nil when d ≤ 0 or the
@@ -56,7 +57,7 @@ func newLockTimeoutStmt(store *processed.Store, d time.Duration) *lockTimeoutStm
 	if !ok {
 		return nil
 	}
-	return &lockTimeoutStmt{query: q, args: args}
+	return &lockTimeoutStmt{query: q, args: args, d: d}
 }
 
 // lockTimeoutQuery is the dialect's lock-timeout statement, if any.
@@ -100,20 +101,39 @@ type PgxBeginnerConfig struct {
 var ErrNilHandle = errors.New("middleware: nil database handle")
 
 // NewPgxBeginner returns the pgx v5 TxBeginner over pool. By default BEGIN,
-// the transaction's lock timeout and the claim travel in one round trip (a
-// pgx.Batch on an acquired connection) and the handler receives a pgx.Tx of
-// this package that runs on that connection (see PgxTxFromContext). A nil
-// pool is an error wrapping ErrNilHandle.
+// the transaction's lock timeout and the claim travel in one round trip and
+// the handler receives a pgx.Tx of this package that runs on that
+// connection (see PgxTxFromContext). On a pool whose
+// ConnConfig.DefaultQueryExecMode is pgx.QueryExecModeCacheStatement (pgx's
+// default) they are statements of the beginner's own, prepared once per
+// connection (named "idempotency_<n>"; the claim sets the lock timeout
+// itself, see Config.LockTimeout) and sent in one pgconn.Batch with
+// parameters the beginner encodes; a connection that lost them (DISCARD
+// ALL, DEALLOCATE ALL) prepares them again once. In the other modes
+// (simple protocol, exec/describe for poolers such as pgbouncer) they are a
+// pgx.Batch in the pool's mode. A pgx.BatchTracer on the pool sees the
+// batch either way. A nil pool is an error wrapping ErrNilHandle.
 func NewPgxBeginner(pool *pgxpool.Pool, cfg PgxBeginnerConfig) (TxBeginner, error) {
 	if pool == nil {
 		return nil, fmt.Errorf("middleware: NewPgxBeginner: pool: %w", ErrNilHandle)
 	}
-	return &pgxBeginner{pool: pool, pipeline: !cfg.DisablePipeline}, nil
+	b := &pgxBeginner{pool: pool, pipeline: !cfg.DisablePipeline}
+	cc := pool.Config().ConnConfig
+	b.prepared = b.pipeline && cc.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
+	b.tracer, _ = cc.Tracer.(pgx.BatchTracer)
+	return b, nil
 }
 
 type pgxBeginner struct {
 	pool     *pgxpool.Pool
 	pipeline bool
+	// prepared: the pool prepares statements (QueryExecModeCacheStatement),
+	// so the claim's batch is sent with statements of its own prepared once
+	// per connection (pgxclaim.go); otherwise a pgx.Batch in the pool's mode.
+	prepared bool
+	// tracer is the pool's pgx.BatchTracer, if any: the prepared claim's
+	// batch is traced as a pgx.Batch would be.
+	tracer pgx.BatchTracer
 }
 
 func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx, bool, error) {
@@ -123,6 +143,22 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	conn, err := b.pool.Acquire(ctx)
 	if err != nil {
 		return nil, false, fmt.Errorf("acquire connection: %w", err)
+	}
+	if b.prepared {
+		var id *processed.Identity
+		if c.verify {
+			id = &c.identity
+		}
+		if p, ok := c.store.ClaimParamsAt(c.consumer, c.eventID, c.eventAt, id); ok {
+			claimed, err := b.claimPrepared(ctx, conn.Conn(), &c, &p)
+			if err != errFallback {
+				tx, claimed, err := b.claimed(ctx, conn, claimed, err)
+				if ptx, ok := tx.(*pgxTx); ok {
+					ptx.prepared, ptx.tracer = true, b.tracer
+				}
+				return tx, claimed, err
+			}
+		}
 	}
 	batch := &pgx.Batch{}
 	batch.Queue("begin")
@@ -149,12 +185,18 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	if tagErr == nil {
 		tagErr = closeErr
 	}
+	return b.claimed(ctx, conn, claimed, tagErr)
+}
+
+// claimed is the attempt's transaction on conn after the claim's batch; on
+// err the transaction is rolled back and conn released.
+func (b *pgxBeginner) claimed(ctx context.Context, conn *pgxpool.Conn, claimed bool, err error) (attemptTx, bool, error) {
 	tx := &pgxTx{conn: conn, pc: conn.Conn()}
 	tx.savepoints = &tx.spCount
-	if tagErr != nil {
+	if err != nil {
 		_ = tx.rollback(ctx)
 		tx.release()
-		return nil, false, tagErr
+		return nil, false, err
 	}
 	return tx, claimed, nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/google/uuid"
 
 	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/sqldb"
@@ -15,9 +16,16 @@ import (
 // pgxTx). Other beginners end it with one statement each (Verdict,
 // StoredIdentity, ROLLBACK).
 type duplicateEnder interface {
-	readAndRollback(ctx context.Context, query string, args []any, dest ...any) (found bool, err error)
+	readAndRollback(ctx context.Context, query string, args []any, key identityKey, name, fp *[]byte) (found bool, err error)
 	afterEnd() sqldb.Querier
 	attemptTx
+}
+
+// identityKey is the stored-identity read's parameters unboxed, for the
+// prepared read (pgxtx.go): $1 the consumer, $2 the event id.
+type identityKey struct {
+	consumer string
+	eventID  uuid.UUID
 }
 
 // endDuplicate ends the attempt of a claim that inserted nothing, on d:
@@ -39,7 +47,7 @@ func (m *Idempotent) endDuplicate(ctx context.Context, d duplicateEnder, req cla
 	}
 	var name, fp []byte
 	query, args := req.store.StoredIdentityQuery(req.consumer, req.eventID)
-	found, err := d.readAndRollback(ctx, query, args, &name, &fp)
+	found, err := d.readAndRollback(ctx, query, args, identityKey{req.consumer, req.eventID}, &name, &fp)
 	if err != nil {
 		return OutcomeFailed, "", err
 	}

@@ -358,14 +358,16 @@ func classify(err error, cls ErrorClassifier) error {
 const claimHint = "the claim failed: run processed.Migrate for this store's table, check the schema/search_path and that the role may INSERT into it"
 
 // claimError classifies an error of the middleware's own BEGIN, lock
-// timeout and claim (the attempt's connection, by origin): a lock timeout is
-// ErrInFlight, a configuration code, or another server error on our own
+// timeout and claim (the attempt's connection, by origin): an
+// InfrastructureError stays one (a prepared statement of the pgx beginner
+// that its connection lost, pgxclaim.go), a lock timeout is ErrInFlight, a configuration code, or another server error on our own
 // statement, is a ConfigurationError, a cancelled statement (57014) and
 // anything else an InfrastructureError (the connection or the server
 // failed).
 func claimError(err error, cls ErrorClassifier) error {
 	var ce *ConfigurationError
-	if IsPermanent(err) || errors.As(err, &ce) {
+	var ie *InfrastructureError
+	if IsPermanent(err) || errors.As(err, &ce) || errors.As(err, &ie) {
 		return err
 	}
 	if cls != nil && ClassOf(err) == ClassOrdinary {

@@ -57,19 +57,25 @@ type Config struct {
 	// LockTimeout bounds the wait on a claim held by another, uncommitted
 	// transaction (two deliveries of one event at once). When it expires the
 	// attempt fails with the transient ErrInFlight and is retried later. It
-	// is set with SET LOCAL lock_timeout for the whole
-	// attempt's transaction, so a handler statement that waits longer than it
+	// is PostgreSQL's lock_timeout for the whole attempt's transaction
+	// (transaction-local, as SET LOCAL: the session's own value is back
+	// after the attempt), so a handler statement that waits longer than it
 	// on a lock also fails, transiently (SQLSTATE 55P03). Defaults to
-	// DefaultLockTimeout; a negative value leaves the session's lock_timeout
-	// untouched.
+	// DefaultLockTimeout (whole milliseconds; at least 1ms); a negative
+	// value leaves the session's lock_timeout untouched.
 	//
-	// Setting it costs one statement per attempt, sent in the claim's round
-	// trip (and PostgreSQL's reset of the setting at the end of the
-	// transaction): 10.6k server and 4.6k client instructions, 7
-	// allocations, about 4 % of the CPU of a message on a one-INSERT handler
-	// (bench part 6, counts; it was a SELECT set_config costing twice as
-	// much on the server). To save it, set
-	// lock_timeout on the pool's sessions instead
+	// How it is set: with NewPgxBeginner on a pool in
+	// pgx.QueryExecModeCacheStatement (pgx's default), by the claim
+	// statement itself — set_config('lock_timeout', '<ms>ms', true) in the
+	// claim's WHERE, evaluated before the row is inserted, so the claim's
+	// own wait is bounded (processed.ClaimSettingLockTimeout) — at no
+	// statement of its own: 11.3–11.6k server instructions per attempt (the
+	// setting and PostgreSQL's reset of it at the end of the transaction;
+	// bench part 6, counts). In the other exec modes, with
+	// DisablePipeline, NewStdBeginner and the SQL subscriber's beginner, by
+	// one SET LOCAL lock_timeout statement sent before the claim (17.1k
+	// server instructions with a statement of its own). To save even that,
+	// set lock_timeout on the pool's sessions instead
 	// (pgxpool.Config.ConnConfig.RuntimeParams["lock_timeout"] = "15s") and
 	// LockTimeout to a negative value; the bound then also applies to every
 	// other statement on those connections.

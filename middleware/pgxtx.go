@@ -48,6 +48,12 @@ type pgxTx struct {
 	savepoints *int
 	spCount    int // the root's counter (savepoints points here)
 	closed     bool
+	// prepared: the claim was sent as the beginner's prepared statements
+	// (pgxclaim.go); the duplicate's read and ROLLBACK are sent so too.
+	prepared bool
+	// tracer is the pool's pgx.BatchTracer (nil: none), for the batches
+	// this type sends through pgconn.
+	tracer pgx.BatchTracer
 }
 
 var _ pgx.Tx = (*pgxTx)(nil)
@@ -92,16 +98,26 @@ func (tx *pgxTx) parts() (sqldb.Querier, pgx.Tx, *sql.Tx) { return nil, tx, nil 
 // sent on its own; a connection whose ROLLBACK failed is closed, as by
 // Rollback. After it, afterEnd runs statements on the connection in
 // autocommit mode (the replay window's verdict) until release.
-func (tx *pgxTx) readAndRollback(ctx context.Context, query string, args []any, dest ...any) (found bool, err error) {
+//
+// After a prepared claim (tx.prepared) the read and the ROLLBACK are
+// statements prepared once per connection too, sent in one pgconn.Batch
+// with key encoded as the claim's parameters (readAndRollbackPrepared).
+func (tx *pgxTx) readAndRollback(ctx context.Context, query string, args []any, key identityKey, name, fp *[]byte) (found bool, err error) {
 	if tx.closed {
 		return false, pgx.ErrTxClosed
+	}
+	if tx.prepared {
+		found, err = tx.readAndRollbackPrepared(ctx, query, key, name, fp)
+		if err != errFallback {
+			return found, err
+		}
 	}
 	tx.closed = true
 	b := &pgx.Batch{}
 	b.Queue(query, args...)
 	b.Queue("rollback")
 	br := tx.pc.SendBatch(ctx, b)
-	err = br.QueryRow().Scan(dest...)
+	err = br.QueryRow().Scan(name, fp)
 	found = err == nil
 	if errors.Is(err, pgx.ErrNoRows) {
 		err = nil
@@ -114,6 +130,14 @@ func (tx *pgxTx) readAndRollback(ctx context.Context, query string, args []any, 
 	if err == nil {
 		err = closeErr
 	}
+	return found, tx.endAfterBatch(ctx, err)
+}
+
+// endAfterBatch makes sure the transaction ended after a batch that ended
+// in ROLLBACK: a failed statement before it (one Sync: the ROLLBACK was
+// skipped) leaves it aborted, so ROLLBACK is sent on its own; a connection
+// whose ROLLBACK failed is closed. It returns err, or the ROLLBACK's error.
+func (tx *pgxTx) endAfterBatch(ctx context.Context, err error) error {
 	if tx.pc.PgConn().TxStatus() != 'I' {
 		if _, rerr := tx.pc.Exec(ctx, "rollback"); rerr != nil {
 			_ = tx.pc.Close(context.WithoutCancel(ctx))
@@ -122,7 +146,7 @@ func (tx *pgxTx) readAndRollback(ctx context.Context, query string, args []any, 
 			}
 		}
 	}
-	return found, err
+	return err
 }
 
 // afterEnd is the connection in autocommit mode, for statements after

@@ -284,3 +284,81 @@ func newIdentityStatements(d sqldb.Dialect, q string) identityStatements {
 		}
 	}
 }
+
+// ClaimParams is one PostgreSQL claim statement with its parameters
+// unboxed, for a driver that encodes them itself (the middleware's pgx
+// beginner sends it as a prepared statement with binary parameters). It is
+// the statement and the arguments of ClaimQueryAt, or of
+// ClaimIdentityQueryAt when Identity is set, in the same order: $1
+// Consumer (text), $2 EventID (uuid), $3 EventAt (timestamptz; NULL when
+// HasEventAt is false, dated now() by the server), and with Identity $4
+// EventName (text, cut to MaxStoredEventName bytes) and $5 Fingerprint
+// (bytea).
+type ClaimParams struct {
+	SQL         string
+	Consumer    string
+	EventID     uuid.UUID
+	EventAt     time.Time
+	HasEventAt  bool
+	Identity    bool
+	EventName   string
+	Fingerprint []byte
+}
+
+// ClaimParamsAt returns the claim of (consumer, eventID) dated at (see
+// ClaimQueryAt), with id's columns when id is not nil, as ClaimParams;
+// ok=false for a store whose dialect is not PostgreSQL.
+func (s *Store) ClaimParamsAt(consumer string, eventID uuid.UUID, at time.Time, id *Identity) (p ClaimParams, ok bool) {
+	if s.dialect != sqldb.PostgreSQL {
+		return ClaimParams{}, false
+	}
+	p = ClaimParams{Consumer: consumer, EventID: eventID}
+	if t, ok := EventTime(eventID, at); ok {
+		p.EventAt, p.HasEventAt = t, true
+	}
+	routed := s.routed(eventID)
+	switch {
+	case id != nil && routed:
+		p.SQL = s.identity.claimOther
+	case id != nil:
+		p.SQL = s.identity.claim
+	case routed:
+		p.SQL = s.other.claim
+	default:
+		p.SQL = s.claimSQL
+	}
+	if id != nil {
+		p.Identity, p.EventName, p.Fingerprint = true, id.storedName(), id.Fingerprint
+	}
+	return p, true
+}
+
+// ClaimSettingLockTimeout returns claim, a PostgreSQL claim statement of
+// this package (ClaimParams.SQL), so that it also sets lock_timeout to d
+// (whole milliseconds, d ≥ 1ms) for the rest of the transaction, as SET
+// LOCAL does: set_config('lock_timeout', …, true) in the statement's WHERE,
+// evaluated before the row is inserted, so the insertion's wait on a
+// concurrent uncommitted claim of the same event is bounded by it (55P03),
+// and so is every later statement of the transaction. The claim is
+// otherwise unchanged: the same INSERT … ON CONFLICT DO NOTHING, the same
+// parameters; a VALUES list becomes the same list in a SELECT. ok is false
+// for a statement of another shape (left as is).
+func ClaimSettingLockTimeout(claim string, d time.Duration) (string, bool) {
+	set := fmt.Sprintf("set_config('lock_timeout', '%dms', true) IS NOT NULL", d.Milliseconds())
+	const onConflict = " ON CONFLICT DO NOTHING"
+	if i := strings.Index(claim, "\nWHERE "); i >= 0 {
+		j := strings.Index(claim[i:], "\nON CONFLICT DO NOTHING")
+		if j < 0 {
+			return claim, false
+		}
+		j += i
+		cond := claim[i+len("\nWHERE ") : j]
+		return claim[:i] + "\nWHERE " + set + " AND (" + cond + ")" + claim[j:], true
+	}
+	i := strings.Index(claim, " VALUES (")
+	if i < 0 || !strings.HasSuffix(claim, ")"+onConflict) {
+		return claim, false
+	}
+	list := claim[i+len(" VALUES (") : len(claim)-len(")"+onConflict)]
+	return claim[:i] + " SELECT " + list + " WHERE " + set + onConflict, true
+}

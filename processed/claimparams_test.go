@@ -1,0 +1,87 @@
+package processed_test
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+)
+
+// ClaimParamsAt is ClaimQueryAt / ClaimIdentityQueryAt unboxed: the same
+// statement and the same arguments in the same order, on every layout
+// (the partitioned layout routes ids that are not UUIDv7 to the side
+// table), with and without the replay window, identity and event time.
+func TestClaimParamsMatchClaimQuery(t *testing.T) {
+	t.Parallel()
+	at := time.Date(2026, 1, 2, 3, 4, 5, 678901234, time.UTC)
+	for _, cfg := range []processed.Config{
+		{},
+		{Horizon: time.Hour},
+		{Layout: processed.LayoutPartitioned, Horizon: 2 * time.Hour},
+	} {
+		s, err := processed.NewStore(cfg)
+		require.NoError(t, err)
+		for _, id := range []uuid.UUID{uuid.Must(uuid.NewV7()), uuid.New()} {
+			for _, when := range []time.Time{{}, at} {
+				ident := processed.NewIdentity("order.placed", []byte(`{"n":1}`))
+				for _, withID := range []bool{false, true} {
+					var q string
+					var args []any
+					var ip *processed.Identity
+					if withID {
+						q, args = s.ClaimIdentityQueryAt("stock", id, when, ident)
+						ip = &ident
+					} else {
+						q, args = s.ClaimQueryAt("stock", id, when)
+					}
+					p, ok := s.ClaimParamsAt("stock", id, when, ip)
+					require.True(t, ok)
+					require.Equal(t, q, p.SQL)
+					want := []any{"stock", pgtype.UUID{Bytes: id, Valid: true}, nil}
+					if p.HasEventAt {
+						want[2] = p.EventAt
+					}
+					if withID {
+						want = append(want, p.EventName, p.Fingerprint)
+						require.True(t, p.Identity)
+					}
+					require.Equal(t, want, args, "cfg %+v id v%d at %v identity %v", cfg, id.Version(), when, withID)
+				}
+			}
+		}
+	}
+	mysql, err := processed.NewStore(processed.Config{Dialect: sqldb.MySQL})
+	require.NoError(t, err)
+	_, ok := mysql.ClaimParamsAt("stock", uuid.New(), time.Time{}, nil)
+	require.False(t, ok)
+}
+
+// Every PostgreSQL claim shape (VALUES, the replay window's SELECT … WHERE,
+// with and without identity, the partitioned side table) takes the lock
+// timeout's set_config before its insertion; other text is left alone.
+func TestClaimSettingLockTimeoutEveryShape(t *testing.T) {
+	t.Parallel()
+	for _, cfg := range []processed.Config{{}, {Horizon: time.Hour}, {Layout: processed.LayoutPartitioned}} {
+		s, err := processed.NewStore(cfg)
+		require.NoError(t, err)
+		for _, id := range []uuid.UUID{uuid.Must(uuid.NewV7()), uuid.New()} {
+			ident := processed.NewIdentity("e", nil)
+			for _, ip := range []*processed.Identity{nil, &ident} {
+				p, _ := s.ClaimParamsAt("c", id, time.Time{}, ip)
+				q, ok := processed.ClaimSettingLockTimeout(p.SQL, 1500*time.Millisecond)
+				require.True(t, ok, p.SQL)
+				require.Contains(t, q, "WHERE set_config('lock_timeout', '1500ms', true) IS NOT NULL")
+				require.True(t, strings.HasSuffix(q, "ON CONFLICT DO NOTHING"), q)
+				require.Equal(t, strings.Count(p.SQL, "$"), strings.Count(q, "$"))
+			}
+		}
+	}
+	_, ok := processed.ClaimSettingLockTimeout("SELECT 1", time.Second)
+	require.False(t, ok)
+}
