@@ -240,13 +240,9 @@ func (s *Store) FinishPartitionMigration(ctx context.Context, q sqldb.Querier) e
 }
 
 // purgeLegacyBatch deletes at most limit rows of the legacy table dated
-// before now() − horizon: the plain layout's statement (postgresPlainPurge)
-// on that table, which is the plain table renamed: its partial event_at index
-// (migration 4, applied by MigrateToPartitioned before the switch) or, when
-// it was switched by an older release, its full event_at index serves the
-// rows the primary-key ranges do not find.
+// before now() − horizon (PurgeBatch's statement on that table).
 func (s *Store) purgeLegacyBatch(ctx context.Context, q sqldb.Querier, horizon time.Duration, limit int) (int64, error) {
-	n, err := q.Exec(ctx, fmt.Sprintf(postgresPlainPurge, s.sibling("legacy")), s.sql.purgeArgs(horizon, limit)...)
+	n, err := q.Exec(ctx, fmt.Sprintf(postgresSQL.purgeBatch, s.sibling("legacy")), s.sql.purgeArgs(horizon, limit)...)
 	if err != nil {
 		return 0, fmt.Errorf("processed: purge the legacy table: %w", err)
 	}

@@ -185,9 +185,6 @@ func NewStore(cfg Config) (*Store, error) {
 	if s.horizon > 0 {
 		s.claimSQL = window(d.window)
 	}
-	if s.dialect == sqldb.PostgreSQL {
-		s.purgeSQL = fmt.Sprintf(postgresPlainPurge, q)
-	}
 	if s.layout == LayoutPartitioned {
 		s.initPartitioned()
 		s.identity.storedOther = "SELECT event_name, fingerprint FROM " + s.sibling("other") + " WHERE consumer = $1 AND event_id = $2"
