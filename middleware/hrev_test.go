@@ -3,13 +3,18 @@ package middleware_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/middleware"
 )
@@ -58,4 +63,141 @@ func TestHREV_LockTimeoutBoundsTheClaimTableLock(t *testing.T) {
 			require.ErrorIs(t, err, middleware.ErrInFlight)
 		})
 	}
+}
+
+// hrevTracer runs fault at a chosen point of the prepared claim's batch
+// (the first batch whose first statement is BEGIN after it is armed):
+// "start" (statements prepared, batch not yet sent) or "after-begin"
+// (BEGIN's result read, the claim's not: the server may have inserted the
+// claim row).
+type hrevTracer struct {
+	at    string
+	armed atomic.Bool
+	fault func()
+}
+
+func (tr *hrevTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+func (tr *hrevTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (tr *hrevTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+	if tr.at == "start" && len(d.Batch.QueuedQueries) > 0 && d.Batch.QueuedQueries[0].SQL == "begin" && tr.armed.CompareAndSwap(true, false) {
+		tr.fault()
+	}
+	return ctx
+}
+func (tr *hrevTracer) TraceBatchQuery(_ context.Context, _ *pgx.Conn, d pgx.TraceBatchQueryData) {
+	if tr.at == "after-begin" && d.SQL == "begin" && tr.armed.CompareAndSwap(true, false) {
+		tr.fault()
+	}
+}
+func (tr *hrevTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
+
+// The attempt's connection cut at each point of the prepared claim's one
+// round trip (cold: just after the statements were prepared; warm: before
+// the batch; mid-batch: after BEGIN's result, before the claim's) and a
+// context cancelled before the batch: never acked as claimed on that
+// attempt, never poisoned, the connection not reused in a transaction; the
+// held re-run applies the event once (one effect, one claim row).
+func TestHREV_PreparedClaimFaultsInItsBatch(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name, at string
+		warm     bool
+	}{{"cut-cold-before-batch", "start", false}, {"cut-warm-before-batch", "start", true}, {"cut-mid-batch", "after-begin", true}} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			e := newEnv(t)
+			cfg := testenv.PoolConfig(t, testenv.PostgresURL(), e.schema, 2)
+			proxy, err := faultproxy.Start(fmt.Sprintf("%s:%d", cfg.ConnConfig.Host, cfg.ConnConfig.Port))
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = proxy.Close() })
+			cfg.ConnConfig.Host, cfg.ConnConfig.Port = "127.0.0.1", uint16(proxy.Port())
+			tr := &hrevTracer{at: c.at, fault: proxy.Cut}
+			cfg.ConnConfig.Tracer = tr
+			require.Equal(t, pgx.QueryExecModeCacheStatement, cfg.ConnConfig.DefaultQueryExecMode)
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			idem, err := middleware.NewIdempotent(middleware.Config{Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})), Store: e.store, Consumer: "stock"}, nil)
+			require.NoError(t, err)
+			poison := &capture{msgs: make(chan *message.Message, 1)}
+			var calls atomic.Int32
+			h := chainedHold(t, idem, poison, nil, 2*time.Minute, func(msg *message.Message) ([]*message.Message, error) {
+				calls.Add(1)
+				q, _ := middleware.QuerierFromContext(msg.Context())
+				_, err := q.Exec(msg.Context(), `INSERT INTO effect (event_id, note) VALUES ($1, $2)`, msg.UUID, "x")
+				return nil, err
+			})
+			if c.warm {
+				_, err := h(newMsg(uuid.Must(uuid.NewV7()).String()))
+				require.NoError(t, err)
+				calls.Store(0)
+			}
+			tr.armed.Store(true)
+			id := uuid.Must(uuid.NewV7()).String()
+			_, err = h(newMsg(id))
+			require.NoError(t, err, "held and applied after the cut")
+			require.False(t, tr.armed.Load(), "the fault ran")
+			require.Empty(t, poison.msgs, "never poisoned")
+			// Mid-batch, the claim's result may already be in the client's
+			// buffer when the socket is cut: the handler then runs on the
+			// dead connection once (its statement fails, rolled back).
+			ran := calls.Load()
+			require.True(t, ran == 1 || (c.at == "after-begin" && ran == 2), "handler calls: %d", ran)
+			require.Equal(t, 1, e.effects(id))
+			var rows int
+			require.NoError(t, e.pool.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE event_id = $1`, id).Scan(&rows))
+			require.Equal(t, 1, rows)
+			_, err = h(newMsg(id))
+			require.NoError(t, err)
+			require.Equal(t, ran, calls.Load(), "a duplicate afterwards")
+		})
+	}
+}
+
+// The message's context cancelled after the statements were prepared and
+// before the batch is sent: the attempt fails (never acked as claimed,
+// nothing written), and the connection goes back to the pool idle, outside
+// a transaction, and serves the next message.
+func TestHREV_PreparedClaimContextCancelledBeforeBatch(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t)
+	cfg := testenv.PoolConfig(t, testenv.PostgresURL(), e.schema, 1)
+	var cancel context.CancelFunc
+	tr := &hrevTracer{at: "start", fault: func() { cancel() }}
+	cfg.ConnConfig.Tracer = tr
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	var calls atomic.Int32
+	h := e.mw(pool, nil)(func(msg *message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		q, _ := middleware.QuerierFromContext(msg.Context())
+		_, err := q.Exec(msg.Context(), `INSERT INTO effect (event_id, note) VALUES ($1, $2)`, msg.UUID, "x")
+		return nil, err
+	})
+	_, err = h(newMsg(uuid.Must(uuid.NewV7()).String())) // warm
+	require.NoError(t, err)
+	tr.armed.Store(true)
+	id := uuid.Must(uuid.NewV7()).String()
+	msg := newMsg(id)
+	mctx, c := context.WithCancel(ctx)
+	cancel = c
+	msg.SetContext(mctx)
+	_, err = h(msg)
+	require.Error(t, err)
+	require.ErrorIs(t, err, context.Canceled)
+	require.EqualValues(t, 1, calls.Load())
+	require.Zero(t, e.effects(id))
+	conn, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	require.Equal(t, byte('I'), conn.Conn().PgConn().TxStatus())
+	conn.Release()
+	_, err = h(newMsg(id))
+	require.NoError(t, err)
+	require.EqualValues(t, 2, calls.Load())
+	require.Equal(t, 1, e.effects(id))
 }
