@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -16,7 +17,10 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // hrevFailsafe only ends a test that would otherwise hang; it is never the
@@ -200,4 +204,59 @@ func TestHREV_PreparedClaimContextCancelledBeforeBatch(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, 2, calls.Load())
 	require.Equal(t, 1, e.effects(id))
+}
+
+// The prepared claim's binary event_at at the ends of the range and below
+// the microsecond stores what pgx's binary (cache_describe) and text
+// (simple protocol) encodings store, and that is the time truncated to the
+// microsecond: year 1, a non-UTC zone that makes it 1 BC in UTC, 9999,
+// 1969 with a sub-microsecond part (negative Unix time, the floor).
+func TestHREV_PreparedClaimEventAtExtremes(t *testing.T) {
+	t.Parallel()
+	occurred := []time.Time{
+		time.Date(1, 1, 1, 0, 0, 0, 1000, time.UTC), // the zero time itself is refused by the marshaler
+		time.Date(1, 1, 1, 0, 0, 0, 1500, time.FixedZone("e5", 5*3600)),
+		time.Date(9999, 12, 31, 23, 59, 59, 999999999, time.UTC),
+		time.Date(1969, 12, 31, 23, 59, 59, 999999500, time.FixedZone("m0330", -(3*3600+1800))),
+		time.Date(2000, 1, 1, 0, 0, 0, 999, time.UTC),
+	}
+	ids := make([]uuid.UUID, len(occurred))
+	for i := range ids {
+		ids[i] = uuid.New() // v4: dated by occurred_at
+	}
+	rows := map[pgx.QueryExecMode][]time.Time{}
+	modes := []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeSimpleProtocol}
+	for _, mode := range modes {
+		ctx := context.Background()
+		_, schema := testenv.Pool(t)
+		cfg := testenv.PoolConfig(t, testenv.PostgresURL(), schema, 1)
+		cfg.ConnConfig.DefaultQueryExecMode = mode
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		store, err := processed.NewStore(processed.Config{})
+		require.NoError(t, err)
+		require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
+		beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
+		require.NoError(t, err)
+		m, err := middleware.NewIdempotent(middleware.Config{Beginner: beginner, Store: store, Consumer: "stock"}, watermill.NopLogger{})
+		require.NoError(t, err)
+		h := m.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+		for i, id := range ids {
+			msg, err := marshaler.NewMessageWithID(id, "order.placed", occurred[i], []byte(`{"n":1}`))
+			require.NoError(t, err)
+			msg.SetContext(ctx)
+			_, err = h(msg)
+			require.NoError(t, err, "%s %v", mode, occurred[i])
+			var at time.Time
+			// Read back in binary on every pool: only the writing differs.
+			require.NoError(t, pool.QueryRow(ctx, `SELECT event_at FROM processed_event WHERE event_id = $1`, pgx.QueryExecModeCacheDescribe, id).Scan(&at))
+			rows[mode] = append(rows[mode], at.UTC())
+		}
+	}
+	for i, o := range occurred {
+		require.Equal(t, o.UTC().Truncate(time.Microsecond), rows[pgx.QueryExecModeCacheStatement][i], "prepared: %v", o)
+	}
+	require.Equal(t, rows[pgx.QueryExecModeCacheDescribe], rows[pgx.QueryExecModeCacheStatement])
+	require.Equal(t, rows[pgx.QueryExecModeSimpleProtocol], rows[pgx.QueryExecModeCacheStatement])
 }
