@@ -260,3 +260,75 @@ func TestHREV_PreparedClaimEventAtExtremes(t *testing.T) {
 	require.Equal(t, rows[pgx.QueryExecModeCacheDescribe], rows[pgx.QueryExecModeCacheStatement])
 	require.Equal(t, rows[pgx.QueryExecModeSimpleProtocol], rows[pgx.QueryExecModeCacheStatement])
 }
+
+// Two Idempotent middlewares on one pool connection, with different
+// tables, consumers, layouts (plain; partitioned, whose non-v7 ids are
+// routed to its side table) and lock timeouts, alternate: the prepared
+// statements cached per connection are keyed by their text, so each claim
+// lands in its own store (never the other's table), each duplicate is
+// recognized by its own store, and a payload change is caught by each.
+func TestHREV_TwoMiddlewaresOneConnection(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, schema := testenv.Pool(t)
+	cfg := testenv.PoolConfig(t, testenv.PostgresURL(), schema, 1)
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	storeA, err := processed.NewStore(processed.Config{Table: "pe_a"})
+	require.NoError(t, err)
+	storeB, err := processed.NewStore(processed.Config{Table: "pe_b", Layout: processed.LayoutPartitioned, Horizon: 2 * time.Hour})
+	require.NoError(t, err)
+	require.NoError(t, storeA.Migrate(ctx, sqldb.Pgx(pool)))
+	require.NoError(t, storeB.Migrate(ctx, sqldb.Pgx(pool)))
+	beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
+	require.NoError(t, err)
+	var calls [2]atomic.Int32
+	var hs [2]message.HandlerFunc
+	for i, c := range []middleware.Config{
+		{Beginner: beginner, Store: storeA, Consumer: "a", LockTimeout: 50 * time.Millisecond},
+		{Beginner: beginner, Store: storeB, Consumer: "b", LockTimeout: 70 * time.Millisecond},
+	} {
+		m, err := middleware.NewIdempotent(c, watermill.NopLogger{})
+		require.NoError(t, err)
+		i := i
+		hs[i] = m.Middleware(func(*message.Message) ([]*message.Message, error) {
+			calls[i].Add(1)
+			return nil, nil
+		})
+	}
+	stores := [2]*processed.Store{storeA, storeB}
+	consumers := [2]string{"a", "b"}
+	var ids []uuid.UUID
+	for round := 0; round < 2; round++ {
+		for _, id := range []uuid.UUID{uuid.Must(uuid.NewV7()), uuid.New()} {
+			ids = append(ids, id)
+			for i := range hs {
+				_, err := hs[i](preparedClaimMsg(t, id, `{"n":1}`))
+				require.NoError(t, err)
+			}
+		}
+	}
+	require.EqualValues(t, len(ids), calls[0].Load())
+	require.EqualValues(t, len(ids), calls[1].Load())
+	for _, id := range ids {
+		for i := range stores {
+			for j := range consumers {
+				got, err := stores[i].StoredIdentity(ctx, sqldb.Pgx(pool), consumers[j], id)
+				require.NoError(t, err)
+				require.Equal(t, i == j, got.Found, "store %d consumer %s id v%d", i, consumers[j], id.Version())
+			}
+		}
+		for i := range hs {
+			_, err := hs[i](preparedClaimMsg(t, id, `{"n":1}`))
+			require.NoError(t, err, "duplicate")
+			_, err = hs[i](preparedClaimMsg(t, id, `{"n":2}`))
+			require.Error(t, err, "a payload change is caught")
+		}
+	}
+	require.EqualValues(t, len(ids), calls[0].Load())
+	require.EqualValues(t, len(ids), calls[1].Load())
+	var n int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%'`).Scan(&n))
+	require.Greater(t, n, 0, "the prepared path was taken")
+}
