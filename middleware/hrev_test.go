@@ -332,3 +332,54 @@ func TestHREV_TwoMiddlewaresOneConnection(t *testing.T) {
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%'`).Scan(&n))
 	require.Greater(t, n, 0, "the prepared path was taken")
 }
+
+// Session commands a handler may run inside the attempt's transaction on
+// the prepared path: RESET ALL (drops the transaction's lock timeout for
+// the rest of that transaction only), SET SESSION lock_timeout (the
+// handler's own session change, kept after commit as PostgreSQL does) and
+// nothing at all (committed attempt): the next attempt on the same
+// connection still runs its claim and handler under Config.LockTimeout, and
+// after a committed attempt without session changes the session's own
+// lock_timeout is back.
+func TestHREV_LockTimeoutAcrossHandlerSessionCommands(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	var step atomic.Int32
+	var seen []string
+	pool, h := preparedClaimSetupLock(t, pgx.QueryExecModeCacheStatement, 1, 40*time.Millisecond, func(ctx context.Context, tx pgx.Tx) error {
+		var s string
+		if err := tx.QueryRow(ctx, "SHOW lock_timeout").Scan(&s); err != nil {
+			return err
+		}
+		seen = append(seen, s)
+		switch step.Load() {
+		case 1:
+			_, err := tx.Exec(ctx, "RESET ALL")
+			return err
+		case 2:
+			_, err := tx.Exec(ctx, "SET SESSION lock_timeout = '7s'")
+			return err
+		}
+		return nil
+	})
+	show := func() string {
+		c, err := pool.Acquire(ctx)
+		require.NoError(t, err)
+		defer c.Release()
+		var s string
+		require.NoError(t, c.QueryRow(ctx, "SHOW lock_timeout").Scan(&s))
+		return s
+	}
+	for i := int32(0); i < 4; i++ {
+		step.Store(i)
+		_, err := h(preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":1}`))
+		require.NoError(t, err)
+		switch i {
+		case 0, 1:
+			require.Equal(t, "0", show(), "after a committed attempt (step %d)", i)
+		case 2:
+			require.Equal(t, "7s", show(), "the handler's own session setting")
+		}
+	}
+	require.Equal(t, []string{"40ms", "40ms", "40ms", "40ms"}, seen)
+}
