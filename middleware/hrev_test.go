@@ -383,3 +383,51 @@ func TestHREV_LockTimeoutAcrossHandlerSessionCommands(t *testing.T) {
 	}
 	require.Equal(t, []string{"40ms", "40ms", "40ms", "40ms"}, seen)
 }
+
+// A row claimed with payload verification off (no event_name, NULL
+// fingerprint: the 3-parameter prepared claim) and met again by a verifying
+// middleware of the same consumer on the same connection: the prepared
+// duplicate read returns the NULL fingerprint in binary as nil, so it is a
+// plain duplicate (acked, handler not run), whatever the payload; and the
+// other way round a verified row is met by the unverifying claim as a
+// duplicate.
+func TestHREV_PreparedReadOfNullFingerprint(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, schema := testenv.Pool(t)
+	cfg := testenv.PoolConfig(t, testenv.PostgresURL(), schema, 1)
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	store, err := processed.NewStore(processed.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
+	beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
+	require.NoError(t, err)
+	var calls atomic.Int32
+	mk := func(off bool) message.HandlerFunc {
+		m, err := middleware.NewIdempotent(middleware.Config{Beginner: beginner, Store: store, Consumer: "stock", DisablePayloadVerification: off}, watermill.NopLogger{})
+		require.NoError(t, err)
+		return m.Middleware(func(*message.Message) ([]*message.Message, error) { calls.Add(1); return nil, nil })
+	}
+	plain, verified := mk(true), mk(false)
+	id := uuid.Must(uuid.NewV7())
+	_, err = plain(preparedClaimMsg(t, id, `{"n":1}`))
+	require.NoError(t, err)
+	var fpNull bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT fingerprint IS NULL FROM processed_event WHERE event_id = $1`, id).Scan(&fpNull))
+	require.True(t, fpNull)
+	for i := 0; i < 2; i++ { // the second time on the prepared read
+		_, err = verified(preparedClaimMsg(t, id, `{"n":2}`))
+		require.NoError(t, err, "a row without fingerprint is a plain duplicate")
+	}
+	id2 := uuid.Must(uuid.NewV7())
+	_, err = verified(preparedClaimMsg(t, id2, `{"n":1}`))
+	require.NoError(t, err)
+	_, err = plain(preparedClaimMsg(t, id2, `{"n":2}`))
+	require.NoError(t, err)
+	require.EqualValues(t, 2, calls.Load())
+	var n int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%' AND statement LIKE 'SELECT%'`).Scan(&n))
+	require.Equal(t, 1, n, "the duplicate read was prepared")
+}
