@@ -431,3 +431,51 @@ func TestHREV_PreparedReadOfNullFingerprint(t *testing.T) {
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%' AND statement LIKE 'SELECT%'`).Scan(&n))
 	require.Equal(t, 1, n, "the duplicate read was prepared")
 }
+
+// A claim table whose consumer column is a domain over text (and whose
+// event_name is varchar): the prepared statement's parameter types are not
+// the encoded ones for the domain, so the claim falls back to the pgx.Batch
+// path, and claims, duplicates and payload changes behave as everywhere.
+// The table altered to the domain after the claim was prepared on the
+// connection (the statement keeps its text parameter, PostgreSQL
+// re-plans it) behaves the same.
+func TestHREV_PreparedClaimOnDomainColumns(t *testing.T) {
+	t.Parallel()
+	for _, after := range []bool{false, true} {
+		t.Run(fmt.Sprintf("altered-after-prepare=%v", after), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			var calls atomic.Int32
+			pool, h := preparedClaimSetup(t, pgx.QueryExecModeCacheStatement, 1, func(context.Context, pgx.Tx) error {
+				calls.Add(1)
+				return nil
+			})
+			alter := func() {
+				_, err := pool.Exec(ctx, `CREATE DOMAIN consumer_name AS text CHECK (VALUE <> '');
+ALTER TABLE processed_event ALTER COLUMN consumer TYPE consumer_name, ALTER COLUMN event_name TYPE varchar(300)`, pgx.QueryExecModeSimpleProtocol)
+				require.NoError(t, err)
+			}
+			if !after {
+				alter()
+			}
+			first := uuid.Must(uuid.NewV7())
+			_, err := h(preparedClaimMsg(t, first, `{"n":1}`))
+			require.NoError(t, err)
+			if after {
+				alter()
+			}
+			for i := 0; i < 2; i++ {
+				id := uuid.Must(uuid.NewV7())
+				_, err := h(preparedClaimMsg(t, id, `{"n":1}`))
+				require.NoError(t, err)
+				_, err = h(preparedClaimMsg(t, id, `{"n":1}`))
+				require.NoError(t, err, "duplicate")
+				_, err = h(preparedClaimMsg(t, id, `{"n":2}`))
+				require.Error(t, err, "payload change")
+			}
+			_, err = h(preparedClaimMsg(t, first, `{"n":1}`))
+			require.NoError(t, err)
+			require.EqualValues(t, 3, calls.Load())
+		})
+	}
+}
