@@ -479,3 +479,53 @@ ALTER TABLE processed_event ALTER COLUMN consumer TYPE consumer_name, ALTER COLU
 		})
 	}
 }
+
+// The lock-timeout statement of the prepared batch lost alone (a handler
+// DEALLOCATEs it by name; BEGIN and the claim still exist): the next
+// attempt's batch fails at it (26000, the claim not executed), is rolled
+// back, prepared again and resent once: the message is claimed and applied
+// once, under the lock timeout, and the one after that too.
+func TestHREV_PreparedLockStatementLostAlone(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	var step atomic.Int32
+	var seen []string
+	pool, h := preparedClaimSetupLock(t, pgx.QueryExecModeCacheStatement, 1, 30*time.Millisecond, func(ctx context.Context, tx pgx.Tx) error {
+		var s string
+		if err := tx.QueryRow(ctx, "SHOW lock_timeout").Scan(&s); err != nil {
+			return err
+		}
+		seen = append(seen, s)
+		if step.Load() == 0 {
+			var name string
+			if err := tx.QueryRow(ctx, `SELECT name FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%' AND statement LIKE 'SET LOCAL%'`).Scan(&name); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, "DEALLOCATE "+pgx.Identifier{name}.Sanitize())
+			return err
+		}
+		return nil
+	})
+	var ids []uuid.UUID
+	for i := int32(0); i < 3; i++ {
+		step.Store(i)
+		id := uuid.Must(uuid.NewV7())
+		ids = append(ids, id)
+		_, err := h(preparedClaimMsg(t, id, `{"n":1}`))
+		require.NoError(t, err, "message %d", i)
+	}
+	require.Equal(t, []string{"30ms", "30ms", "30ms"}, seen)
+	for _, id := range ids {
+		var effects, claims int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM effect WHERE event_id = $1), (SELECT count(*) FROM processed_event WHERE event_id = $1)`, id).Scan(&effects, &claims))
+		require.Equal(t, 1, effects)
+		require.Equal(t, 1, claims)
+	}
+	c, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer c.Release()
+	require.Equal(t, byte('I'), c.Conn().PgConn().TxStatus())
+	var lockStmts int
+	require.NoError(t, c.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%' AND statement LIKE 'SET LOCAL%'`).Scan(&lockStmts))
+	require.Equal(t, 1, lockStmts, "prepared again once")
+}
