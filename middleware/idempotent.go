@@ -64,18 +64,16 @@ type Config struct {
 	// DefaultLockTimeout (whole milliseconds; at least 1ms); a negative
 	// value leaves the session's lock_timeout untouched.
 	//
-	// How it is set: with NewPgxBeginner on a pool in
-	// pgx.QueryExecModeCacheStatement (pgx's default), by the claim
-	// statement itself — set_config('lock_timeout', '<ms>ms', true) in the
-	// claim's WHERE, evaluated before the row is inserted, so the claim's
-	// own wait is bounded (processed.ClaimSettingLockTimeout) — at no
-	// statement of its own: 11.3–11.6k server instructions per attempt (the
-	// setting and PostgreSQL's reset of it at the end of the transaction;
-	// bench part 6, counts). In the other exec modes, with
-	// DisablePipeline, NewStdBeginner and the SQL subscriber's beginner, by
-	// one SET LOCAL lock_timeout statement sent before the claim (17.1k
-	// server instructions with a statement of its own). To save even that,
-	// set lock_timeout on the pool's sessions instead
+	// How it is set: by one SET LOCAL lock_timeout statement before the
+	// claim, in the claim's round trip (with NewPgxBeginner on a pool in
+	// pgx.QueryExecModeCacheStatement, pgx's default, a statement prepared
+	// once per connection in the claim's pgconn.Batch). It is a statement
+	// of its own, not a set_config inside the claim, because the executor
+	// takes the claim's lock on its table before it evaluates any of the
+	// claim's expressions: that wait (a LOCK TABLE, ALTER TABLE, a
+	// partition DROP holding the table) must be bounded too. Cost: about
+	// 17k server instructions per attempt (bench part 6, counts). To save
+	// that, set lock_timeout on the pool's sessions instead
 	// (pgxpool.Config.ConnConfig.RuntimeParams["lock_timeout"] = "15s") and
 	// LockTimeout to a negative value; the bound then also applies to every
 	// other statement on those connections.

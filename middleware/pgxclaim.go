@@ -22,9 +22,11 @@ import (
 // the event time as binary timestamptz (or NULL), the fingerprint as binary
 // bytea. pgx's Batch, its pipeline state and its type mapping are not
 // involved. The claim is processed.Store's one INSERT … ON CONFLICT DO
-// NOTHING (ClaimParamsAt), and with Config.LockTimeout it sets the
-// transaction's lock_timeout itself before inserting
-// (processed.ClaimSettingLockTimeout), instead of a SET LOCAL statement.
+// NOTHING (ClaimParamsAt); with Config.LockTimeout the dialect's SET LOCAL
+// lock_timeout is a prepared statement of the same batch, between BEGIN
+// and the claim, so the claim's lock on its table is bounded too (a
+// set_config in the claim's own WHERE runs after the executor took that
+// lock).
 //
 // A connection that lost the statements (DISCARD ALL, DEALLOCATE ALL, a
 // pooler's reset) answers 26000 (invalid_sql_statement_name): the attempt
@@ -55,7 +57,7 @@ const (
 type preparedStmt struct {
 	sql, name string
 	// lock is the lock timeout the statement sets itself (0: none; see
-	// processed.ClaimSettingLockTimeout).
+	// processed.ClaimSettingLockTimeout; the claim path passes 0).
 	lock time.Duration
 	ok   bool
 }
@@ -181,9 +183,19 @@ var errFallback = errors.New("middleware: prepared claim not applicable")
 func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *claimRequest, p *processed.ClaimParams) (bool, error) {
 	pc := conn.PgConn()
 	st := connClaimOf(pc)
-	var lock time.Duration
+	// The lock timeout is a statement of its own before the claim (the
+	// dialect's SET LOCAL, prepared too), never only a set_config inside
+	// the claim: the executor takes the claim's lock on the claim table
+	// before it evaluates any expression of the statement, so a setting in
+	// the claim's WHERE would leave that wait unbounded (a LOCK TABLE, an
+	// ALTER, a partition DROP holding the table; hrev,
+	// TestHREV_LockTimeoutBoundsTheClaimTableLock).
+	lockSQL := ""
 	if c.lockTimeout != nil {
-		lock = c.lockTimeout.d
+		if len(c.lockTimeout.args) != 0 {
+			return false, errFallback
+		}
+		lockSQL = c.lockTimeout.query
 	}
 	types := claimTypes
 	if p.Identity {
@@ -194,18 +206,27 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *clai
 		if err != nil {
 			return false, err
 		}
-		claim, err := st.stmt(ctx, pc, p.SQL, lock, types)
+		var lock preparedStmt
+		if lockSQL != "" {
+			if lock, err = st.stmt(ctx, pc, lockSQL, 0, nil); err != nil {
+				return false, err
+			}
+		}
+		claim, err := st.stmt(ctx, pc, p.SQL, 0, types)
 		if err != nil {
 			return false, err
 		}
-		if !begin.ok || !claim.ok {
+		if !begin.ok || (lockSQL != "" && !lock.ok) || !claim.ok {
 			return false, errFallback
 		}
 		vals := st.encode(p)
 		var batch pgconn.Batch
 		batch.ExecPrepared(begin.name, nil, nil, nil)
+		if lockSQL != "" {
+			batch.ExecPrepared(lock.name, nil, nil, nil)
+		}
 		batch.ExecPrepared(claim.name, vals, st.formats[:len(vals)], nil)
-		claimed, err := b.execClaimBatch(ctx, conn, &batch, p.SQL)
+		claimed, err := b.execClaimBatch(ctx, conn, &batch, lockSQL, p.SQL)
 		if err == nil || !statementLost(err) || pc.IsClosed() {
 			return claimed, err
 		}
@@ -227,11 +248,14 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *clai
 // execClaimBatch sends batch and returns whether its last statement (the
 // claim) inserted one row. With a pgx.BatchTracer on the pool, the batch
 // is traced as pgx would trace a pgx.Batch of the same statements.
-func (b *pgxBeginner) execClaimBatch(ctx context.Context, conn *pgx.Conn, batch *pgconn.Batch, claimSQL string) (bool, error) {
+func (b *pgxBeginner) execClaimBatch(ctx context.Context, conn *pgx.Conn, batch *pgconn.Batch, lockSQL, claimSQL string) (bool, error) {
 	var tb *pgx.Batch
 	if b.tracer != nil {
 		tb = &pgx.Batch{}
 		tb.Queue("begin")
+		if lockSQL != "" {
+			tb.Queue(lockSQL)
+		}
 		tb.Queue(claimSQL)
 		ctx = b.tracer.TraceBatchStart(ctx, conn, pgx.TraceBatchStartData{Batch: tb})
 	}
@@ -253,7 +277,11 @@ func (b *pgxBeginner) execClaimBatch(ctx context.Context, conn *pgx.Conn, batch 
 	if err != nil {
 		return false, err
 	}
-	if n := 2; i != n {
+	n := 2
+	if lockSQL != "" {
+		n = 3
+	}
+	if i != n {
 		return false, errors.New("middleware: prepared claim: " + strconv.Itoa(i) + " results for " + strconv.Itoa(n) + " statements")
 	}
 	return tag.RowsAffected() == 1, nil

@@ -80,8 +80,8 @@ FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%'`).Scan(&stmts, &cla
 }
 
 // On a pool in QueryExecModeCacheStatement the claim is sent as the
-// beginner's own prepared statements (BEGIN, the claim that sets the lock
-// timeout itself: two per connection, prepared once) and each new message
+// beginner's own prepared statements (BEGIN, SET LOCAL lock_timeout, the
+// claim: three per connection, prepared once) and each new message
 // executes the prepared claim once (issue 17). In the other modes no such
 // statement exists: the pgx.Batch path.
 func TestPreparedClaimIsTaken(t *testing.T) {
@@ -100,7 +100,7 @@ func TestPreparedClaimIsTaken(t *testing.T) {
 				require.NoError(t, err)
 			}
 			if mode == pgx.QueryExecModeCacheStatement {
-				require.Equal(t, []int{2, 2, 2}, stmts, "begin, the claim setting the lock timeout: prepared once on the one connection")
+				require.Equal(t, []int{3, 3, 3}, stmts, "begin, SET LOCAL lock_timeout, the claim: prepared once on the one connection")
 				require.Equal(t, []int{1, 2, 3}, claims, "one execution of the prepared claim per message")
 				return
 			}
@@ -164,7 +164,7 @@ func TestPreparedClaimRecoversLostStatements(t *testing.T) {
 	require.Equal(t, byte('I'), c.Conn().PgConn().TxStatus())
 	var stmts int
 	require.NoError(t, c.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%'`).Scan(&stmts))
-	require.Equal(t, 4, stmts, "prepared again after each loss: begin, the claim, the duplicate's read and rollback")
+	require.Equal(t, 5, stmts, "prepared again after each loss: begin, the lock timeout, the claim, the duplicate's read and rollback")
 }
 
 // The prepared claim's own parameter encoding stores what pgx's encoding
