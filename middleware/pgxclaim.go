@@ -5,7 +5,6 @@ import (
 	"errors"
 	"strconv"
 	"sync/atomic"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -56,10 +55,7 @@ const (
 // takes the pgx.Batch path on that connection).
 type preparedStmt struct {
 	sql, name string
-	// lock is the lock timeout the statement sets itself (0: none; see
-	// processed.ClaimSettingLockTimeout; the claim path passes 0).
-	lock time.Duration
-	ok   bool
+	ok        bool
 }
 
 // connClaim is the per-connection state: the prepared statements and the
@@ -87,25 +83,14 @@ func connClaimOf(pc *pgconn.PgConn) *connClaim {
 // stmt returns sql's statement on pc, preparing it first when needed.
 // types, when not nil, are the parameter types the statement must have
 // (each entry: the accepted OIDs).
-// With lock > 0, the statement is sql setting the lock timeout itself
-// (processed.ClaimSettingLockTimeout); ok is false when sql has no such
-// form.
-func (st *connClaim) stmt(ctx context.Context, pc *pgconn.PgConn, sql string, lock time.Duration, types [][]uint32) (preparedStmt, error) {
+func (st *connClaim) stmt(ctx context.Context, pc *pgconn.PgConn, sql string, types [][]uint32) (preparedStmt, error) {
 	for _, s := range st.stmts {
-		if s.sql == sql && s.lock == lock {
+		if s.sql == sql {
 			return s, nil
 		}
 	}
-	s := preparedStmt{sql: sql, lock: lock, name: "idempotency_" + strconv.FormatInt(stmtSeq.Add(1), 10)}
-	text, ok := sql, true
-	if lock > 0 {
-		text, ok = processed.ClaimSettingLockTimeout(sql, lock)
-	}
-	if !ok {
-		st.stmts = append(st.stmts, s)
-		return s, nil
-	}
-	sd, err := pc.Prepare(ctx, s.name, text, nil)
+	s := preparedStmt{sql: sql, name: "idempotency_" + strconv.FormatInt(stmtSeq.Add(1), 10)}
+	sd, err := pc.Prepare(ctx, s.name, sql, nil)
 	if err != nil {
 		return preparedStmt{}, err
 	}
@@ -202,17 +187,17 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *clai
 		types = claimIdentityTypes
 	}
 	for try := 0; ; try++ {
-		begin, err := st.stmt(ctx, pc, "begin", 0, nil)
+		begin, err := st.stmt(ctx, pc, "begin", nil)
 		if err != nil {
 			return false, err
 		}
 		var lock preparedStmt
 		if lockSQL != "" {
-			if lock, err = st.stmt(ctx, pc, lockSQL, 0, nil); err != nil {
+			if lock, err = st.stmt(ctx, pc, lockSQL, nil); err != nil {
 				return false, err
 			}
 		}
-		claim, err := st.stmt(ctx, pc, p.SQL, 0, types)
+		claim, err := st.stmt(ctx, pc, p.SQL, types)
 		if err != nil {
 			return false, err
 		}
@@ -309,12 +294,12 @@ var binaryResults = []int16{1, 1}
 func (tx *pgxTx) readAndRollbackPrepared(ctx context.Context, query string, key identityKey, name, fp *[]byte) (found bool, err error) {
 	pc := tx.pc.PgConn()
 	st := connClaimOf(pc)
-	read, err := st.stmt(ctx, pc, query, 0, identityReadTypes)
+	read, err := st.stmt(ctx, pc, query, identityReadTypes)
 	if err != nil {
 		tx.closed = true
 		return false, tx.endAfterBatch(ctx, err)
 	}
-	rb, err := st.stmt(ctx, pc, "rollback", 0, nil)
+	rb, err := st.stmt(ctx, pc, "rollback", nil)
 	if err != nil {
 		tx.closed = true
 		return false, tx.endAfterBatch(ctx, err)

@@ -1,7 +1,6 @@
 package processed_test
 
 import (
-	"strings"
 	"testing"
 	"time"
 
@@ -59,29 +58,5 @@ func TestClaimParamsMatchClaimQuery(t *testing.T) {
 	mysql, err := processed.NewStore(processed.Config{Dialect: sqldb.MySQL})
 	require.NoError(t, err)
 	_, ok := mysql.ClaimParamsAt("stock", uuid.New(), time.Time{}, nil)
-	require.False(t, ok)
-}
-
-// Every PostgreSQL claim shape (VALUES, the replay window's SELECT … WHERE,
-// with and without identity, the partitioned side table) takes the lock
-// timeout's set_config before its insertion; other text is left alone.
-func TestClaimSettingLockTimeoutEveryShape(t *testing.T) {
-	t.Parallel()
-	for _, cfg := range []processed.Config{{}, {Horizon: time.Hour}, {Layout: processed.LayoutPartitioned}} {
-		s, err := processed.NewStore(cfg)
-		require.NoError(t, err)
-		for _, id := range []uuid.UUID{uuid.Must(uuid.NewV7()), uuid.New()} {
-			ident := processed.NewIdentity("e", nil)
-			for _, ip := range []*processed.Identity{nil, &ident} {
-				p, _ := s.ClaimParamsAt("c", id, time.Time{}, ip)
-				q, ok := processed.ClaimSettingLockTimeout(p.SQL, 1500*time.Millisecond)
-				require.True(t, ok, p.SQL)
-				require.Contains(t, q, "WHERE set_config('lock_timeout', '1500ms', true) IS NOT NULL")
-				require.True(t, strings.HasSuffix(q, "ON CONFLICT DO NOTHING"), q)
-				require.Equal(t, strings.Count(p.SQL, "$"), strings.Count(q, "$"))
-			}
-		}
-	}
-	_, ok := processed.ClaimSettingLockTimeout("SELECT 1", time.Second)
 	require.False(t, ok)
 }

@@ -332,33 +332,3 @@ func (s *Store) ClaimParamsAt(consumer string, eventID uuid.UUID, at time.Time, 
 	}
 	return p, true
 }
-
-// ClaimSettingLockTimeout returns claim, a PostgreSQL claim statement of
-// this package (ClaimParams.SQL), so that it also sets lock_timeout to d
-// (whole milliseconds, d ≥ 1ms) for the rest of the transaction, as SET
-// LOCAL does: set_config('lock_timeout', …, true) in the statement's WHERE,
-// evaluated before the row is inserted, so the insertion's wait on a
-// concurrent uncommitted claim of the same event is bounded by it (55P03),
-// and so is every later statement of the transaction. The claim is
-// otherwise unchanged: the same INSERT … ON CONFLICT DO NOTHING, the same
-// parameters; a VALUES list becomes the same list in a SELECT. ok is false
-// for a statement of another shape (left as is).
-func ClaimSettingLockTimeout(claim string, d time.Duration) (string, bool) {
-	set := fmt.Sprintf("set_config('lock_timeout', '%dms', true) IS NOT NULL", d.Milliseconds())
-	const onConflict = " ON CONFLICT DO NOTHING"
-	if i := strings.Index(claim, "\nWHERE "); i >= 0 {
-		j := strings.Index(claim[i:], "\nON CONFLICT DO NOTHING")
-		if j < 0 {
-			return claim, false
-		}
-		j += i
-		cond := claim[i+len("\nWHERE ") : j]
-		return claim[:i] + "\nWHERE " + set + " AND (" + cond + ")" + claim[j:], true
-	}
-	i := strings.Index(claim, " VALUES (")
-	if i < 0 || !strings.HasSuffix(claim, ")"+onConflict) {
-		return claim, false
-	}
-	list := claim[i+len(" VALUES (") : len(claim)-len(")"+onConflict)]
-	return claim[:i] + " SELECT " + list + " WHERE " + set + onConflict, true
-}
