@@ -278,7 +278,12 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 		}
 		sj, _ := json.Marshal(spec)
 		cmd := exec.CommandContext(ctx, valgrind, "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file="+out+".cg", self)
-		cmd.Env = append(os.Environ(), countChildEnv+"="+string(sj), "GODEBUG=asyncpreemptoff=1,cpu.rdtscp=off")
+		// GOMAXPROCS=1: under valgrind one thread runs at a time, and with
+		// several Ps the Go scheduler's spinning (findRunnable, lock2,
+		// goschedImpl) was counted as client work: one child in a few
+		// measured 190–410k instead of ~60k client instructions per
+		// message. With one P the client counts repeat to ±0.3k.
+		cmd.Env = append(os.Environ(), countChildEnv+"="+string(sj), "GODEBUG=asyncpreemptoff=1,cpu.rdtscp=off", "GOMAXPROCS=1")
 		var stderr bytes.Buffer
 		cmd.Stderr = &stderr
 		if err := cmd.Run(); err != nil {
