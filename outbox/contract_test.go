@@ -107,12 +107,17 @@ type counts struct {
 	rounds, published, failed, dead atomic.Int64
 	pending                         atomic.Int64
 	oldest                          atomic.Int64
+	reports                         atomic.Int64
 }
 
-func (c *counts) Round(n int)                    { c.rounds.Add(1); c.published.Add(int64(n)) }
-func (c *counts) PublishFailed(string)           { c.failed.Add(1) }
-func (c *counts) DeadLettered(string)            { c.dead.Add(1) }
-func (c *counts) Pending(n int, d time.Duration) { c.pending.Store(int64(n)); c.oldest.Store(int64(d)) }
+func (c *counts) Round(n int)          { c.rounds.Add(1); c.published.Add(int64(n)) }
+func (c *counts) PublishFailed(string) { c.failed.Add(1) }
+func (c *counts) DeadLettered(string)  { c.dead.Add(1) }
+func (c *counts) Pending(n int, d time.Duration) {
+	c.pending.Store(int64(n))
+	c.oldest.Store(int64(d))
+	c.reports.Add(1)
+}
 
 // box is one outbox on one contract target.
 type box struct {
@@ -712,6 +717,12 @@ func testStats(t *testing.T, b *box) {
 	rec := &counts{}
 	s := &sink{refuse: func(string, *message.Message) error { return errRefused }}
 	b.relay(t, s, outbox.RelayConfig{StatsInterval: 5 * time.Millisecond, StalledAfter: time.Millisecond, Recorder: rec, RetryInterval: time.Hour, MaxBackoff: time.Hour})
+	// The refusal puts the relay in an hour's backoff: the stats go on
+	// meanwhile, every StatsInterval (they once waited for the backoff,
+	// so a stall behind a down broker was reported MaxBackoff late).
+	eventually(t, 30*time.Second, func() bool { return rec.failed.Load() >= 1 }, "the refused publish")
+	after := rec.reports.Load()
+	eventually(t, 30*time.Second, func() bool { return rec.reports.Load() >= after+3 }, "stats reported during the backoff")
 	eventually(t, 30*time.Second, func() bool { return rec.pending.Load() == 1 && rec.oldest.Load() > int64(time.Millisecond) }, "pending 1 reported with its age")
 	eventually(t, 30*time.Second, func() bool {
 		for _, e := range logger.Captured()[watermill.ErrorLogLevel] {

@@ -111,7 +111,8 @@ type RelayConfig struct {
 	// StatsInterval. 0 deletes relayed rows at once (nothing to replay).
 	Retention time.Duration
 	// StatsInterval is how often the relay reports pending rows, warns about
-	// a stalled outbox and purges the archive. Defaults to
+	// a stalled outbox and purges the archive, also while the relay backs
+	// off (up to MaxBackoff) behind a down broker. Defaults to
 	// DefaultStatsInterval.
 	StatsInterval time.Duration
 	// StalledAfter: when the oldest pending row is older, the relay logs a
@@ -270,14 +271,38 @@ func (r *Relay) Run(ctx context.Context) error {
 			wait = r.cfg.PollInterval
 			failures = 0
 		}
-		if wait > 0 {
-			t := time.NewTimer(wait)
-			select {
-			case <-ctx.Done():
-				t.Stop()
-				return nil
-			case <-t.C:
-			}
+		if wait > 0 && !r.sleep(ctx, wait, &nextStats) {
+			return nil
+		}
+	}
+}
+
+// sleep waits d, keeping the housekeeping (stats, stall warning, archive
+// purge) on its StatsInterval meanwhile: a relay backing off for up to
+// MaxBackoff behind a down broker or a refused row still reports its
+// pending rows and warns that they stall, which is when the warning
+// matters. It returns false when ctx is done.
+func (r *Relay) sleep(ctx context.Context, d time.Duration, nextStats *time.Time) bool {
+	deadline := time.Now().Add(d)
+	for {
+		until := deadline
+		if nextStats.Before(until) {
+			until = *nextStats
+		}
+		t := time.NewTimer(time.Until(until))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return false
+		case <-t.C:
+		}
+		now := time.Now()
+		if !now.Before(deadline) {
+			return true
+		}
+		if !now.Before(*nextStats) {
+			r.housekeeping(ctx)
+			*nextStats = time.Now().Add(r.cfg.StatsInterval)
 		}
 	}
 }
