@@ -247,10 +247,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	var nextStats time.Time
 	failures := 0
 	for {
-		if now := time.Now(); !now.Before(nextStats) {
-			r.housekeeping(ctx)
-			nextStats = now.Add(r.cfg.StatsInterval)
-		}
+		r.housekeepingIfDue(ctx, &nextStats)
 		res, err := r.round(ctx)
 		r.runOnce.Do(func() { close(r.running) })
 		if ctx.Err() != nil {
@@ -296,14 +293,19 @@ func (r *Relay) sleep(ctx context.Context, d time.Duration, nextStats *time.Time
 			return false
 		case <-t.C:
 		}
-		now := time.Now()
-		if !now.Before(deadline) {
+		if !time.Now().Before(deadline) {
 			return true
 		}
-		if !now.Before(*nextStats) {
-			r.housekeeping(ctx)
-			*nextStats = time.Now().Add(r.cfg.StatsInterval)
-		}
+		r.housekeepingIfDue(ctx, nextStats)
+	}
+}
+
+// housekeepingIfDue runs the housekeeping when *next has passed and sets
+// *next one StatsInterval later.
+func (r *Relay) housekeepingIfDue(ctx context.Context, next *time.Time) {
+	if now := time.Now(); !now.Before(*next) {
+		r.housekeeping(ctx)
+		*next = now.Add(r.cfg.StatsInterval)
 	}
 }
 
