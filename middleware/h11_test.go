@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"io"
 	"sync"
 	"sync/atomic"
@@ -205,6 +206,14 @@ func TestH11_MySQLServerStateCodesAreHeld(t *testing.T) {
 	require.NoError(t, store.Migrate(ctx, sqldb.Std(db)))
 	_, err = db.Exec(`CREATE TABLE effect (event_id varchar(36) NOT NULL, note varchar(100))`)
 	require.NoError(t, err)
+	// Three rows to sleep over: a plain table, opened before the timer
+	// fires (a SEQUENCE table such as seq_1_to_3 is discovered when
+	// opened, and a timer firing there, under load, ends the statement
+	// with 1939 ER_SQL_DISCOVER_ERROR instead).
+	_, err = db.Exec(`CREATE TABLE three (n int)`)
+	require.NoError(t, err)
+	_, err = db.Exec(`INSERT INTO three VALUES (1), (2), (3)`)
+	require.NoError(t, err)
 	idem, err := middleware.NewIdempotent(middleware.Config{
 		Beginner: mustBeginner(middleware.NewStdBeginner(db)), Store: store, Consumer: "stock", Classifier: mysqlerr.Classify,
 	}, nil)
@@ -215,7 +224,7 @@ func TestH11_MySQLServerStateCodesAreHeld(t *testing.T) {
 	h := chainedHold(t, idem, poison, nil, 2*time.Minute, func(msg *message.Message) ([]*message.Message, error) {
 		tx, _ := middleware.SQLTxFromContext(msg.Context())
 		if calls.Add(1) <= faultCalls {
-			_, err := tx.ExecContext(msg.Context(), `SET STATEMENT max_statement_time=0.01 FOR SELECT SLEEP(5) FROM seq_1_to_3`)
+			_, err := tx.ExecContext(msg.Context(), `SET STATEMENT max_statement_time=0.1 FOR SELECT SLEEP(5) FROM three`)
 			var me *mysql.MySQLError
 			if errors.As(err, &me) {
 				seen = append(seen, me.Number)
@@ -549,10 +558,16 @@ func TestH11_AttemptConnectionFailuresAreInfrastructureByOrigin(t *testing.T) {
 // TestH11_CommitOutcomeUnknownNeverAckedNorPoisoned (item 2, commit path):
 // the attempt's connection is cut while the server executes its COMMIT (a
 // deferred trigger keeps COMMIT busy; the cut comes when the session is
-// seen waiting inside it), so the client cannot know the outcome. Two
-// branches: "committed" (the trigger waits for an advisory lock the test
-// releases after the cut: the server finishes the COMMIT) and "aborted"
-// (the trigger sleeps; the server notices the lost client and aborts). The
+// seen waiting inside it), so the client cannot know the outcome. On the
+// cut, pgconn closes the connection with a CancelRequest (pgx v5
+// pgconn.asyncClose), sent on a new connection that reaches the server.
+// Two branches: "committed" (the trigger waits for an advisory lock the
+// test holds, swallows that cancel and counts it in a sequence; the test
+// releases the lock once the cancel is counted, so the server finishes
+// the COMMIT whatever the timing) and "aborted" (the trigger sleeps until
+// the cancel interrupts it: the server aborts). Before, the committed
+// branch raced the cancel against the release and under load ran the
+// handler twice (correct, but not the branch under test). The
 // failed COMMIT is infrastructure by origin: never acked on that attempt,
 // never poisoned; the held re-run claims again and either finds the
 // committed claim (duplicate, acked: handler once) or applies it (handler
@@ -561,16 +576,32 @@ func TestH11_AttemptConnectionFailuresAreInfrastructureByOrigin(t *testing.T) {
 func TestH11_CommitOutcomeUnknownNeverAckedNorPoisoned(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	_, err := e.pool.Exec(context.Background(), `
+	// An advisory key of this test's own (the key space is the database's,
+	// shared with every other test and test run).
+	key := int64(crc32.ChecksumIEEE([]byte(e.schema)))
+	_, err := e.pool.Exec(context.Background(), fmt.Sprintf(`
+CREATE SEQUENCE h11_cancels;
 CREATE FUNCTION h11_slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-  IF NEW.note = 'sleep' THEN PERFORM pg_sleep(3); END IF;
-  IF NEW.note = 'lock' THEN PERFORM pg_advisory_xact_lock(1161); END IF;
+  IF NEW.note = 'sleep' THEN PERFORM pg_sleep(60); END IF; -- until the client's cancel
+  IF NEW.note = 'lock' THEN
+    LOOP
+      BEGIN
+        PERFORM pg_advisory_xact_lock(%d);
+        EXIT;
+      EXCEPTION WHEN query_canceled THEN
+        PERFORM nextval('h11_cancels'); -- not transactional: the test sees it at once
+      END;
+    END LOOP;
+  END IF;
   RETURN NULL;
-END $$;
+END $$;`, key)+`
 CREATE CONSTRAINT TRIGGER h11_slow_commit AFTER INSERT ON effect DEFERRABLE INITIALLY DEFERRED
 FOR EACH ROW EXECUTE FUNCTION h11_slow_commit()`)
 	require.NoError(t, err)
+	cancels := func() int {
+		return e.count(`SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM h11_cancels`)
+	}
 	for _, b := range proxiedBeginners(t, e) {
 		if b.store.Dialect() != sqldb.PostgreSQL {
 			continue // no deferred triggers on MariaDB
@@ -587,7 +618,7 @@ FOR EACH ROW EXECUTE FUNCTION h11_slow_commit()`)
 				require.NoError(t, err)
 				defer holder.Release()
 				if branch.note == "lock" {
-					_, err = holder.Exec(ctx, `SELECT pg_advisory_lock(1161)`)
+					_, err = holder.Exec(ctx, `SELECT pg_advisory_lock($1)`, key)
 					require.NoError(t, err)
 					defer func() { _, _ = holder.Exec(ctx, `SELECT pg_advisory_unlock_all()`) }()
 				}
@@ -595,6 +626,7 @@ FOR EACH ROW EXECUTE FUNCTION h11_slow_commit()`)
 				poison := &capture{msgs: make(chan *message.Message, 1)}
 				var calls atomic.Int32
 				id := uuid.Must(uuid.NewV7()).String()
+				before := cancels()
 				cut := make(chan struct{})
 				go func() {
 					defer close(cut)
@@ -604,6 +636,9 @@ FOR EACH ROW EXECUTE FUNCTION h11_slow_commit()`)
 					})
 					b.proxy.Cut()
 					if branch.note == "lock" {
+						testenv.Eventually(t, 30*time.Second, "the client's cancel request reached the COMMIT and was swallowed", func(o *testenv.Observed) bool {
+							return o.Int("cancels", cancels()) > before
+						})
 						_, _ = holder.Exec(ctx, `SELECT pg_advisory_unlock_all()`) // the server completes the COMMIT
 					}
 				}()
