@@ -20,6 +20,14 @@ type Config struct {
 	// Table is the processed-event table, "name" or "schema.name"; each part
 	// must match [A-Za-z_][A-Za-z0-9_]{0,62}. It is validated and quoted once,
 	// in NewStore. Defaults to DefaultTable.
+	//
+	// An unqualified name resolves through the connection's search_path at
+	// each statement (PostgreSQL re-plans the prepared claim when
+	// search_path changes), which is what a schema per tenant wants. A
+	// handler that changes search_path for the session (SET, not SET LOCAL)
+	// leaves it on the pooled connection, and the next claim there goes to
+	// that schema's table (or fails, 42P01, where it has none): qualify the
+	// name ("schema.name") or use SET LOCAL in handlers.
 	Table string
 
 	// Dialect is the SQL dialect. Defaults to sqldb.PostgreSQL.
