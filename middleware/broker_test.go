@@ -161,6 +161,12 @@ func TestDatabaseOutageNeitherAcksNorPoisons(t *testing.T) {
 	proxy.Refuse(outage)
 	outageEnd := time.Now().Add(outage)
 	during := r.publishEvents(20)
+	// Publish returns before the broker has queued the message (no
+	// publisher confirms here): wait until they are there (ready, or one
+	// unacked in the consumer's hands), then sample.
+	testenv.Eventually(t, 10*time.Second, "the messages queued", func(o *testenv.Observed) bool {
+		return o.Int("ready", r.depth(r.queue)) >= len(during)-1
+	})
 	// While the database is gone nothing is applied, acked or poisoned: the
 	// messages stay on the queue (ready, or unacked in the consumer's hands).
 	for time.Now().Before(outageEnd.Add(-2 * time.Second)) {
