@@ -94,7 +94,8 @@ func TestNewcomer_LongDatabaseOutage(t *testing.T) {
 
 // A failover: the primary becomes read-only (a private server whose
 // default_transaction_read_only is switched on and off with ALTER SYSTEM
-// and a reload, as a demoted primary or a standby answers 25006) while
+// and a reload, its sessions ended at the switch to read-only, as a
+// demoted primary or a standby answers 25006) while
 // events arrive: held, never poisoned, applied once when it is writable
 // again.
 func TestNewcomer_FailoverReadOnly(t *testing.T) {
@@ -113,11 +114,22 @@ func TestNewcomer_FailoverReadOnly(t *testing.T) {
 		if on {
 			stmt = `ALTER SYSTEM SET default_transaction_read_only = on`
 		}
-		for _, q := range []string{`SET default_transaction_read_only = off`, stmt, `SELECT pg_reload_conf()`} {
+		qs := []string{`SET default_transaction_read_only = off`, stmt, `SELECT pg_reload_conf()`}
+		if on {
+			// A backend idle at the reload applies it only after its next
+			// command: a transaction begun by that command was still
+			// writable (one reservation committed under load). The
+			// service's sessions are ended, as a failover ends them; the
+			// new ones read the new setting.
+			qs = append(qs, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+				WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'`)
+		}
+		for _, q := range qs {
 			if _, err := admin.Exec(context.Background(), q); err != nil {
 				t.Fatalf("%s: %v", q, err)
 			}
 		}
+		e.pool.Reset() // the test's own reads, on sessions of their own
 	}
 	setReadOnly(true)
 	for i := 0; i < 3; i++ {

@@ -267,8 +267,9 @@ func TestDeadLetter_naiveTopicLayoutLoops(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, sub.SubscribeInitialize(poisonTopic))
 	require.NoError(t, sub.Close())
-	poison, err := wamqp.NewPublisher(r.cfg, watermill.NopLogger{})
+	pub, err := wamqp.NewPublisher(r.cfg, watermill.NopLogger{})
 	require.NoError(t, err)
+	poison := &closeAfterPublishes{Publisher: pub}
 	t.Cleanup(func() { _ = poison.Close() })
 	r.start(poison, poisonTopic)
 
@@ -297,4 +298,35 @@ func TestDeadLetterConfigValidate(t *testing.T) {
 		require.ErrorContains(t, err, "DeadLetterConfig."+tc.want)
 	}
 	require.NoError(t, idamqp.DeadLetterConfig{Subscriber: sub, Topic: "stock.dlq"}.Validate())
+}
+
+// closeAfterPublishes closes its publisher only once no Publish runs and
+// refuses Publish after that. The looping message is being poisoned while
+// the router stops, and the router's Close does not wait for that
+// handler's deferred poison publish; watermill-amqp v3.0.2's Close then
+// writes ConnectionWrapper.connected while Publish reads it
+// (ThreeDotsLabs/watermill#693, open), which -race reports.
+type closeAfterPublishes struct {
+	message.Publisher
+	mu     sync.RWMutex
+	closed bool
+}
+
+func (p *closeAfterPublishes) Publish(topic string, msgs ...*message.Message) error {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	if p.closed {
+		return errors.New("publisher closed")
+	}
+	return p.Publisher.Publish(topic, msgs...)
+}
+
+func (p *closeAfterPublishes) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil
+	}
+	p.closed = true
+	return p.Publisher.Close()
 }
