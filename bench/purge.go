@@ -5,8 +5,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/processed"
-	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // fillExpired inserts n processed rows older than the purge horizon: UUIDv7

@@ -13,10 +13,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	_ "modernc.org/sqlite" // database/sql driver "sqlite"
 
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
-	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // outcomes is a Recorder handing each attempt's outcome to the example.

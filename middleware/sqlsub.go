@@ -9,7 +9,7 @@ import (
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/watermill-idempotency/idempotency/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // ErrNoSubscriberTx: NewSQLSubscriberBeginner found no watermill-sql

@@ -6,7 +6,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/watermill-idempotency/idempotency/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // Unexported key types: no other package can read or overwrite these values.

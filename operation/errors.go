@@ -4,7 +4,7 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/watermill-idempotency/idempotency/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // Sentinels callers branch on with errors.Is. Every error Runner.Do returns

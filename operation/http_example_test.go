@@ -15,8 +15,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	_ "modernc.org/sqlite" // database/sql driver "sqlite"
 
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/operation"
-	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // An operation key around an HTTP call: a payment provider (an httptest

@@ -11,11 +11,11 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/processed"
-	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // openSQLite opens path with a short busy_timeout (200 ms), so that a Runner

@@ -4,7 +4,7 @@ import (
 	"fmt"
 	"strings"
 
-	"github.com/watermill-idempotency/idempotency/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // queries is the SQL text of one outbox in one dialect. Statements with a

@@ -10,8 +10,8 @@ import (
 	"github.com/google/uuid"
 	_ "modernc.org/sqlite" // database/sql driver "sqlite"
 
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/processed"
-	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // Claiming an event inside the transaction of its effect: the first claim

@@ -13,7 +13,7 @@ import (
 
 	"github.com/google/uuid"
 
-	"github.com/watermill-idempotency/idempotency/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // FingerprintVersion is the first byte of every fingerprint the store writes:

@@ -4,7 +4,7 @@ import (
 	"context"
 	"fmt"
 
-	"github.com/watermill-idempotency/idempotency/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // pendingMigrations returns the migrations Migrate runs. On PostgreSQL that

@@ -7,7 +7,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/watermill-idempotency/idempotency/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // The upgrade from a plain table to LayoutPartitioned (README "Retention",

@@ -7,8 +7,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/middleware"
-	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // FilterOutcome is what the LatestFilter did with one attempt.

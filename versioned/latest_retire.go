@@ -8,8 +8,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/middleware"
-	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // Retirement: when the message a family's latest record names is poisoned at

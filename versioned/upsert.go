@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"reflect"
 
-	"github.com/watermill-idempotency/idempotency/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // UpsertConfig describes the table an Upsert writes. Identifiers are validated

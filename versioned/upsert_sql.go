@@ -4,7 +4,7 @@ import (
 	"fmt"
 	"strings"
 
-	"github.com/watermill-idempotency/idempotency/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // This file holds all the SQL text of the versioned upsert, one function per

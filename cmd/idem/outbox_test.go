@@ -11,10 +11,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
-	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // TestOutboxReplay: the relayed events written in a time range (and of a

@@ -5,8 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/processed"
-	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // TestPurgeDryRun: the count and cutoff agree with what the purger then

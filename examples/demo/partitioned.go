@@ -6,8 +6,8 @@ import (
 	"time"
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/processed"
-	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // demoHorizon is the replay horizon of the -partitioned stores.

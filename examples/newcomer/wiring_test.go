@@ -15,11 +15,11 @@ import (
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
-	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 // insertNote writes the effect with a note telling which handler made it.

@@ -6,7 +6,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/watermill-idempotency/idempotency/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // LockFunc takes a purger's lock for one run on conn: ok=false when another

@@ -16,7 +16,7 @@ import (
 	"time"
 	"weak"
 
-	"github.com/watermill-idempotency/idempotency/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // Role is what a registered handle uses its file for.
