@@ -25,9 +25,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
 
@@ -137,13 +137,13 @@ func countChild(specJSON string) error {
 	v := s.Variant
 	h := vs.handlerFor(v, handler(h1)) // none, idempotent, duplicate (vs.handlerFor: ours)
 	if mod, ok := countConfigs[v]; ok {
-		beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
+		beginner, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
 		if err != nil {
 			return err
 		}
-		cfg := middleware.Config{Beginner: beginner, Store: store, Consumer: consumerName, Recorder: vs.sink}
+		cfg := inbox.Config{Beginner: beginner, Store: store, Consumer: consumerName, Recorder: vs.sink}
 		mod(&cfg)
-		idem, err := middleware.NewIdempotent(cfg, watermill.NopLogger{})
+		idem, err := inbox.NewIdempotent(cfg, watermill.NopLogger{})
 		if err != nil {
 			return err
 		}
@@ -190,14 +190,14 @@ var countVariants = []string{vNone, vOurs, vDuplicate, "idem_no_lock_timeout", "
 
 // countConfigs are the counted configurations of the middleware other than
 // the default: where its cost goes.
-var countConfigs = map[string]func(*middleware.Config){
+var countConfigs = map[string]func(*inbox.Config){
 	// Config.LockTimeout < 0: no SET LOCAL lock_timeout in the batch (the
 	// pool's sessions would carry lock_timeout instead).
-	"idem_no_lock_timeout": func(c *middleware.Config) { c.LockTimeout = -1 },
+	"idem_no_lock_timeout": func(c *inbox.Config) { c.LockTimeout = -1 },
 	// Config.DisablePayloadVerification: no fingerprint, no identity read.
-	"idem_no_verify": func(c *middleware.Config) { c.DisablePayloadVerification = true },
+	"idem_no_verify": func(c *inbox.Config) { c.DisablePayloadVerification = true },
 	// A duplicate with neither: BEGIN, claim, ROLLBACK only.
-	"dup_no_lock_timeout_no_verify": func(c *middleware.Config) {
+	"dup_no_lock_timeout_no_verify": func(c *inbox.Config) {
 		c.LockTimeout, c.DisablePayloadVerification = -1, true
 	},
 }

@@ -9,7 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
 
@@ -36,16 +36,16 @@ func experiments(ctx context.Context, e *env, sz OverheadSizes, res *Result) err
 	if _, err := pool.Exec(ctx, handlerSchema); err != nil {
 		return err
 	}
-	mk := func(table string, mod func(*middleware.Config)) (message.HandlerFunc, *processed.Store, error) {
+	mk := func(table string, mod func(*inbox.Config)) (message.HandlerFunc, *processed.Store, error) {
 		store, err := e.store(ctx, pool, schema, table)
 		if err != nil {
 			return nil, nil, err
 		}
-		beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
+		beginner, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
 		if err != nil {
 			return nil, nil, err
 		}
-		cfg := middleware.Config{
+		cfg := inbox.Config{
 			Beginner: beginner,
 			Store:    store,
 			Consumer: consumerName,
@@ -53,7 +53,7 @@ func experiments(ctx context.Context, e *env, sz OverheadSizes, res *Result) err
 		if mod != nil {
 			mod(&cfg)
 		}
-		idem, err := middleware.NewIdempotent(cfg, watermill.NopLogger{})
+		idem, err := inbox.NewIdempotent(cfg, watermill.NopLogger{})
 		if err != nil {
 			return nil, nil, err
 		}
@@ -67,7 +67,7 @@ func experiments(ctx context.Context, e *env, sz OverheadSizes, res *Result) err
 	if err != nil {
 		return err
 	}
-	hNoLT, _, err := mk("processed_event", func(c *middleware.Config) { c.LockTimeout = -1 })
+	hNoLT, _, err := mk("processed_event", func(c *inbox.Config) { c.LockTimeout = -1 })
 	if err != nil {
 		return err
 	}

@@ -14,7 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 )
 
 // percentile returns the nearest-rank q-quantile (0 < q ≤ 1) of d, sorting
@@ -66,7 +66,7 @@ func ratio(a, b float64) float64 {
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 func us(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
 
-// claimSink is a middleware.Recorder that keeps the claim latency
+// claimSink is a inbox.Recorder that keeps the claim latency
 // (Observation.Claim: acquire + BEGIN + claim, one round trip when pipelined)
 // of every processed or duplicate attempt while it is armed.
 type claimSink struct {
@@ -75,9 +75,9 @@ type claimSink struct {
 	claim []time.Duration
 }
 
-var _ middleware.Recorder = (*claimSink)(nil)
+var _ inbox.Recorder = (*claimSink)(nil)
 
-func (s *claimSink) RecordOutcome(o middleware.Observation) {
+func (s *claimSink) RecordOutcome(o inbox.Observation) {
 	if !s.armed.Load() || o.Claim == 0 {
 		return
 	}

@@ -19,9 +19,9 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
 
@@ -64,7 +64,7 @@ type benchTxKey struct{}
 // txFrom returns the handler's transaction: ours (PgxTxFromContext) or the
 // plain one of txMiddleware.
 func txFrom(ctx context.Context) (pgx.Tx, bool) {
-	if tx, ok := middleware.PgxTxFromContext(ctx); ok {
+	if tx, ok := inbox.PgxTxFromContext(ctx); ok {
 		return tx, true
 	}
 	tx, ok := ctx.Value(benchTxKey{}).(pgx.Tx)
@@ -203,12 +203,12 @@ type discard struct{}
 func (discard) Publish(string, ...*message.Message) error { return nil }
 func (discard) Close() error                              { return nil }
 
-func newIdempotent(pool *pgxpool.Pool, store *processed.Store, pipelined bool, rec middleware.Recorder) (*middleware.Idempotent, error) {
-	beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{DisablePipeline: !pipelined})
+func newIdempotent(pool *pgxpool.Pool, store *processed.Store, pipelined bool, rec inbox.Recorder) (*inbox.Idempotent, error) {
+	beginner, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{DisablePipeline: !pipelined})
 	if err != nil {
 		return nil, err
 	}
-	cfg := middleware.Config{
+	cfg := inbox.Config{
 		Beginner: beginner,
 		Store:    store,
 		Consumer: consumerName,
@@ -216,14 +216,14 @@ func newIdempotent(pool *pgxpool.Pool, store *processed.Store, pipelined bool, r
 	if rec != nil {
 		cfg.Recorder = rec
 	}
-	return middleware.NewIdempotent(cfg, watermill.NopLogger{})
+	return inbox.NewIdempotent(cfg, watermill.NopLogger{})
 }
 
-// chainWith returns the recommended chain (middleware.NewChain) of idem:
+// chainWith returns the recommended chain (inbox.NewChain) of idem:
 // Poison → Retry → Recoverer → idem, and the same three outer middlewares
 // for the other variants, so that every variant pays the same chain.
-func chainWith(idem *middleware.Idempotent) (ours, outer []message.HandlerMiddleware, err error) {
-	ours, err = middleware.NewChain(middleware.ChainConfig{
+func chainWith(idem *inbox.Idempotent) (ours, outer []message.HandlerMiddleware, err error) {
+	ours, err = inbox.NewChain(inbox.ChainConfig{
 		Idempotent:      idem,
 		PoisonPublisher: discard{},
 		PoisonTopic:     "bench_poison",
@@ -251,7 +251,7 @@ type variantSet struct {
 	store *processed.Store
 	sink  *claimSink
 
-	ours, unpipelined *middleware.Idempotent
+	ours, unpipelined *inbox.Idempotent
 	chainOurs         []message.HandlerMiddleware
 	chainUnpiped      []message.HandlerMiddleware
 	outer             []message.HandlerMiddleware

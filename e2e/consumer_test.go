@@ -19,9 +19,9 @@ import (
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
 var placedPayload = map[string]any{"order_id": "o-42", "quantity": "2.000"}
@@ -134,7 +134,7 @@ func TestC06(t *testing.T) {
 		cutAfterCommit := func(h message.HandlerFunc) message.HandlerFunc {
 			return func(msg *message.Message) ([]*message.Message, error) {
 				out, err := h(msg)
-				if err == nil && rec.Count(middleware.OutcomeProcessed) == 1 {
+				if err == nil && rec.Count(inbox.OutcomeProcessed) == 1 {
 					once.Do(proxy.Cut) // committed; the router's ack cannot reach the broker
 				}
 				return out, err
@@ -195,21 +195,21 @@ func assertC06(t *testing.T, e *env, redelivery delivery, rec *recorder, logger 
 	t.Helper()
 	require.True(t, redelivery.redelivered, "RabbitMQ flags the copy redelivered")
 	require.NoError(t, redelivery.err)
-	require.Equal(t, 1, rec.Count(middleware.OutcomeDuplicate))
+	require.Equal(t, 1, rec.Count(inbox.OutcomeDuplicate))
 	require.Equal(t, 1, e.calls(E1))
 	require.Equal(t, 1, e.processed(E1))
 	require.Equal(t, 1, e.effects(E1))
 	require.Equal(t, 0, e.ready(e.topo.Queue(e.consumer)), "acked")
 	require.Equal(t, 0, e.ready(e.topo.DeadLetterQueue(e.consumer)))
 	require.Empty(t, logger.errors(), "nothing logged as an error")
-	require.Zero(t, rec.Count(middleware.OutcomeFailed), "the redelivery never failed an attempt")
-	require.Zero(t, rec.Count(middleware.OutcomeRejected))
+	require.Zero(t, rec.Count(inbox.OutcomeFailed), "the redelivery never failed an attempt")
+	require.Zero(t, rec.Count(inbox.OutcomeRejected))
 	// The case: "the skip is logged at info/debug". Count the lines per
 	// level: exactly one line with outcome=duplicate, at info or debug (not
 	// trace, which production loggers drop, not error).
 	levels := map[string]int{}
 	for _, l := range logger.all() {
-		if l.fields["outcome"] == string(middleware.OutcomeDuplicate) {
+		if l.fields["outcome"] == string(inbox.OutcomeDuplicate) {
 			levels[l.level]++
 		}
 	}
@@ -242,7 +242,7 @@ func TestC01_D(t *testing.T) {
 			p, rec := &probe{}, &recorder{}
 			svc := e.startConsumer(consumerOpts{middleware: []message.HandlerMiddleware{p.middleware}, recorder: rec})
 			eventually(t, 15*time.Second, "E1 processed after the restart", func(o *testenv.Observed) bool {
-				return o.Int("processed", rec.Count(middleware.OutcomeProcessed)) == 1
+				return o.Int("processed", rec.Count(inbox.OutcomeProcessed)) == 1
 			})
 			require.NoError(t, svc.Close())
 			require.True(t, p.of(E1)[0].redelivered)
@@ -272,10 +272,10 @@ func TestOutOfOrderStatusEvents(t *testing.T) {
 		Lines: []shop.OrderLine{{LineNo: 1, SKU: "s", Quantity: "1"}}})
 	e.publishEvent(pub, E2, shop.EventOrderStatusChanged, shop.OrderStatusChanged{OrderID: "o-1", Version: 2, Status: "packed"})
 	eventually(t, 15*time.Second, "three events processed or stale", func(o *testenv.Observed) bool {
-		return o.Int("processed", rec.Count(middleware.OutcomeProcessed))+o.Int("stale", rec.Count(middleware.OutcomeStale)) == 3
+		return o.Int("processed", rec.Count(inbox.OutcomeProcessed))+o.Int("stale", rec.Count(inbox.OutcomeStale)) == 3
 	})
 	require.NoError(t, svc.Close())
-	require.Equal(t, 2, rec.Count(middleware.OutcomeStale))
+	require.Equal(t, 2, rec.Count(inbox.OutcomeStale))
 	var version int64
 	var status string
 	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT version, status FROM order_status_copy WHERE order_id = 'o-1'`).Scan(&version, &status))

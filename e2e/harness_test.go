@@ -18,10 +18,10 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
 
@@ -173,9 +173,9 @@ func effectHandler(pool *pgxpool.Pool) message.NoPublishHandlerFunc {
 		if _, err := pool.Exec(ctx, `INSERT INTO calls (event_id) VALUES ($1)`, msg.UUID); err != nil {
 			return err
 		}
-		tx, ok := middleware.PgxTxFromContext(ctx)
+		tx, ok := inbox.PgxTxFromContext(ctx)
 		if !ok {
-			return middleware.Permanent(fmt.Errorf("no transaction"))
+			return inbox.Permanent(fmt.Errorf("no transaction"))
 		}
 		_, err := tx.Exec(ctx, `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID)
 		return err
@@ -284,7 +284,7 @@ type consumerOpts struct {
 	subscriberURL string // "" → the broker directly
 	handler       message.NoPublishHandlerFunc
 	middleware    []message.HandlerMiddleware
-	recorder      middleware.Recorder
+	recorder      inbox.Recorder
 	logger        watermill.LoggerAdapter
 	pool          *pgxpool.Pool // "" → e.pool
 	workers       int
@@ -305,8 +305,8 @@ func newService(pool *pgxpool.Pool, topo shop.Topology, c shop.Consumer, o consu
 		Handler:       o.handler,
 		Workers:       o.workers,
 		Middleware:    o.middleware,
-		Idempotent:    middleware.Config{Recorder: o.recorder},
-		Chain:         middleware.ChainConfig{InitialInterval: 10 * time.Millisecond, MaxInterval: 200 * time.Millisecond, MaxRetries: 3},
+		Idempotent:    inbox.Config{Recorder: o.recorder},
+		Chain:         inbox.ChainConfig{InitialInterval: 10 * time.Millisecond, MaxInterval: 200 * time.Millisecond, MaxRetries: 3},
 		Logger:        o.logger,
 	})
 }

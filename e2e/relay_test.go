@@ -19,9 +19,9 @@ import (
 	"github.com/watermill-idempotency/idempotency/examples/order"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/examples/stock"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/outbox"
 )
 
@@ -183,7 +183,7 @@ func TestC13(t *testing.T) {
 		eventually(t, 15*time.Second, "E1 republished", func(o *testenv.Observed) bool {
 			return o.Int("deliveries(E1)", len(pr.of(E1))) == 2 && o.Int("pending", p.pending(t)) == 0
 		})
-		require.Equal(t, 1, rec.Count(middleware.OutcomeDuplicate))
+		require.Equal(t, 1, rec.Count(inbox.OutcomeDuplicate))
 		require.Equal(t, 1, e.calls(E1))
 		require.Equal(t, 1, e.processed(E1))
 		require.Equal(t, 1, e.effects(E1))
@@ -247,7 +247,7 @@ func TestRelayDuplicateThenReplay(t *testing.T) {
 	lose.lose.Store(1)
 	e.startRelay(p, nil, lose, 0)
 	eventually(t, 15*time.Second, "the relay republished the event", func(o *testenv.Observed) bool {
-		return o.Int("duplicates", rec.Count(middleware.OutcomeDuplicate)) == 1 && o.Int("pending", p.pending(t)) == 0
+		return o.Int("duplicates", rec.Count(inbox.OutcomeDuplicate)) == 1 && o.Int("pending", p.pending(t)) == 0
 	})
 
 	pub := e.publisher()
@@ -255,7 +255,7 @@ func TestRelayDuplicateThenReplay(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
 	eventually(t, 15*time.Second, "the replay to be a duplicate too", func(o *testenv.Observed) bool {
-		return o.Int("duplicates", rec.Count(middleware.OutcomeDuplicate)) == 2
+		return o.Int("duplicates", rec.Count(inbox.OutcomeDuplicate)) == 2
 	})
 
 	require.EqualValues(t, 1, calls.Load())

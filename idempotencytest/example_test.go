@@ -9,9 +9,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
 
@@ -23,12 +23,12 @@ func ExampleDeliverTwice() {
 	pool, done := exampleDB(ctx, `CREATE TABLE IF NOT EXISTS points (event_id uuid NOT NULL, points int NOT NULL)`)
 	defer done()
 
-	beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
+	beginner, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
 	if err != nil {
 		fmt.Println(err)
 		return
 	}
-	idem, err := middleware.NewIdempotent(middleware.Config{
+	idem, err := inbox.NewIdempotent(inbox.Config{
 		Beginner: beginner,
 		Consumer: "loyalty", // required: the claim key's consumer name
 	}, nil)
@@ -37,7 +37,7 @@ func ExampleDeliverTwice() {
 	}
 	s := idempotencytest.Subject{
 		Handler: idempotencytest.NoPublish(func(msg *message.Message) error {
-			tx, _ := middleware.PgxTxFromContext(msg.Context())
+			tx, _ := inbox.PgxTxFromContext(msg.Context())
 			_, err := tx.Exec(msg.Context(), `INSERT INTO points VALUES ($1, 10)`, msg.UUID)
 			return err
 		}),

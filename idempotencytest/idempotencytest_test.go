@@ -13,9 +13,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
 
@@ -38,7 +38,7 @@ var _ idempotencytest.TB = (*testing.T)(nil)
 
 type fixture struct {
 	pool *pgxpool.Pool
-	idem *middleware.Idempotent
+	idem *inbox.Idempotent
 }
 
 func newFixture(t *testing.T, consumer string) *fixture {
@@ -50,8 +50,8 @@ func newFixture(t *testing.T, consumer string) *fixture {
 	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
 	_, err = pool.Exec(ctx, `CREATE TABLE effect (event_id uuid NOT NULL)`)
 	require.NoError(t, err)
-	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})),
+	idem, err := inbox.NewIdempotent(inbox.Config{
+		Beginner: mustBeginner(inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})),
 		Consumer: consumer,
 	}, nil)
 	require.NoError(t, err)
@@ -61,7 +61,7 @@ func newFixture(t *testing.T, consumer string) *fixture {
 // handler writes one effect row: in the attempt's transaction when there is
 // one, otherwise straight on the pool (the broken set-up).
 func (f *fixture) handler(msg *message.Message) error {
-	if tx, ok := middleware.PgxTxFromContext(msg.Context()); ok {
+	if tx, ok := inbox.PgxTxFromContext(msg.Context()); ok {
 		_, err := tx.Exec(msg.Context(), `INSERT INTO effect VALUES ($1)`, msg.UUID)
 		return err
 	}
@@ -150,7 +150,7 @@ func TestPanicIsReported(t *testing.T) {
 
 // mustBeginner unwraps a beginner constructor's result in tests, whose
 // handles are never nil.
-func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+func mustBeginner(b inbox.TxBeginner, err error) inbox.TxBeginner {
 	if err != nil {
 		panic(err)
 	}

@@ -7,7 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
-	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 )
 
 func TestOutcomesCountsConcurrently(t *testing.T) {
@@ -18,15 +18,15 @@ func TestOutcomesCountsConcurrently(t *testing.T) {
 		wg.Add(1)
 		go func(i int) {
 			defer wg.Done()
-			out := middleware.OutcomeDuplicate
+			out := inbox.OutcomeDuplicate
 			if i == 0 {
-				out = middleware.OutcomeProcessed
+				out = inbox.OutcomeProcessed
 			}
-			o.RecordOutcome(middleware.Observation{Outcome: out})
+			o.RecordOutcome(inbox.Observation{Outcome: out})
 		}(i)
 	}
 	wg.Wait()
-	require.Equal(t, 1, o.Count(middleware.OutcomeProcessed))
-	require.Equal(t, 49, o.Count(middleware.OutcomeDuplicate))
-	require.Zero(t, o.Count(middleware.OutcomeFailed))
+	require.Equal(t, 1, o.Count(inbox.OutcomeProcessed))
+	require.Equal(t, 49, o.Count(inbox.OutcomeDuplicate))
+	require.Zero(t, o.Count(inbox.OutcomeFailed))
 }

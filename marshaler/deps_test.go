@@ -16,7 +16,7 @@ import (
 // packages the core never imports.
 var corePackages = []string{
 	"github.com/watermill-idempotency/idempotency/marshaler",
-	"github.com/watermill-idempotency/idempotency/middleware",
+	"github.com/watermill-idempotency/idempotency/internal/inbox",
 	"github.com/watermill-idempotency/idempotency/processed",
 	"github.com/watermill-idempotency/idempotency/outbox",
 }

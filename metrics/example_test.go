@@ -7,11 +7,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/metrics"
-	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
-// The recorder on a registry of its own: pass it as middleware.Config.Recorder
+// The recorder on a registry of its own: pass it as inbox.Config.Recorder
 // and its OnPurge(table) as the purgers' OnPurge. A claim of 60 µs lands in
 // the (40 µs, 80 µs] bucket of the default buckets.
 func ExampleNewPrometheus() {
@@ -21,10 +21,10 @@ func ExampleNewPrometheus() {
 		panic(err)
 	}
 	// What the middleware reports for two deliveries of one event.
-	rec.RecordOutcome(middleware.Observation{Consumer: "stock", HandlerName: "reserve_stock",
-		Outcome: middleware.OutcomeProcessed, Claim: 60 * time.Microsecond, Total: 2 * time.Millisecond})
-	rec.RecordOutcome(middleware.Observation{Consumer: "stock", HandlerName: "reserve_stock",
-		Outcome: middleware.OutcomeDuplicate, Claim: 55 * time.Microsecond, Total: 70 * time.Microsecond})
+	rec.RecordOutcome(inbox.Observation{Consumer: "stock", HandlerName: "reserve_stock",
+		Outcome: inbox.OutcomeProcessed, Claim: 60 * time.Microsecond, Total: 2 * time.Millisecond})
+	rec.RecordOutcome(inbox.Observation{Consumer: "stock", HandlerName: "reserve_stock",
+		Outcome: inbox.OutcomeDuplicate, Claim: 55 * time.Microsecond, Total: 70 * time.Microsecond})
 	rec.OnPurge("processed_event")(1200, time.Unix(1_700_000_000, 0))
 
 	fmt.Println("attempts:", testutil.CollectAndCount(reg, "idempotency_attempts_total"), "series")

@@ -10,8 +10,8 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/metrics"
-	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
 func gather(t *testing.T, reg *prometheus.Registry) map[string]*dto.MetricFamily {
@@ -46,10 +46,10 @@ func TestPrometheusRecorder(t *testing.T) {
 	_, err = metrics.NewPrometheus(metrics.Config{Registerer: reg})
 	require.Error(t, err, "registering twice on one registry fails")
 
-	p.RecordOutcome(middleware.Observation{Consumer: "stock", HandlerName: "stock_h", Outcome: middleware.OutcomeProcessed, Claim: time.Millisecond, Total: 3 * time.Millisecond})
-	p.RecordOutcome(middleware.Observation{Consumer: "stock", HandlerName: "stock_h", Outcome: middleware.OutcomeDuplicate, Claim: time.Millisecond, Total: time.Millisecond})
-	p.RecordOutcome(middleware.Observation{Consumer: "stock", HandlerName: "stock_h", Outcome: middleware.OutcomeDuplicate, Claim: time.Millisecond, Total: time.Millisecond})
-	p.RecordOutcome(middleware.Observation{Consumer: "stock", Outcome: middleware.OutcomeRejected, Total: time.Microsecond})
+	p.RecordOutcome(inbox.Observation{Consumer: "stock", HandlerName: "stock_h", Outcome: inbox.OutcomeProcessed, Claim: time.Millisecond, Total: 3 * time.Millisecond})
+	p.RecordOutcome(inbox.Observation{Consumer: "stock", HandlerName: "stock_h", Outcome: inbox.OutcomeDuplicate, Claim: time.Millisecond, Total: time.Millisecond})
+	p.RecordOutcome(inbox.Observation{Consumer: "stock", HandlerName: "stock_h", Outcome: inbox.OutcomeDuplicate, Claim: time.Millisecond, Total: time.Millisecond})
+	p.RecordOutcome(inbox.Observation{Consumer: "stock", Outcome: inbox.OutcomeRejected, Total: time.Microsecond})
 
 	require.Equal(t, 3, testutil.CollectAndCount(reg, "idempotency_attempts_total"), "one series per consumer, handler, outcome")
 	require.Equal(t, 1, testutil.CollectAndCount(reg, "idempotency_claim_duration_seconds"), "no claim series for the rejected message")
@@ -97,7 +97,7 @@ func TestDefaultBucketsResolveMicrosecondClaims(t *testing.T) {
 	p, err := metrics.NewPrometheus(metrics.Config{Registerer: reg})
 	require.NoError(t, err)
 	for _, d := range []time.Duration{20 * time.Microsecond, 60 * time.Microsecond, 65 * time.Microsecond, 5 * time.Millisecond} {
-		p.RecordOutcome(middleware.Observation{Consumer: "c", Outcome: middleware.OutcomeProcessed, Claim: d, Total: d})
+		p.RecordOutcome(inbox.Observation{Consumer: "c", Outcome: inbox.OutcomeProcessed, Claim: d, Total: d})
 	}
 	h := gather(t, reg)["idempotency_claim_duration_seconds"].GetMetric()[0].GetHistogram()
 	var below40us, below80us, below100us uint64

@@ -15,8 +15,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 )
 
@@ -42,11 +42,11 @@ func chargeHandler(r *operation.Runner, call func(amount, currency string) opera
 		dec := json.NewDecoder(bytes.NewReader(msg.Payload))
 		dec.UseNumber()
 		if err := dec.Decode(&ev); err != nil {
-			return nil, middleware.Permanent(err)
+			return nil, inbox.Permanent(err)
 		}
 		key, err := operation.NewKey("charge", ev.PaymentID)
 		if err != nil {
-			return nil, middleware.Permanent(err)
+			return nil, inbox.Permanent(err)
 		}
 		params := map[string]any{"amount": ev.Amount, "currency": ev.Currency}
 		_, err = r.Do(msg.Context(), key, params, call(ev.Amount.String(), ev.Currency), opts...)
@@ -76,7 +76,7 @@ func (tp *topics) lastRecon() *message.Message {
 }
 
 // newChain wraps h as the recommended chain does, outermost first: poison
-// (middleware.ShouldPoison) → RouteUncertain → Retry (not for permanent
+// (inbox.ShouldPoison) → RouteUncertain → Retry (not for permanent
 // errors) → h. The idempotent middleware is left out: its transaction plays
 // no part in what is tested here.
 func newChain(t *testing.T, h message.HandlerFunc, retries int) (message.HandlerFunc, *topics) {
@@ -100,14 +100,14 @@ func newChain(t *testing.T, h message.HandlerFunc, retries int) (message.Handler
 			}
 		}()
 	}
-	poison, err := wmw.PoisonQueueWithFilter(pubsub, "poison", middleware.ShouldPoison)
+	poison, err := wmw.PoisonQueueWithFilter(pubsub, "poison", inbox.ShouldPoison)
 	require.NoError(t, err)
 	route, err := operation.RouteUncertain(pubsub, "reconcile", nil)
 	require.NoError(t, err)
 	retry := wmw.Retry{
 		MaxRetries:      retries,
 		InitialInterval: time.Millisecond,
-		ShouldRetry:     func(p wmw.RetryParams) bool { return !middleware.IsPermanent(p.Err) },
+		ShouldRetry:     func(p wmw.RetryParams) bool { return !inbox.IsPermanent(p.Err) },
 	}
 	return poison(route(retry.Middleware(h))), tp
 }
@@ -135,8 +135,8 @@ func TestC14(t *testing.T) {
 
 			_, err := chain(paymentMsg(t, idE5, "p-1", "100", "2024-07-01T10:00:00.000Z"))
 			require.ErrorIs(t, err, operation.ErrUncertain)
-			require.True(t, middleware.IsTransient(err), "with a reconcile function, uncertain is retried")
-			require.False(t, middleware.IsPermanent(err))
+			require.True(t, inbox.IsTransient(err), "with a reconcile function, uncertain is retried")
+			require.False(t, inbox.IsPermanent(err))
 			rec, err := r.Get(ctx, keyP1)
 			require.NoError(t, err)
 			require.Equal(t, operation.StateUncertain, rec.State)
@@ -187,8 +187,8 @@ func TestC14(t *testing.T) {
 			require.ErrorIs(t, err, operation.ErrConflict)
 			require.Equal(t, "charge:p-1", conflict.Key)
 			require.Equal(t, operation.StateSucceeded, conflict.State)
-			require.True(t, middleware.IsPermanent(err))
-			require.False(t, middleware.IsTransient(err))
+			require.True(t, inbox.IsPermanent(err))
+			require.False(t, inbox.IsTransient(err))
 
 			_, err = chain(paymentMsg(t, idE6, "p-1", "200", "2024-07-01T10:02:00.000Z"))
 			require.NoError(t, err, "poisoned and acked")
@@ -263,8 +263,8 @@ func TestC14(t *testing.T) {
 				var inProgress *operation.InProgressError
 				require.ErrorAs(t, err, &inProgress, "wait %s", wait)
 				require.ErrorIs(t, err, operation.ErrInProgress)
-				require.True(t, middleware.IsTransient(err))
-				require.False(t, middleware.IsPermanent(err))
+				require.True(t, inbox.IsTransient(err))
+				require.False(t, inbox.IsPermanent(err))
 			}
 			// Held by a live worker, yet another request with the key is
 			// refused at once as a conflict, not made to wait.
@@ -319,7 +319,7 @@ func TestTimeoutRoutesToReconciliationTopic(t *testing.T) {
 		require.ErrorAs(t, err, &u)
 		require.Equal(t, "charge:p-1", u.Key)
 		require.False(t, u.Retry)
-		require.True(t, middleware.IsPermanent(err))
+		require.True(t, inbox.IsPermanent(err))
 		require.True(t, operation.NeedsReconciliation(err))
 
 		// A redelivery before anyone resolved it: routed again, not called.
@@ -357,9 +357,9 @@ func TestRouteUncertainPublishFailure(t *testing.T) {
 	require.NoError(t, err)
 	uncertain := &operation.UncertainError{Key: "charge:p-1", Kind: "charge"}
 	_, err = route(func(*message.Message) ([]*message.Message, error) { return nil, uncertain })(message.NewMessage(idE5, nil))
-	require.True(t, middleware.IsTransient(err))
-	require.False(t, middleware.IsPermanent(err))
-	require.False(t, middleware.ShouldPoison(err))
+	require.True(t, inbox.IsTransient(err))
+	require.False(t, inbox.IsPermanent(err))
+	require.False(t, inbox.ShouldPoison(err))
 
 	// Retryable uncertainty and other errors pass through untouched.
 	retry := &operation.UncertainError{Key: "charge:p-1", Retry: true}

@@ -11,8 +11,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 )
 
@@ -91,7 +91,7 @@ func TestCrashAfterProviderAccepted(t *testing.T) {
 		var u *operation.UncertainError
 		require.ErrorAs(t, err, &u)
 		require.Equal(t, "charge:p-1", u.Key)
-		require.True(t, middleware.IsPermanent(err))
+		require.True(t, inbox.IsPermanent(err))
 		rec, err = r.Get(ctx, key)
 		require.NoError(t, err)
 		require.Equal(t, operation.StateUncertain, rec.State)

@@ -10,9 +10,9 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 )
 
@@ -61,7 +61,7 @@ func TestDoOutcomes(t *testing.T) {
 			require.ErrorAs(t, err, &failed)
 			require.ErrorIs(t, err, operation.ErrFailed)
 			require.ErrorIs(t, failed.Cause, errDeclined)
-			require.True(t, middleware.IsPermanent(err))
+			require.True(t, inbox.IsPermanent(err))
 			require.Equal(t, operation.StateFailed, get(t, k).State)
 			_, err = r.Do(ctx, k, eur100, p.call("100", "EUR"))
 			require.ErrorAs(t, err, &failed)
@@ -76,8 +76,8 @@ func TestDoOutcomes(t *testing.T) {
 			p.unavailable = 1
 			_, err := r.Do(ctx, k, eur100, p.call("100", "EUR"))
 			require.ErrorIs(t, err, errUnavailable)
-			require.True(t, middleware.IsTransient(err))
-			require.False(t, middleware.IsPermanent(err))
+			require.True(t, inbox.IsTransient(err))
+			require.False(t, inbox.IsPermanent(err))
 			rec := get(t, k)
 			require.Equal(t, operation.StateStarted, rec.State)
 			require.Empty(t, rec.Owner, "no call in flight")
@@ -101,8 +101,8 @@ func TestDoOutcomes(t *testing.T) {
 			require.ErrorAs(t, err, &u)
 			require.Equal(t, "req_7", u.Reference)
 			require.False(t, u.Retry)
-			require.True(t, middleware.IsPermanent(err))
-			require.False(t, middleware.IsTransient(err))
+			require.True(t, inbox.IsPermanent(err))
+			require.False(t, inbox.IsTransient(err))
 			rec := get(t, k)
 			require.Equal(t, operation.StateUncertain, rec.State)
 			require.Equal(t, "req_7", rec.Reference)
@@ -121,8 +121,8 @@ func TestDoOutcomes(t *testing.T) {
 			})
 			require.ErrorIs(t, err, operation.ErrUncertain)
 			require.NotErrorIs(t, err, context.DeadlineExceeded, "the cause is kept out of the chain")
-			require.True(t, middleware.IsPermanent(err))
-			require.True(t, middleware.ShouldPoison(err))
+			require.True(t, inbox.IsPermanent(err))
+			require.True(t, inbox.ShouldPoison(err))
 			require.True(t, operation.NeedsReconciliation(err))
 		})
 
@@ -133,7 +133,7 @@ func TestDoOutcomes(t *testing.T) {
 			cancel()
 			_, err := r.Do(cctx, k, eur100, p.call("100", "EUR"))
 			require.Error(t, err)
-			require.True(t, middleware.IsTransient(err))
+			require.True(t, inbox.IsTransient(err))
 			_, calls, _ := p.counts()
 			require.Zero(t, calls)
 		})
@@ -199,8 +199,8 @@ func TestDoOutcomes(t *testing.T) {
 			var u *operation.UncertainError
 			require.ErrorAs(t, err, &u)
 			require.True(t, u.Retry)
-			require.True(t, middleware.IsTransient(err))
-			require.False(t, middleware.IsPermanent(err))
+			require.True(t, inbox.IsTransient(err))
+			require.False(t, inbox.IsPermanent(err))
 			require.Equal(t, operation.StateUncertain, get(t, k).State)
 
 			_, err = r.Do(ctx, k, eur100, p.call("100", "EUR"), operation.WithReconcile(reconciler(errors.New("provider says: unknown"))))
@@ -218,12 +218,12 @@ func TestDoOutcomes(t *testing.T) {
 			p := newProvider()
 			_, err := r.Do(ctx, operation.Key{}, eur100, p.call("1", "EUR"))
 			require.ErrorIs(t, err, operation.ErrInvalidKey)
-			require.True(t, middleware.IsPermanent(err))
+			require.True(t, inbox.IsPermanent(err))
 			_, err = r.Do(ctx, mustKey(t, "charge", "bad"), []byte(`{"a":1,"a":2}`), p.call("1", "EUR"))
 			require.ErrorIs(t, err, operation.ErrInvalidParams)
-			require.True(t, middleware.IsPermanent(err))
+			require.True(t, inbox.IsPermanent(err))
 			_, err = r.Do(ctx, mustKey(t, "charge", "bad"), eur100, nil)
-			require.True(t, middleware.IsPermanent(err))
+			require.True(t, inbox.IsPermanent(err))
 			_, err = r.Get(ctx, mustKey(t, "charge", "never"))
 			require.ErrorIs(t, err, operation.ErrNoRecord)
 			_, calls, _ := p.counts()
@@ -291,7 +291,7 @@ func TestConflictOnEveryPath(t *testing.T) {
 			require.ErrorAs(t, err, &c, name)
 			require.Equal(t, before.State, c.State, name)
 			require.Equal(t, before.Fingerprint, c.StoredFingerprint, name)
-			require.True(t, middleware.IsPermanent(err), name)
+			require.True(t, inbox.IsPermanent(err), name)
 			require.False(t, reconciled, name)
 			_, calls1, _ := p.counts()
 			require.Equal(t, calls0, calls1, name)
@@ -477,7 +477,7 @@ AND classid::bigint = $1 AND objid::bigint = $2 AND objsubid = 1`, int64(id>>32)
 			return operation.Result{Reference: "first"}, nil
 		})
 		require.ErrorIs(t, err, operation.ErrLostOwnership)
-		require.True(t, middleware.IsTransient(err))
+		require.True(t, inbox.IsTransient(err))
 		rec, err := r.Get(ctx, k)
 		require.NoError(t, err)
 		require.Equal(t, operation.StateSucceeded, rec.State)

@@ -11,9 +11,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
@@ -83,8 +83,8 @@ func TestD15_SQLiteRunnerOnHandlersFileRefused(t *testing.T) {
 			}
 			require.ErrorIs(t, doErr, operation.ErrSharedSQLiteFile)
 			require.ErrorContains(t, doErr, "operation.Config.DB")
-			require.True(t, middleware.IsPermanent(doErr), "refused for good, not retried forever: %v", doErr)
-			require.False(t, middleware.IsTransient(doErr))
+			require.True(t, inbox.IsPermanent(doErr), "refused for good, not retried forever: %v", doErr)
+			require.False(t, inbox.IsTransient(doErr))
 			require.Zero(t, calls.Load(), "the provider is never called")
 		})
 	}
@@ -108,8 +108,8 @@ func TestH11_SQLiteSharedFileRefusedAtConstruction(t *testing.T) {
 		require.NoError(t, store.Migrate(ctx, sqldb.Std(db)))
 		return store
 	}
-	newIdem := func(db *sql.DB, store *processed.Store) (*middleware.Idempotent, error) {
-		return middleware.NewIdempotent(middleware.Config{Beginner: mustStdBeginner(t, db), Store: store, Consumer: "billing"}, nil)
+	newIdem := func(db *sql.DB, store *processed.Store) (*inbox.Idempotent, error) {
+		return inbox.NewIdempotent(inbox.Config{Beginner: mustStdBeginner(t, db), Store: store, Consumer: "billing"}, nil)
 	}
 	refused := func(t *testing.T, err error, field string) {
 		t.Helper()
@@ -162,7 +162,7 @@ func TestH11_SQLiteSharedFileRefusedAtConstruction(t *testing.T) {
 			_, err := db.Exec(`CREATE TABLE charge (event_id text, reference text)`)
 			require.NoError(t, err)
 			opsDB := openSQLite(t, filepath.Join(dir, "service-operations.db"))
-			var idem *middleware.Idempotent
+			var idem *inbox.Idempotent
 			var runner *operation.Runner
 			if order == "own-file-middleware-first" {
 				idem, err = newIdem(db, store)
@@ -188,7 +188,7 @@ func TestH11_SQLiteSharedFileRefusedAtConstruction(t *testing.T) {
 				if err != nil {
 					return nil, err
 				}
-				tx, _ := middleware.SQLTxFromContext(msg.Context())
+				tx, _ := inbox.SQLTxFromContext(msg.Context())
 				_, err = tx.ExecContext(msg.Context(), `INSERT INTO charge VALUES (?, ?)`, msg.UUID, res.Reference)
 				return nil, err
 			})
@@ -209,9 +209,9 @@ func TestH11_SQLiteSharedFileRefusedAtConstruction(t *testing.T) {
 	}
 }
 
-func mustStdBeginner(t *testing.T, db *sql.DB) middleware.TxBeginner {
+func mustStdBeginner(t *testing.T, db *sql.DB) inbox.TxBeginner {
 	t.Helper()
-	b, err := middleware.NewStdBeginner(db)
+	b, err := inbox.NewStdBeginner(db)
 	require.NoError(t, err)
 	return b
 }

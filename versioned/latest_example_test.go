@@ -8,10 +8,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
@@ -50,11 +50,11 @@ func ExampleNewLatestFilter() {
 
 	// Once, at start: the stores and their tables.
 	families, _ := versioned.NewFamilyStore(versioned.FamilyStoreConfig{})
-	inbox, _ := processed.NewStore(processed.Config{})
+	store, _ := processed.NewStore(processed.Config{})
 	if err := families.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
 		panic(err)
 	}
-	if err := inbox.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
+	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
 		panic(err)
 	}
 
@@ -84,8 +84,8 @@ func ExampleNewLatestFilter() {
 	// Consumer: Idempotent → LatestFilter → handler.
 	counter := &versioned.FilterCounter{}
 	filter, _ := versioned.NewLatestFilter(versioned.LatestFilterConfig{Families: families, Consumer: "indexer", Recorder: counter}, nil)
-	beginner, _ := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
-	idem, _ := middleware.NewIdempotent(middleware.Config{
+	beginner, _ := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
+	idem, _ := inbox.NewIdempotent(inbox.Config{
 		Beginner: beginner,
 		Consumer: "indexer",
 	}, nil)

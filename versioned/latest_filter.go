@@ -7,8 +7,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
 // FilterOutcome is what the LatestFilter did with one attempt.
@@ -129,7 +129,7 @@ type LatestFilterConfig struct {
 
 	// Consumer names the consumer whose applied positions are recorded.
 	// Defaults to the consumer the idempotent middleware claimed with
-	// (middleware.ConsumerFromContext), else the Watermill handler name of
+	// (inbox.ConsumerFromContext), else the Watermill handler name of
 	// the message's context. With none, every message with a family fails
 	// with the permanent ErrNoConsumer.
 	Consumer string
@@ -137,8 +137,8 @@ type LatestFilterConfig struct {
 	// Recorder receives one observation per attempt. Defaults to none.
 	Recorder FilterRecorder
 
-	// DisableMarkStale keeps the filter from calling middleware.MarkObsolete
-	// (obsolete messages) and middleware.MarkStale (stale ones) for the
+	// DisableMarkStale keeps the filter from calling inbox.MarkObsolete
+	// (obsolete messages) and inbox.MarkStale (stale ones) for the
 	// messages it skips. By default it does, so the idempotent middleware
 	// records and logs them as OutcomeObsolete / OutcomeStale, at debug
 	// level, like duplicates.
@@ -191,7 +191,7 @@ func NewLatestFilter(cfg LatestFilterConfig, logger watermill.LoggerAdapter) (*L
 //
 //	PoisonQueue → Retry → Recoverer → Idempotent → LatestFilter → handler
 //
-// (add it with router.AddMiddleware after the chain of middleware.NewChain,
+// (add it with router.AddMiddleware after the chain of inbox.NewChain,
 // or wrap the handler: filter.Middleware(handler)). Per attempt:
 //
 //  1. A message without family metadata goes to h untouched.
@@ -210,7 +210,7 @@ func NewLatestFilter(cfg LatestFilterConfig, logger watermill.LoggerAdapter) (*L
 //     rolls back and the record with it, so a retry is not stale.
 //
 // Skipped messages (3, 4) are logged at debug level, reported to the
-// Recorder, and marked with middleware.MarkStale so that the idempotent
+// Recorder, and marked with inbox.MarkStale so that the idempotent
 // middleware records them like duplicates.
 //
 // With the family store read in the handler's transaction, steps 3-5 cost
@@ -240,7 +240,7 @@ func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		ctx := msg.Context()
 		consumer := f.cfg.Consumer
 		if consumer == "" {
-			consumer, _ = middleware.ConsumerFromContext(ctx)
+			consumer, _ = inbox.ConsumerFromContext(ctx)
 		}
 		if consumer == "" {
 			consumer = message.HandlerNameFromCtx(ctx)
@@ -251,7 +251,7 @@ func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			f.record(obs)
 			return nil, ErrNoConsumer
 		}
-		q, ok := middleware.QuerierFromContext(ctx)
+		q, ok := inbox.QuerierFromContext(ctx)
 		if !ok {
 			obs.Outcome = FilterRejected
 			f.record(obs)
@@ -285,9 +285,9 @@ func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			f.record(obs)
 			if !f.cfg.DisableMarkStale {
 				if v == verdictObsolete {
-					middleware.MarkObsolete(ctx)
+					inbox.MarkObsolete(ctx)
 				} else {
-					middleware.MarkStale(ctx)
+					inbox.MarkStale(ctx)
 				}
 			}
 			f.logger.Debug("Superseded message skipped", fields.Add(watermill.LogFields{"outcome": string(obs.Outcome)}))

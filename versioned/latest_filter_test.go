@@ -17,8 +17,8 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/middleware/mysqlerr"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
@@ -87,7 +87,7 @@ func exerciseC15(t *testing.T, e *lfEnv) {
 	step(f4)
 	require.Equal(t, []string{"active", "gold", "suspended", "reactivated"}, calls)
 	require.EqualValues(t, 2, e.counter.Count(versioned.FilterObsolete), "F3 and G2")
-	require.EqualValues(t, 2, e.outcomes.Count(middleware.OutcomeObsolete), "skips are recorded like duplicates")
+	require.EqualValues(t, 2, e.outcomes.Count(inbox.OutcomeObsolete), "skips are recorded like duplicates")
 
 	value, eventID := e.state("c-1")
 	require.Equal(t, "reactivated", value)
@@ -99,7 +99,7 @@ func exerciseC15(t *testing.T, e *lfEnv) {
 	// committed with the skip), then, once its processed row is gone, by
 	// the filter itself.
 	require.NoError(t, deliver(h, f3))
-	require.EqualValues(t, 1, e.outcomes.Count(middleware.OutcomeDuplicate))
+	require.EqualValues(t, 1, e.outcomes.Count(inbox.OutcomeDuplicate))
 	e.forgetProcessed(lfE3)
 	require.NoError(t, deliver(h, f3))
 	require.EqualValues(t, 3, e.counter.Count(versioned.FilterObsolete))
@@ -149,11 +149,11 @@ func TestLatestFilter100UpdatesQueued(t *testing.T) {
 
 			// Attempts end (commit included) in the idempotent middleware's
 			// recorder: wait for 100 of them.
-			finished := make(chan middleware.Observation, 100)
-			idem, err := middleware.NewIdempotent(middleware.Config{
+			finished := make(chan inbox.Observation, 100)
+			idem, err := inbox.NewIdempotent(inbox.Config{
 				Beginner: e.beginner,
 				Consumer: "indexer",
-				Recorder: outcomeFunc(func(o middleware.Observation) {
+				Recorder: outcomeFunc(func(o inbox.Observation) {
 					e.outcomes.RecordOutcome(o)
 					finished <- o
 				}),
@@ -193,8 +193,8 @@ func TestLatestFilter100UpdatesQueued(t *testing.T) {
 			require.Equal(t, last, handled.Load(), "for the last update")
 			require.EqualValues(t, 99, e.counter.Count(versioned.FilterObsolete))
 			require.EqualValues(t, 1, e.counter.Count(versioned.FilterHandled))
-			require.Equal(t, 99, e.outcomes.Count(middleware.OutcomeObsolete))
-			require.Equal(t, 1, e.outcomes.Count(middleware.OutcomeProcessed))
+			require.Equal(t, 99, e.outcomes.Count(inbox.OutcomeObsolete))
+			require.Equal(t, 1, e.outcomes.Count(inbox.OutcomeProcessed))
 			require.Equal(t, 100, e.count(`SELECT count(*) FROM processed_event`), "all 100 claimed and acked")
 			value, _ := e.state("p-123")
 			require.Equal(t, `v100`, value)
@@ -202,9 +202,9 @@ func TestLatestFilter100UpdatesQueued(t *testing.T) {
 	}
 }
 
-type outcomeFunc func(middleware.Observation)
+type outcomeFunc func(inbox.Observation)
 
-func (f outcomeFunc) RecordOutcome(o middleware.Observation) { f(o) }
+func (f outcomeFunc) RecordOutcome(o inbox.Observation) { f(o) }
 
 // A late older message after a newer one was applied is stale when no latest
 // record says so (published without one, or the record was purged, expired
@@ -246,7 +246,7 @@ func TestLatestFilterLateOlderIsStale(t *testing.T) {
 			require.EqualValues(t, 3, e.counter.Count(versioned.FilterStale))
 			value, _ := e.state("p-1")
 			require.Equal(t, `v4`, value)
-			require.Equal(t, 3, e.outcomes.Count(middleware.OutcomeStale))
+			require.Equal(t, 3, e.outcomes.Count(inbox.OutcomeStale))
 		})
 	}
 }
@@ -310,7 +310,7 @@ func TestLatestFilterPassThroughAndRejects(t *testing.T) {
 	for _, bad := range []*message.Message{half, badSeq} {
 		err := deliver(h, bad)
 		require.ErrorIs(t, err, versioned.ErrFamilyInvalid)
-		require.True(t, middleware.IsPermanent(err), "poisoned, not retried: %v", err)
+		require.True(t, inbox.IsPermanent(err), "poisoned, not retried: %v", err)
 	}
 	require.EqualValues(t, 1, calls.Load())
 	require.EqualValues(t, 2, e.counter.Count(versioned.FilterRejected))
@@ -322,13 +322,13 @@ func TestLatestFilterPassThroughAndRejects(t *testing.T) {
 	})
 	err := deliver(outside, lfSeqMsg(t, versioned.Family{Kind: "k", ID: "i"}, 2))
 	require.ErrorIs(t, err, versioned.ErrNoTransaction)
-	require.True(t, middleware.IsPermanent(err))
+	require.True(t, inbox.IsPermanent(err))
 
 	// No consumer configured and no handler name: the filter takes the
 	// consumer the idempotent middleware claimed with.
 	f, err := versioned.NewLatestFilter(versioned.LatestFilterConfig{Families: e.families}, nil)
 	require.NoError(t, err)
-	idem, err := middleware.NewIdempotent(middleware.Config{Beginner: e.beginner, Consumer: "claims-as-this"}, nil)
+	idem, err := inbox.NewIdempotent(inbox.Config{Beginner: e.beginner, Consumer: "claims-as-this"}, nil)
 	require.NoError(t, err)
 	err = deliver(idem.Middleware(f.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })),
 		lfSeqMsg(t, versioned.Family{Kind: "k", ID: "i"}, 3))
@@ -533,7 +533,7 @@ func TestLatestFilterLatestQuerier(t *testing.T) {
 		Families: e.families, LatestQuerier: e.db, Consumer: "indexer", Recorder: e.counter,
 	}, nil)
 	require.NoError(t, err)
-	idem, err := middleware.NewIdempotent(middleware.Config{Beginner: e.beginner, Consumer: "indexer"}, nil)
+	idem, err := inbox.NewIdempotent(inbox.Config{Beginner: e.beginner, Consumer: "indexer"}, nil)
 	require.NoError(t, err)
 	var calls []string
 	h := idem.Middleware(filter.Middleware(e.stateHandler(func(msg *message.Message) { calls = append(calls, string(msg.Payload)) })))

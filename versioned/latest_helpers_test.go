@@ -19,10 +19,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
@@ -143,7 +143,7 @@ type lfEnv struct {
 
 	outcomes *lfOutcomes
 	counter  *versioned.FilterCounter
-	beginner middleware.TxBeginner
+	beginner inbox.TxBeginner
 }
 
 // lfStores are the latest stores every filter test runs against.
@@ -196,9 +196,9 @@ func newLFEnvWith(t *testing.T, store, target string) *lfEnv {
 		t.Fatalf("unknown store %q", store)
 	}
 	if tg.Pgx != nil {
-		e.beginner = mustBeginner(middleware.NewPgxBeginner(tg.Pgx, middleware.PgxBeginnerConfig{}))
+		e.beginner = mustBeginner(inbox.NewPgxBeginner(tg.Pgx, inbox.PgxBeginnerConfig{}))
 	} else {
-		e.beginner = mustBeginner(middleware.NewStdBeginner(tg.Std))
+		e.beginner = mustBeginner(inbox.NewStdBeginner(tg.Std))
 	}
 	return e
 }
@@ -252,7 +252,7 @@ func (e *lfEnv) filter(consumer string) *versioned.LatestFilter {
 // chain is Recoverer → Idempotent → LatestFilter → h, for consumer.
 func (e *lfEnv) chain(consumer string, h message.HandlerFunc) message.HandlerFunc {
 	e.t.Helper()
-	idem, err := middleware.NewIdempotent(middleware.Config{
+	idem, err := inbox.NewIdempotent(inbox.Config{
 		Beginner: e.beginner,
 		Store:    e.processed,
 		Consumer: consumer,
@@ -274,7 +274,7 @@ func (e *lfEnv) stateHandler(calls func(msg *message.Message)) message.HandlerFu
 	query = e.tg.Rebind(query)
 	return func(msg *message.Message) ([]*message.Message, error) {
 		calls(msg)
-		q, ok := middleware.QuerierFromContext(msg.Context())
+		q, ok := inbox.QuerierFromContext(msg.Context())
 		if !ok {
 			return nil, fmt.Errorf("no transaction")
 		}
@@ -343,7 +343,7 @@ func lfShuffle(seed uint64, msgs []*message.Message) {
 
 // mustBeginner unwraps a beginner constructor's result in tests, whose
 // handles are never nil.
-func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+func mustBeginner(b inbox.TxBeginner, err error) inbox.TxBeginner {
 	if err != nil {
 		panic(err)
 	}

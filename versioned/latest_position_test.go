@@ -11,8 +11,8 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -183,7 +183,7 @@ func TestFamilyOfMetadata(t *testing.T) {
 		_, _, ok, err := versioned.FamilyOf(msg)
 		require.ErrorIs(t, err, versioned.ErrFamilyInvalid, name)
 		require.False(t, ok, name)
-		require.True(t, middleware.IsPermanent(err), name)
+		require.True(t, inbox.IsPermanent(err), name)
 	}
 
 	// The setters refuse what FamilyOf would refuse, and change nothing.

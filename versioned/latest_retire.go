@@ -8,8 +8,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
 // Retirement: when the message a family's latest record names is poisoned at
@@ -90,13 +90,13 @@ func noteHandled(ctx context.Context, consumer string, fam Family, pos Position)
 }
 
 // RetireOnPoison returns the middleware that retires a family message when
-// it is about to be poisoned: put it in middleware.ChainConfig.AfterPoison,
+// it is about to be poisoned: put it in inbox.ChainConfig.AfterPoison,
 // so that it sits just inside the poison middleware and sees the error the
 // poison middleware acts on (after the retries). q is a pool (or connection)
 // of the consumer's database, where the family store's tables are.
 //
 // When the inner chain returns an error that will be poisoned
-// (middleware.ShouldPoison) for a message the filter had let through to the
+// (inbox.ShouldPoison) for a message the filter had let through to the
 // handler, the message's position is recorded as retired for the consumer
 // (FamilyStore.Retire), before the error goes on to the poison middleware.
 // From then on a latest record that names it no longer makes older messages
@@ -116,7 +116,7 @@ func (f *LatestFilter) RetireOnPoison(q sqldb.Querier) message.HandlerMiddleware
 			msg.SetContext(context.WithValue(ctx, handledNoteKey{}, note))
 			out, err := h(msg)
 			msg.SetContext(ctx)
-			if err == nil || !note.set || !middleware.ShouldPoison(err) {
+			if err == nil || !note.set || !inbox.ShouldPoison(err) {
 				return out, err
 			}
 			fields := watermill.LogFields{
@@ -125,7 +125,7 @@ func (f *LatestFilter) RetireOnPoison(q sqldb.Querier) message.HandlerMiddleware
 			}
 			if rerr := f.cfg.Families.Retire(context.WithoutCancel(ctx), q, note.consumer, note.fam, note.pos); rerr != nil {
 				f.logger.Error("Could not retire a poisoned family message; retrying it instead of poisoning", rerr, fields)
-				return out, errors.Join(err, middleware.Transient(rerr))
+				return out, errors.Join(err, inbox.Transient(rerr))
 			}
 			f.logger.Info("Poisoned family message retired: older messages of the family are no longer obsolete behind it", fields)
 			return out, err

@@ -10,8 +10,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -41,17 +41,17 @@ func TestLatestFilterPoisonedLatestDoesNotFreezeFamily(t *testing.T) {
 				})
 				failing := func(msg *message.Message) ([]*message.Message, error) {
 					if msg.UUID == m3.UUID {
-						return nil, middleware.Permanent(errors.New("the handler cannot apply v3"))
+						return nil, inbox.Permanent(errors.New("the handler cannot apply v3"))
 					}
 					return handler(msg)
 				}
 				filter := e.filter("crm")
-				idem, err := middleware.NewIdempotent(middleware.Config{
+				idem, err := inbox.NewIdempotent(inbox.Config{
 					Beginner: e.beginner, Store: e.processed, Consumer: "crm", Recorder: e.outcomes,
 				}, watermill.NopLogger{})
 				require.NoError(t, err)
 				poison := &lfQueue{}
-				chain, err := middleware.NewChain(middleware.ChainConfig{
+				chain, err := inbox.NewChain(inbox.ChainConfig{
 					Idempotent: idem, PoisonPublisher: poison, PoisonTopic: "crm.poison",
 					AfterPoison: []message.HandlerMiddleware{filter.RetireOnPoison(e.db)},
 					MaxRetries:  1, InitialInterval: time.Millisecond, MaxInterval: time.Millisecond,

@@ -12,13 +12,13 @@ import (
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
 // Header names read from dead-lettered messages. Watermill's PoisonQueue
 // (message/router/middleware/poison.go, v1.5.1) sets the four *_poisoned
-// keys; our middleware counts attempts in middleware.MetadataAttempt; the
+// keys; our middleware counts attempts in inbox.MetadataAttempt; the
 // marshaler flags undecodable deliveries (marshaler.MetadataMalformed*);
 // RabbitMQ's own dead-lettering sets x-death and x-first-death-* /
 // x-last-death-* (https://www.rabbitmq.com/docs/dlx).
@@ -27,10 +27,10 @@ const (
 	headerTopic      = "topic_poisoned"
 	headerHandler    = "handler_poisoned"
 	headerSubscriber = "subscriber_poisoned"
-	// Our chain's poison path (middleware.NewChain):
+	// Our chain's poison path (inbox.NewChain):
 	// the class (permanent or exhausted) and the reason's full length.
-	headerPoisonClass = middleware.MetadataPoisonClass
-	headerReasonBytes = middleware.MetadataReasonBytes
+	headerPoisonClass = inbox.MetadataPoisonClass
+	headerReasonBytes = inbox.MetadataReasonBytes
 	// headerPoisonedAt is read as the failure time when a poison path
 	// stamps one (RFC 3339); Watermill's PoisonQueue does not.
 	headerPoisonedAt = "idempotency_poisoned_at"
@@ -41,7 +41,7 @@ const (
 func poisonHeader(k string) bool {
 	switch k {
 	case headerReason, headerTopic, headerHandler, headerSubscriber, headerPoisonedAt, headerPoisonClass, headerReasonBytes,
-		middleware.MetadataAttempt, "x-death", "x-delivery-count",
+		inbox.MetadataAttempt, "x-death", "x-delivery-count",
 		marshaler.MetadataRedelivered, marshaler.MetadataDeliveryCount:
 		return true
 	}
@@ -133,7 +133,7 @@ func describe(d amqp091.Delivery, pos int) deadLetter {
 	if dl.Reason == "" && dl.Malformed {
 		dl.Reason = "malformed: " + err.Error()
 	}
-	if n, err := strconv.Atoi(h(middleware.MetadataAttempt)); err == nil {
+	if n, err := strconv.Atoi(h(inbox.MetadataAttempt)); err == nil {
 		dl.Attempts = n
 	}
 	deaths := xDeaths(d.Headers["x-death"])

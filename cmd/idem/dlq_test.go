@@ -21,10 +21,10 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	idemamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
 
@@ -133,15 +133,15 @@ func (s *shop) run() {
 	if err != nil {
 		t.Fatal(err)
 	}
-	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: mustBeginner(middleware.NewPgxBeginner(s.pool, middleware.PgxBeginnerConfig{})),
+	idem, err := inbox.NewIdempotent(inbox.Config{
+		Beginner: mustBeginner(inbox.NewPgxBeginner(s.pool, inbox.PgxBeginnerConfig{})),
 		Consumer: testConsumer,
 		Recorder: s.outcomes,
 	}, logger)
 	if err != nil {
 		t.Fatal(err)
 	}
-	chain, err := middleware.NewChain(middleware.ChainConfig{
+	chain, err := inbox.NewChain(inbox.ChainConfig{
 		Idempotent: idem, PoisonPublisher: poisonPub, PoisonTopic: s.dlq,
 		MaxRetries: 1, InitialInterval: 10 * time.Millisecond, MaxInterval: 50 * time.Millisecond,
 	}, logger)
@@ -151,10 +151,10 @@ func (s *shop) run() {
 	router.AddMiddleware(chain...)
 	router.AddNoPublisherHandler("stock", s.queue, sub, func(msg *message.Message) error {
 		if s.buggy.Load() {
-			return middleware.Permanent(errors.New("stock: unknown product sku-42"))
+			return inbox.Permanent(errors.New("stock: unknown product sku-42"))
 		}
 		s.calls.Add(1)
-		tx, ok := middleware.PgxTxFromContext(msg.Context())
+		tx, ok := inbox.PgxTxFromContext(msg.Context())
 		if !ok {
 			return errors.New("no tx")
 		}
@@ -352,13 +352,13 @@ func (s *shop) wantApplied(t *testing.T, applied, minDuplicates int) {
 	t.Helper()
 	eventually(t, "60 effects and both queues empty", func() bool {
 		_, d := s.effects()
-		return d == applied && s.depth(s.queue) == 0 && s.outcomes.Count(middleware.OutcomeDuplicate)+s.outcomes.Count(middleware.OutcomeProcessed) >= applied+minDuplicates
+		return d == applied && s.depth(s.queue) == 0 && s.outcomes.Count(inbox.OutcomeDuplicate)+s.outcomes.Count(inbox.OutcomeProcessed) >= applied+minDuplicates
 	})
 	rows, distinct := s.effects()
 	if rows != applied || distinct != applied || int(s.calls.Load()) != applied {
 		t.Fatalf("effects %d (distinct %d), handler calls %d; want %d each", rows, distinct, s.calls.Load(), applied)
 	}
-	if p, d := s.outcomes.Count(middleware.OutcomeProcessed), s.outcomes.Count(middleware.OutcomeDuplicate); p != applied || d < minDuplicates {
+	if p, d := s.outcomes.Count(inbox.OutcomeProcessed), s.outcomes.Count(inbox.OutcomeDuplicate); p != applied || d < minDuplicates {
 		t.Fatalf("outcomes: %d processed (want %d), %d duplicates (want ≥ %d)", p, applied, d, minDuplicates)
 	}
 	if d := s.depth(s.dlq); d != 0 {
@@ -515,7 +515,7 @@ func TestDLQMalformed(t *testing.T) {
 	}
 }
 
-func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+func mustBeginner(b inbox.TxBeginner, err error) inbox.TxBeginner {
 	if err != nil {
 		panic(err)
 	}

@@ -17,9 +17,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
@@ -247,24 +247,24 @@ func ConfirmationEventID(key operation.Key) uuid.UUID {
 // for the reconciliation topic).
 func (s *Service) HandleOrderPlaced(msg *message.Message) ([]*message.Message, error) {
 	ctx := msg.Context()
-	q, ok := middleware.QuerierFromContext(ctx)
+	q, ok := inbox.QuerierFromContext(ctx)
 	if !ok {
-		return nil, middleware.Permanent(ErrNoTransaction)
+		return nil, inbox.Permanent(ErrNoTransaction)
 	}
 	var ev shop.OrderPlaced
 	if err := json.Unmarshal(msg.Payload, &ev); err != nil {
-		return nil, middleware.Permanent(fmt.Errorf("billing: payload: %w", err))
+		return nil, inbox.Permanent(fmt.Errorf("billing: payload: %w", err))
 	}
 	if ev.OrderID == "" || len(ev.Lines) == 0 {
-		return nil, middleware.Permanent(errors.New("billing: payload: order id and at least one line required"))
+		return nil, inbox.Permanent(errors.New("billing: payload: order id and at least one line required"))
 	}
 	amount, err := amountMinor(ev.Lines, s.unit)
 	if err != nil {
-		return nil, middleware.Permanent(fmt.Errorf("billing: order %s: %w", ev.OrderID, err))
+		return nil, inbox.Permanent(fmt.Errorf("billing: order %s: %w", ev.OrderID, err))
 	}
 	key, err := ChargeKey(ev.OrderID)
 	if err != nil {
-		return nil, middleware.Permanent(fmt.Errorf("billing: order %s: %w", ev.OrderID, err))
+		return nil, inbox.Permanent(fmt.Errorf("billing: order %s: %w", ev.OrderID, err))
 	}
 	s.mu.Lock()
 	s.expected[key.String()] = struct{}{}
@@ -326,10 +326,10 @@ func (s *Service) Reconcile(ctx context.Context, rec operation.Record) (operatio
 func (s *Service) HandleConfirmation(msg *message.Message) error {
 	var c ConfirmationRequested
 	if err := json.Unmarshal(msg.Payload, &c); err != nil {
-		return middleware.Permanent(fmt.Errorf("billing: confirmation payload: %w", err))
+		return inbox.Permanent(fmt.Errorf("billing: confirmation payload: %w", err))
 	}
 	if c.OrderID == "" || c.ChargeID == "" {
-		return middleware.Permanent(errors.New("billing: confirmation payload: order id and charge id required"))
+		return inbox.Permanent(errors.New("billing: confirmation payload: order id and charge id required"))
 	}
 	return s.mailer.Send(msg.Context(), Mail{
 		To:      "customer+" + c.OrderID + "@example.com",

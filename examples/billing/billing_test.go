@@ -15,10 +15,10 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/examples/billing"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
@@ -47,7 +47,7 @@ func newEnvOn(t *testing.T, dialect sqldb.Dialect, inner func(message.HandlerFun
 	ctx := context.Background()
 	var db shop.DB
 	var runner *operation.Runner
-	var beginner middleware.TxBeginner
+	var beginner inbox.TxBeginner
 	var store *processed.Store
 	if dialect == sqldb.SQLite {
 		db = shop.SQLiteDB(testenv.SQLiteDB(t))
@@ -57,7 +57,7 @@ func newEnvOn(t *testing.T, dialect sqldb.Dialect, inner func(message.HandlerFun
 		require.NoError(t, err)
 		require.NoError(t, runner.Migrate(ctx, sqldb.Std(ops)))
 		require.NoError(t, billing.MigrateDB(ctx, db, nil, nil))
-		beginner = mustBeginner(middleware.NewStdBeginner(db.SQL))
+		beginner = mustBeginner(inbox.NewStdBeginner(db.SQL))
 		store, err = processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
 		require.NoError(t, err)
 	} else {
@@ -67,7 +67,7 @@ func newEnvOn(t *testing.T, dialect sqldb.Dialect, inner func(message.HandlerFun
 		runner, err = operation.NewRunner(operation.Config{Pool: testenv.PoolOn(t, schema, 4)}, nil)
 		require.NoError(t, err)
 		require.NoError(t, billing.Migrate(ctx, pool, nil, runner))
-		beginner = mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}))
+		beginner = mustBeginner(inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{}))
 	}
 	svc, err := billing.New(billing.Config{Runner: runner, Provider: billing.NewProvider(), Mailer: billing.NewMailer(), Dialect: dialect})
 	require.NoError(t, err)
@@ -88,7 +88,7 @@ func newEnvOn(t *testing.T, dialect sqldb.Dialect, inner func(message.HandlerFun
 		}()
 	}
 	wrap := func(consumer string, h message.HandlerFunc) message.HandlerFunc {
-		idem, err := middleware.NewIdempotent(middleware.Config{
+		idem, err := inbox.NewIdempotent(inbox.Config{
 			Beginner: beginner,
 			Store:    store,
 			Consumer: consumer,
@@ -96,7 +96,7 @@ func newEnvOn(t *testing.T, dialect sqldb.Dialect, inner func(message.HandlerFun
 		require.NoError(t, err)
 		route, err := operation.RouteUncertain(pubsub, consumer+".reconcile", nil)
 		require.NoError(t, err)
-		all, err := middleware.NewChain(middleware.ChainConfig{
+		all, err := inbox.NewChain(inbox.ChainConfig{
 			Idempotent: idem, PoisonPublisher: pubsub, PoisonTopic: consumer + ".dlq",
 			AfterPoison: []message.HandlerMiddleware{route},
 			MaxRetries:  3, InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond,
@@ -273,12 +273,12 @@ func TestNewValidates(t *testing.T) {
 	require.NoError(t, err)
 	_, err = svc.HandleOrderPlaced(placed(t, "o-1", "1"))
 	require.ErrorIs(t, err, billing.ErrNoTransaction)
-	require.True(t, middleware.IsPermanent(err))
+	require.True(t, inbox.IsPermanent(err))
 }
 
 // mustBeginner unwraps a beginner constructor's result in tests, whose
 // handles are never nil.
-func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+func mustBeginner(b inbox.TxBeginner, err error) inbox.TxBeginner {
 	if err != nil {
 		panic(err)
 	}

@@ -23,8 +23,8 @@ import (
 	"github.com/watermill-idempotency/idempotency/examples/shipping"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/examples/stock"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/processed"
@@ -49,19 +49,19 @@ type recorder struct {
 	processed, duplicate, stale, obsolete, failed, rejected atomic.Int64
 }
 
-var _ middleware.Recorder = (*recorder)(nil)
+var _ inbox.Recorder = (*recorder)(nil)
 
-func (r *recorder) RecordOutcome(o middleware.Observation) {
+func (r *recorder) RecordOutcome(o inbox.Observation) {
 	switch o.Outcome {
-	case middleware.OutcomeProcessed:
+	case inbox.OutcomeProcessed:
 		r.processed.Add(1)
-	case middleware.OutcomeDuplicate:
+	case inbox.OutcomeDuplicate:
 		r.duplicate.Add(1)
-	case middleware.OutcomeStale:
+	case inbox.OutcomeStale:
 		r.stale.Add(1)
-	case middleware.OutcomeObsolete:
+	case inbox.OutcomeObsolete:
 		r.obsolete.Add(1)
-	case middleware.OutcomeFailed:
+	case inbox.OutcomeFailed:
 		r.failed.Add(1)
 	default:
 		r.rejected.Add(1)
@@ -541,8 +541,8 @@ func (d *demo) startConsumer(ctx context.Context, s consumerSpec) (*consumerRun,
 		RelayDest:  s.relayDest,
 		Workers:    d.cfg.Workers,
 		Middleware: mws,
-		Idempotent: middleware.Config{Recorder: r.rec, Store: s.store},
-		Chain:      middleware.ChainConfig{InitialInterval: 20 * time.Millisecond, MaxInterval: time.Second},
+		Idempotent: inbox.Config{Recorder: r.rec, Store: s.store},
+		Chain:      inbox.ChainConfig{InitialInterval: 20 * time.Millisecond, MaxInterval: time.Second},
 		Logger:     d.logger,
 	}
 	if s.publish != nil {

@@ -16,8 +16,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
@@ -216,10 +216,10 @@ var _ message.NoPublishHandlerFunc = (&Indexer{}).Handle
 func (ix *Indexer) put(msg *message.Message) ([]*message.Message, error) {
 	var ev ProductUpdated
 	if err := json.Unmarshal(msg.Payload, &ev); err != nil {
-		return nil, middleware.Permanent(fmt.Errorf("indexer: payload: %w", err))
+		return nil, inbox.Permanent(fmt.Errorf("indexer: payload: %w", err))
 	}
 	if ev.SKU == "" || ev.SKU != msg.Metadata.Get(versioned.MetadataFamilyID) {
-		return nil, middleware.Permanent(fmt.Errorf("indexer: payload SKU %q does not match family id %q", ev.SKU, msg.Metadata.Get(versioned.MetadataFamilyID)))
+		return nil, inbox.Permanent(fmt.Errorf("indexer: payload SKU %q does not match family id %q", ev.SKU, msg.Metadata.Get(versioned.MetadataFamilyID)))
 	}
 	if err := ix.index.Put(msg.Context(), Document{SKU: ev.SKU, Version: ev.Version, Name: ev.Name, PriceCents: ev.PriceCents}); err != nil {
 		return nil, err

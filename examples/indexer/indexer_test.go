@@ -20,9 +20,9 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/examples/indexer"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
@@ -62,18 +62,18 @@ func ixRedis(t *testing.T) (*redis.Client, string) {
 // included) by outcome.
 type attempts struct {
 	mu sync.Mutex
-	by map[middleware.Outcome]int
+	by map[inbox.Outcome]int
 }
 
-func newAttempts() *attempts { return &attempts{by: map[middleware.Outcome]int{}} }
+func newAttempts() *attempts { return &attempts{by: map[inbox.Outcome]int{}} }
 
-func (a *attempts) RecordOutcome(o middleware.Observation) {
+func (a *attempts) RecordOutcome(o inbox.Observation) {
 	a.mu.Lock()
 	a.by[o.Outcome]++
 	a.mu.Unlock()
 }
 
-func (a *attempts) get(o middleware.Outcome) int {
+func (a *attempts) get(o inbox.Outcome) int {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return a.by[o]
@@ -84,7 +84,7 @@ func (a *attempts) get(o middleware.Outcome) int {
 func (a *attempts) completed() int {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return a.by[middleware.OutcomeProcessed] + a.by[middleware.OutcomeObsolete] + a.by[middleware.OutcomeStale]
+	return a.by[inbox.OutcomeProcessed] + a.by[inbox.OutcomeObsolete] + a.by[inbox.OutcomeStale]
 }
 
 // wait waits until n events completed and at least duplicates deliveries
@@ -94,13 +94,13 @@ func (a *attempts) completed() int {
 func (a *attempts) wait(t *testing.T, n, duplicates int) {
 	t.Helper()
 	deadline := time.Now().Add(2 * time.Minute)
-	for a.completed() < n || a.get(middleware.OutcomeDuplicate) < duplicates {
+	for a.completed() < n || a.get(inbox.OutcomeDuplicate) < duplicates {
 		if time.Now().After(deadline) {
 			a.mu.Lock()
 			defer a.mu.Unlock()
 			t.Fatalf("after 2 minutes, %d of %d events completed, %d of %d duplicates skipped (outcomes: %v)",
-				a.by[middleware.OutcomeProcessed]+a.by[middleware.OutcomeObsolete]+a.by[middleware.OutcomeStale], n,
-				a.by[middleware.OutcomeDuplicate], duplicates, a.by)
+				a.by[inbox.OutcomeProcessed]+a.by[inbox.OutcomeObsolete]+a.by[inbox.OutcomeStale], n,
+				a.by[inbox.OutcomeDuplicate], duplicates, a.by)
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
@@ -159,16 +159,16 @@ func runInBackground(t *testing.T, run func(context.Context) error, running chan
 
 // startIndexer runs the indexer behind the recommended chain on an
 // in-memory broker, with workers handlers.
-func startIndexer(t *testing.T, db *shopDB, ix *indexer.Indexer, broker *gochannel.GoChannel, rec middleware.Recorder, workers int) {
+func startIndexer(t *testing.T, db *shopDB, ix *indexer.Indexer, broker *gochannel.GoChannel, rec inbox.Recorder, workers int) {
 	t.Helper()
 	require.NoError(t, ix.Migrate(context.Background(), db.ixPool, nil))
-	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: mustBeginner(middleware.NewPgxBeginner(db.ixPool, middleware.PgxBeginnerConfig{})),
+	idem, err := inbox.NewIdempotent(inbox.Config{
+		Beginner: mustBeginner(inbox.NewPgxBeginner(db.ixPool, inbox.PgxBeginnerConfig{})),
 		Consumer: indexer.Consumer.Name,
 		Recorder: rec,
 	}, nil)
 	require.NoError(t, err)
-	chain, err := middleware.NewChain(middleware.ChainConfig{Idempotent: idem, PoisonPublisher: broker, PoisonTopic: "poison",
+	chain, err := inbox.NewChain(inbox.ChainConfig{Idempotent: idem, PoisonPublisher: broker, PoisonTopic: "poison",
 		InitialInterval: 5 * time.Millisecond, MaxInterval: 50 * time.Millisecond}, nil)
 	require.NoError(t, err)
 	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
@@ -209,8 +209,8 @@ func TestIndexerProcessesOnlyTheLatest(t *testing.T) {
 	stats := ix.Stats()
 	require.Equal(t, indexer.Stats{IndexUpdates: products, ObsoleteSkipped: int64(n - products)}, stats)
 	require.EqualValues(t, products, index.Puts())
-	require.Equal(t, products, rec.get(middleware.OutcomeProcessed))
-	require.Equal(t, n-products, rec.get(middleware.OutcomeObsolete), "skips recorded like duplicates")
+	require.Equal(t, products, rec.get(inbox.OutcomeProcessed))
+	require.Equal(t, n-products, rec.get(inbox.OutcomeObsolete), "skips recorded like duplicates")
 }
 
 // Import and indexing at the same time, latest records in Redis, and three
@@ -246,8 +246,8 @@ func TestIndexerConcurrentImportRedis(t *testing.T) {
 	stats := ix.Stats()
 	require.EqualValues(t, n, stats.IndexUpdates+stats.ObsoleteSkipped+stats.StaleSkipped)
 	require.GreaterOrEqual(t, stats.IndexUpdates, int64(products))
-	require.Equal(t, 2*n, rec.get(middleware.OutcomeDuplicate))
-	require.Zero(t, rec.get(middleware.OutcomeFailed))
+	require.Equal(t, 2*n, rec.get(inbox.OutcomeDuplicate))
+	require.Zero(t, rec.get(inbox.OutcomeFailed))
 }
 
 // The demo's wiring: the catalogue's relay publishes to RabbitMQ
@@ -288,7 +288,7 @@ func TestIndexerOverRabbitMQ(t *testing.T) {
 		Pool:       db.ixPool,
 		Handler:    ix.Handle,
 		Workers:    2,
-		Idempotent: middleware.Config{Recorder: rec},
+		Idempotent: inbox.Config{Recorder: rec},
 	})
 	require.NoError(t, err)
 	runInBackground(t, svc.Run, svc.Running(), svc.Close)
@@ -348,8 +348,8 @@ func TestIndexerProcessesOnlyTheLatestSQLite(t *testing.T) {
 	store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
 	require.NoError(t, err)
 	rec := newAttempts()
-	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: mustBeginner(middleware.NewStdBeginner(ixDB)), Store: store, Consumer: indexer.Consumer.Name, Recorder: rec,
+	idem, err := inbox.NewIdempotent(inbox.Config{
+		Beginner: mustBeginner(inbox.NewStdBeginner(ixDB)), Store: store, Consumer: indexer.Consumer.Name, Recorder: rec,
 	}, nil)
 	require.NoError(t, err)
 	broker := shop.NewChannelBroker(nil)
@@ -359,7 +359,7 @@ func TestIndexerProcessesOnlyTheLatestSQLite(t *testing.T) {
 	require.NoError(t, err)
 	poison, topic, err := broker.PoisonPublisher(indexer.Consumer, nil)
 	require.NoError(t, err)
-	chain, err := middleware.NewChain(middleware.ChainConfig{Idempotent: idem, PoisonPublisher: poison, PoisonTopic: topic,
+	chain, err := inbox.NewChain(inbox.ChainConfig{Idempotent: idem, PoisonPublisher: poison, PoisonTopic: topic,
 		InitialInterval: 5 * time.Millisecond, MaxInterval: 50 * time.Millisecond}, nil)
 	require.NoError(t, err)
 	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
@@ -382,7 +382,7 @@ func TestIndexerProcessesOnlyTheLatestSQLite(t *testing.T) {
 
 // mustBeginner unwraps a beginner constructor's result in tests, whose
 // handles are never nil.
-func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+func mustBeginner(b inbox.TxBeginner, err error) inbox.TxBeginner {
 	if err != nil {
 		panic(err)
 	}

@@ -18,8 +18,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
 const childEnv = "NEWCOMER_CHILD"
@@ -69,7 +69,7 @@ func runChild(spec string) int {
 	w := wiring{}
 	if s.NoChain {
 		logger = stderrLogger{}
-		w.chain = func(*message.Router, *message.Handler, *middleware.Idempotent, message.HandlerMiddleware, message.Publisher, string) {
+		w.chain = func(*message.Router, *message.Handler, *inbox.Idempotent, message.HandlerMiddleware, message.Publisher, string) {
 		}
 	}
 	if err := runStock(ctx, s.AMQPURL, s.DBURL, logger, s.Names, w); err != nil {

@@ -19,10 +19,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/outbox"
 )
 
@@ -65,7 +65,7 @@ func TestNewcomer_LongDatabaseOutage(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	proxy := e.dbProxy()
-	e.start(e.n, wiring{chainConfig: func(c *middleware.ChainConfig) { c.MaxHold = 2 * time.Second }})
+	e.start(e.n, wiring{chainConfig: func(c *inbox.ChainConfig) { c.MaxHold = 2 * time.Second }})
 	proxy.Refuse(time.Hour)
 	for i := 0; i < 5; i++ {
 		e.order(fmt.Sprintf("O%d", i), 1)
@@ -276,7 +276,7 @@ func TestNewcomer_MiddlewareWithoutChainDuringOutageLoopsUndetected(t *testing.T
 	t.Parallel()
 	e := newEnv(t)
 	proxy := e.dbProxy()
-	e.start(e.n, wiring{chain: func(_ *message.Router, h *message.Handler, idem *middleware.Idempotent, _ message.HandlerMiddleware, _ message.Publisher, _ string) {
+	e.start(e.n, wiring{chain: func(_ *message.Router, h *message.Handler, idem *inbox.Idempotent, _ message.HandlerMiddleware, _ message.Publisher, _ string) {
 		h.AddMiddleware(idem.Middleware) // the chain forgotten
 	}})
 	proxy.Refuse(time.Hour)
@@ -319,7 +319,7 @@ func TestNewcomer_WatermillPoisonQueueDeadLettersAnOutage(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	proxy := e.dbProxy()
-	e.start(e.n, wiring{chain: func(router *message.Router, _ *message.Handler, idem *middleware.Idempotent, _ message.HandlerMiddleware, poison message.Publisher, topic string) {
+	e.start(e.n, wiring{chain: func(router *message.Router, _ *message.Handler, idem *inbox.Idempotent, _ message.HandlerMiddleware, poison message.Publisher, topic string) {
 		pq, err := wmw.PoisonQueue(poison, topic)
 		if err != nil {
 			panic(err)

@@ -17,11 +17,11 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
 
@@ -42,9 +42,9 @@ type names struct {
 // newcomer makes). The zero value is the README as written.
 type wiring struct {
 	// chain wires the handler; nil: the README's handler.AddMiddleware(chain).
-	chain func(router *message.Router, h *message.Handler, idem *middleware.Idempotent, chain message.HandlerMiddleware, poison message.Publisher, poisonTopic string)
+	chain func(router *message.Router, h *message.Handler, idem *inbox.Idempotent, chain message.HandlerMiddleware, poison message.Publisher, poisonTopic string)
 	// chainConfig changes the ChainConfig (shorter intervals for tests).
-	chainConfig func(*middleware.ChainConfig)
+	chainConfig func(*inbox.ChainConfig)
 	// skipMigrate forgets store.Migrate.
 	skipMigrate bool
 	// pool changes the pool's config (a fault proxy in front of PostgreSQL).
@@ -56,7 +56,7 @@ type wiring struct {
 	// (a line forgotten).
 	subscriber func(*amqp.Config)
 	// extraHandlers adds handlers to the same router (fan-out variants).
-	extraHandlers func(router *message.Router, amqpURL string, idem *middleware.Idempotent, chain message.HandlerMiddleware, logger watermill.LoggerAdapter) error
+	extraHandlers func(router *message.Router, amqpURL string, idem *inbox.Idempotent, chain message.HandlerMiddleware, logger watermill.LoggerAdapter) error
 }
 
 // runStock is the README's "Using it" snippet, copied as a newcomer copies
@@ -85,11 +85,11 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 			return err
 		}
 	}
-	beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}) // BEGIN + claim in one round trip
+	beginner, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{}) // BEGIN + claim in one round trip
 	if err != nil {
 		return err
 	}
-	idem, err := middleware.NewIdempotent(middleware.Config{
+	idem, err := inbox.NewIdempotent(inbox.Config{
 		Consumer: n.Consumer, // required: the claim key's consumer name, shared by competing workers
 		Beginner: beginner,
 		Store:    store,
@@ -120,7 +120,7 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 	}
 	defer poison.Close()
 
-	cc := middleware.ChainConfig{ // the whole chain, one middleware
+	cc := inbox.ChainConfig{ // the whole chain, one middleware
 		Idempotent:      idem,
 		PoisonPublisher: poison,
 		PoisonTopic:     dl.PoisonTopic(),
@@ -128,7 +128,7 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 	if w.chainConfig != nil {
 		w.chainConfig(&cc)
 	}
-	chain, err := middleware.NewHandlerMiddleware(cc, logger)
+	chain, err := inbox.NewHandlerMiddleware(cc, logger)
 	if err != nil {
 		return err
 	}
@@ -141,12 +141,12 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 			OrderID string `json:"order_id"`
 		}
 		if err := json.Unmarshal(msg.Payload, &order); err != nil {
-			return middleware.Permanent(err) // poisoned at once, never retried
+			return inbox.Permanent(err) // poisoned at once, never retried
 		}
 		if w.handler != nil {
 			return w.handler(msg, order.OrderID)
 		}
-		tx, ok := middleware.PgxTxFromContext(msg.Context()) // the attempt's transaction: write effects here
+		tx, ok := inbox.PgxTxFromContext(msg.Context()) // the attempt's transaction: write effects here
 		if !ok {
 			return errors.New("reserve_stock: no transaction (and no deduplication): add the chain with AddMiddleware(chain)")
 		}

@@ -15,16 +15,16 @@ import (
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // insertNote writes the effect with a note telling which handler made it.
 func insertNote(msg *message.Message, orderID, note string) error {
-	tx, ok := middleware.PgxTxFromContext(msg.Context())
+	tx, ok := inbox.PgxTxFromContext(msg.Context())
 	if !ok {
 		return errors.New("no transaction in the message context")
 	}
@@ -66,7 +66,7 @@ func TestNewcomer_FanOutWithOneConsumerNameLosesAnEffectSilently(t *testing.T) {
 	e := newEnv(t)
 	warehouseQueue := testenv.UniqueName("nc_warehouse.events")
 	e.queues = append(e.queues, warehouseQueue)
-	w := wiring{extraHandlers: func(router *message.Router, amqpURL string, _ *middleware.Idempotent, chain message.HandlerMiddleware, logger watermill.LoggerAdapter) error {
+	w := wiring{extraHandlers: func(router *message.Router, amqpURL string, _ *inbox.Idempotent, chain message.HandlerMiddleware, logger watermill.LoggerAdapter) error {
 		subCfg := amqp.NewDurableTopicConfig(amqpURL, e.n.Exchange, warehouseQueue)
 		subCfg.Exchange.Durable = true
 		subCfg.Queue.Arguments = amqp091.Table{"x-queue-type": "quorum"}
@@ -131,8 +131,8 @@ func TestNewcomer_ChainInReverseOrderCommitsAFailedAttempt(t *testing.T) {
 			}
 			return errors.New("inventory service: 503 Service Unavailable")
 		},
-		chain: func(_ *message.Router, h *message.Handler, idem *middleware.Idempotent, _ message.HandlerMiddleware, poison message.Publisher, topic string) {
-			pq, err := wmw.PoisonQueueWithFilter(poison, topic, middleware.ShouldPoison)
+		chain: func(_ *message.Router, h *message.Handler, idem *inbox.Idempotent, _ message.HandlerMiddleware, poison message.Publisher, topic string) {
+			pq, err := wmw.PoisonQueueWithFilter(poison, topic, inbox.ShouldPoison)
 			if err != nil {
 				panic(err)
 			}
@@ -172,8 +172,8 @@ func TestNewcomer_RetryInsideIdempotentAppliesTwice(t *testing.T) {
 	e := newEnv(t)
 	w := wiring{
 		handler: failOnce(),
-		chain: func(_ *message.Router, h *message.Handler, idem *middleware.Idempotent, _ message.HandlerMiddleware, poison message.Publisher, topic string) {
-			pq, err := wmw.PoisonQueueWithFilter(poison, topic, middleware.ShouldPoison)
+		chain: func(_ *message.Router, h *message.Handler, idem *inbox.Idempotent, _ message.HandlerMiddleware, poison message.Publisher, topic string) {
+			pq, err := wmw.PoisonQueueWithFilter(poison, topic, inbox.ShouldPoison)
 			if err != nil {
 				panic(err)
 			}
@@ -203,7 +203,7 @@ func TestNewcomer_RetryInsideIdempotentAppliesTwice(t *testing.T) {
 func TestNewcomer_ChainAtRouterAndHandlerLevel(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	w := wiring{chain: func(router *message.Router, h *message.Handler, _ *middleware.Idempotent, chain message.HandlerMiddleware, _ message.Publisher, _ string) {
+	w := wiring{chain: func(router *message.Router, h *message.Handler, _ *inbox.Idempotent, chain message.HandlerMiddleware, _ message.Publisher, _ string) {
 		router.AddMiddleware(chain)
 		h.AddMiddleware(chain)
 	}}
@@ -231,8 +231,8 @@ func TestNewcomer_RetryWithoutResetContextOnRetry(t *testing.T) {
 	e := newEnv(t)
 	w := wiring{
 		handler: failOnce(),
-		chain: func(_ *message.Router, h *message.Handler, idem *middleware.Idempotent, _ message.HandlerMiddleware, poison message.Publisher, topic string) {
-			pq, err := wmw.PoisonQueueWithFilter(poison, topic, middleware.ShouldPoison)
+		chain: func(_ *message.Router, h *message.Handler, idem *inbox.Idempotent, _ message.HandlerMiddleware, poison message.Publisher, topic string) {
+			pq, err := wmw.PoisonQueueWithFilter(poison, topic, inbox.ShouldPoison)
 			if err != nil {
 				panic(err)
 			}

@@ -13,9 +13,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
 
@@ -38,11 +38,11 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil { // or processed.MigrationsFS with goose / golang-migrate
 		return err
 	}
-	beginner, err := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{}) // BEGIN + claim in one round trip
+	beginner, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{}) // BEGIN + claim in one round trip
 	if err != nil {
 		return err
 	}
-	idem, err := middleware.NewIdempotent(middleware.Config{
+	idem, err := inbox.NewIdempotent(inbox.Config{
 		Consumer: "stock", // required: the claim key's consumer name, shared by competing workers
 		Beginner: beginner,
 		Store:    store,
@@ -81,7 +81,7 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 	//  - Poison outside Retry: only what survived the retries (or is permanent) is poisoned;
 	//  - Retry outside the transaction: every attempt gets a fresh transaction;
 	//  - Recoverer outside Idempotent: the middleware rolls back before the panic becomes an error.
-	chain, err := middleware.NewHandlerMiddleware(middleware.ChainConfig{ // the whole chain, one middleware
+	chain, err := inbox.NewHandlerMiddleware(inbox.ChainConfig{ // the whole chain, one middleware
 		Idempotent:      idem,
 		PoisonPublisher: poison,
 		PoisonTopic:     dl.PoisonTopic(),
@@ -98,9 +98,9 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 			OrderID string `json:"order_id"`
 		}
 		if err := json.Unmarshal(msg.Payload, &order); err != nil {
-			return middleware.Permanent(err) // poisoned at once, never retried
+			return inbox.Permanent(err) // poisoned at once, never retried
 		}
-		tx, ok := middleware.PgxTxFromContext(msg.Context()) // the attempt's transaction: write effects here
+		tx, ok := inbox.PgxTxFromContext(msg.Context()) // the attempt's transaction: write effects here
 		if !ok {
 			return errors.New("reserve_stock: no transaction (and no deduplication): add the chain with AddMiddleware(chain)")
 		}

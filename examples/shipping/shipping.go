@@ -11,8 +11,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
@@ -107,32 +107,32 @@ type statusEvent struct {
 var ErrNoTransaction = errors.New("shipping: no transaction in the message context (is the idempotent middleware in the chain?)")
 
 // Handle applies an EventOrderPlaced or EventOrderStatusChanged message to
-// the copy, in the attempt's transaction (middleware.QuerierFromContext, so
+// the copy, in the attempt's transaction (inbox.QuerierFromContext, so
 // it works on pgx and database/sql). A version not greater than the stored
 // one is Stale: nothing is written, the attempt is marked stale
-// (middleware.MarkStale: recorded as middleware.OutcomeStale) and nil is
+// (inbox.MarkStale: recorded as inbox.OutcomeStale) and nil is
 // returned (the event is acked and its claim commits). A payload without order id or status, or with
 // a missing or null version (versioned.ErrVersionMissing), is a permanent
 // error: dead-letter queue, no retry.
 func (h *Handler) Handle(msg *message.Message) error {
-	q, ok := middleware.QuerierFromContext(msg.Context())
+	q, ok := inbox.QuerierFromContext(msg.Context())
 	if !ok {
-		return middleware.Permanent(ErrNoTransaction)
+		return inbox.Permanent(ErrNoTransaction)
 	}
 	var ev statusEvent
 	if err := json.Unmarshal(msg.Payload, &ev); err != nil {
-		return middleware.Permanent(fmt.Errorf("shipping: payload: %w", err))
+		return inbox.Permanent(fmt.Errorf("shipping: payload: %w", err))
 	}
 	if ev.OrderID == "" || ev.Status == "" {
-		return middleware.Permanent(errors.New("shipping: payload: order_id and status required"))
+		return inbox.Permanent(errors.New("shipping: payload: order_id and status required"))
 	}
 	outcome, err := h.upsert.Apply(msg.Context(), q, []any{ev.OrderID}, ev.Version, []any{ev.Status})
 	if err != nil {
 		return err // ErrVersionMissing is permanent by itself
 	}
 	if outcome == versioned.Stale {
-		// Recorded and logged as middleware.OutcomeStale; the claim commits.
-		middleware.MarkStale(msg.Context())
+		// Recorded and logged as inbox.OutcomeStale; the claim commits.
+		inbox.MarkStale(msg.Context())
 		h.stale.Add(1)
 	} else {
 		h.applied.Add(1)

@@ -11,10 +11,10 @@ import (
 	"github.com/watermill-idempotency/idempotency/examples/shipping"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
@@ -28,11 +28,11 @@ type fixture struct {
 
 type recorder struct{ stale, processed int }
 
-func (r *recorder) RecordOutcome(o middleware.Observation) {
+func (r *recorder) RecordOutcome(o inbox.Observation) {
 	switch o.Outcome {
-	case middleware.OutcomeStale:
+	case inbox.OutcomeStale:
 		r.stale++
-	case middleware.OutcomeProcessed:
+	case inbox.OutcomeProcessed:
 		r.processed++
 	}
 }
@@ -44,8 +44,8 @@ func setup(t *testing.T) *fixture {
 	h, err := shipping.NewHandler()
 	require.NoError(t, err)
 	rec := &recorder{}
-	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})),
+	idem, err := inbox.NewIdempotent(inbox.Config{
+		Beginner: mustBeginner(inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})),
 		Consumer: shipping.Consumer.Name,
 		Recorder: rec,
 	}, nil)
@@ -117,7 +117,7 @@ func TestMissingVersionIsPermanent(t *testing.T) {
 		msg, err := marshaler.NewMessage(shop.EventOrderStatusChanged, []byte(p))
 		require.NoError(t, err)
 		_, err = h(msg)
-		require.True(t, middleware.IsPermanent(err), "%s: %v", p, err)
+		require.True(t, inbox.IsPermanent(err), "%s: %v", p, err)
 	}
 	_, err := h(func() *message.Message {
 		m, _ := marshaler.NewMessage(shop.EventOrderStatusChanged, []byte(`{"order_id":"o-3","status":"x"}`))
@@ -141,8 +141,8 @@ func TestOutOfOrderSQLite(t *testing.T) {
 	store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
 	require.NoError(t, err)
 	rec := &recorder{}
-	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: mustBeginner(middleware.NewStdBeginner(db)), Store: store, Consumer: shipping.Consumer.Name, Recorder: rec,
+	idem, err := inbox.NewIdempotent(inbox.Config{
+		Beginner: mustBeginner(inbox.NewStdBeginner(db)), Store: store, Consumer: shipping.Consumer.Name, Recorder: rec,
 	}, nil)
 	require.NoError(t, err)
 	handle := idem.Middleware(idempotencytest.NoPublish(h.Handle))
@@ -162,7 +162,7 @@ func TestOutOfOrderSQLite(t *testing.T) {
 
 // mustBeginner unwraps a beginner constructor's result in tests, whose
 // handles are never nil.
-func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+func mustBeginner(b inbox.TxBeginner, err error) inbox.TxBeginner {
 	if err != nil {
 		panic(err)
 	}

@@ -14,10 +14,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
@@ -223,9 +223,9 @@ func TestServiceEmbedded(t *testing.T) {
 			}
 		}},
 		Handler: func(msg *message.Message) error {
-			q, ok := middleware.QuerierFromContext(msg.Context())
+			q, ok := inbox.QuerierFromContext(msg.Context())
 			if !ok {
-				return middleware.Permanent(errors.New("no transaction"))
+				return inbox.Permanent(errors.New("no transaction"))
 			}
 			_, err := q.Exec(msg.Context(), `INSERT INTO effect (order_id, event_id) VALUES (?, ?)`, "o-1", msg.UUID)
 			handled <- msg.UUID

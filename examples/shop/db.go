@@ -11,8 +11,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/outbox"
 )
 
@@ -114,11 +114,11 @@ func (d DB) Beginner() wsql.Beginner {
 
 // TxBeginner is the idempotent middleware's beginner on d; an error when d
 // has neither handle.
-func (d DB) TxBeginner() (middleware.TxBeginner, error) {
+func (d DB) TxBeginner() (inbox.TxBeginner, error) {
 	if d.Pool != nil {
-		return middleware.NewPgxBeginner(d.Pool, middleware.PgxBeginnerConfig{})
+		return inbox.NewPgxBeginner(d.Pool, inbox.PgxBeginnerConfig{})
 	}
-	return middleware.NewStdBeginner(d.SQL)
+	return inbox.NewStdBeginner(d.SQL)
 }
 
 // Outbox is the library outbox (outbox.New) of table in d, in d's dialect.

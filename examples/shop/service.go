@@ -13,9 +13,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/processed"
@@ -46,14 +46,14 @@ type ServiceConfig struct {
 	Consumer Consumer
 	// Pool is the service's database. The idempotent middleware claims each
 	// event on it and gives the handler the attempt's transaction
-	// (middleware.PgxTxFromContext); the outbox relay reads it. Exactly one
+	// (inbox.PgxTxFromContext); the outbox relay reads it. Exactly one
 	// of Pool and DB is required.
 	Pool *pgxpool.Pool
 	// DB, instead of Pool, is the service's database on SQLite (database/sql
 	// with modernc.org/sqlite, see SQLiteDB): the middleware claims with
-	// middleware.NewStdBeginner and the processed store's SQLite dialect, and
+	// inbox.NewStdBeginner and the processed store's SQLite dialect, and
 	// the handler finds the attempt's transaction with
-	// middleware.QuerierFromContext or middleware.SQLTxFromContext. The
+	// inbox.QuerierFromContext or inbox.SQLTxFromContext. The
 	// Outbox must then be in the SQLite dialect (DB.Outbox).
 	DB *sql.DB
 	// Handler is the service's handler. It runs inside the attempt's
@@ -72,7 +72,7 @@ type ServiceConfig struct {
 	PublishTopic string
 	// Outbox, when set, is the service's transactional outbox, in Pool's
 	// database: NewService sets Idempotent.Outbox to it, so the messages the
-	// handler returns (or publishes through middleware.PublisherFromContext)
+	// handler returns (or publishes through inbox.PublisherFromContext)
 	// are written in the attempt's transaction, and the service runs a relay
 	// (Outbox.NewRelay) that publishes them to the events exchange after the
 	// commit, at least once, each with the event id it was written with. Its
@@ -93,17 +93,17 @@ type ServiceConfig struct {
 	// runs outside it (outermost first): metrics, tracing, fault injection.
 	Middleware []message.HandlerMiddleware
 	// Idempotent configures the idempotent middleware. Beginner defaults to
-	// middleware.NewPgxBeginner(Pool, …) (with DB: middleware.NewStdBeginner,
+	// inbox.NewPgxBeginner(Pool, …) (with DB: inbox.NewStdBeginner,
 	// and Store to processed.DefaultTable in the SQLite dialect), Consumer to
 	// Consumer.Name and Outbox to Outbox.
-	Idempotent middleware.Config
+	Idempotent inbox.Config
 	// Chain configures retries (MaxRetries, intervals) and AfterPoison, which
 	// is passed through. Idempotent, PoisonPublisher and PoisonTopic are set
 	// by NewService: the poison publisher publishes on the consumer's
 	// dead-letter exchange. With Consumer.Reconcile, NewService puts
 	// operation.RouteUncertain (to the consumer's reconciliation queue) first
 	// in AfterPoison, before the caller's.
-	Chain middleware.ChainConfig
+	Chain inbox.ChainConfig
 	// CloseTimeout bounds Close's wait for running handlers. Defaults to
 	// DefaultCloseTimeout.
 	CloseTimeout time.Duration
@@ -202,7 +202,7 @@ func NewService(cfg ServiceConfig) (*Service, error) {
 		idem.Consumer = cfg.Consumer.Name
 	}
 	idem.Outbox = cfg.Outbox
-	mw, err := middleware.NewIdempotent(idem, cfg.Logger)
+	mw, err := inbox.NewIdempotent(idem, cfg.Logger)
 	if err != nil {
 		return nil, err
 	}
@@ -214,7 +214,7 @@ func NewService(cfg ServiceConfig) (*Service, error) {
 	return s, nil
 }
 
-func (s *Service) build(cfg ServiceConfig, mw *middleware.Idempotent) error {
+func (s *Service) build(cfg ServiceConfig, mw *inbox.Idempotent) error {
 	var err error
 	var poisonTopic, reconcileTopic string
 	if s.poison, poisonTopic, err = cfg.Transport.PoisonPublisher(cfg.Consumer, cfg.Logger); err != nil {
@@ -237,7 +237,7 @@ func (s *Service) build(cfg ServiceConfig, mw *middleware.Idempotent) error {
 	// The whole chain as one handler middleware, wired per handler (never
 	// router-wide: a router that also consumed the poison topic would wrap
 	// its handler too).
-	chain, err := middleware.NewHandlerMiddleware(chainCfg, cfg.Logger)
+	chain, err := inbox.NewHandlerMiddleware(chainCfg, cfg.Logger)
 	if err != nil {
 		return err
 	}

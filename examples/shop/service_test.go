@@ -19,10 +19,10 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/processed"
@@ -184,7 +184,7 @@ func TestReconcileQueue(t *testing.T) {
 			calls.Add(1)
 			return &operation.UncertainError{Key: "charge:o-1", Kind: "charge", Attempts: 1, Cause: errors.New("provider timed out")}
 		},
-		Chain: middleware.ChainConfig{AfterPoison: []message.HandlerMiddleware{func(h message.HandlerFunc) message.HandlerFunc {
+		Chain: inbox.ChainConfig{AfterPoison: []message.HandlerMiddleware{func(h message.HandlerFunc) message.HandlerFunc {
 			return func(msg *message.Message) ([]*message.Message, error) {
 				inner.Add(1)
 				return h(msg)

@@ -17,10 +17,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
@@ -149,7 +149,7 @@ func startService(t *testing.T, b *broker, h message.NoPublishHandlerFunc, mw ..
 		Pool:       pool,
 		Handler:    h,
 		Middleware: mw,
-		Chain:      middleware.ChainConfig{MaxRetries: 2, InitialInterval: 5 * time.Millisecond, MaxInterval: 20 * time.Millisecond},
+		Chain:      inbox.ChainConfig{MaxRetries: 2, InitialInterval: 5 * time.Millisecond, MaxInterval: 20 * time.Millisecond},
 	})
 	require.NoError(t, err)
 	done := make(chan error, 1)
@@ -195,12 +195,12 @@ func TestPoisonAndTransient(t *testing.T) {
 		mu.Unlock()
 		switch msg.UUID {
 		case permanentID:
-			return middleware.Permanent(errors.New("cannot reserve: unknown sku"))
+			return inbox.Permanent(errors.New("cannot reserve: unknown sku"))
 		case buggyID:
 			return errors.New("bug")
 		case transientID:
 			if n <= 4 { // more than MaxRetries+1: held in place, not requeued
-				return middleware.Transient(errors.New("database unavailable"))
+				return inbox.Transient(errors.New("database unavailable"))
 			}
 			transientDone.Store(true)
 		}
@@ -280,7 +280,7 @@ func TestNewServiceValidates(t *testing.T) {
 		"set one, not both":         {Handler: noop, PublishHandler: pub, PublishTopic: "x"},
 		"PublishTopic is required":  {PublishHandler: pub},
 		"only for PublishHandler":   {Handler: noop, PublishTopic: "x"},
-		"Idempotent.Outbox":         {Handler: noop, Idempotent: middleware.Config{Outbox: ob}},
+		"Idempotent.Outbox":         {Handler: noop, Idempotent: inbox.Config{Outbox: ob}},
 		"Workers":                   {Handler: noop, Workers: -1},
 		"Consumer.Name":             {Handler: noop, Consumer: shop.Consumer{Bindings: []string{"x"}}},
 	} {

@@ -12,8 +12,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
 
@@ -119,9 +119,9 @@ var ErrNoTransaction = errors.New("stock: no transaction in the message context 
 // are returned as they are, for the chain to classify.
 func Handle(msg *message.Message) error {
 	ctx := msg.Context()
-	tx, ok := middleware.PgxTxFromContext(ctx)
+	tx, ok := inbox.PgxTxFromContext(ctx)
 	if !ok {
-		return middleware.Permanent(ErrNoTransaction)
+		return inbox.Permanent(ErrNoTransaction)
 	}
 	ev, lines, err := decode(msg)
 	if err != nil {
@@ -139,12 +139,12 @@ func Handle(msg *message.Message) error {
 }
 
 // HandleSQLite is Handle on SQLite: the same rows, one statement at a time in
-// the attempt's database/sql transaction (middleware.QuerierFromContext).
+// the attempt's database/sql transaction (inbox.QuerierFromContext).
 func HandleSQLite(msg *message.Message) error {
 	ctx := msg.Context()
-	q, ok := middleware.QuerierFromContext(ctx)
+	q, ok := inbox.QuerierFromContext(ctx)
 	if !ok {
-		return middleware.Permanent(ErrNoTransaction)
+		return inbox.Permanent(ErrNoTransaction)
 	}
 	ev, lines, err := decode(msg)
 	if err != nil {
@@ -166,18 +166,18 @@ func HandleSQLite(msg *message.Message) error {
 func decode(msg *message.Message) (shop.OrderPlaced, []shop.OrderLine, error) {
 	var ev shop.OrderPlaced
 	if err := json.Unmarshal(msg.Payload, &ev); err != nil {
-		return ev, nil, middleware.Permanent(fmt.Errorf("stock: payload: %w", err))
+		return ev, nil, inbox.Permanent(fmt.Errorf("stock: payload: %w", err))
 	}
 	if ev.OrderID == "" || len(ev.Lines) == 0 {
-		return ev, nil, middleware.Permanent(fmt.Errorf("stock: payload: order id and at least one line required"))
+		return ev, nil, inbox.Permanent(fmt.Errorf("stock: payload: order id and at least one line required"))
 	}
 	lines := append([]shop.OrderLine(nil), ev.Lines...)
 	for _, l := range lines {
 		if err := shop.ValidateQuantity(l.Quantity); err != nil {
-			return ev, nil, middleware.Permanent(fmt.Errorf("stock: order %s line %d: %w", ev.OrderID, l.LineNo, err))
+			return ev, nil, inbox.Permanent(fmt.Errorf("stock: order %s line %d: %w", ev.OrderID, l.LineNo, err))
 		}
 		if l.SKU == "" || l.LineNo <= 0 {
-			return ev, nil, middleware.Permanent(fmt.Errorf("stock: order %s: line %d: sku and positive line_no required", ev.OrderID, l.LineNo))
+			return ev, nil, inbox.Permanent(fmt.Errorf("stock: order %s: line %d: sku and positive line_no required", ev.OrderID, l.LineNo))
 		}
 	}
 	sort.SliceStable(lines, func(i, j int) bool { return lines[i].SKU < lines[j].SKU })

@@ -12,10 +12,10 @@ import (
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/examples/stock"
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
 
@@ -23,8 +23,8 @@ func setup(t *testing.T) (*pgxpool.Pool, idempotencytest.Subject) {
 	t.Helper()
 	pool, _ := testenv.Pool(t)
 	require.NoError(t, stock.Migrate(context.Background(), pool, nil))
-	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})),
+	idem, err := inbox.NewIdempotent(inbox.Config{
+		Beginner: mustBeginner(inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})),
 		Consumer: stock.Consumer.Name,
 	}, nil)
 	require.NoError(t, err)
@@ -88,7 +88,7 @@ func TestBadPayloadIsPermanent(t *testing.T) {
 		}
 		_, err = h(msg)
 		require.Error(t, err, p)
-		require.True(t, middleware.IsPermanent(err), "%s: %v", p, err)
+		require.True(t, inbox.IsPermanent(err), "%s: %v", p, err)
 	}
 	var n int
 	require.NoError(t, pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM reservation) + (SELECT count(*) FROM processed_event)`).Scan(&n))
@@ -99,7 +99,7 @@ func TestHandleOutsideMiddleware(t *testing.T) {
 	t.Parallel()
 	err := stock.Handle(placed(t, "o-1"))
 	require.ErrorIs(t, err, stock.ErrNoTransaction)
-	require.True(t, middleware.IsPermanent(err))
+	require.True(t, inbox.IsPermanent(err))
 }
 
 func setupSQLite(t *testing.T) (*sql.DB, idempotencytest.Subject) {
@@ -108,8 +108,8 @@ func setupSQLite(t *testing.T) (*sql.DB, idempotencytest.Subject) {
 	require.NoError(t, stock.MigrateDB(context.Background(), shop.SQLiteDB(db), nil))
 	store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
 	require.NoError(t, err)
-	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: mustBeginner(middleware.NewStdBeginner(db)),
+	idem, err := inbox.NewIdempotent(inbox.Config{
+		Beginner: mustBeginner(inbox.NewStdBeginner(db)),
 		Store:    store,
 		Consumer: stock.Consumer.Name,
 	}, nil)
@@ -140,7 +140,7 @@ func TestReserveOnceSQLite(t *testing.T) {
 
 // mustBeginner unwraps a beginner constructor's result in tests, whose
 // handles are never nil.
-func mustBeginner(b middleware.TxBeginner, err error) middleware.TxBeginner {
+func mustBeginner(b inbox.TxBeginner, err error) inbox.TxBeginner {
 	if err != nil {
 		panic(err)
 	}

@@ -25,10 +25,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
 
@@ -162,15 +162,15 @@ func (r *rig) start(sub message.Subscriber, fault wrapper) *consumer {
 	logger := watermill.NopLogger{}
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
 	require.NoError(r.t, err)
-	beginner, err := middleware.NewPgxBeginner(r.pool, middleware.PgxBeginnerConfig{})
+	beginner, err := inbox.NewPgxBeginner(r.pool, inbox.PgxBeginnerConfig{})
 	require.NoError(r.t, err)
-	idem, err := middleware.NewIdempotent(middleware.Config{
+	idem, err := inbox.NewIdempotent(inbox.Config{
 		Beginner: beginner,
 		Store:    r.store,
 		Consumer: "contract",
 	}, logger)
 	require.NoError(r.t, err)
-	chain, err := middleware.NewChain(middleware.ChainConfig{
+	chain, err := inbox.NewChain(inbox.ChainConfig{
 		Idempotent: idem, PoisonPublisher: r.poison.Publisher, PoisonTopic: r.poison.Name,
 		MaxRetries: 2, InitialInterval: 10 * time.Millisecond, MaxInterval: 50 * time.Millisecond,
 	}, logger)
@@ -200,7 +200,7 @@ func (r *rig) start(sub message.Subscriber, fault wrapper) *consumer {
 		r.mu.Lock()
 		r.calls[msg.UUID]++
 		r.mu.Unlock()
-		tx, ok := middleware.PgxTxFromContext(msg.Context())
+		tx, ok := inbox.PgxTxFromContext(msg.Context())
 		if !ok {
 			return errors.New("no transaction in the context")
 		}
@@ -237,7 +237,7 @@ func beforeCommitFault(msg *message.Message) error {
 	if n.Add(-1) >= 0 {
 		// Transient: not retried into the poison topic, nacked for the
 		// transport to redeliver.
-		return middleware.Transient(errors.New("contract: crash before commit"))
+		return inbox.Transient(errors.New("contract: crash before commit"))
 	}
 	return nil
 }

@@ -6,8 +6,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
-	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
 // The poison queue of a consumer built with watermill-amqp's topic layout:
@@ -30,5 +30,5 @@ func ExampleDeclareDeadLetter() {
 		panic(err)
 	}
 	defer poison.Close()
-	_ = middleware.ChainConfig{PoisonPublisher: poison, PoisonTopic: dl.PoisonTopic()} // with Idempotent, to NewHandlerMiddleware
+	_ = inbox.ChainConfig{PoisonPublisher: poison, PoisonTopic: dl.PoisonTopic()} // with Idempotent, to NewHandlerMiddleware
 }

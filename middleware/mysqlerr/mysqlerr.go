@@ -1,6 +1,6 @@
 // Package mysqlerr classifies go-sql-driver/mysql errors (MySQL, MariaDB) for
 // the idempotent middleware, which does not link the driver itself: set
-// middleware.Config.Classifier = mysqlerr.Classify when the middleware runs
+// inbox.Config.Classifier = mysqlerr.Classify when the middleware runs
 // on MySQL or MariaDB (NewStdBeginner over a "mysql" *sql.DB).
 //
 // Only typed server errors (*mysql.MySQLError) are classified, by their
@@ -13,10 +13,10 @@ import (
 
 	"github.com/go-sql-driver/mysql"
 
-	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 )
 
-// Classify is a middleware.ErrorClassifier for go-sql-driver/mysql. Each
+// Classify is a inbox.ErrorClassifier for go-sql-driver/mysql. Each
 // number was checked against the server's own list (MariaDB 10.11 `perror`,
 // the MariaDB error-code reference and MySQL's server error reference):
 //
@@ -58,10 +58,10 @@ import (
 //     message's own size exceeds max_allowed_packet: every retry fails
 //     alike, so it is poisoned once), 3020 (invalid argument for
 //     logarithm), 2005 unknown host (a connect-time code).
-func Classify(err error) middleware.Class {
+func Classify(err error) inbox.Class {
 	var me *mysql.MySQLError
 	if !errors.As(err, &me) {
-		return middleware.ClassOrdinary
+		return inbox.ClassOrdinary
 	}
 	switch me.Number {
 	case 1205, 1213, 1614, 1637, 1180, 1181,
@@ -71,22 +71,22 @@ func Classify(err error) middleware.Class {
 		1290, 1792, 1836,
 		1021, 1114, 1037, 1038, 1041, 1206, 3019,
 		2002, 2003, 2006, 2013, 2055:
-		return middleware.ClassTransient
+		return inbox.ClassTransient
 	case 1146, 1054, 1142, 1143, 1044, 1045, 1049:
-		return middleware.ClassConfiguration
+		return inbox.ClassConfiguration
 	}
-	return middleware.ClassOrdinary
+	return inbox.ClassOrdinary
 }
 
 // IsTransient reports whether err is transient for the middleware, with
 // MySQL error numbers classified by Classify:
-// middleware.IsTransient(err) || Classify(err) == ClassTransient, unless
+// inbox.IsTransient(err) || Classify(err) == ClassTransient, unless
 // err is permanent.
 func IsTransient(err error) bool {
-	if err == nil || middleware.IsPermanent(err) {
+	if err == nil || inbox.IsPermanent(err) {
 		return false
 	}
-	return middleware.IsTransient(err) || Classify(err) == middleware.ClassTransient
+	return inbox.IsTransient(err) || Classify(err) == inbox.ClassTransient
 }
 
-var _ middleware.ErrorClassifier = Classify
+var _ inbox.ErrorClassifier = Classify

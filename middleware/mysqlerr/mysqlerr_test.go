@@ -9,23 +9,23 @@ import (
 	"github.com/go-sql-driver/mysql"
 	"github.com/stretchr/testify/require"
 
-	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/middleware/mysqlerr"
 )
 
 func TestClassify(t *testing.T) {
 	t.Parallel()
-	for n, want := range map[uint16]middleware.Class{
-		1205: middleware.ClassTransient, 1213: middleware.ClassTransient, 1290: middleware.ClassTransient,
-		1792: middleware.ClassTransient, 2013: middleware.ClassTransient, 1021: middleware.ClassTransient,
-		1146: middleware.ClassConfiguration, 1054: middleware.ClassConfiguration, 1142: middleware.ClassConfiguration,
-		1062: middleware.ClassOrdinary, 1064: middleware.ClassOrdinary,
+	for n, want := range map[uint16]inbox.Class{
+		1205: inbox.ClassTransient, 1213: inbox.ClassTransient, 1290: inbox.ClassTransient,
+		1792: inbox.ClassTransient, 2013: inbox.ClassTransient, 1021: inbox.ClassTransient,
+		1146: inbox.ClassConfiguration, 1054: inbox.ClassConfiguration, 1142: inbox.ClassConfiguration,
+		1062: inbox.ClassOrdinary, 1064: inbox.ClassOrdinary,
 	} {
 		require.Equal(t, want, mysqlerr.Classify(fmt.Errorf("wrapped: %w", &mysql.MySQLError{Number: n})), n)
 	}
-	require.Equal(t, middleware.ClassOrdinary, mysqlerr.Classify(io.EOF), "not a MySQL error")
-	require.Equal(t, middleware.ClassOrdinary, mysqlerr.Classify(mysql.ErrInvalidConn), "connection state is decided by origin")
+	require.Equal(t, inbox.ClassOrdinary, mysqlerr.Classify(io.EOF), "not a MySQL error")
+	require.Equal(t, inbox.ClassOrdinary, mysqlerr.Classify(mysql.ErrInvalidConn), "connection state is decided by origin")
 	require.True(t, mysqlerr.IsTransient(&mysql.MySQLError{Number: 1213}))
-	require.False(t, mysqlerr.IsTransient(middleware.Permanent(&mysql.MySQLError{Number: 1213})), "permanent wins")
+	require.False(t, mysqlerr.IsTransient(inbox.Permanent(&mysql.MySQLError{Number: 1213})), "permanent wins")
 	require.False(t, mysqlerr.IsTransient(errors.New("Error 1213: Deadlock found")), "never by message text")
 }

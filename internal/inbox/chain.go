@@ -1,0 +1,488 @@
+package inbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+)
+
+// Chain defaults (ChainConfig).
+const (
+	DefaultMaxRetries      = 5
+	DefaultInitialInterval = 100 * time.Millisecond
+	DefaultMaxInterval     = 10 * time.Second
+	DefaultMultiplier      = 2.0
+
+	// DefaultMaxHold bounds how long the chain holds one delivery while its
+	// attempts fail for infrastructure or configuration reasons, before it
+	// gives it back to the broker (nack). It is below RabbitMQ's default
+	// consumer_timeout (30 min), after which the broker would close the
+	// channel itself.
+	DefaultMaxHold = 25 * time.Minute
+
+	// DefaultMaxHeaderBytes bounds each metadata value the chain adds to a
+	// poisoned message (the reason, the topic, handler and subscriber names).
+	DefaultMaxHeaderBytes = 4096
+
+	// DefaultMaxCopiedHeaderBytes bounds the metadata the chain copies from
+	// the failed message onto its poisoned copy (keys and values added up):
+	// 64 KiB, so that the copy plus the chain's own headers (at most 4 ×
+	// MaxHeaderBytes and a few short ones) fit RabbitMQ's default frame_max
+	// (128 KiB: AMQP 0-9-1 sends all headers in one content-header frame).
+	DefaultMaxCopiedHeaderBytes = 64 << 10
+)
+
+// Metadata keys the chain sets on a poisoned message. The Watermill keys
+// (wmw.ReasonForPoisonedKey "reason_poisoned", wmw.PoisonedTopicKey,
+// wmw.PoisonedHandlerKey, wmw.PoisonedSubscriberKey) are set as Watermill's
+// PoisonQueue sets them; these are ours.
+const (
+	// MetadataPoisonClass is "permanent" (no retry could fix it) or
+	// "exhausted" (an ordinary error that survived MaxRetries).
+	MetadataPoisonClass = "idempotency_poison_class"
+	// MetadataReasonBytes is the length in bytes of the full reason, set
+	// only when reason_poisoned was truncated.
+	MetadataReasonBytes = "idempotency_reason_bytes"
+	// MetadataDroppedHeaders lists, comma-separated (bounded by
+	// MaxHeaderBytes), the metadata keys of the failed message that were
+	// not copied onto its poisoned copy because all of them together passed
+	// MaxCopiedHeaderBytes (the largest values are dropped first). Set only
+	// when some were dropped.
+	MetadataDroppedHeaders = "idempotency_dropped_headers"
+)
+
+// ChainConfig configures NewChain and NewHandlerMiddleware: the recommended
+// middleware chain around the idempotent middleware.
+type ChainConfig struct {
+	// Idempotent is the innermost middleware. Required.
+	Idempotent *Idempotent
+
+	// PoisonPublisher and PoisonTopic receive messages that cannot be
+	// processed: permanent errors at once, ordinary handler errors once
+	// retries are exhausted. Transient (infrastructure) and configuration
+	// errors never go there. Both required. The message is acked only after
+	// PoisonPublisher.Publish returned nil, so it must return nil only once
+	// the broker has the message: on AMQP use the confirmed, mandatory
+	// publisher of package marshaler/amqp (NewPoisonPublisher), not
+	// watermill-amqp's Publisher, which reports an unroutable message as
+	// published. A failed publish is retried with backoff, the delivery held.
+	PoisonPublisher message.Publisher
+	PoisonTopic     string
+
+	// AfterPoison are extra middlewares placed just inside the poison
+	// middleware and outside Retry, outermost first: the place for routers
+	// that take some permanent errors elsewhere before the poison topic sees
+	// them (operation.RouteUncertain sends uncertain external outcomes to a
+	// reconciliation topic). Defaults to none.
+	AfterPoison []message.HandlerMiddleware
+
+	// MaxRetries is how many times Watermill's Retry re-runs an attempt that
+	// failed with an ordinary error, in-process, before the message is
+	// poisoned. Defaults to DefaultMaxRetries.
+	MaxRetries int
+	// InitialInterval, MaxInterval and Multiplier shape the exponential
+	// backoff between retries, between attempts of a held delivery and
+	// between poison publishes. Default to DefaultInitialInterval,
+	// DefaultMaxInterval, DefaultMultiplier.
+	InitialInterval time.Duration
+	MaxInterval     time.Duration
+	Multiplier      float64
+
+	// MaxHold bounds how long one delivery is held (retried in place) while
+	// its attempts fail with transient or configuration errors or its poison
+	// publish fails; then the chain returns the error and the router nacks
+	// (the broker redelivers it, and counts a delivery: a quorum queue's
+	// x-delivery-limit). Holding instead of nacking is what keeps a database
+	// outage from dead-lettering messages. Keep it below the broker's own
+	// limit on unacknowledged deliveries: RabbitMQ's consumer_timeout
+	// (default 30 min) closes the channel of a consumer that holds a
+	// delivery longer; NATS JetStream redelivers after AckWait (default
+	// 30 s) while the delivery is held (set AckWait above MaxHold, or accept
+	// duplicate deliveries, which the claim absorbs). Defaults to
+	// DefaultMaxHold; negative: hold until the message context ends
+	// (shutdown).
+	MaxHold time.Duration
+
+	// MaxHeaderBytes bounds each metadata value the chain adds to a
+	// poisoned message; a longer reason is cut and ends with
+	// "…(truncated, N bytes)", N the full length (also in
+	// MetadataReasonBytes), so a poison publish never fails for its own size
+	// (RabbitMQ's frame_max, 128 KiB by default, limits all headers
+	// together). Defaults to DefaultMaxHeaderBytes; minimum 64.
+	MaxHeaderBytes int
+
+	// MaxCopiedHeaderBytes bounds the failed message's metadata copied onto
+	// its poisoned copy, keys and values added up; past it the largest
+	// values are left out (named in MetadataDroppedHeaders), so a message
+	// whose own headers are near the broker's frame limit can still be
+	// poisoned: otherwise the copy, which adds the chain's headers, would be
+	// refused and the delivery held forever. Defaults to
+	// DefaultMaxCopiedHeaderBytes; negative: copy nothing.
+	MaxCopiedHeaderBytes int
+}
+
+func (c *ChainConfig) setDefaults() {
+	if c.MaxRetries == 0 {
+		c.MaxRetries = DefaultMaxRetries
+	}
+	if c.InitialInterval == 0 {
+		c.InitialInterval = DefaultInitialInterval
+	}
+	if c.MaxInterval == 0 {
+		c.MaxInterval = DefaultMaxInterval
+	}
+	if c.MaxInterval < c.InitialInterval {
+		c.MaxInterval = c.InitialInterval
+	}
+	if c.Multiplier == 0 {
+		c.Multiplier = DefaultMultiplier
+	}
+	if c.MaxHold == 0 {
+		c.MaxHold = DefaultMaxHold
+	}
+	if c.MaxHeaderBytes == 0 {
+		c.MaxHeaderBytes = DefaultMaxHeaderBytes
+	}
+	if c.MaxCopiedHeaderBytes == 0 {
+		c.MaxCopiedHeaderBytes = DefaultMaxCopiedHeaderBytes
+	}
+}
+
+// Validate reports the first invalid field of c, naming it.
+func (c ChainConfig) Validate() error {
+	switch {
+	case c.Idempotent == nil:
+		return errors.New("middleware: ChainConfig.Idempotent is required")
+	case c.PoisonPublisher == nil:
+		return errors.New("middleware: ChainConfig.PoisonPublisher is required")
+	case c.PoisonTopic == "":
+		return errors.New("middleware: ChainConfig.PoisonTopic is required")
+	case c.MaxRetries < 0:
+		return fmt.Errorf("middleware: ChainConfig.MaxRetries %d: must be ≥ 0", c.MaxRetries)
+	case c.Multiplier != 0 && c.Multiplier < 1:
+		return fmt.Errorf("middleware: ChainConfig.Multiplier %v: must be ≥ 1", c.Multiplier)
+	case c.InitialInterval < 0 || c.MaxInterval < 0:
+		return errors.New("middleware: ChainConfig.InitialInterval and MaxInterval must be ≥ 0")
+	case c.MaxHeaderBytes != 0 && c.MaxHeaderBytes < 64:
+		return fmt.Errorf("middleware: ChainConfig.MaxHeaderBytes %d: must be ≥ 64", c.MaxHeaderBytes)
+	}
+	return nil
+}
+
+// NewHandlerMiddleware returns the whole recommended chain as one
+// middleware, for one handler: handler.AddMiddleware(mw) on the
+// *message.Handler that router.AddHandler returns. Wire it per handler, not
+// with router.AddMiddleware: a router-level chain also wraps the handler
+// that consumes the poison topic (the chain detects that and holds instead
+// of re-poisoning, but the dead-letter handler then stalls). See NewChain
+// for the layers.
+func NewHandlerMiddleware(cfg ChainConfig, logger watermill.LoggerAdapter) (message.HandlerMiddleware, error) {
+	chain, err := NewChain(cfg, logger)
+	if err != nil {
+		return nil, err
+	}
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		for i := len(chain) - 1; i >= 0; i-- {
+			h = chain[i](h)
+		}
+		return h
+	}, nil
+}
+
+// NewChain returns the recommended chain, outermost first (Watermill runs
+// the first added outermost); NewHandlerMiddleware composes it into one:
+//
+//  1. Hold and poison (then ChainConfig.AfterPoison, if any). A permanent
+//     error, or an ordinary one that survived the retries, is published to
+//     PoisonTopic with its reason (bounded, MaxHeaderBytes) and the message
+//     is acked, once, only after the publish returned nil; a failed publish
+//     is retried with backoff. A transient or configuration error holds the
+//     delivery: the attempt is re-run in place with capped backoff (logged:
+//     at info with the error for transient, ERROR with what to fix for
+//     configuration; Watermill's LoggerAdapter has no warn level) until it
+//     succeeds, the message context ends (shutdown) or MaxHold passes; then
+//     the error is returned and the router nacks. The broker never sees a
+//     nack per failed attempt, so a database outage does not spend a quorum
+//     queue's delivery limit. A message already poisoned elsewhere and
+//     consumed again (the chain also wraps the handler of the poison topic)
+//     is held, never re-poisoned.
+//  2. Retry with ResetContextOnRetry (Watermill issue #467), for ordinary
+//     errors only: permanent ones are not retried, transient and
+//     configuration ones go out to the hold at once.
+//  3. Recoverer: a handler panic becomes an error (after the idempotent
+//     middleware rolled back).
+//  4. The idempotent middleware: each attempt in a fresh transaction.
+//
+// The idempotent middleware notices when it runs under a router without
+// this chain and then slows failing redeliveries down (see Idempotent).
+func NewChain(cfg ChainConfig, logger watermill.LoggerAdapter) ([]message.HandlerMiddleware, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.setDefaults()
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	initial, multiplier := compensatedBackoff(cfg.InitialInterval, cfg.Multiplier)
+	retry := wmw.Retry{
+		MaxRetries:          cfg.MaxRetries,
+		InitialInterval:     initial,
+		MaxInterval:         cfg.MaxInterval,
+		Multiplier:          multiplier,
+		RandomizationFactor: 0.2,
+		ResetContextOnRetry: true,
+		ShouldRetry:         func(p wmw.RetryParams) bool { return ClassOf(p.Err) == ClassOrdinary },
+		Logger:              logger,
+	}
+	outer := &holdPoison{cfg: cfg, logger: logger}
+	chain := []message.HandlerMiddleware{outer.middleware}
+	chain = append(chain, cfg.AfterPoison...)
+	return append(chain, outer.ownRetry(retry.Middleware), wmw.Recoverer, cfg.Idempotent.Middleware), nil
+}
+
+// ownRetry runs retry only inside this chain's own outer layer: in a chain
+// nested in another one (a router-level chain and a handler-level one), the
+// outer chain retries, holds and poisons, and the inner one passes through,
+// so that retries are not multiplied and holds not added up.
+func (p *holdPoison) ownRetry(retry message.HandlerMiddleware) message.HandlerMiddleware {
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		r := retry(h)
+		return func(msg *message.Message) ([]*message.Message, error) {
+			if msg.Context().Value(chainKey{}) != p {
+				return h(msg)
+			}
+			return r(msg)
+		}
+	}
+}
+
+// compensatedBackoff returns the InitialInterval and Multiplier to give
+// Watermill's Retry so that the waits it actually makes are initial,
+// initial·m, initial·m², … In Watermill v1.5.1 (message/router/middleware/
+// retry.go) a ShouldRetry function is passed RetryParams.Delay computed with
+// one more NextBackOff() call, so the exponential backoff advances twice per
+// failure and the k-th wait is I'·m'^(2k−1). With m' = √m and I' = I/√m that
+// is I·m^(k−1), the schedule ChainConfig documents.
+func compensatedBackoff(initial time.Duration, m float64) (time.Duration, float64) {
+	root := math.Sqrt(m)
+	return time.Duration(float64(initial) / root), root
+}
+
+// ShouldPoison is the chain's poison filter: true for a permanent or
+// ordinary error, false for a transient (infrastructure) or configuration
+// one, which must leave the message on the broker rather than on the poison
+// topic. Usable with Watermill's PoisonQueueWithFilter.
+func ShouldPoison(err error) bool {
+	if err == nil {
+		return false
+	}
+	c := ClassOf(err)
+	return c == ClassPermanent || c == ClassOrdinary
+}
+
+// chainKey marks a message context as running inside the chain; its value
+// is the outermost chain's *holdPoison.
+type chainKey struct{}
+
+// holdPoison is the chain's outer layer.
+type holdPoison struct {
+	cfg    ChainConfig
+	logger watermill.LoggerAdapter
+}
+
+func (p *holdPoison) middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		orig := msg.Context()
+		if orig.Value(chainKey{}) != nil {
+			// A chain inside another chain (router-level and
+			// handler-level): the outer one holds and poisons.
+			return h(msg)
+		}
+		inner := context.WithValue(orig, chainKey{}, p)
+		defer msg.SetContext(orig)
+		start := time.Now()
+		wait := newBackoff(p.cfg)
+		for held := 0; ; held++ {
+			msg.SetContext(inner)
+			produced, err := h(msg)
+			msg.SetContext(orig)
+			if err == nil {
+				return produced, nil
+			}
+			if orig.Err() != nil {
+				// The message context ended (shutdown): give it back.
+				return nil, err
+			}
+			class := ClassOf(err)
+			fields := watermill.LogFields{"message_uuid": msg.UUID, "topic": message.SubscribeTopicFromCtx(orig),
+				"handler": message.HandlerNameFromCtx(orig), "class": class.String(), "held": held}
+			if class == ClassPermanent || class == ClassOrdinary {
+				if !p.poisonLoop(msg, orig) {
+					return nil, p.poison(msg, orig, err, class, start, wait)
+				}
+				if msg.Metadata.Get(wmw.ReasonForPoisonedKey) == "" {
+					// Never poisoned: the handler consumes the poison topic.
+					p.logger.Error("Poison topic is the topic this handler consumes: not poisoned, held", err, fields.Add(watermill.LogFields{
+						"hint": fmt.Sprintf("ChainConfig.PoisonTopic %q is the topic this handler consumes: give the chain a poison topic of its own "+
+							"(a dead-letter queue), and wire the chain per handler, never around the poison topic's consumer", p.cfg.PoisonTopic),
+					}))
+				} else {
+					p.logger.Error("Poisoned message failed again on the poison topic's consumer: not re-poisoned, held", err, fields.Add(watermill.LogFields{
+						"hint": "wire the chain per handler (middleware.NewHandlerMiddleware), not with router.AddMiddleware on a router that also consumes the poison topic",
+					}))
+				}
+			} else if class == ClassConfiguration {
+				hint := ""
+				var ce *ConfigurationError
+				if errors.As(err, &ce) {
+					hint = ce.Hint
+				}
+				p.logger.Error("Configuration error: delivery held, not poisoned", err, fields.Add(watermill.LogFields{"hint": hint}))
+			} else {
+				p.logger.Info("Infrastructure failure: delivery held, not poisoned", fields.Add(watermill.LogFields{"error": err}))
+			}
+			if !p.sleep(orig, start, wait) {
+				return nil, err
+			}
+		}
+	}
+}
+
+// poisonLoop reports whether msg was poisoned already and is now consumed
+// from somewhere other than where it was poisoned (a dead-letter handler
+// wrapped by the chain): poisoning it again would feed it back to itself.
+func (p *holdPoison) poisonLoop(msg *message.Message, ctx context.Context) bool {
+	topic := message.SubscribeTopicFromCtx(ctx)
+	if topic != "" && topic == p.cfg.PoisonTopic {
+		return true
+	}
+	if msg.Metadata.Get(wmw.ReasonForPoisonedKey) == "" {
+		return false
+	}
+	return topic != "" && topic != msg.Metadata.Get(wmw.PoisonedTopicKey)
+}
+
+// poison publishes a copy of msg, with the reason, to the poison topic and
+// returns nil (ack) once the publisher returned nil; a failed publish is
+// retried with backoff while the delivery is held.
+func (p *holdPoison) poison(msg *message.Message, ctx context.Context, cause error, class Class, start time.Time, wait *holdBackoff) error {
+	pm := message.NewMessage(msg.UUID, msg.Payload)
+	copied, dropped := boundedMetadata(msg.Metadata, p.cfg.MaxCopiedHeaderBytes)
+	pm.Metadata = copied
+	if len(dropped) > 0 {
+		pm.Metadata.Set(MetadataDroppedHeaders, bound(strings.Join(dropped, ","), p.cfg.MaxHeaderBytes))
+	}
+	reason := cause.Error()
+	if len(reason) > p.cfg.MaxHeaderBytes {
+		pm.Metadata.Set(MetadataReasonBytes, strconv.Itoa(len(reason)))
+	}
+	pm.Metadata.Set(wmw.ReasonForPoisonedKey, bound(reason, p.cfg.MaxHeaderBytes))
+	pm.Metadata.Set(wmw.PoisonedTopicKey, bound(message.SubscribeTopicFromCtx(ctx), p.cfg.MaxHeaderBytes))
+	pm.Metadata.Set(wmw.PoisonedHandlerKey, bound(message.HandlerNameFromCtx(ctx), p.cfg.MaxHeaderBytes))
+	pm.Metadata.Set(wmw.PoisonedSubscriberKey, bound(message.SubscriberNameFromCtx(ctx), p.cfg.MaxHeaderBytes))
+	if class == ClassPermanent {
+		pm.Metadata.Set(MetadataPoisonClass, "permanent")
+	} else {
+		pm.Metadata.Set(MetadataPoisonClass, "exhausted")
+	}
+	pm.SetContext(ctx)
+	for n := 1; ; n++ {
+		err := p.cfg.PoisonPublisher.Publish(p.cfg.PoisonTopic, pm)
+		if err == nil {
+			p.logger.Error("Message poisoned", cause, watermill.LogFields{"message_uuid": msg.UUID,
+				"poison_topic": p.cfg.PoisonTopic, "class": class.String()})
+			return nil
+		}
+		p.logger.Error("Poison publish failed: delivery held, retrying", err, watermill.LogFields{
+			"message_uuid": msg.UUID, "poison_topic": p.cfg.PoisonTopic, "publishes": n})
+		if !p.sleep(ctx, start, wait) {
+			return &InfrastructureError{Op: "poison publish", Err: errors.Join(err, cause)}
+		}
+	}
+}
+
+// sleep waits for the next backoff interval; false when the message
+// context ended or the hold would pass MaxHold.
+func (p *holdPoison) sleep(ctx context.Context, start time.Time, b *holdBackoff) bool {
+	d := b.next()
+	if p.cfg.MaxHold > 0 && time.Since(start)+d > p.cfg.MaxHold {
+		return false
+	}
+	return sleepCtx(ctx, d)
+}
+
+// boundedMetadata copies md, leaving out the largest values until keys and
+// values add up to at most budget bytes (negative: nothing). It returns the
+// copy and the keys left out, sorted.
+func boundedMetadata(md message.Metadata, budget int) (message.Metadata, []string) {
+	out := make(message.Metadata, len(md))
+	total := 0
+	for k, v := range md {
+		out[k] = v
+		total += len(k) + len(v)
+	}
+	if total <= budget {
+		return out, nil
+	}
+	keys := make([]string, 0, len(md))
+	for k := range md {
+		keys = append(keys, k)
+	}
+	sort.Slice(keys, func(i, j int) bool {
+		if len(md[keys[i]]) != len(md[keys[j]]) {
+			return len(md[keys[i]]) > len(md[keys[j]])
+		}
+		return keys[i] < keys[j]
+	})
+	var dropped []string
+	for _, k := range keys {
+		if total <= budget && budget >= 0 {
+			break
+		}
+		total -= len(k) + len(md[k])
+		delete(out, k)
+		dropped = append(dropped, k)
+	}
+	sort.Strings(dropped)
+	return out, dropped
+}
+
+// bound cuts s to at most max bytes (on a UTF-8 boundary), saying so.
+func bound(s string, max int) string {
+	if len(s) <= max {
+		return s
+	}
+	suffix := fmt.Sprintf("…(truncated, %d bytes)", len(s))
+	cut := max - len(suffix)
+	for cut > 0 && cut < len(s) && s[cut]&0xc0 == 0x80 {
+		cut--
+	}
+	return s[:cut] + suffix
+}
+
+// holdBackoff is the capped exponential backoff of holds and poison publishes,
+// with ±20 % jitter.
+type holdBackoff struct {
+	cur, max time.Duration
+	mult     float64
+}
+
+func newBackoff(cfg ChainConfig) *holdBackoff {
+	return &holdBackoff{cur: cfg.InitialInterval, max: cfg.MaxInterval, mult: cfg.Multiplier}
+}
+
+func (b *holdBackoff) next() time.Duration {
+	d := b.cur
+	b.cur = time.Duration(math.Min(float64(b.max), float64(b.cur)*b.mult))
+	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
+}

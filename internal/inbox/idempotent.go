@@ -1,0 +1,670 @@
+package inbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/sqlitefile"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/outbox"
+	"github.com/watermill-idempotency/idempotency/processed"
+)
+
+// DefaultLockTimeout bounds how long an attempt waits for another transaction
+// that holds the claim of the same event (Config.LockTimeout).
+const DefaultLockTimeout = 15 * time.Second
+
+// rollbackTimeout bounds a rollback issued after the message context ended.
+const rollbackTimeout = 5 * time.Second
+
+// Config configures the idempotent middleware (NewIdempotent).
+type Config struct {
+	// Beginner opens each attempt's transaction and claims the event in it:
+	// NewPgxBeginner(pool, …) or NewStdBeginner(db). Required.
+	Beginner TxBeginner
+
+	// Store is the processed-event store (table and dialect). Defaults to
+	// processed.NewStore(processed.Config{}) (table processed_event).
+	Store *processed.Store
+
+	// Consumer is the first half of the claim key (consumer, event_id): the
+	// name of the logical consumer whose effects the middleware applies once.
+	// Required; blank or whitespace-only names are refused. Competing
+	// workers of one consumer (processes or handlers reading one queue) must
+	// share it; two handlers that each receive their own copy of an event
+	// (fan-out) use two names, and each applies it once. There is no default:
+	// a default from the Watermill handler name applied events twice when two
+	// processes of one consumer named their handlers differently. Keep it
+	// stable across deployments: renaming it makes every retained event new
+	// again. The middleware cannot see queues: one Idempotent that serves
+	// two router handlers is logged at ERROR (ErrSharedConsumer), but two
+	// processes configured with different names for one queue are not
+	// detected (each name applies the events it receives once).
+	Consumer string
+
+	// LockTimeout bounds the wait on a claim held by another, uncommitted
+	// transaction (two deliveries of one event at once). When it expires the
+	// attempt fails with the transient ErrInFlight and is retried later. It
+	// is PostgreSQL's lock_timeout for the whole attempt's transaction
+	// (transaction-local, as SET LOCAL: the session's own value is back
+	// after the attempt), so a handler statement that waits longer than it
+	// on a lock also fails, transiently (SQLSTATE 55P03). Defaults to
+	// DefaultLockTimeout (whole milliseconds; at least 1ms); a negative
+	// value leaves the session's lock_timeout untouched.
+	//
+	// How it is set: by one SET LOCAL lock_timeout statement before the
+	// claim, in the claim's round trip (with NewPgxBeginner on a pool in
+	// pgx.QueryExecModeCacheStatement, pgx's default, a statement prepared
+	// once per connection in the claim's pgconn.Batch). It is a statement
+	// of its own, not a set_config inside the claim, because the executor
+	// takes the claim's lock on its table before it evaluates any of the
+	// claim's expressions: that wait (a LOCK TABLE, ALTER TABLE, a
+	// partition DROP holding the table) must be bounded too. Cost: about
+	// 17k server instructions per attempt (bench part 6, counts). To save
+	// that, set lock_timeout on the pool's sessions instead
+	// (pgxpool.Config.ConnConfig.RuntimeParams["lock_timeout"] = "15s") and
+	// LockTimeout to a negative value; the bound then also applies to every
+	// other statement on those connections.
+	LockTimeout time.Duration
+
+	// Recorder receives one outcome per attempt (metrics). Defaults to none.
+	Recorder Recorder
+
+	// ReplayHorizon is deprecated: set processed.Config.Horizon on Store.
+	// The claim statement itself refuses an event older than that horizon
+	// by the database clock (OutcomeExpired, permanent), the same clock and
+	// event time the purger deletes by, so no clock skew can let a purged
+	// event be applied again. When > 0 it must equal the store's horizon
+	// (NewIdempotent checks), and it changes nothing else.
+	ReplayHorizon time.Duration
+
+	// Now is deprecated and unused: ages are judged by the database clock.
+	Now func() time.Time
+
+	// Outbox, when set (recommended), makes the messages a handler produces
+	// part of its transaction: those it returns, and those it publishes
+	// through PublisherFromContext, are written to this outbox in the same
+	// transaction as the claim and the effects, and the middleware returns
+	// none to the router. A relay (outbox.NewRelay) publishes them after the
+	// commit, at least once, each with the event_id it was written with.
+	// Without an outbox, returned messages go back to the router, which
+	// publishes them after the commit: a crash or a failed publish in between
+	// loses them (the redelivery is a duplicate and produces nothing).
+	Outbox *outbox.Outbox
+
+	// DisablePayloadVerification turns off the check of duplicates against
+	// what was applied. With it on (the default), the claim also stores the
+	// event's name and a fingerprint of its name and payload bytes
+	// (processed.NewIdentity; needs processed migration 0003), and a
+	// duplicate is compared with the row it collided with: equal, or a row
+	// without fingerprint (written before the migration), → a duplicate as
+	// always; different → another event under a reused event_id, refused as
+	// permanent (ErrEventIDReused, reason "event_id_reused", OutcomeConflict,
+	// logged at error with both event names), so it reaches the poison topic
+	// once instead of being acked unseen. A new event pays the hash (about
+	// 1.2 µs for a 200-byte payload, processed.BenchmarkNewIdentity) and
+	// ~45 bytes more per row, in the same single INSERT (measured with
+	// BenchmarkPayloadVerification, messages alternating on one table: new
+	// events verified/plain 0.94-1.02, no difference beyond noise; bench
+	// part 6: 7.7k client instructions and 4 allocations per message, 48 B
+	// of WAL); a duplicate pays a primary-key read, sent in one round trip
+	// with its ROLLBACK on the pgx beginner (one more statement, no more
+	// round trips; other beginners: one more round trip). Rows
+	// written before the migration have no fingerprint and stay plain
+	// duplicates. Run processed migration 0003 before deploying a release
+	// with verification on: without the columns every claim fails (and is
+	// retried, never acked). Defaults to false (verification on).
+	DisablePayloadVerification bool
+
+	// OutboxTopic is the destination topic of returned messages written to
+	// the outbox. Defaults to the handler's publish topic
+	// (message.PublishTopicFromCtx).
+	OutboxTopic string
+
+	// Classifier classifies, by code, database errors of a driver the
+	// middleware does not link, when they come out of an attempt (claim,
+	// handler statements on the attempt's transaction, commit): set
+	// mysqlerr.Classify with go-sql-driver/mysql (MySQL, MariaDB).
+	// PostgreSQL SQLSTATEs need none (see ClassOf). Defaults to none: MySQL
+	// errors of the middleware's own calls are then infrastructure by
+	// origin, and those of the handler ordinary.
+	Classifier ErrorClassifier
+}
+
+func (c *Config) setDefaults() error {
+	if c.Store == nil {
+		s, err := processed.NewStore(processed.Config{})
+		if err != nil {
+			return err
+		}
+		c.Store = s
+	}
+	if c.LockTimeout == 0 {
+		c.LockTimeout = DefaultLockTimeout
+	}
+	if c.Recorder == nil {
+		c.Recorder = nopRecorder{}
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	return nil
+}
+
+// Validate reports the first invalid field of c, naming it.
+func (c Config) Validate() error {
+	if c.Beginner == nil {
+		return errors.New("middleware: Config.Beginner is required (NewPgxBeginner or NewStdBeginner)")
+	}
+	if strings.TrimSpace(c.Consumer) == "" {
+		if c.Consumer == "" {
+			return fmt.Errorf("middleware: Config.Consumer is required (the claim key's consumer name, shared by competing workers): %w", ErrNoConsumer)
+		}
+		return fmt.Errorf("middleware: Config.Consumer %q: blank name: %w", c.Consumer, ErrNoConsumer)
+	}
+	if c.ReplayHorizon < 0 {
+		return fmt.Errorf("middleware: Config.ReplayHorizon %s: must be ≥ 0", c.ReplayHorizon)
+	}
+	if c.LockTimeout > 0 && c.LockTimeout < time.Millisecond {
+		return fmt.Errorf("middleware: Config.LockTimeout %s: below 1ms", c.LockTimeout)
+	}
+	return nil
+}
+
+// Idempotent is the idempotent-consumer (inbox) middleware. See Middleware.
+type Idempotent struct {
+	cfg         Config
+	logger      watermill.LoggerAdapter
+	lockTimeout *lockTimeoutStmt // built once from cfg.LockTimeout
+
+	unchainedSeen sync.Map // handler name → true: logged once (unchained.go)
+
+	handlersMu sync.RWMutex
+	handlers   map[string]struct{} // handler names seen (noteHandler)
+
+	// quiet: the logger is Watermill's NopLogger, so no log field is built.
+	quiet bool
+}
+
+// noteHandler records the router handler a delivery came through and logs,
+// once per new handler, at ERROR when this middleware (one Consumer) serves
+// more than one handler. Competing workers of one consumer are processes
+// (or subscriber goroutines) on one queue, which a router runs as one
+// handler; two handlers of one router with one Consumer are nearly always
+// a fan-out (each handler receives its own copy of an event) that was
+// given one name: the first handler to claim an event makes the other's
+// copy a duplicate, and that handler's effect is silently skipped.
+func (m *Idempotent) noteHandler(name string) {
+	if name == "" {
+		return
+	}
+	m.handlersMu.RLock()
+	_, seen := m.handlers[name]
+	m.handlersMu.RUnlock()
+	if seen {
+		return
+	}
+	m.handlersMu.Lock()
+	if m.handlers == nil {
+		m.handlers = map[string]struct{}{}
+	}
+	_, seen = m.handlers[name]
+	others := make([]string, 0, len(m.handlers))
+	for h := range m.handlers {
+		others = append(others, h)
+	}
+	m.handlers[name] = struct{}{}
+	m.handlersMu.Unlock()
+	if seen || len(others) == 0 {
+		return
+	}
+	sort.Strings(others)
+	m.logger.Error("One consumer serves several handlers", ErrSharedConsumer, watermill.LogFields{
+		"consumer": m.cfg.Consumer, "handler": name, "other_handlers": strings.Join(others, ","),
+		"hint": "if each handler receives its own copy of an event (fan-out: one queue each), give each its own " +
+			"Config.Consumer (one Idempotent per handler): with one name, the first handler's claim makes the " +
+			"other handler's copy a duplicate and its effect is skipped",
+	})
+}
+
+// isNopLogger reports whether l is Watermill's NopLogger (it logs nothing).
+func isNopLogger(l watermill.LoggerAdapter) bool {
+	switch l.(type) {
+	case watermill.NopLogger, *watermill.NopLogger:
+		return true
+	}
+	return false
+}
+
+// setField sets k in f unless f is nil (no fields are built for a quiet
+// logger).
+func setField(f watermill.LogFields, k string, v any) {
+	if f != nil {
+		f[k] = v
+	}
+}
+
+// NewIdempotent validates cfg (on a copy with defaults applied) and returns
+// the middleware. A nil logger is watermill.NopLogger. On SQLite
+// (NewStdBeginner with a SQLite Store) it reads the handle's database file
+// (one query) and refuses, with an error wrapping sqldb.ErrSharedSQLiteFile
+// naming operation.Config.DB, a file that an operation.Runner built in this
+// process records its operations in (SQLite has one writer per file; see
+// operation.Config.DB).
+func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	if err := checkHorizon(cfg); err != nil {
+		return nil, err
+	}
+	if _, pgxOnly := cfg.Beginner.(*pgxBeginner); pgxOnly && cfg.Store.Dialect() != sqldb.PostgreSQL {
+		return nil, fmt.Errorf("middleware: Config.Beginner: the pgx beginner needs a PostgreSQL store, not %s (use NewStdBeginner)", cfg.Store.Dialect())
+	}
+	if err := registerSQLiteInbox(cfg); err != nil {
+		return nil, err
+	}
+	return &Idempotent{cfg: cfg, logger: logger, lockTimeout: newLockTimeoutStmt(cfg.Store, cfg.LockTimeout),
+		quiet: isNopLogger(logger)}, nil
+}
+
+// registerSQLiteInbox records, on SQLite, the database file of the
+// beginner's handle as the file of the middleware's transactions, and
+// refuses it (wrapping sqldb.ErrSharedSQLiteFile) when an operation.Runner
+// built in this process records its operations in the same file: the
+// Runner, called from a handler, could never commit its started record
+// while the attempt's transaction holds the file's write lock.
+func registerSQLiteInbox(cfg Config) error {
+	b, ok := cfg.Beginner.(*stdBeginner)
+	if !ok || cfg.Store.Dialect() != sqldb.SQLite {
+		return nil
+	}
+	path, err := sqlitefile.Register(b.db, sqlitefile.Inbox)
+	if errors.Is(err, sqldb.ErrSharedSQLiteFile) {
+		return fmt.Errorf("middleware: Config.Beginner: the SQLite file %s is the database of an operation.Runner "+
+			"(operation.Config.DB) in this process; the Runner, called from a handler, commits its records while the "+
+			"attempt's transaction holds this file's write lock: open operation.Config.DB on a database file of its own "+
+			"and run Runner.Migrate there: %w", path, err)
+	}
+	if err != nil {
+		return fmt.Errorf("middleware: Config.Beginner: %w", err)
+	}
+	return nil
+}
+
+// Middleware wraps h so that its effect is applied once per (consumer,
+// event_id), however often the message is delivered. Per attempt:
+//
+//  0. Inside an attempt of the same consumer (the middleware wrapped twice
+//     around one handler, e.g. a router-level chain plus a handler-level
+//     one), it fails at once with a ConfigurationError ("runs twice"):
+//     its claim would only wait for the outer attempt's own claim.
+//  1. A message flagged malformed by the marshaler, or whose msg.UUID is not
+//     a non-nil UUID, fails with a PermanentError before any SQL runs.
+//  2. A transaction is begun and (consumer, event_id) claimed in it with one
+//     INSERT … ON CONFLICT DO NOTHING (pipelined with BEGIN on pgx).
+//  3. Zero rows: a duplicate. The transaction is rolled back, h is not
+//     called, nil is returned (the router acks); logged at debug, recorded
+//     as OutcomeDuplicate.
+//  4. One row: h runs with the transaction in its context (PgxTxFromContext,
+//     SQLTxFromContext, QuerierFromContext). The messages it produces (those
+//     it returns, and with Config.Outbox those it publishes through
+//     PublisherFromContext) are checked (ErrInvalidProduced) and, with an
+//     outbox, written to it in the transaction. Then the transaction
+//     commits; a commit that did not commit is an error wrapping ErrCommit.
+//
+// A failed attempt leaves nothing: if h returns an error or panics, a
+// produced message is invalid, the outbox write fails or panics, or the
+// commit fails, the transaction is rolled back (claim, effects and outbox
+// rows vanish together), no message is returned (so a PoisonQueue outside
+// that turns the error into an ack publishes none either), and the error is
+// returned, or the panic re-raised, for Retry, PoisonQueue and Recoverer.
+//
+// The message's context is restored after the attempt, the connection is
+// returned to its pool on every path (panics included: one deferred cleanup
+// ends every attempt), and each attempt (Watermill's Retry calls the chain
+// again with the same message) gets a fresh transaction. Without an outbox,
+// the messages h returns are returned after the commit, for the router to
+// publish: a crash between the commit and that publish loses them.
+//
+// Wire it through NewHandlerMiddleware (or NewChain). Under a router but
+// outside that chain (the middleware alone, Watermill's own PoisonQueue and
+// Retry around it, or a chain in another order), it protects the delivery
+// itself, since no outer layer of it will: a transient or configuration
+// failure is held and retried in place with capped backoff (the chain's
+// defaults, up to DefaultMaxHold) instead of being returned to layers that
+// would poison it or nack it into a hot loop, and any other failure is
+// returned only after UnchainedFailureDelay. Each such delivery is logged at
+// ERROR, naming the missing chain (see unchained.go).
+func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	attempt := m.middleware(h)
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		m.noteHandler(message.HandlerNameFromCtx(ctx))
+		if ctx.Value(chainKey{}) != nil || message.HandlerNameFromCtx(ctx) == "" {
+			return attempt(msg) // inside the chain, or called directly (tests, own loops)
+		}
+		return m.unchained(attempt, msg)
+	}
+}
+
+// middleware is one attempt: see Middleware.
+func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) (_ []*message.Message, err error) {
+		start := time.Now()
+		origCtx := msg.Context()
+		consumer := m.cfg.Consumer
+		attempt := nextAttempt(msg)
+		handlerName := message.HandlerNameFromCtx(origCtx)
+		// Log fields are built only for a logger that logs (a NopLogger
+		// gets none).
+		var fields watermill.LogFields
+		if !m.quiet {
+			fields = make(watermill.LogFields, 8)
+			fields["event_id"] = msg.UUID
+			fields["event_name"] = marshaler.EventName(msg)
+			fields["consumer"] = consumer
+			fields["handler_name"] = handlerName
+			fields["attempt"] = attempt
+		}
+		reject := func(o Outcome, reason string, err error) ([]*message.Message, error) {
+			return nil, m.finish(handlerName, o, start, 0, fields, permanent(reason, err))
+		}
+		if outer, nested := stateFrom(origCtx); nested && outer.consumer == consumer {
+			// Wired twice (by hand, or a router-level chain plus a
+			// handler-level one): this claim would wait for the outer
+			// attempt's uncommitted claim of the same key, forever.
+			return nil, m.finish(handlerName, OutcomeFailed, start, 0, fields, &ConfigurationError{
+				Hint: "wire the idempotent middleware of a consumer once per handler: use middleware.NewHandlerMiddleware on the handler " +
+					"and no router-level chain or Idempotent.Middleware besides",
+				Err: fmt.Errorf("idempotency: the idempotent middleware of consumer %q runs twice around one handler (nested attempt)", consumer),
+			})
+		}
+		if reason, bad := marshaler.Malformed(msg); bad {
+			// msg.UUID is the transport's message id here, not an event id.
+			delete(fields, "event_id")
+			setField(fields, "transport_message_id", msg.UUID)
+			return reject(OutcomeRejected, "malformed", fmt.Errorf("%w: %s", ErrMalformed, reason))
+		}
+		eventID, perr := marshaler.ParseEventID(msg.UUID) // the marshaler's strict forms, never uuid.Parse's lenient ones
+		if perr != nil {
+			delete(fields, "event_id")
+			setField(fields, "transport_message_id", msg.UUID)
+			return reject(OutcomeRejected, "invalid_event_id", invalidEventID(msg.UUID))
+		}
+		if !m.quiet {
+			fields["event_id"] = eventID.String()
+		}
+		// The replay window is the claim's (the database clock, see
+		// retention.go): no expiry check runs here on the process clock.
+		return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields)
+	}
+}
+
+// attempt runs one claimed attempt: begin+claim, the handler, the produced
+// messages, commit. Every path after the claim ends in the single deferred
+// cleanup, which rolls back whatever did not commit and releases the
+// connection, so a panic anywhere (handler, outbox write, schema adapter,
+// commit) leaves no transaction, no lock and no acquired connection behind.
+func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCtx context.Context,
+	consumer, handlerName string, eventID uuid.UUID, start time.Time, fields watermill.LogFields) ([]*message.Message, error) {
+	eventAt, _ := eventTime(msg, eventID) // occurred_at for ids without a time
+	// Begin and claim: errors here come from the attempt's own connection.
+	req := claimRequest{
+		store:       m.cfg.Store,
+		consumer:    consumer,
+		eventID:     eventID,
+		eventAt:     eventAt,
+		lockTimeout: m.lockTimeout,
+	}
+	req.identity, req.verify = m.identityOf(msg)
+	tx, claimed, err := m.cfg.Beginner.beginClaim(origCtx, req)
+	claimDur := time.Since(start)
+	if err != nil {
+		err = fmt.Errorf("idempotency: begin and claim %s/%s: %w", consumer, eventID, claimError(err, m.cfg.Classifier))
+		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, err)
+	}
+
+	// ended is set once the transaction was committed or rolled back on a
+	// path that returns; any other exit (a panic, runtime.Goexit) rolls back
+	// here.
+	ended := false
+	defer func() {
+		msg.SetContext(origCtx)
+		if ended {
+			tx.release()
+			return
+		}
+		r := recover()
+		_ = rollback(origCtx, tx)
+		tx.release()
+		if r == nil { // runtime.Goexit (t.FailNow in a handler): nothing to re-raise
+			return
+		}
+		_ = m.finish(handlerName, OutcomeFailed, start, claimDur, fields, fmt.Errorf("idempotency: panic: %v", r))
+		panic(r)
+	}()
+
+	if !claimed {
+		if d, ok := tx.(duplicateEnder); ok {
+			// pgx: the stored identity is read in one round trip with
+			// the ROLLBACK (duplicate.go).
+			ended = true
+			o, reason, dErr := m.endDuplicate(origCtx, d, req, fields)
+			switch {
+			case dErr != nil && reason == "":
+				return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(dErr, m.cfg.Classifier))
+			case dErr != nil:
+				return nil, m.finish(handlerName, o, start, claimDur, fields, permanent(reason, dErr))
+			}
+			_ = m.finish(handlerName, OutcomeDuplicate, start, claimDur, fields, nil)
+			return nil, nil
+		}
+		// Refused by the replay window (expired or future), or a duplicate.
+		if o, reason, rerr := m.refused(origCtx, tx, consumer, eventID, eventAt, fields); rerr != nil {
+			_ = rollback(origCtx, tx)
+			ended = true
+			if reason == "" { // the verdict itself failed: the attempt's connection
+				return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(rerr, m.cfg.Classifier))
+			}
+			return nil, m.finish(handlerName, o, start, claimDur, fields, permanent(reason, rerr))
+		}
+		// A duplicate: with payload verification, the stored fingerprint
+		// must be this message's (identity.go).
+		if conflict, vErr := m.verifyDuplicate(origCtx, tx, req, fields); vErr != nil {
+			_ = rollback(origCtx, tx)
+			ended = true
+			if conflict {
+				return nil, m.finish(handlerName, OutcomeConflict, start, claimDur, fields, permanent("event_id_reused", vErr))
+			}
+			return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(vErr, m.cfg.Classifier))
+		}
+		// Nothing was written: end the transaction and ack.
+		if rbErr := rollback(origCtx, tx); rbErr != nil {
+			m.logger.Debug("Rollback after duplicate failed", fields.Add(watermill.LogFields{"error": oneLine(rbErr.Error())}))
+		}
+		ended = true
+		_ = m.finish(handlerName, OutcomeDuplicate, start, claimDur, fields, nil)
+		return nil, nil
+	}
+
+	crashpoint.Reached(crashpoint.AfterClaim)
+	state := &attemptState{consumer: consumer, outcome: OutcomeProcessed, outbox: m.cfg.Outbox, tx: tx}
+	state.q, state.ptx, state.stx = tx.parts()
+	msg.SetContext(sqldb.ContextWithTx(origCtx, state)) // the attempt's one context value
+
+	produced, err := h(msg)
+	if err == nil {
+		// A refusal of PublisherFromContext fails the attempt even when
+		// the handler ignored the error it returned.
+		err = state.refused
+	}
+	if err == nil {
+		produced, err = m.emit(origCtx, state, produced)
+		if err != nil && txEnded(err) && origCtx.Err() == nil {
+			err = handlerEndedTx(err) // the outbox write found the transaction ended
+		}
+	}
+	if err != nil {
+		err = attemptError(err, rollback(origCtx, tx), m.cfg.Classifier)
+		ended = true
+		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, err)
+	}
+
+	crashpoint.Reached(crashpoint.BeforeCommit)
+	// Commit: errors here come from the attempt's own connection, except
+	// ErrTxAborted (a handler statement failed and the handler went on).
+	if cErr := tx.commit(origCtx); cErr != nil {
+		_ = rollback(origCtx, tx)
+		ended = true
+		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, commitError(consumer, eventID, cErr, m.cfg.Classifier, origCtx.Err() != nil))
+	}
+	ended = true
+	crashpoint.Reached(crashpoint.AfterCommit)
+	_ = m.finish(handlerName, state.outcome, start, claimDur, fields, nil)
+	return produced, nil
+}
+
+// rollback ends tx on a context that survives the message context's
+// cancellation (a shutdown must still roll back), bounded by rollbackTimeout.
+func rollback(ctx context.Context, tx attemptTx) error {
+	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+	defer cancel()
+	return tx.rollback(c)
+}
+
+// emit checks every message the attempt produced (returned and published
+// through PublisherFromContext) and, with an outbox, writes them to it in the
+// attempt's transaction. It returns the messages for the router: none with
+// an outbox. Returned messages bound for the outbox are checked once, by the
+// outbox's Publish (outbox.ErrNotEnvelope, mapped by writeOutbox); those
+// published through PublisherFromContext were checked when published.
+func (m *Idempotent) emit(ctx context.Context, st *attemptState, returned []*message.Message) ([]*message.Message, error) {
+	if m.cfg.Outbox == nil {
+		for _, p := range returned {
+			if err := checkProduced(p); err != nil {
+				return nil, err
+			}
+		}
+		return returned, nil
+	}
+	for _, b := range st.buffered {
+		if err := m.writeOutbox(ctx, st, b.topic, b.msgs); err != nil {
+			return nil, err
+		}
+	}
+	if len(returned) > 0 {
+		topic := m.cfg.OutboxTopic
+		if topic == "" {
+			topic = message.PublishTopicFromCtx(ctx)
+		}
+		if topic == "" {
+			return nil, permanent("no_outbox_topic", errors.New("idempotency: the handler returned messages but neither Config.OutboxTopic nor the handler's publish topic names their destination"))
+		}
+		if err := m.writeOutbox(ctx, st, topic, returned); err != nil {
+			return nil, err
+		}
+	}
+	return nil, nil
+}
+
+func (m *Idempotent) writeOutbox(_ context.Context, st *attemptState, topic string, msgs []*message.Message) error {
+	pub, err := st.publisher()
+	if err != nil {
+		return err
+	}
+	if err := pub.Publish(topic, msgs...); err != nil {
+		if errors.Is(err, outbox.ErrNotEnvelope) {
+			return permanent("invalid_produced", fmt.Errorf("%w: %w", ErrInvalidProduced, err))
+		}
+		return fmt.Errorf("idempotency: write produced messages to the outbox: %w", err)
+	}
+	return nil
+}
+
+// MetadataAttempt is the metadata key in which the middleware counts its
+// attempts at a message ("1", "2", …): Watermill's Retry re-runs the chain
+// with the same message, and the count travels with it to the poison topic.
+const MetadataAttempt = "idempotency_attempt"
+
+func nextAttempt(msg *message.Message) int {
+	n := 0
+	if s := msg.Metadata.Get(MetadataAttempt); s != "" {
+		n, _ = strconv.Atoi(s)
+	}
+	n++
+	msg.Metadata.Set(MetadataAttempt, strconv.Itoa(n))
+	return n
+}
+
+// eventTime is the message's production time: the UUIDv7 timestamp, else
+// occurred_at.
+func eventTime(msg *message.Message, id uuid.UUID) (time.Time, bool) {
+	if id.Version() == 7 {
+		sec, nsec := id.Time().UnixTime()
+		return time.Unix(sec, nsec), true
+	}
+	if at, err := marshaler.OccurredAt(msg); err == nil && !at.IsZero() {
+		return at, true
+	}
+	return time.Time{}, false
+}
+
+// finish records the attempt's outcome and logs it, and returns err as the
+// attempt returns it (on one line: see singleLine), so that the log and the
+// error the router, Retry and PoisonQueue see carry the same text. A
+// processed event is logged at trace, a skipped one (duplicate, stale,
+// obsolete) at debug. Any other outcome is logged with the logger's Error
+// (Watermill's LoggerAdapter has no warn level; the adapter puts err in its
+// error field, "error" for watermill.NewSlogLogger) unless it is transient:
+// rejections and handler errors (bound for the poison topic) and any other
+// failure someone must look at. A transient failure (the message stays on
+// the broker and is retried) is logged at info with the field "error".
+func (m *Idempotent) finish(handlerName string, o Outcome, start time.Time, claim time.Duration, fields watermill.LogFields, err error) error {
+	total := time.Since(start)
+	m.cfg.Recorder.RecordOutcome(Observation{Consumer: m.cfg.Consumer, HandlerName: handlerName, Outcome: o, Claim: claim, Total: total})
+	if m.quiet {
+		if o == OutcomeProcessed || o == OutcomeDuplicate || o == OutcomeStale || o == OutcomeObsolete {
+			return nil
+		}
+		return singleLine(err)
+	}
+	f := fields.Add(watermill.LogFields{"outcome": string(o), "duration": total})
+	switch o {
+	case OutcomeProcessed:
+		m.logger.Trace("Event processed", f)
+		return nil
+	case OutcomeDuplicate, OutcomeStale, OutcomeObsolete:
+		m.logger.Debug("Event skipped", f)
+		return nil
+	}
+	err = singleLine(err)
+	var p *PermanentError
+	if errors.As(err, &p) {
+		f = f.Add(watermill.LogFields{"reason": p.Reason})
+	}
+	if !IsTransient(err) {
+		m.logger.Error("Event not processed", err, f)
+	} else {
+		m.logger.Info("Event not processed, will be retried", f.Add(watermill.LogFields{"error": err}))
+	}
+	return err
+}

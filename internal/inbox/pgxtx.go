@@ -1,0 +1,276 @@
+package inbox
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"strconv"
+
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+)
+
+// pgxTx is the pgx.Tx the pipelined beginner hands to handlers. BEGIN was
+// sent in the same batch as the claim, so the transaction lives on the server
+// and this type only delegates statements to the acquired connection.
+//
+// Contract, as pgx's own transaction type:
+//   - Commit sends COMMIT and succeeds only when the server answers COMMIT;
+//     the ROLLBACK tag (a statement failed inside the transaction) is
+//     pgx.ErrTxCommitRollback. Commit or Rollback on a closed tx returns
+//     pgx.ErrTxClosed; Rollback after Commit is therefore safe.
+//   - Begin opens a savepoint ("pseudo nested transaction"): its Commit
+//     releases the savepoint, its Rollback rolls back to it. Every savepoint
+//     of one transaction has a name of its own (a counter kept by the root,
+//     as pgx's own transaction type does), so two siblings never share one.
+//   - LargeObjects: pgx.LargeObjects has no exported constructor, so the first
+//     call sends pgx's own BEGIN on the connection to obtain one. PostgreSQL
+//     answers with a WARNING (25001, a transaction is already in progress)
+//     and stays in our transaction; the large objects then work inside it.
+//     It costs one extra round trip per call; the returned value is valid
+//     until this transaction ends.
+//   - A handler should not Commit or Rollback the middleware's transaction:
+//     the middleware's own commit then fails with pgx.ErrTxClosed and the
+//     attempt is reported as failed and retried (it never acks an attempt
+//     whose end it did not see).
+type pgxTx struct {
+	conn *pgxpool.Conn // nil for savepoints (the root owns the connection)
+	pc   *pgx.Conn
+
+	savepoint string // "" for the root transaction
+	// savepoints counts the savepoints opened on the root transaction,
+	// shared by all of them: each gets a name of its own, so siblings are
+	// distinct and rolling back one never undoes another.
+	savepoints *int
+	spCount    int // the root's counter (savepoints points here)
+	closed     bool
+	// prepared: the claim was sent as the beginner's prepared statements
+	// (pgxclaim.go); the duplicate's read and ROLLBACK are sent so too.
+	prepared bool
+	// tracer is the pool's pgx.BatchTracer (nil: none), for the batches
+	// this type sends through pgconn.
+	tracer pgx.BatchTracer
+}
+
+var _ pgx.Tx = (*pgxTx)(nil)
+
+func (tx *pgxTx) bind(ctx context.Context) context.Context {
+	ctx = context.WithValue(ctx, pgxTxKey{}, pgx.Tx(tx))
+	return sqldb.ContextWithTx(ctx, sqldb.Pgx(tx))
+}
+
+func (tx *pgxTx) commit(ctx context.Context) error { return tx.Commit(ctx) }
+
+func (tx *pgxTx) rollback(ctx context.Context) error {
+	err := tx.Rollback(ctx)
+	if errors.Is(err, pgx.ErrTxClosed) {
+		return nil
+	}
+	return err
+}
+
+// release returns the connection to the pool. pgxpool destroys a connection
+// that is closed, busy or still inside a transaction instead of reusing it.
+func (tx *pgxTx) release() {
+	if tx.conn != nil {
+		tx.conn.Release()
+		tx.conn = nil
+	}
+}
+
+func (tx *pgxTx) outboxExec() wsql.ContextExecutor { return wsql.TxFromPgx(tx) }
+
+func (tx *pgxTx) parts() (sqldb.Querier, pgx.Tx, *sql.Tx) { return nil, tx, nil }
+
+// readAndRollback ends the transaction of a claim that inserted nothing (a
+// duplicate, or an event refused by the replay window) in one round trip:
+// query (the stored identity's read, processed.Store.StoredIdentityQuery)
+// and ROLLBACK sent together in one batch. found is false when query
+// returned no row. The read is a statement of its own after the claim, so
+// under READ COMMITTED it takes a new snapshot and sees a row that a
+// concurrent claim committed while this one waited on it. The transaction
+// is closed afterwards whatever happened: a read that failed leaves it
+// aborted and skips the ROLLBACK (one Sync ends the batch), so ROLLBACK is
+// sent on its own; a connection whose ROLLBACK failed is closed, as by
+// Rollback. After it, afterEnd runs statements on the connection in
+// autocommit mode (the replay window's verdict) until release.
+//
+// After a prepared claim (tx.prepared) the read and the ROLLBACK are
+// statements prepared once per connection too, sent in one pgconn.Batch
+// with key encoded as the claim's parameters (readAndRollbackPrepared).
+func (tx *pgxTx) readAndRollback(ctx context.Context, query string, args []any, key identityKey, name, fp *[]byte) (found bool, err error) {
+	if tx.closed {
+		return false, pgx.ErrTxClosed
+	}
+	if tx.prepared {
+		found, err = tx.readAndRollbackPrepared(ctx, query, key, name, fp)
+		if err != errFallback {
+			return found, err
+		}
+	}
+	tx.closed = true
+	b := &pgx.Batch{}
+	b.Queue(query, args...)
+	b.Queue("rollback")
+	br := tx.pc.SendBatch(ctx, b)
+	err = br.QueryRow().Scan(name, fp)
+	found = err == nil
+	if errors.Is(err, pgx.ErrNoRows) {
+		err = nil
+	}
+	_, rbErr := br.Exec()
+	closeErr := br.Close()
+	if err == nil {
+		err = rbErr
+	}
+	if err == nil {
+		err = closeErr
+	}
+	return found, tx.endAfterBatch(ctx, err)
+}
+
+// endAfterBatch makes sure the transaction ended after a batch that ended
+// in ROLLBACK: a failed statement before it (one Sync: the ROLLBACK was
+// skipped) leaves it aborted, so ROLLBACK is sent on its own; a connection
+// whose ROLLBACK failed is closed. It returns err, or the ROLLBACK's error.
+func (tx *pgxTx) endAfterBatch(ctx context.Context, err error) error {
+	if tx.pc.PgConn().TxStatus() != 'I' {
+		if _, rerr := tx.pc.Exec(ctx, "rollback"); rerr != nil {
+			_ = tx.pc.Close(context.WithoutCancel(ctx))
+			if err == nil {
+				err = rerr
+			}
+		}
+	}
+	return err
+}
+
+// afterEnd is the connection in autocommit mode, for statements after
+// readAndRollback ended the transaction.
+func (tx *pgxTx) afterEnd() sqldb.Querier { return sqldb.Pgx(tx.pc) }
+
+// Begin starts a savepoint inside the transaction.
+func (tx *pgxTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	if tx.closed {
+		return nil, pgx.ErrTxClosed
+	}
+	*tx.savepoints++
+	name := "idempotency_sp_" + strconv.Itoa(*tx.savepoints)
+	if _, err := tx.pc.Exec(ctx, "savepoint "+name); err != nil {
+		return nil, err
+	}
+	return &pgxTx{pc: tx.pc, savepoint: name, savepoints: tx.savepoints}, nil
+}
+
+// Commit commits the transaction, or releases the savepoint.
+func (tx *pgxTx) Commit(ctx context.Context) error {
+	if tx.closed {
+		return pgx.ErrTxClosed
+	}
+	tx.closed = true
+	if tx.savepoint != "" {
+		_, err := tx.pc.Exec(ctx, "release savepoint "+tx.savepoint)
+		return err
+	}
+	tag, err := tx.pc.Exec(ctx, "commit")
+	if err != nil {
+		if tx.pc.PgConn().TxStatus() != 'I' {
+			// Unknown state: never reuse the connection.
+			_ = tx.pc.Close(context.WithoutCancel(ctx))
+		}
+		return err
+	}
+	if tag.String() == "ROLLBACK" {
+		return pgx.ErrTxCommitRollback
+	}
+	return nil
+}
+
+// Rollback rolls the transaction back, or rolls back to the savepoint. A
+// failed ROLLBACK closes the connection, so it is never reused mid-transaction.
+func (tx *pgxTx) Rollback(ctx context.Context) error {
+	if tx.closed {
+		return pgx.ErrTxClosed
+	}
+	tx.closed = true
+	if tx.savepoint != "" {
+		_, err := tx.pc.Exec(ctx, "rollback to savepoint "+tx.savepoint)
+		return err
+	}
+	if _, err := tx.pc.Exec(ctx, "rollback"); err != nil {
+		_ = tx.pc.Close(context.WithoutCancel(ctx))
+		return err
+	}
+	return nil
+}
+
+func (tx *pgxTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error) {
+	if tx.closed {
+		return 0, pgx.ErrTxClosed
+	}
+	return tx.pc.CopyFrom(ctx, tableName, columnNames, rowSrc)
+}
+
+func (tx *pgxTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	if tx.closed {
+		return &closedBatchResults{}
+	}
+	return tx.pc.SendBatch(ctx, b)
+}
+
+// LargeObjects: see the type's documentation.
+func (tx *pgxTx) LargeObjects() pgx.LargeObjects {
+	inner, err := tx.pc.Begin(context.Background())
+	if err != nil {
+		return pgx.LargeObjects{}
+	}
+	return inner.LargeObjects()
+}
+
+func (tx *pgxTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	if tx.closed {
+		return nil, pgx.ErrTxClosed
+	}
+	return tx.pc.Prepare(ctx, name, sql)
+}
+
+func (tx *pgxTx) Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error) {
+	if tx.closed {
+		return pgconn.CommandTag{}, pgx.ErrTxClosed
+	}
+	return tx.pc.Exec(ctx, sql, arguments...)
+}
+
+func (tx *pgxTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if tx.closed {
+		return nil, pgx.ErrTxClosed
+	}
+	return tx.pc.Query(ctx, sql, args...)
+}
+
+func (tx *pgxTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if tx.closed {
+		return errRow{pgx.ErrTxClosed}
+	}
+	return tx.pc.QueryRow(ctx, sql, args...)
+}
+
+// Conn returns the underlying connection.
+func (tx *pgxTx) Conn() *pgx.Conn { return tx.pc }
+
+type errRow struct{ err error }
+
+func (r errRow) Scan(...any) error { return r.err }
+
+type closedBatchResults struct{}
+
+func (closedBatchResults) Exec() (pgconn.CommandTag, error) {
+	return pgconn.CommandTag{}, pgx.ErrTxClosed
+}
+func (closedBatchResults) Query() (pgx.Rows, error) { return nil, pgx.ErrTxClosed }
+func (closedBatchResults) QueryRow() pgx.Row        { return errRow{pgx.ErrTxClosed} }
+func (closedBatchResults) Close() error             { return pgx.ErrTxClosed }

@@ -1,0 +1,69 @@
+package inbox_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/processed"
+)
+
+// A handler that changes search_path for the session (SET, not SET LOCAL)
+// leaves it on the pooled connection (processed.Config.Table's doc, README
+// § Configuration reference). With a schema-qualified Table the redelivery
+// on that connection still finds the claim: a duplicate, the effect once.
+// With an unqualified Table the next claim on that connection goes to the
+// other schema's table, as documented: the redelivery runs the handler
+// again.
+func TestSessionSearchPathSetByHandler(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := context.Background()
+	other := e.schema + "_other"
+	_, err := e.pool.Exec(ctx, `CREATE SCHEMA `+other)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = e.pool.Exec(context.Background(), `DROP SCHEMA `+other+` CASCADE`) })
+	unqualified, err := processed.NewStore(processed.Config{})
+	require.NoError(t, err)
+	otherPool, err := pgxpool.NewWithConfig(ctx, testenv.PoolConfig(t, testenv.PostgresURL(), other, 1))
+	require.NoError(t, err)
+	t.Cleanup(otherPool.Close)
+	require.NoError(t, unqualified.Migrate(ctx, sqldb.Pgx(otherPool)))
+	qualified, err := processed.NewStore(processed.Config{Table: e.schema + ".processed_event"})
+	require.NoError(t, err)
+
+	for _, c := range []struct {
+		name    string
+		store   *processed.Store
+		effects int
+	}{{"qualified", qualified, 1}, {"unqualified", unqualified, 2}} {
+		t.Run(c.name, func(t *testing.T) {
+			// One connection: the redelivery runs where the handler's SET stayed.
+			pool, err := pgxpool.NewWithConfig(ctx, testenv.PoolConfig(t, testenv.PostgresURL(), e.schema, 1))
+			require.NoError(t, err)
+			defer pool.Close()
+			h := e.mw(pool, func(cfg *inbox.Config) { cfg.Store = c.store; cfg.Consumer = "sp-" + c.name })(
+				func(msg *message.Message) ([]*message.Message, error) {
+					q, _ := inbox.QuerierFromContext(msg.Context())
+					if _, err := q.Exec(msg.Context(), `INSERT INTO `+e.schema+`.effect (event_id, note) VALUES ($1, 'x')`, msg.UUID); err != nil {
+						return nil, err
+					}
+					_, err := q.Exec(msg.Context(), `SET search_path = `+other)
+					return nil, err
+				})
+			id := uuid.Must(uuid.NewV7()).String()
+			for i := 0; i < 2; i++ {
+				_, err := h(newMsg(id))
+				require.NoError(t, err)
+			}
+			require.Equal(t, c.effects, e.effects(id))
+		})
+	}
+}

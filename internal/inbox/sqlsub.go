@@ -1,0 +1,162 @@
+package inbox
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+)
+
+// ErrNoSubscriberTx: NewSQLSubscriberBeginner found no watermill-sql
+// subscriber transaction in the message context (the handler does not
+// consume from watermill-sql's Subscriber). A configuration error
+// (ErrConfiguration): the delivery is held, never poisoned.
+var ErrNoSubscriberTx = errors.New("idempotency: no watermill-sql subscriber transaction in the message context")
+
+// savepointName is the savepoint of one message inside the subscriber's tx.
+const savepointName = "idempotency_msg"
+
+// NewSQLSubscriberBeginner returns the TxBeginner for messages consumed with
+// watermill-sql v4's Subscriber (PostgreSQL or MySQL used as the queue): it
+// joins the subscriber's transaction (wsql.TxFromContext) instead of opening
+// its own, so the claim, the effects and the subscriber's offset commit
+// together.
+//
+// That subscriber runs a whole batch of messages in one transaction and, on a
+// nack, resends the message in the same transaction without rolling back.
+// So each message runs inside a SAVEPOINT: a failed attempt rolls back to it
+// (claim and effects vanish, and on PostgreSQL an aborted transaction becomes
+// usable again) and a successful one releases it. The Store's dialect must be
+// the subscriber's database. The handler reads the transaction with
+// QuerierFromContext, and also PgxTxFromContext or SQLTxFromContext depending
+// on the subscriber's Beginner; it must not Commit or Rollback it.
+func NewSQLSubscriberBeginner() TxBeginner { return sqlSubscriberBeginner{} }
+
+type sqlSubscriberBeginner struct{}
+
+func (sqlSubscriberBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx, bool, error) {
+	tx, ok := wsql.TxFromContext(ctx)
+	if !ok {
+		return nil, false, &ConfigurationError{Hint: "consume from watermill-sql's Subscriber, or use NewPgxBeginner/NewStdBeginner", Err: ErrNoSubscriberTx}
+	}
+	a := &savepointTx{tx: tx, q: wsqlQuerier{tx}}
+	if _, err := tx.ExecContext(ctx, "SAVEPOINT "+savepointName); err != nil {
+		return nil, false, fmt.Errorf("savepoint: %w", err)
+	}
+	if q, args, ok := c.lockTimeoutQuery(); ok {
+		if _, err := a.q.Exec(ctx, q, args...); err != nil {
+			_ = a.rollback(ctx)
+			return nil, false, err
+		}
+	}
+	claimed, err := c.claim(ctx, a.q)
+	if err != nil {
+		_ = a.rollback(ctx)
+		return nil, false, err
+	}
+	return a, claimed, nil
+}
+
+// savepointTx is one message's part of the subscriber's transaction.
+type savepointTx struct {
+	tx   wsql.Tx
+	q    sqldb.Querier
+	done bool
+}
+
+func (a *savepointTx) parts() (sqldb.Querier, pgx.Tx, *sql.Tx) {
+	switch t := a.tx.(type) {
+	case *wsql.PgxTx:
+		return a.q, t.Tx, nil
+	case wsql.PgxTx:
+		return a.q, t.Tx, nil
+	case *wsql.StdSQLTx:
+		return a.q, nil, t.Tx
+	}
+	return a.q, nil, nil
+}
+
+func (a *savepointTx) bind(ctx context.Context) context.Context {
+	switch t := a.tx.(type) {
+	case *wsql.PgxTx:
+		ctx = context.WithValue(ctx, pgxTxKey{}, t.Tx)
+	case wsql.PgxTx:
+		ctx = context.WithValue(ctx, pgxTxKey{}, t.Tx)
+	case *wsql.StdSQLTx:
+		ctx = context.WithValue(ctx, sqlTxKey{}, t.Tx)
+	}
+	return sqldb.ContextWithTx(ctx, a.q)
+}
+
+// commit releases the savepoint. A RELEASE that fails (on PostgreSQL 25P02
+// when a handler statement failed and the handler returned nil) leaves the
+// savepoint open, so that the middleware's rollback rolls back to it: only
+// this message's claim and effects vanish, and the subscriber's transaction
+// is usable again for the batch's other messages.
+func (a *savepointTx) commit(ctx context.Context) error {
+	if a.done {
+		return errors.New("idempotency: savepoint already ended")
+	}
+	if _, err := a.tx.ExecContext(ctx, "RELEASE SAVEPOINT "+savepointName); err != nil {
+		return err
+	}
+	a.done = true
+	return nil
+}
+
+func (a *savepointTx) rollback(ctx context.Context) error {
+	if a.done {
+		return nil
+	}
+	a.done = true // one try: a failed ROLLBACK TO leaves the subscriber's tx to fail its commit
+	if _, err := a.tx.ExecContext(ctx, "ROLLBACK TO SAVEPOINT "+savepointName); err != nil {
+		return err
+	}
+	_, err := a.tx.ExecContext(ctx, "RELEASE SAVEPOINT "+savepointName)
+	return err
+}
+
+// release is a no-op: the subscriber owns the transaction and its connection.
+func (a *savepointTx) release() {}
+
+func (a *savepointTx) outboxExec() wsql.ContextExecutor { return a.tx }
+
+// wsqlQuerier adapts watermill-sql's ContextExecutor to sqldb.Querier.
+type wsqlQuerier struct{ e wsql.ContextExecutor }
+
+func (w wsqlQuerier) Exec(ctx context.Context, query string, args ...any) (int64, error) {
+	res, err := w.e.ExecContext(ctx, query, args...)
+	if err != nil {
+		return 0, err
+	}
+	return res.RowsAffected()
+}
+
+func (w wsqlQuerier) QueryRow(ctx context.Context, query string, args ...any) sqldb.Row {
+	rows, err := w.e.QueryContext(ctx, query, args...)
+	return wsqlRow{rows: rows, err: err}
+}
+
+type wsqlRow struct {
+	rows wsql.Rows
+	err  error
+}
+
+func (r wsqlRow) Scan(dest ...any) error {
+	if r.err != nil {
+		return r.err
+	}
+	defer r.rows.Close()
+	if !r.rows.Next() {
+		if e, ok := r.rows.(interface{ Err() error }); ok && e.Err() != nil {
+			return e.Err()
+		}
+		return sqldb.ErrNoRows
+	}
+	return r.rows.Scan(dest...)
+}
