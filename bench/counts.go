@@ -26,9 +26,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // Part "counts": per message on the one-INSERT handler through the
@@ -102,7 +102,7 @@ func countChild(specJSON string) error {
 		return err
 	}
 	defer pool.Close()
-	store, err := processed.NewStore(processed.Config{Table: s.Schema + ".processed_event", Horizon: time.Hour})
+	store, err := processedstore.NewStore(processedstore.Config{Table: s.Schema + ".processed_event", Horizon: time.Hour})
 	if err != nil {
 		return err
 	}
@@ -246,7 +246,7 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 		setup.Close(ctx)
 		return err
 	}
-	store, err := processed.NewStore(processed.Config{Table: schema + ".processed_event", Horizon: time.Hour})
+	store, err := processedstore.NewStore(processedstore.Config{Table: schema + ".processed_event", Horizon: time.Hour})
 	if err == nil {
 		err = store.Migrate(ctx, sqldb.Pgx(setup))
 	}

@@ -18,11 +18,11 @@ import (
 	"github.com/nats-io/nats.go"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	amqpmarshaler "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 	"github.com/watermill-idempotency/idempotency/marshaler/jetstream"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 const vOursDup30 = "idempotent_dup30" // our middleware, 30 % of the messages already processed
@@ -54,7 +54,7 @@ type e2eBroker interface {
 type e2eRig struct {
 	e      *env
 	pool   *pgxpool.Pool
-	store  *processed.Store
+	store  *processedstore.Store
 	vs     *variantSet
 	broker e2eBroker
 }

@@ -12,9 +12,9 @@ import (
 	"github.com/nats-io/nats.go"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // env owns what a run creates on the services: schemas (dropped with CASCADE
@@ -93,8 +93,8 @@ func (e *env) pool(ctx context.Context, schema string, maxConns int) (*pgxpool.P
 }
 
 // store migrates a processed-event table schema.table and returns its store.
-func (e *env) store(ctx context.Context, pool *pgxpool.Pool, schema, table string) (*processed.Store, error) {
-	s, err := processed.NewStore(processed.Config{Table: schema + "." + table, Horizon: time.Hour}) // = the purge part's horizon
+func (e *env) store(ctx context.Context, pool *pgxpool.Pool, schema, table string) (*processedstore.Store, error) {
+	s, err := processedstore.NewStore(processedstore.Config{Table: schema + "." + table, Horizon: time.Hour}) // = the purge part's horizon
 	if err != nil {
 		return nil, err
 	}

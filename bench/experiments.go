@@ -10,7 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 )
 
 // experiments is not part of a normal run (-parts experiments): it measures,
@@ -36,7 +36,7 @@ func experiments(ctx context.Context, e *env, sz OverheadSizes, res *Result) err
 	if _, err := pool.Exec(ctx, handlerSchema); err != nil {
 		return err
 	}
-	mk := func(table string, mod func(*inbox.Config)) (message.HandlerFunc, *processed.Store, error) {
+	mk := func(table string, mod func(*inbox.Config)) (message.HandlerFunc, *processedstore.Store, error) {
 		store, err := e.store(ctx, pool, schema, table)
 		if err != nil {
 			return nil, nil, err

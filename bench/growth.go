@@ -12,7 +12,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 )
 
 // fillChunk bounds one INSERT … SELECT of the fill (progress, statement size).
@@ -32,7 +32,7 @@ const fillV4 = `INSERT INTO %s (consumer, event_id) SELECT 'bench', gen_random_u
 type growthTable struct {
 	version string // "v7" or "v4"
 	rows    int
-	store   *processed.Store
+	store   *processedstore.Store
 	sink    *claimSink
 	h       message.HandlerFunc
 }
@@ -274,7 +274,7 @@ func fill(ctx context.Context, e *env, pool *pgxpool.Pool, g *growthTable) error
 // walPerClaim runs n claims of new ids (each in its own transaction) under
 // EXPLAIN (ANALYZE, WAL) and returns the WAL bytes and full-page images per
 // claim, and the WAL bytes of one duplicate claim.
-func walPerClaim(ctx context.Context, pool *pgxpool.Pool, store *processed.Store, ver string, n int) (bytes, fpi, dupBytes float64, err error) {
+func walPerClaim(ctx context.Context, pool *pgxpool.Pool, store *processedstore.Store, ver string, n int) (bytes, fpi, dupBytes float64, err error) {
 	one := func(id uuid.UUID) (b, f float64, err error) {
 		tx, err := pool.Begin(ctx)
 		if err != nil {

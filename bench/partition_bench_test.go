@@ -13,16 +13,16 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // BenchmarkRetentionDropVsDelete measures retention of N expired rows
 // (BENCH_PARTITION_ROWS, default 1,000,000) two ways while 2 workers claim
 // fresh events (one claim per transaction, as the middleware does):
 //
-//   - drop: processed.LayoutPartitioned, the N rows in one expired time
+//   - drop: processedstore.LayoutPartitioned, the N rows in one expired time
 //     partition, removed by the Purger's DROP (MaintainPartitions);
 //   - delete: LayoutPlain, the same N rows removed by the Purger's DELETE
 //     batches (DefaultPurgeBatchSize).
@@ -43,8 +43,8 @@ func BenchmarkRetentionDropVsDelete(b *testing.B) {
 	}
 	ctx := context.Background()
 	for i := 0; i < b.N; i++ {
-		for _, layout := range []processed.Layout{processed.LayoutPartitioned, processed.LayoutPlain} {
-			name := map[processed.Layout]string{processed.LayoutPartitioned: "drop", processed.LayoutPlain: "delete"}[layout]
+		for _, layout := range []processedstore.Layout{processedstore.LayoutPartitioned, processedstore.LayoutPlain} {
+			name := map[processedstore.Layout]string{processedstore.LayoutPartitioned: "drop", processedstore.LayoutPlain: "delete"}[layout]
 			r, err := retentionRun(ctx, b, layout, rows)
 			if err != nil {
 				b.Fatal(err)
@@ -67,7 +67,7 @@ type retentionResult struct {
 	claimsDuring                    int
 }
 
-func retentionRun(ctx context.Context, b *testing.B, layout processed.Layout, rows int) (retentionResult, error) {
+func retentionRun(ctx context.Context, b *testing.B, layout processedstore.Layout, rows int) (retentionResult, error) {
 	var res retentionResult
 	schema := testenv.Schema(b)
 	cfg := testenv.PoolConfig(b, testenv.PostgresURL(), schema, 6)
@@ -77,14 +77,14 @@ func retentionRun(ctx context.Context, b *testing.B, layout processed.Layout, ro
 	}
 	defer pool.Close()
 	const horizon = 2 * time.Hour
-	store, err := processed.NewStore(processed.Config{Table: schema + ".processed_event", Layout: layout, Horizon: horizon})
+	store, err := processedstore.NewStore(processedstore.Config{Table: schema + ".processed_event", Layout: layout, Horizon: horizon})
 	if err != nil {
 		return res, err
 	}
 	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
 		return res, err
 	}
-	purger, err := processed.NewPurger(store, sqldb.PgxPool(pool), processed.PurgerConfig{}, nil)
+	purger, err := processedstore.NewPurger(store, sqldb.PgxPool(pool), processedstore.PurgerConfig{}, nil)
 	if err != nil {
 		return res, err
 	}
@@ -93,7 +93,7 @@ func retentionRun(ctx context.Context, b *testing.B, layout processed.Layout, ro
 	}
 	// The expired rows: UUIDv7 ids of one span 5 h ago, in id order.
 	start := time.Now().Add(-5 * time.Hour).UTC().Truncate(time.Hour)
-	if layout == processed.LayoutPartitioned {
+	if layout == processedstore.LayoutPartitioned {
 		part := fmt.Sprintf("%s.processed_event_p%s", schema, start.Format("200601021504"))
 		if _, err := pool.Exec(ctx, fmt.Sprintf(`CREATE TABLE %s PARTITION OF %s.processed_event FOR VALUES FROM ('%s') TO ('%s')`,
 			part, schema, v7Floor(start), v7Floor(start.Add(time.Hour)))); err != nil {

@@ -5,8 +5,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // fillExpired inserts n processed rows older than the purge horizon: UUIDv7
@@ -40,7 +40,7 @@ func purge(ctx context.Context, e *env, sz PurgeSizes, res *Result) error {
 	if err != nil {
 		return err
 	}
-	purger, err := processed.NewPurger(store, sqldb.PgxPool(pool), processed.PurgerConfig{Horizon: time.Hour}, nil)
+	purger, err := processedstore.NewPurger(store, sqldb.PgxPool(pool), processedstore.PurgerConfig{Horizon: time.Hour}, nil)
 	if err != nil {
 		return err
 	}
@@ -148,7 +148,7 @@ func purge(ctx context.Context, e *env, sz PurgeSizes, res *Result) error {
 		},
 		Notes: []string{
 			fmt.Sprintf("%d rounds × %d expired rows, batches of %d, %d workers claiming (one-INSERT handler); p99: median over rounds; worst: max over rounds.",
-				sz.Rounds, sz.Rows, processed.DefaultPurgeBatchSize, sz.Workers),
+				sz.Rounds, sz.Rows, processedstore.DefaultPurgeBatchSize, sz.Workers),
 		},
 	}
 	res.Tables = append(res.Tables, t)

@@ -20,9 +20,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // consumerName is the fixed consumer of every claim the benchmarks make.
@@ -135,7 +135,7 @@ func txMiddleware(pool *pgxpool.Pool) message.HandlerMiddleware {
 // naiveClaim runs inside txMiddleware: SELECT whether the event was
 // processed, then a plain INSERT (a concurrent duplicate would abort the
 // transaction with 23505; the benchmark sends none).
-func naiveClaim(store *processed.Store) message.HandlerMiddleware {
+func naiveClaim(store *processedstore.Store) message.HandlerMiddleware {
 	table := store.Table().Quoted('"')
 	sel := `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND event_id = $2)`
 	ins := `INSERT INTO ` + table + ` (consumer, event_id) VALUES ($1, $2)`
@@ -165,7 +165,7 @@ func naiveClaim(store *processed.Store) message.HandlerMiddleware {
 // separateClaim claims in a transaction of its own (autocommit on the pool)
 // before the handler's transaction: two commits per message, and a failure
 // after the first loses the event.
-func separateClaim(pool *pgxpool.Pool, store *processed.Store) message.HandlerMiddleware {
+func separateClaim(pool *pgxpool.Pool, store *processedstore.Store) message.HandlerMiddleware {
 	q := sqldb.Pgx(pool)
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
@@ -203,7 +203,7 @@ type discard struct{}
 func (discard) Publish(string, ...*message.Message) error { return nil }
 func (discard) Close() error                              { return nil }
 
-func newIdempotent(pool *pgxpool.Pool, store *processed.Store, pipelined bool, rec inbox.Recorder) (*inbox.Idempotent, error) {
+func newIdempotent(pool *pgxpool.Pool, store *processedstore.Store, pipelined bool, rec inbox.Recorder) (*inbox.Idempotent, error) {
 	beginner, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{DisablePipeline: !pipelined})
 	if err != nil {
 		return nil, err
@@ -248,7 +248,7 @@ func compose(h message.HandlerFunc, mws ...message.HandlerMiddleware) message.Ha
 // variantSet builds every variant's full handler for one pool and store.
 type variantSet struct {
 	pool  *pgxpool.Pool
-	store *processed.Store
+	store *processedstore.Store
 	sink  *claimSink
 
 	ours, unpipelined *inbox.Idempotent
@@ -258,7 +258,7 @@ type variantSet struct {
 	inmem             message.HandlerMiddleware
 }
 
-func newVariantSet(pool *pgxpool.Pool, store *processed.Store) (*variantSet, error) {
+func newVariantSet(pool *pgxpool.Pool, store *processedstore.Store) (*variantSet, error) {
 	vs := &variantSet{pool: pool, store: store, sink: &claimSink{}}
 	var err error
 	if vs.ours, err = newIdempotent(pool, store, true, vs.sink); err != nil {
@@ -351,7 +351,7 @@ func cycle(ids []uuid.UUID) func() (*message.Message, error) {
 
 // preclaim records n new UUIDv7 ids as processed by consumerName in store's
 // table (COPY), and returns them.
-func preclaim(ctx context.Context, pool *pgxpool.Pool, store *processed.Store, n int) ([]uuid.UUID, error) {
+func preclaim(ctx context.Context, pool *pgxpool.Pool, store *processedstore.Store, n int) ([]uuid.UUID, error) {
 	ids := make([]uuid.UUID, n)
 	rows := make([][]any, n)
 	for i := range ids {

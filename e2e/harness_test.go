@@ -19,10 +19,10 @@ import (
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // Case ids from ../shared/cases (valid UUIDv7).
@@ -63,7 +63,7 @@ func newEnvAt(t *testing.T, c shop.Consumer, dbURL string) *env {
 	schema := testenv.SchemaOn(t, dbURL)
 	pool := testenv.PoolAt(t, dbURL, schema, 8)
 	ctx := context.Background()
-	store, err := processed.NewStore(processed.Config{})
+	store, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)
 	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
 	_, err = pool.Exec(ctx, effectSchema)

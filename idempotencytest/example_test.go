@@ -10,9 +10,9 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // A user's handler writes a row in the attempt's transaction; delivered
@@ -86,7 +86,7 @@ func exampleDB(ctx context.Context, ddl string) (*pgxpool.Pool, func()) {
 	if err != nil {
 		panic(err)
 	}
-	store, _ := processed.NewStore(processed.Config{})
+	store, _ := processedstore.NewStore(processedstore.Config{})
 	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
 		panic(err)
 	}

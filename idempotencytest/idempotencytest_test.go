@@ -14,9 +14,9 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // fakeTB records what the helpers report.
@@ -45,7 +45,7 @@ func newFixture(t *testing.T, consumer string) *fixture {
 	t.Helper()
 	pool, _ := testenv.Pool(t)
 	ctx := context.Background()
-	store, err := processed.NewStore(processed.Config{})
+	store, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)
 	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
 	_, err = pool.Exec(ctx, `CREATE TABLE effect (event_id uuid NOT NULL)`)

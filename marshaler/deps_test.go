@@ -17,7 +17,7 @@ import (
 var corePackages = []string{
 	"github.com/watermill-idempotency/idempotency/marshaler",
 	"github.com/watermill-idempotency/idempotency/internal/inbox",
-	"github.com/watermill-idempotency/idempotency/processed",
+	"github.com/watermill-idempotency/idempotency/internal/processedstore",
 	"github.com/watermill-idempotency/idempotency/outbox",
 }
 

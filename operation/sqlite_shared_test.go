@@ -12,10 +12,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/operation"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // openSQLite opens path with a short busy_timeout (200 ms), so that a Runner
@@ -102,13 +102,13 @@ func TestD15_SQLiteRunnerOnHandlersFileRefused(t *testing.T) {
 func TestH11_SQLiteSharedFileRefusedAtConstruction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	newStore := func(t *testing.T, db *sql.DB) *processed.Store {
-		store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+	newStore := func(t *testing.T, db *sql.DB) *processedstore.Store {
+		store, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
 		require.NoError(t, err)
 		require.NoError(t, store.Migrate(ctx, sqldb.Std(db)))
 		return store
 	}
-	newIdem := func(db *sql.DB, store *processed.Store) (*inbox.Idempotent, error) {
+	newIdem := func(db *sql.DB, store *processedstore.Store) (*inbox.Idempotent, error) {
 		return inbox.NewIdempotent(inbox.Config{Beginner: mustStdBeginner(t, db), Store: store, Consumer: "billing"}, nil)
 	}
 	refused := func(t *testing.T, err error, field string) {

@@ -9,10 +9,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -50,7 +50,7 @@ func ExampleNewLatestFilter() {
 
 	// Once, at start: the stores and their tables.
 	families, _ := versioned.NewFamilyStore(versioned.FamilyStoreConfig{})
-	store, _ := processed.NewStore(processed.Config{})
+	store, _ := processedstore.NewStore(processedstore.Config{})
 	if err := families.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
 		panic(err)
 	}

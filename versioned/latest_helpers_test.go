@@ -20,10 +20,10 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -139,7 +139,7 @@ type lfEnv struct {
 	redis       *redis.Client
 	redisPrefix string
 
-	processed *processed.Store
+	processed *processedstore.Store
 
 	outcomes *lfOutcomes
 	counter  *versioned.FilterCounter
@@ -170,7 +170,7 @@ func newLFEnvWith(t *testing.T, store, target string) *lfEnv {
 	tg := testenv.NewTarget(t, target, 8)
 	e := &lfEnv{t: t, tg: tg, pool: tg.Pgx, db: tg.DB, schema: tg.Database, store: store,
 		outcomes: &lfOutcomes{}, counter: &versioned.FilterCounter{}}
-	ps, err := processed.NewStore(processed.Config{Dialect: tg.Dialect})
+	ps, err := processedstore.NewStore(processedstore.Config{Dialect: tg.Dialect})
 	require.NoError(t, err)
 	require.NoError(t, ps.Migrate(ctx, e.db))
 	e.processed = ps

@@ -18,9 +18,9 @@ import (
 	_ "github.com/jackc/pgx/v5/stdlib" // database/sql driver "pgx"
 	_ "modernc.org/sqlite"             // database/sql driver "sqlite"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/operation"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // Exit codes of every command (also printed by "idem help").
@@ -69,7 +69,7 @@ Common flags (any command):
                        (add search_path=SCHEMA to the query for another schema)
   --dialect D          postgres (default), mysql (go-sql-driver DSN) or sqlite (file DSN); $IDEM_DIALECT
   --amqp-url URL       $AMQP_URL, default ` + defaultAMQPURL + `
-  --processed-table T  default ` + processed.DefaultTable + `
+  --processed-table T  default ` + processedstore.DefaultTable + `
   --operations-table T default ` + operation.DefaultTable + `
   --json               one JSON document on stdout instead of a table
 
@@ -207,7 +207,7 @@ func (e *env) flags() *flag.FlagSet {
 	fs.StringVar(&e.databaseURL, "database-url", envOr("DATABASE_URL", defaultDatabaseURL), "database URL or DSN ($DATABASE_URL)")
 	fs.StringVar(&e.dialectName, "dialect", envOr("IDEM_DIALECT", "postgres"), "SQL dialect: postgres, mysql or sqlite ($IDEM_DIALECT)")
 	fs.StringVar(&e.amqpURL, "amqp-url", envOr("AMQP_URL", defaultAMQPURL), "RabbitMQ URL ($AMQP_URL)")
-	fs.StringVar(&e.processedTable, "processed-table", processed.DefaultTable, "processed-event table, name or schema.name")
+	fs.StringVar(&e.processedTable, "processed-table", processedstore.DefaultTable, "processed-event table, name or schema.name")
 	fs.StringVar(&e.operationsTable, "operations-table", operation.DefaultTable, "operations table, name or schema.name")
 	fs.BoolVar(&e.json, "json", false, "print one JSON document instead of a table")
 	return fs

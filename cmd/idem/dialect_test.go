@@ -11,10 +11,10 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/operation"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // TestOtherDialects runs processed show, purge --dry-run and operations
@@ -48,7 +48,7 @@ func TestOtherDialects(t *testing.T) {
 func dialectCase(t *testing.T, db *sql.DB, d sqldb.Dialect, dialect, dsn, insertOld string) {
 	ctx := context.Background()
 	q := sqldb.Std(db)
-	store, err := processed.NewStore(processed.Config{Dialect: d})
+	store, err := processedstore.NewStore(processedstore.Config{Dialect: d})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -22,10 +22,10 @@ import (
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	idemamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // Environment of the child process of the kill test (TestMain).
@@ -76,7 +76,7 @@ func newShop(t *testing.T) *shop {
 	t.Helper()
 	ctx := context.Background()
 	pool, schema := testenv.Pool(t)
-	store, err := processed.NewStore(processed.Config{})
+	store, err := processedstore.NewStore(processedstore.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}

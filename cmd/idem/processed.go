@@ -4,8 +4,8 @@ import (
 	"context"
 	"time"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // processedRow is one consumer's record of an event.
@@ -41,7 +41,7 @@ func runProcessedShow(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	defer db.Close()
-	store, err := processed.NewStore(processed.Config{Table: e.processedTable, Dialect: d})
+	store, err := processedstore.NewStore(processedstore.Config{Table: e.processedTable, Dialect: d})
 	if err != nil {
 		return usageErr("--processed-table: %v", err)
 	}

@@ -7,14 +7,14 @@ import (
 
 	"github.com/google/uuid"
 
-	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 )
 
 func TestProcessedShow(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db, q, schema := schemaDB(t)
-	store, err := processed.NewStore(processed.Config{})
+	store, err := processedstore.NewStore(processedstore.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -7,7 +7,7 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 )
 
 // purgePreview is the JSON document of "purge --dry-run".
@@ -24,15 +24,15 @@ type purgePreview struct {
 
 func runPurge(ctx context.Context, e *env, args []string) error {
 	fs := e.flags()
-	dryRun := fs.Bool("dry-run", false, "required: only count (the purger itself runs in the service, processed.Purger)")
+	dryRun := fs.Bool("dry-run", false, "required: only count (the purger itself runs in the service, processedstore.Purger)")
 	horizonFlag := fs.String("horizon", os.Getenv("IDEM_HORIZON"), "the purger's PurgerConfig.Horizon, e.g. 168h ($IDEM_HORIZON)")
-	minHorizon := fs.Duration("min-horizon", processed.DefaultMinHorizon, "the purger's PurgerConfig.MinHorizon")
-	batch := fs.Int("batch-size", processed.DefaultPurgeBatchSize, "the purger's PurgerConfig.BatchSize (for the batch count)")
+	minHorizon := fs.Duration("min-horizon", processedstore.DefaultMinHorizon, "the purger's PurgerConfig.MinHorizon")
+	batch := fs.Int("batch-size", processedstore.DefaultPurgeBatchSize, "the purger's PurgerConfig.BatchSize (for the batch count)")
 	if _, err := e.parse(fs, args, 0, 0); err != nil {
 		return err
 	}
 	if !*dryRun {
-		return usageErr("purge runs only with --dry-run: the purger (processed.Purger) deletes, in the service")
+		return usageErr("purge runs only with --dry-run: the purger (processedstore.Purger) deletes, in the service")
 	}
 	if *horizonFlag == "" {
 		return usageErr("--horizon D is required (the purger's PurgerConfig.Horizon; or set $IDEM_HORIZON)")
@@ -42,7 +42,7 @@ func runPurge(ctx context.Context, e *env, args []string) error {
 		return usageErr("--horizon %q: %v", *horizonFlag, err)
 	}
 	if horizon < *minHorizon {
-		return usageErr("--horizon %s is below the minimum %s: the purger would refuse it (%v)", horizon, *minHorizon, processed.ErrHorizonTooShort)
+		return usageErr("--horizon %s is below the minimum %s: the purger would refuse it (%v)", horizon, *minHorizon, processedstore.ErrHorizonTooShort)
 	}
 	if *batch <= 0 {
 		return usageErr("--batch-size %d: must be > 0", *batch)
@@ -52,7 +52,7 @@ func runPurge(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	defer db.Close()
-	store, err := processed.NewStore(processed.Config{Table: e.processedTable, Dialect: d})
+	store, err := processedstore.NewStore(processedstore.Config{Table: e.processedTable, Dialect: d})
 	if err != nil {
 		return usageErr("--processed-table: %v", err)
 	}

@@ -5,8 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // TestPurgeDryRun: the count and cutoff agree with what the purger then
@@ -15,7 +15,7 @@ func TestPurgeDryRun(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db, q, schema := schemaDB(t)
-	store, err := processed.NewStore(processed.Config{Horizon: 48 * time.Hour})
+	store, err := processedstore.NewStore(processedstore.Config{Horizon: 48 * time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -45,7 +45,7 @@ func TestPurgeDryRun(t *testing.T) {
 		t.Fatalf("30m: %+v", p)
 	}
 	// The dry run deleted nothing; the purger deletes what it announced.
-	purger, err := processed.NewPurger(store, sqldb.StdPool(db), processed.PurgerConfig{Horizon: 48 * time.Hour}, nil)
+	purger, err := processedstore.NewPurger(store, sqldb.StdPool(db), processedstore.PurgerConfig{Horizon: 48 * time.Hour}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -18,10 +18,10 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/operation"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // EventConfirmationRequested is the event billing produces once a payment is
@@ -151,10 +151,10 @@ const insertPaymentSQL = `INSERT INTO billing_payment (order_id, charge_id, amou
 VALUES ($1, $2, $3, $4, $5) ON CONFLICT (order_id) DO NOTHING`
 
 // Migrate creates, in pool's database and search_path, the processed-event
-// table of store (processed.DefaultTable when nil), the runner's operations
+// table of store (processedstore.DefaultTable when nil), the runner's operations
 // table and the billing_payment ledger. Idempotent. The runner's own pool
 // must reach the same database.
-func Migrate(ctx context.Context, pool *pgxpool.Pool, store *processed.Store, runner *operation.Runner) error {
+func Migrate(ctx context.Context, pool *pgxpool.Pool, store *processedstore.Store, runner *operation.Runner) error {
 	return MigrateDB(ctx, shop.PgxDB(pool), store, runner)
 }
 
@@ -182,10 +182,10 @@ VALUES (?, ?, ?, ?, ?) ON CONFLICT (order_id) DO NOTHING`
 // its own (migrate it there): SQLite has one writer per file, and the
 // runner records its "started" row while the handler's transaction holds
 // the write lock of the service's file.
-func MigrateDB(ctx context.Context, db shop.DB, store *processed.Store, runner *operation.Runner) error {
+func MigrateDB(ctx context.Context, db shop.DB, store *processedstore.Store, runner *operation.Runner) error {
 	if store == nil {
 		var err error
-		if store, err = processed.NewStore(processed.Config{Dialect: db.Dialect}); err != nil {
+		if store, err = processedstore.NewStore(processedstore.Config{Dialect: db.Dialect}); err != nil {
 			return err
 		}
 	}

@@ -16,11 +16,11 @@ import (
 	"github.com/watermill-idempotency/idempotency/examples/billing"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/operation"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // env is one billing service wired as the demo wires it, without a broker:
@@ -48,7 +48,7 @@ func newEnvOn(t *testing.T, dialect sqldb.Dialect, inner func(message.HandlerFun
 	var db shop.DB
 	var runner *operation.Runner
 	var beginner inbox.TxBeginner
-	var store *processed.Store
+	var store *processedstore.Store
 	if dialect == sqldb.SQLite {
 		db = shop.SQLiteDB(testenv.SQLiteDB(t))
 		ops := testenv.SQLiteDB(t)
@@ -58,7 +58,7 @@ func newEnvOn(t *testing.T, dialect sqldb.Dialect, inner func(message.HandlerFun
 		require.NoError(t, runner.Migrate(ctx, sqldb.Std(ops)))
 		require.NoError(t, billing.MigrateDB(ctx, db, nil, nil))
 		beginner = mustBeginner(inbox.NewStdBeginner(db.SQL))
-		store, err = processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+		store, err = processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
 		require.NoError(t, err)
 	} else {
 		pool, schema := testenv.Pool(t)

@@ -24,10 +24,10 @@ import (
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/examples/stock"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/outbox"
-	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -89,8 +89,8 @@ type consumerSpec struct {
 	handler      message.NoPublishHandlerFunc
 	publish      message.HandlerFunc
 	publishTopic string
-	outbox       *outbox.Outbox   // the service's outbox and relay, optional
-	store        *processed.Store // the processed-event store; nil: the default
+	outbox       *outbox.Outbox        // the service's outbox and relay, optional
+	store        *processedstore.Store // the processed-event store; nil: the default
 	// relayDest wraps the relay's destination (fault injection), optional.
 	relayDest func(message.Publisher) message.Publisher
 }
@@ -294,7 +294,7 @@ func (d *demo) setup(ctx context.Context) error {
 	for _, c := range []struct {
 		dst     **consumerRun
 		c       shop.Consumer
-		migrate func(context.Context, shop.DB, *processed.Store) error
+		migrate func(context.Context, shop.DB, *processedstore.Store) error
 		handler message.NoPublishHandlerFunc
 	}{
 		{&d.stock, stock.Consumer, stock.MigrateDB, stock.HandlerFor(d.orderDB.Dialect)},

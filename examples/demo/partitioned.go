@@ -6,23 +6,23 @@ import (
 	"time"
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // demoHorizon is the replay horizon of the -partitioned stores.
 const demoHorizon = 24 * time.Hour
 
 // processedStore is the store of a consumer's database: nil (the default
-// table) unless -partitioned, then processed.LayoutPartitioned in schema.
-func (d *demo) processedStore(_ context.Context, db shop.DB, schema string) (*processed.Store, error) {
+// table) unless -partitioned, then processedstore.LayoutPartitioned in schema.
+func (d *demo) processedStore(_ context.Context, db shop.DB, schema string) (*processedstore.Store, error) {
 	if !d.cfg.Partitioned {
 		return nil, nil
 	}
-	return processed.NewStore(processed.Config{
-		Table:   schema + "." + processed.DefaultTable,
+	return processedstore.NewStore(processedstore.Config{
+		Table:   schema + "." + processedstore.DefaultTable,
 		Dialect: db.Dialect,
-		Layout:  processed.LayoutPartitioned,
+		Layout:  processedstore.LayoutPartitioned,
 		Horizon: demoHorizon,
 	})
 }
@@ -30,11 +30,11 @@ func (d *demo) processedStore(_ context.Context, db shop.DB, schema string) (*pr
 // maintainPartitions runs the purger once, as a service would on its
 // interval: it creates the time partitions ahead, so the demo's claims land
 // in them rather than in the default partition.
-func (d *demo) maintainPartitions(ctx context.Context, db shop.DB, store *processed.Store) error {
+func (d *demo) maintainPartitions(ctx context.Context, db shop.DB, store *processedstore.Store) error {
 	if store == nil {
 		return nil
 	}
-	p, err := processed.NewPurger(store, sqldb.PgxPool(db.Pool), processed.PurgerConfig{}, d.logger)
+	p, err := processedstore.NewPurger(store, sqldb.PgxPool(db.Pool), processedstore.PurgerConfig{}, d.logger)
 	if err != nil {
 		return err
 	}

@@ -17,8 +17,8 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -176,20 +176,20 @@ func NewIndexer(cfg IndexerConfig) (*Indexer, error) {
 }
 
 // Migrate creates, in pool's search_path, the processed-event table of store
-// (processed.DefaultTable when nil) and the indexer's family tables (the
+// (processedstore.DefaultTable when nil) and the indexer's family tables (the
 // applied table, and the latest table under its configured name, which
 // CREATE … IF NOT EXISTS leaves alone when the catalogue made it).
 // Idempotent. Its signature is the demo's consumer migration hook.
-func (ix *Indexer) Migrate(ctx context.Context, pool *pgxpool.Pool, store *processed.Store) error {
+func (ix *Indexer) Migrate(ctx context.Context, pool *pgxpool.Pool, store *processedstore.Store) error {
 	return ix.MigrateDB(ctx, shop.PgxDB(pool), store)
 }
 
 // MigrateDB is Migrate on a PostgreSQL or SQLite database. A nil store is
-// processed.DefaultTable in db's dialect.
-func (ix *Indexer) MigrateDB(ctx context.Context, db shop.DB, store *processed.Store) error {
+// processedstore.DefaultTable in db's dialect.
+func (ix *Indexer) MigrateDB(ctx context.Context, db shop.DB, store *processedstore.Store) error {
 	if store == nil {
 		var err error
-		if store, err = processed.NewStore(processed.Config{Dialect: db.Dialect}); err != nil {
+		if store, err = processedstore.NewStore(processedstore.Config{Dialect: db.Dialect}); err != nil {
 			return err
 		}
 	}

@@ -21,10 +21,10 @@ import (
 	"github.com/watermill-idempotency/idempotency/examples/indexer"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/outbox"
-	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -345,7 +345,7 @@ func TestIndexerProcessesOnlyTheLatestSQLite(t *testing.T) {
 	ix, err := indexer.NewIndexer(indexer.IndexerConfig{Index: index, LatestQuerier: sqldb.Std(catDB), Dialect: sqldb.SQLite})
 	require.NoError(t, err)
 	require.NoError(t, ix.MigrateDB(ctx, shop.SQLiteDB(ixDB), nil))
-	store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+	store, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
 	require.NoError(t, err)
 	rec := newAttempts()
 	idem, err := inbox.NewIdempotent(inbox.Config{

@@ -18,11 +18,11 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // names are the only thing changed from the README's runStock: the README
@@ -76,12 +76,12 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 	defer pool.Close()
 	// Table processed_event; events older than the replay horizon (by the
 	// database clock) are refused, so its Purger may delete their rows.
-	store, err := processed.NewStore(processed.Config{Horizon: 7 * 24 * time.Hour})
+	store, err := processedstore.NewStore(processedstore.Config{Horizon: 7 * 24 * time.Hour})
 	if err != nil {
 		return err
 	}
 	if !w.skipMigrate {
-		if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil { // or processed.MigrationsFS with goose / golang-migrate
+		if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil { // or processedstore.MigrationsFS with goose / golang-migrate
 			return err
 		}
 	}

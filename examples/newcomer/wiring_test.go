@@ -16,10 +16,10 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // insertNote writes the effect with a note telling which handler made it.
@@ -274,12 +274,12 @@ func TestNewcomer_MigrationsNotRun(t *testing.T) {
 	e.start(e.n, wiring{skipMigrate: true})
 	e.order("A", 2)
 	testenv.Eventually(t, 60*time.Second, "an ERROR saying what to fix", func(o *testenv.Observed) bool {
-		return o.Int("errors", len(e.logs.errors("processed.Migrate"))) >= 1
+		return o.Int("errors", len(e.logs.errors("processedstore.Migrate"))) >= 1
 	})
 	if n, _ := e.depth(e.n.DLQ); n != 0 {
 		t.Fatalf("%d message(s) dead-lettered for a missing table", n)
 	}
-	store, err := processed.NewStore(processed.Config{Horizon: 7 * 24 * time.Hour})
+	store, err := processedstore.NewStore(processedstore.Config{Horizon: 7 * 24 * time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}

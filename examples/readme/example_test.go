@@ -14,9 +14,9 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // README:begin
@@ -31,11 +31,11 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 	defer pool.Close()
 	// Table processed_event; events older than the replay horizon (by the
 	// database clock) are refused, so its Purger may delete their rows.
-	store, err := processed.NewStore(processed.Config{Horizon: 7 * 24 * time.Hour})
+	store, err := processedstore.NewStore(processedstore.Config{Horizon: 7 * 24 * time.Hour})
 	if err != nil {
 		return err
 	}
-	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil { // or processed.MigrationsFS with goose / golang-migrate
+	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil { // or processedstore.MigrationsFS with goose / golang-migrate
 		return err
 	}
 	beginner, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{}) // BEGIN + claim in one round trip

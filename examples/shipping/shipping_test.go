@@ -12,10 +12,10 @@ import (
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -138,7 +138,7 @@ func TestOutOfOrderSQLite(t *testing.T) {
 	require.NoError(t, shipping.MigrateDB(ctx, shop.SQLiteDB(db), nil))
 	h, err := shipping.NewHandlerFor(sqldb.SQLite)
 	require.NoError(t, err)
-	store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+	store, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
 	require.NoError(t, err)
 	rec := &recorder{}
 	idem, err := inbox.NewIdempotent(inbox.Config{

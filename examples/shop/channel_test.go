@@ -15,11 +15,11 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 func receive(t *testing.T, msgs <-chan *message.Message) *message.Message {
@@ -195,7 +195,7 @@ func TestServiceEmbedded(t *testing.T) {
 	sqlDB := testenv.SQLiteDB(t)
 	db := shop.SQLiteDB(sqlDB)
 	require.NoError(t, db.Exec(ctx, `CREATE TABLE effect (order_id TEXT NOT NULL, event_id TEXT NOT NULL)`))
-	store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+	store, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
 	require.NoError(t, err)
 	require.NoError(t, store.Migrate(ctx, db.Querier()))
 	b := shop.NewChannelBroker(nil)

@@ -14,11 +14,11 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/outbox"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // DefaultCloseTimeout bounds how long Service.Close waits for running handlers.
@@ -94,7 +94,7 @@ type ServiceConfig struct {
 	Middleware []message.HandlerMiddleware
 	// Idempotent configures the idempotent middleware. Beginner defaults to
 	// inbox.NewPgxBeginner(Pool, …) (with DB: inbox.NewStdBeginner,
-	// and Store to processed.DefaultTable in the SQLite dialect), Consumer to
+	// and Store to processedstore.DefaultTable in the SQLite dialect), Consumer to
 	// Consumer.Name and Outbox to Outbox.
 	Idempotent inbox.Config
 	// Chain configures retries (MaxRetries, intervals) and AfterPoison, which
@@ -192,7 +192,7 @@ func NewService(cfg ServiceConfig) (*Service, error) {
 		idem.Beginner = b
 	}
 	if idem.Store == nil && db.IsSQLite() {
-		st, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+		st, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
 		if err != nil {
 			return nil, err
 		}

@@ -20,12 +20,12 @@ import (
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/outbox"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // eventProduced is the event the publishing handlers of these tests produce.
@@ -41,7 +41,7 @@ func runService(t *testing.T, b *broker, cfg shop.ServiceConfig) *pgxpool.Pool {
 	t.Helper()
 	ctx := context.Background()
 	pool, _ := testenv.Pool(t)
-	store, err := processed.NewStore(processed.Config{})
+	store, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)
 	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
 	if cfg.Outbox != nil {

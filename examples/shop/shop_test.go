@@ -18,11 +18,11 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 var consumer = shop.Consumer{Name: "stock", Bindings: []string{shop.EventOrderPlaced}}
@@ -139,7 +139,7 @@ func TestDeclare(t *testing.T) {
 func startService(t *testing.T, b *broker, h message.NoPublishHandlerFunc, mw ...message.HandlerMiddleware) *shop.Service {
 	t.Helper()
 	pool, _ := testenv.Pool(t)
-	store, err := processed.NewStore(processed.Config{})
+	store, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)
 	require.NoError(t, store.Migrate(context.Background(), sqldb.Pgx(pool)))
 	svc, err := shop.NewService(shop.ServiceConfig{

@@ -13,8 +13,8 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // Consumer is the stock service's subscription: queue "stock.events", bound
@@ -66,18 +66,18 @@ const (
 ON CONFLICT (sku) DO UPDATE SET reserved = stock_level.reserved + excluded.reserved`
 )
 
-// Migrate creates the processed-event table of store (processed.DefaultTable
+// Migrate creates the processed-event table of store (processedstore.DefaultTable
 // when nil) and the stock tables in pool's search_path. Idempotent.
-func Migrate(ctx context.Context, pool *pgxpool.Pool, store *processed.Store) error {
+func Migrate(ctx context.Context, pool *pgxpool.Pool, store *processedstore.Store) error {
 	return MigrateDB(ctx, shop.PgxDB(pool), store)
 }
 
 // MigrateDB is Migrate on a PostgreSQL or SQLite database. A nil store is
-// processed.DefaultTable in db's dialect.
-func MigrateDB(ctx context.Context, db shop.DB, store *processed.Store) error {
+// processedstore.DefaultTable in db's dialect.
+func MigrateDB(ctx context.Context, db shop.DB, store *processedstore.Store) error {
 	if store == nil {
 		var err error
-		if store, err = processed.NewStore(processed.Config{Dialect: db.Dialect}); err != nil {
+		if store, err = processedstore.NewStore(processedstore.Config{Dialect: db.Dialect}); err != nil {
 			return err
 		}
 	}

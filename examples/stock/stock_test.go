@@ -13,10 +13,10 @@ import (
 	"github.com/watermill-idempotency/idempotency/examples/stock"
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 func setup(t *testing.T) (*pgxpool.Pool, idempotencytest.Subject) {
@@ -106,7 +106,7 @@ func setupSQLite(t *testing.T) (*sql.DB, idempotencytest.Subject) {
 	t.Helper()
 	db := testenv.SQLiteDB(t)
 	require.NoError(t, stock.MigrateDB(context.Background(), shop.SQLiteDB(db), nil))
-	store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+	store, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
 	require.NoError(t, err)
 	idem, err := inbox.NewIdempotent(inbox.Config{
 		Beginner: mustBeginner(inbox.NewStdBeginner(db)),

@@ -12,8 +12,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // TxBeginner opens the transaction of one attempt and claims the event in it.
@@ -25,15 +25,15 @@ type TxBeginner interface {
 }
 
 type claimRequest struct {
-	store    *processed.Store
+	store    *processedstore.Store
 	consumer string
 	eventID  uuid.UUID
 	// identity is stored with the claim and compared on a duplicate
 	// (payload verification, identity.go) when verify is set.
-	identity processed.Identity
+	identity processedstore.Identity
 	verify   bool
 	// eventAt is the event's occurred_at for ids that carry no time (zero:
-	// unknown); the store dates a UUIDv7 by its id (processed.EventTime).
+	// unknown); the store dates a UUIDv7 by its id (processedstore.EventTime).
 	eventAt time.Time
 	// lockTimeout is the dialect's lock-timeout statement and arguments,
 	// built once by NewIdempotent; nil → leave the session's lock timeout
@@ -49,7 +49,7 @@ type lockTimeoutStmt struct {
 
 // newLockTimeoutStmt builds the statement for d, or nil when d ≤ 0 or the
 // dialect has none.
-func newLockTimeoutStmt(store *processed.Store, d time.Duration) *lockTimeoutStmt {
+func newLockTimeoutStmt(store *processedstore.Store, d time.Duration) *lockTimeoutStmt {
 	if d <= 0 {
 		return nil
 	}
@@ -145,7 +145,7 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 		return nil, false, fmt.Errorf("acquire connection: %w", err)
 	}
 	if b.prepared {
-		var id *processed.Identity
+		var id *processedstore.Identity
 		if c.verify {
 			id = &c.identity
 		}

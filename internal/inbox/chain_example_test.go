@@ -14,9 +14,9 @@ import (
 	_ "modernc.org/sqlite" // database/sql driver "sqlite"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // outcomes is a Recorder handing each attempt's outcome to the example.
@@ -40,7 +40,7 @@ func ExampleNewHandlerMiddleware() {
 		panic(err)
 	}
 	defer db.Close()
-	store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite, Horizon: 7 * 24 * time.Hour})
+	store, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite, Horizon: 7 * 24 * time.Hour})
 	if err != nil {
 		panic(err)
 	}

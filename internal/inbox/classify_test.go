@@ -25,10 +25,10 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/middleware/mysqlerr"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // chained wraps h in the recommended chain (NewHandlerMiddleware) with fast
@@ -262,7 +262,7 @@ func TestN01(t *testing.T) {
 		}
 		rw := open(testenv.MySQLDatabaseDSN(name))
 		ro := open(testenv.MySQLDatabaseDSN(name) + "&tx_read_only=1") // SET SESSION tx_read_only=1 on every connection
-		store, err := processed.NewStore(processed.Config{Dialect: sqldb.MySQL})
+		store, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.MySQL})
 		require.NoError(t, err)
 		require.NoError(t, store.Migrate(ctx, sqldb.Std(rw)))
 		_, err = rw.Exec(`CREATE TABLE effect (event_id varchar(36) NOT NULL, note varchar(100))`)
@@ -333,7 +333,7 @@ func TestConfigurationErrorsAreHeldNotPoisoned(t *testing.T) {
 	for _, n := range []uint16{1146, 1054, 1142} {
 		require.Equal(t, inbox.ClassConfiguration, mysqlerr.Classify(&mysql.MySQLError{Number: n}), n)
 	}
-	check := func(t *testing.T, beginner inbox.TxBeginner, store *processed.Store, cls inbox.ErrorClassifier, h message.HandlerFunc) {
+	check := func(t *testing.T, beginner inbox.TxBeginner, store *processedstore.Store, cls inbox.ErrorClassifier, h message.HandlerFunc) {
 		t.Helper()
 		logger := watermill.NewCaptureLogger()
 		idem, err := inbox.NewIdempotent(inbox.Config{Beginner: beginner, Store: store, Consumer: "stock", Classifier: cls}, logger)
@@ -352,7 +352,7 @@ func TestConfigurationErrorsAreHeldNotPoisoned(t *testing.T) {
 		require.NotEmpty(t, hint, "an ERROR log says what to fix")
 	}
 	noop := func(*message.Message) ([]*message.Message, error) { return nil, nil }
-	unmigrated, err := processed.NewStore(processed.Config{Table: "never_migrated"})
+	unmigrated, err := processedstore.NewStore(processedstore.Config{Table: "never_migrated"})
 	require.NoError(t, err)
 
 	t.Run("postgres processed table missing", func(t *testing.T) {
@@ -371,13 +371,13 @@ func TestConfigurationErrorsAreHeldNotPoisoned(t *testing.T) {
 	})
 	t.Run("mariadb processed table missing", func(t *testing.T) {
 		t.Parallel()
-		store, err := processed.NewStore(processed.Config{Table: "never_migrated", Dialect: sqldb.MySQL})
+		store, err := processedstore.NewStore(processedstore.Config{Table: "never_migrated", Dialect: sqldb.MySQL})
 		require.NoError(t, err)
 		check(t, mustBeginner(inbox.NewStdBeginner(testenv.MySQLDB(t))), store, mysqlerr.Classify, noop)
 	})
 	t.Run("sqlite processed table missing", func(t *testing.T) {
 		t.Parallel()
-		store, err := processed.NewStore(processed.Config{Table: "never_migrated", Dialect: sqldb.SQLite})
+		store, err := processedstore.NewStore(processedstore.Config{Table: "never_migrated", Dialect: sqldb.SQLite})
 		require.NoError(t, err)
 		check(t, mustBeginner(inbox.NewStdBeginner(testenv.SQLiteDB(t))), store, nil, noop)
 	})

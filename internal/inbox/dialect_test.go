@@ -16,9 +16,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // The middleware's contract through database/sql on every dialect: claim,
@@ -45,7 +45,7 @@ func TestStdDialectContract(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			db, dialect, insert := open(t)
-			store, err := processed.NewStore(processed.Config{Dialect: dialect})
+			store, err := processedstore.NewStore(processedstore.Config{Dialect: dialect})
 			require.NoError(t, err)
 			require.NoError(t, store.Migrate(ctx, sqldb.Std(db)))
 			_, err = db.Exec(`CREATE TABLE effect (event_id varchar(36) NOT NULL, note varchar(100))`)
@@ -148,7 +148,7 @@ func TestStdDialectContract(t *testing.T) {
 // configuration error at construction.
 func TestPgxBeginnerNeedsPostgresStore(t *testing.T) {
 	t.Parallel()
-	store, err := processed.NewStore(processed.Config{Dialect: sqldb.MySQL})
+	store, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.MySQL})
 	require.NoError(t, err)
 	pool, err := pgxpool.New(context.Background(), testenv.PostgresURL()) // connects lazily
 	require.NoError(t, err)

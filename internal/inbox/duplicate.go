@@ -6,8 +6,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // duplicateEnder is an attempt's transaction that can end a claim that
@@ -57,7 +57,7 @@ func (m *Idempotent) endDuplicate(ctx context.Context, d duplicateEnder, req cla
 		}
 		return m.refusal(m.cfg.Store.Verdict(ctx, d.afterEnd(), req.consumer, req.eventID, req.eventAt), fields)
 	}
-	stored := processed.StoredIdentity{Found: true, EventName: string(name), Fingerprint: fp}
+	stored := processedstore.StoredIdentity{Found: true, EventName: string(name), Fingerprint: fp}
 	if conflict, cErr := m.compareIdentity(req, stored, fields); conflict {
 		return OutcomeConflict, "event_id_reused", cErr
 	}

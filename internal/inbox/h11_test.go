@@ -25,11 +25,11 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware/mysqlerr"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // faultCalls is how many deliveries of a test's handler hit the fault
@@ -201,7 +201,7 @@ func TestH11_MySQLServerStateCodesAreHeld(t *testing.T) {
 	db, err := sql.Open("mysql", testenv.MySQLDatabaseDSN(name))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = db.Close() })
-	store, err := processed.NewStore(processed.Config{Dialect: sqldb.MySQL})
+	store, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.MySQL})
 	require.NoError(t, err)
 	require.NoError(t, store.Migrate(ctx, sqldb.Std(db)))
 	_, err = db.Exec(`CREATE TABLE effect (event_id varchar(36) NOT NULL, note varchar(100))`)
@@ -391,9 +391,9 @@ func (l *captureLogger) at(level, msg string) []logLine {
 	return out
 }
 
-func mustSQLiteStore(t *testing.T) *processed.Store {
+func mustSQLiteStore(t *testing.T) *processedstore.Store {
 	t.Helper()
-	s, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+	s, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
 	require.NoError(t, err)
 	return s
 }
@@ -402,7 +402,7 @@ func mustSQLiteStore(t *testing.T) *processed.Store {
 type proxiedBeginner struct {
 	name     string
 	beginner inbox.TxBeginner
-	store    *processed.Store
+	store    *processedstore.Store
 	proxy    *faultproxy.Proxy
 	// sleepQ is a statement that sleeps on the attempt's transaction (2-5 s).
 	sleepQ  string
@@ -449,7 +449,7 @@ func proxiedBeginners(t *testing.T, e *env) []proxiedBeginner {
 	direct, err := sql.Open("mysql", mcfg.FormatDSN())
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = direct.Close() })
-	mstore, err := processed.NewStore(processed.Config{Dialect: sqldb.MySQL})
+	mstore, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.MySQL})
 	require.NoError(t, err)
 	require.NoError(t, mstore.Migrate(context.Background(), sqldb.Std(direct)))
 	_, err = direct.Exec(`CREATE TABLE effect (event_id varchar(36) NOT NULL, note varchar(100))`)

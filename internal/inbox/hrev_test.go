@@ -17,10 +17,10 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // hrevFailsafe only ends a test that would otherwise hang; it is never the
@@ -234,7 +234,7 @@ func TestHREV_PreparedClaimEventAtExtremes(t *testing.T) {
 		pool, err := pgxpool.NewWithConfig(ctx, cfg)
 		require.NoError(t, err)
 		t.Cleanup(pool.Close)
-		store, err := processed.NewStore(processed.Config{})
+		store, err := processedstore.NewStore(processedstore.Config{})
 		require.NoError(t, err)
 		require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
 		beginner, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
@@ -275,9 +275,9 @@ func TestHREV_TwoMiddlewaresOneConnection(t *testing.T) {
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	storeA, err := processed.NewStore(processed.Config{Table: "pe_a"})
+	storeA, err := processedstore.NewStore(processedstore.Config{Table: "pe_a"})
 	require.NoError(t, err)
-	storeB, err := processed.NewStore(processed.Config{Table: "pe_b", Layout: processed.LayoutPartitioned, Horizon: 2 * time.Hour})
+	storeB, err := processedstore.NewStore(processedstore.Config{Table: "pe_b", Layout: processedstore.LayoutPartitioned, Horizon: 2 * time.Hour})
 	require.NoError(t, err)
 	require.NoError(t, storeA.Migrate(ctx, sqldb.Pgx(pool)))
 	require.NoError(t, storeB.Migrate(ctx, sqldb.Pgx(pool)))
@@ -297,7 +297,7 @@ func TestHREV_TwoMiddlewaresOneConnection(t *testing.T) {
 			return nil, nil
 		})
 	}
-	stores := [2]*processed.Store{storeA, storeB}
+	stores := [2]*processedstore.Store{storeA, storeB}
 	consumers := [2]string{"a", "b"}
 	var ids []uuid.UUID
 	for round := 0; round < 2; round++ {
@@ -399,7 +399,7 @@ func TestHREV_PreparedReadOfNullFingerprint(t *testing.T) {
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	store, err := processed.NewStore(processed.Config{})
+	store, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)
 	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
 	beginner, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})

@@ -15,11 +15,11 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/sqlitefile"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // DefaultLockTimeout bounds how long an attempt waits for another transaction
@@ -36,8 +36,8 @@ type Config struct {
 	Beginner TxBeginner
 
 	// Store is the processed-event store (table and dialect). Defaults to
-	// processed.NewStore(processed.Config{}) (table processed_event).
-	Store *processed.Store
+	// processedstore.NewStore(processedstore.Config{}) (table processed_event).
+	Store *processedstore.Store
 
 	// Consumer is the first half of the claim key (consumer, event_id): the
 	// name of the logical consumer whose effects the middleware applies once.
@@ -82,7 +82,7 @@ type Config struct {
 	// Recorder receives one outcome per attempt (metrics). Defaults to none.
 	Recorder Recorder
 
-	// ReplayHorizon is deprecated: set processed.Config.Horizon on Store.
+	// ReplayHorizon is deprecated: set processedstore.Config.Horizon on Store.
 	// The claim statement itself refuses an event older than that horizon
 	// by the database clock (OutcomeExpired, permanent), the same clock and
 	// event time the purger deletes by, so no clock skew can let a purged
@@ -107,14 +107,14 @@ type Config struct {
 	// DisablePayloadVerification turns off the check of duplicates against
 	// what was applied. With it on (the default), the claim also stores the
 	// event's name and a fingerprint of its name and payload bytes
-	// (processed.NewIdentity; needs processed migration 0003), and a
+	// (processedstore.NewIdentity; needs processed migration 0003), and a
 	// duplicate is compared with the row it collided with: equal, or a row
 	// without fingerprint (written before the migration), → a duplicate as
 	// always; different → another event under a reused event_id, refused as
 	// permanent (ErrEventIDReused, reason "event_id_reused", OutcomeConflict,
 	// logged at error with both event names), so it reaches the poison topic
 	// once instead of being acked unseen. A new event pays the hash (about
-	// 1.2 µs for a 200-byte payload, processed.BenchmarkNewIdentity) and
+	// 1.2 µs for a 200-byte payload, processedstore.BenchmarkNewIdentity) and
 	// ~45 bytes more per row, in the same single INSERT (measured with
 	// BenchmarkPayloadVerification, messages alternating on one table: new
 	// events verified/plain 0.94-1.02, no difference beyond noise; bench
@@ -145,7 +145,7 @@ type Config struct {
 
 func (c *Config) setDefaults() error {
 	if c.Store == nil {
-		s, err := processed.NewStore(processed.Config{})
+		s, err := processedstore.NewStore(processedstore.Config{})
 		if err != nil {
 			return err
 		}

@@ -19,10 +19,10 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // Case ids from ../shared/cases.
@@ -37,13 +37,13 @@ type env struct {
 	t      *testing.T
 	pool   *pgxpool.Pool
 	schema string
-	store  *processed.Store
+	store  *processedstore.Store
 }
 
 func newEnv(t *testing.T) *env {
 	t.Helper()
 	pool, schema := testenv.Pool(t)
-	store, err := processed.NewStore(processed.Config{})
+	store, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)
 	require.NoError(t, store.Migrate(context.Background(), sqldb.Pgx(pool)))
 	_, err = pool.Exec(context.Background(), `CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL, note text)`)

@@ -8,13 +8,13 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // Payload verification: the claim stores a fingerprint of what it applied
-// (processed.NewIdentity: the event name and the payload bytes), and a
+// (processedstore.NewIdentity: the event name and the payload bytes), and a
 // duplicate is compared with it. A duplicate whose fingerprint differs is
 // another event under a reused event_id: refused as permanent
 // (ErrEventIDReused), never acked as a duplicate. See
@@ -35,11 +35,11 @@ const OutcomeConflict Outcome = "conflict"
 
 // identityOf is the identity the claim stores for msg; false when payload
 // verification is off.
-func (m *Idempotent) identityOf(msg *message.Message) (processed.Identity, bool) {
+func (m *Idempotent) identityOf(msg *message.Message) (processedstore.Identity, bool) {
 	if m.cfg.DisablePayloadVerification {
-		return processed.Identity{}, false
+		return processedstore.Identity{}, false
 	}
-	return processed.NewIdentity(marshaler.EventName(msg), msg.Payload), true
+	return processedstore.NewIdentity(marshaler.EventName(msg), msg.Payload), true
 }
 
 // claimQuery is the claim statement of c: with the identity columns when
@@ -83,8 +83,8 @@ func (m *Idempotent) verifyDuplicate(ctx context.Context, tx attemptTx, c claimR
 
 // compareIdentity is verifyDuplicate's comparison, of the identity stored in
 // the row (read by StoredIdentity, or with the ROLLBACK: duplicateEnder).
-func (m *Idempotent) compareIdentity(c claimRequest, stored processed.StoredIdentity, fields watermill.LogFields) (conflict bool, err error) {
-	if !c.verify || c.identity.Verdict(stored) != processed.OtherEvent {
+func (m *Idempotent) compareIdentity(c claimRequest, stored processedstore.StoredIdentity, fields watermill.LogFields) (conflict bool, err error) {
+	if !c.verify || c.identity.Verdict(stored) != processedstore.OtherEvent {
 		return false, nil
 	}
 	err = fmt.Errorf("%w: %s/%s was processed as %q, this message is %q with another fingerprint",

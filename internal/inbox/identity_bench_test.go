@@ -12,9 +12,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // BenchmarkPayloadVerification measures the claim with and without payload
@@ -39,7 +39,7 @@ func BenchmarkPayloadVerification(b *testing.B) {
 		b.Fatal(err)
 	}
 	b.Cleanup(pool.Close)
-	store, err := processed.NewStore(processed.Config{})
+	store, err := processedstore.NewStore(processedstore.Config{})
 	if err != nil {
 		b.Fatal(err)
 	}

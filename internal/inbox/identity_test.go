@@ -12,9 +12,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // msg.UUID is parsed with the marshaler's strict rules (marshaler.ParseEventID):
@@ -53,7 +53,7 @@ func TestEventIDReusedIsAConflict(t *testing.T) {
 	t.Parallel()
 	testenv.EachTarget(t, func(t *testing.T, tg testenv.Target) {
 		ctx := context.Background()
-		store, err := processed.NewStore(processed.Config{Dialect: tg.Dialect})
+		store, err := processedstore.NewStore(processedstore.Config{Dialect: tg.Dialect})
 		require.NoError(t, err)
 		require.NoError(t, store.Migrate(ctx, tg.DB))
 		var beginner inbox.TxBeginner

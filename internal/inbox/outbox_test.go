@@ -19,10 +19,10 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 const childEnv = "IDEMPOTENCY_TEST_CHILD"
@@ -51,7 +51,7 @@ func runChild(mode string) int {
 		return 2
 	}
 	ob, _ := outbox.New(outbox.Config{}, nil)
-	store, _ := processed.NewStore(processed.Config{})
+	store, _ := processedstore.NewStore(processedstore.Config{})
 	idem, err := inbox.NewIdempotent(inbox.Config{
 		Beginner:    mustBeginner(inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})),
 		Store:       store,

@@ -9,7 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 )
 
 // The prepared claim (issue 17): on a pool whose DefaultQueryExecMode is
@@ -20,7 +20,7 @@ import (
 // consumer and the event name as text, the event id as 16 binary bytes,
 // the event time as binary timestamptz (or NULL), the fingerprint as binary
 // bytea. pgx's Batch, its pipeline state and its type mapping are not
-// involved. The claim is processed.Store's one INSERT … ON CONFLICT DO
+// involved. The claim is processedstore.Store's one INSERT … ON CONFLICT DO
 // NOTHING (ClaimParamsAt); with Config.LockTimeout the dialect's SET LOCAL
 // lock_timeout is a prepared statement of the same batch, between BEGIN
 // and the claim, so the claim's lock on its table is bounded too (a
@@ -129,7 +129,7 @@ var (
 const pgEpochMicros = 946684800 * 1000000
 
 // encode fills the parameter buffers for p and returns the values.
-func (st *connClaim) encode(p *processed.ClaimParams) [][]byte {
+func (st *connClaim) encode(p *processedstore.ClaimParams) [][]byte {
 	st.text[0] = append(st.text[0][:0], p.Consumer...)
 	st.vals[0] = st.text[0]
 	st.uuid = p.EventID
@@ -165,7 +165,7 @@ var errFallback = errors.New("middleware: prepared claim not applicable")
 // inserted its row. errFallback (nothing sent) asks for the pgx.Batch path.
 // On another error the transaction may be open or aborted: the caller rolls
 // back, as on the pgx.Batch path.
-func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *claimRequest, p *processed.ClaimParams) (bool, error) {
+func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *claimRequest, p *processedstore.ClaimParams) (bool, error) {
 	pc := conn.PgConn()
 	st := connClaimOf(pc)
 	// The lock timeout is a statement of its own before the claim (the
@@ -287,7 +287,7 @@ var identityReadTypes = [][]uint32{{oidText, oidVarchar}, {oidUUID}}
 var binaryResults = []int16{1, 1}
 
 // readAndRollbackPrepared is readAndRollback after a prepared claim: query
-// (processed.Store.StoredIdentityQuery, $1 consumer, $2 event id) and
+// (processedstore.Store.StoredIdentityQuery, $1 consumer, $2 event id) and
 // ROLLBACK as statements prepared once per connection, in one pgconn.Batch,
 // the parameters encoded as the claim's. errFallback (nothing sent, tx
 // still open) asks for the pgx.Batch path.

@@ -15,10 +15,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // preparedClaimSetup is a middleware over a pool of maxConns connections in
@@ -38,7 +38,7 @@ func preparedClaimSetupLock(t *testing.T, mode pgx.QueryExecMode, maxConns int32
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	store, err := processed.NewStore(processed.Config{Horizon: time.Hour})
+	store, err := processedstore.NewStore(processedstore.Config{Horizon: time.Hour})
 	require.NoError(t, err)
 	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
 	_, err = pool.Exec(ctx, `CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL, note text)`)
@@ -193,7 +193,7 @@ func TestPreparedClaimStoresTheSameRow(t *testing.T) {
 		pool, err := pgxpool.NewWithConfig(ctx, cfg)
 		require.NoError(t, err)
 		t.Cleanup(pool.Close)
-		store, err := processed.NewStore(processed.Config{})
+		store, err := processedstore.NewStore(processedstore.Config{})
 		require.NoError(t, err)
 		require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
 		beginner, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
@@ -217,9 +217,9 @@ func TestPreparedClaimStoresTheSameRow(t *testing.T) {
 	require.Equal(t, rows[pgx.QueryExecModeSimpleProtocol], got)
 	require.Equal(t, occurred[0].Truncate(time.Microsecond), got[0].At)
 	require.Equal(t, occurred[1].UTC().Truncate(time.Microsecond), got[1].At)
-	v7, _ := processed.EventTime(ids[2], time.Time{})
+	v7, _ := processedstore.EventTime(ids[2], time.Time{})
 	require.Equal(t, v7, got[2].At)
-	require.Equal(t, processed.NewIdentity("order.placed", []byte(`{"n":1}`)).Fingerprint, got[0].Fingerprint)
+	require.Equal(t, processedstore.NewIdentity("order.placed", []byte(`{"n":1}`)).Fingerprint, got[0].Fingerprint)
 }
 
 // Config.LockTimeout holds for the whole attempt's transaction in every

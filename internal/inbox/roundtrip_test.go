@@ -14,10 +14,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // roundTrips counts what a pool sends: each statement outside a batch and
@@ -52,7 +52,7 @@ func TestDuplicateCostsTwoRoundTrips(t *testing.T) {
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	store, err := processed.NewStore(processed.Config{Horizon: time.Hour})
+	store, err := processedstore.NewStore(processedstore.Config{Horizon: time.Hour})
 	require.NoError(t, err)
 	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
 	_, err = pool.Exec(ctx, `CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL, note text)`)
@@ -167,7 +167,7 @@ func TestPipelinedBeginnerEveryExecMode(t *testing.T) {
 			pool, err := pgxpool.NewWithConfig(ctx, cfg)
 			require.NoError(t, err)
 			t.Cleanup(pool.Close)
-			store, err := processed.NewStore(processed.Config{Horizon: time.Hour})
+			store, err := processedstore.NewStore(processedstore.Config{Horizon: time.Hour})
 			require.NoError(t, err)
 			require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
 			_, err = pool.Exec(ctx, `CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL, note text)`)

@@ -10,13 +10,13 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // A handler that changes search_path for the session (SET, not SET LOCAL)
-// leaves it on the pooled connection (processed.Config.Table's doc, README
+// leaves it on the pooled connection (processedstore.Config.Table's doc, README
 // § Configuration reference). With a schema-qualified Table the redelivery
 // on that connection still finds the claim: a duplicate, the effect once.
 // With an unqualified Table the next claim on that connection goes to the
@@ -30,18 +30,18 @@ func TestSessionSearchPathSetByHandler(t *testing.T) {
 	_, err := e.pool.Exec(ctx, `CREATE SCHEMA `+other)
 	require.NoError(t, err)
 	t.Cleanup(func() { _, _ = e.pool.Exec(context.Background(), `DROP SCHEMA `+other+` CASCADE`) })
-	unqualified, err := processed.NewStore(processed.Config{})
+	unqualified, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)
 	otherPool, err := pgxpool.NewWithConfig(ctx, testenv.PoolConfig(t, testenv.PostgresURL(), other, 1))
 	require.NoError(t, err)
 	t.Cleanup(otherPool.Close)
 	require.NoError(t, unqualified.Migrate(ctx, sqldb.Pgx(otherPool)))
-	qualified, err := processed.NewStore(processed.Config{Table: e.schema + ".processed_event"})
+	qualified, err := processedstore.NewStore(processedstore.Config{Table: e.schema + ".processed_event"})
 	require.NoError(t, err)
 
 	for _, c := range []struct {
 		name    string
-		store   *processed.Store
+		store   *processedstore.Store
 		effects int
 	}{{"qualified", qualified, 1}, {"unqualified", unqualified, 2}} {
 		t.Run(c.name, func(t *testing.T) {

@@ -13,10 +13,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // uuidV7At returns a UUIDv7 whose timestamp is at (RFC 9562 §5.7).
@@ -41,7 +41,7 @@ func v7Time(id uuid.UUID) time.Time {
 func horizonEnv(t *testing.T, horizon, skew time.Duration) *env {
 	t.Helper()
 	e := newEnv(t)
-	s, err := processed.NewStore(processed.Config{Horizon: horizon, MaxFutureSkew: skew})
+	s, err := processedstore.NewStore(processedstore.Config{Horizon: horizon, MaxFutureSkew: skew})
 	require.NoError(t, err)
 	e.store = s
 	return e
@@ -93,7 +93,7 @@ func TestClockSkewRedeliveryFindsRowOrIsExpired(t *testing.T) {
 			})(func(msg *message.Message) ([]*message.Message, error) {
 				return nil, writeEffect(msg, "E")
 			})
-			p, err := processed.NewPurger(e.store, sqldb.PgxPool(e.pool), processed.PurgerConfig{}, nil)
+			p, err := processedstore.NewPurger(e.store, sqldb.PgxPool(e.pool), processedstore.PurgerConfig{}, nil)
 			require.NoError(t, err)
 
 			id := uuidV7At(time.Now().Add(skew)) // the producer's clock
@@ -112,7 +112,7 @@ func TestClockSkewRedeliveryFindsRowOrIsExpired(t *testing.T) {
 					require.NoError(t, err, "the row is there: a duplicate")
 				} else {
 					require.ErrorIs(t, err, inbox.ErrExpired, "the row is gone: the claim must refuse")
-					require.ErrorIs(t, err, processed.ErrExpired)
+					require.ErrorIs(t, err, processedstore.ErrExpired)
 					require.True(t, inbox.IsPermanent(err))
 					expired = true
 				}
@@ -131,7 +131,7 @@ func TestClockSkewRedeliveryFindsRowOrIsExpired(t *testing.T) {
 func TestFutureEventIsRefusedLoudly(t *testing.T) {
 	t.Parallel()
 	e := horizonEnv(t, 2*time.Hour, 0)
-	require.Equal(t, processed.DefaultMaxFutureSkew, e.store.MaxFutureSkew())
+	require.Equal(t, processedstore.DefaultMaxFutureSkew, e.store.MaxFutureSkew())
 	db, err := sql.Open("pgx", testenv.SchemaURL(e.schema))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = db.Close() })
@@ -154,7 +154,7 @@ func TestFutureEventIsRefusedLoudly(t *testing.T) {
 			id := uuidV7At(time.Now().Add(ahead))
 			_, err = h(newMsg(id.String()))
 			require.ErrorIs(t, err, inbox.ErrFuture, name)
-			require.ErrorIs(t, err, processed.ErrFuture, name)
+			require.ErrorIs(t, err, processedstore.ErrFuture, name)
 			require.True(t, inbox.IsPermanent(err), name)
 			require.Zero(t, e.processed(id.String()), name)
 		}
@@ -231,8 +231,8 @@ func TestReplayHorizonMustMatchStore(t *testing.T) {
 	require.ErrorContains(t, err, "Config.ReplayHorizon")
 	_, err = inbox.NewIdempotent(inbox.Config{Beginner: b, Store: e.store, Consumer: "c", ReplayHorizon: time.Hour}, nil)
 	require.NoError(t, err)
-	none, err := processed.NewStore(processed.Config{})
+	none, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)
 	_, err = inbox.NewIdempotent(inbox.Config{Beginner: b, Store: none, Consumer: "c", ReplayHorizon: time.Hour}, nil)
-	require.ErrorContains(t, err, "processed.Config.Horizon")
+	require.ErrorContains(t, err, "processedstore.Config.Horizon")
 }

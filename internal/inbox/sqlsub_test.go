@@ -13,10 +13,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // Joining watermill-sql's subscriber transaction: a batch where one message
@@ -49,7 +49,7 @@ func TestSQLSubscriberJoinsTransactionWithSavepoints(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			b := open(t)
-			store, err := processed.NewStore(processed.Config{Dialect: b.dialect})
+			store, err := processedstore.NewStore(processedstore.Config{Dialect: b.dialect})
 			require.NoError(t, err)
 			require.NoError(t, store.Migrate(ctx, b.db))
 			_, err = b.db.Exec(ctx, `CREATE TABLE effect (event_id varchar(36) NOT NULL, note varchar(100))`)

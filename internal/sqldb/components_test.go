@@ -10,11 +10,11 @@ import (
 	"github.com/pressly/goose/v3"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/outbox"
-	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -30,7 +30,7 @@ func TestGooseDefaultsApplyEveryComponent(t *testing.T) {
 	t.Cleanup(func() { _ = db.Close() })
 	ctx := context.Background()
 
-	pfs, err := processed.MigrationsFS("", sqldb.PostgreSQL)
+	pfs, err := processedstore.MigrationsFS("", sqldb.PostgreSQL)
 	require.NoError(t, err)
 	ofs, err := operation.MigrationsFS("", sqldb.PostgreSQL)
 	require.NoError(t, err)
@@ -56,7 +56,7 @@ func TestGooseDefaultsApplyEveryComponent(t *testing.T) {
 		_, err = p.Up(ctx)
 		require.NoError(t, err)
 	}
-	for _, table := range []string{processed.DefaultTable, operation.DefaultTable, versioned.DefaultLatestTable, versioned.DefaultAppliedTable, outbox.DefaultTable} {
+	for _, table := range []string{processedstore.DefaultTable, operation.DefaultTable, versioned.DefaultLatestTable, versioned.DefaultAppliedTable, outbox.DefaultTable} {
 		var n int
 		require.NoError(t, db.QueryRowContext(ctx, `SELECT count(*) FROM information_schema.tables WHERE table_schema = $1 AND table_name = $2`, schema, table).Scan(&n))
 		require.Equal(t, 1, n, "table %s exists", table)

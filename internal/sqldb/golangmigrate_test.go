@@ -12,11 +12,11 @@ import (
 	"github.com/golang-migrate/migrate/v4/source/iofs"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/outbox"
-	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -36,7 +36,7 @@ func TestGolangMigrateAppliesEveryComponent(t *testing.T) {
 	ctx := context.Background()
 	dbSchema := schema
 
-	pfs, err := processed.MigrationsFS("", sqldb.PostgreSQL)
+	pfs, err := processedstore.MigrationsFS("", sqldb.PostgreSQL)
 	require.NoError(t, err)
 	ofs, err := operation.MigrationsFS("", sqldb.PostgreSQL)
 	require.NoError(t, err)
@@ -68,7 +68,7 @@ func TestGolangMigrateAppliesEveryComponent(t *testing.T) {
 		require.NoError(t, up(c.name, c.fsys, c.name+"_schema_migrations"), c.name)
 		require.NoError(t, up(c.name, c.fsys, c.name+"_schema_migrations"), "%s again: no change", c.name)
 	}
-	for _, table := range []string{processed.DefaultTable, operation.DefaultTable, versioned.DefaultLatestTable, versioned.DefaultAppliedTable, outbox.DefaultTable} {
+	for _, table := range []string{processedstore.DefaultTable, operation.DefaultTable, versioned.DefaultLatestTable, versioned.DefaultAppliedTable, outbox.DefaultTable} {
 		var n int
 		require.NoError(t, db.QueryRowContext(ctx, `SELECT count(*) FROM information_schema.tables WHERE table_schema = $1 AND table_name = $2`, schema, table).Scan(&n))
 		require.Equal(t, 1, n, "table %s exists", table)
@@ -79,7 +79,7 @@ func TestGolangMigrateAppliesEveryComponent(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, sqldb.VersionBaseProcessed+len(files), version, "every processed migration applied")
 	// The stores accept what golang-migrate made.
-	s, err := processed.NewStore(processed.Config{})
+	s, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)
 	require.NoError(t, s.Migrate(ctx, sqldb.Std(db)), "Migrate after golang-migrate finds everything in place")
 
@@ -101,7 +101,7 @@ func TestGolangMigrateAppliesEveryComponent(t *testing.T) {
 func TestGolangMigrateUpgradeFromOldNumbering(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	old, err := processed.NewStore(processed.Config{})
+	old, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)
 	ms, err := old.Migrations()
 	require.NoError(t, err)
@@ -125,7 +125,7 @@ func TestGolangMigrateUpgradeFromOldNumbering(t *testing.T) {
 		var cols int
 		require.NoError(t, db.QueryRowContext(ctx, `SELECT count(*) FROM information_schema.columns WHERE table_schema = $1 AND table_name = 'processed_event'`, schema).Scan(&cols))
 
-		pfs, err := processed.MigrationsFS("", sqldb.PostgreSQL)
+		pfs, err := processedstore.MigrationsFS("", sqldb.PostgreSQL)
 		require.NoError(t, err)
 		m := open(pfs)
 		require.NoError(t, m.Force(sqldb.VersionBaseProcessed+at))

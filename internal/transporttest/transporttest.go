@@ -26,10 +26,10 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // Transport is one Pub/Sub under test.
@@ -90,7 +90,7 @@ type rig struct {
 	t      *testing.T
 	tr     Transport
 	pool   *pgxpool.Pool
-	store  *processed.Store
+	store  *processedstore.Store
 	topic  Topic
 	poison Topic
 
@@ -105,7 +105,7 @@ type rig struct {
 func newRig(t *testing.T, tr Transport) *rig {
 	t.Helper()
 	pool, _ := testenv.Pool(t)
-	store, err := processed.NewStore(processed.Config{})
+	store, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)
 	require.NoError(t, store.Migrate(context.Background(), sqldb.Pgx(pool)))
 	_, err = pool.Exec(context.Background(), `CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL)`)

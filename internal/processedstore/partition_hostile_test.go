@@ -1,4 +1,4 @@
-package processed_test
+package processedstore_test
 
 import (
 	"context"
@@ -12,9 +12,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // Hostile cases of the partitioned layout's maintenance (issue 16): the
@@ -22,9 +22,9 @@ import (
 // events could still be accepted, no claim is lost, and maintenance never
 // fails the same way run after run.
 
-func partitionedStore(t *testing.T, span, horizon time.Duration) *processed.Store {
+func partitionedStore(t *testing.T, span, horizon time.Duration) *processedstore.Store {
 	t.Helper()
-	s, err := processed.NewStore(processed.Config{Layout: processed.LayoutPartitioned, PartitionSpan: span, Horizon: horizon, MaxFutureSkew: time.Minute})
+	s, err := processedstore.NewStore(processedstore.Config{Layout: processedstore.LayoutPartitioned, PartitionSpan: span, Horizon: horizon, MaxFutureSkew: time.Minute})
 	require.NoError(t, err)
 	return s
 }
@@ -37,7 +37,7 @@ func dbNow(t *testing.T, pool *pgxpool.Pool) time.Time {
 }
 
 // claimTx claims in its own committed transaction.
-func claimTx(t *testing.T, pool *pgxpool.Pool, s *processed.Store, consumer string, id uuid.UUID) (bool, error) {
+func claimTx(t *testing.T, pool *pgxpool.Pool, s *processedstore.Store, consumer string, id uuid.UUID) (bool, error) {
 	t.Helper()
 	ctx := context.Background()
 	tx, err := pool.Begin(ctx)
@@ -124,7 +124,7 @@ func TestH16_DropJudgesEachPartitionsOwnBounds(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, ok)
 
-	p, err := processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{}, nil)
+	p, err := processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{}, nil)
 	require.NoError(t, err)
 	_, _, err = p.PurgeNow(ctx)
 	require.NoError(t, err)
@@ -243,7 +243,7 @@ func TestH16_PartitionsWhateverTheClocks(t *testing.T) {
 			const span, horizon = 30 * time.Minute, 2 * time.Hour
 			s := partitionedStore(t, span, horizon)
 			require.NoError(t, s.Migrate(ctx, sqldb.Pgx(pool)))
-			p, err := processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{}, nil)
+			p, err := processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{}, nil)
 			require.NoError(t, err)
 			_, _, err = p.PurgeNow(ctx)
 			require.NoError(t, err)
@@ -266,7 +266,7 @@ func TestH16_PartitionsWhateverTheClocks(t *testing.T) {
 			require.Equal(t, "processed_event_default", where(before))
 			// Ahead of the database by more than the spans created: refused.
 			_, err = claimTx(t, pool, s, "c", v7(now.Add(time.Minute+5*span)))
-			require.ErrorIs(t, err, processed.ErrFuture)
+			require.ErrorIs(t, err, processedstore.ErrFuture)
 			// Older than any partition, inside the horizon: the default.
 			oldest := v7(now.Add(-horizon + 10*time.Minute))
 			ok, err = claimTx(t, pool, s, "c", oldest)
@@ -274,7 +274,7 @@ func TestH16_PartitionsWhateverTheClocks(t *testing.T) {
 			require.True(t, ok)
 			require.Equal(t, "processed_event_default", where(oldest))
 			_, err = claimTx(t, pool, s, "c", v7(now.Add(-horizon-time.Minute)))
-			require.ErrorIs(t, err, processed.ErrExpired)
+			require.ErrorIs(t, err, processedstore.ErrExpired)
 			_, _, err = p.PurgeNow(ctx)
 			require.NoError(t, err)
 			for _, id := range []uuid.UUID{at, before, oldest} {
@@ -297,15 +297,15 @@ func TestH16_TwoPurgersAtOnce(t *testing.T) {
 	s1 := partitionedStore(t, span, 2*time.Hour)
 	s2 := partitionedStore(t, span, 2*time.Hour)
 	require.NoError(t, s1.Migrate(ctx, sqldb.Pgx(pool)))
-	p1, err := processed.NewPurger(s1, sqldb.PgxPool(pool), processed.PurgerConfig{BatchSize: 10}, nil)
+	p1, err := processedstore.NewPurger(s1, sqldb.PgxPool(pool), processedstore.PurgerConfig{BatchSize: 10}, nil)
 	require.NoError(t, err)
-	p2, err := processed.NewPurger(s2, sqldb.PgxPool(other), processed.PurgerConfig{BatchSize: 10}, nil)
+	p2, err := processedstore.NewPurger(s2, sqldb.PgxPool(other), processedstore.PurgerConfig{BatchSize: 10}, nil)
 	require.NoError(t, err)
 	var wg sync.WaitGroup
 	errs := make(chan error, 100)
-	for _, p := range []*processed.Purger{p1, p2} {
+	for _, p := range []*processedstore.Purger{p1, p2} {
 		wg.Add(1)
-		go func(p *processed.Purger) {
+		go func(p *processedstore.Purger) {
 			defer wg.Done()
 			for i := 0; i < 10; i++ {
 				if _, _, err := p.PurgeNow(ctx); err != nil {
@@ -345,12 +345,12 @@ func TestH16_PartitionedMigrateOnPlainTableIsRefused(t *testing.T) {
 	t.Parallel()
 	pool, _ := testenv.Pool(t)
 	ctx := context.Background()
-	plain, err := processed.NewStore(processed.Config{Horizon: 2 * time.Hour})
+	plain, err := processedstore.NewStore(processedstore.Config{Horizon: 2 * time.Hour})
 	require.NoError(t, err)
 	require.NoError(t, plain.Migrate(ctx, sqldb.Pgx(pool)))
 	s := partitionedStore(t, time.Hour, 2*time.Hour)
 	err = s.Migrate(ctx, sqldb.Pgx(pool))
-	require.ErrorIs(t, err, processed.ErrPlainTable)
+	require.ErrorIs(t, err, processedstore.ErrPlainTable)
 }
 
 // A table partitioned by its user by range on event_at must carry event_at
@@ -370,10 +370,10 @@ func TestH16_UserRangeOnEventAtIsRefused(t *testing.T) {
     PRIMARY KEY (consumer, event_id, event_at)) PARTITION BY RANGE (event_at);
 CREATE TABLE processed_event_all PARTITION OF processed_event FOR VALUES FROM (MINVALUE) TO (MAXVALUE)`)
 	require.NoError(t, err)
-	s, err := processed.NewStore(processed.Config{Horizon: 2 * time.Hour})
+	s, err := processedstore.NewStore(processedstore.Config{Horizon: 2 * time.Hour})
 	require.NoError(t, err)
 	err = s.Migrate(ctx, sqldb.Pgx(pool))
-	require.ErrorIs(t, err, processed.ErrNoGlobalKey)
+	require.ErrorIs(t, err, processedstore.ErrNoGlobalKey)
 
 	// What it prevents: the same event claimed twice.
 	id := uuid.New()

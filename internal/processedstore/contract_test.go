@@ -1,4 +1,4 @@
-package processed_test
+package processedstore_test
 
 import (
 	"context"
@@ -12,9 +12,9 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // target is one dialect and driver the contract suite runs against
@@ -75,9 +75,9 @@ func eachTarget(t *testing.T, fn func(t *testing.T, tg target)) {
 
 func formatSeconds(d time.Duration) string { return strconv.FormatFloat(d.Seconds(), 'f', 3, 64) }
 
-func (tg target) store(t *testing.T) *processed.Store {
+func (tg target) store(t *testing.T) *processedstore.Store {
 	t.Helper()
-	s, err := processed.NewStore(processed.Config{Dialect: tg.dialect, Horizon: time.Hour})
+	s, err := processedstore.NewStore(processedstore.Config{Dialect: tg.dialect, Horizon: time.Hour})
 	require.NoError(t, err)
 	require.NoError(t, s.Migrate(context.Background(), tg.db))
 	require.NoError(t, s.Migrate(context.Background(), tg.db), "Migrate is idempotent")
@@ -129,9 +129,9 @@ func TestClaimContract(t *testing.T) {
 		end(true)
 
 		_, err = s.Claim(ctx, tg.db, "stock", uuid.Nil)
-		require.ErrorIs(t, err, processed.ErrNilEventID)
+		require.ErrorIs(t, err, processedstore.ErrNilEventID)
 		_, err = s.Claim(ctx, tg.db, "", id)
-		require.ErrorIs(t, err, processed.ErrEmptyConsumer)
+		require.ErrorIs(t, err, processedstore.ErrEmptyConsumer)
 	})
 }
 
@@ -148,7 +148,7 @@ func TestClaimDoesNotSwallowErrors(t *testing.T) {
 		defer end(false)
 		if tg.dialect == sqldb.PostgreSQL {
 			// text has no limit either: use a table that is missing instead.
-			other, err := processed.NewStore(processed.Config{Table: "missing_table", Dialect: tg.dialect})
+			other, err := processedstore.NewStore(processedstore.Config{Table: "missing_table", Dialect: tg.dialect})
 			require.NoError(t, err)
 			_, err = other.Claim(context.Background(), tx, "c", uuid.Must(uuid.NewV7()))
 			require.Error(t, err)
@@ -222,12 +222,12 @@ func TestPurgeContract(t *testing.T) {
 
 		inRun := make(chan struct{})
 		release := make(chan struct{})
-		p, err := processed.NewPurger(s, tg.pool, processed.PurgerConfig{
+		p, err := processedstore.NewPurger(s, tg.pool, processedstore.PurgerConfig{
 			Horizon: time.Hour, BatchSize: 2,
 			OnPurge: func(int64, time.Time) { close(inRun); <-release },
 		}, nil)
 		require.NoError(t, err)
-		other, err := processed.NewPurger(s, tg.pool, processed.PurgerConfig{Horizon: time.Hour}, nil)
+		other, err := processedstore.NewPurger(s, tg.pool, processedstore.PurgerConfig{Horizon: time.Hour}, nil)
 		require.NoError(t, err)
 		done := make(chan int64, 1)
 		go func() {
@@ -256,7 +256,7 @@ func TestMigrateRefusesMySQLFoundRows(t *testing.T) {
 	db, err := sql.Open("mysql", testenv.MySQLDatabaseDSN(database)+"&clientFoundRows=true")
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = db.Close() })
-	s, err := processed.NewStore(processed.Config{Dialect: sqldb.MySQL})
+	s, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.MySQL})
 	require.NoError(t, err)
 	require.ErrorIs(t, s.Migrate(context.Background(), sqldb.Std(db)), sqldb.ErrMySQLFoundRows)
 }
@@ -278,6 +278,6 @@ func TestConsumerComparesExactly(t *testing.T) {
 
 func TestSQLiteRefusesSchemaQualifiedTable(t *testing.T) {
 	t.Parallel()
-	_, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite, Table: "main.inbox"})
+	_, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite, Table: "main.inbox"})
 	require.ErrorContains(t, err, "Config.Table")
 }

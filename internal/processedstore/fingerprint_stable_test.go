@@ -1,4 +1,4 @@
-package processed_test
+package processedstore_test
 
 import (
 	"crypto/sha256"
@@ -7,7 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 )
 
 // The fingerprint is what rows already store: version 1 is
@@ -28,7 +28,7 @@ func TestFingerprintAlgorithmIsStable(t *testing.T) {
 		}
 		want = append(want, byte(n))
 		sum := sha256.Sum256(append(append(want, c.name...), c.payload...))
-		got := processed.NewIdentity(c.name, []byte(c.payload))
+		got := processedstore.NewIdentity(c.name, []byte(c.payload))
 		require.Equal(t, append([]byte{1}, sum[:]...), got.Fingerprint, "name %d bytes, payload %d bytes", len(c.name), len(c.payload))
 	}
 }

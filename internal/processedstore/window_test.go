@@ -1,4 +1,4 @@
-package processed_test
+package processedstore_test
 
 import (
 	"context"
@@ -9,7 +9,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
-	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 )
 
 // The claim's replay window on every dialect, judged by the database
@@ -21,7 +21,7 @@ func TestClaimWindowEveryDialect(t *testing.T) {
 	t.Parallel()
 	eachTarget(t, func(t *testing.T, tg target) {
 		ctx := context.Background()
-		s, err := processed.NewStore(processed.Config{Dialect: tg.dialect, Horizon: time.Hour, MaxFutureSkew: 10 * time.Minute})
+		s, err := processedstore.NewStore(processedstore.Config{Dialect: tg.dialect, Horizon: time.Hour, MaxFutureSkew: 10 * time.Minute})
 		require.NoError(t, err)
 		require.NoError(t, s.Migrate(ctx, tg.db))
 		claim := func(id uuid.UUID, at time.Time) (bool, error) {
@@ -36,17 +36,17 @@ func TestClaimWindowEveryDialect(t *testing.T) {
 			at   time.Time
 			want error
 		}{
-			{"expired", now.Add(-61 * time.Minute), processed.ErrExpired},
+			{"expired", now.Add(-61 * time.Minute), processedstore.ErrExpired},
 			{"inside_old", now.Add(-59 * time.Minute), nil},
 			{"inside_ahead", now.Add(9 * time.Minute), nil},
-			{"future", now.Add(11 * time.Minute), processed.ErrFuture},
-			{"far_future", now.Add(10 * 365 * 24 * time.Hour), processed.ErrFuture},
+			{"future", now.Add(11 * time.Minute), processedstore.ErrFuture},
+			{"far_future", now.Add(10 * 365 * 24 * time.Hour), processedstore.ErrFuture},
 		} {
 			for _, id := range []uuid.UUID{uuid.New(), v7At(c.at)} { // time from occurred_at, or from the id
 				ok, err := claim(id, c.at)
 				if c.want != nil {
 					require.ErrorIs(t, err, c.want, c.name)
-					var re *processed.RefusedError
+					var re *processedstore.RefusedError
 					require.True(t, errors.As(err, &re), c.name)
 					require.False(t, ok, c.name)
 					continue

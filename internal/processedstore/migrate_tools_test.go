@@ -1,4 +1,4 @@
-package processed_test
+package processedstore_test
 
 import (
 	"context"
@@ -9,9 +9,9 @@ import (
 	"github.com/pressly/goose/v3"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // The exported migrations are applied as is by goose (and have the
@@ -24,7 +24,7 @@ func TestMigrationsFSWithGoose(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = db.Close() })
 
-	fsys, err := processed.MigrationsFS("", sqldb.PostgreSQL)
+	fsys, err := processedstore.MigrationsFS("", sqldb.PostgreSQL)
 	require.NoError(t, err)
 	names, err := fs.Glob(fsys, "*.up.sql")
 	require.NoError(t, err)
@@ -36,12 +36,12 @@ func TestMigrationsFSWithGoose(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, results, 3)
 
-	s, err := processed.NewStore(processed.Config{})
+	s, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)
 	ok, err := s.Claim(context.Background(), sqldb.Std(db), "c", mustV7(t))
 	require.NoError(t, err)
 	require.True(t, ok)
 
-	_, err = processed.MigrationsFS("bad-name", sqldb.PostgreSQL)
+	_, err = processedstore.MigrationsFS("bad-name", sqldb.PostgreSQL)
 	require.Error(t, err)
 }

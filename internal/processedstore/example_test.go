@@ -1,4 +1,4 @@
-package processed_test
+package processedstore_test
 
 import (
 	"context"
@@ -10,8 +10,8 @@ import (
 	"github.com/google/uuid"
 	_ "modernc.org/sqlite" // database/sql driver "sqlite"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // Claiming an event inside the transaction of its effect: the first claim
@@ -28,7 +28,7 @@ func ExampleStore_Claim() {
 		panic(err)
 	}
 	defer db.Close()
-	store, err := processed.NewStore(processed.Config{Dialect: sqldb.SQLite})
+	store, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
 	if err != nil {
 		panic(err)
 	}

@@ -1,4 +1,4 @@
-package processed_test
+package processedstore_test
 
 import (
 	"context"
@@ -11,14 +11,14 @@ import (
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
-func newStore(t *testing.T, db sqldb.Querier) *processed.Store {
+func newStore(t *testing.T, db sqldb.Querier) *processedstore.Store {
 	t.Helper()
-	s, err := processed.NewStore(processed.Config{Horizon: time.Hour})
+	s, err := processedstore.NewStore(processedstore.Config{Horizon: time.Hour})
 	require.NoError(t, err)
 	require.NoError(t, s.Migrate(context.Background(), db))
 	return s
@@ -27,7 +27,7 @@ func newStore(t *testing.T, db sqldb.Querier) *processed.Store {
 func TestMigrateConcurrentAndIdempotent(t *testing.T) {
 	t.Parallel()
 	pool, schema := testenv.Pool(t)
-	s, err := processed.NewStore(processed.Config{Table: schema + ".inbox"})
+	s, err := processedstore.NewStore(processedstore.Config{Table: schema + ".inbox"})
 	require.NoError(t, err)
 	var wg sync.WaitGroup
 	errs := make(chan error, 4)
@@ -74,10 +74,10 @@ WHERE n.nspname = $1 AND t.relname = 'inbox' AND x.indnkeyatts = 1 AND a.attname
 func TestConfigValidateNamesField(t *testing.T) {
 	t.Parallel()
 	for _, bad := range []string{`x"; DROP TABLE y; --`, "a.b.c", "1abc", "a-b", "sch.", "tab le"} {
-		_, err := processed.NewStore(processed.Config{Table: bad})
+		_, err := processedstore.NewStore(processedstore.Config{Table: bad})
 		require.ErrorContains(t, err, "Config.Table", bad)
 	}
-	s, err := processed.NewStore(processed.Config{Table: "inbox.processed_event"})
+	s, err := processedstore.NewStore(processedstore.Config{Table: "inbox.processed_event"})
 	require.NoError(t, err)
 	q, _ := s.ClaimQuery("c", uuid.New())
 	require.Equal(t, `INSERT INTO "inbox"."processed_event" (consumer, event_id, event_at) VALUES ($1, $2, coalesce($3::timestamptz, now())) ON CONFLICT DO NOTHING`, q)

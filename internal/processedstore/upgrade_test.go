@@ -1,4 +1,4 @@
-package processed_test
+package processedstore_test
 
 import (
 	"context"
@@ -8,9 +8,9 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // Upgrade from the previous release's schema, on every dialect: a table
@@ -23,7 +23,7 @@ func TestUpgradeFromPreviousSchema(t *testing.T) {
 	t.Parallel()
 	eachTarget(t, func(t *testing.T, tg target) {
 		ctx := context.Background()
-		s, err := processed.NewStore(processed.Config{Dialect: tg.dialect, Horizon: time.Hour})
+		s, err := processedstore.NewStore(processedstore.Config{Dialect: tg.dialect, Horizon: time.Hour})
 		require.NoError(t, err)
 		ms, err := s.Migrations()
 		require.NoError(t, err)
@@ -69,7 +69,7 @@ func TestMigrationsRecordedNextToTable(t *testing.T) {
 	pool, _ := testenv.Pool(t)
 	other := testenv.Schema(t)
 	ctx := context.Background()
-	s, err := processed.NewStore(processed.Config{Table: other + ".inbox", Horizon: time.Hour})
+	s, err := processedstore.NewStore(processedstore.Config{Table: other + ".inbox", Horizon: time.Hour})
 	require.NoError(t, err)
 	require.NoError(t, s.Migrate(ctx, sqldb.Pgx(pool)))
 	var n int

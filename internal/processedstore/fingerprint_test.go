@@ -1,4 +1,4 @@
-package processed_test
+package processedstore_test
 
 import (
 	"context"
@@ -8,8 +8,8 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // The fingerprint migration upgrades a processed_event table of today's
@@ -20,7 +20,7 @@ func TestFingerprintMigrationUpgradesInPlace(t *testing.T) {
 	t.Parallel()
 	eachTarget(t, func(t *testing.T, tg target) {
 		ctx := context.Background()
-		s, err := processed.NewStore(processed.Config{Dialect: tg.dialect})
+		s, err := processedstore.NewStore(processedstore.Config{Dialect: tg.dialect})
 		require.NoError(t, err)
 		ms, err := s.Migrations()
 		require.NoError(t, err)
@@ -42,7 +42,7 @@ func TestFingerprintMigrationUpgradesInPlace(t *testing.T) {
 		require.NoError(t, s.Migrate(ctx, tg.db))
 
 		// The old row: a duplicate without a fingerprint.
-		idA := processed.NewIdentity("order.placed", []byte(`{"order_id":1}`))
+		idA := processedstore.NewIdentity("order.placed", []byte(`{"order_id":1}`))
 		tx, end = tg.begin(t)
 		ok, err = s.ClaimIdentity(ctx, tx, "stock", old, idA)
 		require.NoError(t, err)
@@ -51,7 +51,7 @@ func TestFingerprintMigrationUpgradesInPlace(t *testing.T) {
 		require.NoError(t, err)
 		require.True(t, stored.Found)
 		require.Nil(t, stored.Fingerprint)
-		require.Equal(t, processed.Unverified, idA.Verdict(stored))
+		require.Equal(t, processedstore.Unverified, idA.Verdict(stored))
 		end(false)
 
 		// A new event, claimed with its identity.
@@ -74,9 +74,9 @@ func TestFingerprintMigrationUpgradesInPlace(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, "order.placed", stored.EventName)
 		require.Equal(t, idA.Fingerprint, stored.Fingerprint)
-		require.Equal(t, processed.SameEvent, idA.Verdict(stored))
-		require.Equal(t, processed.OtherEvent, processed.NewIdentity("order.placed", []byte(`{"order_id":2}`)).Verdict(stored))
-		require.Equal(t, processed.OtherEvent, processed.NewIdentity("order.cancelled", []byte(`{"order_id":1}`)).Verdict(stored))
+		require.Equal(t, processedstore.SameEvent, idA.Verdict(stored))
+		require.Equal(t, processedstore.OtherEvent, processedstore.NewIdentity("order.placed", []byte(`{"order_id":2}`)).Verdict(stored))
+		require.Equal(t, processedstore.OtherEvent, processedstore.NewIdentity("order.cancelled", []byte(`{"order_id":1}`)).Verdict(stored))
 
 		// The plain claim still works on the upgraded table (verification off).
 		plain := uuid.Must(uuid.NewV7())
@@ -85,39 +85,39 @@ func TestFingerprintMigrationUpgradesInPlace(t *testing.T) {
 		require.True(t, ok)
 		stored, err = s.StoredIdentity(ctx, tx, "stock", plain)
 		require.NoError(t, err)
-		require.Equal(t, processed.Unverified, idA.Verdict(stored))
+		require.Equal(t, processedstore.Unverified, idA.Verdict(stored))
 
 		// A long name is stored cut, at a character boundary; the
 		// fingerprint covers all of it.
 		long := strings.Repeat("é", 200)
-		idLong := processed.NewIdentity(long, nil)
+		idLong := processedstore.NewIdentity(long, nil)
 		lid := uuid.Must(uuid.NewV7())
 		ok, err = s.ClaimIdentity(ctx, tx, "stock", lid, idLong)
 		require.NoError(t, err)
 		require.True(t, ok)
 		stored, err = s.StoredIdentity(ctx, tx, "stock", lid)
 		require.NoError(t, err)
-		require.Equal(t, long[:processed.MaxStoredEventName-1], stored.EventName)
-		require.Equal(t, processed.SameEvent, idLong.Verdict(stored))
+		require.Equal(t, long[:processedstore.MaxStoredEventName-1], stored.EventName)
+		require.Equal(t, processedstore.SameEvent, idLong.Verdict(stored))
 
 		// No row at all (purged): nothing to compare.
 		stored, err = s.StoredIdentity(ctx, tx, "stock", uuid.Must(uuid.NewV7()))
 		require.NoError(t, err)
 		require.False(t, stored.Found)
-		require.Equal(t, processed.Unverified, idA.Verdict(stored))
+		require.Equal(t, processedstore.Unverified, idA.Verdict(stored))
 	})
 }
 
 // The fingerprint separates name from payload, and carries its version.
 func TestIdentityFingerprint(t *testing.T) {
 	t.Parallel()
-	a := processed.NewIdentity("ab", []byte("c"))
-	b := processed.NewIdentity("a", []byte("bc"))
+	a := processedstore.NewIdentity("ab", []byte("c"))
+	b := processedstore.NewIdentity("a", []byte("bc"))
 	require.NotEqual(t, a.Fingerprint, b.Fingerprint)
 	require.Len(t, a.Fingerprint, 33)
-	require.Equal(t, processed.FingerprintVersion, a.Fingerprint[0])
-	require.Equal(t, a.Fingerprint, processed.NewIdentity("ab", []byte("c")).Fingerprint)
-	other := append([]byte{processed.FingerprintVersion + 1}, b.Fingerprint[1:]...)
-	require.Equal(t, processed.Unverified, a.Verdict(processed.StoredIdentity{Found: true, Fingerprint: other}),
+	require.Equal(t, processedstore.FingerprintVersion, a.Fingerprint[0])
+	require.Equal(t, a.Fingerprint, processedstore.NewIdentity("ab", []byte("c")).Fingerprint)
+	other := append([]byte{processedstore.FingerprintVersion + 1}, b.Fingerprint[1:]...)
+	require.Equal(t, processedstore.Unverified, a.Verdict(processedstore.StoredIdentity{Found: true, Fingerprint: other}),
 		"a fingerprint of another version is not compared")
 }

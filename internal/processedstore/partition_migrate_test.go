@@ -1,4 +1,4 @@
-package processed_test
+package processedstore_test
 
 import (
 	"context"
@@ -14,9 +14,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // event is one message of the test: its id and its envelope's occurred_at
@@ -29,7 +29,7 @@ type event struct {
 // consume is a consumer's handling of one delivery: the claim and the
 // effect (a row of effect) in one transaction. It returns whether the
 // effect was applied, and the claim's refusal, if any.
-func consume(ctx context.Context, pool *pgxpool.Pool, s *processed.Store, e event) (bool, error) {
+func consume(ctx context.Context, pool *pgxpool.Pool, s *processedstore.Store, e event) (bool, error) {
 	tx, err := pool.Begin(ctx)
 	if err != nil {
 		return false, err
@@ -58,9 +58,9 @@ func TestH16_MigrateToPartitionedWhileConsuming(t *testing.T) {
 	pool, _ := testenv.Pool(t)
 	ctx := context.Background()
 	const horizon = 2 * time.Hour
-	plain, err := processed.NewStore(processed.Config{Horizon: horizon})
+	plain, err := processedstore.NewStore(processedstore.Config{Horizon: horizon})
 	require.NoError(t, err)
-	part, err := processed.NewStore(processed.Config{Layout: processed.LayoutPartitioned, PartitionSpan: time.Hour, Horizon: horizon})
+	part, err := processedstore.NewStore(processedstore.Config{Layout: processedstore.LayoutPartitioned, PartitionSpan: time.Hour, Horizon: horizon})
 	require.NoError(t, err)
 	require.NoError(t, plain.Migrate(ctx, sqldb.Pgx(pool)))
 	_, err = pool.Exec(ctx, `CREATE TABLE effect (event_id uuid NOT NULL)`)
@@ -114,7 +114,7 @@ func TestH16_MigrateToPartitionedWhileConsuming(t *testing.T) {
 	var failures []error
 	var fmu sync.Mutex
 	var rounds atomic.Int64
-	run := func(s *processed.Store, seed int64) {
+	run := func(s *processedstore.Store, seed int64) {
 		defer wg.Done()
 		r := rand.New(rand.NewSource(seed))
 		for {
@@ -190,7 +190,7 @@ func TestH16_MigrateToPartitionedWhileConsuming(t *testing.T) {
 		}
 		ok, err := consume(ctx, pool, s, e)
 		if err != nil {
-			require.ErrorIs(t, err, processed.ErrExpired, "event %s", e.id)
+			require.ErrorIs(t, err, processedstore.ErrExpired, "event %s", e.id)
 			continue
 		}
 		require.False(t, ok, "event %s processed before the switch is found", e.id)
@@ -199,13 +199,13 @@ func TestH16_MigrateToPartitionedWhileConsuming(t *testing.T) {
 
 	// The purger empties the legacy table as its rows pass the horizon;
 	// the migration ends only then.
-	p, err := processed.NewPurger(part, sqldb.PgxPool(pool), processed.PurgerConfig{BatchSize: 7}, nil)
+	p, err := processedstore.NewPurger(part, sqldb.PgxPool(pool), processedstore.PurgerConfig{BatchSize: 7}, nil)
 	require.NoError(t, err)
 	n, _, err := p.PurgeNow(ctx)
 	require.NoError(t, err)
 	require.GreaterOrEqual(t, n, int64(len(expired)), "the expired legacy rows are purged")
 	err = part.FinishPartitionMigration(ctx, sqldb.Pgx(pool))
-	require.ErrorIs(t, err, processed.ErrLegacyNotEmpty)
+	require.ErrorIs(t, err, processedstore.ErrLegacyNotEmpty)
 	_, err = pool.Exec(ctx, `UPDATE processed_event_legacy SET event_at = now() - interval '3 hours'`)
 	require.NoError(t, err)
 	_, _, err = p.PurgeNow(ctx)
@@ -233,9 +233,9 @@ func TestH16_MigrateToPartitionedBehindAnOpenClaim(t *testing.T) {
 	t.Parallel()
 	pool, _ := testenv.Pool(t)
 	ctx := context.Background()
-	plain, err := processed.NewStore(processed.Config{Horizon: 2 * time.Hour})
+	plain, err := processedstore.NewStore(processedstore.Config{Horizon: 2 * time.Hour})
 	require.NoError(t, err)
-	part, err := processed.NewStore(processed.Config{Layout: processed.LayoutPartitioned, Horizon: 2 * time.Hour})
+	part, err := processedstore.NewStore(processedstore.Config{Layout: processedstore.LayoutPartitioned, Horizon: 2 * time.Hour})
 	require.NoError(t, err)
 	require.NoError(t, plain.Migrate(ctx, sqldb.Pgx(pool)))
 	tx, err := pool.Begin(ctx)
@@ -255,7 +255,7 @@ func TestH16_MigrateToPartitionedBehindAnOpenClaim(t *testing.T) {
 	ok, err = claimTx(t, pool, part, "c", id)
 	require.NoError(t, err)
 	require.False(t, ok, "the claim committed before the switch is found")
-	if errors.Is(err, processed.ErrExpired) {
+	if errors.Is(err, processedstore.ErrExpired) {
 		t.Fatal("unexpected")
 	}
 }

@@ -1,4 +1,4 @@
-package processed_test
+package processedstore_test
 
 import (
 	"context"
@@ -8,9 +8,9 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // The partitioned layout: UUIDv7 claims land in time partitions the purger
@@ -24,11 +24,11 @@ func TestPartitionedLayout(t *testing.T) {
 	ctx := context.Background()
 	db := sqldb.Pgx(pool)
 	const span, horizon = time.Hour, 2 * time.Hour
-	s, err := processed.NewStore(processed.Config{Layout: processed.LayoutPartitioned, PartitionSpan: span, Horizon: horizon, MaxFutureSkew: time.Minute})
+	s, err := processedstore.NewStore(processedstore.Config{Layout: processedstore.LayoutPartitioned, PartitionSpan: span, Horizon: horizon, MaxFutureSkew: time.Minute})
 	require.NoError(t, err)
 	require.NoError(t, s.Migrate(ctx, db))
 	require.NoError(t, s.Migrate(ctx, db))
-	p, err := processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{}, nil)
+	p, err := processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{}, nil)
 	require.NoError(t, err)
 	_, ran, err := p.PurgeNow(ctx)
 	require.NoError(t, err)
@@ -82,7 +82,7 @@ func TestPartitionedLayout(t *testing.T) {
 	require.True(t, ok)
 	require.Equal(t, "processed_event_default", where(old))
 	_, err = claim(v7(time.Now().Add(-3*time.Hour)), time.Time{})
-	require.ErrorIs(t, err, processed.ErrExpired)
+	require.ErrorIs(t, err, processedstore.ErrExpired)
 
 	// Partitions whose whole span ended before now − horizon go (their
 	// newest events are refused by the claim); one whose span ends after it

@@ -1,4 +1,4 @@
-package processed_test
+package processedstore_test
 
 import (
 	"context"
@@ -15,32 +15,32 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 func TestPurgerConfigValidate(t *testing.T) {
 	t.Parallel()
 	pool, _ := testenv.Pool(t)
-	none, err := processed.NewStore(processed.Config{})
+	none, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)
-	_, err = processed.NewPurger(none, sqldb.PgxPool(pool), processed.PurgerConfig{}, nil)
+	_, err = processedstore.NewPurger(none, sqldb.PgxPool(pool), processedstore.PurgerConfig{}, nil)
 	require.ErrorContains(t, err, "PurgerConfig.Horizon")
 	// A store whose claim refuses nothing cannot be purged safely.
-	_, err = processed.NewPurger(none, sqldb.PgxPool(pool), processed.PurgerConfig{Horizon: time.Hour}, nil)
-	require.ErrorIs(t, err, processed.ErrHorizonBelowClaim)
+	_, err = processedstore.NewPurger(none, sqldb.PgxPool(pool), processedstore.PurgerConfig{Horizon: time.Hour}, nil)
+	require.ErrorIs(t, err, processedstore.ErrHorizonBelowClaim)
 
-	s, err := processed.NewStore(processed.Config{Horizon: time.Minute})
+	s, err := processedstore.NewStore(processedstore.Config{Horizon: time.Minute})
 	require.NoError(t, err)
-	_, err = processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{}, nil)
-	require.ErrorIs(t, err, processed.ErrHorizonTooShort, "the store's horizon is the default, and it is below MinHorizon")
-	p, err := processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{MinHorizon: time.Second}, nil)
+	_, err = processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{}, nil)
+	require.ErrorIs(t, err, processedstore.ErrHorizonTooShort, "the store's horizon is the default, and it is below MinHorizon")
+	p, err := processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{MinHorizon: time.Second}, nil)
 	require.NoError(t, err)
 	require.NotNil(t, p)
-	_, err = processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{Horizon: 59 * time.Second, MinHorizon: time.Second}, nil)
-	require.ErrorIs(t, err, processed.ErrHorizonBelowClaim, "purging before the claim refuses would apply redeliveries twice")
-	_, err = processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{Horizon: time.Hour}, nil)
+	_, err = processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{Horizon: 59 * time.Second, MinHorizon: time.Second}, nil)
+	require.ErrorIs(t, err, processedstore.ErrHorizonBelowClaim, "purging before the claim refuses would apply redeliveries twice")
+	_, err = processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{Horizon: time.Hour}, nil)
 	require.NoError(t, err, "a longer purge horizon is safe")
 }
 
@@ -106,8 +106,8 @@ func purgeChild(schema, sessionTZ string) int {
 		return 2
 	}
 	defer pool.Close()
-	s, _ := processed.NewStore(processed.Config{Horizon: time.Hour})
-	p, err := processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{Horizon: time.Hour}, nil)
+	s, _ := processedstore.NewStore(processedstore.Config{Horizon: time.Hour})
+	p, err := processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{Horizon: time.Hour}, nil)
 	if err != nil {
 		fmt.Println(err)
 		return 2
@@ -132,12 +132,12 @@ func TestTwoPurgersOneWorks(t *testing.T) {
 	require.NoError(t, err)
 	inRun := make(chan struct{})
 	release := make(chan struct{})
-	first, err := processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{
+	first, err := processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{
 		Horizon: time.Hour,
 		OnPurge: func(int64, time.Time) { close(inRun); <-release }, // called while holding the lock
 	}, nil)
 	require.NoError(t, err)
-	second, err := processed.NewPurger(s, sqldb.PgxPool(testenv.PoolOn(t, schema, 2)), processed.PurgerConfig{Horizon: time.Hour}, nil)
+	second, err := processedstore.NewPurger(s, sqldb.PgxPool(testenv.PoolOn(t, schema, 2)), processedstore.PurgerConfig{Horizon: time.Hour}, nil)
 	require.NoError(t, err)
 	done := make(chan int64, 1)
 	go func() {
@@ -166,7 +166,7 @@ func TestPurgerStartStop(t *testing.T) {
 		SELECT 'c', gen_random_uuid(), now() - interval '2 hours' FROM generate_series(1, 10)`)
 	require.NoError(t, err)
 	var total atomic.Int64
-	p, err := processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{
+	p, err := processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{
 		Horizon: time.Hour, Interval: 10 * time.Millisecond, BatchSize: 3,
 		OnPurge: func(n int64, _ time.Time) { total.Add(n) },
 	}, nil)
@@ -208,8 +208,8 @@ func TestPurgeMillionRowsInBoundedBatchesWhileClaiming(t *testing.T) {
 		REFERENCING OLD TABLE AS old FOR EACH STATEMENT EXECUTE FUNCTION log_purge();`)
 	require.NoError(t, err)
 
-	purger, err := processed.NewPurger(s, sqldb.PgxPool(testenv.PoolOn(t, schema, 2)),
-		processed.PurgerConfig{Horizon: time.Hour, BatchSize: batch}, nil)
+	purger, err := processedstore.NewPurger(s, sqldb.PgxPool(testenv.PoolOn(t, schema, 2)),
+		processedstore.PurgerConfig{Horizon: time.Hour, BatchSize: batch}, nil)
 	require.NoError(t, err)
 	purgeDone := make(chan struct{})
 	var claims atomic.Int64

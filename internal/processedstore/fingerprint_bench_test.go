@@ -1,10 +1,10 @@
-package processed_test
+package processedstore_test
 
 import (
 	"strings"
 	"testing"
 
-	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 )
 
 // BenchmarkNewIdentity is the client-side cost of payload verification per
@@ -16,6 +16,6 @@ func BenchmarkNewIdentity(b *testing.B) {
 	b.ReportAllocs()
 	b.SetBytes(int64(len(payload)))
 	for i := 0; i < b.N; i++ {
-		_ = processed.NewIdentity("order.placed", payload)
+		_ = processedstore.NewIdentity("order.placed", payload)
 	}
 }

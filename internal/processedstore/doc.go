@@ -44,4 +44,4 @@
 //     meeting a row without a fingerprint is a duplicate, and the payload is
 //     compared byte for byte (a re-encoded replay is OtherEvent). Producers
 //     must mint ids (UUIDv7, marshaler.NewMessage).
-package processed
+package processedstore

@@ -1,4 +1,4 @@
-package processed_test
+package processedstore_test
 
 import (
 	"context"
@@ -13,9 +13,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // v7Ms is a random UUIDv7 whose 48-bit millisecond prefix is ms.
@@ -180,7 +180,7 @@ SELECT 'c' || (i % 5), gen_random_uuid(), now() - i * interval '1 second' FROM g
 	_, err = pool.Exec(ctx, `ANALYZE processed_event`)
 	require.NoError(t, err)
 
-	nodes := planNodes(t, pool, processed.PurgeSQL(s), time.Hour.Microseconds(), 100)
+	nodes := planNodes(t, pool, processedstore.PurgeSQL(s), time.Hour.Microseconds(), 100)
 	t.Logf("plan:\n%v", nodes)
 	var pkey, eventAt bool
 	for _, n := range nodes {

@@ -1,4 +1,4 @@
-package processed_test
+package processedstore_test
 
 import (
 	"testing"
@@ -8,8 +8,8 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // ClaimParamsAt is ClaimQueryAt / ClaimIdentityQueryAt unboxed: the same
@@ -19,20 +19,20 @@ import (
 func TestClaimParamsMatchClaimQuery(t *testing.T) {
 	t.Parallel()
 	at := time.Date(2026, 1, 2, 3, 4, 5, 678901234, time.UTC)
-	for _, cfg := range []processed.Config{
+	for _, cfg := range []processedstore.Config{
 		{},
 		{Horizon: time.Hour},
-		{Layout: processed.LayoutPartitioned, Horizon: 2 * time.Hour},
+		{Layout: processedstore.LayoutPartitioned, Horizon: 2 * time.Hour},
 	} {
-		s, err := processed.NewStore(cfg)
+		s, err := processedstore.NewStore(cfg)
 		require.NoError(t, err)
 		for _, id := range []uuid.UUID{uuid.Must(uuid.NewV7()), uuid.New()} {
 			for _, when := range []time.Time{{}, at} {
-				ident := processed.NewIdentity("order.placed", []byte(`{"n":1}`))
+				ident := processedstore.NewIdentity("order.placed", []byte(`{"n":1}`))
 				for _, withID := range []bool{false, true} {
 					var q string
 					var args []any
-					var ip *processed.Identity
+					var ip *processedstore.Identity
 					if withID {
 						q, args = s.ClaimIdentityQueryAt("stock", id, when, ident)
 						ip = &ident
@@ -55,7 +55,7 @@ func TestClaimParamsMatchClaimQuery(t *testing.T) {
 			}
 		}
 	}
-	mysql, err := processed.NewStore(processed.Config{Dialect: sqldb.MySQL})
+	mysql, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.MySQL})
 	require.NoError(t, err)
 	_, ok := mysql.ClaimParamsAt("stock", uuid.New(), time.Time{}, nil)
 	require.False(t, ok)

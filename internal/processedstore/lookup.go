@@ -1,4 +1,4 @@
-package processed
+package processedstore
 
 import (
 	"time"

@@ -1,4 +1,4 @@
-package processed_test
+package processedstore_test
 
 import (
 	"context"
@@ -11,9 +11,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // processedLayouts are the table layouts README allows for processed_event,
@@ -46,7 +46,7 @@ func TestPurgeEveryLayoutDeletesOnlyExpiredRows(t *testing.T) {
 			ctx := context.Background()
 			_ = schema
 			tpl := testenv.Schema(t) // a template table made by the migrations
-			tplStore, err := processed.NewStore(processed.Config{Table: tpl + ".processed_event"})
+			tplStore, err := processedstore.NewStore(processedstore.Config{Table: tpl + ".processed_event"})
 			require.NoError(t, err)
 			require.NoError(t, tplStore.Migrate(ctx, sqldb.Pgx(pool)))
 			_, err = pool.Exec(ctx, strings.ReplaceAll(ddl, "tpl.", tpl+"."))
@@ -69,7 +69,7 @@ func TestPurgeEveryLayoutDeletesOnlyExpiredRows(t *testing.T) {
 					}
 				}
 			}
-			p, err := processed.NewPurger(s, sqldb.PgxPool(pool), processed.PurgerConfig{Horizon: time.Hour, BatchSize: 70}, nil)
+			p, err := processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{Horizon: time.Hour, BatchSize: 70}, nil)
 			require.NoError(t, err)
 			n, ran, err := p.PurgeNow(ctx)
 			require.NoError(t, err)
