@@ -39,6 +39,10 @@ type PurgerConfig struct {
 	// minus Horizon are deleted. Defaults to the store's Config.Horizon;
 	// must be ≥ it (ErrHorizonBelowClaim) and ≥ MinHorizon.
 	Horizon time.Duration
+	// FromTable makes each run purge by the horizon the table keeps
+	// (PurgeHorizon) instead of Horizon; a table that keeps none is not
+	// purged.
+	FromTable bool
 	// MinHorizon guards against a mistyped horizon that would purge records
 	// still needed for deduplication. Defaults to DefaultMinHorizon (1 h).
 	MinHorizon time.Duration
@@ -100,11 +104,14 @@ func NewPurger(store *Store, pool sqldb.Pool, cfg PurgerConfig, logger watermill
 	if cfg.Horizon == 0 {
 		cfg.Horizon = store.Horizon()
 	}
+	if cfg.FromTable && cfg.Horizon == 0 {
+		cfg.Horizon = max(cfg.MinHorizon, DefaultMinHorizon) // validated per run against the table's
+	}
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if store.Horizon() <= 0 || cfg.Horizon < store.Horizon() {
+	if !cfg.FromTable && (store.Horizon() <= 0 || cfg.Horizon < store.Horizon()) {
 		return nil, fmt.Errorf("%w: PurgerConfig.Horizon %s, store %s horizon %s: the purge would delete rows whose redelivery the claim still accepts",
 			ErrHorizonBelowClaim, cfg.Horizon, store.table, store.Horizon())
 	}
@@ -123,6 +130,26 @@ func NewPurger(store *Store, pool sqldb.Pool, cfg PurgerConfig, logger watermill
 // until a batch comes back short, releases the lock and returns the rows
 // deleted (rows of dropped partitions are not counted).
 func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err error) {
+	horizon := p.cfg.Horizon
+	if p.cfg.FromTable {
+		conn, err := p.pool.Acquire(ctx)
+		if err != nil {
+			return 0, false, fmt.Errorf("processed: purge: %w", err)
+		}
+		h, ok, err := p.store.PurgeHorizon(ctx, conn, time.Now())
+		conn.Release()
+		if err != nil {
+			return 0, false, err
+		}
+		if !ok {
+			p.logger.Info("Processed events not purged: the table keeps no replay horizon", watermill.LogFields{"table": p.store.table.String()})
+			return 0, false, nil
+		}
+		if h < p.cfg.MinHorizon {
+			return 0, false, fmt.Errorf("%w: the table %s keeps %s, PurgerConfig.MinHorizon is %s", ErrHorizonTooShort, p.store.table, h, p.cfg.MinHorizon)
+		}
+		horizon = h
+	}
 	maintained := p.store.layout != LayoutPartitioned
 	legacy := false // an upgrade from the plain layout in progress
 	batch := func(ctx context.Context, q sqldb.Querier, limit int) (int64, error) {
@@ -132,7 +159,7 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 			if legacy, err = p.store.legacyExists(ctx, q); err != nil {
 				return 0, err
 			}
-			rep, err := p.store.MaintainPartitions(ctx, q, p.cfg.Horizon)
+			rep, err := p.store.MaintainPartitions(ctx, q, horizon)
 			if err != nil {
 				return 0, err
 			}
@@ -144,14 +171,14 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 				p.logger.Info("Partitions maintained", f)
 			}
 		}
-		n, err := p.store.PurgeBatch(ctx, q, p.cfg.Horizon, limit)
+		n, err := p.store.PurgeBatch(ctx, q, horizon, limit)
 		if err != nil || !legacy {
 			return n, err
 		}
 		// The legacy table of an upgrade (MigrateToPartitioned): its
 		// expired rows go by DELETE too; the run ends when both come back
 		// short.
-		m, err := p.store.purgeLegacyBatch(ctx, q, p.cfg.Horizon, limit)
+		m, err := p.store.purgeLegacyBatch(ctx, q, horizon, limit)
 		return n + m, err // ≥ limit (one more batch) while either is full
 	}
 	deleted, ran, err = purgeloop.Drain(ctx, p.pool, p.lock, batch, p.cfg.BatchSize, p.cfg.OnPurge)

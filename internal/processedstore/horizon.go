@@ -1,0 +1,112 @@
+package processedstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+)
+
+// HorizonChangeGrace is how long after a change of a table's replay horizon
+// the purge keeps the longer of the old and the new value: consumers verify
+// the horizon when they start, so one still running with the old, longer
+// horizon must be restarted within it.
+const HorizonChangeGrace = 24 * time.Hour
+
+// ErrHorizonMismatch is returned when a consumer is configured with another
+// replay horizon than its table keeps.
+var ErrHorizonMismatch = errors.New("processed: replay horizon differs from the one the table keeps")
+
+// horizonTable is the quoted name of the table's horizon row table,
+// <name>_horizon in the table's schema.
+func (s *Store) horizonTable() string {
+	q := string(s.dialect.QuoteChar())
+	name := q + s.table.Name() + "_horizon" + q
+	if schema, _, ok := strings.Cut(s.table.String(), "."); ok {
+		return q + schema + q + "." + name
+	}
+	return name
+}
+
+func (s *Store) ph(n int) string {
+	if s.dialect == sqldb.PostgreSQL {
+		return fmt.Sprintf("$%d", n)
+	}
+	return "?"
+}
+
+// TableHorizon reads the horizon the table keeps: the current value, the
+// previous one and when it changed. ok is false when none is recorded.
+func (s *Store) TableHorizon(ctx context.Context, q sqldb.Querier) (cur, prev time.Duration, changed time.Time, ok bool, err error) {
+	var c, p, at int64
+	err = q.QueryRow(ctx, "SELECT horizon_us, previous_us, changed_us FROM "+s.horizonTable()+" WHERE id = 1").Scan(&c, &p, &at)
+	if errors.Is(err, sqldb.ErrNoRows) {
+		return 0, 0, time.Time{}, false, nil
+	}
+	if err != nil {
+		return 0, 0, time.Time{}, false, fmt.Errorf("processed: read the replay horizon of %s: %w", s.table, err)
+	}
+	return time.Duration(c) * time.Microsecond, time.Duration(p) * time.Microsecond, time.UnixMicro(at), true, nil
+}
+
+// PurgeHorizon is the horizon a purge at now uses: the table's, or the
+// longer of the previous and the current one within HorizonChangeGrace of
+// a change. ok is false when the table keeps none (or 0): nothing may be
+// purged.
+func (s *Store) PurgeHorizon(ctx context.Context, q sqldb.Querier, now time.Time) (time.Duration, bool, error) {
+	cur, prev, changed, ok, err := s.TableHorizon(ctx, q)
+	if err != nil || !ok {
+		return 0, false, err
+	}
+	if now.Sub(changed) < HorizonChangeGrace && prev > cur {
+		cur = prev
+	}
+	return cur, cur > 0, nil
+}
+
+// AdoptHorizon records d as the table's horizon when it keeps none, and
+// returns the horizon it keeps. With d > 0 a different recorded horizon is
+// ErrHorizonMismatch; d == 0 adopts the recorded one.
+func (s *Store) AdoptHorizon(ctx context.Context, q sqldb.Querier, d time.Duration, now time.Time) (time.Duration, error) {
+	insert := "INSERT INTO " + s.horizonTable() + " (id, horizon_us, previous_us, changed_us) VALUES (1, " +
+		s.ph(1) + ", " + s.ph(2) + ", " + s.ph(3) + ")"
+	if s.dialect == sqldb.MySQL {
+		insert = strings.Replace(insert, "INSERT INTO", "INSERT IGNORE INTO", 1)
+	} else {
+		insert += " ON CONFLICT (id) DO NOTHING"
+	}
+	us := d.Microseconds()
+	if _, err := q.Exec(ctx, insert, us, us, now.UnixMicro()); err != nil {
+		return 0, fmt.Errorf("processed: record the replay horizon of %s (run processed.Migrate): %w", s.table, err)
+	}
+	cur, _, _, _, err := s.TableHorizon(ctx, q)
+	if err != nil {
+		return 0, err
+	}
+	if d > 0 && cur != d {
+		return cur, fmt.Errorf("%w: table %s keeps %s, configured %s: every consumer and purger of a table shares "+
+			"one horizon; change it with processed.SetReplayHorizon, then restart the consumers with the new value",
+			ErrHorizonMismatch, s.table, cur, d)
+	}
+	return cur, nil
+}
+
+// SetHorizon changes the table's horizon to d (≥ 0), keeping the previous
+// value for the purge's grace (HorizonChangeGrace).
+func (s *Store) SetHorizon(ctx context.Context, q sqldb.Querier, d time.Duration, now time.Time) error {
+	if d < 0 {
+		return fmt.Errorf("processed: replay horizon %s: must be ≥ 0", d)
+	}
+	if _, err := s.AdoptHorizon(ctx, q, 0, now); err != nil {
+		return err
+	}
+	_, err := q.Exec(ctx, "UPDATE "+s.horizonTable()+" SET previous_us = horizon_us, horizon_us = "+s.ph(1)+
+		", changed_us = "+s.ph(2)+" WHERE id = 1", d.Microseconds(), now.UnixMicro())
+	if err != nil {
+		return fmt.Errorf("processed: set the replay horizon of %s: %w", s.table, err)
+	}
+	return nil
+}

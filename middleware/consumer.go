@@ -1,0 +1,431 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-idempotency/idempotency"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/outbox"
+)
+
+// Defaults of ConsumerConfig.
+const (
+	DefaultTable                = processedstore.DefaultTable
+	DefaultLockTimeout          = inbox.DefaultLockTimeout
+	DefaultMaxFutureSkew        = processedstore.DefaultMaxFutureSkew
+	DefaultMaxRetries           = inbox.DefaultMaxRetries
+	DefaultInitialInterval      = inbox.DefaultInitialInterval
+	DefaultMaxInterval          = inbox.DefaultMaxInterval
+	DefaultMultiplier           = inbox.DefaultMultiplier
+	DefaultMaxHold              = inbox.DefaultMaxHold
+	DefaultMaxHeaderBytes       = inbox.DefaultMaxHeaderBytes
+	DefaultMaxCopiedHeaderBytes = inbox.DefaultMaxCopiedHeaderBytes
+)
+
+// Metadata keys the consumer sets on a poisoned message, besides
+// Watermill's reason_poisoned, topic_poisoned, handler_poisoned and
+// subscriber_poisoned.
+const (
+	// MetadataPoisonClass is "permanent" (no retry could fix it) or
+	// "exhausted" (an ordinary error that survived the retries).
+	MetadataPoisonClass = inbox.MetadataPoisonClass
+	// MetadataReasonBytes is the full reason's length in bytes, set only
+	// when reason_poisoned was truncated to PoisonConfig.MaxHeaderBytes.
+	MetadataReasonBytes = inbox.MetadataReasonBytes
+	// MetadataDroppedHeaders lists the keys of the failed message's metadata
+	// left off its poisoned copy (PoisonConfig.MaxCopiedHeaderBytes).
+	MetadataDroppedHeaders = inbox.MetadataDroppedHeaders
+	// MetadataAttempt is the attempt number of the delivery being handled
+	// (1 for the first), set on the message for the handler.
+	MetadataAttempt = inbox.MetadataAttempt
+)
+
+var (
+	// ErrAttached is returned by AddConsumerHandler and AddHandler on a
+	// Consumer that already serves a handler: a Consumer serves one handler.
+	ErrAttached = errors.New("middleware: the consumer already serves a handler")
+	// ErrSharedConsumer is returned when a second Consumer of the same name,
+	// on the same database pool and table, attaches to a handler of another
+	// name in this process. Competing workers of one consumer share a
+	// handler name; two handlers that each receive their own copy of an
+	// event (a fan-out) need two consumer names, or the first handler's
+	// claim makes the other's copy a duplicate and its effect is skipped.
+	ErrSharedConsumer = inbox.ErrSharedConsumer
+)
+
+// ConsumerConfig configures NewConsumer. Zero values take the defaults.
+type ConsumerConfig struct {
+	// Consumer is the claim key's first half: the name of the logical
+	// consumer whose effects are applied once per event_id. Required; keep
+	// it stable across deployments (renaming it makes every retained event
+	// new again). Competing workers of one consumer, in any process, share
+	// it; two handlers that each receive their own copy of an event use two
+	// names (see ErrSharedConsumer). There is no default from the handler's
+	// name: two processes naming their handlers differently would apply
+	// events twice.
+	Consumer string
+
+	// DB is the consumer's database (idempotency.Pgx or idempotency.SQL):
+	// each attempt's transaction, the claim and the handler's effects all
+	// run on it. Required.
+	DB idempotency.DB
+
+	// Table is the processed-event table, "name" or "schema.name" (letters,
+	// digits, underscores; validated and quoted once). Create it with
+	// processed.Migrate. An unqualified name follows the connection's
+	// search_path. Defaults to DefaultTable ("processed_event").
+	Table string
+
+	// ReplayHorizon is how long the table keeps a processed event, and the
+	// age beyond which an event is refused as expired (ErrExpired,
+	// permanent): its record may already be purged. Both are judged by the
+	// database clock on the event's own time (its UUIDv7 timestamp, else
+	// occurred_at), so no clock skew lets a purged event apply twice. Choose
+	// it ≥ the longest outbox replay window + the longest time a message may
+	// wait in a queue or dead-letter queue + a margin. It must equal the
+	// horizon of the table's purger (processed.PurgerConfig.ReplayHorizon).
+	// 0 (the default) refuses nothing, and no purger may run on the table.
+	ReplayHorizon time.Duration
+
+	// MaxFutureSkew bounds how far ahead of the database clock an event may
+	// be dated (ErrFuture, permanent: its producer's clock is wrong). Only
+	// with ReplayHorizon > 0. Defaults to DefaultMaxFutureSkew (5 min).
+	MaxFutureSkew time.Duration
+
+	// Layout is the table's layout (processed.LayoutPlain, the default, or
+	// processed.LayoutPartitioned on PostgreSQL); it must match the layout
+	// processed.Migrate created.
+	Layout processedstore.Layout
+
+	// Poison is where messages that cannot be processed go. Required.
+	Poison PoisonConfig
+
+	// Retry shapes retries and holds. Zero values take the defaults.
+	Retry RetryConfig
+
+	// AfterPoison are middlewares placed just inside the poison layer and
+	// outside the retries, outermost first: routers that take some
+	// permanent errors elsewhere before the poison topic sees them
+	// (operation.RouteUncertain). Defaults to none.
+	AfterPoison []message.HandlerMiddleware
+
+	// Outbox, when set (recommended), writes the messages a handler
+	// produces (returned, or published through PublisherFromContext) to
+	// this outbox in the attempt's transaction; its relay publishes them
+	// after the commit. Without it, returned messages go back to the
+	// router, which publishes them after the commit: a crash in between
+	// loses them. It must be on the same database as DB.
+	Outbox *outbox.Outbox
+
+	// OutboxTopic is the destination topic of returned messages written to
+	// the outbox. Defaults to the handler's publish topic.
+	OutboxTopic string
+
+	// LockTimeout bounds the wait on a claim held by another, uncommitted
+	// transaction (two deliveries of one event at once); when it expires
+	// the attempt fails with ErrInFlight (transient: retried later). On
+	// PostgreSQL it is lock_timeout for the attempt's transaction (SET
+	// LOCAL, sent in the claim's round trip), so a handler statement that
+	// waits longer on a lock also fails, transiently (SQLSTATE 55P03).
+	// Whole milliseconds, at least 1 ms. Defaults to DefaultLockTimeout
+	// (15 s); negative leaves the session's lock_timeout untouched.
+	LockTimeout time.Duration
+
+	// DisablePayloadVerification turns off the comparison of a duplicate
+	// with what was applied. With it on (the default) the claim also
+	// stores the event's name and a SHA-256 fingerprint of name and
+	// payload, and a duplicate with other content is refused as
+	// ErrEventIDReused (permanent) instead of being acked unseen.
+	DisablePayloadVerification bool
+
+	// JoinSQLSubscriber makes each attempt join the transaction of a
+	// watermill-sql v4 subscriber (the message's context carries it) under
+	// a SAVEPOINT, instead of beginning one on DB. Use it only with a
+	// watermill-sql subscriber on DB.
+	JoinSQLSubscriber bool
+
+	// Recorder receives one Observation per attempt (metrics). Defaults to
+	// none.
+	Recorder Recorder
+
+	// Classifier classifies, by code, database errors of a driver the
+	// library does not link, when they come from an attempt: for MySQL and
+	// MariaDB, mysqlerr.Classify. PostgreSQL and SQLite need none.
+	Classifier ErrorClassifier
+}
+
+// PoisonConfig is where a consumer sends messages that cannot be processed:
+// permanent errors at once, ordinary errors once the retries are exhausted.
+// Transient and configuration errors never go there.
+type PoisonConfig struct {
+	// Publisher receives poisoned messages. Required. The message is acked
+	// only after Publish returned nil, so Publish must return nil only once
+	// the broker has the message: on RabbitMQ use the confirmed, mandatory
+	// publisher of the amqp adapter module (NewPoisonPublisher). A failed
+	// publish is retried with backoff, the delivery held.
+	Publisher message.Publisher
+	// Topic is the poison topic. Required.
+	Topic string
+	// MaxHeaderBytes bounds each metadata value the consumer adds to a
+	// poisoned message; a longer reason is cut and says so. Defaults to
+	// DefaultMaxHeaderBytes (4 KiB); at least 64.
+	MaxHeaderBytes int
+	// MaxCopiedHeaderBytes bounds the failed message's metadata copied onto
+	// its poisoned copy (keys and values added up); past it the largest
+	// values are left out (MetadataDroppedHeaders). Defaults to
+	// DefaultMaxCopiedHeaderBytes (64 KiB); negative copies nothing.
+	MaxCopiedHeaderBytes int
+}
+
+// RetryConfig shapes the consumer's retries (ordinary errors, in process)
+// and holds (transient and configuration errors, in place).
+type RetryConfig struct {
+	// MaxRetries is how many times an attempt that failed with an ordinary
+	// error is re-run before the message is poisoned. Defaults to
+	// DefaultMaxRetries (5).
+	MaxRetries int
+	// InitialInterval, MaxInterval and Multiplier shape the exponential
+	// backoff between retries, between attempts of a held delivery and
+	// between poison publishes. Default to DefaultInitialInterval (100 ms),
+	// DefaultMaxInterval (10 s), DefaultMultiplier (2).
+	InitialInterval time.Duration
+	MaxInterval     time.Duration
+	Multiplier      float64
+	// MaxHold bounds how long one delivery is held while its attempts fail
+	// with transient or configuration errors; then the router nacks it and
+	// the broker redelivers it. Keep it below the broker's limit on an
+	// unacknowledged delivery (RabbitMQ consumer_timeout, 30 min by
+	// default). Defaults to DefaultMaxHold (25 min); negative holds until
+	// the router closes.
+	MaxHold time.Duration
+}
+
+// Consumer applies each event's effects once per (consumer, event_id): it is
+// the only way to attach the claim to a Watermill handler, always inside the
+// whole chain, outermost first: poison (and hold) → retry → recoverer →
+// claim. Each attempt begins a transaction on the DB, claims the event with
+// one INSERT … ON CONFLICT DO NOTHING, skips the handler on a duplicate
+// (acked, counted, logged at debug), otherwise runs it with the transaction
+// in its context (PgxTxFromContext, SQLTxFromContext) and commits; an error
+// or panic rolls back claim and effects together. A Consumer serves one
+// handler (AddConsumerHandler or AddHandler).
+type Consumer struct {
+	cfg    ConsumerConfig
+	chain  message.HandlerMiddleware
+	key    registryKey
+	logger watermill.LoggerAdapter
+
+	mu      sync.Mutex
+	handler string // the handler it serves, once attached
+}
+
+// startupTimeout bounds NewConsumer's one database round trip.
+const startupTimeout = 10 * time.Second
+
+// NewConsumer validates cfg (on a copy, with defaults) and returns the
+// consumer. It reads the table's replay horizon (one statement, at most
+// 10 s): it records cfg.ReplayHorizon when the table keeps none, adopts
+// the table's when cfg.ReplayHorizon is 0, and fails with
+// processed.ErrHorizonMismatch when they differ; the table must exist
+// (processed.Migrate). A nil logger is watermill.NopLogger.
+func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer, error) {
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	h, _ := sqldb.HandleOf(cfg.DB)
+	table, err := processedstore.NewStore(processedstore.Config{Table: cfg.Table, Dialect: h.Dialect, Layout: cfg.Layout})
+	if err != nil {
+		return nil, fmt.Errorf("middleware: ConsumerConfig: %w", err)
+	}
+	// The horizon lives with the table: recorded by the first consumer,
+	// verified by every later one (ErrHorizonMismatch), adopted when unset.
+	ctx, cancel := context.WithTimeout(context.Background(), startupTimeout)
+	horizon, err := table.AdoptHorizon(ctx, h.Querier(), cfg.ReplayHorizon, time.Now())
+	cancel()
+	if err != nil {
+		return nil, fmt.Errorf("middleware: ConsumerConfig.ReplayHorizon: %w", err)
+	}
+	cfg.ReplayHorizon = horizon
+	store, err := processedstore.NewStore(processedstore.Config{
+		Table: cfg.Table, Dialect: h.Dialect, Horizon: horizon,
+		MaxFutureSkew: cfg.MaxFutureSkew, Layout: cfg.Layout,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("middleware: ConsumerConfig: %w", err)
+	}
+	var beginner inbox.TxBeginner
+	switch {
+	case cfg.JoinSQLSubscriber:
+		beginner = inbox.NewSQLSubscriberBeginner()
+	case h.Pgx != nil:
+		beginner, err = inbox.NewPgxBeginner(h.Pgx, inbox.PgxBeginnerConfig{})
+	default:
+		beginner, err = inbox.NewStdBeginner(h.Std)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("middleware: ConsumerConfig.DB: %w", err)
+	}
+	idem, err := inbox.NewIdempotent(inbox.Config{
+		Beginner: beginner, Store: store, Consumer: cfg.Consumer, LockTimeout: cfg.LockTimeout,
+		Recorder: cfg.Recorder, Outbox: cfg.Outbox, OutboxTopic: cfg.OutboxTopic,
+		DisablePayloadVerification: cfg.DisablePayloadVerification, Classifier: cfg.Classifier,
+	}, logger)
+	if err != nil {
+		return nil, err
+	}
+	chain, err := inbox.NewHandlerMiddleware(inbox.ChainConfig{
+		Idempotent: idem, PoisonPublisher: cfg.Poison.Publisher, PoisonTopic: cfg.Poison.Topic,
+		AfterPoison: cfg.AfterPoison, MaxRetries: cfg.Retry.MaxRetries,
+		InitialInterval: cfg.Retry.InitialInterval, MaxInterval: cfg.Retry.MaxInterval,
+		Multiplier: cfg.Retry.Multiplier, MaxHold: cfg.Retry.MaxHold,
+		MaxHeaderBytes: cfg.Poison.MaxHeaderBytes, MaxCopiedHeaderBytes: cfg.Poison.MaxCopiedHeaderBytes,
+	}, logger)
+	if err != nil {
+		return nil, err
+	}
+	return &Consumer{cfg: cfg, chain: chain, logger: logger,
+		key: registryKey{pool: poolIdentity(h), table: store.Table().String(), consumer: cfg.Consumer}}, nil
+}
+
+// Validate reports the first invalid field of c, naming it.
+func (c ConsumerConfig) Validate() error {
+	if strings.TrimSpace(c.Consumer) == "" {
+		return fmt.Errorf("middleware: ConsumerConfig.Consumer %q: required, not blank (the claim key's consumer name, shared by competing workers)", c.Consumer)
+	}
+	h, err := sqldb.HandleOf(c.DB)
+	if err != nil {
+		return fmt.Errorf("middleware: ConsumerConfig.DB: %w", err)
+	}
+	if c.JoinSQLSubscriber && h.Dialect != sqldb.PostgreSQL {
+		return fmt.Errorf("middleware: ConsumerConfig.JoinSQLSubscriber: PostgreSQL only, not %s", h.Dialect)
+	}
+	if c.ReplayHorizon < 0 {
+		return fmt.Errorf("middleware: ConsumerConfig.ReplayHorizon %s: must be ≥ 0", c.ReplayHorizon)
+	}
+	if c.Poison.Publisher == nil {
+		return errors.New("middleware: ConsumerConfig.Poison.Publisher is required")
+	}
+	if strings.TrimSpace(c.Poison.Topic) == "" {
+		return errors.New("middleware: ConsumerConfig.Poison.Topic is required")
+	}
+	return nil
+}
+
+// AddConsumerHandler adds a handler that produces no messages to r, as
+// Watermill's Router.AddConsumerHandler does, with the consumer's whole
+// chain around h. It fails with ErrAttached on a Consumer that already
+// serves a handler, and with ErrSharedConsumer when another Consumer of
+// the same name, pool and table serves a handler of another name in this
+// process.
+func (c *Consumer) AddConsumerHandler(r *message.Router, handlerName, subscribeTopic string,
+	sub message.Subscriber, h message.NoPublishHandlerFunc) (*message.Handler, error) {
+	if h == nil {
+		return nil, errors.New("middleware: AddConsumerHandler: nil handler")
+	}
+	return c.AddHandler(r, handlerName, subscribeTopic, sub, "", nil, func(msg *message.Message) ([]*message.Message, error) {
+		return nil, h(msg)
+	})
+}
+
+// AddHandler adds a handler to r, as Watermill's Router.AddHandler does,
+// with the consumer's whole chain around h. The messages h returns are
+// written to ConsumerConfig.Outbox in the attempt's transaction (topic
+// OutboxTopic, else publishTopic), or, without an outbox, published by
+// the router to publishTopic on pub after the commit. Errors as
+// AddConsumerHandler.
+func (c *Consumer) AddHandler(r *message.Router, handlerName, subscribeTopic string, sub message.Subscriber,
+	publishTopic string, pub message.Publisher, h message.HandlerFunc) (*message.Handler, error) {
+	switch {
+	case r == nil:
+		return nil, errors.New("middleware: AddHandler: nil router")
+	case sub == nil:
+		return nil, errors.New("middleware: AddHandler: nil subscriber")
+	case h == nil:
+		return nil, errors.New("middleware: AddHandler: nil handler")
+	case handlerName == "":
+		return nil, errors.New("middleware: AddHandler: empty handler name")
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.handler != "" {
+		return nil, fmt.Errorf("%w: consumer %q serves handler %q; build one Consumer per handler", ErrAttached, c.cfg.Consumer, c.handler)
+	}
+	if err := register(c.key, handlerName); err != nil {
+		return nil, err
+	}
+	if pub == nil && c.cfg.Outbox != nil {
+		pub = outboxOnly{} // the consumer writes produced messages to its outbox; the router publishes none
+	}
+	var handler *message.Handler
+	if pub == nil {
+		handler = r.AddConsumerHandler(handlerName, subscribeTopic, sub, func(msg *message.Message) error {
+			out, err := h(msg)
+			if err == nil && len(out) > 0 {
+				return fmt.Errorf("%w: handler %q returned %d messages but has no publisher and the consumer no outbox",
+					ErrInvalidProduced, handlerName, len(out))
+			}
+			return err
+		})
+	} else {
+		handler = r.AddHandler(handlerName, subscribeTopic, sub, publishTopic, pub, h)
+	}
+	handler.AddMiddleware(c.chain)
+	c.handler = handlerName
+	return handler, nil
+}
+
+// registryKey identifies a claim key space in this process: one database
+// pool, one table, one consumer name.
+type registryKey struct {
+	pool     any
+	table    string
+	consumer string
+}
+
+var (
+	registryMu sync.Mutex
+	registry   = map[registryKey]string{} // → handler name
+)
+
+// register records that key serves handler, refusing another handler name
+// for the same key (a fan-out that shares one consumer name).
+func register(key registryKey, handler string) error {
+	registryMu.Lock()
+	defer registryMu.Unlock()
+	if other, ok := registry[key]; ok && other != handler {
+		return fmt.Errorf("%w: consumer %q on table %s already serves handler %q; handler %q would skip every event %q applied "+
+			"(give each handler that receives its own copy of an event its own ConsumerConfig.Consumer)",
+			ErrSharedConsumer, key.consumer, key.table, other, handler, other)
+	}
+	registry[key] = handler
+	return nil
+}
+
+// outboxOnly is the router's publisher of a handler whose produced messages
+// go to the consumer's outbox: the router is never handed one.
+type outboxOnly struct{}
+
+func (outboxOnly) Publish(string, ...*message.Message) error {
+	return errors.New("middleware: produced messages go to ConsumerConfig.Outbox, not to the router")
+}
+func (outboxOnly) Close() error { return nil }
+
+func poolIdentity(h *sqldb.Handle) any {
+	if h.Pgx != nil {
+		return h.Pgx
+	}
+	return h.Std
+}
