@@ -16,21 +16,20 @@ import (
 // in text or code) as the README spells them, with the import alias the
 // README uses for marshaler/amqp ("idamqp").
 var readmePackages = map[string]string{
-	"marshaler":  "marshaler",
-	"middleware": "middleware",
-	"processed":  "processed",
-	"outbox":     "outbox",
-	"outboxprom": "outbox/outboxprom",
-	"sqldb":      "sqldb",
-	"versioned":  "versioned",
-	"operation":  "operation",
-	"metrics":    "metrics",
-	"idamqp":     "marshaler/amqp",
-	"mysqlerr":   "middleware/mysqlerr",
-	"testenv":    "internal/testenv",
+	"marshaler":   "marshaler",
+	"middleware":  "middleware",
+	"processed":   "processed",
+	"outbox":      "outbox",
+	"outboxprom":  "outbox/outboxprom",
+	"idempotency": ".",
+	"versioned":   "versioned",
+	"operation":   "operation",
+	"metrics":     "metrics",
+	"idamqp":      "marshaler/amqp",
+	"mysqlerr":    "middleware/mysqlerr",
 }
 
-var readmeRef = regexp.MustCompile(`\b(marshaler|middleware|processed|outbox|outboxprom|sqldb|versioned|operation|metrics|idamqp|mysqlerr|testenv)\.([A-Z][A-Za-z0-9_]*)(\.[A-Z][A-Za-z0-9_]*)?`)
+var readmeRef = regexp.MustCompile(`\b(idempotency|marshaler|middleware|processed|outbox|outboxprom|versioned|operation|metrics|idamqp|mysqlerr)\.([A-Z][A-Za-z0-9_]*)(\.[A-Z][A-Za-z0-9_]*)?`)
 
 // exported returns the top-level names declared in the package in dir
 // (types, functions, variables, constants; test files excluded).
@@ -95,9 +94,14 @@ func exported(t *testing.T, dir string) map[string]bool {
 // marshaler/amqp (idamqp.Marshaler{}).
 func TestNewcomer_READMENamesExist(t *testing.T) {
 	t.Parallel()
-	md, err := os.ReadFile("../../README.md")
-	if err != nil {
-		t.Fatal(err)
+	docs, _ := filepath.Glob("../../docs/*.md")
+	var md []byte
+	for _, f := range append([]string{"../../README.md"}, docs...) {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		md = append(md, b...)
 	}
 	decls := map[string]map[string]bool{}
 	var missing []string
@@ -119,7 +123,7 @@ func TestNewcomer_READMENamesExist(t *testing.T) {
 	}
 	sort.Strings(missing)
 	if len(missing) > 0 {
-		t.Fatalf("the README names identifiers that do not exist: %s", strings.Join(missing, ", "))
+		t.Fatalf("README.md and docs/ name identifiers that do not exist: %s", strings.Join(missing, ", "))
 	}
 	if len(seen) < 20 {
 		t.Fatalf("only %d references found: the pattern no longer matches the README", len(seen))

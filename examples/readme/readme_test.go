@@ -7,7 +7,7 @@ import (
 )
 
 // snippet is the text between "// README:begin" and "// README:end" in
-// example_test.go, leading tabs as four spaces each (what the README shows).
+// example_test.go.
 func snippet(t *testing.T) string {
 	t.Helper()
 	src, err := os.ReadFile("example_test.go")
@@ -19,31 +19,54 @@ func snippet(t *testing.T) string {
 	if !ok || !ok2 {
 		t.Fatal("example_test.go: README:begin / README:end markers missing")
 	}
-	lines := strings.Split(strings.Trim(body, "\n"), "\n")
-	for i, l := range lines {
-		trimmed := strings.TrimLeft(l, "\t")
-		lines[i] = strings.Repeat("    ", len(l)-len(trimmed)) + trimmed
-	}
-	return strings.Join(lines, "\n")
+	return strings.Trim(body, "\n")
 }
 
-// readmeSnippet is the first ```go block of README.md's "## Using it".
+// readmeSnippet is README.md's ```go block that starts with "// quickstart",
+// without that line.
 func readmeSnippet(t *testing.T) string {
 	t.Helper()
 	md, err := os.ReadFile("../../README.md")
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, section, ok := strings.Cut(string(md), "\n## Using it\n")
-	if !ok {
-		t.Fatal(`README.md: no "## Using it" section`)
-	}
-	_, block, ok := strings.Cut(section, "```go\n")
+	_, block, ok := strings.Cut(string(md), "```go\n// quickstart\n")
 	code, _, ok2 := strings.Cut(block, "\n```")
 	if !ok || !ok2 {
-		t.Fatal("README.md: no ```go block in \"## Using it\"")
+		t.Fatal("README.md: no ```go block starting with // quickstart")
 	}
 	return code
+}
+
+// The quick start is at most 35 lines of code (comments and blank lines
+// aside), and wires a consumer from the pool to the router in at most 20:
+// from NewConsumer to AddConsumerHandler's closing line.
+func TestREADMEQuickStartIsShort(t *testing.T) {
+	t.Parallel()
+	code := readmeSnippet(t)
+	n, wiring, inWiring := 0, 0, false
+	for _, l := range strings.Split(code, "\n") {
+		l = strings.TrimSpace(l)
+		if l == "" || strings.HasPrefix(l, "//") {
+			continue
+		}
+		n++
+		if strings.Contains(l, "middleware.NewConsumer(") {
+			inWiring = true
+		}
+		if inWiring {
+			wiring++
+			if strings.HasPrefix(l, "}); err != nil") {
+				inWiring = false
+			}
+		}
+	}
+	if n > 35 {
+		t.Errorf("README quick start: %d code lines, at most 35", n)
+	}
+	if wiring == 0 || wiring > 20 {
+		t.Errorf("README quick start: consumer wiring %d lines (NewConsumer … AddConsumerHandler), want 1..20", wiring)
+	}
 }
 
 // The README's snippet is the compiled runStock, character for character.

@@ -1,0 +1,274 @@
+package middleware_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
+)
+
+// consumerEnv is a migrated processed table and an effects table in a
+// schema of the test's own, and an in-process broker.
+type consumerEnv struct {
+	pool   *pgxpool.Pool
+	db     idempotency.DB
+	pubsub *gochannel.GoChannel
+}
+
+func newConsumerEnv(t *testing.T) consumerEnv {
+	t.Helper()
+	pool, _ := testenv.Pool(t)
+	ctx := context.Background()
+	db := idempotency.Pgx(pool)
+	require.NoError(t, processed.Migrate(ctx, db, processed.Config{}))
+	_, err := pool.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL, note text)`)
+	require.NoError(t, err)
+	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64, Persistent: true}, watermill.NopLogger{})
+	t.Cleanup(func() { _ = ps.Close() })
+	return consumerEnv{pool: pool, db: db, pubsub: ps}
+}
+
+func (e consumerEnv) config(name string) middleware.ConsumerConfig {
+	return middleware.ConsumerConfig{
+		Consumer: name, DB: e.db,
+		Poison: middleware.PoisonConfig{Publisher: e.pubsub, Topic: "poison"},
+		Retry:  middleware.RetryConfig{InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond},
+	}
+}
+
+func (e consumerEnv) effects(t *testing.T) int {
+	t.Helper()
+	var n int
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FROM effect`).Scan(&n))
+	return n
+}
+
+func runRouter(t *testing.T, r *message.Router) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	<-r.Running()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+}
+
+func newEvent(t *testing.T) *message.Message {
+	t.Helper()
+	msg, err := marshaler.NewMessage("order.placed", map[string]string{"order_id": "o-1"})
+	require.NoError(t, err)
+	return msg
+}
+
+// A redelivered event (same event_id) applies its effect once; the handler
+// is not called for the duplicate. A failed attempt leaves nothing: its
+// effect rolls back with its claim, and the retry applies it once (C01).
+func TestConsumerAppliesEachEventOnce(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	c, err := middleware.NewConsumer(e.config("stock"), nil)
+	require.NoError(t, err)
+	r, err := message.NewRouter(message.RouterConfig{}, nil)
+	require.NoError(t, err)
+	var calls atomic.Int32
+	_, err = c.AddConsumerHandler(r, "reserve", "orders", e.pubsub, func(msg *message.Message) error {
+		tx, ok := middleware.PgxTxFromContext(msg.Context())
+		if !ok {
+			return errors.New("no transaction")
+		}
+		if _, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID); err != nil {
+			return err
+		}
+		if calls.Add(1) == 1 {
+			return errors.New("first attempt fails after its write")
+		}
+		return nil
+	})
+	require.NoError(t, err)
+	runRouter(t, r)
+
+	msg := newEvent(t)
+	require.NoError(t, e.pubsub.Publish("orders", msg, msg.Copy()))
+	testenv.Eventually(t, 10*time.Second, "one effect", func(o *testenv.Observed) bool {
+		return testenv.See(o, "effects", e.effects(t)) == 1 && testenv.See(o, "calls", calls.Load()) == 2
+	})
+	second := newEvent(t)
+	require.NoError(t, e.pubsub.Publish("orders", second))
+	testenv.Eventually(t, 10*time.Second, "second event applied", func(o *testenv.Observed) bool {
+		return testenv.See(o, "effects", e.effects(t)) == 2
+	})
+	require.Equal(t, int32(3), calls.Load(), "the duplicate never reached the handler")
+}
+
+// A Consumer serves one handler: a second attach is refused, so its claim
+// cannot be wired twice.
+func TestConsumerServesOneHandler(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	c, err := middleware.NewConsumer(e.config("stock"), nil)
+	require.NoError(t, err)
+	r, err := message.NewRouter(message.RouterConfig{}, nil)
+	require.NoError(t, err)
+	h := func(*message.Message) error { return nil }
+	_, err = c.AddConsumerHandler(r, "a", "orders", e.pubsub, h)
+	require.NoError(t, err)
+	_, err = c.AddConsumerHandler(r, "b", "orders", e.pubsub, h)
+	require.ErrorIs(t, err, middleware.ErrAttached)
+}
+
+// Two handlers that each receive their own copy of an event must not share
+// a consumer name: the second is refused at startup. Competing workers (the
+// same handler name, e.g. two routers) share it.
+func TestConsumerNameSharedByTwoHandlersIsRefused(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	h := func(*message.Message) error { return nil }
+	r, err := message.NewRouter(message.RouterConfig{}, nil)
+	require.NoError(t, err)
+	first, err := middleware.NewConsumer(e.config("mail"), nil)
+	require.NoError(t, err)
+	_, err = first.AddConsumerHandler(r, "send_mail", "orders", e.pubsub, h)
+	require.NoError(t, err)
+
+	fanout, err := middleware.NewConsumer(e.config("mail"), nil)
+	require.NoError(t, err)
+	_, err = fanout.AddConsumerHandler(r, "send_sms", "orders", e.pubsub, h)
+	require.ErrorIs(t, err, middleware.ErrSharedConsumer)
+
+	r2, err := message.NewRouter(message.RouterConfig{}, nil)
+	require.NoError(t, err)
+	worker, err := middleware.NewConsumer(e.config("mail"), nil)
+	require.NoError(t, err)
+	_, err = worker.AddConsumerHandler(r2, "send_mail", "orders", e.pubsub, h)
+	require.NoError(t, err, "a competing worker of the same handler")
+}
+
+// The replay horizon lives with the table: the first consumer records it,
+// another value is refused, 0 adopts it, and SetReplayHorizon changes it.
+func TestConsumerReplayHorizonLivesWithTheTable(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	ctx := context.Background()
+	cfg := e.config("stock")
+	cfg.ReplayHorizon = 24 * time.Hour
+	_, err := middleware.NewConsumer(cfg, nil)
+	require.NoError(t, err)
+	got, err := processed.ReplayHorizon(ctx, e.db, "")
+	require.NoError(t, err)
+	require.Equal(t, 24*time.Hour, got)
+
+	cfg.Consumer, cfg.ReplayHorizon = "shipping", 48*time.Hour
+	_, err = middleware.NewConsumer(cfg, nil)
+	require.ErrorIs(t, err, processed.ErrHorizonMismatch)
+
+	cfg.ReplayHorizon = 0
+	_, err = middleware.NewConsumer(cfg, nil)
+	require.NoError(t, err, "0 adopts the table's horizon")
+
+	require.NoError(t, processed.SetReplayHorizon(ctx, e.db, "", 48*time.Hour))
+	cfg.ReplayHorizon = 48 * time.Hour
+	_, err = middleware.NewConsumer(cfg, nil)
+	require.NoError(t, err)
+}
+
+// An event older than the table's horizon is refused as expired and
+// poisoned once; it never reaches the handler.
+func TestConsumerRefusesEventsOlderThanTheHorizon(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	cfg := e.config("stock")
+	cfg.ReplayHorizon = time.Hour
+	c, err := middleware.NewConsumer(cfg, nil)
+	require.NoError(t, err)
+	r, err := message.NewRouter(message.RouterConfig{}, nil)
+	require.NoError(t, err)
+	var calls atomic.Int32
+	_, err = c.AddConsumerHandler(r, "reserve", "orders", e.pubsub, func(*message.Message) error {
+		calls.Add(1)
+		return nil
+	})
+	require.NoError(t, err)
+	poisoned, err := e.pubsub.Subscribe(context.Background(), "poison")
+	require.NoError(t, err)
+	runRouter(t, r)
+
+	msg, err := marshaler.NewMessageWithID(uuidV7At(t, time.Now().Add(-2*time.Hour)), "order.placed",
+		time.Now().Add(-2*time.Hour), map[string]string{"order_id": "o-1"})
+	require.NoError(t, err)
+	require.NoError(t, e.pubsub.Publish("orders", msg))
+	select {
+	case p := <-poisoned:
+		p.Ack()
+		require.Equal(t, msg.UUID, p.UUID)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the expired event was not poisoned")
+	}
+	require.Zero(t, calls.Load())
+}
+
+// The purger deletes by the table's horizon: rows older than it go, newer
+// ones stay; a table without a horizon is never purged.
+func TestPurgerUsesTheTableHorizon(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	ctx := context.Background()
+	p, err := processed.NewPurger(processed.PurgerConfig{DB: e.db}, nil)
+	require.NoError(t, err)
+	_, ran, err := p.PurgeNow(ctx)
+	require.NoError(t, err)
+	require.False(t, ran, "no horizon recorded: nothing may be purged")
+
+	require.NoError(t, processed.SetReplayHorizon(ctx, e.db, "", 2*time.Hour))
+	_, err = e.pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, event_at) VALUES
+		('c', gen_random_uuid(), now() - interval '3 hours'), ('c', gen_random_uuid(), now() - interval '1 hour')`)
+	require.NoError(t, err)
+	n, ran, err := p.PurgeNow(ctx)
+	require.NoError(t, err)
+	require.True(t, ran)
+	require.Equal(t, int64(1), n)
+}
+
+// Each field a consumer cannot do without is named when missing.
+func TestConsumerConfigNamesTheMissingField(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	for field, mutate := range map[string]func(*middleware.ConsumerConfig){
+		"Consumer":         func(c *middleware.ConsumerConfig) { c.Consumer = " " },
+		"DB":               func(c *middleware.ConsumerConfig) { c.DB = idempotency.DB{} },
+		"Poison.Publisher": func(c *middleware.ConsumerConfig) { c.Poison.Publisher = nil },
+		"Poison.Topic":     func(c *middleware.ConsumerConfig) { c.Poison.Topic = "" },
+	} {
+		cfg := e.config("x")
+		mutate(&cfg)
+		_, err := middleware.NewConsumer(cfg, nil)
+		require.ErrorContains(t, err, "ConsumerConfig."+field, field)
+	}
+}
+
+// uuidV7At is a UUIDv7 dated at (RFC 9562 §5.7: 48-bit Unix milliseconds).
+func uuidV7At(t *testing.T, at time.Time) uuid.UUID {
+	t.Helper()
+	id, err := uuid.NewV7()
+	require.NoError(t, err)
+	ms := uint64(at.UnixMilli())
+	for i := 0; i < 6; i++ {
+		id[i] = byte(ms >> (40 - 8*i))
+	}
+	return id
+}
