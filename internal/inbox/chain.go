@@ -486,3 +486,15 @@ func (b *holdBackoff) next() time.Duration {
 	b.cur = time.Duration(math.Min(float64(b.max), float64(b.cur)*b.mult))
 	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
 }
+
+// sleepCtx waits d or until ctx ends; false when ctx ended.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}

@@ -4,10 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sort"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -189,54 +187,8 @@ type Idempotent struct {
 	logger      watermill.LoggerAdapter
 	lockTimeout *lockTimeoutStmt // built once from cfg.LockTimeout
 
-	unchainedSeen sync.Map // handler name → true: logged once (unchained.go)
-
-	handlersMu sync.RWMutex
-	handlers   map[string]struct{} // handler names seen (noteHandler)
-
 	// quiet: the logger is Watermill's NopLogger, so no log field is built.
 	quiet bool
-}
-
-// noteHandler records the router handler a delivery came through and logs,
-// once per new handler, at ERROR when this middleware (one Consumer) serves
-// more than one handler. Competing workers of one consumer are processes
-// (or subscriber goroutines) on one queue, which a router runs as one
-// handler; two handlers of one router with one Consumer are nearly always
-// a fan-out (each handler receives its own copy of an event) that was
-// given one name: the first handler to claim an event makes the other's
-// copy a duplicate, and that handler's effect is silently skipped.
-func (m *Idempotent) noteHandler(name string) {
-	if name == "" {
-		return
-	}
-	m.handlersMu.RLock()
-	_, seen := m.handlers[name]
-	m.handlersMu.RUnlock()
-	if seen {
-		return
-	}
-	m.handlersMu.Lock()
-	if m.handlers == nil {
-		m.handlers = map[string]struct{}{}
-	}
-	_, seen = m.handlers[name]
-	others := make([]string, 0, len(m.handlers))
-	for h := range m.handlers {
-		others = append(others, h)
-	}
-	m.handlers[name] = struct{}{}
-	m.handlersMu.Unlock()
-	if seen || len(others) == 0 {
-		return
-	}
-	sort.Strings(others)
-	m.logger.Error("One consumer serves several handlers", ErrSharedConsumer, watermill.LogFields{
-		"consumer": m.cfg.Consumer, "handler": name, "other_handlers": strings.Join(others, ","),
-		"hint": "if each handler receives its own copy of an event (fan-out: one queue each), give each its own " +
-			"Config.Consumer (one Idempotent per handler): with one name, the first handler's claim makes the " +
-			"other handler's copy a duplicate and its effect is skipped",
-	})
 }
 
 // isNopLogger reports whether l is Watermill's NopLogger (it logs nothing).
@@ -345,25 +297,10 @@ func registerSQLiteInbox(cfg Config) error {
 // the messages h returns are returned after the commit, for the router to
 // publish: a crash between the commit and that publish loses them.
 //
-// Wire it through NewHandlerMiddleware (or NewChain). Under a router but
-// outside that chain (the middleware alone, Watermill's own PoisonQueue and
-// Retry around it, or a chain in another order), it protects the delivery
-// itself, since no outer layer of it will: a transient or configuration
-// failure is held and retried in place with capped backoff (the chain's
-// defaults, up to DefaultMaxHold) instead of being returned to layers that
-// would poison it or nack it into a hot loop, and any other failure is
-// returned only after UnchainedFailureDelay. Each such delivery is logged at
-// ERROR, naming the missing chain (see unchained.go).
+// It is wired only by middleware.NewConsumer, inside the whole chain
+// (NewHandlerMiddleware): no other wiring can be written from outside.
 func (m *Idempotent) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	attempt := m.middleware(h)
-	return func(msg *message.Message) ([]*message.Message, error) {
-		ctx := msg.Context()
-		m.noteHandler(message.HandlerNameFromCtx(ctx))
-		if ctx.Value(chainKey{}) != nil || message.HandlerNameFromCtx(ctx) == "" {
-			return attempt(msg) // inside the chain, or called directly (tests, own loops)
-		}
-		return m.unchained(attempt, msg)
-	}
+	return m.middleware(h)
 }
 
 // middleware is one attempt: see Middleware.
