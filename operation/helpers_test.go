@@ -7,12 +7,14 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/operation"
@@ -29,15 +31,14 @@ type runnerEnv struct {
 // otherwise) and migrates it.
 func runnerOn(t *testing.T, tg testenv.Target, cfg operation.Config) *runnerEnv {
 	t.Helper()
-	cfg.Dialect = tg.Dialect
 	if tg.Pgx != nil {
-		cfg.Pool = tg.Pgx
+		cfg.DB = idempotency.Pgx(tg.Pgx)
 	} else {
-		cfg.DB = tg.Std
+		cfg.DB = idempotency.SQL(tg.Std, tg.Dialect)
 	}
 	r, err := operation.NewRunner(cfg, nil)
 	require.NoError(t, err)
-	require.NoError(t, r.Migrate(context.Background(), tg.DB))
+	require.NoError(t, r.Migrate(context.Background()))
 	return &runnerEnv{Target: tg, r: r}
 }
 
@@ -274,7 +275,7 @@ WHERE locktype = 'advisory' AND NOT granted AND classid::bigint = $1 AND objid::
 		require.NoError(t, e.DB.QueryRow(ctx, `SELECT count(*) FROM information_schema.PROCESSLIST
 WHERE db = ? AND state = 'User lock' AND info LIKE 'SELECT GET_LOCK%'`, e.Database).Scan(&n))
 	default:
-		n = operation.ProcessLockWaiters(e.Database, e.r.Table().String(), key)
+		n = operation.ProcessLockWaiters(e.Database, e.r.Table(), key)
 	}
 	return n
 }
@@ -284,7 +285,7 @@ func (e *runnerEnv) pgLockID(t *testing.T, key operation.Key) uint64 {
 	t.Helper()
 	var id int64
 	require.NoError(t, e.DB.QueryRow(context.Background(), `SELECT `+operation.PgLockKey,
-		key.String(), e.r.Table().Quoted('"')).Scan(&id))
+		key.String(), `"`+strings.ReplaceAll(e.r.Table(), ".", `"."`)+`"`).Scan(&id))
 	return uint64(id)
 }
 

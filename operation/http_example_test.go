@@ -15,7 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	_ "modernc.org/sqlite" // database/sql driver "sqlite"
 
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/operation"
 )
 
@@ -42,11 +42,11 @@ func ExampleRunner_Do_http() {
 	}
 	defer db.Close()
 	ctx := context.Background()
-	runner, err := operation.NewRunner(operation.Config{DB: db, Dialect: sqldb.SQLite}, watermill.NopLogger{})
+	runner, err := operation.NewRunner(operation.Config{DB: idempotency.SQL(db, idempotency.SQLite)}, watermill.NopLogger{})
 	if err != nil {
 		panic(err)
 	}
-	if err := runner.Migrate(ctx, sqldb.Std(db)); err != nil {
+	if err := runner.Migrate(ctx); err != nil {
 		panic(err)
 	}
 

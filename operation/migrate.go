@@ -14,14 +14,10 @@ import (
 //go:embed migrations
 var migrationTemplates embed.FS
 
-// Migration is one versioned schema change of the operations table, rendered
-// for its table name.
-type Migration = sqldb.Migration
-
-// Migrations returns the runner's migrations in version order, rendered for
+// migrations returns the runner's migrations in version order, rendered for
 // its table and dialect. Each is idempotent (IF NOT EXISTS), so running one
 // twice is safe.
-func (r *Runner) Migrations() ([]Migration, error) {
+func (r *Runner) migrations() ([]sqldb.Migration, error) {
 	return renderMigrations(r.dialect, r.table)
 }
 
@@ -48,7 +44,7 @@ func MigrationsFS(table string, dialect sqldb.Dialect) (fs.FS, error) {
 	return sqldb.ComponentFS(ms, sqldb.VersionBaseOperation), nil
 }
 
-func renderMigrations(dialect sqldb.Dialect, table sqldb.Ident) ([]Migration, error) {
+func renderMigrations(dialect sqldb.Dialect, table sqldb.Ident) ([]sqldb.Migration, error) {
 	// SQLite's CREATE INDEX takes the schema on the index's name and an
 	// unqualified table: IndexSchema is `"schema".` (or ""), Bare the table
 	// without its schema.
@@ -68,13 +64,14 @@ func renderMigrations(dialect sqldb.Dialect, table sqldb.Ident) ([]Migration, er
 	return ms, nil
 }
 
-// Migrate applies the runner's migrations in version order on q (typically
-// sqldb.Pgx(pool) or sqldb.Std(db)) and records each in the
+// Migrate applies the runner's migrations in version order on its DB and
+// records each in the
 // idempotency_migration table (component "operation:<table>"), shared with
 // the other stores of the library. It is safe to run from several instances
 // at once (sqldb.Migrate).
-func (r *Runner) Migrate(ctx context.Context, q sqldb.Querier) error {
-	ms, err := r.Migrations()
+func (r *Runner) Migrate(ctx context.Context) error {
+	q := r.db.Querier()
+	ms, err := r.migrations()
 	if err != nil {
 		return err
 	}

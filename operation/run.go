@@ -2,7 +2,6 @@ package operation
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"path/filepath"
@@ -10,9 +9,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/watermill-idempotency/idempotency"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
@@ -43,45 +43,18 @@ const (
 
 // Config configures a Runner (NewRunner).
 type Config struct {
-	// Pool (pgx, PostgreSQL) or DB (database/sql, any Dialect) is where the
-	// Runner takes its connections; exactly one is required. One connection
-	// per Do, held from the begin transaction until the outcome is
-	// recorded, including during the external call (on PostgreSQL and MySQL
-	// it carries the key's session lock). It must not be the connection of
-	// the caller's transaction, and it must be a direct connection or a
-	// session-mode pooler: a transaction-mode pooler (PgBouncer
-	// pool_mode=transaction, ProxySQL multiplexing) breaks session locks.
-	// Size it for the handlers that run at once, on top of the connections
-	// their own transactions use, or give the Runner a pool of its own.
-	Pool *pgxpool.Pool
-
-	// DB is the database/sql handle to take connections from, instead of
-	// Pool: pgx's stdlib (PostgreSQL), go-sql-driver/mysql (MySQL; DSN with
-	// parseTime=true) or modernc.org/sqlite (SQLite; a file DSN with WAL and
-	// busy_timeout, see sqldb.SQLite).
-	//
-	// On SQLite, DB must be a database file of its own, not the file the
-	// handler's (the idempotent middleware's) transaction writes to: SQLite
-	// has one writer per file, and the Runner commits its started record
-	// before the external call, while the handler's transaction holds that
-	// file's write lock. NewRunner reads DB's file (one query) and refuses
-	// it, with an error wrapping ErrSharedSQLiteFile, when an idempotent
-	// middleware on the same file (same inode) was built in this process;
-	// middleware.NewIdempotent refuses the same wiring in the other order.
-	// Do called inside a transaction on the runner's own file (as
-	// sqldb.TxFromContext finds it: a wiring the constructors cannot see)
-	// returns a permanent error wrapping ErrSharedSQLiteFile at once,
-	// instead of waiting for busy_timeout and failing with SQLITE_BUSY on
-	// every retry.
-	DB *sql.DB
-
-	// Dialect is the SQL dialect of DB: sqldb.PostgreSQL, sqldb.MySQL
-	// (MySQL 8.0+, MariaDB 10.11+) or sqldb.SQLite. With Pool it must be
-	// sqldb.PostgreSQL. Defaults to sqldb.PostgreSQL (the zero value).
-	// What differs (see the package doc): the key's lock is an advisory
-	// lock on PostgreSQL, GET_LOCK on MySQL (Wait in whole seconds), and a
-	// lock of the process on SQLite (one process per database file).
-	Dialect sqldb.Dialect
+	// DB is where the Runner takes its connections (idempotency.Pgx or
+	// idempotency.SQL). Required. One connection per Do, held from the
+	// begin transaction until the outcome is recorded, including during the
+	// external call (on PostgreSQL and MySQL it carries the key's lock). It
+	// must not be the connection of the caller's transaction: size the pool
+	// for the handlers that run at once, on top of the connections their
+	// own transactions use, or give the Runner a pool of its own. On SQLite
+	// it must be a database file of its own, not the consumer's: SQLite has
+	// one writer per file, and the Runner commits its started record while
+	// the handler's transaction holds that file's write lock (NewRunner and
+	// middleware.NewConsumer refuse the shared file, ErrSharedSQLiteFile).
+	DB idempotency.DB
 
 	// Table is the operations table, "name" or "schema.name"; each part must
 	// match [A-Za-z_][A-Za-z0-9_]{0,62}. Validated and quoted once, in
@@ -118,17 +91,12 @@ func (c *Config) setDefaults() {
 
 // Validate reports the first invalid field of c, naming it.
 func (c Config) Validate() error {
-	switch {
-	case c.Pool == nil && c.DB == nil:
-		return errors.New("operation: Config.Pool or Config.DB is required")
-	case c.Pool != nil && c.DB != nil:
-		return errors.New("operation: Config.Pool and Config.DB: set one, not both")
+	h, err := sqldb.HandleOf(c.DB)
+	if err != nil {
+		return fmt.Errorf("operation: Config.DB: %w", err)
 	}
-	if err := c.Dialect.Validate(); err != nil {
-		return fmt.Errorf("operation: Config.Dialect: %w", err)
-	}
-	if c.Pool != nil && c.Dialect != sqldb.PostgreSQL {
-		return fmt.Errorf("operation: Config.Dialect %s: Config.Pool is a PostgreSQL pool (use Config.DB)", c.Dialect)
+	if err := h.Dialect.Validate(); err != nil {
+		return fmt.Errorf("operation: Config.DB: %w", err)
 	}
 	if c.Table != "" {
 		if _, err := sqldb.ParseIdent(c.Table); err != nil {
@@ -144,6 +112,7 @@ func (c Config) Validate() error {
 // Runner runs external operations effectively once per key (see Do). It is
 // safe for concurrent use; it holds no goroutine and needs no Close.
 type Runner struct {
+	db           *sqldb.Handle
 	pool         connPool
 	dialect      sqldb.Dialect
 	table        sqldb.Ident
@@ -168,9 +137,10 @@ func NewRunner(cfg Config, logger watermill.LoggerAdapter) (*Runner, error) {
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
+	h, _ := sqldb.HandleOf(cfg.DB)
 	var file *string
-	if cfg.Dialect == sqldb.SQLite {
-		path, err := sqlitefile.Register(cfg.DB, sqlitefile.Operations)
+	if h.Dialect == sqldb.SQLite {
+		path, err := sqlitefile.Register(h.Std, sqlitefile.Operations)
 		if err != nil {
 			if errors.Is(err, ErrSharedSQLiteFile) {
 				return nil, fmt.Errorf("operation.Config.DB: the SQLite file %s is the database of an idempotent middleware "+
@@ -184,19 +154,20 @@ func NewRunner(cfg Config, logger watermill.LoggerAdapter) (*Runner, error) {
 	}
 	table, _ := sqldb.ParseIdent(cfg.Table)
 	var pool connPool
-	if cfg.Pool != nil {
-		pool = newPgxConnPool(cfg.Pool)
+	if h.Pgx != nil {
+		pool = newPgxConnPool(h.Pgx)
 	} else {
-		pool = newStdConnPool(cfg.DB)
+		pool = newStdConnPool(h.Std)
 	}
 	r := &Runner{
+		db:           h,
 		pool:         pool,
-		dialect:      cfg.Dialect,
+		dialect:      h.Dialect,
 		table:        table,
 		wait:         cfg.Wait,
 		writeTimeout: cfg.WriteTimeout,
 		logger:       logger,
-		sql:          sqlFor(cfg.Dialect).render(table.Quoted(cfg.Dialect.QuoteChar())),
+		sql:          sqlFor(h.Dialect).render(table.Quoted(h.Dialect.QuoteChar())),
 	}
 	if file != nil {
 		r.file.Store(file)
@@ -244,8 +215,8 @@ func (r *Runner) checkOwnFile(ctx context.Context, key Key) error {
 // an in-memory or temporary one).
 const sqliteMainFile = sqlitefile.MainFileQuery
 
-// Table is the runner's validated table identifier.
-func (r *Runner) Table() sqldb.Ident { return r.table }
+// Table is the operations table's name, as validated ("name" or "schema.name").
+func (r *Runner) Table() string { return r.table.String() }
 
 // Dialect is the runner's SQL dialect.
 func (r *Runner) Dialect() sqldb.Dialect { return r.dialect }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
@@ -352,7 +353,7 @@ func TestMigrateAndConfig(t *testing.T) {
 	eachRunner(t, operation.Config{Table: "ops"}, func(t *testing.T, e *runnerEnv) {
 		ctx := context.Background()
 		r := e.r
-		require.Equal(t, "ops", r.Table().String())
+		require.Equal(t, "ops", r.Table())
 		require.Equal(t, e.Dialect, r.Dialect())
 
 		// Concurrent Migrate from several instances is safe; versions recorded once.
@@ -362,7 +363,7 @@ func TestMigrateAndConfig(t *testing.T) {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				errs <- r.Migrate(ctx, e.DB)
+				errs <- r.Migrate(ctx)
 			}()
 		}
 		wg.Wait()
@@ -404,22 +405,20 @@ func TestConfigValidate(t *testing.T) {
 		cfg   operation.Config
 		field string
 	}{
-		{operation.Config{}, "Config.Pool or Config.DB"},
-		{operation.Config{Pool: pool, DB: db}, "set one"},
-		{operation.Config{Pool: pool, Table: "x;drop"}, "Config.Table"},
-		{operation.Config{Pool: pool, WriteTimeout: -1}, "Config.WriteTimeout"},
-		{operation.Config{Pool: pool, Dialect: sqldb.MySQL}, "Config.Dialect"},
-		{operation.Config{DB: db, Dialect: sqldb.Dialect(9)}, "Config.Dialect"},
+		{operation.Config{}, "Config.DB"},
+		{operation.Config{DB: idempotency.Pgx(pool), Table: "x;drop"}, "Config.Table"},
+		{operation.Config{DB: idempotency.Pgx(pool), WriteTimeout: -1}, "Config.WriteTimeout"},
+		{operation.Config{DB: idempotency.SQL(db, sqldb.Dialect(9))}, "Config.DB"},
 	} {
 		_, err := operation.NewRunner(c.cfg, nil)
 		require.ErrorContains(t, err, c.field)
 	}
 	_, err := operation.MigrationsFS("", sqldb.Dialect(9))
 	require.Error(t, err)
-	for _, cfg := range []operation.Config{{Pool: pool}, {DB: db, Dialect: sqldb.SQLite}} {
+	for _, cfg := range []operation.Config{{DB: idempotency.Pgx(pool)}, {DB: idempotency.SQL(db, idempotency.SQLite)}} {
 		r, err := operation.NewRunner(cfg, nil)
 		require.NoError(t, err)
-		require.Equal(t, operation.DefaultTable, r.Table().String())
+		require.Equal(t, operation.DefaultTable, r.Table())
 	}
 }
 
@@ -444,7 +443,7 @@ func TestLostOwnership(t *testing.T) {
 			if e.Dialect == sqldb.MySQL {
 				var s *int64
 				require.NoError(t, e.DB.QueryRow(ctx, `SELECT IS_USED_LOCK(CONCAT('idem-op:', SHA1(CONCAT(DATABASE(), '.', ?, ':', ?))))`,
-					r.Table().String(), k.String()).Scan(&s))
+					r.Table(), k.String()).Scan(&s))
 				return derefOr(s), s != nil
 			}
 			id := e.pgLockID(t, k)

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
@@ -45,15 +46,15 @@ func TestD15_SQLiteRunnerOnHandlersFileRefused(t *testing.T) {
 	service := filepath.Join(dir, "service.db")
 	db := openSQLite(t, service)
 
-	shared, err := operation.NewRunner(operation.Config{DB: openSQLite(t, service), Dialect: sqldb.SQLite}, nil)
+	shared, err := operation.NewRunner(operation.Config{DB: idempotency.SQL(openSQLite(t, service), idempotency.SQLite)}, nil)
 	require.NoError(t, err)
-	require.NoError(t, shared.Migrate(ctx, sqldb.Std(db)))
-	sameHandle, err := operation.NewRunner(operation.Config{DB: db, Dialect: sqldb.SQLite}, nil)
+	require.NoError(t, shared.Migrate(ctx))
+	sameHandle, err := operation.NewRunner(operation.Config{DB: idempotency.SQL(db, idempotency.SQLite)}, nil)
 	require.NoError(t, err)
 	opsDB := openSQLite(t, filepath.Join(dir, "operations.db"))
-	own, err := operation.NewRunner(operation.Config{DB: opsDB, Dialect: sqldb.SQLite}, nil)
+	own, err := operation.NewRunner(operation.Config{DB: idempotency.SQL(opsDB, idempotency.SQLite)}, nil)
 	require.NoError(t, err)
-	require.NoError(t, own.Migrate(ctx, sqldb.Std(opsDB)))
+	require.NoError(t, own.Migrate(ctx))
 
 	for name, tc := range map[string]struct {
 		runner *operation.Runner
@@ -126,9 +127,9 @@ func TestH11_SQLiteSharedFileRefusedAtConstruction(t *testing.T) {
 		db := openSQLite(t, service)
 		_, err := newIdem(db, newStore(t, db))
 		require.NoError(t, err)
-		_, err = operation.NewRunner(operation.Config{DB: openSQLite(t, service), Dialect: sqldb.SQLite}, nil)
+		_, err = operation.NewRunner(operation.Config{DB: idempotency.SQL(openSQLite(t, service), idempotency.SQLite)}, nil)
 		refused(t, err, "Config.DB")
-		_, err = operation.NewRunner(operation.Config{DB: db, Dialect: sqldb.SQLite}, nil)
+		_, err = operation.NewRunner(operation.Config{DB: idempotency.SQL(db, idempotency.SQLite)}, nil)
 		refused(t, err, "Config.DB")
 	})
 	t.Run("runner-first", func(t *testing.T) {
@@ -136,7 +137,7 @@ func TestH11_SQLiteSharedFileRefusedAtConstruction(t *testing.T) {
 		service := filepath.Join(t.TempDir(), "service.db")
 		db := openSQLite(t, service)
 		store := newStore(t, db)
-		_, err := operation.NewRunner(operation.Config{DB: openSQLite(t, service), Dialect: sqldb.SQLite}, nil)
+		_, err := operation.NewRunner(operation.Config{DB: idempotency.SQL(openSQLite(t, service), idempotency.SQLite)}, nil)
 		require.NoError(t, err)
 		_, err = newIdem(db, store)
 		refused(t, err, "Config.Beginner")
@@ -150,7 +151,7 @@ func TestH11_SQLiteSharedFileRefusedAtConstruction(t *testing.T) {
 		require.NoError(t, err)
 		link := filepath.Join(dir, "alias.db")
 		require.NoError(t, os.Symlink(service, link))
-		_, err = operation.NewRunner(operation.Config{DB: openSQLite(t, link), Dialect: sqldb.SQLite}, nil)
+		_, err = operation.NewRunner(operation.Config{DB: idempotency.SQL(openSQLite(t, link), idempotency.SQLite)}, nil)
 		refused(t, err, "Config.DB")
 	})
 	for _, order := range []string{"own-file-middleware-first", "own-file-runner-first"} {
@@ -168,9 +169,9 @@ func TestH11_SQLiteSharedFileRefusedAtConstruction(t *testing.T) {
 				idem, err = newIdem(db, store)
 				require.NoError(t, err)
 			}
-			runner, err = operation.NewRunner(operation.Config{DB: opsDB, Dialect: sqldb.SQLite}, nil)
+			runner, err = operation.NewRunner(operation.Config{DB: idempotency.SQL(opsDB, idempotency.SQLite)}, nil)
 			require.NoError(t, err)
-			require.NoError(t, runner.Migrate(ctx, sqldb.Std(opsDB)))
+			require.NoError(t, runner.Migrate(ctx))
 			if idem == nil {
 				idem, err = newIdem(db, store)
 				require.NoError(t, err)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
@@ -90,11 +91,11 @@ func dialectCase(t *testing.T, db *sql.DB, d sqldb.Dialect, dialect, dsn, insert
 		t.Fatalf("purge preview: %+v", p)
 	}
 
-	runner, err := operation.NewRunner(operation.Config{DB: db, Dialect: d}, nil)
+	runner, err := operation.NewRunner(operation.Config{DB: idempotency.SQL(db, d)}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := runner.Migrate(ctx, q); err != nil {
+	if err := runner.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
 	k := operation.MustKey("charge", "order-1")

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/operation"
 )
 
@@ -42,7 +43,7 @@ func (e *env) runner(ctx context.Context) (*operation.Runner, *sql.DB, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	r, err := operation.NewRunner(operation.Config{DB: db, Dialect: d, Table: e.operationsTable, Wait: resolveWait}, nil)
+	r, err := operation.NewRunner(operation.Config{DB: idempotency.SQL(db, d), Table: e.operationsTable, Wait: resolveWait}, nil)
 	if err != nil {
 		_ = db.Close()
 		return nil, nil, usageErr("%v", err)

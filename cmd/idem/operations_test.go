@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/operation"
 )
 
@@ -17,12 +18,12 @@ type charge struct {
 func TestOperationsListAndResolve(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db, q, schema := schemaDB(t)
-	r, err := operation.NewRunner(operation.Config{DB: db}, nil)
+	db, _, schema := schemaDB(t)
+	r, err := operation.NewRunner(operation.Config{DB: idempotency.SQL(db, idempotency.PostgreSQL)}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := r.Migrate(ctx, q); err != nil {
+	if err := r.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
 	do := func(entity string, callErr error) operation.Key {

@@ -193,7 +193,7 @@ func MigrateDB(ctx context.Context, db shop.DB, store *processedstore.Store, run
 		return err
 	}
 	if runner != nil {
-		if err := runner.Migrate(ctx, db.Querier()); err != nil {
+		if err := runner.Migrate(ctx); err != nil {
 			return err
 		}
 	}

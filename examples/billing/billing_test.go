@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/examples/billing"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
@@ -53,9 +54,9 @@ func newEnvOn(t *testing.T, dialect sqldb.Dialect, inner func(message.HandlerFun
 		db = shop.SQLiteDB(testenv.SQLiteDB(t))
 		ops := testenv.SQLiteDB(t)
 		var err error
-		runner, err = operation.NewRunner(operation.Config{DB: ops, Dialect: sqldb.SQLite}, nil)
+		runner, err = operation.NewRunner(operation.Config{DB: idempotency.SQL(ops, idempotency.SQLite)}, nil)
 		require.NoError(t, err)
-		require.NoError(t, runner.Migrate(ctx, sqldb.Std(ops)))
+		require.NoError(t, runner.Migrate(ctx))
 		require.NoError(t, billing.MigrateDB(ctx, db, nil, nil))
 		beginner = mustBeginner(inbox.NewStdBeginner(db.SQL))
 		store, err = processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
@@ -64,7 +65,7 @@ func newEnvOn(t *testing.T, dialect sqldb.Dialect, inner func(message.HandlerFun
 		pool, schema := testenv.Pool(t)
 		db = shop.PgxDB(pool)
 		var err error
-		runner, err = operation.NewRunner(operation.Config{Pool: testenv.PoolOn(t, schema, 4)}, nil)
+		runner, err = operation.NewRunner(operation.Config{DB: idempotency.Pgx(testenv.PoolOn(t, schema, 4))}, nil)
 		require.NoError(t, err)
 		require.NoError(t, billing.Migrate(ctx, pool, nil, runner))
 		beginner = mustBeginner(inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{}))
@@ -257,7 +258,7 @@ func TestOtherAmountForAnOrderIsPermanent(t *testing.T) {
 func TestNewValidates(t *testing.T) {
 	t.Parallel()
 	pool, _ := testenv.Pool(t)
-	runner, err := operation.NewRunner(operation.Config{Pool: pool}, nil)
+	runner, err := operation.NewRunner(operation.Config{DB: idempotency.Pgx(pool)}, nil)
 	require.NoError(t, err)
 	for _, cfg := range []billing.Config{
 		{Provider: billing.NewProvider(), Mailer: billing.NewMailer()},

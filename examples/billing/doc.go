@@ -66,7 +66,7 @@
 // HandleConfirmation on those (consumer MailerConsumer.Name). With the
 // example shop's plumbing, as the demo (examples/demo) wires it:
 //
-//	runner, _ := operation.NewRunner(operation.Config{Pool: runnerPool}, logger) // small pool of its own, same schema
+//	runner, _ := operation.NewRunner(operation.Config{DB: idempotency.Pgx(runnerPool)}, logger) // small pool of its own, same schema
 //	_ = billing.Migrate(ctx, pool, nil, runner)
 //	ob, _ := outbox.New(outbox.Config{Table: "billing_outbox"}, logger)
 //	_ = ob.InitializeSchema(ctx, wsql.BeginnerFromPgx(pool))

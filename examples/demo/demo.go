@@ -17,6 +17,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/examples/billing"
 	"github.com/watermill-idempotency/idempotency/examples/indexer"
 	"github.com/watermill-idempotency/idempotency/examples/order"
@@ -377,10 +378,10 @@ func (d *demo) setupBilling(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		if runner, err = operation.NewRunner(operation.Config{DB: opsDB, Dialect: sqldb.SQLite}, d.logger); err != nil {
+		if runner, err = operation.NewRunner(operation.Config{DB: idempotency.SQL(opsDB, idempotency.SQLite)}, d.logger); err != nil {
 			return err
 		}
-		if err := runner.Migrate(ctx, sqldb.Std(opsDB)); err != nil {
+		if err := runner.Migrate(ctx); err != nil {
 			return err
 		}
 		if err := billing.MigrateDB(ctx, db, nil, nil); err != nil {
@@ -391,7 +392,7 @@ func (d *demo) setupBilling(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		if runner, err = operation.NewRunner(operation.Config{Pool: runnerPool}, d.logger); err != nil {
+		if runner, err = operation.NewRunner(operation.Config{DB: idempotency.Pgx(runnerPool)}, d.logger); err != nil {
 			return err
 		}
 		if err := billing.MigrateDB(ctx, db, nil, runner); err != nil {

@@ -28,7 +28,7 @@ func TestMigrationsFSWithGoose(t *testing.T) {
 	require.NoError(t, err)
 	names, err := fs.Glob(fsys, "*.up.sql")
 	require.NoError(t, err)
-	require.Equal(t, []string{"10001_create_processed_event.up.sql", "10002_event_at.up.sql", "10003_fingerprint.up.sql"}, names)
+	require.Equal(t, []string{"10001_create_processed_event.up.sql", "10002_event_at.up.sql", "10003_fingerprint.up.sql", "10004_horizon.up.sql"}, names)
 
 	provider, err := goose.NewProvider(goose.DialectPostgres, db, fsys)
 	require.NoError(t, err)
