@@ -7,12 +7,11 @@ import (
 	"sync"
 	"time"
 
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
 )
@@ -88,15 +87,15 @@ func relay(ctx context.Context, e *env, sz RelaySizes, res *Result) error {
 		return err
 	}
 	defer e.closePool(pool)
-	ob, err := outbox.New(outbox.Config{Table: "bench_outbox"}, nil)
+	ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(pool), Table: "bench_outbox"}, nil)
 	if err != nil {
 		return err
 	}
-	if err := ob.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
+	if err := ob.Migrate(ctx); err != nil {
 		return err
 	}
 	dest := &arrivals{at: map[string]time.Time{}}
-	r, err := ob.NewRelay(wsql.BeginnerFromPgx(pool), dest, outbox.RelayConfig{})
+	r, err := ob.NewRelay(dest, outbox.RelayConfig{})
 	if err != nil {
 		return err
 	}
@@ -189,7 +188,7 @@ func relay(ctx context.Context, e *env, sz RelaySizes, res *Result) error {
 	wrote := time.Since(start)
 	var pending int
 	for {
-		if pending, err = ob.Pending(ctx, wsql.BeginnerFromPgx(pool)); err != nil {
+		if pending, err = ob.Pending(ctx); err != nil {
 			return err
 		}
 		if pending == 0 {

@@ -18,7 +18,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/outbox"
 )
@@ -173,15 +173,15 @@ func BenchmarkRelayLatency(b *testing.B) {
 	for i := 0; i < b.N; i++ {
 		ctx := context.Background()
 		pool, _ := testenv.Pool(b)
-		ob, err := outbox.New(outbox.Config{Table: "bench_outbox"}, nil)
+		ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(pool), Table: "bench_outbox"}, nil)
 		if err != nil {
 			b.Fatal(err)
 		}
-		if err := ob.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
+		if err := ob.Migrate(ctx); err != nil {
 			b.Fatal(err)
 		}
 		dest := newArrivals()
-		r, err := ob.NewRelay(wsql.BeginnerFromPgx(pool), dest, outbox.RelayConfig{})
+		r, err := ob.NewRelay(dest, outbox.RelayConfig{})
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -256,11 +256,11 @@ func BenchmarkRelayTableAtRest(b *testing.B) {
 	for i := 0; i < b.N; i++ {
 		ctx := context.Background()
 		pool, _ := testenv.Pool(b)
-		ob, err := outbox.New(outbox.Config{Table: "bench_outbox"}, nil)
+		ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(pool), Table: "bench_outbox"}, nil)
 		if err != nil {
 			b.Fatal(err)
 		}
-		if err := ob.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
+		if err := ob.Migrate(ctx); err != nil {
 			b.Fatal(err)
 		}
 		for written := 0; written < n; {
@@ -282,7 +282,7 @@ func BenchmarkRelayTableAtRest(b *testing.B) {
 			}
 		}
 		dest := newArrivals()
-		r, err := ob.NewRelay(wsql.BeginnerFromPgx(pool), dest, outbox.RelayConfig{})
+		r, err := ob.NewRelay(dest, outbox.RelayConfig{})
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -23,7 +23,7 @@ import (
 // another relay or producer process on a machine with a wrong clock.
 func skewed(t *testing.T, b *box, d time.Duration, logger watermill.LoggerAdapter) *outbox.Outbox {
 	t.Helper()
-	ob, err := outbox.New(outbox.Config{Table: b.table, Dialect: b.tg.Dialect}, logger)
+	ob, err := outbox.New(outbox.Config{Table: b.table, DB: b.tg.Handle()}, logger)
 	require.NoError(t, err)
 	outbox.SetProcessClock(ob, func() time.Time { return time.Now().Add(d) })
 	return ob
@@ -62,7 +62,7 @@ func testAheadRelayRetry(t *testing.T, b *box) {
 	}}
 	ahead := &box{table: b.table, tg: b.tg, ob: skewed(t, b, time.Hour, nil), db: b.db}
 	rec := &counts{}
-	ra, err := ahead.ob.NewRelay(ahead.db, s, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, RetryInterval: 10 * time.Millisecond, MaxBackoff: 20 * time.Millisecond, MaxAttempts: 1000, Recorder: rec})
+	ra, err := ahead.ob.NewRelay(s, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, RetryInterval: 10 * time.Millisecond, MaxBackoff: 20 * time.Millisecond, MaxAttempts: 1000, Recorder: rec})
 	require.NoError(t, err)
 	done := make(chan error, 1)
 	go func() { done <- ra.Run(context.Background()) }()

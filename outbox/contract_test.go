@@ -139,10 +139,10 @@ var boxes atomic.Int64
 func newBox(t *testing.T, tg testenv.Target) *box {
 	t.Helper()
 	table := fmt.Sprintf("ob_%d", boxes.Add(1))
-	ob, err := outbox.New(outbox.Config{Table: table, Dialect: tg.Dialect}, watermill.NopLogger{})
+	ob, err := outbox.New(outbox.Config{Table: table, DB: tg.Handle()}, watermill.NopLogger{})
 	require.NoError(t, err)
-	require.NoError(t, ob.Migrate(context.Background(), tg.DB))
-	require.NoError(t, ob.Migrate(context.Background(), tg.DB), "Migrate is idempotent")
+	require.NoError(t, ob.Migrate(context.Background()))
+	require.NoError(t, ob.Migrate(context.Background()), "Migrate is idempotent")
 	return &box{table: table, tg: tg, ob: ob, db: beginner(tg)}
 }
 
@@ -181,7 +181,7 @@ func (b *box) relay(t *testing.T, dest message.Publisher, cfg outbox.RelayConfig
 	if cfg.PollInterval == 0 {
 		cfg.PollInterval = 5 * time.Millisecond
 	}
-	r, err := b.ob.NewRelay(b.db, dest, cfg)
+	r, err := b.ob.NewRelay(dest, cfg)
 	require.NoError(t, err)
 	done := make(chan error, 1)
 	go func() { done <- r.Run(context.Background()) }()
@@ -201,7 +201,7 @@ func (b *box) relay(t *testing.T, dest message.Publisher, cfg outbox.RelayConfig
 
 func (b *box) pending(t *testing.T) int {
 	t.Helper()
-	n, err := b.ob.Pending(context.Background(), b.db)
+	n, err := b.ob.Pending(context.Background())
 	require.NoError(t, err)
 	return n
 }
@@ -445,7 +445,7 @@ func runChildRelay() int {
 	if t.failed {
 		return 2
 	}
-	ob, err := outbox.New(outbox.Config{Table: os.Getenv("OUTBOX_TABLE"), Dialect: tg.Dialect}, nil)
+	ob, err := outbox.New(outbox.Config{Table: os.Getenv("OUTBOX_TABLE"), DB: tg.Handle()}, nil)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
@@ -455,7 +455,7 @@ func runChildRelay() int {
 			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		}
 	})
-	r, err := ob.NewRelay(beginner(tg), filePublisher{os.Getenv("OUTBOX_BROKER")}, outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
+	r, err := ob.NewRelay(filePublisher{os.Getenv("OUTBOX_BROKER")}, outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
@@ -499,7 +499,7 @@ func testPoison(t *testing.T, b *box) {
 	}}
 	rec := &counts{}
 	logger := watermill.NewCaptureLogger()
-	ob, err := outbox.New(outbox.Config{Table: b.table, Dialect: b.tg.Dialect}, logger)
+	ob, err := outbox.New(outbox.Config{Table: b.table, DB: b.tg.Handle()}, logger)
 	require.NoError(t, err)
 	b.ob = ob
 	b.relay(t, s, outbox.RelayConfig{MaxAttempts: 3, RetryInterval: 20 * time.Millisecond, Recorder: rec})
@@ -517,7 +517,7 @@ func testPoison(t *testing.T, b *box) {
 	b.write(t, "events", more)
 	eventually(t, 30*time.Second, func() bool { return s.count(more) == 1 }, "later rows flow")
 	eventually(t, 30*time.Second, func() bool { return b.pending(t) == 0 }, "nothing pending")
-	n, err := b.ob.DeadLetters(context.Background(), b.db)
+	n, err := b.ob.DeadLetters(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
 	require.GreaterOrEqual(t, rec.failed.Load(), int64(3))
@@ -678,7 +678,7 @@ func testOrder(t *testing.T, b *box) {
 	require.Equal(t, ids, got, "id order, each once")
 
 	if b.tg.Dialect == sqldb.SQLite {
-		_, err := b.ob.NewRelay(b.db, s, outbox.RelayConfig{Parallel: true})
+		_, err := b.ob.NewRelay(s, outbox.RelayConfig{Parallel: true})
 		require.Error(t, err)
 		return
 	}
@@ -711,7 +711,7 @@ func testStats(t *testing.T, b *box) {
 	stuck := newID()
 	b.write(t, "events", stuck)
 	logger := watermill.NewCaptureLogger()
-	ob, err := outbox.New(outbox.Config{Table: b.table, Dialect: b.tg.Dialect}, logger)
+	ob, err := outbox.New(outbox.Config{Table: b.table, DB: b.tg.Handle()}, logger)
 	require.NoError(t, err)
 	b.ob = ob
 	rec := &counts{}

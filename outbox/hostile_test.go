@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/outbox"
@@ -226,10 +227,10 @@ func TestN07_PreparedTransaction(t *testing.T) {
 	pg := testenv.StartPostgres(t, "max_prepared_transactions=5")
 	schema := testenv.SchemaOn(t, pg.URL)
 	pool := testenv.PoolAt(t, pg.URL, schema, 4)
-	ob, err := outbox.New(outbox.Config{Table: "ob_prepared"}, nil)
+	ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(pool), Table: "ob_prepared"}, nil)
 	require.NoError(t, err)
 	ctx := context.Background()
-	require.NoError(t, ob.Migrate(ctx, sqldb.Pgx(pool)))
+	require.NoError(t, ob.Migrate(ctx))
 	db := wsql.BeginnerFromPgx(pool)
 	late := newID()
 	gid := testenv.UniqueName("gid")
@@ -245,7 +246,7 @@ func TestN07_PreparedTransaction(t *testing.T) {
 	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "ROLLBACK PREPARED '"+gid+"'") })
 
 	s := &sink{}
-	r, err := ob.NewRelay(db, s, outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
+	r, err := ob.NewRelay(s, outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
 	require.NoError(t, err)
 	done := make(chan error, 1)
 	go func() { done <- r.Run(ctx) }()

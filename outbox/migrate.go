@@ -16,24 +16,24 @@ import (
 //go:embed migrations
 var migrationTemplates embed.FS
 
-// Migrations returns the outbox's migrations in version order, rendered for
+// migrations returns the outbox's migrations in version order, rendered for
 // its tables and dialect (files migrations/<dialect>/NNNN_*.up.sql). Each one
 // is idempotent (IF NOT EXISTS).
-func (o *Outbox) Migrations() ([]sqldb.Migration, error) {
-	ms, err := sqldb.RenderMigrations(migrationTemplates, "migrations/"+o.cfg.Dialect.String(), o.q.t)
+func (o *Outbox) migrations() ([]sqldb.Migration, error) {
+	ms, err := sqldb.RenderMigrations(migrationTemplates, "migrations/"+o.dialect.String(), o.q.t)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: %w", err)
 	}
 	return ms, nil
 }
 
-// MigrationsFS returns Migrations as an fs.FS of "<40000+N>_name.up.sql"
+// MigrationsFS returns the outbox's migrations as an fs.FS of "<40000+N>_name.up.sql"
 // files (golang-migrate's layout, with goose annotations; versions from
 // sqldb.VersionBaseOutbox, disjoint from the other components', so goose's
 // default shared version table applies every component), for a migration
 // tool that owns the schema instead of Migrate. See sqldb.ComponentFS.
 func (o *Outbox) MigrationsFS() (fs.FS, error) {
-	ms, err := o.Migrations()
+	ms, err := o.migrations()
 	if err != nil {
 		return nil, err
 	}
@@ -43,21 +43,16 @@ func (o *Outbox) MigrationsFS() (fs.FS, error) {
 // Migrate applies the migrations in version order and records each in the
 // idempotency_migration table (component "outbox:<table>"); safe from
 // several instances at once (sqldb.Migrate).
-func (o *Outbox) Migrate(ctx context.Context, q sqldb.Querier) error {
-	ms, err := o.Migrations()
+func (o *Outbox) Migrate(ctx context.Context) error {
+	q := o.db.Querier()
+	ms, err := o.migrations()
 	if err != nil {
 		return err
 	}
-	if err := sqldb.Migrate(ctx, q, o.cfg.Dialect, "outbox:"+o.cfg.Table, ms); err != nil {
+	if err := sqldb.Migrate(ctx, q, o.dialect, "outbox:"+o.cfg.Table, ms); err != nil {
 		return fmt.Errorf("outbox: %w", err)
 	}
 	return nil
-}
-
-// InitializeSchema is Migrate on a watermill-sql Beginner (wsql.BeginnerFromPgx,
-// wsql.BeginnerFromStdSQL): statements run outside a transaction.
-func (o *Outbox) InitializeSchema(ctx context.Context, db wsql.Beginner) error {
-	return o.Migrate(ctx, execQuerier{db})
 }
 
 // execQuerier adapts a wsql.ContextExecutor to sqldb.Querier.

@@ -91,6 +91,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/watermill-idempotency/idempotency"
+
 	"github.com/ThreeDotsLabs/watermill"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -110,9 +112,11 @@ type Config struct {
 	// after it: <table>_dead (dead letters), <table>_relayed (archive),
 	// <table>_relay (the relay lock row). Defaults to DefaultTable.
 	Table string
-	// Dialect is the database's SQL dialect. Defaults to sqldb.PostgreSQL
-	// (the zero value).
-	Dialect sqldb.Dialect
+	// DB is the outbox's database (idempotency.Pgx or idempotency.SQL): the
+	// one the producer's transactions and the consumer run on. Migrate,
+	// the relay and the counts use it; Publisher writes on the caller's
+	// transaction of it. Required.
+	DB idempotency.DB
 	// PublisherDecorators wrap every publisher Publisher returns, outermost
 	// last, as Watermill's router applies its publisher decorators: use the
 	// same decorators as the router's (trace context injection, metrics) so
@@ -128,8 +132,12 @@ func (c Config) Validate() error {
 			return fmt.Errorf("outbox: Config.Table %q: %w", c.Table, err)
 		}
 	}
-	if err := c.Dialect.Validate(); err != nil {
-		return fmt.Errorf("outbox: Config.Dialect: %w", err)
+	h, err := sqldb.HandleOf(c.DB)
+	if err != nil {
+		return fmt.Errorf("outbox: Config.DB: %w", err)
+	}
+	if err := h.Dialect.Validate(); err != nil {
+		return fmt.Errorf("outbox: Config.DB: %w", err)
 	}
 	return nil
 }
@@ -137,9 +145,11 @@ func (c Config) Validate() error {
 // Outbox writes to, relays from and replays one outbox table. Safe for
 // concurrent use.
 type Outbox struct {
-	cfg    Config
-	logger watermill.LoggerAdapter
-	q      queries
+	cfg     Config
+	db      *sqldb.Handle
+	dialect sqldb.Dialect
+	logger  watermill.LoggerAdapter
+	q       queries
 	// now is the process clock (time.Now). Nothing stored or compared
 	// reads it (the database clock does, queries.dbNow); tests skew it
 	// (export_test.go) to show that a wrong process clock changes nothing.
@@ -157,18 +167,19 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	names, err := tableNames(cfg.Table, cfg.Dialect)
+	h, _ := sqldb.HandleOf(cfg.DB)
+	names, err := tableNames(cfg.Table, h.Dialect)
 	if err != nil {
 		return nil, err
 	}
-	return &Outbox{cfg: cfg, logger: logger, q: newQueries(cfg.Dialect, names), now: time.Now}, nil
+	return &Outbox{cfg: cfg, db: h, dialect: h.Dialect, logger: logger, q: newQueries(h.Dialect, names), now: time.Now}, nil
 }
 
 // Table is the outbox table's name as configured (unquoted).
 func (o *Outbox) Table() string { return o.cfg.Table }
 
 // Dialect is the outbox's SQL dialect.
-func (o *Outbox) Dialect() sqldb.Dialect { return o.cfg.Dialect }
+func (o *Outbox) Dialect() idempotency.Dialect { return o.dialect }
 
 // Publisher returns a publisher that writes into the outbox through tx (a
 // transaction: wsql.TxFromPgx, wsql.TxFromStdSQL, or anything with
@@ -250,18 +261,26 @@ func (p *txPublisher) Close() error { return nil }
 
 // Pending counts the outbox's pending rows (committed, not yet relayed nor
 // dead-lettered). Rows of transactions still open are not visible.
-func (o *Outbox) Pending(ctx context.Context, db wsql.ContextExecutor) (int, error) {
-	n, _, err := o.stats(ctx, db)
+func (o *Outbox) Pending(ctx context.Context) (int, error) {
+	n, _, err := o.stats(ctx, o.beginner())
 	return n, err
 }
 
 // DeadLetters counts the rows in the dead-letter table.
-func (o *Outbox) DeadLetters(ctx context.Context, db wsql.ContextExecutor) (int, error) {
+func (o *Outbox) DeadLetters(ctx context.Context) (int, error) {
 	var n int
-	if err := queryRow(ctx, db, o.q.countDead, nil, &n); err != nil {
+	if err := queryRow(ctx, o.beginner(), o.q.countDead, nil, &n); err != nil {
 		return 0, fmt.Errorf("outbox: dead letters: %w", err)
 	}
 	return n, nil
+}
+
+// beginner is the outbox's DB as watermill-sql sees it.
+func (o *Outbox) beginner() wsql.Beginner {
+	if o.db.Pgx != nil {
+		return wsql.BeginnerFromPgx(o.db.Pgx)
+	}
+	return wsql.BeginnerFromStdSQL(o.db.Std)
 }
 
 // stats returns the pending rows and the age of the oldest (0 when none),

@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"io/fs"
 	"testing"
 	"time"
 
@@ -9,7 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/stretchr/testify/require"
 
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
@@ -17,19 +18,25 @@ import (
 
 func TestConfigValidate(t *testing.T) {
 	t.Parallel()
-	_, err := outbox.New(outbox.Config{Table: "bad table; drop"}, nil)
+	pool, _ := testenv.Pool(t)
+	db := idempotency.Pgx(pool)
+	_, err := outbox.New(outbox.Config{Table: "bad table; drop", DB: db}, nil)
 	require.ErrorContains(t, err, "Config.Table")
-	_, err = outbox.New(outbox.Config{Dialect: sqldb.Dialect(9)}, nil)
-	require.ErrorContains(t, err, "Config.Dialect")
-	o, err := outbox.New(outbox.Config{}, nil)
+	_, err = outbox.New(outbox.Config{}, nil)
+	require.ErrorContains(t, err, "Config.DB")
+	_, err = outbox.New(outbox.Config{DB: idempotency.SQL(nil, idempotency.MySQL)}, nil)
+	require.ErrorContains(t, err, "Config.DB")
+	o, err := outbox.New(outbox.Config{DB: db}, nil)
 	require.NoError(t, err)
 	require.Equal(t, outbox.DefaultTable, o.Table())
-	_, err = o.NewRelay(nil, nil, outbox.RelayConfig{})
+	_, err = o.NewRelay(nil, outbox.RelayConfig{})
 	require.Error(t, err)
 	require.ErrorContains(t, outbox.RelayConfig{BatchSize: -1}.Validate(), "RelayConfig.BatchSize")
 	require.ErrorContains(t, outbox.RelayConfig{PollInterval: -1}.Validate(), "RelayConfig.PollInterval")
 	require.ErrorContains(t, outbox.ReplayFilter{}.Validate(), "ReplayFilter.From/To")
-	ms, err := o.Migrations()
+	fsys, err := o.MigrationsFS()
+	require.NoError(t, err)
+	ms, err := fs.Glob(fsys, "*.up.sql")
 	require.NoError(t, err)
 	require.NotEmpty(t, ms)
 }
@@ -54,9 +61,9 @@ func TestTraceparentReachesConsumer(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool, _ := testenv.Pool(t)
-	o, err := outbox.New(outbox.Config{Table: "traced_outbox", PublisherDecorators: []message.PublisherDecorator{traceparentDecorator}}, nil)
+	o, err := outbox.New(outbox.Config{DB: idempotency.Pgx(pool), Table: "traced_outbox", PublisherDecorators: []message.PublisherDecorator{traceparentDecorator}}, nil)
 	require.NoError(t, err)
-	require.NoError(t, o.Migrate(ctx, sqldb.Pgx(pool)))
+	require.NoError(t, o.Migrate(ctx))
 
 	const tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 	tx, err := pool.Begin(ctx)
@@ -72,7 +79,7 @@ func TestTraceparentReachesConsumer(t *testing.T) {
 
 	broker := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
 	defer broker.Close()
-	relay, err := o.NewRelay(beginnerPgx(pool), broker, outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
+	relay, err := o.NewRelay(broker, outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
 	require.NoError(t, err)
 	go func() { _ = relay.Run(ctx) }()
 	defer relay.Close()

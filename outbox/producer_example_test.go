@@ -5,9 +5,9 @@ import (
 	"os"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
 )
@@ -26,11 +26,11 @@ func ExampleOutbox_PgxPublisher() {
 		panic(err)
 	}
 	defer pool.Close()
-	ob, err := outbox.New(outbox.Config{}, logger)
+	ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(pool)}, logger)
 	if err != nil {
 		panic(err)
 	}
-	if err := ob.InitializeSchema(ctx, wsql.BeginnerFromPgx(pool)); err != nil {
+	if err := ob.Migrate(ctx); err != nil {
 		panic(err)
 	}
 

@@ -107,7 +107,7 @@ func testLoneBadRow(t *testing.T, b *box) {
 	unroutable := testenv.UniqueName("nobody")
 	bad := b.writeEvent(t, unroutable)
 	logger := watermill.NewCaptureLogger()
-	ob, err := outbox.New(outbox.Config{Table: b.table, Dialect: b.tg.Dialect}, logger)
+	ob, err := outbox.New(outbox.Config{Table: b.table, DB: b.tg.Handle()}, logger)
 	require.NoError(t, err)
 	b.ob = ob
 	rec := &counts{}
@@ -149,7 +149,7 @@ func testProxyOutage(t *testing.T, b *box) {
 	bad := b.writeEvent(t, testenv.UniqueName("nobody"))
 	rec := &counts{}
 	logger := watermill.NewCaptureLogger()
-	ob, err := outbox.New(outbox.Config{Table: b.table, Dialect: b.tg.Dialect}, logger)
+	ob, err := outbox.New(outbox.Config{Table: b.table, DB: b.tg.Handle()}, logger)
 	require.NoError(t, err)
 	b.ob = ob
 	const maxAttempts = 2

@@ -195,20 +195,18 @@ type Relay struct {
 }
 
 // NewRelay validates cfg (on a copy with defaults applied) and returns a
-// relay of the outbox in db to dest (for example a watermill-amqp publisher
+// relay of the outbox (on its Config.DB) to dest (for example a watermill-amqp publisher
 // with confirms: a nil error from Publish must mean "the broker has it").
 // The relay does not close dest. It does not start (Run).
-func (o *Outbox) NewRelay(db wsql.Beginner, dest message.Publisher, cfg RelayConfig) (*Relay, error) {
-	switch {
-	case db == nil:
-		return nil, errors.New("outbox: NewRelay: nil database")
-	case dest == nil:
+func (o *Outbox) NewRelay(dest message.Publisher, cfg RelayConfig) (*Relay, error) {
+	db := o.beginner()
+	if dest == nil {
 		return nil, errors.New("outbox: NewRelay: destination publisher is nil")
 	}
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.Parallel && o.cfg.Dialect == sqldb.SQLite {
+	if cfg.Parallel && o.dialect == sqldb.SQLite {
 		return nil, errors.New("outbox: RelayConfig.Parallel: not supported on SQLite (one writer)")
 	}
 	cfg.setDefaults()
@@ -222,7 +220,7 @@ func (o *Outbox) NewRelay(db wsql.Beginner, dest message.Publisher, cfg RelayCon
 		closing: make(chan struct{}),
 		done:    make(chan struct{}),
 	}
-	if o.cfg.Dialect != sqldb.SQLite {
+	if o.dialect != sqldb.SQLite {
 		r.txOpts = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
 	}
 	return r, nil
@@ -503,7 +501,7 @@ func (r *Relay) waiting(ctx context.Context, tx wsql.Tx) ([]waitingHead, error) 
 // lock takes the outbox's relay lock for this transaction; false means
 // another relay holds it (this one stands by).
 func (r *Relay) lock(ctx context.Context, tx wsql.Tx) (bool, error) {
-	if r.o.cfg.Dialect == sqldb.SQLite {
+	if r.o.dialect == sqldb.SQLite {
 		res, err := tx.ExecContext(ctx, r.o.q.lock)
 		if err != nil {
 			return false, fmt.Errorf("relay lock: %w", err)
@@ -545,7 +543,7 @@ func (r *Relay) claim(ctx context.Context, tx wsql.Tx, held []waitingHead) ([]pe
 		args = append(args, h.topic, h.id)
 	}
 	exclude := r.o.q.holdBack(1, len(held))
-	if r.cfg.Parallel || r.o.cfg.Dialect == sqldb.SQLite {
+	if r.cfg.Parallel || r.o.dialect == sqldb.SQLite {
 		return r.scanRows(tx.QueryContext(ctx, fmt.Sprintf(r.o.q.claim, exclude, r.cfg.BatchSize), args...))
 	}
 	type candidate struct {

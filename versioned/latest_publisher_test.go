@@ -6,11 +6,11 @@ import (
 	"testing"
 	"time"
 
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
@@ -25,9 +25,9 @@ func TestLatestPublisherInOutboxTransaction(t *testing.T) {
 	t.Parallel()
 	e := newLFEnv(t, "postgres")
 	ctx := context.Background()
-	ob, err := outbox.New(outbox.Config{}, nil)
+	ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(e.pool)}, nil)
 	require.NoError(t, err)
-	require.NoError(t, ob.InitializeSchema(ctx, wsql.BeginnerFromPgx(e.pool)))
+	require.NoError(t, ob.Migrate(ctx))
 	f := versioned.Family{Kind: "product.index", ID: "p-1"}
 	jsonMsg := func(seq int64) *message.Message {
 		msg, err := marshaler.NewMessage("product.updated", map[string]int64{"version": seq})

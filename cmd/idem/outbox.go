@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/watermill-idempotency/idempotency"
 	idemamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 	"github.com/watermill-idempotency/idempotency/outbox"
 )
@@ -89,15 +90,15 @@ func runOutboxReplay(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	ob, err := outbox.New(outbox.Config{Table: *table, Dialect: d}, nil)
-	if err != nil {
-		return usageErr("--outbox-table: %v", err)
-	}
 	db, _, err := e.openDB(ctx)
 	if err != nil {
 		return err
 	}
 	defer db.Close()
+	ob, err := outbox.New(outbox.Config{Table: *table, DB: idempotency.SQL(db, d)}, nil)
+	if err != nil {
+		return usageErr("--outbox-table: %v", err)
+	}
 
 	var pub message.Publisher
 	if !*dryRun {

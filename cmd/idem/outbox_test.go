@@ -7,11 +7,10 @@ import (
 	_ "time/tzdata" // zones for the offsets test, whatever the machine has
 
 	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
@@ -25,11 +24,11 @@ func TestOutboxReplay(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool, schema := testenv.Pool(t)
-	ob, err := outbox.New(outbox.Config{}, nil)
+	ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(pool)}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ob.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
+	if err := ob.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
 	// Four events written one after the other; the range [from, to) is cut
@@ -65,7 +64,7 @@ func TestOutboxReplay(t *testing.T) {
 	}
 	// The relay sends them (to nowhere) and keeps them in its archive.
 	sink := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
-	relay, err := ob.NewRelay(wsql.BeginnerFromPgx(pool), sink, outbox.RelayConfig{Retention: time.Hour})
+	relay, err := ob.NewRelay(sink, outbox.RelayConfig{Retention: time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,7 +72,7 @@ func TestOutboxReplay(t *testing.T) {
 	done := make(chan struct{})
 	go func() { defer close(done); _ = relay.Run(rctx) }()
 	eventually(t, "the relay to send the 4 rows", func() bool {
-		n, err := ob.Pending(ctx, wsql.BeginnerFromPgx(pool))
+		n, err := ob.Pending(ctx)
 		return err == nil && n == 0
 	})
 	stop()

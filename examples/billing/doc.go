@@ -69,7 +69,7 @@
 //	runner, _ := operation.NewRunner(operation.Config{DB: idempotency.Pgx(runnerPool)}, logger) // small pool of its own, same schema
 //	_ = billing.Migrate(ctx, pool, nil, runner)
 //	ob, _ := outbox.New(outbox.Config{Table: "billing_outbox"}, logger)
-//	_ = ob.InitializeSchema(ctx, wsql.BeginnerFromPgx(pool))
+//	_ = ob.Migrate(ctx)
 //	svc, _ := billing.New(billing.Config{Runner: runner, Provider: provider, Mailer: mailer, Logger: logger})
 //	charge, _ := shop.NewService(shop.ServiceConfig{ // queue "billing.events" and its reconciliation queue
 //		AMQPURL: amqpURL, Consumer: billing.Consumer, Pool: pool,

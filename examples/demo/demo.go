@@ -403,7 +403,7 @@ func (d *demo) setupBilling(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := b.outbox.Migrate(ctx, db.Querier()); err != nil {
+	if err := b.outbox.Migrate(ctx); err != nil {
 		return err
 	}
 	b.provider = billing.NewProvider()

@@ -159,7 +159,7 @@ func (c *Catalogue) Migrate(ctx context.Context) error {
 	if err := c.families.Migrate(ctx, c.db.Querier()); err != nil {
 		return err
 	}
-	return c.outbox.InitializeSchema(ctx, c.db.Beginner())
+	return c.outbox.Migrate(ctx)
 }
 
 // OutboxTopic is the catalogue's outbox table.
@@ -174,7 +174,7 @@ func (c *Catalogue) Outbox() *outbox.Outbox { return c.outbox }
 // at least once, with the event_id it was written with. The relay does not
 // close dest.
 func (c *Catalogue) NewRelay(dest message.Publisher, cfg outbox.RelayConfig) (*outbox.Relay, error) {
-	return c.outbox.NewRelay(c.db.Beginner(), dest, cfg)
+	return c.outbox.NewRelay(dest, cfg)
 }
 
 // Replay republishes, through pub (the relay's destination), every relayed

@@ -18,9 +18,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
@@ -190,14 +190,14 @@ func TestNewcomer_RelayWithAStuckTransactionElsewhere(t *testing.T) {
 
 	e.start(e.n, wiring{})
 	// The README's producer snippet.
-	ob, err := outbox.New(outbox.Config{Table: "orders_outbox"}, watermill.NopLogger{})
+	ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(e.pool), Table: "orders_outbox"}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ob.Migrate(ctx, sqldb.Pgx(e.pool)); err != nil {
+	if err := ob.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	relay, err := ob.NewRelay(wsql.BeginnerFromPgx(e.pool), e.pub, outbox.RelayConfig{Retention: 24 * time.Hour})
+	relay, err := ob.NewRelay(e.pub, outbox.RelayConfig{Retention: 24 * time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -237,7 +237,7 @@ func TestNewcomer_RelayWithAStuckTransactionElsewhere(t *testing.T) {
 	// The consumer may apply an event before the relay's own transaction
 	// (which archives the relayed rows) commits: replay only what is archived.
 	testenv.Eventually(t, 60*time.Second, "the relay committed every relayed row", func(o *testenv.Observed) bool {
-		n, err := ob.Pending(ctx, wsql.BeginnerFromPgx(e.pool))
+		n, err := ob.Pending(ctx)
 		return err == nil && o.Int("pending", n) == 0
 	})
 	settled := e.logs.settledDeliveries()
@@ -408,11 +408,11 @@ func TestNewcomer_ProducerMessageWithoutEnvelopeIsRefusedAtWrite(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
-	ob, err := outbox.New(outbox.Config{Table: "orders_outbox"}, watermill.NopLogger{})
+	ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(e.pool), Table: "orders_outbox"}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ob.Migrate(ctx, sqldb.Pgx(e.pool)); err != nil {
+	if err := ob.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
 	tx, err := e.pool.Begin(ctx)
@@ -468,11 +468,11 @@ func TestNewcomer_RelayOneOversizedRowWedgesItsTopic(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	e.start(e.n, wiring{})
-	ob, err := outbox.New(outbox.Config{Table: "orders_outbox"}, e.logs)
+	ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(e.pool), Table: "orders_outbox"}, e.logs)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ob.Migrate(ctx, sqldb.Pgx(e.pool)); err != nil {
+	if err := ob.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
 	tx, err := e.pool.Begin(ctx)
@@ -497,7 +497,7 @@ func TestNewcomer_RelayOneOversizedRowWedgesItsTopic(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	relay, err := ob.NewRelay(wsql.BeginnerFromPgx(e.pool), e.pub, outbox.RelayConfig{
+	relay, err := ob.NewRelay(e.pub, outbox.RelayConfig{
 		Retention: 24 * time.Hour, RetryInterval: 10 * time.Millisecond, MaxBackoff: 200 * time.Millisecond, MaxAttempts: 3,
 	})
 	if err != nil {
@@ -512,7 +512,7 @@ func TestNewcomer_RelayOneOversizedRowWedgesItsTopic(t *testing.T) {
 	deadline := time.Now().Add(30 * time.Second)
 	for time.Now().Before(deadline) { // polling
 		if e.reservations("G") == 1 {
-			dead, err := ob.DeadLetters(ctx, wsql.TxFromPgx(mustBegin(t, e.pool)))
+			dead, err := ob.DeadLetters(ctx)
 			if err != nil || dead != 1 {
 				t.Fatalf("dead letters %d, %v; want the oversized row", dead, err)
 			}
@@ -520,7 +520,7 @@ func TestNewcomer_RelayOneOversizedRowWedgesItsTopic(t *testing.T) {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	dead, _ := ob.DeadLetters(ctx, wsql.TxFromPgx(mustBegin(t, e.pool)))
+	dead, _ := ob.DeadLetters(ctx)
 	t.Fatalf("one oversized row wedged its topic: the order behind it was not relayed in 30 s (MaxAttempts 3); %d failed attempts logged, dead letters: %d",
 		e.logs.countLines("INFO", "outbox row publish failed"), dead)
 }

@@ -97,7 +97,7 @@ func (s *Service) Migrate(ctx context.Context) error {
 	if err := s.db.Exec(ctx, s.sql.schema); err != nil {
 		return fmt.Errorf("order: migrate: %w", err)
 	}
-	if err := s.ob.Migrate(ctx, s.db.Querier()); err != nil {
+	if err := s.ob.Migrate(ctx); err != nil {
 		return fmt.Errorf("order: migrate outbox: %w", err)
 	}
 	return nil

@@ -102,7 +102,7 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	if err != nil {
 		return nil, fmt.Errorf("order: relay: %w", err)
 	}
-	r, err := ob.NewRelay(db.Beginner(), cfg.Publisher, outbox.RelayConfig{
+	r, err := ob.NewRelay(cfg.Publisher, outbox.RelayConfig{
 		BatchSize:     cfg.BatchSize,
 		PollInterval:  cfg.PollInterval,
 		RetryInterval: cfg.RetryInterval,
@@ -129,7 +129,7 @@ func (r *Relay) Close() error { return r.r.Close() }
 // Pending counts the outbox rows not yet relayed. Rows of transactions still
 // open are not visible and not counted.
 func (s *Service) Pending(ctx context.Context) (int, error) {
-	n, err := s.ob.Pending(ctx, s.db.Beginner())
+	n, err := s.ob.Pending(ctx)
 	if err != nil {
 		return 0, fmt.Errorf("order: %w", err)
 	}

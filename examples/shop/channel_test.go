@@ -133,7 +133,7 @@ func TestSQLiteOutbox(t *testing.T) {
 	db := shop.SQLiteDB(testenv.SQLiteDB(t))
 	ob, err := db.Outbox("order_outbox", nil)
 	require.NoError(t, err)
-	require.NoError(t, ob.InitializeSchema(ctx, db.Beginner()))
+	require.NoError(t, ob.Migrate(ctx))
 
 	var kept []string
 	write := func(commit bool) {
@@ -163,7 +163,7 @@ func TestSQLiteOutbox(t *testing.T) {
 	b := shop.NewChannelBroker(nil)
 	defer b.Close()
 	require.NoError(t, b.Declare(consumer))
-	relay, err := ob.NewRelay(db.Beginner(), b.Publisher(), outbox.RelayConfig{
+	relay, err := ob.NewRelay(b.Publisher(), outbox.RelayConfig{
 		PollInterval: 10 * time.Millisecond,
 	})
 	require.NoError(t, err)

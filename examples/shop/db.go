@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/outbox"
@@ -123,7 +124,15 @@ func (d DB) TxBeginner() (inbox.TxBeginner, error) {
 
 // Outbox is the library outbox (outbox.New) of table in d, in d's dialect.
 func (d DB) Outbox(table string, logger watermill.LoggerAdapter) (*outbox.Outbox, error) {
-	return outbox.New(outbox.Config{Table: table, Dialect: d.Dialect}, logger)
+	return outbox.New(outbox.Config{Table: table, DB: d.Handle()}, logger)
+}
+
+// Handle is d as the library's components take it.
+func (d DB) Handle() idempotency.DB {
+	if d.Pool != nil {
+		return idempotency.Pgx(d.Pool)
+	}
+	return idempotency.SQL(d.SQL, d.Dialect)
 }
 
 // Tx is one transaction of a DB, in the forms the examples need.
@@ -159,7 +168,7 @@ func (d DB) InTx(ctx context.Context, fn func(Tx) error) error {
 // OutboxPending counts the pending rows of ob in db (committed, not yet
 // relayed). Rows of transactions still open are not visible and not counted.
 func OutboxPending(ctx context.Context, db DB, ob *outbox.Outbox) (int, error) {
-	return ob.Pending(ctx, db.Beginner())
+	return ob.Pending(ctx)
 }
 
 // SQLiteDSN is the modernc.org/sqlite DSN the examples use for a database

@@ -43,7 +43,7 @@
 // NewService builds one consumer service from a ServiceConfig:
 //
 //	ob, _ := outbox.New(outbox.Config{Table: "billing_outbox"}, logger)
-//	_ = ob.InitializeSchema(ctx, wsql.BeginnerFromPgx(pool)) // with the migrations
+//	_ = ob.Migrate(ctx) // with the migrations
 //	svc, err := shop.NewService(shop.ServiceConfig{
 //		AMQPURL:        amqpURL,
 //		Consumer:       billing.Consumer, // queue, bindings, Reconcile

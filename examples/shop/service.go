@@ -251,7 +251,7 @@ func (s *Service) build(cfg ServiceConfig, mw *inbox.Idempotent) error {
 		if cfg.RelayDest != nil {
 			dest = cfg.RelayDest(dest)
 		}
-		if s.relay, err = cfg.Outbox.NewRelay(cfg.db().Beginner(), dest, cfg.Relay); err != nil {
+		if s.relay, err = cfg.Outbox.NewRelay(dest, cfg.Relay); err != nil {
 			return fmt.Errorf("shop: relay: %w", err)
 		}
 	}

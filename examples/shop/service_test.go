@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/google/uuid"
@@ -45,7 +44,7 @@ func runService(t *testing.T, b *broker, cfg shop.ServiceConfig) *pgxpool.Pool {
 	require.NoError(t, err)
 	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
 	if cfg.Outbox != nil {
-		require.NoError(t, cfg.Outbox.InitializeSchema(ctx, wsql.BeginnerFromPgx(pool)))
+		require.NoError(t, cfg.Outbox.Migrate(ctx))
 	}
 	cfg.AMQPURL, cfg.Topology, cfg.Pool = testenv.AMQPURL(), b.topo, pool
 	if cfg.Consumer.Name == "" {

@@ -16,6 +16,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
@@ -273,7 +274,7 @@ func TestNewServiceValidates(t *testing.T) {
 	pool, _ := testenv.Pool(t)
 	noop := func(*message.Message) error { return nil }
 	pub := func(*message.Message) ([]*message.Message, error) { return nil, nil }
-	ob, err := outbox.New(outbox.Config{}, nil)
+	ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(pool)}, nil)
 	require.NoError(t, err)
 	for field, cfg := range map[string]shop.ServiceConfig{
 		"Handler or PublishHandler": {},

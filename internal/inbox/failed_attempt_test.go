@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
@@ -266,7 +267,7 @@ func TestFailedAttempt_PanicReleasesConnection(t *testing.T) {
 		for _, b := range beginnersUnderTest(t, e.schema) {
 			t.Run(where+"/"+b.name, func(t *testing.T) {
 				armed := &atomic.Int32{}
-				ob, err := outbox.New(outbox.Config{PublisherDecorators: []message.PublisherDecorator{panickingOutbox(armed)}}, nil)
+				ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(e.pool), PublisherDecorators: []message.PublisherDecorator{panickingOutbox(armed)}}, nil)
 				require.NoError(t, err)
 				idem, err := inbox.NewIdempotent(inbox.Config{
 					Beginner: b.beginner, Store: e.store, Consumer: "panic-" + where + "-" + b.name,
@@ -439,7 +440,7 @@ func TestFailedAttempt_SavepointJoinPanicNeverAcksUnapplied(t *testing.T) {
 	logger := watermill.NopLogger{}
 	armed := &atomic.Int32{}
 	armed.Store(1)
-	ob, err := outbox.New(outbox.Config{PublisherDecorators: []message.PublisherDecorator{panickingOutbox(armed)}}, nil)
+	ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(r.e.pool), PublisherDecorators: []message.PublisherDecorator{panickingOutbox(armed)}}, nil)
 	require.NoError(t, err)
 	idem, err := inbox.NewIdempotent(inbox.Config{
 		Beginner: inbox.NewSQLSubscriberBeginner(), Store: r.e.store, Consumer: "stock",

@@ -11,12 +11,12 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
@@ -50,7 +50,7 @@ func runChild(mode string) int {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	ob, _ := outbox.New(outbox.Config{}, nil)
+	ob, _ := outbox.New(outbox.Config{DB: idempotency.Pgx(pool)}, nil)
 	store, _ := processedstore.NewStore(processedstore.Config{})
 	idem, err := inbox.NewIdempotent(inbox.Config{
 		Beginner:    mustBeginner(inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})),
@@ -114,9 +114,9 @@ func requireKilled(t *testing.T, err error) {
 
 func newOutboxEnv(t *testing.T) (*env, *outbox.Outbox) {
 	e := newEnv(t)
-	ob, err := outbox.New(outbox.Config{}, nil)
+	ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(e.pool)}, nil)
 	require.NoError(t, err)
-	require.NoError(t, ob.InitializeSchema(context.Background(), wsql.BeginnerFromPgx(e.pool)))
+	require.NoError(t, ob.Migrate(context.Background()))
 	return e, ob
 }
 
@@ -190,7 +190,7 @@ func TestOutboxSurvivesCrashAfterCommit(t *testing.T) {
 	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT event_id FROM outbox`).Scan(&outboxUUID))
 	logger := watermill.NopLogger{}
 	broker := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger)
-	relay, err := ob.NewRelay(wsql.BeginnerFromPgx(e.pool), broker, outbox.RelayConfig{
+	relay, err := ob.NewRelay(broker, outbox.RelayConfig{
 		PollInterval: 20 * time.Millisecond,
 	})
 	require.NoError(t, err)

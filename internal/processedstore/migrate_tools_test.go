@@ -34,7 +34,7 @@ func TestMigrationsFSWithGoose(t *testing.T) {
 	require.NoError(t, err)
 	results, err := provider.Up(context.Background())
 	require.NoError(t, err)
-	require.Len(t, results, 3)
+	require.Len(t, results, 4)
 
 	s, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)

@@ -12,6 +12,7 @@ import (
 	"github.com/golang-migrate/migrate/v4/source/iofs"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
@@ -42,7 +43,7 @@ func TestGolangMigrateAppliesEveryComponent(t *testing.T) {
 	require.NoError(t, err)
 	vfs, err := versioned.FamilyMigrationsFS("", "", sqldb.PostgreSQL)
 	require.NoError(t, err)
-	ob, err := outbox.New(outbox.Config{}, nil)
+	ob, err := outbox.New(outbox.Config{DB: idempotency.SQL(db, idempotency.PostgreSQL)}, nil)
 	require.NoError(t, err)
 	xfs, err := ob.MigrationsFS()
 	require.NoError(t, err)

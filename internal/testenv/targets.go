@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
@@ -207,4 +208,12 @@ func MySQLDatabase(t testing.TB) string {
 // server, with parseTime=true and loc=UTC (what the library requires).
 func MySQLDatabaseDSN(database string) string {
 	return MySQLDSN() + database + "?parseTime=true&loc=UTC"
+}
+
+// Handle is the target's database as the library's components take it.
+func (tg Target) Handle() idempotency.DB {
+	if tg.Pgx != nil {
+		return idempotency.Pgx(tg.Pgx)
+	}
+	return idempotency.SQL(tg.Std, tg.Dialect)
 }
