@@ -61,5 +61,24 @@ func init() {
 			return d.h
 		}
 		return nil
-	})
+	}, func(v any) sqldb.Querier {
+		if t, ok := v.(Tx); ok {
+			return t.q
+		}
+		return nil
+	}, func(q sqldb.Querier) any { return Tx{q} })
 }
+
+// Tx is a transaction in the form the versioned tools take (Upsert.Apply,
+// LatestPublisherConfig.Tx): build it with PgxTx or SQLTx, or take the
+// consumer attempt's with middleware.TxFromContext. Statements run on it
+// commit or roll back with it.
+type Tx struct{ q sqldb.Querier }
+
+// PgxTx wraps a pgx transaction (a *pgxpool.Pool or *pgx.Conn also fits:
+// each statement then runs in autocommit).
+func PgxTx(tx sqldb.PgxQuerier) Tx { return Tx{sqldb.Pgx(tx)} }
+
+// SQLTx wraps a database/sql transaction (a *sql.DB or *sql.Conn also
+// fits: each statement then runs in autocommit).
+func SQLTx(tx sqldb.StdQuerier) Tx { return Tx{sqldb.Std(tx)} }

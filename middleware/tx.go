@@ -7,7 +7,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // PgxTxFromContext returns the attempt's transaction on a pgx DB
@@ -60,3 +62,14 @@ type Observation = inbox.Observation
 // Recorder receives one Observation per attempt (ConsumerConfig.Recorder):
 // metrics.NewPrometheus, idempotencytest.Outcomes, or your own.
 type Recorder = inbox.Recorder
+
+// TxFromContext returns the attempt's transaction in the form the versioned
+// tools take (versioned.Upsert.Apply), whichever the driver. ok is false
+// outside an attempt.
+func TxFromContext(ctx context.Context) (tx idempotency.Tx, ok bool) {
+	q, ok := inbox.QuerierFromContext(ctx)
+	if !ok {
+		return idempotency.Tx{}, false
+	}
+	return sqldb.WrapTx(q).(idempotency.Tx), true
+}

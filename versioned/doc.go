@@ -122,7 +122,7 @@
 //     transaction (on PostgreSQL in the same statement as the applied check,
 //     elsewhere just before it). The producers'
 //     and the consumer's tables must be in one database, or the consumer sets
-//     LatestFilterConfig.LatestQuerier to a pool on the producers' database.
+//     LatestFilterConfig.LatestDB to a pool on the producers' database.
 //   - Latest records in Redis (RedisLatest): one key per family, advanced by a
 //     compare-and-set Lua script, expiring after a TTL; for producers and
 //     consumers that share a Redis but no database. Redis is outside the

@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
@@ -51,7 +52,7 @@ func ExampleNewLatestFilter() {
 	// Once, at start: the stores and their tables.
 	families, _ := versioned.NewFamilyStore(versioned.FamilyStoreConfig{})
 	store, _ := processedstore.NewStore(processedstore.Config{})
-	if err := families.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
+	if err := families.Migrate(ctx, idempotency.Pgx(pool)); err != nil {
 		panic(err)
 	}
 	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
@@ -63,7 +64,7 @@ func ExampleNewLatestFilter() {
 	for version := int64(1); version <= 3; version++ {
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 			pub, err := versioned.NewLatestPublisher(broker, versioned.LatestPublisherConfig{
-				Store: families, Querier: sqldb.Pgx(tx)}, nil)
+				Store: families, Tx: idempotency.PgxTx(tx)}, nil)
 			if err != nil {
 				return err
 			}

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"sync/atomic"
 
+	"github.com/watermill-idempotency/idempotency"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -119,13 +121,13 @@ type LatestFilterConfig struct {
 	// *RedisLatest when producers record there.
 	Latest LatestStore
 
-	// LatestQuerier, when set, is where a Transactional Latest store is read
+	// LatestDB, when set, is where a Transactional Latest store is read
 	// instead of the handler's transaction: a pool on the producers'
 	// database when it is not the consumer's. Reads there are outside the
 	// handler's transaction, so their errors are tolerated like Redis's.
 	// Defaults to nil (read in the handler's transaction, in the same round
 	// trip as the applied record).
-	LatestQuerier sqldb.Querier
+	LatestDB idempotency.DB
 
 	// Consumer names the consumer whose applied positions are recorded.
 	// Defaults to the consumer the idempotent middleware claimed with
@@ -181,7 +183,7 @@ func NewLatestFilter(cfg LatestFilterConfig, logger watermill.LoggerAdapter) (*L
 	return &LatestFilter{
 		cfg:     cfg,
 		logger:  logger,
-		oneTrip: same == cfg.Families && cfg.LatestQuerier == nil,
+		oneTrip: same == cfg.Families && !hasDB(cfg.LatestDB),
 	}, nil
 }
 
@@ -216,7 +218,7 @@ func NewLatestFilter(cfg LatestFilterConfig, logger watermill.LoggerAdapter) (*L
 // With the family store read in the handler's transaction, steps 3-5 cost
 // one statement on PostgreSQL, two (a read, then the applied upsert) on
 // MySQL and SQLite. With a store that is not Transactional (Redis), or a
-// LatestQuerier, the latest record is read first; if that read fails the
+// LatestDB, the latest record is read first; if that read fails the
 // failure is logged and the message is judged by the applied check alone
 // (let through unless stale): the filter fails open, never dropping a
 // message it cannot prove superseded.
@@ -306,9 +308,9 @@ func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 func (f *LatestFilter) twoSteps(msg *message.Message, q sqldb.Querier, consumer string, fam Family, pos Position, obs *FilterObservation) (verdict, error) {
 	ctx := msg.Context()
 	lq := q
-	inTx := f.cfg.Latest.Transactional() && f.cfg.LatestQuerier == nil
-	if f.cfg.LatestQuerier != nil {
-		lq = f.cfg.LatestQuerier
+	inTx := f.cfg.Latest.Transactional() && !hasDB(f.cfg.LatestDB)
+	if h, err := sqldb.HandleOf(f.cfg.LatestDB); err == nil {
+		lq = h.Querier()
 	}
 	latest, known, err := f.cfg.Latest.Latest(ctx, lq, fam)
 	switch {
@@ -343,4 +345,10 @@ func (f *LatestFilter) record(o FilterObservation) {
 	if f.cfg.Recorder != nil {
 		f.cfg.Recorder.RecordFilter(o)
 	}
+}
+
+// hasDB reports whether db is set (not the zero DB).
+func hasDB(db idempotency.DB) bool {
+	_, err := sqldb.HandleOf(db)
+	return err == nil
 }

@@ -530,7 +530,7 @@ func TestLatestFilterLatestQuerier(t *testing.T) {
 	m1, m2 := lfSeqMsg(t, f, 1), lfSeqMsg(t, f, 2)
 	require.NoError(t, pub.Publish("t", m1, m2))
 	filter, err := versioned.NewLatestFilter(versioned.LatestFilterConfig{
-		Families: e.families, LatestQuerier: e.db, Consumer: "indexer", Recorder: e.counter,
+		Families: e.families, LatestDB: e.tg.Handle(), Consumer: "indexer", Recorder: e.counter,
 	}, nil)
 	require.NoError(t, err)
 	idem, err := inbox.NewIdempotent(inbox.Config{Beginner: e.beginner, Consumer: "indexer"}, nil)

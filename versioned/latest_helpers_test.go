@@ -176,7 +176,7 @@ func newLFEnvWith(t *testing.T, store, target string) *lfEnv {
 	e.processed = ps
 	e.families, err = versioned.NewFamilyStore(versioned.FamilyStoreConfig{Dialect: tg.Dialect})
 	require.NoError(t, err)
-	require.NoError(t, e.families.Migrate(ctx, e.db))
+	require.NoError(t, e.families.Migrate(ctx, e.tg.Handle()))
 	ddl := `CREATE TABLE state_copy (family_id text PRIMARY KEY, value text NOT NULL, event_id uuid NOT NULL)`
 	switch tg.Dialect {
 	case sqldb.MySQL:
@@ -231,7 +231,7 @@ func (e *lfEnv) forgetProcessed(eventID string) {
 // stands for a broker).
 func (e *lfEnv) publisher(q message.Publisher) *versioned.LatestPublisher {
 	e.t.Helper()
-	p, err := versioned.NewLatestPublisher(q, versioned.LatestPublisherConfig{Store: e.latest, Querier: e.db}, nil)
+	p, err := versioned.NewLatestPublisher(q, versioned.LatestPublisherConfig{Store: e.latest, Tx: testenv.AsTx(e.db)}, nil)
 	require.NoError(e.t, err)
 	return p
 }

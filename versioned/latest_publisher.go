@@ -7,6 +7,8 @@ import (
 	"sort"
 	"sync"
 
+	"github.com/watermill-idempotency/idempotency"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -19,13 +21,13 @@ type LatestPublisherConfig struct {
 	// (PostgreSQL, MySQL or SQLite) or a *RedisLatest. Required.
 	Store LatestStore
 
-	// Querier is the producer's transaction, for a Transactional store
-	// (sqldb.Pgx(tx), sqldb.Std(tx)): the record commits or rolls back with
+	// Tx is the producer's transaction, for a Transactional store
+	// (idempotency.PgxTx(tx), idempotency.SQLTx(tx)): the record commits or rolls back with
 	// the outbox rows the inner publisher writes in that transaction.
 	// Required for a Transactional store (a pool is accepted when the inner
 	// publisher sends to the broker directly: the record is then written
 	// after the broker accepted the message). Ignored by other stores.
-	Querier sqldb.Querier
+	Tx idempotency.Tx
 
 	// Deferred, for a store that is not Transactional (Redis), holds the
 	// records back until Flush. Set it whenever the inner publisher writes
@@ -45,8 +47,8 @@ func (c LatestPublisherConfig) Validate() error {
 	switch {
 	case c.Store == nil:
 		return errors.New("versioned: LatestPublisherConfig.Store is required")
-	case c.Store.Transactional() && c.Querier == nil:
-		return errors.New("versioned: LatestPublisherConfig.Querier is required with a transactional store (the producer's transaction)")
+	case c.Store.Transactional() && !hasTx(c.Tx):
+		return errors.New("versioned: LatestPublisherConfig.Tx is required with a transactional store (the producer's transaction)")
 	case c.Store.Transactional() && c.Deferred:
 		return errors.New("versioned: LatestPublisherConfig.Deferred: only for stores that are not transactional (Redis)")
 	}
@@ -195,7 +197,8 @@ func (p *LatestPublisher) advance(newest map[Family]pendingLatest) error {
 	var errs []error
 	for _, f := range fams {
 		n := newest[f]
-		if _, err := p.cfg.Store.Advance(n.ctx, p.cfg.Querier, f, n.pos); err != nil {
+		q, _ := sqldb.TxOf(p.cfg.Tx)
+		if _, err := p.cfg.Store.Advance(n.ctx, q, f, n.pos); err != nil {
 			errs = append(errs, err)
 			if p.cfg.Store.Transactional() {
 				break // the transaction is aborted: nothing more can run in it
@@ -210,4 +213,10 @@ func msgUUID(msg *message.Message) string {
 		return "<nil message>"
 	}
 	return msg.UUID
+}
+
+// hasTx reports whether tx is set (not the zero Tx).
+func hasTx(tx idempotency.Tx) bool {
+	_, err := sqldb.TxOf(tx)
+	return err == nil
 }

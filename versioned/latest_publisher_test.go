@@ -11,7 +11,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/versioned"
@@ -43,7 +42,7 @@ func TestLatestPublisherInOutboxTransaction(t *testing.T) {
 		defer func() { _ = tx.Rollback(ctx) }()
 		inner, err := ob.PgxPublisher(tx)
 		require.NoError(t, err)
-		pub, err := versioned.NewLatestPublisher(inner, versioned.LatestPublisherConfig{Store: e.families, Querier: sqldb.Pgx(tx)}, nil)
+		pub, err := versioned.NewLatestPublisher(inner, versioned.LatestPublisherConfig{Store: e.families, Tx: idempotency.PgxTx(tx)}, nil)
 		require.NoError(t, err)
 		if err := pub.Publish("products", msgs...); err != nil {
 			return err
@@ -155,7 +154,7 @@ func TestLatestPublisherConfigValidate(t *testing.T) {
 	for want, cfg := range map[string]versioned.LatestPublisherConfig{
 		"LatestPublisherConfig.Store":    {},
 		"LatestPublisherConfig.Querier":  {Store: families},
-		"LatestPublisherConfig.Deferred": {Store: families, Querier: sqldb.Std(nil), Deferred: true},
+		"LatestPublisherConfig.Deferred": {Store: families, Tx: idempotency.SQLTx(nil), Deferred: true},
 	} {
 		_, err := versioned.NewLatestPublisher(q, cfg, nil)
 		require.ErrorContains(t, err, want)

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/watermill-idempotency/idempotency"
+
 	"github.com/ThreeDotsLabs/watermill"
 
 	"github.com/watermill-idempotency/idempotency/internal/purgeloop"
@@ -92,12 +94,14 @@ type FamilyPurger struct {
 	loop *purgeloop.Loop
 }
 
-// NewFamilyPurger validates cfg (on a copy with defaults applied). pool is
-// sqldb.PgxPool(pool) or sqldb.StdPool(db). A nil logger is NopLogger.
-func NewFamilyPurger(store *FamilyStore, pool sqldb.Pool, cfg FamilyPurgerConfig, logger watermill.LoggerAdapter) (*FamilyPurger, error) {
-	if store == nil || pool == nil {
-		return nil, errors.New("versioned: NewFamilyPurger needs a store and a pool")
+// NewFamilyPurger validates cfg (on a copy with defaults applied) and
+// purges store's tables on db. A nil logger is NopLogger.
+func NewFamilyPurger(store *FamilyStore, db idempotency.DB, cfg FamilyPurgerConfig, logger watermill.LoggerAdapter) (*FamilyPurger, error) {
+	h, err := sqldb.HandleOf(db)
+	if store == nil || err != nil {
+		return nil, errors.New("versioned: NewFamilyPurger needs a store and a DB")
 	}
+	pool := h.Pool()
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err

@@ -10,6 +10,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/versioned"
@@ -40,10 +41,10 @@ func TestFamilyPurgeEveryLayout(t *testing.T) {
 			tpl := testenv.Schema(t)
 			tplStore, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{LatestTable: tpl + ".family_latest", AppliedTable: tpl + ".family_applied"})
 			require.NoError(t, err)
-			require.NoError(t, tplStore.Migrate(ctx, db))
+			require.NoError(t, tplStore.Migrate(ctx, idempotency.Pgx(pool)))
 			_, err = pool.Exec(ctx, strings.ReplaceAll(ddl, "tpl.", tpl+"."))
 			require.NoError(t, err)
-			s := migratedFamiliesOn(t, testenv.Target{Dialect: sqldb.PostgreSQL, DB: db})
+			s := migratedFamiliesOn(t, testenv.Target{Dialect: sqldb.PostgreSQL, DB: db, Pgx: pool})
 
 			// Two kinds × 60 families; idle and active interleaved
 			// differently per kind so that the partitions' ctids collide.
@@ -61,7 +62,7 @@ func TestFamilyPurgeEveryLayout(t *testing.T) {
 					}
 				}
 			}
-			p, err := versioned.NewFamilyPurger(s, sqldb.PgxPool(pool), versioned.FamilyPurgerConfig{Horizon: time.Hour, BatchSize: 25}, nil)
+			p, err := versioned.NewFamilyPurger(s, idempotency.Pgx(pool), versioned.FamilyPurgerConfig{Horizon: time.Hour, BatchSize: 25}, nil)
 			require.NoError(t, err)
 			n, ran, err := p.PurgeNow(ctx)
 			require.NoError(t, err)
@@ -83,16 +84,15 @@ func TestFamilyPurgeEveryLayout(t *testing.T) {
 func TestH16_FamilyRangeOnUpdatedAtIsRefused(t *testing.T) {
 	t.Parallel()
 	pool, _ := testenv.Pool(t)
-	db := sqldb.Pgx(pool)
 	ctx := context.Background()
 	tpl := testenv.Schema(t)
 	tplStore, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{LatestTable: tpl + ".family_latest", AppliedTable: tpl + ".family_applied"})
 	require.NoError(t, err)
-	require.NoError(t, tplStore.Migrate(ctx, db))
+	require.NoError(t, tplStore.Migrate(ctx, idempotency.Pgx(pool)))
 	_, err = pool.Exec(ctx, strings.ReplaceAll(`CREATE TABLE family_latest (LIKE tpl.family_latest INCLUDING DEFAULTS, PRIMARY KEY (family_kind, family_id, updated_at)) PARTITION BY RANGE (updated_at);
 		CREATE TABLE family_latest_all PARTITION OF family_latest FOR VALUES FROM (MINVALUE) TO (MAXVALUE)`, "tpl.", tpl+"."))
 	require.NoError(t, err)
 	s, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{})
 	require.NoError(t, err)
-	require.ErrorIs(t, s.Migrate(ctx, db), versioned.ErrNoFamilyKey)
+	require.ErrorIs(t, s.Migrate(ctx, idempotency.Pgx(pool)), versioned.ErrNoFamilyKey)
 }

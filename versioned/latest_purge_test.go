@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/versioned"
@@ -21,15 +22,15 @@ func TestFamilyPurgerConfigValidate(t *testing.T) {
 	pool, _ := testenv.Pool(t)
 	s, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{})
 	require.NoError(t, err)
-	_, err = versioned.NewFamilyPurger(s, sqldb.PgxPool(pool), versioned.FamilyPurgerConfig{}, nil)
+	_, err = versioned.NewFamilyPurger(s, idempotency.Pgx(pool), versioned.FamilyPurgerConfig{}, nil)
 	require.ErrorContains(t, err, "FamilyPurgerConfig.Horizon")
-	_, err = versioned.NewFamilyPurger(s, sqldb.PgxPool(pool), versioned.FamilyPurgerConfig{Horizon: time.Minute}, nil)
+	_, err = versioned.NewFamilyPurger(s, idempotency.Pgx(pool), versioned.FamilyPurgerConfig{Horizon: time.Minute}, nil)
 	require.ErrorIs(t, err, versioned.ErrFamilyHorizonTooShort)
-	_, err = versioned.NewFamilyPurger(s, sqldb.PgxPool(pool), versioned.FamilyPurgerConfig{Horizon: time.Hour, BatchSize: -1}, nil)
+	_, err = versioned.NewFamilyPurger(s, idempotency.Pgx(pool), versioned.FamilyPurgerConfig{Horizon: time.Hour, BatchSize: -1}, nil)
 	require.ErrorContains(t, err, "FamilyPurgerConfig.BatchSize")
-	_, err = versioned.NewFamilyPurger(nil, sqldb.PgxPool(pool), versioned.FamilyPurgerConfig{Horizon: time.Hour}, nil)
+	_, err = versioned.NewFamilyPurger(nil, idempotency.Pgx(pool), versioned.FamilyPurgerConfig{Horizon: time.Hour}, nil)
 	require.Error(t, err)
-	_, err = versioned.NewFamilyPurger(s, sqldb.PgxPool(pool), versioned.FamilyPurgerConfig{Horizon: time.Minute, MinHorizon: time.Second}, nil)
+	_, err = versioned.NewFamilyPurger(s, idempotency.Pgx(pool), versioned.FamilyPurgerConfig{Horizon: time.Minute, MinHorizon: time.Second}, nil)
 	require.NoError(t, err)
 }
 
@@ -83,7 +84,7 @@ func TestFamilyPurgeIdle(t *testing.T) {
 		require.EqualValues(t, 3, n, "bounded by the batch size")
 
 		// The purger's sessions run in a time zone far from UTC.
-		var pool sqldb.Pool
+		var pool idempotency.DB
 		switch tg.Name {
 		case testenv.TargetPostgresPgx:
 			cfg := testenv.PoolConfig(t, testenv.PostgresURL(), tg.Database, 4)
@@ -91,19 +92,19 @@ func TestFamilyPurgeIdle(t *testing.T) {
 			tzPool, err := pgxpool.NewWithConfig(ctx, cfg)
 			require.NoError(t, err)
 			t.Cleanup(tzPool.Close)
-			pool = sqldb.PgxPool(tzPool)
+			pool = idempotency.Pgx(tzPool)
 		case testenv.TargetPostgresStdlib:
 			db, err := sql.Open("pgx", testenv.SchemaURL(tg.Database)+"&timezone=Pacific/Kiritimati")
 			require.NoError(t, err)
 			t.Cleanup(func() { _ = db.Close() })
-			pool = sqldb.StdPool(db)
+			pool = idempotency.SQL(db, idempotency.PostgreSQL)
 		case testenv.TargetMariaDB:
 			db, err := sql.Open("mysql", testenv.MySQLDatabaseDSN(tg.Database)+"&time_zone=%27-11%3A00%27")
 			require.NoError(t, err)
 			t.Cleanup(func() { _ = db.Close() })
-			pool = sqldb.StdPool(db)
+			pool = idempotency.SQL(db, idempotency.MySQL)
 		default: // SQLite has no session time zone; 'now' is UTC
-			pool = tg.Pool
+			pool = tg.Handle()
 		}
 		purger, err := versioned.NewFamilyPurger(s, pool, versioned.FamilyPurgerConfig{Horizon: time.Hour, BatchSize: 2}, nil)
 		require.NoError(t, err)
@@ -128,13 +129,13 @@ func TestFamilyPurgersOneAtATime(t *testing.T) {
 		}
 		idle(t, tg, "family_latest", 100, 120, 120)
 		inRun, release := make(chan struct{}), make(chan struct{})
-		first, err := versioned.NewFamilyPurger(s, tg.Pool, versioned.FamilyPurgerConfig{
+		first, err := versioned.NewFamilyPurger(s, tg.Handle(), versioned.FamilyPurgerConfig{
 			Horizon: time.Hour,
 			OnPurge: func(int64, time.Time) { close(inRun); <-release },
 		}, nil)
 		require.NoError(t, err)
 		// Another instance: its own handle on the database.
-		second, err := versioned.NewFamilyPurger(s, testenv.OpenTarget(t, tg.Name, tg.Database, 2).Pool, versioned.FamilyPurgerConfig{Horizon: time.Hour}, nil)
+		second, err := versioned.NewFamilyPurger(s, testenv.OpenTarget(t, tg.Name, tg.Database, 2).Handle(), versioned.FamilyPurgerConfig{Horizon: time.Hour}, nil)
 		require.NoError(t, err)
 		done := make(chan int64, 1)
 		go func() {
@@ -170,7 +171,7 @@ func TestFamilyPurgerStartStop(t *testing.T) {
 		require.NoError(t, err)
 		idle(t, tg, "family_applied", 100, 120, 120)
 		runs := make(chan int64, 16)
-		p, err := versioned.NewFamilyPurger(s, tg.Pool, versioned.FamilyPurgerConfig{
+		p, err := versioned.NewFamilyPurger(s, tg.Handle(), versioned.FamilyPurgerConfig{
 			Horizon:  time.Hour,
 			Interval: time.Millisecond,
 			OnPurge:  func(n int64, _ time.Time) { runs <- n },

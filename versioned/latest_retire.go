@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/watermill-idempotency/idempotency"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -108,7 +110,11 @@ func noteHandled(ctx context.Context, consumer string, fam Family, pos Position)
 //
 // Messages dropped as obsolete while the latest message was still being
 // retried (before it was poisoned) are not brought back: they were acked.
-func (f *LatestFilter) RetireOnPoison(q sqldb.Querier) message.HandlerMiddleware {
+func (f *LatestFilter) RetireOnPoison(db idempotency.DB) message.HandlerMiddleware {
+	var q sqldb.Querier
+	if h, err := sqldb.HandleOf(db); err == nil {
+		q = h.Querier()
+	}
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			ctx := msg.Context()

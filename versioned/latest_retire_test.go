@@ -53,7 +53,7 @@ func TestLatestFilterPoisonedLatestDoesNotFreezeFamily(t *testing.T) {
 				poison := &lfQueue{}
 				chain, err := inbox.NewChain(inbox.ChainConfig{
 					Idempotent: idem, PoisonPublisher: poison, PoisonTopic: "crm.poison",
-					AfterPoison: []message.HandlerMiddleware{filter.RetireOnPoison(e.db)},
+					AfterPoison: []message.HandlerMiddleware{filter.RetireOnPoison(e.tg.Handle())},
 					MaxRetries:  1, InitialInterval: time.Millisecond, MaxInterval: time.Millisecond,
 				}, nil)
 				require.NoError(t, err)

@@ -10,6 +10,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/watermill-idempotency/idempotency"
+
 	"github.com/google/uuid"
 
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
@@ -58,7 +60,7 @@ type FamilyStoreConfig struct {
 	// LatestTable is the table of latest positions, "name" or "schema.name"
 	// (each part [A-Za-z_][A-Za-z0-9_]{0,62}). Producers write it and
 	// consumers read it, so both must reach the same table: the same
-	// database, or see LatestFilterConfig.LatestQuerier. Defaults to
+	// database, or see LatestFilterConfig.LatestDB. Defaults to
 	// DefaultLatestTable.
 	LatestTable string
 
@@ -385,7 +387,12 @@ func FamilyMigrationsFS(latestTable, appliedTable string, dialect sqldb.Dialect)
 // q's database: where the latest table belongs to another service, the
 // consumer's Migrate creates an unused one, which is harmless. On MySQL it
 // then checks that q's DSN keeps clientFoundRows off (ErrMySQLFoundRows).
-func (s *FamilyStore) Migrate(ctx context.Context, q sqldb.Querier) error {
+func (s *FamilyStore) Migrate(ctx context.Context, db idempotency.DB) error {
+	h, err := sqldb.HandleOf(db)
+	if err != nil {
+		return fmt.Errorf("versioned: Migrate: %w", err)
+	}
+	q := h.Querier()
 	ms, err := s.Migrations()
 	if err != nil {
 		return err

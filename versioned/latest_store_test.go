@@ -12,6 +12,7 @@ import (
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/middleware/mysqlerr"
@@ -60,8 +61,8 @@ func migratedFamiliesOn(t *testing.T, tg testenv.Target) *versioned.FamilyStore 
 	t.Helper()
 	s, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{Dialect: tg.Dialect})
 	require.NoError(t, err)
-	require.NoError(t, s.Migrate(context.Background(), tg.DB))
-	require.NoError(t, s.Migrate(context.Background(), tg.DB))
+	require.NoError(t, s.Migrate(context.Background(), tg.Handle()))
+	require.NoError(t, s.Migrate(context.Background(), tg.Handle()))
 	return s
 }
 
@@ -216,7 +217,7 @@ func TestFamilyStoreMigrate(t *testing.T) {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				errs <- s.Migrate(ctx, other.DB)
+				errs <- s.Migrate(ctx, other.Handle())
 			}()
 		}
 		wg.Wait()
@@ -224,7 +225,7 @@ func TestFamilyStoreMigrate(t *testing.T) {
 		for err := range errs {
 			require.NoError(t, err)
 		}
-		require.NoError(t, s.Migrate(ctx, tg.DB))
+		require.NoError(t, s.Migrate(ctx, tg.Handle()))
 
 		var tables, indexes, recorded int
 		switch tg.Dialect {
@@ -273,9 +274,9 @@ func TestFamilyStoreMigrateRefusesFoundRows(t *testing.T) {
 	t.Cleanup(func() { _ = db.Close() })
 	s, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{Dialect: sqldb.MySQL})
 	require.NoError(t, err)
-	require.ErrorIs(t, s.Migrate(context.Background(), sqldb.Std(db)), versioned.ErrMySQLFoundRows)
+	require.ErrorIs(t, s.Migrate(context.Background(), idempotency.SQL(db, idempotency.MySQL)), versioned.ErrMySQLFoundRows)
 	good := testenv.OpenTarget(t, testenv.TargetMariaDB, database, 2)
-	require.NoError(t, s.Migrate(context.Background(), good.DB))
+	require.NoError(t, s.Migrate(context.Background(), good.Handle()))
 }
 
 func TestFamilyStoreConfigValidate(t *testing.T) {

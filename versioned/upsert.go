@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"reflect"
 
+	"github.com/watermill-idempotency/idempotency"
+
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
@@ -255,7 +257,11 @@ func NewUpsert(cfg UpsertConfig) (*Upsert, error) {
 // The first three are permanent (they have a Permanent() bool method that
 // returns true). On error the Outcome is zero; a failed statement leaves a
 // PostgreSQL transaction aborted, to be rolled back by its owner.
-func (u *Upsert) Apply(ctx context.Context, q sqldb.Querier, key []any, version *int64, values []any) (Outcome, error) {
+func (u *Upsert) Apply(ctx context.Context, tx idempotency.Tx, key []any, version *int64, values []any) (Outcome, error) {
+	q, err := sqldb.TxOf(tx)
+	if err != nil {
+		return 0, fmt.Errorf("versioned: upsert into %s: %w", u.table, err)
+	}
 	if len(key) != len(u.keyCols) {
 		return 0, fmt.Errorf("%w: upsert into %s: got %d key values for KeyColumns %v", ErrArgCount, u.table, len(key), u.keyCols)
 	}

@@ -8,7 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
@@ -54,7 +54,7 @@ func ExampleNewUpsert() {
 		if err := json.Unmarshal(payload, &ev); err != nil {
 			return err
 		}
-		outcome, err := upsert.Apply(ctx, sqldb.Pgx(tx), []any{ev.CustomerID}, ev.Version, []any{ev.Name})
+		outcome, err := upsert.Apply(ctx, idempotency.PgxTx(tx), []any{ev.CustomerID}, ev.Version, []any{ev.Name})
 		if err != nil {
 			return err // ErrVersionMissing is permanent: poison topic, no retry
 		}

@@ -72,7 +72,7 @@ func (h *harness) exec(t *testing.T, query string, args ...any) {
 func (h *harness) apply(t *testing.T, u *versioned.Upsert, key []any, version *int64, values []any) (versioned.Outcome, error) {
 	t.Helper()
 	tx := h.Begin(t)
-	out, err := u.Apply(context.Background(), tx, key, version, values)
+	out, err := u.Apply(context.Background(), testenv.AsTx(tx), key, version, values)
 	if err != nil {
 		require.NoError(t, tx.Rollback())
 		return out, err
@@ -446,7 +446,7 @@ func exerciseUpsert(t *testing.T, d driver) {
 				h.exec(t, "INSERT INTO customer_copy VALUES ('k', $1, 'seed')", *c.seed)
 			}
 			first := h.Begin(t)
-			out, err := u.Apply(ctx, first, []any{"k"}, v(c.first), []any{"first"})
+			out, err := u.Apply(ctx, testenv.AsTx(first), []any{"k"}, v(c.first), []any{"first"})
 			require.NoError(t, err)
 			require.Equal(t, c.wantFirst, out)
 
@@ -467,7 +467,7 @@ func exerciseUpsert(t *testing.T, d driver) {
 						return
 					}
 					began := time.Now().UnixNano()
-					out, err := u.Apply(ctx, tx, []any{"k"}, v(c.second), []any{"second"})
+					out, err := u.Apply(ctx, testenv.AsTx(tx), []any{"k"}, v(c.second), []any{"second"})
 					if err == nil && began < firstEnded.Load() {
 						err = fmt.Errorf("the second transaction began before the first ended")
 					}
@@ -489,7 +489,7 @@ func exerciseUpsert(t *testing.T, d driver) {
 				second = h.Begin(t)
 				id := h.sessionID(t, second)
 				go func() {
-					out, err := u.Apply(ctx, second, []any{"k"}, v(c.second), []any{"second"})
+					out, err := u.Apply(ctx, testenv.AsTx(second), []any{"k"}, v(c.second), []any{"second"})
 					done <- applyResult{out, err}
 				}()
 				waitForLock(t, h, id, done)
@@ -534,7 +534,7 @@ func exerciseUpsert(t *testing.T, d driver) {
 							t.Error(err)
 							return
 						}
-						out, err := u.Apply(ctx, tx, []any{key}, v(int64(n+1)), []any{fmt.Sprintf("v%d", n+1)})
+						out, err := u.Apply(ctx, testenv.AsTx(tx), []any{key}, v(int64(n+1)), []any{fmt.Sprintf("v%d", n+1)})
 						if err == nil {
 							err = tx.Commit()
 						} else {

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -54,7 +55,7 @@ func TestC12(t *testing.T) {
 			return nil, inbox.Permanent(err)
 		}
 		q, _ := inbox.QuerierFromContext(msg.Context())
-		o, err := upsert.Apply(msg.Context(), q, []any{p.CustomerID}, p.Version, []any{p.Name})
+		o, err := upsert.Apply(msg.Context(), testenv.AsTx(q), []any{p.CustomerID}, p.Version, []any{p.Name})
 		if err != nil {
 			return nil, err
 		}

@@ -217,3 +217,6 @@ func (tg Target) Handle() idempotency.DB {
 	}
 	return idempotency.SQL(tg.Std, tg.Dialect)
 }
+
+// AsTx wraps a querier as the versioned tools take it.
+func AsTx(q sqldb.Querier) idempotency.Tx { return sqldb.WrapTx(q).(idempotency.Tx) }
