@@ -331,7 +331,7 @@ func (f *LatestFilter) twoSteps(msg *message.Message, q sqldb.Querier, consumer 
 			return verdictObsolete, nil
 		}
 	}
-	recorded, err := f.cfg.Families.RecordApplied(ctx, q, consumer, fam, pos)
+	recorded, err := f.cfg.Families.recordApplied(ctx, q, consumer, fam, pos)
 	if err != nil {
 		return 0, err
 	}

@@ -128,7 +128,7 @@ func (p *FamilyPurger) PurgeNow(ctx context.Context) (deleted int64, ran bool, e
 		return p.store.sql.lock(ctx, conn, name)
 	}
 	batch := func(ctx context.Context, q sqldb.Querier, limit int) (int64, error) {
-		return p.store.PurgeBatch(ctx, q, p.cfg.Horizon, limit)
+		return p.store.purgeBatch(ctx, q, p.cfg.Horizon, limit)
 	}
 	deleted, ran, err = purgeloop.Drain(ctx, p.pool, lock, batch, p.cfg.BatchSize, p.cfg.OnPurge)
 	if err != nil {

@@ -40,17 +40,17 @@ func retiredTable(applied sqldb.Ident) (sqldb.Ident, error) {
 	return id, nil
 }
 
-// RetiredTable is the store's retired table (AppliedTable's name +
+// retiredTable is the store's retired table (AppliedTable's name +
 // "_retired", in the same schema).
-func (s *FamilyStore) RetiredTable() sqldb.Ident { return s.retired }
+func (s *FamilyStore) retiredTable() sqldb.Ident { return s.retired }
 
-// Retire records, on q (a pool or a connection of the consumer's database:
+// retire records, on q (a pool or a connection of the consumer's database:
 // it must commit on its own, outside the failed handler transaction), that
 // the message at pos of family f will never be applied by consumer (it was
 // poisoned). The retired position only moves forward. LatestFilter's
 // RetireOnPoison calls it; call it directly when a message of a family is
 // discarded by other means.
-func (s *FamilyStore) Retire(ctx context.Context, q sqldb.Querier, consumer string, f Family, pos Position) error {
+func (s *FamilyStore) retire(ctx context.Context, q sqldb.Querier, consumer string, f Family, pos Position) error {
 	if consumer == "" {
 		return errors.New("versioned: Retire: empty consumer")
 	}
@@ -129,7 +129,7 @@ func (f *LatestFilter) RetireOnPoison(db idempotency.DB) message.HandlerMiddlewa
 				"event_id": msg.UUID, "consumer": note.consumer,
 				"family_kind": note.fam.Kind, "family_id": note.fam.ID, "position": note.pos.String(),
 			}
-			if rerr := f.cfg.Families.Retire(context.WithoutCancel(ctx), q, note.consumer, note.fam, note.pos); rerr != nil {
+			if rerr := f.cfg.Families.retire(context.WithoutCancel(ctx), q, note.consumer, note.fam, note.pos); rerr != nil {
 				f.logger.Error("Could not retire a poisoned family message; retrying it instead of poisoning", rerr, fields)
 				return out, errors.Join(err, inbox.Transient(rerr))
 			}

@@ -151,11 +151,11 @@ func NewFamilyStore(cfg FamilyStoreConfig) (*FamilyStore, error) {
 	return &FamilyStore{latest: latest, applied: applied, retired: retired, dialect: cfg.Dialect, sql: q}, nil
 }
 
-// LatestTable is the store's validated latest table.
-func (s *FamilyStore) LatestTable() sqldb.Ident { return s.latest }
+// latestTable is the store's validated latest table.
+func (s *FamilyStore) latestTable() sqldb.Ident { return s.latest }
 
-// AppliedTable is the store's validated applied table.
-func (s *FamilyStore) AppliedTable() sqldb.Ident { return s.applied }
+// appliedTable is the store's validated applied table.
+func (s *FamilyStore) appliedTable() sqldb.Ident { return s.applied }
 
 // Transactional reports true: Advance and Latest run on the given Querier.
 func (s *FamilyStore) Transactional() bool { return true }
@@ -203,28 +203,28 @@ func (s *FamilyStore) Latest(ctx context.Context, q sqldb.Querier, f Family) (Po
 	return p, true, nil
 }
 
-// RecordApplied records, on q (the handler's transaction), that consumer
+// recordApplied records, on q (the handler's transaction), that consumer
 // applies the message at pos of family f, when pos is newer than the last
 // one it applied; recorded is false (stale) when it is not. The row stays
 // locked until q's transaction ends: a concurrent RecordApplied of the same
 // consumer and family waits (bounded by the transaction's lock_timeout), then
 // compares with what committed. LatestFilter calls it; call it directly
 // only when not using the filter.
-func (s *FamilyStore) RecordApplied(ctx context.Context, q sqldb.Querier, consumer string, f Family, pos Position) (recorded bool, err error) {
+func (s *FamilyStore) recordApplied(ctx context.Context, q sqldb.Querier, consumer string, f Family, pos Position) (recorded bool, err error) {
 	if consumer == "" {
 		return false, errors.New("versioned: RecordApplied: empty consumer")
 	}
 	if err := checkArgs(f, pos); err != nil {
 		return false, err
 	}
-	recorded, err = s.recordApplied(ctx, q, consumer, f, pos)
+	recorded, err = s.upsertApplied(ctx, q, consumer, f, pos)
 	if err != nil {
 		return false, fmt.Errorf("versioned: record applied %s of %s: %w", consumer, f, err)
 	}
 	return recorded, nil
 }
 
-func (s *FamilyStore) recordApplied(ctx context.Context, q sqldb.Querier, consumer string, f Family, pos Position) (bool, error) {
+func (s *FamilyStore) upsertApplied(ctx context.Context, q sqldb.Querier, consumer string, f Family, pos Position) (bool, error) {
 	return s.upsert(ctx, q, s.sql.applied, s.sql.appliedArgs(consumer, f.Kind, f.ID, pos.key(), s.sql.eventID(pos.EventID)))
 }
 
@@ -263,7 +263,7 @@ func (s *FamilyStore) check(ctx context.Context, q sqldb.Querier, consumer strin
 	if s.sql.check != "" {
 		err = q.QueryRow(ctx, s.sql.check, consumer, f.Kind, f.ID, pos.key(), s.sql.eventID(pos.EventID)).Scan(&obsolete, &recorded)
 	} else if err = q.QueryRow(ctx, s.sql.newer, f.Kind, f.ID, pos.key(), consumer).Scan(&obsolete); err == nil && !obsolete {
-		recorded, err = s.recordApplied(ctx, q, consumer, f, pos)
+		recorded, err = s.upsertApplied(ctx, q, consumer, f, pos)
 	}
 	switch {
 	case err != nil:
@@ -276,13 +276,13 @@ func (s *FamilyStore) check(ctx context.Context, q sqldb.Querier, consumer strin
 	return verdictHandle, nil
 }
 
-// PurgeBatch deletes at most limit rows idle for longer than horizon (by the
+// purgeBatch deletes at most limit rows idle for longer than horizon (by the
 // database clock: updated_at < now() - horizon) from the latest table, then,
 // within what is left of limit, from the applied table, and returns how many
 // it deleted. Each table's DELETE is one statement (one short transaction on
 // a pool); rows locked by a writer are skipped. horizon is truncated to whole
 // microseconds; limit must be > 0.
-func (s *FamilyStore) PurgeBatch(ctx context.Context, q sqldb.Querier, horizon time.Duration, limit int) (int64, error) {
+func (s *FamilyStore) purgeBatch(ctx context.Context, q sqldb.Querier, horizon time.Duration, limit int) (int64, error) {
 	if limit <= 0 {
 		return 0, fmt.Errorf("versioned: purge limit %d: must be > 0", limit)
 	}
@@ -318,13 +318,13 @@ func checkArgs(f Family, pos Position) error {
 //go:embed migrations
 var familyMigrationFiles embed.FS
 
-// FamilyMigration is one versioned schema change of a FamilyStore, rendered
+// familyMigration is one versioned schema change of a FamilyStore, rendered
 // for its tables (Version, Name "0001_create_family_tables.up.sql", SQL).
-type FamilyMigration = sqldb.Migration
+type familyMigration = sqldb.Migration
 
-// Migrations returns the store's migrations in version order, rendered for
+// migrations returns the store's migrations in version order, rendered for
 // its tables. Each is idempotent (IF NOT EXISTS), so running one twice is safe.
-func (s *FamilyStore) Migrations() ([]FamilyMigration, error) {
+func (s *FamilyStore) migrations() ([]familyMigration, error) {
 	q := s.dialect.QuoteChar()
 	// SQLite's CREATE INDEX takes the schema on the index's name and an
 	// unqualified table: *Schema is the quoted schema and a dot (or ""),
@@ -369,7 +369,7 @@ func FamilyMigrationsFS(latestTable, appliedTable string, dialect sqldb.Dialect)
 	if err != nil {
 		return nil, err
 	}
-	ms, err := s.Migrations()
+	ms, err := s.migrations()
 	if err != nil {
 		return nil, err
 	}
@@ -393,7 +393,7 @@ func (s *FamilyStore) Migrate(ctx context.Context, db idempotency.DB) error {
 		return fmt.Errorf("versioned: Migrate: %w", err)
 	}
 	q := h.Querier()
-	ms, err := s.Migrations()
+	ms, err := s.migrations()
 	if err != nil {
 		return err
 	}
