@@ -66,7 +66,7 @@ func ratio(a, b float64) float64 {
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 func us(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
 
-// claimSink is a inbox.Recorder that keeps the claim latency
+// claimSink is a middleware.Recorder that keeps the claim latency
 // (Observation.Claim: acquire + BEGIN + claim, one round trip when pipelined)
 // of every processed or duplicate attempt while it is armed.
 type claimSink struct {

@@ -219,7 +219,7 @@ func newIdempotent(pool *pgxpool.Pool, store *processedstore.Store, pipelined bo
 	return inbox.NewIdempotent(cfg, watermill.NopLogger{})
 }
 
-// chainWith returns the recommended chain (inbox.NewChain) of idem:
+// chainWith returns the recommended chain (middleware.NewConsumer) of idem:
 // Poison → Retry → Recoverer → idem, and the same three outer middlewares
 // for the other variants, so that every variant pays the same chain.
 func chainWith(idem *inbox.Idempotent) (ours, outer []message.HandlerMiddleware, err error) {

@@ -4,14 +4,14 @@
 // check that the effect happened exactly once.
 //
 //	func TestReserveOnce(t *testing.T) {
-//		beginner, _ := middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})
-//		idem, _ := middleware.NewIdempotent(middleware.Config{
-//			Beginner: beginner,
-//			Consumer: "stock", // required: the claim key's consumer name
+//		c, _ := middleware.NewConsumer(middleware.ConsumerConfig{
+//			Consumer: "stock", // the claim key's consumer name
+//			DB:       idempotency.Pgx(pool),
+//			Poison:   middleware.PoisonConfig{Publisher: poison, Topic: "stock.poison"},
 //		}, nil)
 //		s := idempotencytest.Subject{
-//			Handler:    idempotencytest.NoPublish(stock.Handle),
-//			Middleware: []message.HandlerMiddleware{idem.Middleware},
+//			Handler:  idempotencytest.NoPublish(stock.Handle),
+//			Consumer: c,
 //			Effects: func(ctx context.Context, msg *message.Message) (int, error) {
 //				var n int
 //				err := pool.QueryRow(ctx, `SELECT count(*) FROM reservation WHERE event_id = $1`, msg.UUID).Scan(&n)
@@ -22,8 +22,8 @@
 //		idempotencytest.DeliverConcurrently(t, s, other, 8)
 //	}
 //
-// The helpers call the composed handler directly, as a router would, with a
-// copy of the message per delivery (same UUID, payload and metadata, a fresh
+// The helpers run the handler inside the consumer's whole chain directly, as
+// a router would, with a copy of the message per delivery (same UUID, payload and metadata, a fresh
 // context). No router runs.
 //
 // They report failures through TB.Errorf (so a test goes on and shows every

@@ -5,14 +5,15 @@ import (
 	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // A user's handler writes a row in the attempt's transaction; delivered
@@ -23,25 +24,23 @@ func ExampleDeliverTwice() {
 	pool, done := exampleDB(ctx, `CREATE TABLE IF NOT EXISTS points (event_id uuid NOT NULL, points int NOT NULL)`)
 	defer done()
 
-	beginner, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
-	if err != nil {
-		fmt.Println(err)
-		return
-	}
-	idem, err := inbox.NewIdempotent(inbox.Config{
-		Beginner: beginner,
-		Consumer: "loyalty", // required: the claim key's consumer name
+	poison := gochannel.NewGoChannel(gochannel.Config{}, nil)
+	defer poison.Close()
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+		Consumer: "loyalty", // the claim key's consumer name
+		DB:       idempotency.Pgx(pool),
+		Poison:   middleware.PoisonConfig{Publisher: poison, Topic: "loyalty.poison"},
 	}, nil)
 	if err != nil {
 		panic(err)
 	}
 	s := idempotencytest.Subject{
 		Handler: idempotencytest.NoPublish(func(msg *message.Message) error {
-			tx, _ := inbox.PgxTxFromContext(msg.Context())
+			tx, _ := middleware.PgxTxFromContext(msg.Context())
 			_, err := tx.Exec(msg.Context(), `INSERT INTO points VALUES ($1, 10)`, msg.UUID)
 			return err
 		}),
-		Middleware: []message.HandlerMiddleware{idem.Middleware},
+		Consumer: c,
 		Effects: func(ctx context.Context, msg *message.Message) (int, error) {
 			var n int
 			err := pool.QueryRow(ctx, `SELECT count(*) FROM points WHERE event_id = $1`, msg.UUID).Scan(&n)
@@ -86,8 +85,7 @@ func exampleDB(ctx context.Context, ddl string) (*pgxpool.Pool, func()) {
 	if err != nil {
 		panic(err)
 	}
-	store, _ := processedstore.NewStore(processedstore.Config{})
-	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
+	if err := processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}); err != nil {
 		panic(err)
 	}
 	if _, err := pool.Exec(ctx, ddl); err != nil {

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/watermill-idempotency/idempotency/internal/door"
+	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
 // DefaultTimeout bounds all deliveries of one helper call (Subject.Timeout).
@@ -27,11 +29,11 @@ type Subject struct {
 	// message.NoPublishHandlerFunc.
 	Handler message.HandlerFunc
 
-	// Middleware wraps Handler, outermost first, as router.AddMiddleware
-	// takes it: the idempotent middleware's Middleware alone, or the whole
-	// chain from middleware.NewChain. At least one is required: without the
-	// idempotent middleware nothing deduplicates.
-	Middleware []message.HandlerMiddleware
+	// Consumer is the consumer under test, built with middleware.NewConsumer
+	// as in production and attached to no router: the helpers run Handler
+	// inside its whole chain (poison, retry, recoverer, claim), attaching it
+	// to a handler named "idempotencytest". Required.
+	Consumer *middleware.Consumer
 
 	// Effects counts the effect of msg as committed in the database, outside
 	// any transaction, after all deliveries returned (for example
@@ -98,8 +100,8 @@ func run(t TB, name string, s Subject, msg *message.Message, n int, concurrent b
 	case s.Handler == nil:
 		t.Errorf("idempotencytest.%s: Subject.Handler is nil", name)
 		return Report{}
-	case len(s.Middleware) == 0:
-		t.Errorf("idempotencytest.%s: Subject.Middleware is empty (the idempotent middleware is required)", name)
+	case s.Consumer == nil:
+		t.Errorf("idempotencytest.%s: Subject.Consumer is nil (build it with middleware.NewConsumer)", name)
 		return Report{}
 	case s.Effects == nil:
 		t.Errorf("idempotencytest.%s: Subject.Effects is nil", name)
@@ -124,8 +126,10 @@ func run(t TB, name string, s Subject, msg *message.Message, n int, concurrent b
 		calls.Add(1)
 		return s.Handler(m)
 	})
-	for i := len(s.Middleware) - 1; i >= 0; i-- {
-		h = s.Middleware[i](h)
+	h, err := door.Wrap(s.Consumer, "idempotencytest", h)
+	if err != nil {
+		t.Errorf("idempotencytest.%s: Subject.Consumer: %v", name, err)
+		return Report{}
 	}
 
 	var (

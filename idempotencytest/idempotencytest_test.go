@@ -2,21 +2,24 @@ package idempotencytest_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // fakeTB records what the helpers report.
@@ -37,35 +40,42 @@ func (f *fakeTB) all() string { return strings.Join(f.errs, "\n") }
 var _ idempotencytest.TB = (*testing.T)(nil)
 
 type fixture struct {
-	pool *pgxpool.Pool
-	idem *inbox.Idempotent
+	pool   *pgxpool.Pool
+	db     idempotency.DB
+	poison *gochannel.GoChannel
 }
 
-func newFixture(t *testing.T, consumer string) *fixture {
+func newFixture(t *testing.T) *fixture {
 	t.Helper()
 	pool, _ := testenv.Pool(t)
 	ctx := context.Background()
-	store, err := processedstore.NewStore(processedstore.Config{})
+	db := idempotency.Pgx(pool)
+	require.NoError(t, processed.Migrate(ctx, db, processed.Config{}))
+	_, err := pool.Exec(ctx, `CREATE TABLE effect (event_id uuid NOT NULL)`)
 	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
-	_, err = pool.Exec(ctx, `CREATE TABLE effect (event_id uuid NOT NULL)`)
-	require.NoError(t, err)
-	idem, err := inbox.NewIdempotent(inbox.Config{
-		Beginner: mustBeginner(inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})),
-		Consumer: consumer,
-	}, nil)
-	require.NoError(t, err)
-	return &fixture{pool: pool, idem: idem}
+	ps := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
+	t.Cleanup(func() { _ = ps.Close() })
+	return &fixture{pool: pool, db: db, poison: ps}
 }
 
-// handler writes one effect row: in the attempt's transaction when there is
-// one, otherwise straight on the pool (the broken set-up).
+func (f *fixture) consumer(t *testing.T, name string) *middleware.Consumer {
+	t.Helper()
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+		Consumer: name, DB: f.db,
+		Poison: middleware.PoisonConfig{Publisher: f.poison, Topic: "poison"},
+		Retry:  middleware.RetryConfig{MaxRetries: 1, InitialInterval: time.Millisecond},
+	}, nil)
+	require.NoError(t, err)
+	return c
+}
+
+// handler writes one effect row in the attempt's transaction.
 func (f *fixture) handler(msg *message.Message) error {
-	if tx, ok := inbox.PgxTxFromContext(msg.Context()); ok {
-		_, err := tx.Exec(msg.Context(), `INSERT INTO effect VALUES ($1)`, msg.UUID)
-		return err
+	tx, ok := middleware.PgxTxFromContext(msg.Context())
+	if !ok {
+		return errors.New("no transaction")
 	}
-	_, err := f.pool.Exec(msg.Context(), `INSERT INTO effect VALUES ($1)`, msg.UUID)
+	_, err := tx.Exec(msg.Context(), `INSERT INTO effect VALUES ($1)`, msg.UUID)
 	return err
 }
 
@@ -75,11 +85,11 @@ func (f *fixture) effects(ctx context.Context, msg *message.Message) (int, error
 	return n, err
 }
 
-func (f *fixture) subject(mw ...message.HandlerMiddleware) idempotencytest.Subject {
+func (f *fixture) subject(c *middleware.Consumer) idempotencytest.Subject {
 	return idempotencytest.Subject{
-		Handler:    idempotencytest.NoPublish(f.handler),
-		Middleware: mw,
-		Effects:    f.effects,
+		Handler:  idempotencytest.NoPublish(f.handler),
+		Consumer: c,
+		Effects:  f.effects,
 	}
 }
 
@@ -87,48 +97,44 @@ func newMsg() *message.Message {
 	return message.NewMessage(uuid.Must(uuid.NewV7()).String(), []byte(`{}`))
 }
 
-// passthrough stands for a chain without the idempotent middleware.
-func passthrough(h message.HandlerFunc) message.HandlerFunc { return h }
-
 func TestDeliverTwice(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, "c")
-	r := idempotencytest.DeliverTwice(t, f.subject(f.idem.Middleware), newMsg())
+	f := newFixture(t)
+	c := f.consumer(t, "c")
+	r := idempotencytest.DeliverTwice(t, f.subject(c), newMsg())
 	require.Equal(t, idempotencytest.Report{Deliveries: 2, Calls: 1, Effects: 1}, r)
 
+	// What the helper reports when the effect count is not the expected one.
 	tb := &fakeTB{}
-	r = idempotencytest.DeliverTwice(tb, f.subject(passthrough), newMsg())
-	require.Equal(t, 2, r.Calls)
-	require.Equal(t, 2, r.Effects)
-	require.Contains(t, tb.all(), "handler entered 2 times")
-	require.Contains(t, tb.all(), "2 effects after 2 deliveries")
+	s := f.subject(c)
+	s.WantEffects = 2
+	r = idempotencytest.DeliverTwice(tb, s, newMsg())
+	require.Equal(t, 1, r.Effects)
+	require.Contains(t, tb.all(), "1 effects after 2 deliveries")
 }
 
 func TestDeliverConcurrently(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, "c")
-	r := idempotencytest.DeliverConcurrently(t, f.subject(f.idem.Middleware), newMsg(), 8)
+	f := newFixture(t)
+	c := f.consumer(t, "c")
+	r := idempotencytest.DeliverConcurrently(t, f.subject(c), newMsg(), 8)
 	require.Equal(t, 8, r.Deliveries)
 	require.Equal(t, 1, r.Calls)
 	require.Equal(t, 1, r.Effects)
 
 	tb := &fakeTB{}
-	r = idempotencytest.DeliverConcurrently(tb, f.subject(passthrough), newMsg(), 4)
-	require.Equal(t, 4, r.Effects)
-	require.Contains(t, tb.all(), "4 effects after 4 deliveries")
-
-	tb = &fakeTB{}
-	idempotencytest.DeliverConcurrently(tb, f.subject(f.idem.Middleware), newMsg(), 1)
+	idempotencytest.DeliverConcurrently(tb, f.subject(c), newMsg(), 1)
 	require.Contains(t, tb.all(), "want ≥ 2")
 }
 
 func TestSubjectValidation(t *testing.T) {
 	t.Parallel()
-	f := &fixture{}
+	f := newFixture(t)
+	c := f.consumer(t, "c")
 	for name, s := range map[string]idempotencytest.Subject{
-		"Subject.Handler":    {Middleware: []message.HandlerMiddleware{passthrough}, Effects: f.effects},
-		"Subject.Middleware": {Handler: idempotencytest.NoPublish(f.handler), Effects: f.effects},
-		"Subject.Effects":    {Handler: idempotencytest.NoPublish(f.handler), Middleware: []message.HandlerMiddleware{passthrough}},
+		"Subject.Handler":  {Consumer: c, Effects: f.effects},
+		"Subject.Consumer": {Handler: idempotencytest.NoPublish(f.handler), Effects: f.effects},
+		"Subject.Effects":  {Handler: idempotencytest.NoPublish(f.handler), Consumer: c},
 	} {
 		tb := &fakeTB{}
 		idempotencytest.DeliverTwice(tb, s, newMsg())
@@ -136,23 +142,16 @@ func TestSubjectValidation(t *testing.T) {
 	}
 }
 
-// A panic that escapes the chain is reported as a failed delivery.
+// A handler that panics is recovered, retried and poisoned by the chain:
+// the helper reports the entries and the missing effect.
 func TestPanicIsReported(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, "c")
-	s := f.subject(f.idem.Middleware)
+	f := newFixture(t)
+	s := f.subject(f.consumer(t, "c"))
 	s.Handler = func(*message.Message) ([]*message.Message, error) { panic("boom") }
 	tb := &fakeTB{}
 	r := idempotencytest.DeliverTwice(tb, s, newMsg())
-	require.Len(t, r.Errors, 2)
-	require.Contains(t, tb.all(), "panic: boom")
-}
-
-// mustBeginner unwraps a beginner constructor's result in tests, whose
-// handles are never nil.
-func mustBeginner(b inbox.TxBeginner, err error) inbox.TxBeginner {
-	if err != nil {
-		panic(err)
-	}
-	return b
+	require.Zero(t, r.Effects)
+	require.GreaterOrEqual(t, r.Calls, 2)
+	require.Contains(t, tb.all(), "0 effects after 2 deliveries")
 }

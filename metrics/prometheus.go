@@ -10,7 +10,7 @@
 //
 // Every attempt is counted, a redelivery and a retry too: attempts_total
 // counts attempts, not distinct messages. outcome is one of
-// inbox.Outcome: processed, duplicate, stale, obsolete, failed,
+// middleware.Outcome: processed, duplicate, stale, obsolete, failed,
 // rejected, expired. handler_name is the Watermill router handler's name,
 // the label Watermill's own metrics (components/metrics,
 // handler_execution_time_seconds) use for it, "<no handler>" outside a
@@ -28,7 +28,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
 // DefaultNamespace prefixes every metric name.
@@ -79,7 +79,7 @@ func (c Config) Validate() error {
 	return nil
 }
 
-// Prometheus implements inbox.Recorder and records purges (OnPurge
+// Prometheus implements middleware.Recorder and records purges (OnPurge
 // returns a processed.PurgerConfig.OnPurge / versioned purger OnPurge per
 // table).
 type Prometheus struct {
@@ -90,7 +90,7 @@ type Prometheus struct {
 	lastPurge   *prometheus.GaugeVec
 }
 
-var _ inbox.Recorder = (*Prometheus)(nil)
+var _ middleware.Recorder = (*Prometheus)(nil)
 
 // NewPrometheus creates and registers the collectors. Registering twice on
 // one Registerer fails with prometheus.AlreadyRegisteredError.
@@ -134,8 +134,8 @@ func NewPrometheus(cfg Config) (*Prometheus, error) {
 	return p, nil
 }
 
-// RecordOutcome implements inbox.Recorder.
-func (p *Prometheus) RecordOutcome(o inbox.Observation) {
+// RecordOutcome implements middleware.Recorder.
+func (p *Prometheus) RecordOutcome(o middleware.Observation) {
 	handler := o.HandlerName
 	if handler == "" {
 		handler = NoHandlerName

@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-idempotency/idempotency"
+	"github.com/watermill-idempotency/idempotency/internal/door"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
@@ -360,10 +361,7 @@ func (c *Consumer) AddHandler(r *message.Router, handlerName, subscribeTopic str
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.handler != "" {
-		return nil, fmt.Errorf("%w: consumer %q serves handler %q; build one Consumer per handler", ErrAttached, c.cfg.Consumer, c.handler)
-	}
-	if err := register(c.key, handlerName); err != nil {
+	if err := c.attach(handlerName); err != nil {
 		return nil, err
 	}
 	if pub == nil && c.cfg.Outbox != nil {
@@ -383,8 +381,36 @@ func (c *Consumer) AddHandler(r *message.Router, handlerName, subscribeTopic str
 		handler = r.AddHandler(handlerName, subscribeTopic, sub, publishTopic, pub, h)
 	}
 	handler.AddMiddleware(c.chain)
-	c.handler = handlerName
 	return handler, nil
+}
+
+// attach records that c serves handler name (c.mu held).
+func (c *Consumer) attach(name string) error {
+	if c.handler != "" {
+		return fmt.Errorf("%w: consumer %q serves handler %q; build one Consumer per handler", ErrAttached, c.cfg.Consumer, c.handler)
+	}
+	if err := register(c.key, name); err != nil {
+		return err
+	}
+	c.handler = name
+	return nil
+}
+
+func init() {
+	door.Wrap = func(v any, name string, h message.HandlerFunc) (message.HandlerFunc, error) {
+		c, ok := v.(*Consumer)
+		if !ok || c == nil {
+			return nil, errors.New("middleware: no consumer")
+		}
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		if c.handler != name {
+			if err := c.attach(name); err != nil {
+				return nil, err
+			}
+		}
+		return c.chain(h), nil
+	}
 }
 
 // registryKey identifies a claim key space in this process: one database

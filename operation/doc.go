@@ -69,8 +69,8 @@
 //
 // PostgreSQL through pgx (Config.Pool) or database/sql (Config.DB with pgx's
 // stdlib); MySQL 8.0+ and MariaDB 10.11+ through database/sql
-// (go-sql-driver/mysql, Config.Dialect sqldb.MySQL); SQLite through
-// database/sql (modernc.org/sqlite, sqldb.SQLite). The protocol and the
+// (go-sql-driver/mysql, Config.Dialect idempotency.MySQL); SQLite through
+// database/sql (modernc.org/sqlite, idempotency.SQLite). The protocol and the
 // guarantees below are the same on the three, with these differences:
 //
 //   - The key's lock: a session-level advisory lock on PostgreSQL; a
@@ -92,7 +92,7 @@
 //     never the file of the idempotent middleware's transactions (one
 //     writer per file: the started record could not commit while the
 //     handler's transaction holds the write lock). NewRunner and
-//     middleware.NewIdempotent refuse that wiring in a process, whichever
+//     middleware.NewConsumer refuse that wiring in a process, whichever
 //     is built second (ErrSharedSQLiteFile).
 //
 // # Liveness: who holds a key

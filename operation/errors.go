@@ -60,7 +60,7 @@ var (
 	// runner's database file is the one the idempotent middleware's
 	// transactions write to. NewRunner refuses such a Config.DB when a
 	// middleware on that file was built in this process (and
-	// middleware.NewIdempotent refuses the middleware when the runner came
+	// middleware.NewConsumer refuses the middleware when the runner came
 	// first); Do refuses a call inside a transaction on its own file
 	// (permanent, the provider not called) for the wirings the constructors
 	// cannot see. Give the Runner a database file of its own (Config.DB).

@@ -15,7 +15,7 @@
 //		ValueColumns:  []string{"name"},
 //	})
 //	...
-//	outcome, err := up.Apply(ctx, sqldb.Pgx(tx), []any{ev.CustomerID}, ev.Version, []any{ev.Name})
+//	outcome, err := up.Apply(ctx, idempotency.PgxTx(tx), []any{ev.CustomerID}, ev.Version, []any{ev.Name})
 //
 // Guaranteed:
 //   - The row is written only when the incoming version is strictly greater
@@ -29,7 +29,7 @@
 //     idempotency middleware routes to the poison topic instead of retrying).
 //     A NULL version is never written. Wrong argument counts (ErrArgCount) and
 //     nil keys (ErrKeyMissing) are permanent too.
-//   - In the caller's transaction (sqldb.Pgx or sqldb.Std over pgx.Tx,
+//   - In the caller's transaction (idempotency.PgxTx or idempotency.SQLTx over pgx.Tx,
 //     *pgxpool.Pool, *sql.Tx, ...): the row commits or rolls back with the
 //     handler's other writes and the processed-event claim. One statement,
 //     one round trip, on PostgreSQL (ON CONFLICT … WHERE … RETURNING) and
@@ -90,7 +90,7 @@
 //
 //	inner, _ := ob.PgxPublisher(tx)
 //	pub, _ := versioned.NewLatestPublisher(inner, versioned.LatestPublisherConfig{
-//		Store: families, Querier: sqldb.Pgx(tx)}, logger)
+//		Store: families, Tx: idempotency.PgxTx(tx)}, logger)
 //	_ = versioned.SetFamilySeq(msg, versioned.Family{Kind: "catalogue.product", ID: sku}, rowVersion)
 //	_ = pub.Publish(topic, msg)
 //

@@ -131,7 +131,7 @@ type LatestFilterConfig struct {
 
 	// Consumer names the consumer whose applied positions are recorded.
 	// Defaults to the consumer the idempotent middleware claimed with
-	// (inbox.ConsumerFromContext), else the Watermill handler name of
+	// (middleware.ConsumerFromContext), else the Watermill handler name of
 	// the message's context. With none, every message with a family fails
 	// with the permanent ErrNoConsumer.
 	Consumer string
@@ -139,8 +139,8 @@ type LatestFilterConfig struct {
 	// Recorder receives one observation per attempt. Defaults to none.
 	Recorder FilterRecorder
 
-	// DisableMarkStale keeps the filter from calling inbox.MarkObsolete
-	// (obsolete messages) and inbox.MarkStale (stale ones) for the
+	// DisableMarkStale keeps the filter from calling middleware.MarkObsolete
+	// (obsolete messages) and middleware.MarkStale (stale ones) for the
 	// messages it skips. By default it does, so the idempotent middleware
 	// records and logs them as OutcomeObsolete / OutcomeStale, at debug
 	// level, like duplicates.
@@ -193,7 +193,7 @@ func NewLatestFilter(cfg LatestFilterConfig, logger watermill.LoggerAdapter) (*L
 //
 //	PoisonQueue → Retry → Recoverer → Idempotent → LatestFilter → handler
 //
-// (add it with router.AddMiddleware after the chain of inbox.NewChain,
+// (add it with router.AddMiddleware after the chain of middleware.NewConsumer,
 // or wrap the handler: filter.Middleware(handler)). Per attempt:
 //
 //  1. A message without family metadata goes to h untouched.
@@ -212,7 +212,7 @@ func NewLatestFilter(cfg LatestFilterConfig, logger watermill.LoggerAdapter) (*L
 //     rolls back and the record with it, so a retry is not stale.
 //
 // Skipped messages (3, 4) are logged at debug level, reported to the
-// Recorder, and marked with inbox.MarkStale so that the idempotent
+// Recorder, and marked with middleware.MarkStale so that the idempotent
 // middleware records them like duplicates.
 //
 // With the family store read in the handler's transaction, steps 3-5 cost

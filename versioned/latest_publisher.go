@@ -63,7 +63,7 @@ func (c LatestPublisherConfig) Validate() error {
 //
 //	pub, _ := ob.PgxPublisher(tx)
 //	lp, _ := versioned.NewLatestPublisher(pub, versioned.LatestPublisherConfig{
-//		Store: families, Querier: sqldb.Pgx(tx)}, logger)
+//		Store: families, Tx: idempotency.PgxTx(tx)}, logger)
 //	_ = versioned.SetFamilySeq(msg, versioned.Family{Kind: "catalogue.product", ID: sku}, version)
 //	err = lp.Publish(topic, msg) // outbox row and latest record, one transaction
 //

@@ -153,7 +153,7 @@ func TestLatestPublisherConfigValidate(t *testing.T) {
 	q := &lfQueue{}
 	for want, cfg := range map[string]versioned.LatestPublisherConfig{
 		"LatestPublisherConfig.Store":    {},
-		"LatestPublisherConfig.Tx":  {Store: families},
+		"LatestPublisherConfig.Tx":       {Store: families},
 		"LatestPublisherConfig.Deferred": {Store: families, Tx: idempotency.SQLTx(nil), Deferred: true},
 	} {
 		_, err := versioned.NewLatestPublisher(q, cfg, nil)

@@ -92,13 +92,13 @@ func noteHandled(ctx context.Context, consumer string, fam Family, pos Position)
 }
 
 // RetireOnPoison returns the middleware that retires a family message when
-// it is about to be poisoned: put it in inbox.ChainConfig.AfterPoison,
+// it is about to be poisoned: put it in middleware.ConsumerConfig.AfterPoison,
 // so that it sits just inside the poison middleware and sees the error the
 // poison middleware acts on (after the retries). q is a pool (or connection)
 // of the consumer's database, where the family store's tables are.
 //
 // When the inner chain returns an error that will be poisoned
-// (inbox.ShouldPoison) for a message the filter had let through to the
+// (middleware.ShouldPoison) for a message the filter had let through to the
 // handler, the message's position is recorded as retired for the consumer
 // (FamilyStore.Retire), before the error goes on to the poison middleware.
 // From then on a latest record that names it no longer makes older messages

@@ -69,9 +69,9 @@ type FamilyStoreConfig struct {
 	// Defaults to DefaultAppliedTable.
 	AppliedTable string
 
-	// Dialect is the SQL dialect: sqldb.PostgreSQL, sqldb.MySQL (MySQL
+	// Dialect is the SQL dialect: idempotency.PostgreSQL, idempotency.MySQL (MySQL
 	// 8.0+, MariaDB 10.11+; the DSN must keep clientFoundRows off, which
-	// Migrate checks) or sqldb.SQLite. Defaults to sqldb.PostgreSQL.
+	// Migrate checks) or idempotency.SQLite. Defaults to idempotency.PostgreSQL.
 	Dialect sqldb.Dialect
 }
 

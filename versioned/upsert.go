@@ -42,9 +42,9 @@ type UpsertConfig struct {
 	// their defaults on insert and are left untouched on update.
 	ValueColumns []string
 
-	// Dialect selects the SQL text: sqldb.PostgreSQL, sqldb.MySQL (MySQL
+	// Dialect selects the SQL text: idempotency.PostgreSQL, idempotency.MySQL (MySQL
 	// 8.0+, MariaDB 10.11+; its DSN must not set clientFoundRows=true, see
-	// Apply) or sqldb.SQLite. Defaults to sqldb.PostgreSQL (the zero value).
+	// Apply) or idempotency.SQLite. Defaults to idempotency.PostgreSQL (the zero value).
 	Dialect sqldb.Dialect
 }
 
@@ -219,7 +219,7 @@ func NewUpsert(cfg UpsertConfig) (*Upsert, error) {
 // Apply writes the row identified by key at the given version, in one
 // statement (two on SQLite, see below), through q, which should run on the
 // caller's transaction (the one that also holds the processed-event claim):
-// sqldb.Pgx(tx) or sqldb.Std(tx).
+// idempotency.PgxTx(tx) or idempotency.SQLTx(tx).
 //
 // key holds one value per KeyColumns entry and values one per ValueColumns
 // entry, in configuration order; all are bound as parameters. The row is

@@ -18,7 +18,7 @@ import (
 
 // Header names read from dead-lettered messages. Watermill's PoisonQueue
 // (message/router/middleware/poison.go, v1.5.1) sets the four *_poisoned
-// keys; our middleware counts attempts in inbox.MetadataAttempt; the
+// keys; our middleware counts attempts in middleware.MetadataAttempt; the
 // marshaler flags undecodable deliveries (marshaler.MetadataMalformed*);
 // RabbitMQ's own dead-lettering sets x-death and x-first-death-* /
 // x-last-death-* (https://www.rabbitmq.com/docs/dlx).
@@ -27,7 +27,7 @@ const (
 	headerTopic      = "topic_poisoned"
 	headerHandler    = "handler_poisoned"
 	headerSubscriber = "subscriber_poisoned"
-	// Our chain's poison path (inbox.NewChain):
+	// Our chain's poison path (middleware.NewConsumer):
 	// the class (permanent or exhausted) and the reason's full length.
 	headerPoisonClass = inbox.MetadataPoisonClass
 	headerReasonBytes = inbox.MetadataReasonBytes

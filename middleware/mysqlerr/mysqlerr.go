@@ -1,6 +1,6 @@
 // Package mysqlerr classifies go-sql-driver/mysql errors (MySQL, MariaDB) for
 // the idempotent middleware, which does not link the driver itself: set
-// inbox.Config.Classifier = mysqlerr.Classify when the middleware runs
+// middleware.ConsumerConfig.Classifier = mysqlerr.Classify when the middleware runs
 // on MySQL or MariaDB (NewStdBeginner over a "mysql" *sql.DB).
 //
 // Only typed server errors (*mysql.MySQLError) are classified, by their
@@ -16,7 +16,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 )
 
-// Classify is a inbox.ErrorClassifier for go-sql-driver/mysql. Each
+// Classify is a middleware.ErrorClassifier for go-sql-driver/mysql. Each
 // number was checked against the server's own list (MariaDB 10.11 `perror`,
 // the MariaDB error-code reference and MySQL's server error reference):
 //
@@ -80,7 +80,7 @@ func Classify(err error) inbox.Class {
 
 // IsTransient reports whether err is transient for the middleware, with
 // MySQL error numbers classified by Classify:
-// inbox.IsTransient(err) || Classify(err) == ClassTransient, unless
+// middleware.IsTransient(err) || Classify(err) == ClassTransient, unless
 // err is permanent.
 func IsTransient(err error) bool {
 	if err == nil || inbox.IsPermanent(err) {
