@@ -222,6 +222,8 @@ type RetryConfig struct {
 // handler (AddConsumerHandler or AddHandler).
 type Consumer struct {
 	cfg    ConsumerConfig
+	store  *processedstore.Store
+	db     *sqldb.Handle
 	chain  message.HandlerMiddleware
 	key    registryKey
 	logger watermill.LoggerAdapter
@@ -297,7 +299,7 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 	if err != nil {
 		return nil, err
 	}
-	return &Consumer{cfg: cfg, chain: chain, logger: logger,
+	return &Consumer{cfg: cfg, chain: chain, logger: logger, store: store, db: h,
 		key: registryKey{pool: poolIdentity(h), table: store.Table().String(), consumer: cfg.Consumer}}, nil
 }
 
@@ -393,7 +395,30 @@ func (c *Consumer) attach(name string) error {
 		return err
 	}
 	c.handler = name
+	c.reportSharedName(name)
 	return nil
+}
+
+// reportSharedName records in the database that the consumer serves the
+// handler name, and logs at ERROR when another name served the same
+// consumer within processedstore.SharedHandlerWindow (a process this one
+// cannot see: two handlers that each receive their own copy of an event
+// would share a claim key). A failure to record is logged, not fatal.
+func (c *Consumer) reportSharedName(name string) {
+	ctx, cancel := context.WithTimeout(context.Background(), startupTimeout)
+	defer cancel()
+	others, err := c.store.NoteHandler(ctx, c.db.Querier(), c.cfg.Consumer, name, time.Now())
+	fields := watermill.LogFields{"consumer": c.cfg.Consumer, "handler": name, "table": c.key.table}
+	if err != nil {
+		c.logger.Error("Could not record the consumer's handler name (run processed.Migrate)", err, fields)
+		return
+	}
+	if len(others) > 0 {
+		fields["other_handlers"] = strings.Join(others, ",")
+		fields["hint"] = "if each handler receives its own copy of an event (a fan-out), give each its own ConsumerConfig.Consumer; " +
+			"competing workers of one consumer use one handler name"
+		c.logger.Error("Another handler name served this consumer within a day", ErrSharedConsumer, fields)
+	}
 }
 
 func init() {

@@ -272,3 +272,48 @@ func uuidV7At(t *testing.T, at time.Time) uuid.UUID {
 	}
 	return id
 }
+
+// Another process (another pool on the same table) attaching the same
+// consumer name to another handler is reported at ERROR: this process
+// cannot refuse it, but says so at startup.
+func TestConsumerNameSharedAcrossProcessesIsReported(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	h := func(*message.Message) error { return nil }
+	r, err := message.NewRouter(message.RouterConfig{}, nil)
+	require.NoError(t, err)
+	first, err := middleware.NewConsumer(e.config("mail"), nil)
+	require.NoError(t, err)
+	_, err = first.AddConsumerHandler(r, "send_mail", "orders", e.pubsub, h)
+	require.NoError(t, err)
+
+	process := func() middleware.ConsumerConfig { // another process: a pool of its own on the same table
+		cfg := e.config("mail")
+		cfg.DB = idempotency.Pgx(testenv.PoolOn(t, schemaOf(t, e.pool), 2))
+		return cfg
+	}
+	quiet := watermill.NewCaptureLogger()
+	worker, err := middleware.NewConsumer(process(), quiet)
+	require.NoError(t, err)
+	r2, err := message.NewRouter(message.RouterConfig{}, nil)
+	require.NoError(t, err)
+	_, err = worker.AddConsumerHandler(r2, "send_mail", "orders", e.pubsub, h)
+	require.NoError(t, err)
+	require.False(t, quiet.HasError(middleware.ErrSharedConsumer), "a competing worker of send_mail is not reported")
+
+	logs := watermill.NewCaptureLogger()
+	second, err := middleware.NewConsumer(process(), logs)
+	require.NoError(t, err)
+	r3, err := message.NewRouter(message.RouterConfig{}, nil)
+	require.NoError(t, err)
+	_, err = second.AddConsumerHandler(r3, "send_sms", "orders", e.pubsub, h)
+	require.NoError(t, err, "another process cannot be refused")
+	require.True(t, logs.HasError(middleware.ErrSharedConsumer), "reported at ERROR")
+}
+
+func schemaOf(t *testing.T, pool *pgxpool.Pool) string {
+	t.Helper()
+	var s string
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT current_schema()`).Scan(&s))
+	return s
+}

@@ -110,3 +110,42 @@ func (s *Store) SetHorizon(ctx context.Context, q sqldb.Querier, d time.Duration
 	}
 	return nil
 }
+
+// SharedHandlerWindow is how far back NoteHandler looks for another
+// handler of the same consumer name.
+const SharedHandlerWindow = 24 * time.Hour
+
+// NoteHandler records that consumer serves handler (now), and returns the
+// other handler names recorded for consumer within SharedHandlerWindow.
+func (s *Store) NoteHandler(ctx context.Context, q sqldb.Querier, consumer, handler string, now time.Time) ([]string, error) {
+	q2 := string(s.dialect.QuoteChar())
+	table := q2 + s.table.Name() + "_handler" + q2
+	if schema, _, ok := strings.Cut(s.table.String(), "."); ok {
+		table = q2 + schema + q2 + "." + table
+	}
+	upsert := "INSERT INTO " + table + " (consumer, handler, seen_us) VALUES (" + s.ph(1) + ", " + s.ph(2) + ", " + s.ph(3) + ")"
+	if s.dialect == sqldb.MySQL {
+		upsert += " ON DUPLICATE KEY UPDATE seen_us = VALUES(seen_us)"
+	} else {
+		upsert += " ON CONFLICT (consumer, handler) DO UPDATE SET seen_us = excluded.seen_us"
+	}
+	if _, err := q.Exec(ctx, upsert, consumer, handler, now.UnixMicro()); err != nil {
+		return nil, fmt.Errorf("processed: record handler %q of consumer %q: %w", handler, consumer, err)
+	}
+	// One other name is enough to report; the read is bounded to a few.
+	var others []string
+	for i := 0; i < 3; i++ {
+		var name string
+		err := q.QueryRow(ctx, "SELECT handler FROM "+table+" WHERE consumer = "+s.ph(1)+" AND handler <> "+s.ph(2)+
+			" AND seen_us > "+s.ph(3)+" ORDER BY handler LIMIT 1 OFFSET "+fmt.Sprint(i),
+			consumer, handler, now.Add(-SharedHandlerWindow).UnixMicro()).Scan(&name)
+		if errors.Is(err, sqldb.ErrNoRows) {
+			break
+		}
+		if err != nil {
+			return nil, fmt.Errorf("processed: read handlers of consumer %q: %w", consumer, err)
+		}
+		others = append(others, name)
+	}
+	return others, nil
+}
