@@ -446,6 +446,10 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	crashpoint.Reached(crashpoint.AfterClaim)
 	state := &attemptState{consumer: consumer, outcome: OutcomeProcessed, outbox: m.cfg.Outbox, tx: tx}
 	state.q, state.ptx, state.stx = tx.parts()
+	faults := faultsFrom(origCtx)
+	if faults != nil {
+		state.injectFaults(faults)
+	}
 	msg.SetContext(sqldb.ContextWithTx(origCtx, state)) // the attempt's one context value
 
 	produced, err := h(msg)
@@ -453,6 +457,9 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		// A refusal of PublisherFromContext fails the attempt even when
 		// the handler ignored the error it returned.
 		err = state.refused
+	}
+	if err == nil && faults != nil {
+		err = faults.BeforeCommit()
 	}
 	if err == nil {
 		produced, err = m.emit(origCtx, state, produced)

@@ -1,0 +1,109 @@
+package inbox
+
+import (
+	"context"
+	"errors"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+)
+
+// Faults injects failures into one attempt, for idempotencytest.Explore:
+// it is read from the message context when the attempt begins and costs
+// nothing when absent.
+type Faults interface {
+	// Statement is called before (after false) and after (after true) each
+	// statement the handler sends on the attempt's pgx transaction; an
+	// error fails that statement. ErrFaultConnLost closes the connection
+	// first.
+	Statement(ctx context.Context, sql string, after bool) error
+	// BeforeCommit is called once the handler returned nil, before the
+	// commit; an error fails the attempt.
+	BeforeCommit() error
+}
+
+// ErrFaultConnLost, returned by a Faults hook, closes the attempt's
+// connection before the statement runs (a lost connection).
+var ErrFaultConnLost = errors.New("idempotencytest: connection closed by fault injection")
+
+type faultsKey struct{}
+
+// WithFaults returns ctx carrying f for the attempts of the message.
+func WithFaults(ctx context.Context, f Faults) context.Context {
+	return context.WithValue(ctx, faultsKey{}, f)
+}
+
+func faultsFrom(ctx context.Context) Faults {
+	f, _ := ctx.Value(faultsKey{}).(Faults)
+	return f
+}
+
+// injectFaults wraps the handler's pgx transaction with f's hooks.
+func (st *attemptState) injectFaults(f Faults) {
+	if st.ptx == nil {
+		return
+	}
+	st.ptx = &faultTx{Tx: st.ptx, f: f}
+	st.q = sqldb.Pgx(st.ptx)
+}
+
+// faultTx is the handler's pgx.Tx with fault hooks around its statements.
+type faultTx struct {
+	pgx.Tx
+	f Faults
+}
+
+func (t *faultTx) hook(ctx context.Context, sql string, after bool) error {
+	err := t.f.Statement(ctx, sql, after)
+	if errors.Is(err, ErrFaultConnLost) {
+		_ = t.Tx.Conn().Close(context.WithoutCancel(ctx))
+	}
+	return err
+}
+
+func (t *faultTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	if err := t.hook(ctx, sql, false); err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	tag, err := t.Tx.Exec(ctx, sql, args...)
+	if err != nil {
+		return tag, err
+	}
+	return tag, t.hook(ctx, sql, true)
+}
+
+func (t *faultTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if err := t.hook(ctx, sql, false); err != nil {
+		return nil, err
+	}
+	rows, err := t.Tx.Query(ctx, sql, args...)
+	if err != nil {
+		return rows, err
+	}
+	if err := t.hook(ctx, sql, true); err != nil {
+		rows.Close()
+		return nil, err
+	}
+	return rows, nil
+}
+
+func (t *faultTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if err := t.hook(ctx, sql, false); err != nil {
+		return errRow{err}
+	}
+	return faultRow{t.Tx.QueryRow(ctx, sql, args...), func() error { return t.hook(ctx, sql, true) }}
+}
+
+type faultRow struct {
+	pgx.Row
+	after func() error
+}
+
+func (r faultRow) Scan(dest ...any) error {
+	if err := r.Row.Scan(dest...); err != nil {
+		return err
+	}
+	return r.after()
+}
