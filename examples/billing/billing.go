@@ -16,12 +16,12 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
+	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // EventConfirmationRequested is the event billing produces once a payment is
@@ -47,8 +47,8 @@ const (
 )
 
 // ErrNoTransaction is returned when HandleOrderPlaced runs outside the
-// idempotent middleware (a wiring error). Permanent.
-var ErrNoTransaction = errors.New("billing: no transaction in the message context (is the idempotent middleware in the chain?)")
+// consumer's chain (middleware.Consumer; a wiring error). Permanent.
+var ErrNoTransaction = errors.New("billing: no transaction in the message context (is the handler attached through middleware.Consumer?)")
 
 // ConfirmationRequested is the payload of EventConfirmationRequested.
 type ConfirmationRequested struct {
@@ -84,8 +84,8 @@ type Config struct {
 	// Currency is the currency of every charge. Defaults to DefaultCurrency.
 	Currency string
 	// Dialect is the SQL dialect of the handler's database (the ledger):
-	// sqldb.PostgreSQL (the default) or sqldb.SQLite.
-	Dialect sqldb.Dialect
+	// idempotency.PostgreSQL (the default) or idempotency.SQLite.
+	Dialect idempotency.Dialect
 	// Logger defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
@@ -151,11 +151,11 @@ const insertPaymentSQL = `INSERT INTO billing_payment (order_id, charge_id, amou
 VALUES ($1, $2, $3, $4, $5) ON CONFLICT (order_id) DO NOTHING`
 
 // Migrate creates, in pool's database and search_path, the processed-event
-// table of store (processedstore.DefaultTable when nil), the runner's operations
-// table and the billing_payment ledger. Idempotent. The runner's own pool
-// must reach the same database.
-func Migrate(ctx context.Context, pool *pgxpool.Pool, store *processedstore.Store, runner *operation.Runner) error {
-	return MigrateDB(ctx, shop.PgxDB(pool), store, runner)
+// table named by table (processed.DefaultTable for the zero Config), the
+// runner's operations table and the billing_payment ledger. Idempotent. The
+// runner's own pool must reach the same database.
+func Migrate(ctx context.Context, pool *pgxpool.Pool, table processed.Config, runner *operation.Runner) error {
+	return MigrateDB(ctx, shop.PgxDB(pool), table, runner)
 }
 
 // The ledger on SQLite (see shop.SQLiteDB).
@@ -169,8 +169,8 @@ CREATE TABLE IF NOT EXISTS billing_payment (
     recorded_at  TEXT    NOT NULL DEFAULT CURRENT_TIMESTAMP
 )`
 
-func insertPaymentSQLFor(d sqldb.Dialect) string {
-	if d == sqldb.SQLite {
+func insertPaymentSQLFor(d idempotency.Dialect) string {
+	if d == idempotency.SQLite {
 		return `INSERT INTO billing_payment (order_id, charge_id, amount_minor, currency, event_id)
 VALUES (?, ?, ?, ?, ?) ON CONFLICT (order_id) DO NOTHING`
 	}
@@ -182,14 +182,8 @@ VALUES (?, ?, ?, ?, ?) ON CONFLICT (order_id) DO NOTHING`
 // its own (migrate it there): SQLite has one writer per file, and the
 // runner records its "started" row while the handler's transaction holds
 // the write lock of the service's file.
-func MigrateDB(ctx context.Context, db shop.DB, store *processedstore.Store, runner *operation.Runner) error {
-	if store == nil {
-		var err error
-		if store, err = processedstore.NewStore(processedstore.Config{Dialect: db.Dialect}); err != nil {
-			return err
-		}
-	}
-	if err := store.Migrate(ctx, db.Querier()); err != nil {
+func MigrateDB(ctx context.Context, db shop.DB, table processed.Config, runner *operation.Runner) error {
+	if err := processed.Migrate(ctx, db.Handle(), table); err != nil {
 		return err
 	}
 	if runner != nil {
@@ -225,9 +219,9 @@ func ConfirmationEventID(key operation.Key) uuid.UUID {
 }
 
 // HandleOrderPlaced charges one shop.OrderPlaced message. Run it as a
-// Watermill handler under the idempotent middleware, whose transaction it
+// Watermill handler through a middleware.Consumer, whose transaction it
 // writes the ledger row in, and add operation.RouteUncertain to the chain
-// inside the poison middleware.
+// (ConsumerConfig.AfterPoison).
 //
 //  1. The amount is the sum of the line quantities times the unit price.
 //     A payload that is not a valid order is a permanent error.
@@ -247,24 +241,24 @@ func ConfirmationEventID(key operation.Key) uuid.UUID {
 // for the reconciliation topic).
 func (s *Service) HandleOrderPlaced(msg *message.Message) ([]*message.Message, error) {
 	ctx := msg.Context()
-	q, ok := inbox.QuerierFromContext(ctx)
+	q, ok := shop.TxFromContext(ctx) // pgx.Tx or *sql.Tx, as a shop.Querier
 	if !ok {
-		return nil, inbox.Permanent(ErrNoTransaction)
+		return nil, middleware.Permanent(ErrNoTransaction)
 	}
 	var ev shop.OrderPlaced
 	if err := json.Unmarshal(msg.Payload, &ev); err != nil {
-		return nil, inbox.Permanent(fmt.Errorf("billing: payload: %w", err))
+		return nil, middleware.Permanent(fmt.Errorf("billing: payload: %w", err))
 	}
 	if ev.OrderID == "" || len(ev.Lines) == 0 {
-		return nil, inbox.Permanent(errors.New("billing: payload: order id and at least one line required"))
+		return nil, middleware.Permanent(errors.New("billing: payload: order id and at least one line required"))
 	}
 	amount, err := amountMinor(ev.Lines, s.unit)
 	if err != nil {
-		return nil, inbox.Permanent(fmt.Errorf("billing: order %s: %w", ev.OrderID, err))
+		return nil, middleware.Permanent(fmt.Errorf("billing: order %s: %w", ev.OrderID, err))
 	}
 	key, err := ChargeKey(ev.OrderID)
 	if err != nil {
-		return nil, inbox.Permanent(fmt.Errorf("billing: order %s: %w", ev.OrderID, err))
+		return nil, middleware.Permanent(fmt.Errorf("billing: order %s: %w", ev.OrderID, err))
 	}
 	s.mu.Lock()
 	s.expected[key.String()] = struct{}{}
@@ -319,17 +313,17 @@ func (s *Service) Reconcile(ctx context.Context, rec operation.Record) (operatio
 
 // HandleConfirmation sends the confirmation e-mail of one
 // EventConfirmationRequested message through the Mailer. Run it under the
-// idempotent middleware (consumer MailerConsumer.Name): the claim on the
+// consumer's chain (a middleware.Consumer named MailerConsumer.Name): the claim on the
 // confirmation's event id sends one e-mail per charge, except in the window
 // described in the package doc. A payload that is not a confirmation is a
 // permanent error.
 func (s *Service) HandleConfirmation(msg *message.Message) error {
 	var c ConfirmationRequested
 	if err := json.Unmarshal(msg.Payload, &c); err != nil {
-		return inbox.Permanent(fmt.Errorf("billing: confirmation payload: %w", err))
+		return middleware.Permanent(fmt.Errorf("billing: confirmation payload: %w", err))
 	}
 	if c.OrderID == "" || c.ChargeID == "" {
-		return inbox.Permanent(errors.New("billing: confirmation payload: order id and charge id required"))
+		return middleware.Permanent(errors.New("billing: confirmation payload: order id and charge id required"))
 	}
 	return s.mailer.Send(msg.Context(), Mail{
 		To:      "customer+" + c.OrderID + "@example.com",

@@ -22,6 +22,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/operation"
+	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // env is one billing service wired as the demo wires it, without a broker:
@@ -57,7 +58,7 @@ func newEnvOn(t *testing.T, dialect sqldb.Dialect, inner func(message.HandlerFun
 		runner, err = operation.NewRunner(operation.Config{DB: idempotency.SQL(ops, idempotency.SQLite)}, nil)
 		require.NoError(t, err)
 		require.NoError(t, runner.Migrate(ctx))
-		require.NoError(t, billing.MigrateDB(ctx, db, nil, nil))
+		require.NoError(t, billing.MigrateDB(ctx, db, processed.Config{}, nil))
 		beginner = mustBeginner(inbox.NewStdBeginner(db.SQL))
 		store, err = processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
 		require.NoError(t, err)
@@ -67,7 +68,7 @@ func newEnvOn(t *testing.T, dialect sqldb.Dialect, inner func(message.HandlerFun
 		var err error
 		runner, err = operation.NewRunner(operation.Config{DB: idempotency.Pgx(testenv.PoolOn(t, schema, 4))}, nil)
 		require.NoError(t, err)
-		require.NoError(t, billing.Migrate(ctx, pool, nil, runner))
+		require.NoError(t, billing.Migrate(ctx, pool, processed.Config{}, runner))
 		beginner = mustBeginner(inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{}))
 	}
 	svc, err := billing.New(billing.Config{Runner: runner, Provider: billing.NewProvider(), Mailer: billing.NewMailer(), Dialect: dialect})

@@ -4,7 +4,7 @@
 //
 // # The charge: an operation key
 //
-// The provider is not in our database, so the idempotent middleware's
+// The provider is not in our database, so the consumer attempt's
 // transaction cannot make the charge happen once: a crash after the provider
 // accepted, or a timeout, leaves a charge the database does not know about,
 // and the order event comes back. HandleOrderPlaced charges through
@@ -45,8 +45,8 @@
 //     for an e-mail exists only once the payment is recorded.
 //   - Its event id is derived from the charge key (ConfirmationEventID), so
 //     every attempt, and every event that replays the order, produces the
-//     same confirmation, and the mailer's consumer (HandleConfirmation, under
-//     the idempotent middleware) sends one e-mail per charge.
+//     same confirmation, and the mailer's consumer (HandleConfirmation, through
+//     its middleware.Consumer) sends one e-mail per charge.
 //   - A failing mailer retries on its own message and never re-runs the
 //     payment handler.
 //

@@ -24,11 +24,10 @@ import (
 	"github.com/watermill-idempotency/idempotency/examples/shipping"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/examples/stock"
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/outbox"
+	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -45,24 +44,24 @@ var malformedBodies = [][]byte{
 	[]byte(`{"event_id":12345,"event_name":"order.order.placed.v1","occurred_at":"2024-07-01T10:00:00.000Z","payload":{"order_id":"o-42","quantity":"2.000"}}`),
 }
 
-// recorder counts the idempotent middleware's outcomes of one consumer.
+// recorder counts the outcomes of one consumer (ConsumerConfig.Recorder).
 type recorder struct {
 	processed, duplicate, stale, obsolete, failed, rejected atomic.Int64
 }
 
-var _ inbox.Recorder = (*recorder)(nil)
+var _ middleware.Recorder = (*recorder)(nil)
 
-func (r *recorder) RecordOutcome(o inbox.Observation) {
+func (r *recorder) RecordOutcome(o middleware.Observation) {
 	switch o.Outcome {
-	case inbox.OutcomeProcessed:
+	case middleware.OutcomeProcessed:
 		r.processed.Add(1)
-	case inbox.OutcomeDuplicate:
+	case middleware.OutcomeDuplicate:
 		r.duplicate.Add(1)
-	case inbox.OutcomeStale:
+	case middleware.OutcomeStale:
 		r.stale.Add(1)
-	case inbox.OutcomeObsolete:
+	case middleware.OutcomeObsolete:
 		r.obsolete.Add(1)
-	case inbox.OutcomeFailed:
+	case middleware.OutcomeFailed:
 		r.failed.Add(1)
 	default:
 		r.rejected.Add(1)
@@ -90,8 +89,8 @@ type consumerSpec struct {
 	handler      message.NoPublishHandlerFunc
 	publish      message.HandlerFunc
 	publishTopic string
-	outbox       *outbox.Outbox        // the service's outbox and relay, optional
-	store        *processedstore.Store // the processed-event store; nil: the default
+	outbox       *outbox.Outbox   // the service's outbox and relay, optional
+	table        processed.Config // the processed-event table; zero: the default
 	// relayDest wraps the relay's destination (fault injection), optional.
 	relayDest func(message.Publisher) message.Publisher
 }
@@ -295,7 +294,7 @@ func (d *demo) setup(ctx context.Context) error {
 	for _, c := range []struct {
 		dst     **consumerRun
 		c       shop.Consumer
-		migrate func(context.Context, shop.DB, *processedstore.Store) error
+		migrate func(context.Context, shop.DB, processed.Config) error
 		handler message.NoPublishHandlerFunc
 	}{
 		{&d.stock, stock.Consumer, stock.MigrateDB, stock.HandlerFor(d.orderDB.Dialect)},
@@ -305,17 +304,14 @@ func (d *demo) setup(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		store, err := d.processedStore(ctx, db, schema)
-		if err != nil {
+		table := d.processedTable(schema)
+		if err := c.migrate(ctx, db, table); err != nil {
 			return err
 		}
-		if err := c.migrate(ctx, db, store); err != nil {
+		if err := d.maintainPartitions(ctx, db, table); err != nil {
 			return err
 		}
-		if err := d.maintainPartitions(ctx, db, store); err != nil {
-			return err
-		}
-		if *c.dst, err = d.startConsumer(ctx, consumerSpec{consumer: c.c, db: db, schema: schema, handler: c.handler, store: store}); err != nil {
+		if *c.dst, err = d.startConsumer(ctx, consumerSpec{consumer: c.c, db: db, schema: schema, handler: c.handler, table: table}); err != nil {
 			return err
 		}
 	}
@@ -384,7 +380,7 @@ func (d *demo) setupBilling(ctx context.Context) error {
 		if err := runner.Migrate(ctx); err != nil {
 			return err
 		}
-		if err := billing.MigrateDB(ctx, db, nil, nil); err != nil {
+		if err := billing.MigrateDB(ctx, db, processed.Config{}, nil); err != nil {
 			return err
 		}
 	} else {
@@ -395,7 +391,7 @@ func (d *demo) setupBilling(ctx context.Context) error {
 		if runner, err = operation.NewRunner(operation.Config{DB: idempotency.Pgx(runnerPool)}, d.logger); err != nil {
 			return err
 		}
-		if err := billing.MigrateDB(ctx, db, nil, runner); err != nil {
+		if err := billing.MigrateDB(ctx, db, processed.Config{}, runner); err != nil {
 			return err
 		}
 	}
@@ -457,7 +453,7 @@ func (d *demo) setupCatalogue(ctx context.Context) error {
 	if d.embedded() {
 		// The catalogue's latest table is in its own file: the filter reads
 		// it there, outside the indexer's transaction.
-		ixCfg.LatestTable, ixCfg.LatestQuerier, ixCfg.Dialect = "", sqldb.Std(c.db.SQL), sqldb.SQLite
+		ixCfg.LatestTable, ixCfg.LatestDB, ixCfg.Dialect = "", c.db.Handle(), idempotency.SQLite
 	}
 	c.ix, err = indexer.NewIndexer(ixCfg)
 	if err != nil {
@@ -467,7 +463,7 @@ func (d *demo) setupCatalogue(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := c.ix.MigrateDB(ctx, ixDB, nil); err != nil {
+	if err := c.ix.MigrateDB(ctx, ixDB, processed.Config{}); err != nil {
 		return err
 	}
 	c.indexer, err = d.startConsumer(ctx, consumerSpec{consumer: indexer.Consumer, db: ixDB, schema: ixSchema, handler: c.ix.Handle})
@@ -542,9 +538,12 @@ func (d *demo) startConsumer(ctx context.Context, s consumerSpec) (*consumerRun,
 		RelayDest:  s.relayDest,
 		Workers:    d.cfg.Workers,
 		Middleware: mws,
-		Idempotent: inbox.Config{Recorder: r.rec, Store: s.store},
-		Chain:      inbox.ChainConfig{InitialInterval: 20 * time.Millisecond, MaxInterval: time.Second},
-		Logger:     d.logger,
+		Idempotency: middleware.ConsumerConfig{
+			Table: s.table.Table, Layout: s.table.Layout, ReplayHorizon: replayHorizon(s.table),
+			Recorder: r.rec,
+			Retry:    middleware.RetryConfig{InitialInterval: 20 * time.Millisecond, MaxInterval: time.Second},
+		},
+		Logger: d.logger,
 	}
 	if s.publish != nil {
 		cfg.PublishHandler, cfg.PublishTopic = r.probe.handler(s.publish), s.publishTopic

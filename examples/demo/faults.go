@@ -270,7 +270,7 @@ type consumerProbe struct {
 type attemptKey struct{}
 
 // attempt is shared, through the message context, between the probe and
-// the handler wrapper inside the idempotent middleware.
+// the handler wrapper inside the consumer's claim.
 type attempt struct{ committed atomic.Bool }
 
 func (p *consumerProbe) middleware(h message.HandlerFunc) message.HandlerFunc {

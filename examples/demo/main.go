@@ -30,8 +30,8 @@
 // The faults and the checks are the same on all three.
 //
 // One process runs the producers and the consumers of the example shop, each
-// consumer a shop.Service with the idempotent middleware in the recommended
-// chain, on its own database (PostgreSQL schema or SQLite file):
+// consumer a shop.Service built on middleware.NewConsumer (the whole
+// chain), on its own database (PostgreSQL schema or SQLite file):
 //
 //   - order (producer): orders and their status changes, through its outbox
 //     and relay (package outbox);

@@ -6,40 +6,43 @@ import (
 	"time"
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/processed"
 )
 
-// demoHorizon is the replay horizon of the -partitioned stores.
+// demoHorizon is the replay horizon of the -partitioned tables.
 const demoHorizon = 24 * time.Hour
 
-// processedStore is the store of a consumer's database: nil (the default
-// table) unless -partitioned, then processedstore.LayoutPartitioned in schema.
-func (d *demo) processedStore(_ context.Context, db shop.DB, schema string) (*processedstore.Store, error) {
+// processedTable is the processed-event table of a consumer's database: the
+// default table unless -partitioned, then processed.LayoutPartitioned in
+// schema.
+func (d *demo) processedTable(schema string) processed.Config {
 	if !d.cfg.Partitioned {
-		return nil, nil
+		return processed.Config{}
 	}
-	return processedstore.NewStore(processedstore.Config{
-		Table:   schema + "." + processedstore.DefaultTable,
-		Dialect: db.Dialect,
-		Layout:  processedstore.LayoutPartitioned,
-		Horizon: demoHorizon,
-	})
+	return processed.Config{Table: schema + "." + processed.DefaultTable, Layout: processed.LayoutPartitioned}
 }
 
-// maintainPartitions runs the purger once, as a service would on its
-// interval: it creates the time partitions ahead, so the demo's claims land
-// in them rather than in the default partition.
-func (d *demo) maintainPartitions(ctx context.Context, db shop.DB, store *processedstore.Store) error {
-	if store == nil {
+// replayHorizon is the consumers' replay horizon for table: demoHorizon for
+// a partitioned table, none otherwise.
+func replayHorizon(table processed.Config) time.Duration {
+	if table.Layout == processed.LayoutPartitioned {
+		return demoHorizon
+	}
+	return 0
+}
+
+// maintainPartitions records the partitioned table's horizon, which the
+// consumers then verify (middleware.NewConsumer). processed.Migrate has
+// already created the time partitions ahead (now + MaxFutureSkew + 3
+// spans of 1 h), so the demo's claims land in them rather than in the
+// default partition; a service also runs processed.NewPurger on the table
+// (Start), which keeps creating them ahead and drops the expired ones.
+func (d *demo) maintainPartitions(ctx context.Context, db shop.DB, table processed.Config) error {
+	if table.Layout != processed.LayoutPartitioned {
 		return nil
 	}
-	p, err := processedstore.NewPurger(store, sqldb.PgxPool(db.Pool), processedstore.PurgerConfig{}, d.logger)
-	if err != nil {
-		return err
-	}
-	if _, _, err := p.PurgeNow(ctx); err != nil {
-		return fmt.Errorf("partitions of %s: %w", store.Table(), err)
+	if err := processed.SetReplayHorizon(ctx, db.Handle(), table.Table, demoHorizon); err != nil {
+		return fmt.Errorf("horizon of %s: %w", table.Table, err)
 	}
 	return nil
 }

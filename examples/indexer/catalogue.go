@@ -12,8 +12,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/versioned"
@@ -114,7 +114,7 @@ type Catalogue struct {
 func NewCatalogue(cfg CatalogueConfig) (*Catalogue, error) {
 	db := shop.DB{Pool: cfg.Pool, SQL: cfg.DB}
 	if cfg.DB != nil {
-		db.Dialect = sqldb.SQLite
+		db.Dialect = idempotency.SQLite
 	}
 	if err := db.Validate(); err != nil {
 		return nil, fmt.Errorf("indexer: CatalogueConfig.Pool/DB: %w", err)
@@ -156,7 +156,7 @@ func (c *Catalogue) Migrate(ctx context.Context) error {
 	if err := c.db.Exec(ctx, ddl); err != nil {
 		return fmt.Errorf("indexer: migrate catalogue: %w", err)
 	}
-	if err := c.families.Migrate(ctx, c.db.Querier()); err != nil {
+	if err := c.families.Migrate(ctx, c.db.Handle()); err != nil {
 		return err
 	}
 	return c.outbox.Migrate(ctx)
@@ -216,7 +216,7 @@ func (c *Catalogue) Update(ctx context.Context, sku, name string, priceCents int
 		if err != nil {
 			return err
 		}
-		cfg := versioned.LatestPublisherConfig{Store: c.latest, Querier: tx.Querier}
+		cfg := versioned.LatestPublisherConfig{Store: c.latest, Tx: tx.Tx}
 		if !c.latest.Transactional() {
 			cfg = versioned.LatestPublisherConfig{Store: c.latest, Deferred: true}
 		}

@@ -9,9 +9,10 @@
 // number is the row version, so the order is the database's commit order of
 // the product row.
 //
-// Consumer side (Indexer): Handle runs inside the idempotent middleware's
-// transaction (it is the shop.ServiceConfig.Handler, so the chain is
-// PoisonQueue → Retry → Recoverer → Idempotent → LatestFilter → index).
+// Consumer side (Indexer): Handle runs inside the consumer attempt's
+// transaction (it is the shop.ServiceConfig.Handler, attached through
+// middleware.NewConsumer, so the chain is poison → retry and hold →
+// recoverer → claim → LatestFilter → index).
 // Updates older than the product's latest record are acked as obsolete
 // without touching the index; updates not newer than the last one indexed
 // are acked as stale; the rest are written to the SearchIndex.
@@ -27,7 +28,7 @@
 // the catalogue's latest table by its qualified name
 // (IndexerConfig.LatestTable = catalogueSchema + ".family_latest"), in its
 // own handler transaction, in the same statement as its applied check. With
-// two databases, set IndexerConfig.LatestQuerier to a pool on the
-// catalogue's database; with Redis, set CatalogueConfig.Latest and
+// two databases, set IndexerConfig.LatestDB to the catalogue's database
+// (idempotency.Pgx or idempotency.SQL); with Redis, set CatalogueConfig.Latest and
 // IndexerConfig.Latest to one versioned.RedisLatest.
 package indexer

@@ -15,10 +15,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -107,14 +107,15 @@ type IndexerConfig struct {
 	// Latest, when set, is where the catalogue records the latest updates
 	// (a *versioned.RedisLatest). Defaults to Families.
 	Latest versioned.LatestStore
-	// LatestQuerier, when set, reads the latest table there (a pool on the
-	// catalogue's database when it is another database).
-	LatestQuerier sqldb.Querier
+	// LatestDB, when set, reads the latest table there (the catalogue's
+	// database when it is another database):
+	// versioned.LatestFilterConfig.LatestDB.
+	LatestDB idempotency.DB
 	// Dialect is the SQL dialect of the indexer's database, for the default
-	// Families: sqldb.PostgreSQL (the default) or sqldb.SQLite.
-	Dialect sqldb.Dialect
+	// Families: idempotency.PostgreSQL (the default) or idempotency.SQLite.
+	Dialect idempotency.Dialect
 	// Consumer is the consumer name of the applied records; keep it equal to
-	// the idempotent middleware's (shop.NewService uses Consumer.Name).
+	// the consumer's (shop.NewService names it Consumer.Name).
 	// Defaults to Consumer.Name ("indexer").
 	Consumer string
 	// Logger defaults to watermill.NopLogger.
@@ -162,11 +163,11 @@ func NewIndexer(cfg IndexerConfig) (*Indexer, error) {
 	}
 	ix := &Indexer{index: cfg.Index, families: cfg.Families, counter: &versioned.FilterCounter{}}
 	filter, err := versioned.NewLatestFilter(versioned.LatestFilterConfig{
-		Families:      cfg.Families,
-		Latest:        cfg.Latest,
-		LatestQuerier: cfg.LatestQuerier,
-		Consumer:      cfg.Consumer,
-		Recorder:      ix.counter,
+		Families: cfg.Families,
+		Latest:   cfg.Latest,
+		LatestDB: cfg.LatestDB,
+		Consumer: cfg.Consumer,
+		Recorder: ix.counter,
 	}, cfg.Logger)
 	if err != nil {
 		return nil, err
@@ -175,33 +176,26 @@ func NewIndexer(cfg IndexerConfig) (*Indexer, error) {
 	return ix, nil
 }
 
-// Migrate creates, in pool's search_path, the processed-event table of store
-// (processedstore.DefaultTable when nil) and the indexer's family tables (the
+// Migrate creates, in pool's search_path, the processed-event table named by
+// table (processed.DefaultTable for the zero Config) and the indexer's family tables (the
 // applied table, and the latest table under its configured name, which
 // CREATE … IF NOT EXISTS leaves alone when the catalogue made it).
 // Idempotent. Its signature is the demo's consumer migration hook.
-func (ix *Indexer) Migrate(ctx context.Context, pool *pgxpool.Pool, store *processedstore.Store) error {
-	return ix.MigrateDB(ctx, shop.PgxDB(pool), store)
+func (ix *Indexer) Migrate(ctx context.Context, pool *pgxpool.Pool, table processed.Config) error {
+	return ix.MigrateDB(ctx, shop.PgxDB(pool), table)
 }
 
-// MigrateDB is Migrate on a PostgreSQL or SQLite database. A nil store is
-// processedstore.DefaultTable in db's dialect.
-func (ix *Indexer) MigrateDB(ctx context.Context, db shop.DB, store *processedstore.Store) error {
-	if store == nil {
-		var err error
-		if store, err = processedstore.NewStore(processedstore.Config{Dialect: db.Dialect}); err != nil {
-			return err
-		}
-	}
-	if err := store.Migrate(ctx, db.Querier()); err != nil {
+// MigrateDB is Migrate on a PostgreSQL or SQLite database.
+func (ix *Indexer) MigrateDB(ctx context.Context, db shop.DB, table processed.Config) error {
+	if err := processed.Migrate(ctx, db.Handle(), table); err != nil {
 		return err
 	}
-	return ix.families.Migrate(ctx, db.Querier())
+	return ix.families.Migrate(ctx, db.Handle())
 }
 
 // Handle is the indexer's handler (a message.NoPublishHandlerFunc, for
 // shop.ServiceConfig.Handler): the latest-per-family filter around the
-// indexing. It must run inside the idempotent middleware
+// indexing. It must run inside a middleware.Consumer's attempt
 // (versioned.ErrNoTransaction otherwise, permanent). Obsolete and stale
 // updates are acked without indexing; a payload that is not a
 // ProductUpdated, or disagrees with its family metadata, is a permanent
@@ -216,10 +210,10 @@ var _ message.NoPublishHandlerFunc = (&Indexer{}).Handle
 func (ix *Indexer) put(msg *message.Message) ([]*message.Message, error) {
 	var ev ProductUpdated
 	if err := json.Unmarshal(msg.Payload, &ev); err != nil {
-		return nil, inbox.Permanent(fmt.Errorf("indexer: payload: %w", err))
+		return nil, middleware.Permanent(fmt.Errorf("indexer: payload: %w", err))
 	}
 	if ev.SKU == "" || ev.SKU != msg.Metadata.Get(versioned.MetadataFamilyID) {
-		return nil, inbox.Permanent(fmt.Errorf("indexer: payload SKU %q does not match family id %q", ev.SKU, msg.Metadata.Get(versioned.MetadataFamilyID)))
+		return nil, middleware.Permanent(fmt.Errorf("indexer: payload SKU %q does not match family id %q", ev.SKU, msg.Metadata.Get(versioned.MetadataFamilyID)))
 	}
 	if err := ix.index.Put(msg.Context(), Document{SKU: ev.SKU, Version: ev.Version, Name: ev.Name, PriceCents: ev.PriceCents}); err != nil {
 		return nil, err

@@ -2,7 +2,6 @@ package indexer_test
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"strings"
 	"sync"
@@ -18,13 +17,13 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/examples/indexer"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/outbox"
+	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -62,18 +61,18 @@ func ixRedis(t *testing.T) (*redis.Client, string) {
 // included) by outcome.
 type attempts struct {
 	mu sync.Mutex
-	by map[inbox.Outcome]int
+	by map[middleware.Outcome]int
 }
 
-func newAttempts() *attempts { return &attempts{by: map[inbox.Outcome]int{}} }
+func newAttempts() *attempts { return &attempts{by: map[middleware.Outcome]int{}} }
 
-func (a *attempts) RecordOutcome(o inbox.Observation) {
+func (a *attempts) RecordOutcome(o middleware.Observation) {
 	a.mu.Lock()
 	a.by[o.Outcome]++
 	a.mu.Unlock()
 }
 
-func (a *attempts) get(o inbox.Outcome) int {
+func (a *attempts) get(o middleware.Outcome) int {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return a.by[o]
@@ -84,7 +83,7 @@ func (a *attempts) get(o inbox.Outcome) int {
 func (a *attempts) completed() int {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return a.by[inbox.OutcomeProcessed] + a.by[inbox.OutcomeObsolete] + a.by[inbox.OutcomeStale]
+	return a.by[middleware.OutcomeProcessed] + a.by[middleware.OutcomeObsolete] + a.by[middleware.OutcomeStale]
 }
 
 // wait waits until n events completed and at least duplicates deliveries
@@ -94,13 +93,13 @@ func (a *attempts) completed() int {
 func (a *attempts) wait(t *testing.T, n, duplicates int) {
 	t.Helper()
 	deadline := time.Now().Add(2 * time.Minute)
-	for a.completed() < n || a.get(inbox.OutcomeDuplicate) < duplicates {
+	for a.completed() < n || a.get(middleware.OutcomeDuplicate) < duplicates {
 		if time.Now().After(deadline) {
 			a.mu.Lock()
 			defer a.mu.Unlock()
 			t.Fatalf("after 2 minutes, %d of %d events completed, %d of %d duplicates skipped (outcomes: %v)",
-				a.by[inbox.OutcomeProcessed]+a.by[inbox.OutcomeObsolete]+a.by[inbox.OutcomeStale], n,
-				a.by[inbox.OutcomeDuplicate], duplicates, a.by)
+				a.by[middleware.OutcomeProcessed]+a.by[middleware.OutcomeObsolete]+a.by[middleware.OutcomeStale], n,
+				a.by[middleware.OutcomeDuplicate], duplicates, a.by)
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
@@ -157,26 +156,24 @@ func runInBackground(t *testing.T, run func(context.Context) error, running chan
 	}
 }
 
-// startIndexer runs the indexer behind the recommended chain on an
-// in-memory broker, with workers handlers.
-func startIndexer(t *testing.T, db *shopDB, ix *indexer.Indexer, broker *gochannel.GoChannel, rec inbox.Recorder, workers int) {
+// startIndexer runs the indexer through its consumer's whole chain on an
+// in-memory broker, with workers subscriptions (each receives its own copy
+// of every message from the GoChannel: duplicates).
+func startIndexer(t *testing.T, db *shopDB, ix *indexer.Indexer, broker *gochannel.GoChannel, rec middleware.Recorder, workers int) {
 	t.Helper()
-	require.NoError(t, ix.Migrate(context.Background(), db.ixPool, nil))
-	idem, err := inbox.NewIdempotent(inbox.Config{
-		Beginner: mustBeginner(inbox.NewPgxBeginner(db.ixPool, inbox.PgxBeginnerConfig{})),
+	require.NoError(t, ix.Migrate(context.Background(), db.ixPool, processed.Config{}))
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
 		Consumer: indexer.Consumer.Name,
+		DB:       idempotency.Pgx(db.ixPool),
 		Recorder: rec,
+		Poison:   middleware.PoisonConfig{Publisher: broker, Topic: "poison"},
+		Retry:    middleware.RetryConfig{InitialInterval: 5 * time.Millisecond, MaxInterval: 50 * time.Millisecond},
 	}, nil)
-	require.NoError(t, err)
-	chain, err := inbox.NewChain(inbox.ChainConfig{Idempotent: idem, PoisonPublisher: broker, PoisonTopic: "poison",
-		InitialInterval: 5 * time.Millisecond, MaxInterval: 50 * time.Millisecond}, nil)
 	require.NoError(t, err)
 	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
 	require.NoError(t, err)
-	router.AddMiddleware(chain...)
-	for w := 1; w <= workers; w++ {
-		router.AddConsumerHandler(fmt.Sprintf("indexer-%d", w), indexer.EventProductUpdated, broker, ix.Handle)
-	}
+	_, err = c.AddConsumerHandler(router, indexer.Consumer.Name, indexer.EventProductUpdated, shop.Subscriptions(broker, workers), ix.Handle)
+	require.NoError(t, err)
 	runInBackground(t, router.Run, router.Running(), router.Close)
 }
 
@@ -209,8 +206,8 @@ func TestIndexerProcessesOnlyTheLatest(t *testing.T) {
 	stats := ix.Stats()
 	require.Equal(t, indexer.Stats{IndexUpdates: products, ObsoleteSkipped: int64(n - products)}, stats)
 	require.EqualValues(t, products, index.Puts())
-	require.Equal(t, products, rec.get(inbox.OutcomeProcessed))
-	require.Equal(t, n-products, rec.get(inbox.OutcomeObsolete), "skips recorded like duplicates")
+	require.Equal(t, products, rec.get(middleware.OutcomeProcessed))
+	require.Equal(t, n-products, rec.get(middleware.OutcomeObsolete), "skips recorded like duplicates")
 }
 
 // Import and indexing at the same time, latest records in Redis, and three
@@ -246,8 +243,8 @@ func TestIndexerConcurrentImportRedis(t *testing.T) {
 	stats := ix.Stats()
 	require.EqualValues(t, n, stats.IndexUpdates+stats.ObsoleteSkipped+stats.StaleSkipped)
 	require.GreaterOrEqual(t, stats.IndexUpdates, int64(products))
-	require.Equal(t, 2*n, rec.get(inbox.OutcomeDuplicate))
-	require.Zero(t, rec.get(inbox.OutcomeFailed))
+	require.Equal(t, 2*n, rec.get(middleware.OutcomeDuplicate))
+	require.Zero(t, rec.get(middleware.OutcomeFailed))
 }
 
 // The demo's wiring: the catalogue's relay publishes to RabbitMQ
@@ -279,16 +276,16 @@ func TestIndexerOverRabbitMQ(t *testing.T) {
 	index := indexer.NewSearchIndex(5 * time.Millisecond)
 	ix, err := indexer.NewIndexer(indexer.IndexerConfig{Index: index, LatestTable: db.latestTbl})
 	require.NoError(t, err)
-	require.NoError(t, ix.Migrate(ctx, db.ixPool, nil))
+	require.NoError(t, ix.Migrate(ctx, db.ixPool, processed.Config{}))
 	rec := newAttempts()
 	svc, err := shop.NewService(shop.ServiceConfig{
-		AMQPURL:    testenv.AMQPURL(),
-		Topology:   topo,
-		Consumer:   indexer.Consumer,
-		Pool:       db.ixPool,
-		Handler:    ix.Handle,
-		Workers:    2,
-		Idempotent: inbox.Config{Recorder: rec},
+		AMQPURL:     testenv.AMQPURL(),
+		Topology:    topo,
+		Consumer:    indexer.Consumer,
+		Pool:        db.ixPool,
+		Handler:     ix.Handle,
+		Workers:     2,
+		Idempotency: middleware.ConsumerConfig{Recorder: rec},
 	})
 	require.NoError(t, err)
 	runInBackground(t, svc.Run, svc.Running(), svc.Close)
@@ -327,7 +324,7 @@ func TestCheckLatest(t *testing.T) {
 
 // On SQLite (the embedded demo): the catalogue and the indexer in files of
 // their own, the filter reading the catalogue's latest table through
-// LatestQuerier. Only the latest update of each product is indexed.
+// LatestDB. Only the latest update of each product is indexed.
 func TestIndexerProcessesOnlyTheLatestSQLite(t *testing.T) {
 	t.Parallel()
 	const products, updates = 4, 20
@@ -342,16 +339,10 @@ func TestIndexerProcessesOnlyTheLatestSQLite(t *testing.T) {
 	require.Equal(t, products*updates, n)
 
 	index := indexer.NewSearchIndex(-1)
-	ix, err := indexer.NewIndexer(indexer.IndexerConfig{Index: index, LatestQuerier: sqldb.Std(catDB), Dialect: sqldb.SQLite})
+	ix, err := indexer.NewIndexer(indexer.IndexerConfig{Index: index, LatestDB: idempotency.SQL(catDB, idempotency.SQLite), Dialect: idempotency.SQLite})
 	require.NoError(t, err)
-	require.NoError(t, ix.MigrateDB(ctx, shop.SQLiteDB(ixDB), nil))
-	store, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
-	require.NoError(t, err)
+	require.NoError(t, ix.MigrateDB(ctx, shop.SQLiteDB(ixDB), processed.Config{}))
 	rec := newAttempts()
-	idem, err := inbox.NewIdempotent(inbox.Config{
-		Beginner: mustBeginner(inbox.NewStdBeginner(ixDB)), Store: store, Consumer: indexer.Consumer.Name, Recorder: rec,
-	}, nil)
-	require.NoError(t, err)
 	broker := shop.NewChannelBroker(nil)
 	t.Cleanup(func() { _ = broker.Close() })
 	require.NoError(t, broker.Declare(indexer.Consumer))
@@ -359,13 +350,18 @@ func TestIndexerProcessesOnlyTheLatestSQLite(t *testing.T) {
 	require.NoError(t, err)
 	poison, topic, err := broker.PoisonPublisher(indexer.Consumer, nil)
 	require.NoError(t, err)
-	chain, err := inbox.NewChain(inbox.ChainConfig{Idempotent: idem, PoisonPublisher: poison, PoisonTopic: topic,
-		InitialInterval: 5 * time.Millisecond, MaxInterval: 50 * time.Millisecond}, nil)
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+		Consumer: indexer.Consumer.Name,
+		DB:       idempotency.SQL(ixDB, idempotency.SQLite),
+		Recorder: rec,
+		Poison:   middleware.PoisonConfig{Publisher: poison, Topic: topic},
+		Retry:    middleware.RetryConfig{InitialInterval: 5 * time.Millisecond, MaxInterval: 50 * time.Millisecond},
+	}, nil)
 	require.NoError(t, err)
 	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
 	require.NoError(t, err)
-	router.AddMiddleware(chain...)
-	router.AddConsumerHandler("indexer-1", indexer.EventProductUpdated, sub, ix.Handle)
+	_, err = c.AddConsumerHandler(router, indexer.Consumer.Name, indexer.EventProductUpdated, sub, ix.Handle)
+	require.NoError(t, err)
 	runInBackground(t, router.Run, router.Running(), router.Close)
 	startRelay(t, cat, broker.Publisher())
 	rec.wait(t, n, 0)
@@ -378,13 +374,4 @@ func TestIndexerProcessesOnlyTheLatestSQLite(t *testing.T) {
 	dead, err := broker.DrainDeadLetters(indexer.Consumer)
 	require.NoError(t, err)
 	require.Empty(t, dead)
-}
-
-// mustBeginner unwraps a beginner constructor's result in tests, whose
-// handles are never nil.
-func mustBeginner(b inbox.TxBeginner, err error) inbox.TxBeginner {
-	if err != nil {
-		panic(err)
-	}
-	return b
 }

@@ -26,8 +26,8 @@
 //   - Events are republished: a relay that crashes after the broker
 //     confirmed publishes again, with the same event_id, up to a batch
 //     (RelayConfig.BatchSize) of rows. Replay republishes on purpose.
-//     Consumers deduplicate by event_id: that is the idempotent middleware's
-//     job.
+//     Consumers deduplicate by event_id: that is the consumer's claim
+//     (middleware.NewConsumer).
 //   - Order: one relay publishes at a time (the outbox's lock row), rows in
 //     id order; a row whose publish failed holds back the rows of its topic
 //     until it is published or dead-lettered. Replays, republished batches and broker redeliveries break order

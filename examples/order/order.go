@@ -13,8 +13,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
 )
@@ -86,7 +86,7 @@ func validateTopic(t string) error {
 
 func dbOf(pool *pgxpool.Pool, db *sql.DB) shop.DB {
 	if db != nil {
-		return shop.DB{Pool: pool, SQL: db, Dialect: sqldb.SQLite}
+		return shop.DB{Pool: pool, SQL: db, Dialect: idempotency.SQLite}
 	}
 	return shop.PgxDB(pool)
 }
@@ -155,7 +155,7 @@ func (s *Service) PlaceOrder(ctx context.Context, orderID string, lines []shop.O
 // ChangeStatus sets the order's status, increments its version, and writes
 // an EventOrderStatusChanged event carrying the new version to the outbox, in
 // one transaction. It returns the new version and the event's id. An unknown
-// order fails with an error wrapping sqldb.ErrNoRows (and pgx.ErrNoRows on
+// order fails with an error wrapping shop.ErrNoRows (and pgx.ErrNoRows on
 // PostgreSQL).
 func (s *Service) ChangeStatus(ctx context.Context, orderID, status string) (version int64, eventID string, err error) {
 	if status == "" {

@@ -8,7 +8,7 @@
 // and the copy only moves forward: a version not greater than the stored one
 // is Stale, acknowledged and recorded as processed, never written.
 //
-// Two layers, two jobs: the idempotent middleware skips an event_id already
+// Two layers, two jobs: the consumer's claim skips an event_id already
 // processed (a duplicate never reaches Handle); the versioned upsert orders
 // distinct events (an older event, processed for the first time, does not
 // overwrite a newer state).

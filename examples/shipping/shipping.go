@@ -10,10 +10,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -30,10 +30,11 @@ CREATE TABLE IF NOT EXISTS order_status_copy (
     updated_at timestamptz NOT NULL DEFAULT now()
 )`
 
-// Migrate creates the processed-event table of store (processedstore.DefaultTable
-// when nil) and the status copy table in pool's search_path. Idempotent.
-func Migrate(ctx context.Context, pool *pgxpool.Pool, store *processedstore.Store) error {
-	return MigrateDB(ctx, shop.PgxDB(pool), store)
+// Migrate creates the processed-event table named by table
+// (processed.DefaultTable for the zero Config) and the status copy table in
+// pool's search_path. Idempotent.
+func Migrate(ctx context.Context, pool *pgxpool.Pool, table processed.Config) error {
+	return MigrateDB(ctx, shop.PgxDB(pool), table)
 }
 
 // The status copy on SQLite (see shop.SQLiteDB).
@@ -45,16 +46,9 @@ CREATE TABLE IF NOT EXISTS order_status_copy (
     updated_at TEXT    NOT NULL DEFAULT CURRENT_TIMESTAMP
 )`
 
-// MigrateDB is Migrate on a PostgreSQL or SQLite database. A nil store is
-// processedstore.DefaultTable in db's dialect.
-func MigrateDB(ctx context.Context, db shop.DB, store *processedstore.Store) error {
-	if store == nil {
-		var err error
-		if store, err = processedstore.NewStore(processedstore.Config{Dialect: db.Dialect}); err != nil {
-			return err
-		}
-	}
-	if err := store.Migrate(ctx, db.Querier()); err != nil {
+// MigrateDB is Migrate on a PostgreSQL or SQLite database.
+func MigrateDB(ctx context.Context, db shop.DB, table processed.Config) error {
+	if err := processed.Migrate(ctx, db.Handle(), table); err != nil {
 		return err
 	}
 	ddl := schemaSQL
@@ -76,11 +70,11 @@ type Handler struct {
 }
 
 // NewHandler returns the handler of the order_status_copy table.
-func NewHandler() (*Handler, error) { return NewHandlerFor(sqldb.PostgreSQL) }
+func NewHandler() (*Handler, error) { return NewHandlerFor(idempotency.PostgreSQL) }
 
 // NewHandlerFor returns the handler of the order_status_copy table in a
-// database of dialect d (sqldb.PostgreSQL or sqldb.SQLite).
-func NewHandlerFor(d sqldb.Dialect) (*Handler, error) {
+// database of dialect d (idempotency.PostgreSQL or idempotency.SQLite).
+func NewHandlerFor(d idempotency.Dialect) (*Handler, error) {
 	up, err := versioned.NewUpsert(versioned.UpsertConfig{
 		Dialect:       d,
 		Table:         "order_status_copy",
@@ -104,35 +98,35 @@ type statusEvent struct {
 
 // ErrNoTransaction is returned when Handle runs outside the idempotent
 // middleware (a wiring error). Permanent.
-var ErrNoTransaction = errors.New("shipping: no transaction in the message context (is the idempotent middleware in the chain?)")
+var ErrNoTransaction = errors.New("shipping: no transaction in the message context (is the handler attached through middleware.Consumer?)")
 
 // Handle applies an EventOrderPlaced or EventOrderStatusChanged message to
-// the copy, in the attempt's transaction (inbox.QuerierFromContext, so
+// the copy, in the attempt's transaction (middleware.TxFromContext, so
 // it works on pgx and database/sql). A version not greater than the stored
 // one is Stale: nothing is written, the attempt is marked stale
-// (inbox.MarkStale: recorded as inbox.OutcomeStale) and nil is
+// (middleware.MarkStale: recorded as middleware.OutcomeStale) and nil is
 // returned (the event is acked and its claim commits). A payload without order id or status, or with
 // a missing or null version (versioned.ErrVersionMissing), is a permanent
 // error: dead-letter queue, no retry.
 func (h *Handler) Handle(msg *message.Message) error {
-	q, ok := inbox.QuerierFromContext(msg.Context())
+	tx, ok := middleware.TxFromContext(msg.Context())
 	if !ok {
-		return inbox.Permanent(ErrNoTransaction)
+		return middleware.Permanent(ErrNoTransaction)
 	}
 	var ev statusEvent
 	if err := json.Unmarshal(msg.Payload, &ev); err != nil {
-		return inbox.Permanent(fmt.Errorf("shipping: payload: %w", err))
+		return middleware.Permanent(fmt.Errorf("shipping: payload: %w", err))
 	}
 	if ev.OrderID == "" || ev.Status == "" {
-		return inbox.Permanent(errors.New("shipping: payload: order_id and status required"))
+		return middleware.Permanent(errors.New("shipping: payload: order_id and status required"))
 	}
-	outcome, err := h.upsert.Apply(msg.Context(), q, []any{ev.OrderID}, ev.Version, []any{ev.Status})
+	outcome, err := h.upsert.Apply(msg.Context(), tx, []any{ev.OrderID}, ev.Version, []any{ev.Status})
 	if err != nil {
 		return err // ErrVersionMissing is permanent by itself
 	}
 	if outcome == versioned.Stale {
-		// Recorded and logged as inbox.OutcomeStale; the claim commits.
-		inbox.MarkStale(msg.Context())
+		// Recorded and logged as middleware.OutcomeStale; the claim commits.
+		middleware.MarkStale(msg.Context())
 		h.stale.Add(1)
 	} else {
 		h.applied.Add(1)

@@ -2,20 +2,23 @@ package shipping_test
 
 import (
 	"context"
+	"sync"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/examples/shipping"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -23,24 +26,38 @@ type fixture struct {
 	pool *pgxpool.Pool
 	h    *shipping.Handler
 	s    idempotencytest.Subject
-	rec  *recorder
+	// claim is the claim layer alone (internal: the consumer's chain would
+	// poison and ack), so the handler's results and error classes are seen.
+	claim message.HandlerMiddleware
+	rec   *recorder
 }
 
-type recorder struct{ stale, processed int }
+type recorder struct {
+	mu               sync.Mutex
+	stale, processed int
+}
 
-func (r *recorder) RecordOutcome(o inbox.Observation) {
+func (r *recorder) RecordOutcome(o middleware.Observation) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
 	switch o.Outcome {
-	case inbox.OutcomeStale:
+	case middleware.OutcomeStale:
 		r.stale++
-	case inbox.OutcomeProcessed:
+	case middleware.OutcomeProcessed:
 		r.processed++
 	}
 }
 
+// discard is a poison publisher that accepts and drops every message.
+type discard struct{}
+
+func (discard) Publish(string, ...*message.Message) error { return nil }
+func (discard) Close() error                              { return nil }
+
 func setup(t *testing.T) *fixture {
 	t.Helper()
 	pool, _ := testenv.Pool(t)
-	require.NoError(t, shipping.Migrate(context.Background(), pool, nil))
+	require.NoError(t, shipping.Migrate(context.Background(), pool, processed.Config{}))
 	h, err := shipping.NewHandler()
 	require.NoError(t, err)
 	rec := &recorder{}
@@ -50,9 +67,16 @@ func setup(t *testing.T) *fixture {
 		Recorder: rec,
 	}, nil)
 	require.NoError(t, err)
-	return &fixture{pool: pool, h: h, rec: rec, s: idempotencytest.Subject{
-		Handler:    idempotencytest.NoPublish(h.Handle),
-		Middleware: []message.HandlerMiddleware{idem.Middleware},
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+		Consumer: shipping.Consumer.Name,
+		DB:       idempotency.Pgx(pool),
+		Poison:   middleware.PoisonConfig{Publisher: discard{}, Topic: "shipping.events.dlq"},
+		Recorder: rec,
+	}, nil)
+	require.NoError(t, err)
+	return &fixture{pool: pool, h: h, rec: rec, claim: idem.Middleware, s: idempotencytest.Subject{
+		Handler:  idempotencytest.NoPublish(h.Handle),
+		Consumer: c,
 		// The effect of one event: the copy of its order at its version.
 		Effects: func(ctx context.Context, msg *message.Message) (int, error) {
 			var n int
@@ -93,7 +117,7 @@ func TestCopyOnce(t *testing.T) {
 func TestOutOfOrder(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
-	h := f.s.Middleware[0](f.s.Handler)
+	h := f.claim(f.s.Handler)
 	for _, m := range []*message.Message{status(t, "o-1", 3, "shipped"), status(t, "o-1", 1, "placed"), status(t, "o-1", 2, "packed")} {
 		_, err := h(m)
 		require.NoError(t, err)
@@ -112,12 +136,12 @@ func TestOutOfOrder(t *testing.T) {
 func TestMissingVersionIsPermanent(t *testing.T) {
 	t.Parallel()
 	f := setup(t)
-	h := f.s.Middleware[0](f.s.Handler)
+	h := f.claim(f.s.Handler)
 	for _, p := range []string{`{"order_id":"o-3","status":"x"}`, `{"order_id":"o-3","version":null,"status":"x"}`, `{"order_id":"o-3"}`, `[]`} {
 		msg, err := marshaler.NewMessage(shop.EventOrderStatusChanged, []byte(p))
 		require.NoError(t, err)
 		_, err = h(msg)
-		require.True(t, inbox.IsPermanent(err), "%s: %v", p, err)
+		require.True(t, middleware.IsPermanent(err), "%s: %v", p, err)
 	}
 	_, err := h(func() *message.Message {
 		m, _ := marshaler.NewMessage(shop.EventOrderStatusChanged, []byte(`{"order_id":"o-3","status":"x"}`))
@@ -135,12 +159,13 @@ func TestOutOfOrderSQLite(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := testenv.SQLiteDB(t)
-	require.NoError(t, shipping.MigrateDB(ctx, shop.SQLiteDB(db), nil))
-	h, err := shipping.NewHandlerFor(sqldb.SQLite)
+	require.NoError(t, shipping.MigrateDB(ctx, shop.SQLiteDB(db), processed.Config{}))
+	h, err := shipping.NewHandlerFor(idempotency.SQLite)
 	require.NoError(t, err)
-	store, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
+	store, err := processedstore.NewStore(processedstore.Config{Dialect: idempotency.SQLite})
 	require.NoError(t, err)
 	rec := &recorder{}
+	// The claim layer alone (internal), so the handler's results are seen.
 	idem, err := inbox.NewIdempotent(inbox.Config{
 		Beginner: mustBeginner(inbox.NewStdBeginner(db)), Store: store, Consumer: shipping.Consumer.Name, Recorder: rec,
 	}, nil)

@@ -14,12 +14,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/outbox"
+	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 func receive(t *testing.T, msgs <-chan *message.Message) *message.Message {
@@ -195,9 +194,7 @@ func TestServiceEmbedded(t *testing.T) {
 	sqlDB := testenv.SQLiteDB(t)
 	db := shop.SQLiteDB(sqlDB)
 	require.NoError(t, db.Exec(ctx, `CREATE TABLE effect (order_id TEXT NOT NULL, event_id TEXT NOT NULL)`))
-	store, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx, db.Querier()))
+	require.NoError(t, processed.Migrate(ctx, db.Handle(), processed.Config{}))
 	b := shop.NewChannelBroker(nil)
 	defer b.Close()
 	require.NoError(t, b.Declare(consumer))
@@ -223,9 +220,9 @@ func TestServiceEmbedded(t *testing.T) {
 			}
 		}},
 		Handler: func(msg *message.Message) error {
-			q, ok := inbox.QuerierFromContext(msg.Context())
+			q, ok := shop.TxFromContext(msg.Context())
 			if !ok {
-				return inbox.Permanent(errors.New("no transaction"))
+				return middleware.Permanent(errors.New("no transaction"))
 			}
 			_, err := q.Exec(msg.Context(), `INSERT INTO effect (order_id, event_id) VALUES (?, ?)`, "o-1", msg.UUID)
 			handled <- msg.UUID

@@ -12,8 +12,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency"
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/outbox"
 )
 
@@ -27,16 +25,16 @@ type DB struct {
 	Pool *pgxpool.Pool
 	// SQL is the database/sql handle, of dialect Dialect.
 	SQL *sql.DB
-	// Dialect is sqldb.PostgreSQL with Pool; with SQL, sqldb.SQLite (the
-	// examples carry no MySQL text).
-	Dialect sqldb.Dialect
+	// Dialect is idempotency.PostgreSQL with Pool; with SQL,
+	// idempotency.SQLite (the examples carry no MySQL text).
+	Dialect idempotency.Dialect
 }
 
 // PgxDB is the DB of a pgx pool (PostgreSQL).
 func PgxDB(pool *pgxpool.Pool) DB { return DB{Pool: pool} }
 
 // SQLiteDB is the DB of a database/sql handle on SQLite.
-func SQLiteDB(db *sql.DB) DB { return DB{SQL: db, Dialect: sqldb.SQLite} }
+func SQLiteDB(db *sql.DB) DB { return DB{SQL: db, Dialect: idempotency.SQLite} }
 
 // Validate reports whether exactly one handle is set, with a dialect the
 // examples support.
@@ -46,23 +44,23 @@ func (d DB) Validate() error {
 		return errors.New("no database (Pool or DB)")
 	case d.Pool != nil && d.SQL != nil:
 		return errors.New("Pool and DB: set one, not both")
-	case d.Pool != nil && d.Dialect != sqldb.PostgreSQL:
+	case d.Pool != nil && d.Dialect != idempotency.PostgreSQL:
 		return fmt.Errorf("a pgx pool is PostgreSQL, not %s", d.Dialect)
-	case d.SQL != nil && d.Dialect != sqldb.SQLite:
+	case d.SQL != nil && d.Dialect != idempotency.SQLite:
 		return fmt.Errorf("dialect %s: the examples run database/sql on SQLite only", d.Dialect)
 	}
 	return nil
 }
 
 // IsSQLite reports whether d is a SQLite database.
-func (d DB) IsSQLite() bool { return d.Dialect == sqldb.SQLite }
+func (d DB) IsSQLite() bool { return d.Dialect == idempotency.SQLite }
 
-// Querier is d's pool as a sqldb.Querier (statements outside a transaction).
-func (d DB) Querier() sqldb.Querier {
+// Querier is d's pool as a Querier (statements outside a transaction).
+func (d DB) Querier() Querier {
 	if d.Pool != nil {
-		return sqldb.Pgx(d.Pool)
+		return PgxQuerier(d.Pool)
 	}
-	return sqldb.Std(d.SQL)
+	return StdQuerier(d.SQL)
 }
 
 // Exec runs one statement, or a script of several without arguments, outside
@@ -113,21 +111,13 @@ func (d DB) Beginner() wsql.Beginner {
 	return wsql.BeginnerFromStdSQL(d.SQL)
 }
 
-// TxBeginner is the idempotent middleware's beginner on d; an error when d
-// has neither handle.
-func (d DB) TxBeginner() (inbox.TxBeginner, error) {
-	if d.Pool != nil {
-		return inbox.NewPgxBeginner(d.Pool, inbox.PgxBeginnerConfig{})
-	}
-	return inbox.NewStdBeginner(d.SQL)
-}
-
 // Outbox is the library outbox (outbox.New) of table in d, in d's dialect.
 func (d DB) Outbox(table string, logger watermill.LoggerAdapter) (*outbox.Outbox, error) {
 	return outbox.New(outbox.Config{Table: table, DB: d.Handle()}, logger)
 }
 
-// Handle is d as the library's components take it.
+// Handle is d as the library's components take it (the one handle of
+// middleware.NewConsumer, outbox.New, processed.Migrate, …).
 func (d DB) Handle() idempotency.DB {
 	if d.Pool != nil {
 		return idempotency.Pgx(d.Pool)
@@ -138,7 +128,10 @@ func (d DB) Handle() idempotency.DB {
 // Tx is one transaction of a DB, in the forms the examples need.
 type Tx struct {
 	// Querier runs statements in the transaction.
-	Querier sqldb.Querier
+	Querier Querier
+	// Tx is the transaction as the versioned tools take it
+	// (versioned.LatestPublisherConfig.Tx, Upsert.Apply).
+	Tx idempotency.Tx
 	// Outbox is the transaction for a watermill-sql publisher (an outbox
 	// write); never commit or roll it back.
 	Outbox wsql.ContextExecutor
@@ -151,14 +144,14 @@ type Tx struct {
 func (d DB) InTx(ctx context.Context, fn func(Tx) error) error {
 	if d.Pool != nil {
 		return pgx.BeginFunc(ctx, d.Pool, func(tx pgx.Tx) error {
-			return fn(Tx{Querier: sqldb.Pgx(tx), Outbox: wsql.TxFromPgx(tx), Pgx: tx})
+			return fn(Tx{Querier: PgxQuerier(tx), Tx: idempotency.PgxTx(tx), Outbox: wsql.TxFromPgx(tx), Pgx: tx})
 		})
 	}
 	tx, err := d.SQL.BeginTx(ctx, nil)
 	if err != nil {
 		return err
 	}
-	if err := fn(Tx{Querier: sqldb.Std(tx), Outbox: wsql.TxFromStdSQL(tx)}); err != nil {
+	if err := fn(Tx{Querier: StdQuerier(tx), Tx: idempotency.SQLTx(tx), Outbox: wsql.TxFromStdSQL(tx)}); err != nil {
 		_ = tx.Rollback()
 		return err
 	}

@@ -2,7 +2,7 @@
 // stock, shipping, billing, indexer and the demo): the RabbitMQ topology, the
 // event names and payloads the services exchange, the wiring of one
 // consumer service (router, subscriber, poison publisher, the recommended
-// middleware chain around the idempotent middleware, and for services that
+// middleware.Consumer's chain around the handler, and for services that
 // produce messages their transactional outbox and its relay), and the
 // operator's replay of an outbox.
 //
@@ -42,8 +42,9 @@
 //
 // NewService builds one consumer service from a ServiceConfig:
 //
-//	ob, _ := outbox.New(outbox.Config{Table: "billing_outbox"}, logger)
-//	_ = ob.Migrate(ctx) // with the migrations
+//	_ = processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}) // before NewService
+//	ob, _ := outbox.New(outbox.Config{DB: idempotency.Pgx(pool), Table: "billing_outbox"}, logger)
+//	_ = ob.Migrate(ctx)
 //	svc, err := shop.NewService(shop.ServiceConfig{
 //		AMQPURL:        amqpURL,
 //		Consumer:       billing.Consumer, // queue, bindings, Reconcile
@@ -57,9 +58,11 @@
 //	defer svc.Close()
 //
 // The router's chain, outermost first: ServiceConfig.Middleware, then
-// PoisonQueue (to the dead-letter exchange), operation.RouteUncertain (to
-// the reconciliation queue, with Consumer.Reconcile), Chain.AfterPoison,
-// Retry, Recoverer and the idempotent middleware around the handler.
+// the poison layer (to the dead-letter exchange), operation.RouteUncertain (to
+// the reconciliation queue, with Consumer.Reconcile), Idempotency.AfterPoison,
+// retry and hold, recoverer and the claim around the handler (the one
+// middleware.Consumer of the service, attached to its one router handler;
+// Workers subscriptions feed that handler through Subscriptions).
 //
 // # Without services: SQLite and the in-process broker
 //

@@ -13,10 +13,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
+	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/outbox"
 )
@@ -44,17 +42,18 @@ type ServiceConfig struct {
 	// Consumer.Reconcile, uncertain external operations are routed to
 	// Topology.ReconcileQueue(Consumer) (see Chain).
 	Consumer Consumer
-	// Pool is the service's database. The idempotent middleware claims each
-	// event on it and gives the handler the attempt's transaction
-	// (inbox.PgxTxFromContext); the outbox relay reads it. Exactly one
-	// of Pool and DB is required.
+	// Pool is the service's database (idempotency.Pgx(Pool)). The consumer
+	// (middleware.NewConsumer) claims each event on it and gives the handler
+	// the attempt's transaction (middleware.PgxTxFromContext, or
+	// TxFromContext); the outbox relay reads it. Its processed-event table
+	// must exist (processed.Migrate) before NewService. Exactly one of Pool
+	// and DB is required.
 	Pool *pgxpool.Pool
 	// DB, instead of Pool, is the service's database on SQLite (database/sql
-	// with modernc.org/sqlite, see SQLiteDB): the middleware claims with
-	// inbox.NewStdBeginner and the processed store's SQLite dialect, and
-	// the handler finds the attempt's transaction with
-	// inbox.QuerierFromContext or inbox.SQLTxFromContext. The
-	// Outbox must then be in the SQLite dialect (DB.Outbox).
+	// with modernc.org/sqlite, see SQLiteDB; idempotency.SQL(DB,
+	// idempotency.SQLite)): the handler finds the attempt's transaction with
+	// middleware.SQLTxFromContext or TxFromContext. The Outbox must then be
+	// on the same database (DB.Outbox).
 	DB *sql.DB
 	// Handler is the service's handler. It runs inside the attempt's
 	// transaction, at most once per event_id with a committed effect.
@@ -71,39 +70,36 @@ type ServiceConfig struct {
 	// their routing key on the events exchange. Required with PublishHandler.
 	PublishTopic string
 	// Outbox, when set, is the service's transactional outbox, in Pool's
-	// database: NewService sets Idempotent.Outbox to it, so the messages the
-	// handler returns (or publishes through inbox.PublisherFromContext)
+	// database: NewService sets Idempotency.Outbox to it, so the messages the
+	// handler returns (or publishes through middleware.PublisherFromContext)
 	// are written in the attempt's transaction, and the service runs a relay
 	// (Outbox.NewRelay) that publishes them to the events exchange after the
 	// commit, at least once, each with the event id it was written with. Its
-	// tables must exist before Run (Outbox.InitializeSchema, a migration).
-	// Setting Idempotent.Outbox to another outbox is an error.
+	// tables must exist before Run (Outbox.Migrate, or its migrations).
+	// Setting Idempotency.Outbox is an error: set this field.
 	Outbox *outbox.Outbox
 	// Relay tunes the relay of Outbox (poll interval, batch size, retention, …).
 	Relay outbox.RelayConfig
 	// RelayDest, when set, wraps the relay's destination publisher (the
 	// events publisher): fault injection, metrics. Optional.
 	RelayDest func(message.Publisher) message.Publisher
-	// Workers is how many subscriptions (router handlers named
-	// "<consumer>-1", "<consumer>-2", …) consume the queue, each handling one
-	// delivery at a time. All share the claim key's consumer name
-	// Consumer.Name. Defaults to 1.
+	// Workers is how many subscriptions consume the queue, each handling
+	// one delivery at a time, all through the service's one router handler
+	// (named Consumer.Name) and its one middleware.Consumer: they share the
+	// claim key's consumer name Consumer.Name. Defaults to 1.
 	Workers int
-	// Middleware is added to the router before the recommended chain, so it
+	// Middleware is added to the router before the consumer's chain, so it
 	// runs outside it (outermost first): metrics, tracing, fault injection.
 	Middleware []message.HandlerMiddleware
-	// Idempotent configures the idempotent middleware. Beginner defaults to
-	// inbox.NewPgxBeginner(Pool, …) (with DB: inbox.NewStdBeginner,
-	// and Store to processedstore.DefaultTable in the SQLite dialect), Consumer to
-	// Consumer.Name and Outbox to Outbox.
-	Idempotent inbox.Config
-	// Chain configures retries (MaxRetries, intervals) and AfterPoison, which
-	// is passed through. Idempotent, PoisonPublisher and PoisonTopic are set
-	// by NewService: the poison publisher publishes on the consumer's
-	// dead-letter exchange. With Consumer.Reconcile, NewService puts
-	// operation.RouteUncertain (to the consumer's reconciliation queue) first
-	// in AfterPoison, before the caller's.
-	Chain inbox.ChainConfig
+	// Idempotency configures the service's middleware.Consumer (the whole
+	// chain: poison → retry and hold → recoverer → claim): Table, Layout,
+	// ReplayHorizon, Retry, AfterPoison, Recorder, LockTimeout, … are
+	// passed through. NewService sets DB (Pool or DB), Poison (the
+	// consumer's dead-letter exchange) and Outbox (the Outbox field), and
+	// Consumer to Consumer.Name when empty. With Consumer.Reconcile it puts
+	// operation.RouteUncertain (to the consumer's reconciliation queue)
+	// first in AfterPoison, before the caller's.
+	Idempotency middleware.ConsumerConfig
 	// CloseTimeout bounds Close's wait for running handlers. Defaults to
 	// DefaultCloseTimeout.
 	CloseTimeout time.Duration
@@ -129,18 +125,21 @@ func (c ServiceConfig) Validate() error {
 		return errors.New("shop: ServiceConfig.PublishTopic is required with PublishHandler")
 	case c.PublishHandler == nil && c.PublishTopic != "":
 		return errors.New("shop: ServiceConfig.PublishTopic is only for PublishHandler")
-	case c.Idempotent.Outbox != nil && c.Idempotent.Outbox != c.Outbox:
-		return errors.New("shop: ServiceConfig.Idempotent.Outbox: set ServiceConfig.Outbox instead (the service runs its relay)")
+	case c.Idempotency.Outbox != nil && c.Idempotency.Outbox != c.Outbox:
+		return errors.New("shop: ServiceConfig.Idempotency.Outbox: set ServiceConfig.Outbox instead (the service runs its relay)")
+	case c.Idempotency.Poison.Publisher != nil || c.Idempotency.Poison.Topic != "":
+		return errors.New("shop: ServiceConfig.Idempotency.Poison: set by NewService (the consumer's dead-letter exchange)")
 	case c.Workers < 0:
 		return fmt.Errorf("shop: ServiceConfig.Workers %d: must be ≥ 0", c.Workers)
 	}
 	return c.Topology.Validate(c.Consumer)
 }
 
-// Service is one running consumer service: a Watermill router whose handlers
-// consume the service's queue through the recommended chain
-// PoisonQueue → [RouteUncertain →] Retry → Recoverer → Idempotent around the
-// handler, and, with an outbox, the relay of its produced messages.
+// Service is one running consumer service: a Watermill router whose handler
+// consumes the service's queue through the consumer's whole chain
+// (middleware.NewConsumer: poison → [RouteUncertain →] retry and hold →
+// recoverer → claim) around the handler, and, with an outbox, the relay of
+// its produced messages.
 type Service struct {
 	// Router is the service's router, exposed for plugins; Run and Close
 	// drive it.
@@ -161,8 +160,10 @@ type Service struct {
 // topology when it subscribes), a poison publisher on the consumer's
 // dead-letter exchange, a reconciliation publisher with Consumer.Reconcile,
 // an events publisher for PublishHandler and the outbox relay, the
-// idempotent middleware and the chain, and Workers handlers. It connects to
-// the broker; it does not start consuming or relaying (Run).
+// middleware.Consumer (which reads its processed-event table's replay
+// horizon: migrate it first) and the router's one handler. It connects to
+// the broker and the database; it does not start consuming or relaying
+// (Run).
 func NewService(cfg ServiceConfig) (*Service, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -182,49 +183,28 @@ func NewService(cfg ServiceConfig) (*Service, error) {
 	if cfg.Transport == nil {
 		cfg.Transport = AMQPTransport{URL: cfg.AMQPURL, SubscriberURL: cfg.SubscriberURL, Topology: cfg.Topology}
 	}
-	db := cfg.db()
-	idem := cfg.Idempotent
-	if idem.Beginner == nil {
-		b, err := db.TxBeginner()
-		if err != nil {
-			return nil, err
-		}
-		idem.Beginner = b
-	}
-	if idem.Store == nil && db.IsSQLite() {
-		st, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
-		if err != nil {
-			return nil, err
-		}
-		idem.Store = st
-	}
-	if idem.Consumer == "" {
-		idem.Consumer = cfg.Consumer.Name
-	}
-	idem.Outbox = cfg.Outbox
-	mw, err := inbox.NewIdempotent(idem, cfg.Logger)
-	if err != nil {
-		return nil, err
-	}
 	s := &Service{running: make(chan struct{})}
-	if err := s.build(cfg, mw); err != nil {
+	if err := s.build(cfg); err != nil {
 		s.closeAll()
 		return nil, err
 	}
 	return s, nil
 }
 
-func (s *Service) build(cfg ServiceConfig, mw *inbox.Idempotent) error {
+func (s *Service) build(cfg ServiceConfig) error {
 	var err error
-	var poisonTopic, reconcileTopic string
-	if s.poison, poisonTopic, err = cfg.Transport.PoisonPublisher(cfg.Consumer, cfg.Logger); err != nil {
+	cc := cfg.Idempotency
+	cc.DB = cfg.db().Handle()
+	if cc.Consumer == "" {
+		cc.Consumer = cfg.Consumer.Name
+	}
+	cc.Outbox = cfg.Outbox
+	if s.poison, cc.Poison.Topic, err = cfg.Transport.PoisonPublisher(cfg.Consumer, cfg.Logger); err != nil {
 		return fmt.Errorf("shop: poison publisher: %w", err)
 	}
-	chainCfg := cfg.Chain
-	chainCfg.Idempotent = mw
-	chainCfg.PoisonPublisher = s.poison
-	chainCfg.PoisonTopic = poisonTopic
+	cc.Poison.Publisher = s.poison
 	if cfg.Consumer.Reconcile {
+		var reconcileTopic string
 		if s.reconcile, reconcileTopic, err = cfg.Transport.ReconcilePublisher(cfg.Consumer, cfg.Logger); err != nil {
 			return fmt.Errorf("shop: reconciliation publisher: %w", err)
 		}
@@ -232,14 +212,14 @@ func (s *Service) build(cfg ServiceConfig, mw *inbox.Idempotent) error {
 		if err != nil {
 			return err
 		}
-		chainCfg.AfterPoison = append([]message.HandlerMiddleware{route}, cfg.Chain.AfterPoison...)
+		cc.AfterPoison = append([]message.HandlerMiddleware{route}, cfg.Idempotency.AfterPoison...)
 	}
-	// The whole chain as one handler middleware, wired per handler (never
+	// The whole chain, attached to the service's one handler (never
 	// router-wide: a router that also consumed the poison topic would wrap
 	// its handler too).
-	chain, err := inbox.NewHandlerMiddleware(chainCfg, cfg.Logger)
+	consumer, err := middleware.NewConsumer(cc, cfg.Logger)
 	if err != nil {
-		return err
+		return fmt.Errorf("shop: consumer %s: %w", cc.Consumer, err)
 	}
 	if cfg.PublishHandler != nil || cfg.Outbox != nil {
 		if s.events, err = cfg.Transport.EventsPublisher(cfg.Logger); err != nil {
@@ -263,17 +243,13 @@ func (s *Service) build(cfg ServiceConfig, mw *inbox.Idempotent) error {
 	}
 	s.Router.AddMiddleware(cfg.Middleware...)
 	queue := cfg.Topology.Queue(cfg.Consumer)
-	for i := 1; i <= cfg.Workers; i++ {
-		name := fmt.Sprintf("%s-%d", cfg.Consumer.Name, i)
-		var h *message.Handler
-		if cfg.PublishHandler != nil {
-			h = s.Router.AddHandler(name, queue, s.subscriber, cfg.PublishTopic, s.events, cfg.PublishHandler)
-		} else {
-			h = s.Router.AddConsumerHandler(name, queue, s.subscriber, cfg.Handler)
-		}
-		h.AddMiddleware(chain)
+	sub := Subscriptions(s.subscriber, cfg.Workers)
+	if cfg.PublishHandler != nil {
+		_, err = consumer.AddHandler(s.Router, cfg.Consumer.Name, queue, sub, cfg.PublishTopic, s.events, cfg.PublishHandler)
+	} else {
+		_, err = consumer.AddConsumerHandler(s.Router, cfg.Consumer.Name, queue, sub, cfg.Handler)
 	}
-	return nil
+	return err
 }
 
 // Run consumes, and relays the outbox, until ctx is done or Close is

@@ -16,15 +16,15 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/outbox"
+	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // eventProduced is the event the publishing handlers of these tests produce.
@@ -35,14 +35,16 @@ var tap = shop.Consumer{Name: "tap", Bindings: []string{eventProduced}}
 
 // runService builds cfg on b's topology and a fresh schema (processed-event
 // table, and the outbox's tables when cfg.Outbox is set), runs it until the
-// test ends and waits until it runs.
+// test ends and waits until it runs. cfg.Pool, when set, is that schema's
+// pool (the outbox's handle); otherwise a fresh one.
 func runService(t *testing.T, b *broker, cfg shop.ServiceConfig) *pgxpool.Pool {
 	t.Helper()
 	ctx := context.Background()
-	pool, _ := testenv.Pool(t)
-	store, err := processedstore.NewStore(processedstore.Config{})
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
+	pool := cfg.Pool
+	if pool == nil {
+		pool, _ = testenv.Pool(t)
+	}
+	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
 	if cfg.Outbox != nil {
 		require.NoError(t, cfg.Outbox.Migrate(ctx))
 	}
@@ -50,7 +52,7 @@ func runService(t *testing.T, b *broker, cfg shop.ServiceConfig) *pgxpool.Pool {
 	if cfg.Consumer.Name == "" {
 		cfg.Consumer = consumer
 	}
-	cfg.Chain.MaxRetries, cfg.Chain.InitialInterval, cfg.Chain.MaxInterval = 2, 5*time.Millisecond, 20*time.Millisecond
+	cfg.Idempotency.Retry = middleware.RetryConfig{MaxRetries: 2, InitialInterval: 5 * time.Millisecond, MaxInterval: 20 * time.Millisecond}
 	svc, err := shop.NewService(cfg)
 	require.NoError(t, err)
 	done := make(chan error, 1)
@@ -110,11 +112,13 @@ func TestPublishHandlerThroughOutbox(t *testing.T) {
 	b := newBroker(t)
 	b.extra = append(b.extra, tap)
 	require.NoError(t, b.topo.Declare(b.channel(), tap))
-	ob, err := outbox.New(outbox.Config{Table: "shop_outbox"}, nil)
+	pool, _ := testenv.Pool(t)
+	ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(pool), Table: "shop_outbox"}, nil)
 	require.NoError(t, err)
 	var failFirst atomic.Bool
 	failFirst.Store(true)
-	pool := runService(t, b, shop.ServiceConfig{
+	runService(t, b, shop.ServiceConfig{
+		Pool:           pool,
 		PublishHandler: produceOne(&failFirst),
 		PublishTopic:   eventProduced,
 		Outbox:         ob,
@@ -183,7 +187,7 @@ func TestReconcileQueue(t *testing.T) {
 			calls.Add(1)
 			return &operation.UncertainError{Key: "charge:o-1", Kind: "charge", Attempts: 1, Cause: errors.New("provider timed out")}
 		},
-		Chain: inbox.ChainConfig{AfterPoison: []message.HandlerMiddleware{func(h message.HandlerFunc) message.HandlerFunc {
+		Idempotency: middleware.ConsumerConfig{AfterPoison: []message.HandlerMiddleware{func(h message.HandlerFunc) message.HandlerFunc {
 			return func(msg *message.Message) ([]*message.Message, error) {
 				inner.Add(1)
 				return h(msg)

@@ -18,12 +18,11 @@ import (
 
 	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/outbox"
+	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 var consumer = shop.Consumer{Name: "stock", Bindings: []string{shop.EventOrderPlaced}}
@@ -140,9 +139,7 @@ func TestDeclare(t *testing.T) {
 func startService(t *testing.T, b *broker, h message.NoPublishHandlerFunc, mw ...message.HandlerMiddleware) *shop.Service {
 	t.Helper()
 	pool, _ := testenv.Pool(t)
-	store, err := processedstore.NewStore(processedstore.Config{})
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(context.Background(), sqldb.Pgx(pool)))
+	require.NoError(t, processed.Migrate(context.Background(), idempotency.Pgx(pool), processed.Config{}))
 	svc, err := shop.NewService(shop.ServiceConfig{
 		AMQPURL:    testenv.AMQPURL(),
 		Topology:   b.topo,
@@ -150,7 +147,9 @@ func startService(t *testing.T, b *broker, h message.NoPublishHandlerFunc, mw ..
 		Pool:       pool,
 		Handler:    h,
 		Middleware: mw,
-		Chain:      inbox.ChainConfig{MaxRetries: 2, InitialInterval: 5 * time.Millisecond, MaxInterval: 20 * time.Millisecond},
+		Idempotency: middleware.ConsumerConfig{
+			Retry: middleware.RetryConfig{MaxRetries: 2, InitialInterval: 5 * time.Millisecond, MaxInterval: 20 * time.Millisecond},
+		},
 	})
 	require.NoError(t, err)
 	done := make(chan error, 1)
@@ -196,12 +195,12 @@ func TestPoisonAndTransient(t *testing.T) {
 		mu.Unlock()
 		switch msg.UUID {
 		case permanentID:
-			return inbox.Permanent(errors.New("cannot reserve: unknown sku"))
+			return middleware.Permanent(errors.New("cannot reserve: unknown sku"))
 		case buggyID:
 			return errors.New("bug")
 		case transientID:
 			if n <= 4 { // more than MaxRetries+1: held in place, not requeued
-				return inbox.Transient(errors.New("database unavailable"))
+				return middleware.Transient(errors.New("database unavailable"))
 			}
 			transientDone.Store(true)
 		}
@@ -281,7 +280,8 @@ func TestNewServiceValidates(t *testing.T) {
 		"set one, not both":         {Handler: noop, PublishHandler: pub, PublishTopic: "x"},
 		"PublishTopic is required":  {PublishHandler: pub},
 		"only for PublishHandler":   {Handler: noop, PublishTopic: "x"},
-		"Idempotent.Outbox":         {Handler: noop, Idempotent: inbox.Config{Outbox: ob}},
+		"Idempotency.Outbox":        {Handler: noop, Idempotency: middleware.ConsumerConfig{Outbox: ob}},
+		"Idempotency.Poison":        {Handler: noop, Idempotency: middleware.ConsumerConfig{Poison: middleware.PoisonConfig{Topic: "x"}}},
 		"Workers":                   {Handler: noop, Workers: -1},
 		"Consumer.Name":             {Handler: noop, Consumer: shop.Consumer{Bindings: []string{"x"}}},
 	} {

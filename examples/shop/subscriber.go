@@ -40,7 +40,7 @@ import (
 // When the connection breaks, every unacked delivery (the one in flight
 // included) is requeued by the broker and delivered again with
 // redelivered=true: the ack of a committed delivery can be lost, which is
-// the at-least-once window the idempotent middleware closes.
+// the at-least-once window the consumer's claim closes.
 type Subscriber struct {
 	url      string
 	topology Topology
@@ -234,7 +234,7 @@ func (s *Subscriber) handle(ctx context.Context, session uint64, d amqp091.Deliv
 	}
 	// The message context keeps ctx's values but not its cancellation: the
 	// router cancels ctx as soon as it starts closing, and a handler (and the
-	// idempotent middleware's COMMIT) cut short there would turn completed
+	// consumer attempt's COMMIT) cut short there would turn completed
 	// work into a redelivery. The router bounds the wait (CloseTimeout).
 	msgCtx, cancel := context.WithCancel(context.WithValue(context.WithoutCancel(ctx), sessionKey{}, session))
 	defer cancel()

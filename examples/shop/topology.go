@@ -269,7 +269,7 @@ func (t Topology) PublisherConfig(amqpURL string) wamqp.Config {
 }
 
 // PoisonPublisherConfig is the configuration of c's poison publisher
-// (ChainConfig.PoisonPublisher), from the library's
+// (middleware.PoisonConfig.Publisher), from the library's
 // idamqp.DeadLetterConfig: idamqp.NewPoisonPublisher on c's dead-letter
 // exchange (fanout, durable), so every poisoned message lands in c's
 // dead-letter queue whatever the Watermill topic; confirmed and mandatory,

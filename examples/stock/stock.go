@@ -11,10 +11,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // Consumer is the stock service's subscription: queue "stock.events", bound
@@ -66,22 +66,16 @@ const (
 ON CONFLICT (sku) DO UPDATE SET reserved = stock_level.reserved + excluded.reserved`
 )
 
-// Migrate creates the processed-event table of store (processedstore.DefaultTable
-// when nil) and the stock tables in pool's search_path. Idempotent.
-func Migrate(ctx context.Context, pool *pgxpool.Pool, store *processedstore.Store) error {
-	return MigrateDB(ctx, shop.PgxDB(pool), store)
+// Migrate creates the processed-event table named by table
+// (processed.DefaultTable for the zero Config) and the stock tables in
+// pool's search_path. Idempotent.
+func Migrate(ctx context.Context, pool *pgxpool.Pool, table processed.Config) error {
+	return MigrateDB(ctx, shop.PgxDB(pool), table)
 }
 
-// MigrateDB is Migrate on a PostgreSQL or SQLite database. A nil store is
-// processedstore.DefaultTable in db's dialect.
-func MigrateDB(ctx context.Context, db shop.DB, store *processedstore.Store) error {
-	if store == nil {
-		var err error
-		if store, err = processedstore.NewStore(processedstore.Config{Dialect: db.Dialect}); err != nil {
-			return err
-		}
-	}
-	if err := store.Migrate(ctx, db.Querier()); err != nil {
+// MigrateDB is Migrate on a PostgreSQL or SQLite database.
+func MigrateDB(ctx context.Context, db shop.DB, table processed.Config) error {
+	if err := processed.Migrate(ctx, db.Handle(), table); err != nil {
 		return err
 	}
 	ddl := schemaSQL
@@ -96,8 +90,8 @@ func MigrateDB(ctx context.Context, db shop.DB, store *processedstore.Store) err
 
 // HandlerFor is the stock handler of a dialect: Handle on PostgreSQL (pgx),
 // HandleSQLite on SQLite.
-func HandlerFor(d sqldb.Dialect) message.NoPublishHandlerFunc {
-	if d == sqldb.SQLite {
+func HandlerFor(d idempotency.Dialect) message.NoPublishHandlerFunc {
+	if d == idempotency.SQLite {
 		return HandleSQLite
 	}
 	return Handle
@@ -106,7 +100,7 @@ func HandlerFor(d sqldb.Dialect) message.NoPublishHandlerFunc {
 // ErrNoTransaction is returned when Handle runs outside the idempotent
 // middleware (a wiring error): it refuses to write without the claim's
 // transaction. Permanent.
-var ErrNoTransaction = errors.New("stock: no transaction in the message context (is the idempotent middleware on pgx in the chain?)")
+var ErrNoTransaction = errors.New("stock: no transaction in the message context (is the handler attached through middleware.Consumer on pgx?)")
 
 // Handle reserves the lines of one EventOrderPlaced message: one reservation
 // row per line and the SKU's reserved quantity increased, in the attempt's
@@ -119,9 +113,9 @@ var ErrNoTransaction = errors.New("stock: no transaction in the message context 
 // are returned as they are, for the chain to classify.
 func Handle(msg *message.Message) error {
 	ctx := msg.Context()
-	tx, ok := inbox.PgxTxFromContext(ctx)
+	tx, ok := middleware.PgxTxFromContext(ctx)
 	if !ok {
-		return inbox.Permanent(ErrNoTransaction)
+		return middleware.Permanent(ErrNoTransaction)
 	}
 	ev, lines, err := decode(msg)
 	if err != nil {
@@ -139,22 +133,22 @@ func Handle(msg *message.Message) error {
 }
 
 // HandleSQLite is Handle on SQLite: the same rows, one statement at a time in
-// the attempt's database/sql transaction (inbox.QuerierFromContext).
+// the attempt's database/sql transaction (middleware.SQLTxFromContext).
 func HandleSQLite(msg *message.Message) error {
 	ctx := msg.Context()
-	q, ok := inbox.QuerierFromContext(ctx)
+	tx, ok := middleware.SQLTxFromContext(ctx)
 	if !ok {
-		return inbox.Permanent(ErrNoTransaction)
+		return middleware.Permanent(ErrNoTransaction)
 	}
 	ev, lines, err := decode(msg)
 	if err != nil {
 		return err
 	}
 	for _, l := range lines {
-		if _, err := q.Exec(ctx, sqliteInsertReservationSQL, ev.OrderID, l.LineNo, l.SKU, l.Quantity, msg.UUID); err != nil {
+		if _, err := tx.ExecContext(ctx, sqliteInsertReservationSQL, ev.OrderID, l.LineNo, l.SKU, l.Quantity, msg.UUID); err != nil {
 			return fmt.Errorf("stock: reserve order %s: %w", ev.OrderID, err)
 		}
-		if _, err := q.Exec(ctx, sqliteAddReservedSQL, l.SKU, l.Quantity); err != nil {
+		if _, err := tx.ExecContext(ctx, sqliteAddReservedSQL, l.SKU, l.Quantity); err != nil {
 			return fmt.Errorf("stock: reserve order %s: %w", ev.OrderID, err)
 		}
 	}
@@ -166,18 +160,18 @@ func HandleSQLite(msg *message.Message) error {
 func decode(msg *message.Message) (shop.OrderPlaced, []shop.OrderLine, error) {
 	var ev shop.OrderPlaced
 	if err := json.Unmarshal(msg.Payload, &ev); err != nil {
-		return ev, nil, inbox.Permanent(fmt.Errorf("stock: payload: %w", err))
+		return ev, nil, middleware.Permanent(fmt.Errorf("stock: payload: %w", err))
 	}
 	if ev.OrderID == "" || len(ev.Lines) == 0 {
-		return ev, nil, inbox.Permanent(fmt.Errorf("stock: payload: order id and at least one line required"))
+		return ev, nil, middleware.Permanent(fmt.Errorf("stock: payload: order id and at least one line required"))
 	}
 	lines := append([]shop.OrderLine(nil), ev.Lines...)
 	for _, l := range lines {
 		if err := shop.ValidateQuantity(l.Quantity); err != nil {
-			return ev, nil, inbox.Permanent(fmt.Errorf("stock: order %s line %d: %w", ev.OrderID, l.LineNo, err))
+			return ev, nil, middleware.Permanent(fmt.Errorf("stock: order %s line %d: %w", ev.OrderID, l.LineNo, err))
 		}
 		if l.SKU == "" || l.LineNo <= 0 {
-			return ev, nil, inbox.Permanent(fmt.Errorf("stock: order %s: line %d: sku and positive line_no required", ev.OrderID, l.LineNo))
+			return ev, nil, middleware.Permanent(fmt.Errorf("stock: order %s: line %d: sku and positive line_no required", ev.OrderID, l.LineNo))
 		}
 	}
 	sort.SliceStable(lines, func(i, j int) bool { return lines[i].SKU < lines[j].SKU })

@@ -9,28 +9,43 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/examples/stock"
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
 )
+
+// newConsumer is the stock consumer on db, as shop.NewService builds it,
+// with a poison publisher that accepts everything.
+func newConsumer(t *testing.T, db idempotency.DB) *middleware.Consumer {
+	t.Helper()
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+		Consumer: stock.Consumer.Name,
+		DB:       db,
+		Poison:   middleware.PoisonConfig{Publisher: discard{}, Topic: "stock.events.dlq"},
+	}, nil)
+	require.NoError(t, err)
+	return c
+}
+
+// discard is a poison publisher that accepts and drops every message.
+type discard struct{}
+
+func (discard) Publish(string, ...*message.Message) error { return nil }
+func (discard) Close() error                              { return nil }
 
 func setup(t *testing.T) (*pgxpool.Pool, idempotencytest.Subject) {
 	t.Helper()
 	pool, _ := testenv.Pool(t)
-	require.NoError(t, stock.Migrate(context.Background(), pool, nil))
-	idem, err := inbox.NewIdempotent(inbox.Config{
-		Beginner: mustBeginner(inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})),
-		Consumer: stock.Consumer.Name,
-	}, nil)
-	require.NoError(t, err)
+	require.NoError(t, stock.Migrate(context.Background(), pool, processed.Config{}))
 	return pool, idempotencytest.Subject{
-		Handler:    idempotencytest.NoPublish(stock.Handle),
-		Middleware: []message.HandlerMiddleware{idem.Middleware},
+		Handler:  idempotencytest.NoPublish(stock.Handle),
+		Consumer: newConsumer(t, idempotency.Pgx(pool)),
 		Effects: func(ctx context.Context, msg *message.Message) (int, error) {
 			var n int
 			err := pool.QueryRow(ctx, `SELECT count(*) FROM reservation WHERE event_id = $1`, msg.UUID).Scan(&n)
@@ -73,7 +88,14 @@ func TestReserveOnceConcurrently(t *testing.T) {
 func TestBadPayloadIsPermanent(t *testing.T) {
 	t.Parallel()
 	pool, s := setup(t)
-	h := s.Middleware[0](s.Handler)
+	// The claim layer alone (internal: the consumer's chain would poison
+	// and ack), so the handler's error class is seen.
+	idem, err := inbox.NewIdempotent(inbox.Config{
+		Beginner: mustBeginner(inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})),
+		Consumer: stock.Consumer.Name,
+	}, nil)
+	require.NoError(t, err)
+	h := idem.Middleware(s.Handler)
 	for _, p := range []string{
 		`not json`,
 		`{"order_id":"","lines":[{"line_no":1,"sku":"a","quantity":"1"}]}`,
@@ -88,7 +110,7 @@ func TestBadPayloadIsPermanent(t *testing.T) {
 		}
 		_, err = h(msg)
 		require.Error(t, err, p)
-		require.True(t, inbox.IsPermanent(err), "%s: %v", p, err)
+		require.True(t, middleware.IsPermanent(err), "%s: %v", p, err)
 	}
 	var n int
 	require.NoError(t, pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM reservation) + (SELECT count(*) FROM processed_event)`).Scan(&n))
@@ -99,24 +121,16 @@ func TestHandleOutsideMiddleware(t *testing.T) {
 	t.Parallel()
 	err := stock.Handle(placed(t, "o-1"))
 	require.ErrorIs(t, err, stock.ErrNoTransaction)
-	require.True(t, inbox.IsPermanent(err))
+	require.True(t, middleware.IsPermanent(err))
 }
 
 func setupSQLite(t *testing.T) (*sql.DB, idempotencytest.Subject) {
 	t.Helper()
 	db := testenv.SQLiteDB(t)
-	require.NoError(t, stock.MigrateDB(context.Background(), shop.SQLiteDB(db), nil))
-	store, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
-	require.NoError(t, err)
-	idem, err := inbox.NewIdempotent(inbox.Config{
-		Beginner: mustBeginner(inbox.NewStdBeginner(db)),
-		Store:    store,
-		Consumer: stock.Consumer.Name,
-	}, nil)
-	require.NoError(t, err)
+	require.NoError(t, stock.MigrateDB(context.Background(), shop.SQLiteDB(db), processed.Config{}))
 	return db, idempotencytest.Subject{
-		Handler:    idempotencytest.NoPublish(stock.HandlerFor(sqldb.SQLite)),
-		Middleware: []message.HandlerMiddleware{idem.Middleware},
+		Handler:  idempotencytest.NoPublish(stock.HandlerFor(idempotency.SQLite)),
+		Consumer: newConsumer(t, idempotency.SQL(db, idempotency.SQLite)),
 		Effects: func(ctx context.Context, msg *message.Message) (int, error) {
 			var n int
 			err := db.QueryRowContext(ctx, `SELECT count(*) FROM reservation WHERE event_id = ?`, msg.UUID).Scan(&n)

@@ -19,6 +19,7 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/examples/stock"
+	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 func main() {
@@ -45,7 +46,7 @@ func run(workers int) error {
 		return err
 	}
 	defer pool.Close()
-	if err := stock.Migrate(ctx, pool, nil); err != nil {
+	if err := stock.Migrate(ctx, pool, processed.Config{}); err != nil {
 		return err
 	}
 	svc, err := shop.NewService(shop.ServiceConfig{
