@@ -1,0 +1,16 @@
+package analyzer_test
+
+import (
+	"testing"
+
+	"golang.org/x/tools/go/analysis/analysistest"
+
+	"github.com/watermill-idempotency/idempotency/cmd/idemvet/analyzer"
+)
+
+// Each package under testdata/src holds the true positives of one rule
+// (lines with a // want comment) and the code it must not report.
+
+func TestPoolWrite(t *testing.T) {
+	analysistest.Run(t, analysistest.TestData(), analyzer.Analyzer, "poolwrite")
+}
