@@ -14,3 +14,23 @@ import (
 func TestPoolWrite(t *testing.T) {
 	analysistest.Run(t, analysistest.TestData(), analyzer.Analyzer, "poolwrite")
 }
+
+func TestTxEnd(t *testing.T) {
+	analysistest.Run(t, analysistest.TestData(), analyzer.Analyzer, "txend")
+}
+
+func TestHTTPOutsideOperation(t *testing.T) {
+	analysistest.Run(t, analysistest.TestData(), analyzer.Analyzer, "httpcall")
+}
+
+func TestReceptionID(t *testing.T) {
+	analysistest.Run(t, analysistest.TestData(), analyzer.Analyzer, "eventid")
+}
+
+func TestHandlerForms(t *testing.T) {
+	analysistest.Run(t, analysistest.TestData(), analyzer.Analyzer, "handlers")
+}
+
+func TestIgnoreDirective(t *testing.T) {
+	analysistest.Run(t, analysistest.TestData(), analyzer.Analyzer, "ignore")
+}
