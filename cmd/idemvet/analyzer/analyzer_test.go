@@ -12,25 +12,31 @@ import (
 // (lines with a // want comment) and the code it must not report.
 
 func TestPoolWrite(t *testing.T) {
+	t.Parallel()
 	analysistest.Run(t, analysistest.TestData(), analyzer.Analyzer, "poolwrite")
 }
 
 func TestTxEnd(t *testing.T) {
+	t.Parallel()
 	analysistest.Run(t, analysistest.TestData(), analyzer.Analyzer, "txend")
 }
 
 func TestHTTPOutsideOperation(t *testing.T) {
+	t.Parallel()
 	analysistest.Run(t, analysistest.TestData(), analyzer.Analyzer, "httpcall")
 }
 
 func TestReceptionID(t *testing.T) {
+	t.Parallel()
 	analysistest.Run(t, analysistest.TestData(), analyzer.Analyzer, "eventid")
 }
 
 func TestHandlerForms(t *testing.T) {
+	t.Parallel()
 	analysistest.Run(t, analysistest.TestData(), analyzer.Analyzer, "handlers")
 }
 
 func TestIgnoreDirective(t *testing.T) {
+	t.Parallel()
 	analysistest.Run(t, analysistest.TestData(), analyzer.Analyzer, "ignore")
 }

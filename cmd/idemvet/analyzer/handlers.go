@@ -6,28 +6,57 @@ import (
 	"go/types"
 )
 
-// checkHandlers finds the handlers attached behind the consumer's
-// middleware and checks rules pool-write and http-outside-op in them.
+// checkHandlers finds the handlers and checks rules pool-write and
+// http-outside-op in them. A handler is a function attached behind the
+// consumer's middleware (the handler argument of a consumer door), or a
+// function of handler type that reads the attempt's transaction (it
+// expects to run behind the middleware wherever it is attached, another
+// package included).
 func (c *checker) checkHandlers() {
+	check := func(h ast.Node) {
+		w := &handlerWalk{c: c, visited: make(map[walkKey]bool)}
+		lit, _ := h.(*ast.FuncLit)
+		w.walk(funcBody(h), c.inOp[lit], 0, nil, false)
+	}
 	for _, f := range c.pass.Files {
 		ast.Inspect(f, func(n ast.Node) bool {
-			call, ok := n.(*ast.CallExpr)
-			if !ok || !isMethod(c.callee(call), middlewarePath, consumerType, consumerDoors) {
-				return true
-			}
-			for _, a := range call.Args {
-				if !isHandlerType(c.typeOf(a)) {
-					continue
+			switch n := n.(type) {
+			case *ast.CallExpr:
+				if !isMethod(c.callee(n), middlewarePath, consumerType, consumerDoors) {
+					return true
 				}
-				w := &handlerWalk{c: c, visited: make(map[walkKey]bool)}
-				for _, h := range c.handlerFuncs(a, true) {
-					lit, _ := h.(*ast.FuncLit)
-					w.walk(funcBody(h), c.inOp[lit], 0)
+				for _, a := range n.Args {
+					if isHandlerType(c.typeOf(a)) {
+						for _, h := range c.handlerFuncs(a, true) {
+							check(h)
+						}
+					}
+				}
+			case *ast.FuncDecl:
+				if fn, ok := c.pass.TypesInfo.Defs[n.Name].(*types.Func); ok && n.Body != nil &&
+					isHandlerType(fn.Type()) && c.readsAttemptTx(n.Body) {
+					check(n)
+				}
+			case *ast.FuncLit:
+				if isHandlerType(c.typeOf(n)) && c.readsAttemptTx(n.Body) {
+					check(n)
 				}
 			}
 			return true
 		})
 	}
+}
+
+// readsAttemptTx reports whether body calls an attempt accessor.
+func (c *checker) readsAttemptTx(body *ast.BlockStmt) bool {
+	found := false
+	ast.Inspect(body, func(n ast.Node) bool {
+		if call, ok := n.(*ast.CallExpr); ok && isFuncRef(c.callee(call), attemptTxAccessors) {
+			found = true
+		}
+		return !found
+	})
+	return found
 }
 
 // isHandlerType reports whether t is a function type whose first parameter
@@ -117,34 +146,40 @@ type handlerWalk struct {
 }
 
 type walkKey struct {
-	body *ast.BlockStmt
-	inOp bool
+	body      *ast.BlockStmt
+	inOp, all bool
 }
 
 // walk checks body; inOp is true inside a function passed to an operation
-// scope, depth is 0 in the handler and 1 in a function it calls.
-func (w *handlerWalk) walk(body *ast.BlockStmt, inOp bool, depth int) {
-	if body == nil || w.visited[walkKey{body, inOp}] {
+// scope, depth is 0 in the handler and 1 in a function it calls. outer
+// holds the ranges of the enclosing function that run with no attempt
+// (see noAttempt); all is true when the whole body does.
+func (w *handlerWalk) walk(body *ast.BlockStmt, inOp bool, depth int, outer []posRange, all bool) {
+	if body == nil || w.visited[walkKey{body, inOp, all}] {
 		return
 	}
-	w.visited[walkKey{body, inOp}] = true
+	w.visited[walkKey{body, inOp, all}] = true
 	c := w.c
+	none := append(c.noAttempt(body), outer...)
 	ast.Inspect(body, func(n ast.Node) bool {
 		switch n := n.(type) {
 		case *ast.FuncLit:
 			if c.inOp[n] && !inOp {
-				w.walk(n.Body, true, depth)
+				w.walk(n.Body, true, depth, none, all)
 				return false
 			}
 		case *ast.CallExpr:
 			fn := c.callee(n)
-			c.checkOutsideHandle(n, fn)
+			noAttempt := all || within(none, n.Pos())
+			if !noAttempt {
+				c.checkOutsideHandle(n, fn)
+			}
 			if !inOp {
 				c.checkHTTP(n, fn)
 			}
 			if depth == 0 {
 				if d := c.followable(n, fn); d != nil {
-					w.walk(d.Body, inOp, depth+1)
+					w.walk(d.Body, inOp, depth+1, nil, noAttempt)
 				}
 			}
 		}

@@ -108,3 +108,56 @@ func (r *repo) viaMessage(msg *message.Message) error {
 	_, err := r.pool.Exec(context.Background(), "DELETE FROM viamessage") // want `write through \*pgxpool.Pool in a handler \(Exec\)`
 	return err
 }
+
+// A function of handler type that reads the attempt's transaction is a
+// handler wherever it is attached (another package included).
+func Reserve(msg *message.Message) error {
+	tx, _ := middleware.PgxTxFromContext(msg.Context())
+	tx.Exec(msg.Context(), "UPDATE stock SET n = n - 1")
+	pool.Exec(msg.Context(), "INSERT INTO audit VALUES (1)") // want `write through \*pgxpool.Pool in a handler \(Exec\)`
+	return nil
+}
+
+// Paths that run only without an attempt's transaction (a handler that
+// also works behind a plain router) are not in an attempt.
+func Fallback(msg *message.Message) error {
+	ctx := msg.Context()
+	if tx, ok := middleware.PgxTxFromContext(ctx); ok {
+		_, err := tx.Exec(ctx, "INSERT INTO effect VALUES (1)")
+		return err
+	}
+	_, err := pool.Exec(ctx, "INSERT INTO effect VALUES (1)")
+	return err
+}
+
+func FallbackNot(msg *message.Message) error {
+	ctx := msg.Context()
+	tx, ok := middleware.PgxTxFromContext(ctx)
+	if !ok {
+		pool.Exec(ctx, "INSERT INTO effect VALUES (1)")
+		return fallbackHelper(ctx)
+	}
+	if ok {
+		tx.Exec(ctx, "INSERT INTO effect VALUES (1)")
+	} else {
+		pool.Exec(ctx, "INSERT INTO effect VALUES (1)")
+	}
+	pool.Exec(ctx, "INSERT INTO effect VALUES (2)") // want `write through \*pgxpool.Pool in a handler \(Exec\)`
+	return nil
+}
+
+func fallbackHelper(ctx context.Context) error {
+	_, err := pool.Exec(ctx, "INSERT INTO effect VALUES (3)")
+	return err
+}
+
+func Guarded(msg *message.Message) error {
+	ctx := msg.Context()
+	tx, ok := middleware.PgxTxFromContext(ctx)
+	if !ok {
+		return nil
+	}
+	tx.Exec(ctx, "INSERT INTO effect VALUES (1)")
+	pool.Exec(ctx, "INSERT INTO effect VALUES (2)") // want `write through \*pgxpool.Pool in a handler \(Exec\)`
+	return nil
+}
