@@ -273,6 +273,6 @@ func (c *checker) checkHTTP(call *ast.CallExpr, fn *types.Func) {
 		return
 	}
 	c.report(call, ruleHTTP, fmt.Sprintf(
-		"idemvet: HTTP call (%s) in a handler outside an operation key: make it inside (*operation.Runner).%s so a redelivery does not repeat it",
+		"idemvet: HTTP call (%s) in a handler outside an operation key: make the call inside (*operation.Runner).%s so that a redelivery does not repeat it",
 		what, operationScopes[0]))
 }
