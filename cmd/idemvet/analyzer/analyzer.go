@@ -5,7 +5,6 @@ import (
 	"go/constant"
 	"go/token"
 	"go/types"
-	"strings"
 
 	"golang.org/x/tools/go/analysis"
 	"golang.org/x/tools/go/types/typeutil"
@@ -120,7 +119,7 @@ func (c *checker) index() {
 	for _, f := range c.pass.Files {
 		ast.Inspect(f, func(n ast.Node) bool {
 			call, ok := n.(*ast.CallExpr)
-			if !ok || !isMethod(c.callee(call), operationPath, runnerType, setOf(operationScopes)) {
+			if !ok || !isMethod(c.callee(call), operationPath, runnerType, operationScopeSet) {
 				return true
 			}
 			for _, a := range call.Args {
@@ -238,8 +237,11 @@ func isFunc(fn *types.Func, pkg string, names map[string]bool) bool {
 }
 
 func isFuncRef(fn *types.Func, refs []funcRef) bool {
+	if fn == nil || fn.Pkg() == nil || fn.Type().(*types.Signature).Recv() != nil {
+		return false
+	}
 	for _, r := range refs {
-		if isFunc(fn, r.pkg, map[string]bool{r.name: true}) {
+		if fn.Pkg().Path() == r.pkg && fn.Name() == r.name {
 			return true
 		}
 	}
@@ -271,8 +273,6 @@ func isContext(t types.Type) bool {
 	return p == "context" && n == "Context"
 }
 
-func setOf(names []string) map[string]bool { return set(names...) }
-
 // funcBody returns the body of a *ast.FuncDecl or *ast.FuncLit.
 func funcBody(n ast.Node) *ast.BlockStmt {
 	switch n := n.(type) {
@@ -296,5 +296,3 @@ func shortName(fn *types.Func) string {
 	}
 	return fn.Name()
 }
-
-func trimStar(s string) string { return strings.TrimPrefix(s, "*") }

@@ -181,7 +181,7 @@ func (c *checker) newMessage(e ast.Expr) (id, payload ast.Expr, ok bool) {
 	}
 	switch e := e.(type) {
 	case *ast.CallExpr:
-		if isFunc(c.callee(e), messagePath, set("NewMessage")) && len(e.Args) == 2 {
+		if isFunc(c.callee(e), messagePath, newMessageFuncs) && len(e.Args) == 2 {
 			return e.Args[0], e.Args[1], true
 		}
 	case *ast.CompositeLit:

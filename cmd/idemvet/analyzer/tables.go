@@ -31,6 +31,8 @@ const runnerType = "Runner"
 
 var operationScopes = []string{"Run", "Do"}
 
+var operationScopeSet = set(operationScopes...)
+
 // attemptTxAccessors return the attempt's transaction as their first result.
 var attemptTxAccessors = []funcRef{
 	{middlewarePath, "PgxTxFromContext"},
@@ -82,6 +84,9 @@ var txEndMethods = set("Commit", "Rollback")
 // execMethods run a statement on a transaction; their constant SQL is
 // checked for statements that end the transaction (endsTransaction).
 var execMethods = set("Exec", "ExecContext")
+
+// newMessageFuncs build a message from (id, payload).
+var newMessageFuncs = set("NewMessage")
 
 // idGenerators mint a new identifier at each call (random or time-based).
 // Name-based UUIDs (uuid.NewMD5, uuid.NewSHA1, uuid.NewHash) are derived
