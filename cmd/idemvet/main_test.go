@@ -15,7 +15,7 @@ import (
 // TestGoVetVettool builds idemvet and runs it the way users do, through
 // go vet -vettool, on a small module whose dependencies are the analyzer's
 // test stubs: the diagnostics come back as go vet's, with their positions,
-// and go vet fails.
+// across packages (facts), and go vet fails.
 func TestGoVetVettool(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds the tool and a module")
@@ -65,6 +65,32 @@ func Wire(c *middleware.Consumer, r *message.Router, sub message.Subscriber, poo
 	})
 }
 `)
+	writeFile(t, filepath.Join(shop, "billing", "billing.go"), `package billing
+
+import (
+	"net/http"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+func Charge(msg *message.Message) error {
+	_, err := http.Post("https://psp.example/charges", "application/json", nil)
+	return err
+}
+`)
+	writeFile(t, filepath.Join(shop, "wire.go"), `package shop
+
+import (
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"example.com/shop/billing"
+	"github.com/watermill-idempotency/idempotency/middleware"
+)
+
+func WireBilling(c *middleware.Consumer, r *message.Router, sub message.Subscriber) {
+	c.AddConsumerHandler(r, "charge", "order.placed", sub, billing.Charge)
+}
+`)
 	env := []string{"GOWORK=off", "GOPROXY=off", "GOFLAGS=-mod=mod", "GOTOOLCHAIN=local"}
 	cmd := exec.Command("go", "vet", "-vettool="+bin, "./...")
 	cmd.Dir = shop
@@ -77,6 +103,10 @@ func Wire(c *middleware.Consumer, r *message.Router, sub message.Subscriber, poo
 		t.Fatalf("go vet: want a failing exit status, got %v\n%s", err, out.String())
 	}
 	want := "stock.go:12:13: idemvet: write through *pgxpool.Pool in a handler (Exec): use the attempt's transaction (middleware.PgxTxFromContext) so the effect commits with the claim"
+	if !strings.Contains(out.String(), want) {
+		t.Errorf("go vet output lacks %q:\n%s", want, out.String())
+	}
+	want = "wire.go:11:57: idemvet: HTTP call (http.Post) in a handler outside an operation key: make the call inside (*operation.Runner).Run so that a redelivery does not repeat it [in handler billing.Charge, billing.go:10:12]"
 	if !strings.Contains(out.String(), want) {
 		t.Errorf("go vet output lacks %q:\n%s", want, out.String())
 	}

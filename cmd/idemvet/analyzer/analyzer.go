@@ -22,8 +22,9 @@ and .AddHandler of github.com/watermill-idempotency/idempotency:
   reception-id    a fresh UUID assigned to a received message (msg.UUID = watermill.NewUUID(), …)
   http-outside-op an HTTP call in a handler outside (*operation.Runner).Run
 A line ending with "//idemvet:ignore <reason>" is not reported.`,
-	URL: "https://pkg.go.dev/github.com/watermill-idempotency/idempotency/cmd/idemvet/analyzer",
-	Run: run,
+	URL:       "https://pkg.go.dev/github.com/watermill-idempotency/idempotency/cmd/idemvet/analyzer",
+	Run:       run,
+	FactTypes: []analysis.Fact{new(handlerFindings)},
 }
 
 // Rule names: the Category of each diagnostic.
@@ -48,6 +49,11 @@ type checker struct {
 	inOp map[*ast.FuncLit]bool
 
 	reported map[reportKey]bool
+	// sink, when set, receives the diagnostics instead of the pass
+	// (handlerFacts).
+	sink func(n ast.Node, rule, msg string)
+	// handled: the functions declared here that were checked as handlers.
+	handled map[*ast.FuncDecl]bool
 }
 
 type reportKey struct {
@@ -63,9 +69,11 @@ func run(pass *analysis.Pass) (any, error) {
 		funcLits: make(map[*types.Var][]*ast.FuncLit),
 		inOp:     make(map[*ast.FuncLit]bool),
 		reported: make(map[reportKey]bool),
+		handled:  make(map[*ast.FuncDecl]bool),
 	}
 	c.index()
 	c.checkHandlers()
+	c.exportHandlerFacts()
 	c.checkAttemptTx()
 	c.checkEventIDs()
 	c.ignores.reportMissingReasons(c)
@@ -75,6 +83,12 @@ func run(pass *analysis.Pass) (any, error) {
 // report reports msg on n under rule unless an ignore comment covers n;
 // a position is reported once whatever the paths that reach it.
 func (c *checker) report(n ast.Node, rule, msg string) {
+	if c.sink != nil {
+		if !c.ignores.covers(n) {
+			c.sink(n, rule, msg)
+		}
+		return
+	}
 	k := reportKey{n.Pos(), msg}
 	if c.reported[k] {
 		return

@@ -40,3 +40,8 @@ func TestIgnoreDirective(t *testing.T) {
 	t.Parallel()
 	analysistest.Run(t, analysistest.TestData(), analyzer.Analyzer, "ignore")
 }
+
+func TestHandlerInAnotherPackage(t *testing.T) {
+	t.Parallel()
+	analysistest.Run(t, analysistest.TestData(), analyzer.Analyzer, "handlerpkg", "wiring")
+}

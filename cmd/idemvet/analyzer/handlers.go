@@ -14,9 +14,10 @@ import (
 // package included).
 func (c *checker) checkHandlers() {
 	check := func(h ast.Node) {
-		w := &handlerWalk{c: c, visited: make(map[walkKey]bool)}
-		lit, _ := h.(*ast.FuncLit)
-		w.walk(funcBody(h), c.inOp[lit], 0, nil, false)
+		if d, ok := h.(*ast.FuncDecl); ok {
+			c.handled[d] = true
+		}
+		c.walkHandler(h)
 	}
 	for _, f := range c.pass.Files {
 		ast.Inspect(f, func(n ast.Node) bool {
@@ -30,6 +31,7 @@ func (c *checker) checkHandlers() {
 						for _, h := range c.handlerFuncs(a, true) {
 							check(h)
 						}
+						c.reportImported(a)
 					}
 				}
 			case *ast.FuncDecl:
@@ -45,6 +47,13 @@ func (c *checker) checkHandlers() {
 			return true
 		})
 	}
+}
+
+// walkHandler checks one handler: a *ast.FuncDecl or *ast.FuncLit.
+func (c *checker) walkHandler(h ast.Node) {
+	w := &handlerWalk{c: c, visited: make(map[walkKey]bool)}
+	lit, _ := h.(*ast.FuncLit)
+	w.walk(funcBody(h), c.inOp[lit], 0, nil, false)
 }
 
 // readsAttemptTx reports whether body calls an attempt accessor.
