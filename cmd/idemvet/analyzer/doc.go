@@ -31,6 +31,14 @@
 // methods declared in the package that it calls with a *message.Message or
 // a context.Context argument; not further, and not into other packages.
 //
+// A handler declared in another package and attached with a consumer door
+// (as pkg.F, a method value x.M, or a conversion of one) is reported at the
+// handler argument, with its name and the finding's position: each package
+// records (as an analysis fact) what the two rules find in its exported
+// functions and methods of handler type that it did not check as handlers
+// itself, after its own ignore directives. A handler reached through an
+// interface or a struct field is not resolved.
+//
 // # pool-write: a write through a pool instead of the attempt's transaction
 //
 // In a handler, a call of a method of *pgxpool.Pool, *pgxpool.Conn,
