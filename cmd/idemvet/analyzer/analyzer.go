@@ -16,12 +16,14 @@ var Analyzer = &analysis.Analyzer{
 	Doc: `report effects that escape the idempotent consumer's transaction
 
 idemvet checks the handlers attached with (*middleware.Consumer).AddConsumerHandler
-and .AddHandler of github.com/watermill-idempotency/idempotency:
+and .AddHandler of github.com/watermill-idempotency/idempotency, and the functions
+taking a *message.Message that read the attempt's transaction:
   pool-write      a write through *pgxpool.Pool, *pgx.Conn, *sql.DB, … instead of the attempt's transaction
   tx-end          Commit/Rollback (or Exec "COMMIT", …) of the attempt's transaction
   reception-id    a fresh UUID assigned to a received message (msg.UUID = watermill.NewUUID(), …)
   http-outside-op an HTTP call in a handler outside (*operation.Runner).Run
-A line ending with "//idemvet:ignore <reason>" is not reported.`,
+A line ending with "//idemvet:ignore <reason>" (or following one alone on its
+line) is not reported. The package documentation defines each rule.`,
 	URL:       "https://pkg.go.dev/github.com/watermill-idempotency/idempotency/cmd/idemvet/analyzer",
 	Run:       run,
 	FactTypes: []analysis.Fact{new(handlerFindings)},
