@@ -38,6 +38,6 @@ func wire(c *middleware.Consumer, r *message.Router, sub message.Subscriber, poo
 // The directive works for every rule.
 func endsOnPurpose(msg *message.Message) error {
 	var tx, _ = middleware.PgxTxFromContext(msg.Context())
-	tx.Exec(msg.Context(), "COMMIT") // want `Exec "COMMIT" ends the attempt's transaction`
+	tx.Exec(msg.Context(), "COMMIT")  // want `Exec "COMMIT" ends the attempt's transaction`
 	return tx.Rollback(msg.Context()) //idemvet:ignore this test handler fails the attempt on purpose
 }
