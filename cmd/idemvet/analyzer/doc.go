@@ -87,7 +87,8 @@
 //
 // # reception-id: an event id minted at reception
 //
-// Anywhere in the package. A fresh id is a call of a generator in
+// Anywhere in the package except its _test.go files (a test produces the
+// events it delivers, whatever helper builds them). A fresh id is a call of a generator in
 // idGenerators (watermill.NewUUID, NewShortUUID, NewULID; uuid.New,
 // NewString, NewRandom, NewV7, …; gofrs/uuid, ulid, ksuid, xid,
 // shortuuid), its String(), a Must(…) or conversion of one, or a variable
