@@ -106,7 +106,7 @@ func WireBilling(c *middleware.Consumer, r *message.Router, sub message.Subscrib
 	if !strings.Contains(out.String(), want) {
 		t.Errorf("go vet output lacks %q:\n%s", want, out.String())
 	}
-	want = "wire.go:11:57: idemvet: HTTP call (http.Post) in a handler outside an operation key: make the call inside (*operation.Runner).Run so that a redelivery does not repeat it [in handler billing.Charge, billing.go:10:12]"
+	want = "wire.go:11:57: idemvet: HTTP call (http.Post) in a handler outside an operation key: make the call inside (*operation.Runner).Do so that a redelivery does not repeat it [in handler billing.Charge, billing.go:10:12]"
 	if !strings.Contains(out.String(), want) {
 		t.Errorf("go vet output lacks %q:\n%s", want, out.String())
 	}

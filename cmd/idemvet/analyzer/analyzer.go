@@ -21,7 +21,7 @@ taking a *message.Message that read the attempt's transaction:
   pool-write      a write through *pgxpool.Pool, *pgx.Conn, *sql.DB, … instead of the attempt's transaction
   tx-end          Commit/Rollback (or Exec "COMMIT", …) of the attempt's transaction
   reception-id    a fresh UUID assigned to a received message (msg.UUID = watermill.NewUUID(), …)
-  http-outside-op an HTTP call in a handler outside (*operation.Runner).Run
+  http-outside-op an HTTP call in a handler outside (*operation.Runner).Do
 A line ending with "//idemvet:ignore <reason>" (or following one alone on its
 line) is not reported. The package documentation defines each rule.`,
 	URL:       "https://pkg.go.dev/github.com/watermill-idempotency/idempotency/cmd/idemvet/analyzer",
@@ -47,7 +47,7 @@ type checker struct {
 	// funcLits: the function literals assigned to each variable.
 	funcLits map[*types.Var][]*ast.FuncLit
 	// inOp: the function literals passed to an operation scope
-	// (Runner.Run), directly or through a variable.
+	// (Runner.Do), directly or through a variable.
 	inOp map[*ast.FuncLit]bool
 
 	reported map[reportKey]bool

@@ -119,7 +119,7 @@
 //
 // In a handler, a call of (*http.Client).Do, Get, Post, PostForm or Head,
 // or of http.Get, Post, PostForm or Head, unless it is inside a function
-// literal passed to (*operation.Runner).Run or .Do (directly, or through a
+// literal passed to (*operation.Runner).Do or .Run (directly, or through a
 // variable bound to the literal) or in a function of the package that such
 // a literal calls. http.NewRequest sends nothing; the Do that sends it is
 // reported. Calls made by client libraries (their net/http calls are in

@@ -29,7 +29,7 @@ var consumerDoors = set("AddConsumerHandler", "AddHandler")
 // diagnostics recommend.
 const runnerType = "Runner"
 
-var operationScopes = []string{"Run", "Do"}
+var operationScopes = []string{"Do", "Run"}
 
 var operationScopeSet = set(operationScopes...)
 

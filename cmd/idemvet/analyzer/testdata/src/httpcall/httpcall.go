@@ -24,7 +24,7 @@ func (b *billing) register(c *middleware.Consumer, r *message.Router, sub messag
 func (b *billing) handle(msg *message.Message) error {
 	ctx := msg.Context()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "https://psp.example/charges", nil)
-	b.client.Do(req)                               // want `idemvet: HTTP call \(http.Client.Do\) in a handler outside an operation key: make the call inside \(\*operation.Runner\).Run so that a redelivery does not repeat it`
+	b.client.Do(req)                               // want `idemvet: HTTP call \(http.Client.Do\) in a handler outside an operation key: make the call inside \(\*operation.Runner\).Do so that a redelivery does not repeat it`
 	http.DefaultClient.Do(req)                     // want `HTTP call \(http.Client.Do\)`
 	http.Get("https://psp.example/")               // want `HTTP call \(http.Get\)`
 	http.Post("https://psp.example/", "", nil)     // want `HTTP call \(http.Post\)`
