@@ -31,6 +31,7 @@ const (
 	DefaultMaxHold              = inbox.DefaultMaxHold
 	DefaultMaxHeaderBytes       = inbox.DefaultMaxHeaderBytes
 	DefaultMaxCopiedHeaderBytes = inbox.DefaultMaxCopiedHeaderBytes
+	DefaultMaxCrashes           = 3
 )
 
 // Metadata keys the consumer sets on a poisoned message, besides
@@ -154,6 +155,20 @@ type ConsumerConfig struct {
 	// a SAVEPOINT, instead of beginning one on DB. Use it only with a
 	// watermill-sql subscriber on DB.
 	JoinSQLSubscriber bool
+
+	// MaxCrashes bounds how many attempts of one message may start and never
+	// end — the process died in them (out of memory, a fatal error,
+	// os.Exit, a liveness probe killing a hung handler) — before the message
+	// is dead-lettered with reason "crash_loop" (ErrCrashLoop, permanent),
+	// so that it stops killing every consumer that receives it and the
+	// messages behind it are applied. Attempts are counted in the table's
+	// <table>_crash table, in autocommit, only for deliveries the broker
+	// marks as redelivered (AMQP redelivered, JetStream and quorum-queue
+	// delivery counts): a first delivery writes nothing. A delivery held
+	// through an outage ends its attempts normally and is never counted.
+	// Transports that mark no redelivery (Kafka, Redis Streams) are not
+	// counted. Defaults to DefaultMaxCrashes (3); negative: never.
+	MaxCrashes int
 
 	// Recorder receives one Observation per attempt (metrics). Defaults to
 	// none.
@@ -285,6 +300,7 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 		Beginner: beginner, Store: store, Consumer: cfg.Consumer, LockTimeout: cfg.LockTimeout,
 		Recorder: cfg.Recorder, Outbox: cfg.Outbox, OutboxTopic: cfg.OutboxTopic,
 		DisablePayloadVerification: cfg.DisablePayloadVerification, Classifier: cfg.Classifier,
+		MaxCrashes: maxCrashes(cfg.MaxCrashes), CrashQuerier: h.Querier(),
 	}, logger)
 	if err != nil {
 		return nil, err
@@ -463,6 +479,16 @@ func register(key registryKey, handler string) error {
 	}
 	registry[key] = handler
 	return nil
+}
+
+func maxCrashes(n int) int {
+	switch {
+	case n == 0:
+		return DefaultMaxCrashes
+	case n < 0:
+		return 0 // off
+	}
+	return n
 }
 
 // outboxOnly is the router's publisher of a handler whose produced messages

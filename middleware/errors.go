@@ -62,6 +62,9 @@ var (
 	// ErrExpired: the event is older than the table's replay horizon, so its
 	// record may be purged already; permanent.
 	ErrExpired = inbox.ErrExpired
+	// ErrCrashLoop: attempts of the message kept killing the process
+	// (ConsumerConfig.MaxCrashes); permanent, the message is dead-lettered.
+	ErrCrashLoop = inbox.ErrCrashLoop
 	// ErrFuture: the event is dated beyond the allowed clock skew; permanent.
 	ErrFuture = inbox.ErrFuture
 	// ErrEventIDReused: an event_id already applied arrived with another

@@ -33,6 +33,10 @@ var (
 	// ErrExpired: the event is older than Config.ReplayHorizon; its processed
 	// record may have been purged, so it is refused. Permanent.
 	ErrExpired = errors.New("idempotency: event older than the replay horizon")
+	// ErrCrashLoop: attempts of the message keep killing the process
+	// (Config.MaxCrashes); permanent, so the message is dead-lettered and the
+	// ones behind it are applied.
+	ErrCrashLoop = errors.New("idempotency: message kills the process (crash loop)")
 
 	// ErrCommit: COMMIT did not commit (pgx.ErrTxCommitRollback: the server
 	// answered ROLLBACK because a statement failed inside the transaction, or

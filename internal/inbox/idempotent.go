@@ -139,6 +139,13 @@ type Config struct {
 	// errors of the middleware's own calls are then infrastructure by
 	// origin, and those of the handler ordinary.
 	Classifier ErrorClassifier
+
+	// MaxCrashes bounds how many attempts of a redelivered message may start
+	// and never end (the process died in them) before the message is
+	// rejected as permanent (ErrCrashLoop); counted in the store's _crash
+	// table on CrashQuerier (autocommit), for redeliveries only. 0: off.
+	MaxCrashes   int
+	CrashQuerier sqldb.Querier
 }
 
 func (c *Config) setDefaults() error {
@@ -352,8 +359,49 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		// The replay window is the claim's (the database clock, see
 		// retention.go): no expiry check runs here on the process clock.
+		if !m.countsCrashes(msg) {
+			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields)
+		}
+		started, cerr := m.startAttempt(origCtx, consumer, eventID)
+		if cerr != nil { // the database is unreachable: the attempt will say so
+			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields)
+		}
+		// The count ends with the attempt on every path but the process's
+		// death: a panic unwinds through here too.
+		defer m.endAttempt(origCtx, consumer, eventID)
+		if crashed := started - 1; crashed >= m.cfg.MaxCrashes {
+			setField(fields, "crashed_attempts", crashed)
+			return reject(OutcomeRejected, "crash_loop", fmt.Errorf("%w: %d attempts of this message started and never ended "+
+				"(the process died in them: out of memory, a fatal error, a liveness probe); at most %d", ErrCrashLoop, crashed, m.cfg.MaxCrashes))
+		}
 		return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields)
 	}
+}
+
+// countsCrashes reports whether msg's attempts are counted: a bound is set
+// and the broker marks the delivery as a redelivery (a first delivery
+// writes nothing).
+func (m *Idempotent) countsCrashes(msg *message.Message) bool {
+	if m.cfg.MaxCrashes <= 0 || m.cfg.CrashQuerier == nil {
+		return false
+	}
+	if marshaler.Redelivered(msg) {
+		return true
+	}
+	n, ok := marshaler.DeliveryCount(msg)
+	return ok && n > 0
+}
+
+func (m *Idempotent) startAttempt(ctx context.Context, consumer string, id uuid.UUID) (int, error) {
+	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+	defer cancel()
+	return m.cfg.Store.StartAttempt(c, m.cfg.CrashQuerier, consumer, id)
+}
+
+func (m *Idempotent) endAttempt(ctx context.Context, consumer string, id uuid.UUID) {
+	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+	defer cancel()
+	_ = m.cfg.Store.EndAttempt(c, m.cfg.CrashQuerier, consumer, id)
 }
 
 // attempt runs one claimed attempt: begin+claim, the handler, the produced

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
@@ -148,4 +149,40 @@ func (s *Store) NoteHandler(ctx context.Context, q sqldb.Querier, consumer, hand
 		others = append(others, name)
 	}
 	return others, nil
+}
+
+func (s *Store) sideTable(suffix string) string {
+	q := string(s.dialect.QuoteChar())
+	name := q + s.table.Name() + suffix + q
+	if schema, _, ok := strings.Cut(s.table.String(), "."); ok {
+		return q + schema + q + "." + name
+	}
+	return name
+}
+
+// StartAttempt counts, in autocommit on q, one more started attempt of
+// (consumer, eventID) and returns the count, this one included.
+func (s *Store) StartAttempt(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) (int, error) {
+	t := s.sideTable("_crash")
+	id := s.sql.eventID(eventID)
+	if s.dialect == sqldb.MySQL {
+		if _, err := q.Exec(ctx, "INSERT INTO "+t+" (consumer, event_id, started) VALUES (?, ?, 1) ON DUPLICATE KEY UPDATE started = started + 1", consumer, id); err != nil {
+			return 0, err
+		}
+		var n int
+		err := q.QueryRow(ctx, "SELECT started FROM "+t+" WHERE consumer = ? AND event_id = ?", consumer, id).Scan(&n)
+		return n, err
+	}
+	var n int
+	err := q.QueryRow(ctx, "INSERT INTO "+t+" (consumer, event_id, started) VALUES ("+s.ph(1)+", "+s.ph(2)+", 1) "+
+		"ON CONFLICT (consumer, event_id) DO UPDATE SET started = "+t+".started + 1 RETURNING started", consumer, id).Scan(&n)
+	return n, err
+}
+
+// EndAttempt forgets the started attempts of (consumer, eventID): the
+// attempt ended (committed, failed, or found a duplicate).
+func (s *Store) EndAttempt(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) error {
+	_, err := q.Exec(ctx, "DELETE FROM "+s.sideTable("_crash")+" WHERE consumer = "+s.ph(1)+" AND event_id = "+s.ph(2),
+		consumer, s.sql.eventID(eventID))
+	return err
 }

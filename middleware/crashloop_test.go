@@ -1,0 +1,131 @@
+package middleware_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency"
+	"github.com/watermill-idempotency/idempotency/internal/door"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
+)
+
+const childEnv = "IDEMPOTENCY_MIDDLEWARE_CHILD"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(childEnv) != "" {
+		os.Exit(runCrashingConsumer())
+	}
+	os.Exit(m.Run())
+}
+
+// runCrashingConsumer is a consumer process whose handler kills it
+// (SIGKILL: no defer, no rollback, as an OOM kill) on the redelivered
+// event CHILD_EVENT.
+func runCrashingConsumer() int {
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = os.Getenv("CHILD_SCHEMA")
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	ps := gochannel.NewGoChannel(gochannel.Config{}, nil)
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+		Consumer: "stock", DB: idempotency.Pgx(pool),
+		Poison: middleware.PoisonConfig{Publisher: ps, Topic: "poison"},
+	}, nil)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	h, err := door.Wrap(c, "reserve", func(*message.Message) ([]*message.Message, error) {
+		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		select {}
+	})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	_, err = h(crashingEvent(os.Getenv("CHILD_EVENT")))
+	fmt.Fprintln(os.Stderr, "the handler returned:", err)
+	return 3
+}
+
+func crashingEvent(id string) *message.Message {
+	msg := message.NewMessage(id, []byte(`{}`))
+	msg.Metadata.Set(marshaler.MetadataEventName, "order.placed")
+	marshaler.SetRedelivered(msg, true)
+	return msg
+}
+
+// A message whose processing kills the process is dead-lettered once
+// MaxCrashes attempts died in it, with the reason crash_loop; the message
+// behind it is applied (issue 24: a crash-looping message must not block
+// its queue forever).
+func TestConsumerDeadLettersAMessageThatKillsTheProcess(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	schema := schemaOf(t, e.pool)
+	event := newEvent(t).UUID
+	for i := 0; i < middleware.DefaultMaxCrashes; i++ {
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), childEnv+"=1", "CHILD_SCHEMA="+schema, "CHILD_EVENT="+event)
+		out, err := cmd.CombinedOutput()
+		var exit *exec.ExitError
+		require.ErrorAs(t, err, &exit, "child %d: %s", i, out)
+		ws := exit.Sys().(syscall.WaitStatus)
+		require.True(t, ws.Signaled() && ws.Signal() == syscall.SIGKILL, "child %d must die by SIGKILL: %v %s", i, err, out)
+	}
+
+	c, err := middleware.NewConsumer(e.config("stock"), nil)
+	require.NoError(t, err)
+	var calls atomic.Int32
+	h, err := door.Wrap(c, "reserve", func(msg *message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		tx, _ := middleware.PgxTxFromContext(msg.Context())
+		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID)
+		return nil, err
+	})
+	require.NoError(t, err)
+	poisoned, err := e.pubsub.Subscribe(context.Background(), "poison")
+	require.NoError(t, err)
+
+	_, err = h(crashingEvent(event))
+	require.NoError(t, err, "dead-lettered and acked")
+	select {
+	case p := <-poisoned:
+		p.Ack()
+		require.Equal(t, event, p.UUID)
+		require.Contains(t, p.Metadata.Get("reason_poisoned"), "crash loop")
+	case <-time.After(10 * time.Second):
+		t.Fatal("the crash-looping message was not dead-lettered")
+	}
+	require.Zero(t, calls.Load(), "the handler never ran it again")
+
+	next := newEvent(t)
+	marshaler.SetRedelivered(next, true)
+	_, err = h(next)
+	require.NoError(t, err)
+	require.Equal(t, int32(1), calls.Load())
+	require.Equal(t, 1, e.effects(t), "the message behind it is applied")
+	var left int
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_event_crash`).Scan(&left))
+	require.Zero(t, left, "every ended attempt forgets its count")
+}
