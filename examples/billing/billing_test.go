@@ -18,9 +18,9 @@ import (
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
@@ -39,19 +39,19 @@ type env struct {
 }
 
 func newEnv(t *testing.T, inner func(message.HandlerFunc) message.HandlerFunc) *env {
-	return newEnvOn(t, sqldb.PostgreSQL, inner)
+	return newEnvOn(t, idempotency.PostgreSQL, inner)
 }
 
 // newEnvOn is newEnv on PostgreSQL or on SQLite; on SQLite the runner's
 // records are in a file of their own (see billing.MigrateDB).
-func newEnvOn(t *testing.T, dialect sqldb.Dialect, inner func(message.HandlerFunc) message.HandlerFunc) *env {
+func newEnvOn(t *testing.T, dialect idempotency.Dialect, inner func(message.HandlerFunc) message.HandlerFunc) *env {
 	t.Helper()
 	ctx := context.Background()
 	var db shop.DB
 	var runner *operation.Runner
 	var beginner inbox.TxBeginner
 	var store *processedstore.Store
-	if dialect == sqldb.SQLite {
+	if dialect == idempotency.SQLite {
 		db = shop.SQLiteDB(testenv.SQLiteDB(t))
 		ops := testenv.SQLiteDB(t)
 		var err error
@@ -60,7 +60,7 @@ func newEnvOn(t *testing.T, dialect sqldb.Dialect, inner func(message.HandlerFun
 		require.NoError(t, runner.Migrate(ctx))
 		require.NoError(t, billing.MigrateDB(ctx, db, processed.Config{}, nil))
 		beginner = mustBeginner(inbox.NewStdBeginner(db.SQL))
-		store, err = processedstore.NewStore(processedstore.Config{Dialect: sqldb.SQLite})
+		store, err = processedstore.NewStore(processedstore.Config{Dialect: idempotency.SQLite})
 		require.NoError(t, err)
 	} else {
 		pool, schema := testenv.Pool(t)
@@ -156,7 +156,7 @@ func TestChargeOnceConfirmOnce(t *testing.T) {
 // The same on SQLite (the embedded demo).
 func TestChargeOnceConfirmOnceSQLite(t *testing.T) {
 	t.Parallel()
-	chargeOnceConfirmOnce(t, newEnvOn(t, sqldb.SQLite, nil))
+	chargeOnceConfirmOnce(t, newEnvOn(t, idempotency.SQLite, nil))
 }
 
 func chargeOnceConfirmOnce(t *testing.T, e *env) {
@@ -270,12 +270,12 @@ func TestNewValidates(t *testing.T) {
 		_, err := billing.New(cfg)
 		require.Error(t, err)
 	}
-	// Outside the idempotent middleware the handler refuses to run.
+	// Outside a consumer's attempt the handler refuses to run.
 	svc, err := billing.New(billing.Config{Runner: runner, Provider: billing.NewProvider(), Mailer: billing.NewMailer()})
 	require.NoError(t, err)
 	_, err = svc.HandleOrderPlaced(placed(t, "o-1", "1"))
 	require.ErrorIs(t, err, billing.ErrNoTransaction)
-	require.True(t, inbox.IsPermanent(err))
+	require.True(t, middleware.IsPermanent(err))
 }
 
 // mustBeginner unwraps a beginner constructor's result in tests, whose

@@ -3,7 +3,9 @@ package stock_test
 import (
 	"context"
 	"database/sql"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -114,6 +116,65 @@ func TestBadPayloadIsPermanent(t *testing.T) {
 	}
 	var n int
 	require.NoError(t, pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM reservation) + (SELECT count(*) FROM processed_event)`).Scan(&n))
+	require.Zero(t, n)
+}
+
+// The same bad payloads through the service's whole consumer (public API:
+// shop.NewService on middleware.NewConsumer, the in-process broker): each
+// reaches the dead-letter list once, classed permanent, after one handler
+// call (never retried); nothing is written, claim included.
+func TestBadPayloadDeadLetteredOnce(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := testenv.Pool(t)
+	require.NoError(t, stock.Migrate(ctx, pool, processed.Config{}))
+	broker := shop.NewChannelBroker(nil)
+	t.Cleanup(func() { _ = broker.Close() })
+	require.NoError(t, broker.Declare(stock.Consumer))
+	var calls atomic.Int64
+	svc, err := shop.NewService(shop.ServiceConfig{
+		Transport: broker,
+		Consumer:  stock.Consumer,
+		Pool:      pool,
+		Handler: func(msg *message.Message) error {
+			calls.Add(1)
+			return stock.Handle(msg)
+		},
+	})
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { done <- svc.Run(ctx) }()
+	t.Cleanup(func() { _ = svc.Close(); <-done })
+	<-svc.Running()
+
+	payloads := []string{
+		`{"order_id":"","lines":[{"line_no":1,"sku":"a","quantity":"1"}]}`,
+		`{"order_id":"o-1","lines":[]}`,
+		`{"order_id":"o-1","lines":[{"line_no":1,"sku":"a","quantity":"1e3"}]}`,
+		`{"order_id":"o-1","lines":[{"line_no":1,"sku":"a","quantity":2}]}`,
+		`{"order_id":"o-1","lines":[{"line_no":0,"sku":"a","quantity":"2"}]}`,
+	}
+	for _, p := range payloads {
+		msg, err := marshaler.NewMessage(shop.EventOrderPlaced, []byte(p))
+		require.NoError(t, err)
+		require.NoError(t, broker.Publisher().Publish(shop.EventOrderPlaced, msg))
+	}
+	var dead []shop.DeadLetter
+	require.Eventually(t, func() bool {
+		d, err := broker.DrainDeadLetters(stock.Consumer)
+		if err != nil {
+			return false
+		}
+		dead = append(dead, d...)
+		return len(dead) >= len(payloads)
+	}, 10*time.Second, 10*time.Millisecond)
+	require.Len(t, dead, len(payloads))
+	for _, d := range dead {
+		require.Equal(t, "permanent", d.Headers[middleware.MetadataPoisonClass], "%v", d.Headers)
+	}
+	require.EqualValues(t, len(payloads), calls.Load(), "one call each: a permanent error is not retried")
+	var n int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM reservation) + (SELECT count(*) FROM processed_event)`).Scan(&n))
 	require.Zero(t, n)
 }
 
