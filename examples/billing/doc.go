@@ -59,16 +59,17 @@
 //
 // # Wiring
 //
-// Two handlers, each under the recommended chain (middleware.NewChain) with
-// operation.RouteUncertain in its AfterPoison: HandleOrderPlaced on the
+// Two handlers, each through a consumer of its own (middleware.NewConsumer:
+// the whole chain) with operation.RouteUncertain in its
+// ConsumerConfig.AfterPoison: HandleOrderPlaced on the
 // order events (consumer Consumer.Name, publishing to
 // EventConfirmationRequested through the consumer's outbox), and
 // HandleConfirmation on those (consumer MailerConsumer.Name). With the
 // example shop's plumbing, as the demo (examples/demo) wires it:
 //
 //	runner, _ := operation.NewRunner(operation.Config{DB: idempotency.Pgx(runnerPool)}, logger) // small pool of its own, same schema
-//	_ = billing.Migrate(ctx, pool, nil, runner)
-//	ob, _ := outbox.New(outbox.Config{Table: "billing_outbox"}, logger)
+//	_ = billing.Migrate(ctx, pool, processed.Config{}, runner) // processed table, operations, ledger
+//	ob, _ := outbox.New(outbox.Config{DB: idempotency.Pgx(pool), Table: "billing_outbox"}, logger)
 //	_ = ob.Migrate(ctx)
 //	svc, _ := billing.New(billing.Config{Runner: runner, Provider: provider, Mailer: mailer, Logger: logger})
 //	charge, _ := shop.NewService(shop.ServiceConfig{ // queue "billing.events" and its reconciliation queue

@@ -40,7 +40,7 @@ type ServiceConfig struct {
 	Transport Transport
 	// Consumer is the service's subscription. Required. With
 	// Consumer.Reconcile, uncertain external operations are routed to
-	// Topology.ReconcileQueue(Consumer) (see Chain).
+	// Topology.ReconcileQueue(Consumer) (see Idempotency).
 	Consumer Consumer
 	// Pool is the service's database (idempotency.Pgx(Pool)). The consumer
 	// (middleware.NewConsumer) claims each event on it and gives the handler
