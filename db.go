@@ -1,8 +1,11 @@
 package idempotency
 
 import (
+	"context"
 	"database/sql"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
@@ -75,10 +78,22 @@ func init() {
 // commit or roll back with it.
 type Tx struct{ q sqldb.Querier }
 
+// PgxExecutor is what pgx.Tx, *pgx.Conn and *pgxpool.Pool have in common.
+type PgxExecutor interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// SQLExecutor is what *sql.Tx, *sql.DB and *sql.Conn have in common.
+type SQLExecutor interface {
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}
+
 // PgxTx wraps a pgx transaction (a *pgxpool.Pool or *pgx.Conn also fits:
 // each statement then runs in autocommit).
-func PgxTx(tx sqldb.PgxQuerier) Tx { return Tx{sqldb.Pgx(tx)} }
+func PgxTx(tx PgxExecutor) Tx { return Tx{sqldb.Pgx(tx)} }
 
 // SQLTx wraps a database/sql transaction (a *sql.DB or *sql.Conn also
 // fits: each statement then runs in autocommit).
-func SQLTx(tx sqldb.StdQuerier) Tx { return Tx{sqldb.Std(tx)} }
+func SQLTx(tx SQLExecutor) Tx { return Tx{sqldb.Std(tx)} }

@@ -2,6 +2,7 @@ package idempotencytest
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -193,4 +194,28 @@ func safeCall(h message.HandlerFunc, msg *message.Message) (err error) {
 	}()
 	_, err = h(msg)
 	return err
+}
+
+// Deliver runs one delivery of msg through Subject.Consumer's whole chain,
+// as a router would, and returns what the chain returns: the messages the
+// router would publish, and the error it would nack with (nil: acked,
+// including a message sent to the poison topic). Subject.Effects and
+// WantEffects are not used.
+func Deliver(s Subject, msg *message.Message) ([]*message.Message, error) {
+	if s.Handler == nil || s.Consumer == nil || msg == nil {
+		return nil, errors.New("idempotencytest.Deliver: Subject.Handler, Subject.Consumer and the message are required")
+	}
+	h, err := door.Wrap(s.Consumer, "idempotencytest", s.Handler)
+	if err != nil {
+		return nil, fmt.Errorf("idempotencytest.Deliver: Subject.Consumer: %w", err)
+	}
+	timeout := s.Timeout
+	if timeout == 0 {
+		timeout = DefaultTimeout
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	c := msg.Copy()
+	c.SetContext(ctx)
+	return h(c)
 }

@@ -155,3 +155,20 @@ func TestPanicIsReported(t *testing.T) {
 	require.GreaterOrEqual(t, r.Calls, 2)
 	require.Contains(t, tb.all(), "0 effects after 2 deliveries")
 }
+
+// Deliver returns what the router would see: nil for a processed or a
+// poisoned message, the handler's class of error otherwise.
+func TestDeliverReturnsWhatTheRouterSees(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	s := f.subject(f.consumer(t, "c"))
+	_, err := idempotencytest.Deliver(s, newMsg())
+	require.NoError(t, err)
+	s.Handler = func(*message.Message) ([]*message.Message, error) {
+		return nil, middleware.Permanent(errors.New("bad payload"))
+	}
+	_, err = idempotencytest.Deliver(s, newMsg())
+	require.NoError(t, err, "poisoned and acked")
+	_, err = idempotencytest.Deliver(idempotencytest.Subject{}, newMsg())
+	require.ErrorContains(t, err, "Subject.Consumer")
+}

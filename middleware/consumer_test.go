@@ -317,3 +317,23 @@ func schemaOf(t *testing.T, pool *pgxpool.Pool) string {
 	require.NoError(t, pool.QueryRow(context.Background(), `SELECT current_schema()`).Scan(&s))
 	return s
 }
+
+// On the partitioned layout the purger drops the partitions wholly older
+// than the table's horizon and creates the ones ahead.
+func TestPurgerMaintainsPartitionsByTheTableHorizon(t *testing.T) {
+	t.Parallel()
+	pool, _ := testenv.Pool(t)
+	ctx := context.Background()
+	db := idempotency.Pgx(pool)
+	cfg := processed.Config{Layout: processed.LayoutPartitioned}
+	require.NoError(t, processed.Migrate(ctx, db, cfg))
+	require.NoError(t, processed.SetReplayHorizon(ctx, db, "", 2*time.Hour))
+	p, err := processed.NewPurger(processed.PurgerConfig{DB: db, Layout: processed.LayoutPartitioned}, nil)
+	require.NoError(t, err)
+	_, ran, err := p.PurgeNow(ctx)
+	require.NoError(t, err)
+	require.True(t, ran)
+	var parts int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_inherits WHERE inhparent = 'processed_event'::regclass`).Scan(&parts))
+	require.Greater(t, parts, 2, "partitions ahead exist beside default and other")
+}

@@ -160,7 +160,7 @@ func defaultConfig() config {
 		IndexLatency:         indexer.DefaultIndexLatency,
 		ProviderTimeoutEvery: 40,
 		Seed:                 uint64(time.Now().UnixNano()),
-		Timeout:              55 * time.Second,
+		Timeout:              2 * time.Minute,
 		Progress:             500 * time.Millisecond,
 	}
 }

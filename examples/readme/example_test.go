@@ -50,6 +50,7 @@ func runStock(ctx context.Context, pool *pgxpool.Pool, amqpURL string, logger wa
 	}
 	return router.Run(ctx)
 }
+
 // README:end
 
 var _ = runStock

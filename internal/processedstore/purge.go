@@ -159,7 +159,11 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 			if legacy, err = p.store.legacyExists(ctx, q); err != nil {
 				return 0, err
 			}
-			rep, err := p.store.MaintainPartitions(ctx, q, horizon)
+			maintain := p.store.MaintainPartitions
+			if p.cfg.FromTable { // the table's horizon is the claim's, by construction
+				maintain = p.store.maintain
+			}
+			rep, err := maintain(ctx, q, horizon)
 			if err != nil {
 				return 0, err
 			}
