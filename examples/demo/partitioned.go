@@ -32,17 +32,23 @@ func replayHorizon(table processed.Config) time.Duration {
 }
 
 // maintainPartitions records the partitioned table's horizon, which the
-// consumers then verify (middleware.NewConsumer). processed.Migrate has
-// already created the time partitions ahead (now + MaxFutureSkew + 3
-// spans of 1 h), so the demo's claims land in them rather than in the
-// default partition; a service also runs processed.NewPurger on the table
-// (Start), which keeps creating them ahead and drops the expired ones.
+// consumers then verify (middleware.NewConsumer), and runs the table's
+// purger once: it creates the time partitions ahead (a service runs it
+// with Start, which keeps creating them and drops the expired ones), so the
+// demo's claims land in them rather than in the default partition.
 func (d *demo) maintainPartitions(ctx context.Context, db shop.DB, table processed.Config) error {
 	if table.Layout != processed.LayoutPartitioned {
 		return nil
 	}
 	if err := processed.SetReplayHorizon(ctx, db.Handle(), table.Table, demoHorizon); err != nil {
 		return fmt.Errorf("horizon of %s: %w", table.Table, err)
+	}
+	p, err := processed.NewPurger(processed.PurgerConfig{DB: db.Handle(), Table: table.Table, Layout: table.Layout}, d.logger)
+	if err != nil {
+		return err
+	}
+	if _, _, err := p.PurgeNow(ctx); err != nil {
+		return fmt.Errorf("purge of %s: %w", table.Table, err)
 	}
 	return nil
 }
