@@ -48,7 +48,7 @@ type Divergence struct {
 	// Want what it returned after the clean delivery.
 	Effects, Want int
 	// Err is set when the message never succeeded (it was redelivered
-	// MaxRedeliveries times) or Effects failed.
+	// maxRedeliveries times) or Effects failed.
 	Err error
 }
 
@@ -74,9 +74,9 @@ type ExploreReport struct {
 	Divergences []Divergence
 }
 
-// MaxRedeliveries bounds how often Explore redelivers a message after the
+// maxRedeliveries bounds how often Explore redelivers a message after the
 // injected failure before it reports that the message never succeeded.
-const MaxRedeliveries = 5
+const maxRedeliveries = 5
 
 // Explore proves that a handler applies its effects once whatever fails
 // where. It delivers a copy of msg cleanly (the reference: Effects after
@@ -196,12 +196,12 @@ func diverged(ctx context.Context, s Subject, deliver func(context.Context, *mes
 	m := fresh(msg)
 	var last error
 	ok := false
-	for i := 0; i < MaxRedeliveries && !ok; i++ {
+	for i := 0; i < maxRedeliveries && !ok; i++ {
 		last = deliver(ctx, m, in)
 		ok = last == nil
 	}
 	if !ok {
-		d.Err = fmt.Errorf("never succeeded in %d deliveries: %w", MaxRedeliveries, last)
+		d.Err = fmt.Errorf("never succeeded in %d deliveries: %w", maxRedeliveries, last)
 		return true
 	}
 	d.Effects, d.Err = s.Effects(ctx, m)

@@ -103,14 +103,14 @@ func (d Decoder) decode(body []byte, transportID string, headers map[string]stri
 	return NewMalformed(body, transportID, err.Error())
 }
 
-// MalformedNamespace is the UUID namespace of the ids NewMalformed derives
+// malformedNamespace is the UUID namespace of the ids NewMalformed derives
 // from a malformed body when the transport gave none.
-var MalformedNamespace = uuid.MustParse("6f1c2a4e-3b7d-5e8f-9a0b-1c2d3e4f5a6b")
+var malformedNamespace = uuid.MustParse("6f1c2a4e-3b7d-5e8f-9a0b-1c2d3e4f5a6b")
 
 // NewMalformed returns a message flagged malformed: Payload = a copy of body,
 // unchanged, [MetadataMalformed] = "true", [MetadataMalformedReason] = reason,
 // msg.UUID = transportID, or when it is empty a name-based UUID (version 5,
-// RFC 9562 §5.5) of body in MalformedNamespace, so that every redelivery of
+// RFC 9562 §5.5) of body in malformedNamespace, so that every redelivery of
 // one malformed body carries the same id in logs and on the poison topic.
 // That UUID is not an event id and must not be used to deduplicate; the
 // middleware never claims a flagged message, it rejects it as permanent
@@ -120,7 +120,7 @@ var MalformedNamespace = uuid.MustParse("6f1c2a4e-3b7d-5e8f-9a0b-1c2d3e4f5a6b")
 // example a record they cannot read at all.
 func NewMalformed(body []byte, transportID, reason string) *message.Message {
 	if transportID == "" {
-		transportID = uuid.NewSHA1(MalformedNamespace, body).String()
+		transportID = uuid.NewSHA1(malformedNamespace, body).String()
 	}
 	msg := message.NewMessage(transportID, append(message.Payload(nil), body...))
 	msg.Metadata.Set(MetadataMalformed, "true")

@@ -1,5 +1,7 @@
 package operation
 
+import "github.com/watermill-idempotency/idempotency/internal/sqldb"
+
 // Test-only exports for the external test package.
 
 const (
@@ -16,3 +18,6 @@ const PgLockKey = pgLockKey
 func ProcessLockWaiters(file, table string, k Key) int {
 	return processLockWaiters(processLockName(file, table, k.String()))
 }
+
+// DialectOf is the runner's SQL dialect.
+func DialectOf(r *Runner) sqldb.Dialect { return r.dialectOf() }

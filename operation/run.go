@@ -218,8 +218,8 @@ const sqliteMainFile = sqlitefile.MainFileQuery
 // Table is the operations table's name, as validated ("name" or "schema.name").
 func (r *Runner) Table() string { return r.table.String() }
 
-// Dialect is the runner's SQL dialect.
-func (r *Runner) Dialect() sqldb.Dialect { return r.dialect }
+// dialectOf is the runner's SQL dialect.
+func (r *Runner) dialectOf() sqldb.Dialect { return r.dialect }
 
 // Option adjusts one Do call.
 type Option func(*options)

@@ -354,7 +354,7 @@ func TestMigrateAndConfig(t *testing.T) {
 		ctx := context.Background()
 		r := e.r
 		require.Equal(t, "ops", r.Table())
-		require.Equal(t, e.Dialect, r.Dialect())
+		require.Equal(t, e.Dialect, operation.DialectOf(r))
 
 		// Concurrent Migrate from several instances is safe; versions recorded once.
 		var wg sync.WaitGroup
