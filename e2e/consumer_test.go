@@ -22,6 +22,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 var placedPayload = map[string]any{"order_id": "o-42", "quantity": "2.000"}
@@ -261,7 +262,7 @@ func TestC01_D(t *testing.T) {
 func TestOutOfOrderStatusEvents(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, shipping.Consumer)
-	require.NoError(t, shipping.Migrate(context.Background(), e.pool, nil))
+	require.NoError(t, shipping.Migrate(context.Background(), e.pool, processed.Config{}))
 	h, err := shipping.NewHandler()
 	require.NoError(t, err)
 	rec := &recorder{}

@@ -23,6 +23,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
 // Case ids from ../shared/cases (valid UUIDv7).
@@ -284,7 +285,7 @@ type consumerOpts struct {
 	subscriberURL string // "" → the broker directly
 	handler       message.NoPublishHandlerFunc
 	middleware    []message.HandlerMiddleware
-	recorder      inbox.Recorder
+	recorder      middleware.Recorder
 	logger        watermill.LoggerAdapter
 	pool          *pgxpool.Pool // "" → e.pool
 	workers       int
@@ -305,9 +306,9 @@ func newService(pool *pgxpool.Pool, topo shop.Topology, c shop.Consumer, o consu
 		Handler:       o.handler,
 		Workers:       o.workers,
 		Middleware:    o.middleware,
-		Idempotent:    inbox.Config{Recorder: o.recorder},
-		Chain:         inbox.ChainConfig{InitialInterval: 10 * time.Millisecond, MaxInterval: 200 * time.Millisecond, MaxRetries: 3},
-		Logger:        o.logger,
+		Idempotency: middleware.ConsumerConfig{Recorder: o.recorder,
+			Retry: middleware.RetryConfig{InitialInterval: 10 * time.Millisecond, MaxInterval: 200 * time.Millisecond, MaxRetries: 3}},
+		Logger: o.logger,
 	})
 }
 

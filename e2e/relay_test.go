@@ -23,6 +23,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
+	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // producer is the order service on a schema of its own.
@@ -228,7 +229,7 @@ func TestRelayDuplicateThenReplay(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	e := newEnv(t, stock.Consumer)
-	require.NoError(t, stock.Migrate(ctx, e.pool, nil))
+	require.NoError(t, stock.Migrate(ctx, e.pool, processed.Config{}))
 	p := newProducer(t)
 	rec := &recorder{}
 	var calls atomic.Int32
