@@ -198,11 +198,11 @@ func TestConnectionLostAtCommitIsHeld(t *testing.T) {
 	require.GreaterOrEqual(t, held, 1, "the failed COMMIT was held (later holds: idle connections the cut killed)")
 }
 
-// TestN01 — a database that refuses writes (failover, standby): the claim
+// TestReadOnlyDatabaseIsTransientAndAppliedOnceAfterFailover (N01) — a database that refuses writes (failover, standby): the claim
 // fails with 25006 (PostgreSQL) or 1792 (MariaDB): transient, no handler
 // call, nothing poisoned, nothing acked (the held delivery is given back);
 // after the failover (a new pool) each message is applied once.
-func TestN01(t *testing.T) {
+func TestReadOnlyDatabaseIsTransientAndAppliedOnceAfterFailover(t *testing.T) {
 	t.Parallel()
 	t.Run("postgres", func(t *testing.T) {
 		t.Parallel()

@@ -80,12 +80,12 @@ func (e *env) idempotent(pool *pgxpool.Pool) *middleware.Idempotent {
 	return idem
 }
 
-// TestN03 — a poison reason larger than the broker's frame (200 kB): the
+// TestPoisonReasonLargerThanTheFrameIsTruncated (N03) — a poison reason larger than the broker's frame (200 kB): the
 // message reaches the poison queue once with its reason truncated (saying
 // so), the original is acked, the handler ran once, the broker closed no
 // connection, nothing loops. With watermill-amqp's own publisher (whose
 // connection the broker closed before) and with the confirmed one.
-func TestN03(t *testing.T) {
+func TestPoisonReasonLargerThanTheFrameIsTruncated(t *testing.T) {
 	t.Parallel()
 	for _, name := range []string{"watermill-amqp publisher", "confirmed poison publisher"} {
 		t.Run(name, func(t *testing.T) {
@@ -209,7 +209,7 @@ func (c *countingPublisher) gaps() []time.Duration {
 	return g
 }
 
-// TestN10 — a database outage longer than the queue's delivery limit: a
+// TestOutageLongerThanTheDeliveryLimitIsNotDeadLettered (N10) — a database outage longer than the queue's delivery limit: a
 // quorum queue with x-delivery-limit 3, the recommended chain (MaxRetries
 // 2), the consumer's PostgreSQL refused by a proxy for 25 s (the case's
 // length); one message published at the start. It is not dead-lettered
@@ -219,7 +219,7 @@ func (c *countingPublisher) gaps() []time.Duration {
 // DLQ stays at 0 while sampled and at the end, and the message is applied
 // once after recovery. Without the hold, each delivery fails within ≈ 0.3 s
 // and the fourth nack dead-letters it.
-func TestN10(t *testing.T) {
+func TestOutageLongerThanTheDeliveryLimitIsNotDeadLettered(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	r := newRabbit(t)

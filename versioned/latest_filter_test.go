@@ -23,7 +23,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
-// Case ids from ../shared/cases (valid UUIDv7), in increasing byte order.
+// Event ids of case C15 (valid UUIDv7), in increasing byte order.
 const (
 	lfE1 = "01906dbc-ad00-70a1-8a1b-2c3d4e5f6a7b"
 	lfE2 = "01906dbc-ad01-70b2-9b2c-3d4e5f6a7b8c"
@@ -32,8 +32,8 @@ const (
 	lfE6 = "01906dbc-ad05-70f6-9f6a-7b8c9d0e1f2a"
 )
 
-// TestC15 is case C15 of /work/shared/cases: latest per family. Family
-// (customer.status, c-1), published and delivered in this order: F1
+// TestLatestPerFamilyDropsSupersededEvents (case C15): latest per family.
+// Family (customer.status, c-1), published and delivered in this order: F1
 // 10:00:00.000 active; F2 10:00:02 suspended; F3 10:00:01.000 closed; F4
 // 10:00:02.000 (the same instant as F2, written with fractional seconds, a
 // larger event_id) reactivated. F3 is obsolete (acked, handler not called,
@@ -41,7 +41,7 @@ const (
 // another family is untouched. Run for both latest stores (the SQL family
 // store, Redis), on every target: PostgreSQL through both drivers of the
 // idempotent middleware, MariaDB, SQLite.
-func TestC15(t *testing.T) {
+func TestLatestPerFamilyDropsSupersededEvents(t *testing.T) {
 	t.Parallel()
 	for _, store := range lfStores {
 		for _, drv := range testenv.TargetNames {

@@ -133,9 +133,9 @@ func requirePermanent(t *testing.T, err error) {
 	require.True(t, p.Permanent())
 }
 
-// TestC12 is case C12 of /work/shared/cases at the upsert level: events decoded
-// from JSON payloads, applied out of order, each in its own transaction.
-func TestC12(t *testing.T) {
+// TestUpsertAppliesOutOfOrderVersionsOnce (case C12, at the upsert level):
+// events decoded from JSON payloads, applied out of order, each in its own transaction.
+func TestUpsertAppliesOutOfOrderVersionsOnce(t *testing.T) {
 	t.Parallel()
 	for _, d := range drivers {
 		t.Run(d.name, func(t *testing.T) {

@@ -46,7 +46,7 @@ func sqlState(err error) string {
 	return ""
 }
 
-// TestH11_ServerStateCodesAreHeldByClass (item 2): SQLSTATEs of the
+// TestServerStateCodesAreHeldByClass (item 2): SQLSTATEs of the
 // server's state that were not on the old hand list (XX000, 58000, 57014
 // from a handler statement, 55006) are transient by their class; each is
 // produced for real on the attempt's connection, four deliveries in a
@@ -55,7 +55,7 @@ func sqlState(err error) string {
 // retried twice, then poisoned. 57P01 (the attempt's own backend
 // terminated) and 25P03 (idle_in_transaction_session_timeout) were held
 // before too and are checked for the kind.
-func TestH11_ServerStateCodesAreHeldByClass(t *testing.T) {
+func TestServerStateCodesAreHeldByClass(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	raise := func(code string) func(context.Context, pgx.Tx) error {
@@ -153,11 +153,11 @@ func TestH11_ServerStateCodesAreHeldByClass(t *testing.T) {
 	}
 }
 
-// TestH11_SQLStateClassTable (item 2): every code of the transient classes
+// TestSQLStateClassesTransientOrOrdinary (item 2): every code of the transient classes
 // and the listed codes of mixed classes, as PostgreSQL 15's errcodes.txt
 // names them, is transient wherever it arises; the neighbours that are the
 // data's or the handler's stay ordinary.
-func TestH11_SQLStateClassTable(t *testing.T) {
+func TestSQLStateClassesTransientOrOrdinary(t *testing.T) {
 	t.Parallel()
 	for _, code := range []string{
 		"08000", "08003", "08006", "08001", "08004", "08007", "08P01",
@@ -177,13 +177,13 @@ func TestH11_SQLStateClassTable(t *testing.T) {
 	require.Equal(t, middleware.ClassPermanent, middleware.ClassOf(middleware.Permanent(&pgconn.PgError{Code: "XX000"})), "permanent wins")
 }
 
-// TestH11_MySQLServerStateCodesAreHeld (item 2): on MariaDB, a handler
+// TestMySQLServerStateCodesAreHeld (item 2): on MariaDB, a handler
 // statement stopped by max_statement_time (1969 ER_STATEMENT_TIMEOUT,
 // produced for real) is transient with mysqlerr.Classify: held, never
 // poisoned, applied once on the healthy call. On the old code 1969 was
 // ordinary and poisoned after the retries. The table checks the numbers
 // added, each against MariaDB's perror / the MySQL reference.
-func TestH11_MySQLServerStateCodesAreHeld(t *testing.T) {
+func TestMySQLServerStateCodesAreHeld(t *testing.T) {
 	t.Parallel()
 	for _, n := range []uint16{
 		1205, 1213, 1614, 1637, 1180, 1181, 1040, 1203, 1135, 1152, 1154, 1155, 1156, 1157, 1158, 1159,
@@ -259,7 +259,7 @@ func logged(l *watermill.CaptureLoggerAdapter, level watermill.LogLevel, msg str
 	return out
 }
 
-// TestH11_IdempotentTwiceIsAConfigurationError (item 3, wiring): the
+// TestIdempotentTwiceIsAConfigurationError (item 3, wiring): the
 // idempotent middleware of one consumer wrapped twice around a handler
 // (added by hand inside the chain, or a router-level chain plus a
 // handler-level one). The inner attempt's claim waited for the outer
@@ -269,7 +269,7 @@ func logged(l *watermill.CaptureLoggerAdapter, level watermill.LogLevel, msg str
 // context and fails at once with a ConfigurationError that says to wire it
 // once: held and logged at ERROR with the hint, never poisoned, the handler
 // never called, no claim left.
-func TestH11_IdempotentTwiceIsAConfigurationError(t *testing.T) {
+func TestIdempotentTwiceIsAConfigurationError(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	idem, err := middleware.NewIdempotent(middleware.Config{
@@ -298,7 +298,7 @@ func TestH11_IdempotentTwiceIsAConfigurationError(t *testing.T) {
 	require.Contains(t, lines[0].Fields["hint"], "once")
 }
 
-// TestH11_ChainTwiceHoldsAndRetriesOnce (item 3, wiring): a chain wrapped
+// TestChainTwiceHoldsAndRetriesOnce (item 3, wiring): a chain wrapped
 // inside another chain (a router-level NewChain plus a handler-level
 // NewHandlerMiddleware, each with its own idempotent middleware of one
 // consumer). Before, the inner chain held and retried on its own, then the
@@ -307,7 +307,7 @@ func TestH11_IdempotentTwiceIsAConfigurationError(t *testing.T) {
 // through (the outer chain holds, retries and poisons), and the nested
 // idempotent middleware is a configuration error: the inner chain's logger
 // sees nothing, the outer logs the configuration error at ERROR.
-func TestH11_ChainTwiceHoldsAndRetriesOnce(t *testing.T) {
+func TestChainTwiceHoldsAndRetriesOnce(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	newIdem := func() *middleware.Idempotent {
@@ -335,13 +335,13 @@ func TestH11_ChainTwiceHoldsAndRetriesOnce(t *testing.T) {
 	require.NotEmpty(t, logged(outerLog, watermill.ErrorLogLevel, "Configuration error: delivery held, not poisoned"))
 }
 
-// TestH11_PoisonTopicIsTheHandlersOwnTopic (item 3, wiring): ChainConfig.
+// TestPoisonTopicEqualToHandlerTopicNamesTheField (item 3, wiring): ChainConfig.
 // PoisonTopic set to the topic the handler consumes. Such a message is
 // never published back to its own topic (held instead: no loop), but the
 // ERROR said "poisoned message failed again on the poison topic's consumer"
 // with a hint about router-level wiring, for a message that was never
 // poisoned. Now the ERROR names the field to fix.
-func TestH11_PoisonTopicIsTheHandlersOwnTopic(t *testing.T) {
+func TestPoisonTopicEqualToHandlerTopicNamesTheField(t *testing.T) {
 	t.Parallel()
 	logger := &captureLogger{}
 	poison := &capture{msgs: make(chan *message.Message, 1)}
@@ -471,7 +471,7 @@ func proxiedBeginners(t *testing.T, e *env) []proxiedBeginner {
 	return out
 }
 
-// TestH11_AttemptConnectionFailuresAreInfrastructureByOrigin (item 2): a
+// TestAttemptConnectionFailuresAreInfrastructureByOrigin (item 2): a
 // client-side failure of the attempt's own connection, whatever its Go type
 // (io.EOF, net.Error, context.DeadlineExceeded, driver.ErrBadConn,
 // mysql.ErrInvalidConn), is infrastructure because the attempt's rollback
@@ -483,7 +483,7 @@ func proxiedBeginners(t *testing.T, e *env) []proxiedBeginner {
 // connection). The same error types from a healthy connection's handler
 // stay ordinary: the control case returns io.EOF of its own and is
 // poisoned once after the retries.
-func TestH11_AttemptConnectionFailuresAreInfrastructureByOrigin(t *testing.T) {
+func TestAttemptConnectionFailuresAreInfrastructureByOrigin(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	for _, b := range proxiedBeginners(t, e) {
@@ -555,7 +555,7 @@ func TestH11_AttemptConnectionFailuresAreInfrastructureByOrigin(t *testing.T) {
 	}
 }
 
-// TestH11_CommitOutcomeUnknownNeverAckedNorPoisoned (item 2, commit path):
+// TestCommitOutcomeUnknownNeverAckedNorPoisoned (item 2, commit path):
 // the attempt's connection is cut while the server executes its COMMIT (a
 // deferred trigger keeps COMMIT busy; the cut comes when the session is
 // seen waiting inside it), so the client cannot know the outcome. On the
@@ -573,7 +573,7 @@ func TestH11_AttemptConnectionFailuresAreInfrastructureByOrigin(t *testing.T) {
 // committed claim (duplicate, acked: handler once) or applies it (handler
 // twice); effect and claim once either way. For both pgx beginners and
 // database/sql over pgx.
-func TestH11_CommitOutcomeUnknownNeverAckedNorPoisoned(t *testing.T) {
+func TestCommitOutcomeUnknownNeverAckedNorPoisoned(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	// An advisory key of this test's own (the key space is the database's,
@@ -666,7 +666,7 @@ FOR EACH ROW EXECUTE FUNCTION h11_slow_commit()`)
 	}
 }
 
-// TestH11_HandlerEndedTxIsPoisonedNotSilentlyLost (item 3, wiring): a
+// TestHandlerEndedTxIsPoisonedNotSilentlyLost (item 3, wiring): a
 // handler that commits the attempt's transaction itself, then returns a
 // message (router or outbox). The middleware's outbox write or COMMIT then
 // fails with pgx.ErrTxClosed / sql.ErrTxDone. Before, that was ordinary:
@@ -677,7 +677,7 @@ FOR EACH ROW EXECUTE FUNCTION h11_slow_commit()`)
 // "handler_ended_tx": poisoned once at once, so the operator sees it; a
 // handler that rolled back instead is poisoned the same way, without
 // retries that would only repeat it.
-func TestH11_HandlerEndedTxIsPoisonedNotSilentlyLost(t *testing.T) {
+func TestHandlerEndedTxIsPoisonedNotSilentlyLost(t *testing.T) {
 	t.Parallel()
 	e, ob := newOutboxEnv(t)
 	for _, b := range beginnersUnderTest(t, e.schema) {
@@ -719,13 +719,13 @@ func TestH11_HandlerEndedTxIsPoisonedNotSilentlyLost(t *testing.T) {
 	}
 }
 
-// TestH11_TxKeptAfterTheHandlerReturnedIsRefused (item 3, wiring): a
+// TestTxKeptAfterTheHandlerReturnedIsRefused (item 3, wiring): a
 // handler that keeps the attempt's transaction (pgx.Tx, *sql.Tx or the
 // querier) and uses it after it returned, e.g. from the next message's
 // handler. Every use is refused (pgx.ErrTxClosed / sql.ErrTxDone), nothing
 // lands in the later attempt's transaction, and no connection stays
 // acquired: for every beginner.
-func TestH11_TxKeptAfterTheHandlerReturnedIsRefused(t *testing.T) {
+func TestTxKeptAfterTheHandlerReturnedIsRefused(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	for _, b := range beginnersUnderTest(t, e.schema) {

@@ -107,7 +107,7 @@ func requireCovered(t *testing.T, parts [][2]time.Time, from, to time.Time) {
 // before this test read the span start from the name and added the current
 // span: it dropped the partition, and the redelivery of an event still
 // inside the horizon was claimed (applied) again.
-func TestH16_DropJudgesEachPartitionsOwnBounds(t *testing.T) {
+func TestPartitionDropJudgesEachPartitionsOwnBounds(t *testing.T) {
 	t.Parallel()
 	pool, _ := testenv.Pool(t)
 	ctx := context.Background()
@@ -151,7 +151,7 @@ func TestH16_DropJudgesEachPartitionsOwnBounds(t *testing.T) {
 // span change every span overlapping an existing partition failed
 // ("would overlap partition"), on every run (an error logged each minute),
 // leaving gaps.
-func TestH16_SpansNotDividingAnHourStayContiguous(t *testing.T) {
+func TestPartitionSpansNotDividingAnHourStayContiguous(t *testing.T) {
 	t.Parallel()
 	for _, spans := range [][]time.Duration{{time.Hour, 45 * time.Minute}, {7 * time.Minute}, {25 * time.Hour}, {45 * time.Minute, time.Hour, 7 * time.Minute}} {
 		t.Run(fmt.Sprint(spans), func(t *testing.T) {
@@ -190,7 +190,7 @@ func TestH16_SpansNotDividingAnHourStayContiguous(t *testing.T) {
 // partition (purged by DELETE), the span is not created, and the rows stay
 // found. The code before this test reported the failed CREATE on every run
 // while the span was ahead (an error logged each minute for hours).
-func TestH16_DefaultRowsOfASpanAreNoErrorLoop(t *testing.T) {
+func TestPartitionDefaultRowsOfASpanAreNoErrorLoop(t *testing.T) {
 	t.Parallel()
 	pool, _ := testenv.Pool(t)
 	ctx := context.Background()
@@ -224,7 +224,7 @@ func TestH16_DefaultRowsOfASpanAreNoErrorLoop(t *testing.T) {
 // a producer clock ahead of the database by more than the spans created,
 // an event older than any partition, an event exactly at a partition
 // bound: each lands where the rule says and nothing current is dropped.
-func TestH16_PartitionsWhateverTheClocks(t *testing.T) {
+func TestPartitionsWhateverTheClocks(t *testing.T) {
 	// Not parallel: it sets the process's time.Local.
 	chatham, err := time.LoadLocation("Pacific/Chatham")
 	require.NoError(t, err)
@@ -288,7 +288,7 @@ func TestH16_PartitionsWhateverTheClocks(t *testing.T) {
 
 // Two purgers on two pools (two processes) at once, with claims going on:
 // no error, no claim lost, the partitions ahead contiguous.
-func TestH16_TwoPurgersAtOnce(t *testing.T) {
+func TestPartitionTwoPurgersAtOnce(t *testing.T) {
 	t.Parallel()
 	pool, schema := testenv.Pool(t)
 	other := testenv.PoolOn(t, schema, 4)
@@ -341,7 +341,7 @@ func TestH16_TwoPurgersAtOnce(t *testing.T) {
 // not exist and the purger would fail to partition a plain table on every
 // run. The code before this test recorded nothing new and returned nil
 // (the plain table's version 1 counted as the partitioned one's).
-func TestH16_PartitionedMigrateOnPlainTableIsRefused(t *testing.T) {
+func TestPartitionedMigrateOnPlainTableIsRefused(t *testing.T) {
 	t.Parallel()
 	pool, _ := testenv.Pool(t)
 	ctx := context.Background()
@@ -360,7 +360,7 @@ func TestH16_PartitionedMigrateOnPlainTableIsRefused(t *testing.T) {
 // claim's now()) both insert, and the effect is applied twice. Migrate
 // refuses such a table (ErrNoGlobalKey); the code before this test accepted
 // it, and the second claim below inserted a second row.
-func TestH16_UserRangeOnEventAtIsRefused(t *testing.T) {
+func TestUserRangeOnEventAtIsRefused(t *testing.T) {
 	t.Parallel()
 	pool, _ := testenv.Pool(t)
 	ctx := context.Background()

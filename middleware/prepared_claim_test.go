@@ -35,7 +35,7 @@ const hrevFailsafe = 20 * time.Second
 // purger, a layout switch), an attempt fails with ErrInFlight after
 // LockTimeout instead of waiting for as long as the other session holds
 // it. The connection is warmed first, so the claim is already prepared.
-func TestHREV_LockTimeoutBoundsTheClaimTableLock(t *testing.T) {
+func TestLockTimeoutBoundsTheClaimTableLock(t *testing.T) {
 	t.Parallel()
 	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeSimpleProtocol} {
 		t.Run(mode.String(), func(t *testing.T) {
@@ -103,7 +103,7 @@ func (tr *hrevTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEn
 // context cancelled before the batch: never acked as claimed on that
 // attempt, never poisoned, the connection not reused in a transaction; the
 // held re-run applies the event once (one effect, one claim row).
-func TestHREV_PreparedClaimFaultsInItsBatch(t *testing.T) {
+func TestPreparedClaimFaultsInItsBatch(t *testing.T) {
 	t.Parallel()
 	for _, c := range []struct {
 		name, at string
@@ -165,7 +165,7 @@ func TestHREV_PreparedClaimFaultsInItsBatch(t *testing.T) {
 // before the batch is sent: the attempt fails (never acked as claimed,
 // nothing written), and the connection goes back to the pool idle, outside
 // a transaction, and serves the next message.
-func TestHREV_PreparedClaimContextCancelledBeforeBatch(t *testing.T) {
+func TestPreparedClaimContextCancelledBeforeBatch(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	e := newEnv(t)
@@ -211,7 +211,7 @@ func TestHREV_PreparedClaimContextCancelledBeforeBatch(t *testing.T) {
 // (simple protocol) encodings store, and that is the time truncated to the
 // microsecond: year 1, a non-UTC zone that makes it 1 BC in UTC, 9999,
 // 1969 with a sub-microsecond part (negative Unix time, the floor).
-func TestHREV_PreparedClaimEventAtExtremes(t *testing.T) {
+func TestPreparedClaimEventAtExtremes(t *testing.T) {
 	t.Parallel()
 	occurred := []time.Time{
 		time.Date(1, 1, 1, 0, 0, 0, 1000, time.UTC), // the zero time itself is refused by the marshaler
@@ -267,7 +267,7 @@ func TestHREV_PreparedClaimEventAtExtremes(t *testing.T) {
 // statements cached per connection are keyed by their text, so each claim
 // lands in its own store (never the other's table), each duplicate is
 // recognized by its own store, and a payload change is caught by each.
-func TestHREV_TwoMiddlewaresOneConnection(t *testing.T) {
+func TestTwoMiddlewaresOnOneConnectionKeepTheirOwnStores(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	_, schema := testenv.Pool(t)
@@ -341,7 +341,7 @@ func TestHREV_TwoMiddlewaresOneConnection(t *testing.T) {
 // connection still runs its claim and handler under Config.LockTimeout, and
 // after a committed attempt without session changes the session's own
 // lock_timeout is back.
-func TestHREV_LockTimeoutAcrossHandlerSessionCommands(t *testing.T) {
+func TestLockTimeoutSurvivesHandlerSessionCommands(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	var step atomic.Int32
@@ -391,7 +391,7 @@ func TestHREV_LockTimeoutAcrossHandlerSessionCommands(t *testing.T) {
 // plain duplicate (acked, handler not run), whatever the payload; and the
 // other way round a verified row is met by the unverifying claim as a
 // duplicate.
-func TestHREV_PreparedReadOfNullFingerprint(t *testing.T) {
+func TestPreparedReadOfNullFingerprintIsPlainDuplicate(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	_, schema := testenv.Pool(t)
@@ -439,7 +439,7 @@ func TestHREV_PreparedReadOfNullFingerprint(t *testing.T) {
 // The table altered to the domain after the claim was prepared on the
 // connection (the statement keeps its text parameter, PostgreSQL
 // re-plans it) behaves the same.
-func TestHREV_PreparedClaimOnDomainColumns(t *testing.T) {
+func TestPreparedClaimOnDomainColumns(t *testing.T) {
 	t.Parallel()
 	for _, after := range []bool{false, true} {
 		t.Run(fmt.Sprintf("altered-after-prepare=%v", after), func(t *testing.T) {
@@ -485,7 +485,7 @@ ALTER TABLE processed_event ALTER COLUMN consumer TYPE consumer_name, ALTER COLU
 // attempt's batch fails at it (26000, the claim not executed), is rolled
 // back, prepared again and resent once: the message is claimed and applied
 // once, under the lock timeout, and the one after that too.
-func TestHREV_PreparedLockStatementLostAlone(t *testing.T) {
+func TestPreparedLockStatementLostAloneIsPreparedAgain(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	var step atomic.Int32

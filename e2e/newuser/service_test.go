@@ -1,4 +1,4 @@
-package newcomer_test
+package newuser_test
 
 import (
 	"context"

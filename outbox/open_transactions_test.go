@@ -20,7 +20,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
-// session is one dedicated connection that a hostile test keeps in a
+// session is one dedicated connection that an open-transaction test keeps in a
 // transaction; it is rolled back and closed when the test ends.
 type session struct {
 	t    *testing.T
@@ -77,15 +77,15 @@ func dsnOf(tg testenv.Target, other string) (string, string) {
 	}
 }
 
-// hostile is a transaction another session keeps open while the relay
+// openTx is a transaction another session keeps open while the relay
 // runs; lateRow, when set, is an outbox row it wrote, committed at the end.
-type hostile struct {
+type openTx struct {
 	name string
 	open func(t *testing.T, b *box, lateRow string) (commit func())
 }
 
-// hostiles returns the open transactions of N07 for tg's dialect.
-func hostiles(tg testenv.Target) []hostile {
+// openTransactions returns the open transactions of N07 for tg's dialect.
+func openTransactions(tg testenv.Target) []openTx {
 	insertLate := func(t *testing.T, s *session, b *box, id string) {
 		md := `{"event_name":"order.placed"}`
 		q := b.tg.Rebind(`INSERT INTO ` + b.tg.Quote(b.table) + ` (event_id, topic, payload, metadata, created_at_us) VALUES ($1, $2, $3, $4, $5)`)
@@ -94,7 +94,7 @@ func hostiles(tg testenv.Target) []hostile {
 	}
 	switch tg.Dialect {
 	case sqldb.PostgreSQL:
-		return []hostile{
+		return []openTx{
 			{"SameDB/ReadSnapshot", func(t *testing.T, b *box, _ string) func() {
 				d, dsn := dsnOf(b.tg, "")
 				openSession(t, d, dsn, "BEGIN ISOLATION LEVEL REPEATABLE READ", "SELECT count(*) FROM "+b.table)
@@ -129,7 +129,7 @@ func hostiles(tg testenv.Target) []hostile {
 			}},
 		}
 	case sqldb.MySQL:
-		return []hostile{
+		return []openTx{
 			{"SameDB/ConsistentSnapshot", func(t *testing.T, b *box, _ string) func() {
 				d, dsn := dsnOf(b.tg, "")
 				openSession(t, d, dsn, "START TRANSACTION WITH CONSISTENT SNAPSHOT", "SELECT count(*) FROM "+b.tg.Quote(b.table))
@@ -170,7 +170,7 @@ func hostiles(tg testenv.Target) []hostile {
 			}},
 		}
 	default:
-		return []hostile{
+		return []openTx{
 			{"SameFile/ReadTx", func(t *testing.T, b *box, _ string) func() {
 				d, dsn := dsnOf(b.tg, "")
 				openSession(t, d, dsn, "BEGIN", "SELECT count(*) FROM "+b.tg.Quote(b.table))
@@ -185,15 +185,15 @@ func hostiles(tg testenv.Target) []hostile {
 	}
 }
 
-// TestN07_Hostile: while another session keeps a transaction open — in
+// TestRelayDeliversWhileOtherTransactionsStayOpen (N07): while another session keeps a transaction open — in
 // the outbox's database or another one of the server, reading (a snapshot)
 // or having written (a row elsewhere, its own outbox row, an XA/2PC
 // prepared transaction) — the relay keeps delivering rows committed
 // meanwhile, and a row that session wrote is delivered once it commits.
-func TestN07_Hostile(t *testing.T) {
+func TestRelayDeliversWhileOtherTransactionsStayOpen(t *testing.T) {
 	t.Parallel()
 	testenv.EachTarget(t, func(t *testing.T, tg testenv.Target) {
-		for _, h := range hostiles(tg) {
+		for _, h := range openTransactions(tg) {
 			t.Run(h.name, func(t *testing.T) {
 				b := newBox(t, tg)
 				late := newID()
@@ -216,12 +216,12 @@ func TestN07_Hostile(t *testing.T) {
 	})
 }
 
-// TestN07_PreparedTransaction: a PostgreSQL prepared transaction (2PC,
+// TestRelayDeliversPastAPreparedTransaction (N07): a PostgreSQL prepared transaction (2PC,
 // PREPARE TRANSACTION) that wrote an outbox row outlives its session and
 // holds back the server's xmin; on a private server with
 // max_prepared_transactions > 0, the relay keeps delivering meanwhile and
 // delivers the prepared row after COMMIT PREPARED.
-func TestN07_PreparedTransaction(t *testing.T) {
+func TestRelayDeliversPastAPreparedTransaction(t *testing.T) {
 	t.Parallel()
 	pg := testenv.StartPostgres(t, "max_prepared_transactions=5")
 	schema := testenv.SchemaOn(t, pg.URL)

@@ -37,18 +37,18 @@ func endTx(t *testing.T, msg *message.Message, commit bool) {
 	}
 }
 
-// TestRV_HandlerEndedTxIsNotInfrastructure: a handler that rolls back the
+// TestHandlerRolledBackTxIsNotInfrastructure: a handler that rolls back the
 // attempt's transaction itself makes the middleware's COMMIT fail with
 // pgx.ErrTxClosed / sql.ErrTxDone. That is the handler's doing, not the
 // connection's: it must be poisoned, never an
 // InfrastructureError held in place forever (each hold re-runs the handler,
 // which rolls back again, then nacks after MaxHold, and the broker
-// redelivers: an endless loop that never reaches the poison topic). Since
-// h11 it is permanent (poisoned once at once), also when the handler
+// redelivers: an endless loop that never reaches the poison topic). It is
+// permanent (poisoned once at once), also when the handler
 // committed (its effect applied once; its produced messages were not
 // written, which the poisoned message makes visible). No connection stays
 // acquired.
-func TestRV_HandlerEndedTxIsNotInfrastructure(t *testing.T) {
+func TestHandlerRolledBackTxIsNotInfrastructure(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	for _, b := range beginnersUnderTest(t, e.schema) {
@@ -88,8 +88,8 @@ func TestRV_HandlerEndedTxIsNotInfrastructure(t *testing.T) {
 				_, err = h(msg)
 				require.NoError(t, err, "acked")
 				require.Zero(t, b.inUse(), "no connection stays acquired")
-				// h11: a transaction the handler ended is permanent
-				// ("handler_ended_tx", TestH11_HandlerEndedTxIsPoisonedNotSilentlyLost):
+				// A transaction the handler ended is permanent
+				// ("handler_ended_tx", TestHandlerEndedTxIsPoisonedNotSilentlyLost):
 				// poisoned once at once, never held, never retried.
 				require.Equal(t, 1, calls, "permanent: poisoned at once")
 				require.Len(t, poison.msgs, 1, "poisoned once")
@@ -106,11 +106,11 @@ func TestRV_HandlerEndedTxIsNotInfrastructure(t *testing.T) {
 	}
 }
 
-// TestRV_HoldLogsUseErrorField: the chain's hold lines name the error
+// TestHoldLogsUseErrorField: the chain's hold lines name the error
 // "error", as the middleware's own lines and watermill.NewSlogLogger do,
 // never "err" (the merged hold path logged "err", and its ERROR lines
 // carried the error twice).
-func TestRV_HoldLogsUseErrorField(t *testing.T) {
+func TestHoldLogsUseErrorField(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	logger := &captureLogger{}
@@ -148,14 +148,14 @@ func TestRV_HoldLogsUseErrorField(t *testing.T) {
 	require.Equal(t, 2, held)
 }
 
-// TestRV_ClaimStatementTimeoutIsInfrastructure: the claim on the attempt's
+// TestClaimStatementTimeoutIsInfrastructure: the claim on the attempt's
 // own connection cancelled by the server (57014 query_canceled: a
 // statement_timeout set on the role or the pool while another transaction
 // holds the claim) is the attempt's infrastructure: transient, held. The
 // merged claimError took every "ordinary" SQLSTATE of the claim for a
 // schema mismatch and reported a ConfigurationError telling the operator to
 // run the migrations.
-func TestRV_ClaimStatementTimeoutIsInfrastructure(t *testing.T) {
+func TestClaimStatementTimeoutIsInfrastructure(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	cfg := testenv.PoolConfig(t, testenv.PostgresURL(), e.schema, 2)

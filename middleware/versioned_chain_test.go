@@ -14,11 +14,11 @@ import (
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
-// TestC12 — state copies and out-of-order versions, through the recommended
+// TestStateCopiesOutOfOrderThroughTheChain (C12) — state copies and out-of-order versions, through the recommended
 // chain: stale events are recorded as processed and acked (not retried, not
 // poisoned); a missing or null version is permanent (poisoned once); a
 // stored NULL version is older than any.
-func TestC12(t *testing.T) {
+func TestStateCopiesOutOfOrderThroughTheChain(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()

