@@ -29,5 +29,5 @@
 // own handler transaction, in the same statement as its applied check. With
 // two databases, set IndexerConfig.LatestQuerier to a pool on the
 // catalogue's database; with Redis, set CatalogueConfig.Latest and
-// IndexerConfig.Latest to one versioned.RedisLatest.
+// IndexerConfig.Latest to one redislatest.Store (module versioned/redislatest).
 package indexer

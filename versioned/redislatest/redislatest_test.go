@@ -1,4 +1,4 @@
-package versioned_test
+package redislatest_test
 
 import (
 	"context"
@@ -10,13 +10,14 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/versioned"
+	"github.com/watermill-idempotency/idempotency/versioned/redislatest"
 )
 
 func TestRedisLatestContract(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	client, prefix := lfRedis(t)
-	r, err := versioned.NewRedisLatest(versioned.RedisLatestConfig{Client: client, Prefix: prefix, TTL: time.Hour})
+	client, prefix := testRedis(t)
+	r, err := redislatest.New(redislatest.Config{Client: client, Prefix: prefix, TTL: time.Hour})
 	require.NoError(t, err)
 	require.False(t, r.Transactional())
 	f := versioned.Family{Kind: "product.index", ID: "p:1"}
@@ -28,9 +29,9 @@ func TestRedisLatestContract(t *testing.T) {
 	require.False(t, ok)
 
 	at := time.Date(2024, 7, 1, 10, 0, 0, 0, time.UTC)
-	older := versioned.TimePosition(at.Add(100*time.Nanosecond), uuid.MustParse(lfE6))
-	newer := versioned.TimePosition(at.Add(101*time.Nanosecond), uuid.MustParse(lfE1))
-	numbered := versioned.SeqPosition(0, uuid.MustParse(lfE1))
+	older := versioned.TimePosition(at.Add(100*time.Nanosecond), uuid.MustParse(idE6))
+	newer := versioned.TimePosition(at.Add(101*time.Nanosecond), uuid.MustParse(idE1))
+	numbered := versioned.SeqPosition(0, uuid.MustParse(idE1))
 	for _, step := range []struct {
 		pos  versioned.Position
 		move bool
@@ -67,8 +68,8 @@ func TestRedisLatestContract(t *testing.T) {
 func TestRedisLatestConcurrentAdvance(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	client, prefix := lfRedis(t)
-	r, err := versioned.NewRedisLatest(versioned.RedisLatestConfig{Client: client, Prefix: prefix})
+	client, prefix := testRedis(t)
+	r, err := redislatest.New(redislatest.Config{Client: client, Prefix: prefix})
 	require.NoError(t, err)
 	f := versioned.Family{Kind: "product.index", ID: "p-1"}
 	const n = 200
@@ -104,17 +105,17 @@ func TestRedisLatestConcurrentAdvance(t *testing.T) {
 	require.GreaterOrEqual(t, moves, 1)
 	ttl, err := client.PTTL(ctx, r.Key(f)).Result()
 	require.NoError(t, err)
-	require.Greater(t, ttl, versioned.DefaultRedisTTL-time.Minute, "default TTL")
+	require.Greater(t, ttl, redislatest.DefaultTTL-time.Minute, "default TTL")
 }
 
 func TestRedisLatestConfigValidate(t *testing.T) {
 	t.Parallel()
-	_, err := versioned.NewRedisLatest(versioned.RedisLatestConfig{})
-	require.ErrorContains(t, err, "RedisLatestConfig.Client")
-	client, _ := lfRedis(t)
-	_, err = versioned.NewRedisLatest(versioned.RedisLatestConfig{Client: client, TTL: time.Microsecond})
-	require.ErrorContains(t, err, "RedisLatestConfig.TTL")
-	r, err := versioned.NewRedisLatest(versioned.RedisLatestConfig{Client: client})
+	_, err := redislatest.New(redislatest.Config{})
+	require.ErrorContains(t, err, "Config.Client")
+	client, _ := testRedis(t)
+	_, err = redislatest.New(redislatest.Config{Client: client, TTL: time.Microsecond})
+	require.ErrorContains(t, err, "Config.TTL")
+	r, err := redislatest.New(redislatest.Config{Client: client})
 	require.NoError(t, err)
-	require.Equal(t, versioned.DefaultRedisPrefix+"1:k:i", r.Key(versioned.Family{Kind: "k", ID: "i"}))
+	require.Equal(t, redislatest.DefaultPrefix+"1:k:i", r.Key(versioned.Family{Kind: "k", ID: "i"}))
 }
