@@ -19,7 +19,6 @@ import (
 	"modernc.org/sqlite"
 
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/middleware/mysqlerr"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
@@ -540,7 +539,7 @@ func exerciseUpsert(t *testing.T, d driver) {
 						} else {
 							_ = tx.Rollback()
 						}
-						if err != nil && mysqlerr.IsTransient(err) {
+						if err != nil && mysqlTransient(err) {
 							retries.Add(1)
 							continue
 						}

@@ -23,34 +23,6 @@ import (
 	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
-// runRouter starts a router on the test's broker, lets setup add handlers,
-// and closes it when the test ends (or when the returned stop is called).
-func runRouter(t *testing.T, setup func(r *message.Router)) (stop func()) {
-	t.Helper()
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 30 * time.Second}, watermill.NopLogger{})
-	require.NoError(t, err)
-	setup(router)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		_ = router.Run(context.Background())
-	}()
-	select {
-	case <-router.Running():
-	case <-time.After(30 * time.Second):
-		t.Fatal("router did not start")
-	}
-	var stopped atomic.Bool
-	stop = func() {
-		if stopped.CompareAndSwap(false, true) {
-			_ = router.Close()
-			<-done
-		}
-	}
-	t.Cleanup(stop)
-	return stop
-}
-
 func (r *rabbit) subscriber() message.Subscriber {
 	r.t.Helper()
 	sub, err := amqp.NewSubscriber(r.cfg, watermill.NopLogger{})
@@ -69,15 +41,6 @@ func (r *rabbit) poisonPublisher() *amqppoison.PoisonPublisher {
 func (r *rabbit) publishRaw(body string) {
 	r.t.Helper()
 	require.NoError(r.t, r.ch.PublishWithContext(context.Background(), "", r.queue, false, false, amqp091.Publishing{Body: []byte(body)}))
-}
-
-func (e *env) idempotent(pool *pgxpool.Pool) *middleware.Idempotent {
-	e.t.Helper()
-	idem, err := middleware.NewIdempotent(middleware.Config{
-		Beginner: mustBeginner(middleware.NewPgxBeginner(pool, middleware.PgxBeginnerConfig{})), Store: e.store, Consumer: "stock",
-	}, nil)
-	require.NoError(e.t, err)
-	return idem
 }
 
 // TestPoisonReasonLargerThanTheFrameIsTruncated (N03) — a poison reason larger than the broker's frame (200 kB): the

@@ -15,6 +15,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/sqldb"
 	"github.com/watermill-idempotency/idempotency/versioned"
+	"github.com/watermill-idempotency/idempotency/versioned/redislatest"
 )
 
 // The producer's transaction writes the outbox rows and the latest records
@@ -92,7 +93,7 @@ func TestLatestPublisherRedis(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	client, prefix := lfRedis(t)
-	store, err := versioned.NewRedisLatest(versioned.RedisLatestConfig{Client: client, Prefix: prefix})
+	store, err := redislatest.New(redislatest.Config{Client: client, Prefix: prefix})
 	require.NoError(t, err)
 	f := versioned.Family{Kind: "product.index", ID: "p-1"}
 	seqOf := func() int64 {
@@ -131,7 +132,7 @@ func TestLatestPublisherRedis(t *testing.T) {
 
 	down := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1, DialTimeout: time.Second})
 	t.Cleanup(func() { _ = down.Close() })
-	downStore, err := versioned.NewRedisLatest(versioned.RedisLatestConfig{Client: down})
+	downStore, err := redislatest.New(redislatest.Config{Client: down})
 	require.NoError(t, err)
 	lost, err := versioned.NewLatestPublisher(broker, versioned.LatestPublisherConfig{Store: downStore}, nil)
 	require.NoError(t, err)
@@ -149,7 +150,7 @@ func TestLatestPublisherConfigValidate(t *testing.T) {
 	families, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{})
 	require.NoError(t, err)
 	client, _ := lfRedis(t)
-	redisStore, err := versioned.NewRedisLatest(versioned.RedisLatestConfig{Client: client})
+	redisStore, err := redislatest.New(redislatest.Config{Client: client})
 	require.NoError(t, err)
 	q := &lfQueue{}
 	for want, cfg := range map[string]versioned.LatestPublisherConfig{

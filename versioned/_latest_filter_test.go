@@ -19,17 +19,8 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/middleware"
-	"github.com/watermill-idempotency/idempotency/middleware/mysqlerr"
 	"github.com/watermill-idempotency/idempotency/versioned"
-)
-
-// Event ids of case C15 (valid UUIDv7), in increasing byte order.
-const (
-	lfE1 = "01906dbc-ad00-70a1-8a1b-2c3d4e5f6a7b"
-	lfE2 = "01906dbc-ad01-70b2-9b2c-3d4e5f6a7b8c"
-	lfE3 = "01906dbc-ad02-70c3-ac3d-4e5f6a7b8c9d"
-	lfE5 = "01906dbc-ad04-70e5-8e5f-6a7b8c9d0e1f"
-	lfE6 = "01906dbc-ad05-70f6-9f6a-7b8c9d0e1f2a"
+	"github.com/watermill-idempotency/idempotency/versioned/redislatest"
 )
 
 // TestLatestPerFamilyDropsSupersededEvents (case C15): latest per family.
@@ -472,7 +463,7 @@ func TestLatestFilterRedisFlushedMidRun(t *testing.T) {
 	// First half with the records, then Redis loses everything.
 	runWorkers(t, workers, all[:len(all)/2], h)
 	handledBefore := e.counter.Count(versioned.FilterHandled)
-	require.Positive(t, lfDeleteRedisPrefix(t, e.redis, e.redisPrefix), "the flush removed records")
+	require.Positive(t, e.forgetRedis(), "the flush removed records")
 
 	// Some families get a newer update after the flush: recorded again.
 	for i := 0; i < families; i += 4 {
@@ -510,7 +501,7 @@ func TestLatestFilterRedisDownFailsOpen(t *testing.T) {
 
 	down := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1, DialTimeout: time.Second})
 	t.Cleanup(func() { _ = down.Close() })
-	e.latest, _ = versioned.NewRedisLatest(versioned.RedisLatestConfig{Client: down, Prefix: e.redisPrefix})
+	e.latest, _ = redislatest.New(redislatest.Config{Client: down, Prefix: e.redisPrefix})
 	var calls []string
 	h := e.chain("indexer", e.stateHandler(func(msg *message.Message) { calls = append(calls, string(msg.Payload)) }))
 	require.NoError(t, deliver(h, m2))
@@ -600,7 +591,7 @@ func runWorkersFrom(t *testing.T, n int, ch <-chan *message.Message, h message.H
 			for m := range ch {
 				var err error
 				for attempt := 0; attempt < 20; attempt++ {
-					if err = deliver(h, m); err == nil || !mysqlerr.IsTransient(err) {
+					if err = deliver(h, m); err == nil || !mysqlTransient(err) {
 						break
 					}
 				}
