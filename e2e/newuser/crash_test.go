@@ -116,7 +116,7 @@ func (e *env) crashChild(n names, killAt string, publish func()) {
 // (after the claim, before COMMIT, after COMMIT and before the ack); a
 // second process with the same Consumer gets the redelivery. The effect is
 // applied once, nothing is dead-lettered and the queue is empty.
-func CrashAtEveryPointThenRedelivery(t *testing.T) {
+func TestCrashAtEveryPointThenRedelivery(t *testing.T) {
 	t.Parallel()
 	for _, point := range []string{crashpoint.AfterClaim, crashpoint.BeforeCommit, crashpoint.AfterCommit} {
 		t.Run(point, func(t *testing.T) {
@@ -170,7 +170,7 @@ func (l *lockedBuffer) String() string {
 // still loops: without the chain nothing poisons; the error says why.)
 // The test runs the service in a child process, so that a crash would not
 // take the test binary down.
-func ChainForgottenIsNamedNotANilPointerCrash(t *testing.T) {
+func TestChainForgottenIsNamedNotANilPointerCrash(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	spec, _ := json.Marshal(childSpec{Names: e.n, DBURL: e.dbURL, AMQPURL: testenv.AMQPURL(), Deadline: 90 * time.Second, NoChain: true})

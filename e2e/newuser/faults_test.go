@@ -61,7 +61,7 @@ func (c *capture) countLines(level, prefix string) int {
 // events arrive, with MaxHold short enough that deliveries are held, nacked
 // and redelivered several times during it: nothing is poisoned, nothing is
 // applied during the outage, and each event is applied once after it.
-func LongDatabaseOutage(t *testing.T) {
+func TestLongDatabaseOutage(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	proxy := e.dbProxy()
@@ -98,7 +98,7 @@ func LongDatabaseOutage(t *testing.T) {
 // demoted primary or a standby answers 25006) while
 // events arrive: held, never poisoned, applied once when it is writable
 // again.
-func FailoverReadOnly(t *testing.T) {
+func TestFailoverReadOnly(t *testing.T) {
 	t.Parallel()
 	pg := testenv.StartPostgres(t)
 	e := newEnvOn(t, pg.URL)
@@ -169,7 +169,7 @@ func grep(lines []string, sub string) []string {
 // (BEGIN; SELECT pg_current_xact_id(); left open, as a stuck session
 // does): every order reaches the consumer and is applied once; then an
 // operator replays the range, and nothing is applied again.
-func RelayWithAStuckTransactionElsewhere(t *testing.T) {
+func TestRelayWithAStuckTransactionElsewhere(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -272,7 +272,7 @@ func RelayWithAStuckTransactionElsewhere(t *testing.T) {
 // have delivery-limit 20 by default, the message is dropped or
 // dead-lettered after 20), and no ERROR says the chain is missing (only
 // INFO "will be retried").
-func MiddlewareWithoutChainDuringOutageLoopsUndetected(t *testing.T) {
+func TestMiddlewareWithoutChainDuringOutageLoopsUndetected(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	proxy := e.dbProxy()
@@ -315,7 +315,7 @@ func MiddlewareWithoutChainDuringOutageLoopsUndetected(t *testing.T) {
 // dead-letter queue until an operator redrives them), and nothing at ERROR
 // says the chain is missing: the middleware logs each failure at INFO as
 // "will be retried".
-func WatermillPoisonQueueDeadLettersAnOutage(t *testing.T) {
+func TestWatermillPoisonQueueDeadLettersAnOutage(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	proxy := e.dbProxy()
@@ -364,7 +364,7 @@ func WatermillPoisonQueueDeadLettersAnOutage(t *testing.T) {
 // not redelivered). The middleware tests' outage test uses a classic
 // queue and checks no ack and no poison, so a chain that nacked each
 // failed attempt would pass it; this one fails then.
-func OutageDoesNotSpendTheDeliveryLimit(t *testing.T) {
+func TestOutageDoesNotSpendTheDeliveryLimit(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	proxy := e.dbProxy()
@@ -404,7 +404,7 @@ func OutageDoesNotSpendTheDeliveryLimit(t *testing.T) {
 // occurred_at) instead of marshaler.NewMessage, written to the outbox. It
 // could never be relayed as an envelope: refused when written (the
 // transaction can roll back), never a row that blocks its topic.
-func ProducerMessageWithoutEnvelopeIsRefusedAtWrite(t *testing.T) {
+func TestProducerMessageWithoutEnvelopeIsRefusedAtWrite(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
@@ -462,7 +462,7 @@ func mustBegin(t *testing.T, pool *pgxpool.Pool) pgx.Tx {
 // fails it and blocks its topic, so the probe round never happens. With
 // another topic publishing (PoisonRowDeadLettered) the relay polls every
 // 50 ms and the probe runs; with one topic it never does.
-func RelayOneOversizedRowWedgesItsTopic(t *testing.T) {
+func TestRelayOneOversizedRowWedgesItsTopic(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	ctx, cancel := context.WithCancel(context.Background())

@@ -93,7 +93,7 @@ func exported(t *testing.T, dir string) map[string]bool {
 // PoisonPublisherConfig.Marshaler); package marshaler has no AMQP: the
 // envelope marshaler of watermill-amqp is Marshaler{} of package
 // marshaler/amqp (idamqp.Marshaler{}).
-func READMENamesExist(t *testing.T) {
+func TestREADMENamesExist(t *testing.T) {
 	t.Parallel()
 	md, err := os.ReadFile("../../README.md")
 	if err != nil {

@@ -20,7 +20,7 @@ import (
 // 1 MiB limit), then a good event after them. Each order is reserved once,
 // each poison message reaches the dead-letter queue once, nothing is left
 // on the consumer's queue and the event after the poison ones is processed.
-func READMEServiceDuplicatesAndPoison(t *testing.T) {
+func TestREADMEServiceDuplicatesAndPoison(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	stop := e.start(e.n, wiring{})
@@ -75,7 +75,7 @@ func READMEServiceDuplicatesAndPoison(t *testing.T) {
 // At fault: middleware/chain.go holdPoison.poison copies every incoming
 // metadata key into the poison copy and bounds only the keys it adds;
 // marshaler/amqp Marshal (malformed path) sends them all as headers.
-func PoisonMessageWithHeadersNearFrameMax(t *testing.T) {
+func TestPoisonMessageWithHeadersNearFrameMax(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	stop := e.start(e.n, wiring{chainConfig: func(c *middleware.ChainConfig) { c.MaxHold = 5 * time.Second }})

@@ -61,7 +61,7 @@ func failOnce() func(msg *message.Message, orderID string) error {
 // copy is acked as a duplicate of the first handler's claim ("Event
 // skipped", debug): the warehouse effect is never applied, and nothing at
 // ERROR says so. Lost effect, silent.
-func FanOutWithOneConsumerNameLosesAnEffectSilently(t *testing.T) {
+func TestFanOutWithOneConsumerNameLosesAnEffectSilently(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	warehouseQueue := testenv.UniqueName("nc_warehouse.events")
@@ -121,7 +121,7 @@ func orderOf(msg *message.Message) string {
 // partial effect and the claim. The dead-letter queue holds a message
 // whose effect was applied (reason "503"); no ERROR says the chain is
 // misordered. "Failure leaves nothing behind" is broken silently.
-func ChainInReverseOrderCommitsAFailedAttempt(t *testing.T) {
+func TestChainInReverseOrderCommitsAFailedAttempt(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	w := wiring{
@@ -167,7 +167,7 @@ func ChainInReverseOrderCommitsAFailedAttempt(t *testing.T) {
 // handler in the same attempt's transaction, so the effect is written
 // twice and committed: two reservations for one event, and no ERROR about
 // the wiring.
-func RetryInsideIdempotentAppliesTwice(t *testing.T) {
+func TestRetryInsideIdempotentAppliesTwice(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	w := wiring{
@@ -200,7 +200,7 @@ func RetryInsideIdempotentAppliesTwice(t *testing.T) {
 // The chain added at router level and per handler (a newcomer who reads
 // "per handler, not router.AddMiddleware" after adding it to the router):
 // the idempotent middleware runs twice, nested.
-func ChainAtRouterAndHandlerLevel(t *testing.T) {
+func TestChainAtRouterAndHandlerLevel(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	w := wiring{chain: func(router *message.Router, h *message.Handler, _ *middleware.Idempotent, chain message.HandlerMiddleware, _ message.Publisher, _ string) {
@@ -226,7 +226,7 @@ func ChainAtRouterAndHandlerLevel(t *testing.T) {
 
 // A hand-built chain whose Retry lacks ResetContextOnRetry (Watermill issue
 // #467): each retry must still get a fresh transaction of its own.
-func RetryWithoutResetContextOnRetry(t *testing.T) {
+func TestRetryWithoutResetContextOnRetry(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	w := wiring{
@@ -268,7 +268,7 @@ var _ = strings.Contains
 // with an ERROR log saying what to fix: they never empty the queue into the
 // poison topic"). Then the operator runs the migration: each event is
 // applied once.
-func MigrationsNotRun(t *testing.T) {
+func TestMigrationsNotRun(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	e.start(e.n, wiring{skipMigrate: true})
@@ -297,7 +297,7 @@ func MigrationsNotRun(t *testing.T) {
 // The handler's own table missing (the README's snippet INSERTs into
 // reservation, which nothing in it creates): held with an ERROR saying
 // what to fix, never dead-lettered; applied once the table exists.
-func HandlerTableMissing(t *testing.T) {
+func TestHandlerTableMissing(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	e.exec(`DROP TABLE reservation`)
@@ -319,7 +319,7 @@ func HandlerTableMissing(t *testing.T) {
 // marshaler): the README says "a message with no UUID is refused with a
 // hint to configure the envelope marshaler". Each event is refused loudly
 // (dead-lettered once, never applied, never looping) with that hint.
-func EnvelopeMarshalerForgotten(t *testing.T) {
+func TestEnvelopeMarshalerForgotten(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	e.start(e.n, wiring{subscriber: func(c *amqp.Config) { c.Marshaler = amqp.DefaultMarshaler{} }})

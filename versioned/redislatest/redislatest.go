@@ -154,7 +154,7 @@ func (r *Store) Advance(ctx context.Context, _ sqldb.Querier, f versioned.Family
 	}
 	n, err := redisAdvance.Run(ctx, r.client, []string{r.Key(f)}, hex.EncodeToString(b), r.ttlMS).Int64()
 	if err != nil {
-		return false, fmt.Errorf("redislatest: advance latest of %s: %w", f, err)
+		return false, fmt.Errorf("redislatest: redis advance latest of %s: %w", f, err)
 	}
 	return n == 1, nil
 }
@@ -168,7 +168,7 @@ func (r *Store) Latest(ctx context.Context, _ sqldb.Querier, f versioned.Family)
 	case errors.Is(err, redis.Nil):
 		return versioned.Position{}, false, nil
 	case err != nil:
-		return versioned.Position{}, false, fmt.Errorf("redislatest: latest of %s: %w", f, err)
+		return versioned.Position{}, false, fmt.Errorf("redislatest: redis latest of %s: %w", f, err)
 	}
 	b, err := hex.DecodeString(s)
 	var p versioned.Position
@@ -176,7 +176,7 @@ func (r *Store) Latest(ctx context.Context, _ sqldb.Querier, f versioned.Family)
 		err = p.UnmarshalBinary(b)
 	}
 	if err != nil {
-		return versioned.Position{}, false, fmt.Errorf("redislatest: latest of %s: value %q: %w", f, s, err)
+		return versioned.Position{}, false, fmt.Errorf("redislatest: redis latest of %s: value %q: %w", f, s, err)
 	}
 	return p, true, nil
 }
