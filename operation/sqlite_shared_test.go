@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
@@ -22,6 +23,7 @@ import (
 // waiting for the handler's write lock fails fast instead of after 10 s.
 func openSQLite(t *testing.T, path string) *sql.DB {
 	t.Helper()
+	testenv.RequireDriver(t, "sqlite") // skips in the core's plain run (no SQLite driver), see testenv
 	db, err := sql.Open("sqlite", "file:"+path+"?_pragma=busy_timeout(200)&_pragma=journal_mode(WAL)&_txlock=immediate")
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = db.Close() })
