@@ -1,14 +1,27 @@
-.PHONY: test demo services vet
+.PHONY: test demo services vet check-modules compat
 
-# The test command: services up, gofmt, vet, go test -race ./... (scripts/test.sh).
+# The test command: services up, gofmt, the module checks, go vet and
+# go test -race of every module of go.work (scripts/test.sh).
 test:
 	bash scripts/test.sh
 
 services:
 	bash scripts/services.sh
 
+# go vet of every module; the core with its _*_test.go files (scripts/overlay.sh).
 vet:
-	go vet ./...
+	@for m in $$(bash scripts/modules.sh); do \
+	  if [ "$$m" = . ]; then go vet -overlay "$$(bash scripts/overlay.sh)" ./... || exit 1; \
+	  else (cd "$$m" && go vet ./...) || exit 1; fi; \
+	done
+
+# The core's module graph, links and go directive (scripts/check-modules.sh).
+check-modules:
+	bash scripts/check-modules.sh
+
+# The core alone against its declared and the newest pgx/watermill/watermill-sql.
+compat:
+	bash scripts/compat.sh all
 
 # The main job: the shop end to end with faults; embedded (SQLite, in-process
 # broker) unless DATABASE_URL/AMQP_URL are set or -backend services is given.

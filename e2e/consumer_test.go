@@ -27,11 +27,11 @@ import (
 
 var placedPayload = map[string]any{"order_id": "o-42", "quantity": "2.000"}
 
-// TestC03 — poison envelopes must not loop: six bad bodies then a valid E1,
+// TestPoisonEnvelopesDoNotLoop (C03) — poison envelopes must not loop: six bad bodies then a valid E1,
 // through the real broker. Each bad one is delivered once, never reaches the
 // handler, and sits once in the dead-letter queue with its reason; E1 is
 // processed.
-func TestC03(t *testing.T) {
+func TestPoisonEnvelopesDoNotLoop(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, testConsumer)
 	p := &probe{}
@@ -104,13 +104,13 @@ func germanServer(t *testing.T) *testenv.Postgres {
 	return pg
 }
 
-// TestC06 — the ack is lost after the commit: E1's handler commits, then the
+// TestLostAckAfterCommitIsSkippedOnRedelivery (C06) — the ack is lost after the commit: E1's handler commits, then the
 // consumer dies (SIGKILL in a child process at crashpoint.AfterCommit) or
 // its AMQP connection is cut (fault proxy) before the ack reaches the
 // broker. The broker redelivers E1 with redelivered=true; the claim inserts
 // nothing, the handler is skipped, the delivery is acked, nothing is logged
 // as an error.
-func TestC06(t *testing.T) {
+func TestLostAckAfterCommitIsSkippedOnRedelivery(t *testing.T) {
 	t.Parallel()
 	t.Run("kill", func(t *testing.T) {
 		t.Parallel()
@@ -218,12 +218,12 @@ func assertC06(t *testing.T, e *env, redelivery delivery, rec *recorder, logger 
 	require.Len(t, levels, 1, "and at no other level: %v", levels)
 }
 
-// TestC01_D — the consumer is killed with SIGKILL after the claim and before
+// TestKilledBetweenClaimAndCommitIsProcessedOnRestart (C01 D) — the consumer is killed with SIGKILL after the claim and before
 // COMMIT, then restarted: the claim died with the transaction, the
 // redelivery is processed. At crashpoint.AfterClaim the handler had not run
 // yet (calls 1 in all); at crashpoint.BeforeCommit it had (calls 2, the
 // case's expectation).
-func TestC01_D(t *testing.T) {
+func TestKilledBetweenClaimAndCommitIsProcessedOnRestart(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
 		point string

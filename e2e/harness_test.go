@@ -26,7 +26,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
-// Case ids from ../shared/cases (valid UUIDv7).
+// Event ids of the numbered cases (valid UUIDv7).
 const (
 	E1 = "01906dbc-ad00-70a1-8a1b-2c3d4e5f6a7b"
 	E2 = "01906dbc-ad01-70b2-9b2c-3d4e5f6a7b8c"

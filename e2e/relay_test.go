@@ -127,8 +127,8 @@ func (e *env) startRelay(p *producer, rec outbox.Recorder, dest message.Publishe
 	return relay
 }
 
-// TestC13 — the outbox relay must not skip, lose or fork ids.
-func TestC13(t *testing.T) {
+// TestRelayNeverSkipsLosesOrForksIDs (C13) — the outbox relay must not skip, lose or fork ids.
+func TestRelayNeverSkipsLosesOrForksIDs(t *testing.T) {
 	t.Parallel()
 
 	// Base: tx A writes E1 and stays open; tx B writes E2 and commits; the
@@ -271,13 +271,13 @@ func TestRelayDuplicateThenReplay(t *testing.T) {
 	require.Equal(t, 0, e.ready(e.topo.DeadLetterQueue(e.consumer)))
 }
 
-// TestN07 — the outbox relay behind a transaction that stays open elsewhere.
+// TestRelayBehindATransactionOpenElsewhere (N07) — the outbox relay behind a transaction that stays open elsewhere.
 // Session S runs BEGIN; SELECT pg_current_xact_id(); and stays open, in
 // another database of the server (S1) and in the producer's own database
 // with its own outbox row (S2). Meanwhile the producer commits one order: it
 // reaches the consumer while both are still open (the relay's normal
 // latency, not S's lifetime), and S2's row, committed later, is not skipped.
-func TestN07(t *testing.T) {
+func TestRelayBehindATransactionOpenElsewhere(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	e := newEnv(t, testConsumer)

@@ -20,7 +20,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/operation"
 )
 
-// C14 ids (../shared/cases/README.md).
+// Event ids of case C14 (payments; valid UUIDv7).
 const (
 	idE5 = "01906dbc-ad04-70e5-8e5f-6a7b8c9d0e1f"
 	idE6 = "01906dbc-ad05-70f6-9f6a-7b8c9d0e1f2a"
@@ -118,7 +118,10 @@ func paymentMsg(t *testing.T, id, paymentID, amount, ts string) *message.Message
 	return message.NewMessage(id, []byte(body))
 }
 
-func TestC14(t *testing.T) {
+// TestOperationKeyChargesOnceAcrossTimeoutsAndWorkers (case C14): payments
+// through operation keys: a timeout after the charge is reconciled by key, a
+// reused key with other parameters is a conflict, two workers charge once.
+func TestOperationKeyChargesOnceAcrossTimeoutsAndWorkers(t *testing.T) {
 	t.Parallel()
 	eachRunner(t, operation.Config{}, func(t *testing.T, e *runnerEnv) {
 		ctx := context.Background()

@@ -301,7 +301,7 @@ func TestConflictOnEveryPath(t *testing.T) {
 			require.Equal(t, before, after, name)
 		}
 		require.Equal(t, len(prepare), i)
-		// Held by a live worker: see TestC14 (conflict without waiting).
+		// Held by a live worker: see TestOperationKeyChargesOnceAcrossTimeoutsAndWorkers (conflict without waiting).
 	})
 }
 

@@ -15,6 +15,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/operation"
 )
@@ -23,23 +24,24 @@ import (
 // waiting for the handler's write lock fails fast instead of after 10 s.
 func openSQLite(t *testing.T, path string) *sql.DB {
 	t.Helper()
+	testenv.RequireDriver(t, "sqlite") // skips in the core's plain run (no SQLite driver), see testenv
 	db, err := sql.Open("sqlite", "file:"+path+"?_pragma=busy_timeout(200)&_pragma=journal_mode(WAL)&_txlock=immediate")
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = db.Close() })
 	return db
 }
 
-// TestD15_SQLiteRunnerOnHandlersFileRefused (issue 11 D.15): on SQLite, a
+// TestSQLiteRunnerOnHandlersFileRefused (issue 11 D.15): on SQLite, a
 // Runner whose database is the file of the handler's idempotent transaction
 // cannot commit its started record while that transaction holds the file's
 // write lock. Do refuses it at once with a permanent error wrapping
 // ErrSharedSQLiteFile that says what to do, without calling the provider
 // (before: SQLITE_BUSY after busy_timeout, transient, retried forever), for
 // a wiring the constructors cannot see: the caller's own transaction bound
-// with sqldb.ContextWithTx (TestH11_SQLiteSharedFileRefusedAtConstruction
+// with sqldb.ContextWithTx (TestSQLiteSharedFileRefusedAtConstruction
 // covers the middleware). A Runner on a file of its own works inside the
 // same transaction.
-func TestD15_SQLiteRunnerOnHandlersFileRefused(t *testing.T) {
+func TestSQLiteRunnerOnHandlersFileRefused(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	dir := t.TempDir()
@@ -91,7 +93,7 @@ func TestD15_SQLiteRunnerOnHandlersFileRefused(t *testing.T) {
 	}
 }
 
-// TestH11_SQLiteSharedFileRefusedAtConstruction (item 1, D.15): the wiring
+// TestSQLiteSharedFileRefusedAtConstruction (item 1, D.15): the wiring
 // "operation.Runner and the idempotent middleware on one SQLite file" cannot
 // be built: whichever of NewRunner and NewIdempotent comes second fails,
 // wrapping ErrSharedSQLiteFile and saying to give operation.Config.DB a file
@@ -100,7 +102,7 @@ func TestD15_SQLiteRunnerOnHandlersFileRefused(t *testing.T) {
 // was refused at run time (the message poisoned). A Runner on a file of its
 // own, built in either order, works inside the handler's transaction: the
 // provider is called once, the record and the effect committed.
-func TestH11_SQLiteSharedFileRefusedAtConstruction(t *testing.T) {
+func TestSQLiteSharedFileRefusedAtConstruction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	newStore := func(t *testing.T, db *sql.DB) *processedstore.Store {

@@ -241,9 +241,9 @@ func TestContract(t *testing.T) {
 	})
 }
 
-// TestN07_RelayBehindOpenTransaction — the outbox relay behind a transaction
+// TestRelayBehindOpenTransaction (N07) — the outbox relay behind a transaction
 // that stays open elsewhere, on every database (see testN07).
-func TestN07_RelayBehindOpenTransaction(t *testing.T) {
+func TestRelayBehindOpenTransaction(t *testing.T) {
 	t.Parallel()
 	testenv.EachTarget(t, testN07)
 }

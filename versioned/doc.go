@@ -123,7 +123,7 @@
 //     elsewhere just before it). The producers'
 //     and the consumer's tables must be in one database, or the consumer sets
 //     LatestFilterConfig.LatestDB to a pool on the producers' database.
-//   - Latest records in Redis (RedisLatest): one key per family, advanced by a
+//   - Latest records in Redis (redislatest.Store, module versioned/redislatest): one key per family, advanced by a
 //     compare-and-set Lua script, expiring after a TTL; for producers and
 //     consumers that share a Redis but no database. Redis is outside the
 //     producer's transaction, so the record is written only once the message
@@ -155,7 +155,7 @@
 //
 // Retention: FamilyPurger deletes families idle for longer than a horizon
 // (both tables, bounded batches, one purger at a time under a lock: advisory
-// on PostgreSQL, GET_LOCK on MySQL, per process on SQLite; Start/Stop); RedisLatest keys expire by themselves. Choose the horizon ≥
+// on PostgreSQL, GET_LOCK on MySQL, per process on SQLite; Start/Stop); redislatest.Store keys expire by themselves. Choose the horizon ≥
 // the idempotent middleware's ReplayHorizon and the longest queue wait (see
 // FamilyPurgerConfig).
 //

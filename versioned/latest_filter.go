@@ -118,7 +118,7 @@ type LatestFilterConfig struct {
 
 	// Latest is where the producers' latest records are read. Defaults to
 	// Families (read in the handler's transaction). Set a
-	// *RedisLatest when producers record there.
+	// *redislatest.Store (module versioned/redislatest) when producers record there.
 	Latest LatestStore
 
 	// LatestDB, when set, is where a Transactional Latest store is read

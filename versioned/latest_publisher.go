@@ -18,7 +18,7 @@ import (
 // LatestPublisherConfig configures a LatestPublisher.
 type LatestPublisherConfig struct {
 	// Store records the latest position of each family: a *FamilyStore
-	// (PostgreSQL, MySQL or SQLite) or a *RedisLatest. Required.
+	// (PostgreSQL, MySQL or SQLite) or a *redislatest.Store (module versioned/redislatest). Required.
 	Store LatestStore
 
 	// Tx is the producer's transaction, for a Transactional store

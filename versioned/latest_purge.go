@@ -80,7 +80,7 @@ func (c FamilyPurgerConfig) Validate() error {
 // run: however many instances run one on the same tables, one works at a
 // time and the others skip that run. The lock is a session-level advisory
 // lock on PostgreSQL, a named lock (GET_LOCK) on MySQL, and a lock of the
-// process on SQLite (one process per database file). (A RedisLatest needs
+// process on SQLite (one process per database file). (A redislatest.Store needs
 // none: its keys expire.)
 type FamilyPurger struct {
 	store  *FamilyStore

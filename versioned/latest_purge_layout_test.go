@@ -81,7 +81,7 @@ func TestFamilyPurgeEveryLayout(t *testing.T) {
 // fires across partitions: one family gets two latest rows and an older
 // event is applied after a newer one. Migrate refuses such a table
 // (ErrNoFamilyKey); the code before this test accepted it.
-func TestH16_FamilyRangeOnUpdatedAtIsRefused(t *testing.T) {
+func TestFamilyRangeOnUpdatedAtIsRefused(t *testing.T) {
 	t.Parallel()
 	pool, _ := testenv.Pool(t)
 	ctx := context.Background()

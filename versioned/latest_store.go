@@ -20,7 +20,7 @@ import (
 // LatestStore keeps the latest recorded position of each family: the
 // producer side advances it (LatestPublisher), the consumer side reads it
 // (LatestFilter). Two implementations ship: *FamilyStore (PostgreSQL,
-// MySQL/MariaDB or SQLite; the default) and *RedisLatest. Implementations
+// MySQL/MariaDB or SQLite; the default) and *redislatest.Store (module versioned/redislatest). Implementations
 // must be safe for concurrent use.
 //
 // The invariant every implementation keeps, and on which "never drop the

@@ -15,7 +15,6 @@ import (
 	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/middleware/mysqlerr"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -174,7 +173,7 @@ func TestFamilyStoreConcurrentAdvance(t *testing.T) {
 				for {
 					tx, end := begin()
 					_, err := s.Advance(ctx, tx, f, p)
-					if err != nil && mysqlerr.IsTransient(err) {
+					if err != nil && mysqlTransient(err) {
 						// InnoDB: racing first inserts of one key, one of
 						// which rolls back, can deadlock (1213); the
 						// producer's transaction is retried.

@@ -92,7 +92,7 @@ type CatalogueConfig struct {
 	// Pool's search_path).
 	Families *versioned.FamilyStore
 	// Latest, when set, records the latest updates there instead (a
-	// *versioned.RedisLatest): after each transaction's commit
+	// *redislatest.Store): after each transaction's commit
 	// (LatestPublisherConfig.Deferred). Defaults to Families.
 	Latest versioned.LatestStore
 	// Logger defaults to watermill.NopLogger.

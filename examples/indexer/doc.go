@@ -30,5 +30,5 @@
 // own handler transaction, in the same statement as its applied check. With
 // two databases, set IndexerConfig.LatestDB to the catalogue's database
 // (idempotency.Pgx or idempotency.SQL); with Redis, set CatalogueConfig.Latest and
-// IndexerConfig.Latest to one versioned.RedisLatest.
+// IndexerConfig.Latest to one redislatest.Store (module versioned/redislatest).
 package indexer

@@ -105,7 +105,7 @@ type IndexerConfig struct {
 	// Families is nil. Defaults to versioned.DefaultLatestTable.
 	LatestTable string
 	// Latest, when set, is where the catalogue records the latest updates
-	// (a *versioned.RedisLatest). Defaults to Families.
+	// (a *redislatest.Store). Defaults to Families.
 	Latest versioned.LatestStore
 	// LatestDB, when set, reads the latest table there (the catalogue's
 	// database when it is another database):

@@ -25,6 +25,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/outbox"
 	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
+	"github.com/watermill-idempotency/idempotency/versioned/redislatest"
 )
 
 // ixRedis returns a client on the test Redis (REDIS_URL: redis://… or
@@ -220,7 +221,7 @@ func TestIndexerConcurrentImportRedis(t *testing.T) {
 	const products, updates = 6, 25
 	ctx := context.Background()
 	client, prefix := ixRedis(t)
-	latest, err := versioned.NewRedisLatest(versioned.RedisLatestConfig{Client: client, Prefix: prefix})
+	latest, err := redislatest.New(redislatest.Config{Client: client, Prefix: prefix})
 	require.NoError(t, err)
 	db := newShopDB(t, latest)
 

@@ -3,14 +3,12 @@ package inbox_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
-	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -18,7 +16,6 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/metrics"
-	"github.com/watermill-idempotency/idempotency/middleware/mysqlerr"
 )
 
 // capture publishes nothing anywhere but records what reaches the poison topic.
@@ -181,9 +178,7 @@ func TestIsTransientClassification(t *testing.T) {
 	for _, code := range []string{"23505", "42P01", "22P02", "25P02"} {
 		require.False(t, inbox.IsTransient(&pgconn.PgError{Code: code}), code)
 	}
-	require.True(t, mysqlerr.IsTransient(fmt.Errorf("wrapped: %w", &mysql.MySQLError{Number: 1213})))
-	require.True(t, mysqlerr.IsTransient(&mysql.MySQLError{Number: 1205}))
-	require.False(t, mysqlerr.IsTransient(&mysql.MySQLError{Number: 1062}))
+	// mysqlerr.IsTransient: TestIsTransientDeadlockAndLockWait (module middleware/mysqlerr).
 	require.True(t, inbox.IsTransient(inbox.ErrInFlight))
 	require.False(t, inbox.IsTransient(errors.New("connection refused"))) // never by message text
 	require.False(t, inbox.IsPermanent(errors.New("x")))

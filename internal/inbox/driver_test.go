@@ -207,11 +207,11 @@ func TestTwoHandlersOfOneServiceEachApplyOnce(t *testing.T) {
 	require.Equal(t, map[string]int{"reserve_stock": 1, "notify_warehouse": 1}, calls)
 }
 
-// TestD14_ConsumerRequired: Config.Consumer has no default (a handler-name
+// TestConsumerRequired (D14): Config.Consumer has no default (a handler-name
 // default applied events twice when two processes of one consumer named their
 // handlers differently); empty and blank names are refused at construction,
 // naming the field, and never reach a claim.
-func TestD14_ConsumerRequired(t *testing.T) {
+func TestConsumerRequired(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	for _, name := range []string{"", " ", "\t\n", "\u00a0"} {
@@ -225,9 +225,9 @@ func TestD14_ConsumerRequired(t *testing.T) {
 	}
 }
 
-// TestD14_NilHandleFailsAtConstruction: a beginner on a nil pool or *sql.DB
+// TestNilHandleFailsAtConstruction (D14): a beginner on a nil pool or *sql.DB
 // is refused when it is built, not with a panic per message.
-func TestD14_NilHandleFailsAtConstruction(t *testing.T) {
+func TestNilHandleFailsAtConstruction(t *testing.T) {
 	t.Parallel()
 	_, err := inbox.NewPgxBeginner(nil, inbox.PgxBeginnerConfig{})
 	require.ErrorIs(t, err, inbox.ErrNilHandle)

@@ -91,7 +91,7 @@ func (t *faultTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows,
 
 func (t *faultTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 	if err := t.hook(ctx, sql, false); err != nil {
-		return errRow{err}
+		return errRow{err: err}
 	}
 	return faultRow{t.Tx.QueryRow(ctx, sql, args...), func() error { return t.hook(ctx, sql, true) }}
 }

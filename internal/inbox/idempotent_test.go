@@ -25,7 +25,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/marshaler"
 )
 
-// Case ids from ../shared/cases.
+// Event ids of the numbered cases (C01, C08, …; valid UUIDv7).
 var (
 	E1 = "01906dbc-ad00-70a1-8a1b-2c3d4e5f6a7b"
 	E2 = "01906dbc-ad01-70b2-9b2c-3d4e5f6a7b8c"
@@ -97,9 +97,9 @@ func newMsg(id string) *message.Message {
 	return m
 }
 
-// TestC01 — a failed attempt must not leave its claim behind (base: the
+// TestFailedAttemptLeavesNoClaim (C01) — a failed attempt must not leave its claim behind (base: the
 // broker redelivers after an error).
-func TestC01(t *testing.T) {
+func TestFailedAttemptLeavesNoClaim(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	var calls atomic.Int32
@@ -126,8 +126,8 @@ func TestC01(t *testing.T) {
 	require.Equal(t, 1, e.effects(E1))
 }
 
-// TestC01_B — attempt 1 panics, with Watermill's Recoverer in the chain.
-func TestC01_B(t *testing.T) {
+// TestPanickedAttemptLeavesNoClaim (C01 B) — attempt 1 panics, with Watermill's Recoverer in the chain.
+func TestPanickedAttemptLeavesNoClaim(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	var calls atomic.Int32
@@ -152,9 +152,9 @@ func TestC01_B(t *testing.T) {
 	require.Equal(t, 1, e.effects(E1))
 }
 
-// TestC01_C — Watermill's Retry retries in-process: each attempt runs in a
+// TestInProcessRetryRunsInAFreshTransaction (C01 C) — Watermill's Retry retries in-process: each attempt runs in a
 // fresh transaction and sees nothing of the failed one.
-func TestC01_C(t *testing.T) {
+func TestInProcessRetryRunsInAFreshTransaction(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	var calls atomic.Int32
@@ -188,8 +188,8 @@ func TestC01_C(t *testing.T) {
 	require.Equal(t, 1, e.effects(E1))
 }
 
-// TestC08 — two consumers (separate pools, as two instances), one event, same moment.
-func TestC08(t *testing.T) {
+// TestTwoConsumersAtOnceApplyOnce (C08) — two consumers (separate pools, as two instances), one event, same moment.
+func TestTwoConsumersAtOnceApplyOnce(t *testing.T) {
 	t.Parallel()
 	for _, variant := range []string{"A", "B"} {
 		t.Run(variant, func(t *testing.T) {

@@ -87,11 +87,11 @@ func TestLogFieldsAndLevels(t *testing.T) {
 	require.False(t, strings.Contains(fmt.Sprint(logger.lines), secret))
 }
 
-// TestC13_RejectionLoggedAsErrorWithReason: a rejected message is logged
+// TestRejectionLoggedAsErrorWithReason (C13): a rejected message is logged
 // with Error (never at info), its reason and error, and under
 // transport_message_id, not event_id: msg.UUID of a malformed delivery is the
 // transport's message id, not an event id.
-func TestC13_RejectionLoggedAsErrorWithReason(t *testing.T) {
+func TestRejectionLoggedAsErrorWithReason(t *testing.T) {
 	t.Parallel()
 	logger := &captureLogger{}
 	m, err := inbox.NewIdempotent(inbox.Config{Beginner: inbox.NewSQLSubscriberBeginner(), Consumer: "stock"}, logger)
@@ -115,10 +115,10 @@ func TestC13_RejectionLoggedAsErrorWithReason(t *testing.T) {
 	require.Equal(t, "amqp-message-id-17", l.fields["transport_message_id"])
 }
 
-// TestC13_EmptyUUIDNamesTheMarshaler: a message with no msg.UUID (Watermill's
+// TestEmptyUUIDNamesTheMarshaler (C13): a message with no msg.UUID (Watermill's
 // default marshalers leave it empty) is rejected with an error that says to
 // configure the envelope marshaler, not `invalid event_id: ""`.
-func TestC13_EmptyUUIDNamesTheMarshaler(t *testing.T) {
+func TestEmptyUUIDNamesTheMarshaler(t *testing.T) {
 	t.Parallel()
 	logger := &captureLogger{}
 	m, err := inbox.NewIdempotent(inbox.Config{Beginner: inbox.NewSQLSubscriberBeginner(), Consumer: "stock"}, logger)
@@ -136,10 +136,10 @@ func TestC13_EmptyUUIDNamesTheMarshaler(t *testing.T) {
 	require.Equal(t, "invalid_event_id", logger.lines[0].fields["reason"])
 }
 
-// TestC13_ErrorsOnOneLineSameTextAsReturned: a multi-line error (errors.Join
+// TestErrorsOnOneLineSameTextAsReturned (C13): a multi-line error (errors.Join
 // from a handler; pgconn's connect error, one line per address) is returned
 // and logged on one line, the same text, and still unwraps to its causes.
-func TestC13_ErrorsOnOneLineSameTextAsReturned(t *testing.T) {
+func TestErrorsOnOneLineSameTextAsReturned(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	logger := &captureLogger{}

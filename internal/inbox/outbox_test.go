@@ -223,7 +223,7 @@ func TestOutboxSurvivesCrashAfterCommit(t *testing.T) {
 
 // C01 variant D at the database level: the consumer is SIGKILLed after the
 // claim and before COMMIT; the restart processes the event once.
-func TestC01_D_KilledBeforeCommit(t *testing.T) {
+func TestKilledBeforeCommitIsProcessedOnRestart(t *testing.T) {
 	t.Parallel()
 	e, _ := newOutboxEnv(t)
 	requireKilled(t, runChildProcess(t, e.schema, E1, crashpoint.AfterClaim))

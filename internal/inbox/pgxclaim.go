@@ -173,8 +173,8 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *clai
 	// the claim: the executor takes the claim's lock on the claim table
 	// before it evaluates any expression of the statement, so a setting in
 	// the claim's WHERE would leave that wait unbounded (a LOCK TABLE, an
-	// ALTER, a partition DROP holding the table; hrev,
-	// TestHREV_LockTimeoutBoundsTheClaimTableLock).
+	// ALTER, a partition DROP holding the table;
+	// TestLockTimeoutBoundsTheClaimTableLock).
 	lockSQL := ""
 	if c.lockTimeout != nil {
 		if len(c.lockTimeout.args) != 0 {

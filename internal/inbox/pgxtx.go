@@ -38,6 +38,12 @@ import (
 //     attempt is reported as failed and retried (it never acks an attempt
 //     whose end it did not see).
 type pgxTx struct {
+	// Tx is always nil. It is embedded so that a method a newer pgx adds to
+	// pgx.Tx is promoted (and panics if called) instead of breaking the
+	// build of every user who upgrades pgx; every method of the pgx.Tx we
+	// build against is implemented below (TestPgxImplementationsAreExplicit).
+	pgx.Tx
+
 	conn *pgxpool.Conn // nil for savepoints (the root owns the connection)
 	pc   *pgx.Conn
 
@@ -254,7 +260,7 @@ func (tx *pgxTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 
 func (tx *pgxTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 	if tx.closed {
-		return errRow{pgx.ErrTxClosed}
+		return errRow{err: pgx.ErrTxClosed}
 	}
 	return tx.pc.QueryRow(ctx, sql, args...)
 }
@@ -262,15 +268,25 @@ func (tx *pgxTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row 
 // Conn returns the underlying connection.
 func (tx *pgxTx) Conn() *pgx.Conn { return tx.pc }
 
-type errRow struct{ err error }
+// errRow and closedBatchResults embed their (nil) pgx interface for the
+// same reason as pgxTx: a method a newer pgx adds is promoted, the build
+// does not break.
+type errRow struct {
+	pgx.Row
+	err error
+}
 
 func (r errRow) Scan(...any) error { return r.err }
 
-type closedBatchResults struct{}
+type closedBatchResults struct{ pgx.BatchResults }
 
 func (closedBatchResults) Exec() (pgconn.CommandTag, error) {
 	return pgconn.CommandTag{}, pgx.ErrTxClosed
 }
 func (closedBatchResults) Query() (pgx.Rows, error) { return nil, pgx.ErrTxClosed }
-func (closedBatchResults) QueryRow() pgx.Row        { return errRow{pgx.ErrTxClosed} }
+func (closedBatchResults) QueryRow() pgx.Row        { return errRow{err: pgx.ErrTxClosed} }
 func (closedBatchResults) Close() error             { return pgx.ErrTxClosed }
+
+// Tx is pgx.BatchResults.Tx (pgx ≥ v5.12): the batch of a closed
+// transaction began no transaction.
+func (closedBatchResults) Tx() pgx.Tx { return nil }

@@ -53,7 +53,7 @@ func consume(ctx context.Context, pool *pgxpool.Pool, s *processedstore.Store, e
 // the switch is a duplicate or refused as expired, and no consumer fails.
 // The purger then empties the legacy table by the horizon and
 // FinishPartitionMigration removes it.
-func TestH16_MigrateToPartitionedWhileConsuming(t *testing.T) {
+func TestMigrateToPartitionedWhileConsuming(t *testing.T) {
 	t.Parallel()
 	pool, _ := testenv.Pool(t)
 	ctx := context.Background()
@@ -229,7 +229,7 @@ func TestH16_MigrateToPartitionedWhileConsuming(t *testing.T) {
 // the plain table (a claim not yet committed) it fails with lock_timeout and
 // changes nothing; run again later it succeeds, and the held claim's row,
 // committed meanwhile, is found after the switch.
-func TestH16_MigrateToPartitionedBehindAnOpenClaim(t *testing.T) {
+func TestMigrateToPartitionedBehindAnOpenClaim(t *testing.T) {
 	t.Parallel()
 	pool, _ := testenv.Pool(t)
 	ctx := context.Background()

@@ -104,6 +104,7 @@ func OpenTarget(t testing.TB, name, database string, maxConns int) Target {
 	default:
 		t.Fatalf("testenv: unknown target %q", name)
 	}
+	RequireDriver(t, driver)
 	db, err := sql.Open(driver, dsn)
 	if err != nil {
 		t.Fatalf("testenv: %s: %v", name, err)
@@ -185,6 +186,7 @@ func (tg Target) Quote(name string) string {
 // the server is unreachable.
 func MySQLDatabase(t testing.TB) string {
 	t.Helper()
+	RequireDriver(t, "mysql")
 	admin, err := sql.Open("mysql", MySQLDSN())
 	if err != nil {
 		t.Fatalf("testenv: MySQL DSN %s: %v", MySQLDSN(), err)

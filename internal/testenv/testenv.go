@@ -15,10 +15,8 @@ import (
 	"testing"
 	"time"
 
-	_ "github.com/go-sql-driver/mysql" // database/sql driver "mysql"
 	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib" // database/sql driver "pgx"
-	_ "modernc.org/sqlite"             // database/sql driver "sqlite"
 )
 
 // DefaultPostgresURL is used when DATABASE_URL is unset.
@@ -158,6 +156,7 @@ func MySQLDSN() string {
 // the server is unreachable.
 func MySQLDB(t testing.TB) *sql.DB {
 	t.Helper()
+	RequireDriver(t, "mysql")
 	admin, err := sql.Open("mysql", MySQLDSN())
 	if err != nil {
 		t.Fatalf("testenv: MySQL DSN %s: %v", MySQLDSN(), err)
@@ -195,6 +194,7 @@ func SQLiteDSN(path string) string {
 // SQLiteDB opens a fresh SQLite database file in the test's temp dir.
 func SQLiteDB(t testing.TB) *sql.DB {
 	t.Helper()
+	RequireDriver(t, "sqlite")
 	db, err := sql.Open("sqlite", SQLiteDSN(filepath.Join(t.TempDir(), "test.db")))
 	if err != nil {
 		t.Fatalf("testenv: sqlite: %v", err)

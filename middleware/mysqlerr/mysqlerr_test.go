@@ -29,3 +29,12 @@ func TestClassify(t *testing.T) {
 	require.False(t, mysqlerr.IsTransient(inbox.Permanent(&mysql.MySQLError{Number: 1213})), "permanent wins")
 	require.False(t, mysqlerr.IsTransient(errors.New("Error 1213: Deadlock found")), "never by message text")
 }
+
+// TestIsTransientDeadlockAndLockWait: deadlock (1213) and lock wait timeout
+// (1205) are transient, wrapped or not; a duplicate key (1062) is not.
+func TestIsTransientDeadlockAndLockWait(t *testing.T) {
+	t.Parallel()
+	require.True(t, mysqlerr.IsTransient(fmt.Errorf("wrapped: %w", &mysql.MySQLError{Number: 1213})))
+	require.True(t, mysqlerr.IsTransient(&mysql.MySQLError{Number: 1205}))
+	require.False(t, mysqlerr.IsTransient(&mysql.MySQLError{Number: 1062}))
+}

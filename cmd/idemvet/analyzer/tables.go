@@ -9,7 +9,7 @@ package analyzer
 const (
 	middlewarePath = "github.com/watermill-idempotency/idempotency/middleware"
 	operationPath  = "github.com/watermill-idempotency/idempotency/operation"
-	sqldbPath      = "github.com/watermill-idempotency/idempotency/sqldb"
+	sqldbPath      = "github.com/watermill-idempotency/idempotency/internal/sqldb"
 	watermillPath  = "github.com/ThreeDotsLabs/watermill"
 	messagePath    = "github.com/ThreeDotsLabs/watermill/message"
 	pgxPath        = "github.com/jackc/pgx/v5"

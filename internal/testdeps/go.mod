@@ -1,0 +1,63 @@
+module github.com/watermill-idempotency/idempotency/internal/testdeps
+
+go 1.24.0
+
+replace (
+	github.com/watermill-idempotency/idempotency => ../..
+	github.com/watermill-idempotency/idempotency/marshaler/amqp => ../../marshaler/amqp
+	github.com/watermill-idempotency/idempotency/middleware/mysqlerr => ../../middleware/mysqlerr
+	github.com/watermill-idempotency/idempotency/versioned/redislatest => ../../versioned/redislatest
+)
+
+require (
+	github.com/ThreeDotsLabs/watermill-amqp/v3 v3.0.2
+	github.com/go-sql-driver/mysql v1.10.1
+	github.com/golang-migrate/migrate/v4 v4.18.1
+	github.com/jackc/pgx/v5 v5.8.0
+	github.com/pressly/goose/v3 v3.26.0
+	github.com/rabbitmq/amqp091-go v1.16.0
+	github.com/redis/go-redis/v9 v9.22.0
+	github.com/watermill-idempotency/idempotency/marshaler/amqp v0.0.0-00010101000000-000000000000
+	github.com/watermill-idempotency/idempotency/middleware/mysqlerr v0.0.0-00010101000000-000000000000
+	github.com/watermill-idempotency/idempotency/versioned/redislatest v0.0.0-00010101000000-000000000000
+	modernc.org/sqlite v1.46.0
+)
+
+require (
+	filippo.io/edwards25519 v1.2.0 // indirect
+	github.com/ThreeDotsLabs/watermill v1.5.1 // indirect
+	github.com/ThreeDotsLabs/watermill-sql/v4 v4.1.2 // indirect
+	github.com/cenkalti/backoff/v3 v3.2.2 // indirect
+	github.com/cenkalti/backoff/v5 v5.0.3 // indirect
+	github.com/cespare/xxhash/v2 v2.3.0 // indirect
+	github.com/dustin/go-humanize v1.0.1 // indirect
+	github.com/google/uuid v1.6.0 // indirect
+	github.com/hashicorp/errwrap v1.1.0 // indirect
+	github.com/hashicorp/go-multierror v1.1.1 // indirect
+	github.com/jackc/pgerrcode v0.0.0-20220416144525-469b46aa5efa // indirect
+	github.com/jackc/pgpassfile v1.0.0 // indirect
+	github.com/jackc/pgservicefile v0.0.0-20240606120523-5a60cdf6a761 // indirect
+	github.com/jackc/puddle/v2 v2.2.2 // indirect
+	github.com/lib/pq v1.10.9 // indirect
+	github.com/lithammer/shortuuid/v3 v3.0.7 // indirect
+	github.com/mattn/go-isatty v0.0.20 // indirect
+	github.com/mfridman/interpolate v0.0.2 // indirect
+	github.com/ncruces/go-strftime v1.0.0 // indirect
+	github.com/oklog/ulid v1.3.1 // indirect
+	github.com/pkg/errors v0.9.1 // indirect
+	github.com/remyoudompheng/bigfft v0.0.0-20230129092748-24d4a6f8daec // indirect
+	github.com/sethvargo/go-retry v0.3.0 // indirect
+	github.com/sony/gobreaker v1.0.0 // indirect
+	github.com/watermill-idempotency/idempotency v0.0.0-00010101000000-000000000000 // indirect
+	go.opentelemetry.io/auto/sdk v1.2.1 // indirect
+	go.opentelemetry.io/otel/trace v1.38.0 // indirect
+	go.uber.org/atomic v1.11.0 // indirect
+	go.uber.org/multierr v1.11.0 // indirect
+	golang.org/x/exp v0.0.0-20251023183803-a4bb9ffd2546 // indirect
+	golang.org/x/sync v0.19.0 // indirect
+	golang.org/x/sys v0.37.0 // indirect
+	golang.org/x/text v0.34.0 // indirect
+	modernc.org/libc v1.67.6 // indirect
+	modernc.org/mathutil v1.7.1 // indirect
+	modernc.org/memory v1.11.0 // indirect
+)

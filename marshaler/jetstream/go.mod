@@ -1,0 +1,27 @@
+module github.com/watermill-idempotency/idempotency/marshaler/jetstream
+
+go 1.24.0
+
+replace github.com/watermill-idempotency/idempotency => ../..
+
+require (
+	github.com/ThreeDotsLabs/watermill v1.5.1
+	github.com/ThreeDotsLabs/watermill-nats/v2 v2.1.3
+	github.com/google/uuid v1.6.0
+	github.com/nats-io/nats.go v1.37.0
+	github.com/stretchr/testify v1.12.1
+	github.com/watermill-idempotency/idempotency v0.0.0-00010101000000-000000000000
+)
+
+require (
+	github.com/klauspost/compress v1.18.0 // indirect
+	github.com/lithammer/shortuuid/v3 v3.0.7 // indirect
+	github.com/nats-io/nkeys v0.4.7 // indirect
+	github.com/nats-io/nuid v1.0.1 // indirect
+	github.com/oklog/ulid v1.3.1 // indirect
+	github.com/pkg/errors v0.9.1 // indirect
+	go.yaml.in/yaml/v3 v3.0.5 // indirect
+	golang.org/x/crypto v0.41.0 // indirect
+	golang.org/x/sys v0.37.0 // indirect
+	golang.org/x/text v0.34.0 // indirect
+)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Tests the core module alone (GOWORK=off, its go.mod as users get it)
+# against two sets of dependency versions (CI runs both after make test):
+#
+#   declared  the core's go.mod as is: the oldest versions it declares;
+#   latest    pgx/v5, watermill and watermill-sql/v4 at the newest versions
+#             the module proxy serves (go get -modfile on a copy of go.mod
+#             and go.sum in a temporary directory; the repository's files
+#             are not touched).
+#
+# Each builds, vets and tests the core's packages (-race). Without the
+# workspace the _*_test.go files and the MySQL/SQLite drivers are not
+# linked: the PostgreSQL targets run, the MariaDB and SQLite ones skip
+# (make test runs them, at the declared versions: check-modules.sh ensures
+# the workspace selects the core's own pgx, watermill and watermill-sql).
+#
+#   scripts/compat.sh [declared|latest|all] [go test flags]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PATH:/usr/local/go/bin"
+export GOWORK=off
+unset IDEMPOTENCY_FULL_TEST
+which=${1:-all}
+[ $# -gt 0 ] && shift
+p=${GOTEST_P:-2}
+
+run() { # label, then go flags
+  local label=$1
+  shift
+  echo "=== compat: $label: $(go list "$@" -m github.com/jackc/pgx/v5 github.com/ThreeDotsLabs/watermill github.com/ThreeDotsLabs/watermill-sql/v4 | tr '\n' ' ')"
+  go build "$@" ./...
+  go vet "$@" ./...
+  go test "$@" -race -count=1 -p "$p" -timeout 9m "${extra[@]}" ./...
+}
+
+extra=("$@")
+case $which in
+declared | all) run declared ;;
+esac
+case $which in
+latest | all)
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  cp go.mod "$tmp/go.mod"
+  cp go.sum "$tmp/go.sum"
+  go get -modfile="$tmp/go.mod" github.com/jackc/pgx/v5@latest github.com/ThreeDotsLabs/watermill@latest github.com/ThreeDotsLabs/watermill-sql/v4@latest
+  run latest -modfile="$tmp/go.mod"
+  ;;
+esac
