@@ -17,10 +17,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/middleware/mysqlerr"
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/middleware/mysqlerr"
 )
 
 // TestReadOnlyDatabaseIsTransientAndAppliedOnceAfterFailover (N01) — a database that refuses writes (failover, standby): the claim

@@ -21,10 +21,10 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/middleware/mysqlerr"
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/middleware/mysqlerr"
 )
 
 // TestMySQLServerStateCodesAreHeld (item 2): on MariaDB, a handler

@@ -9,7 +9,7 @@ package analyzer
 const (
 	middlewarePath = "github.com/watermill-idempotency/idempotency/middleware"
 	operationPath  = "github.com/watermill-idempotency/idempotency/operation"
-	sqldbPath      = "github.com/watermill-idempotency/idempotency/internal/sqldb"
+	sqldbPath      = "github.com/watermill-idempotency/idempotency/sqldb"
 	watermillPath  = "github.com/ThreeDotsLabs/watermill"
 	messagePath    = "github.com/ThreeDotsLabs/watermill/message"
 	pgxPath        = "github.com/jackc/pgx/v5"
@@ -38,6 +38,7 @@ var attemptTxAccessors = []funcRef{
 	{middlewarePath, "PgxTxFromContext"},
 	{middlewarePath, "SQLTxFromContext"},
 	{middlewarePath, "QuerierFromContext"},
+	{middlewarePath, "TxFromContext"},
 	{sqldbPath, "TxFromContext"},
 }
 

@@ -9,7 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/middleware"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 func handle(msg *message.Message) error {

@@ -9,7 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/sqldb"
 )
 
 type Consumer struct{}
