@@ -8,17 +8,14 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 )
 
@@ -38,7 +35,6 @@ type childSpec struct {
 	AMQPURL  string
 	KillAt   string // a crashpoint name
 	Deadline time.Duration
-	NoChain  bool // the README's .AddMiddleware(chain) forgotten
 }
 
 // stderrLogger writes ERROR lines to stderr, for the parent to read.
@@ -67,11 +63,6 @@ func runChild(spec string) int {
 	defer cancel()
 	var logger watermill.LoggerAdapter = watermill.NopLogger{}
 	w := wiring{}
-	if s.NoChain {
-		logger = stderrLogger{}
-		w.chain = func(*message.Router, *message.Handler, *inbox.Idempotent, message.HandlerMiddleware, message.Publisher, string) {
-		}
-	}
 	if err := runStock(ctx, s.AMQPURL, s.DBURL, logger, s.Names, w); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
@@ -154,62 +145,4 @@ func (l *lockedBuffer) String() string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.b.String()
-}
-
-// The README's service with the line ".AddMiddleware(chain)" forgotten: the
-// handler runs without the idempotent middleware, so there is no
-// transaction in its context. The snippet ignored PgxTxFromContext's ok.
-//
-// Symptom (before the README fix, proven on RabbitMQ 3.10 + PostgreSQL 15):
-// tx is nil and tx.Exec panics; Watermill's router recovers it ("Panic
-// recovered in handler … invalid memory address or nil pointer
-// dereference", a full stack at ERROR) and nacks, RabbitMQ redelivers at
-// once: a hot loop of nil-pointer panics, with no word about the chain.
-// After the fix (README snippet, examples/readme) the handler returns an
-// error naming the missing chain, which the router logs at ERROR. (It
-// still loops: without the chain nothing poisons; the error says why.)
-// The test runs the service in a child process, so that a crash would not
-// take the test binary down.
-func TestChainForgottenIsNamedNotANilPointerCrash(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	spec, _ := json.Marshal(childSpec{Names: e.n, DBURL: e.dbURL, AMQPURL: testenv.AMQPURL(), Deadline: 90 * time.Second, NoChain: true})
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), childEnv+"="+string(spec))
-	var stderr lockedBuffer
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
-	defer func() {
-		_ = cmd.Process.Kill()
-		<-done
-	}()
-	testenv.Eventually(t, 60*time.Second, "the child consumes", func(o *testenv.Observed) bool {
-		return o.Int("consumers", e.consumers(e.n.Queue)) >= 1
-	})
-	e.order("A", 1)
-	deadline := time.After(60 * time.Second)
-	for {
-		select {
-		case err := <-done:
-			done <- err
-			out := stderr.String()
-			if i := strings.Index(out, "panic:"); i >= 0 {
-				out = out[i:]
-			}
-			t.Fatalf("the service died (%v) instead of naming the missing chain:\n%.1500s", err, out)
-		case <-deadline:
-			t.Fatalf("no ERROR naming the missing chain within 60 s (the snippet ignores PgxTxFromContext's ok?); stderr:\n%.1500s", stderr.String())
-		case <-time.After(50 * time.Millisecond): // polling the child's stderr
-			if strings.Contains(stderr.String(), "chain") {
-				if n := e.reservations("A"); n > 1 {
-					t.Fatalf("%d reservations", n)
-				}
-				return
-			}
-		}
-	}
 }

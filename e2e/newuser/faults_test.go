@@ -14,15 +14,14 @@ import (
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
-	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/outbox"
 )
 
@@ -65,7 +64,7 @@ func TestLongDatabaseOutage(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	proxy := e.dbProxy()
-	e.start(e.n, wiring{chainConfig: func(c *inbox.ChainConfig) { c.MaxHold = 2 * time.Second }})
+	e.start(e.n, wiring{retry: func(c *middleware.RetryConfig) { c.MaxHold = 2 * time.Second }})
 	proxy.Refuse(time.Hour)
 	for i := 0; i < 5; i++ {
 		e.order(fmt.Sprintf("O%d", i), 1)
@@ -256,102 +255,6 @@ func TestRelayWithAStuckTransactionElsewhere(t *testing.T) {
 	case <-relayDone:
 	case <-time.After(30 * time.Second):
 		t.Fatal("relay did not stop")
-	}
-}
-
-// The idempotent middleware without the chain (h.AddMiddleware(idem.
-// Middleware), the chain line forgotten) during a database outage: the
-// README says a database outage must neither poison nor spend the delivery
-// limit, and a wiring mistake must be refused or detected and logged.
-//
-// Symptom (proven on RabbitMQ 3.10 + PostgreSQL 15): every failed attempt
-// is returned to the router at once (guardUnchained skips transient
-// errors), the router nacks, RabbitMQ redelivers at once: a hot loop of
-// redeliveries (hundreds per second per message), each counted in the
-// quorum queue's x-delivery-count (on RabbitMQ 4.x, whose quorum queues
-// have delivery-limit 20 by default, the message is dropped or
-// dead-lettered after 20), and no ERROR says the chain is missing (only
-// INFO "will be retried").
-func TestMiddlewareWithoutChainDuringOutageLoopsUndetected(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	proxy := e.dbProxy()
-	e.start(e.n, wiring{chain: func(_ *message.Router, h *message.Handler, idem *inbox.Idempotent, _ message.HandlerMiddleware, _ message.Publisher, _ string) {
-		h.AddMiddleware(idem.Middleware) // the chain forgotten
-	}})
-	proxy.Refuse(time.Hour)
-	e.order("A", 1)
-	const window = 3 * time.Second
-	start := time.Now()
-	testenv.Eventually(t, 30*time.Second, "the first failed attempt", func(o *testenv.Observed) bool {
-		return o.Int("failed", e.logs.countLines("INFO", "Event not processed")) >= 1
-	})
-	first := e.logs.countLines("INFO", "Event not processed")
-	time.Sleep(window) // a sampling window, not a wait for an outcome
-	attempts := e.logs.countLines("INFO", "Event not processed") - first
-	t.Logf("%d attempts at one message in %s of outage (%s since publish)", attempts, window, time.Since(start))
-	proxy.Restore()
-	testenv.Eventually(t, 60*time.Second, "applied after the outage", func(o *testenv.Observed) bool {
-		return o.Int("A", e.reservations("A")) == 1
-	})
-	// The middleware holds the delivery itself (capped backoff), so the
-	// attempts are bounded, and it says the chain is missing.
-	if attempts > 2*int(window/time.Second)+2 {
-		t.Fatalf("idempotent middleware without the chain during a database outage: %d attempts at one message in %s (a hot nack loop)", attempts, window)
-	}
-	if errs := e.logs.errors("chain"); len(errs) == 0 {
-		t.Fatalf("idempotent middleware without the chain: no ERROR naming the missing chain; ERROR lines: %v", e.logs.all("ERROR"))
-	}
-}
-
-// The classic Watermill wiring copied from Watermill's documentation
-// instead of the README's chain: router-level PoisonQueue (unfiltered),
-// Retry, Recoverer, then the idempotent middleware. README: "Database
-// outages don't poison".
-//
-// Symptom (proven on RabbitMQ 3.10 + PostgreSQL 15): during a database
-// outage every message is retried MaxRetries times and then dead-lettered
-// and acked: after the outage nothing is applied (the events sit in the
-// dead-letter queue until an operator redrives them), and nothing at ERROR
-// says the chain is missing: the middleware logs each failure at INFO as
-// "will be retried".
-func TestWatermillPoisonQueueDeadLettersAnOutage(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	proxy := e.dbProxy()
-	e.start(e.n, wiring{chain: func(router *message.Router, _ *message.Handler, idem *inbox.Idempotent, _ message.HandlerMiddleware, poison message.Publisher, topic string) {
-		pq, err := wmw.PoisonQueue(poison, topic)
-		if err != nil {
-			panic(err)
-		}
-		retry := wmw.Retry{MaxRetries: 3, InitialInterval: 50 * time.Millisecond, ResetContextOnRetry: true}
-		router.AddMiddleware(pq, retry.Middleware, wmw.Recoverer, idem.Middleware)
-	}})
-	proxy.Refuse(time.Hour)
-	e.order("A", 1)
-	e.order("B", 1)
-	deadline := time.Now().Add(20 * time.Second)
-	for time.Now().Before(deadline) { // a sampling window of the outage
-		if dlq, _ := e.depth(e.n.DLQ); dlq == 2 {
-			break
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	proxy.Restore()
-	// The middleware, outside the chain, holds an infrastructure failure
-	// itself: Watermill's PoisonQueue never sees it.
-	if dlq, _ := e.depth(e.n.DLQ); dlq != 0 {
-		t.Fatalf("Watermill's PoisonQueue instead of the chain: a database outage dead-lettered %d of 2 events (applied: A %d, B %d); ERROR lines: %v",
-			dlq, e.reservations("A"), e.reservations("B"), e.logs.all("ERROR"))
-	}
-	testenv.Eventually(t, 60*time.Second, "applied after the outage", func(o *testenv.Observed) bool {
-		return o.Int("A", e.reservations("A")) == 1 && o.Int("B", e.reservations("B")) == 1
-	})
-	if dlq, _ := e.depth(e.n.DLQ); dlq != 0 {
-		t.Fatalf("dead-lettered after the outage: %d", dlq)
-	}
-	if errs := e.logs.errors("chain"); len(errs) == 0 {
-		t.Fatalf("no ERROR naming the missing chain; ERROR lines: %v", e.logs.all("ERROR"))
 	}
 }
 

@@ -10,8 +10,8 @@ import (
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
 // The README's service as written, on the real RabbitMQ and PostgreSQL:
@@ -78,7 +78,7 @@ func TestREADMEServiceDuplicatesAndPoison(t *testing.T) {
 func TestPoisonMessageWithHeadersNearFrameMax(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	stop := e.start(e.n, wiring{chainConfig: func(c *inbox.ChainConfig) { c.MaxHold = 5 * time.Second }})
+	stop := e.start(e.n, wiring{retry: func(c *middleware.RetryConfig) { c.MaxHold = 5 * time.Second }})
 	ch, err := e.conn.Channel()
 	if err != nil {
 		t.Fatal(err)

@@ -3,7 +3,6 @@ package newuser_test
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net/url"
 	"strings"
@@ -17,12 +16,12 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // names are the only thing changed from the README's runStock: the README
@@ -41,11 +40,9 @@ type names struct {
 // wiring is how a variant deviates from the README (the mistakes a
 // newcomer makes). The zero value is the README as written.
 type wiring struct {
-	// chain wires the handler; nil: the README's handler.AddMiddleware(chain).
-	chain func(router *message.Router, h *message.Handler, idem *inbox.Idempotent, chain message.HandlerMiddleware, poison message.Publisher, poisonTopic string)
-	// chainConfig changes the ChainConfig (shorter intervals for tests).
-	chainConfig func(*inbox.ChainConfig)
-	// skipMigrate forgets store.Migrate.
+	// retry changes the consumer's RetryConfig (a shorter hold for tests).
+	retry func(*middleware.RetryConfig)
+	// skipMigrate forgets processed.Migrate.
 	skipMigrate bool
 	// pool changes the pool's config (a fault proxy in front of PostgreSQL).
 	pool func(*pgxpool.Config)
@@ -55,8 +52,6 @@ type wiring struct {
 	// subscriber changes the subscriber's config after the README's lines
 	// (a line forgotten).
 	subscriber func(*amqp.Config)
-	// extraHandlers adds handlers to the same router (fan-out variants).
-	extraHandlers func(router *message.Router, amqpURL string, idem *inbox.Idempotent, chain message.HandlerMiddleware, logger watermill.LoggerAdapter) error
 }
 
 // runStock is the README's "Using it" snippet, copied as a newcomer copies
@@ -74,28 +69,11 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 		return err
 	}
 	defer pool.Close()
-	// Table processed_event; events older than the replay horizon (by the
-	// database clock) are refused, so its Purger may delete their rows.
-	store, err := processedstore.NewStore(processedstore.Config{Horizon: 7 * 24 * time.Hour})
-	if err != nil {
-		return err
-	}
+	db := idempotency.Pgx(pool)
 	if !w.skipMigrate {
-		if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil { // or processedstore.MigrationsFS with goose / golang-migrate
+		if err := processed.Migrate(ctx, db, processed.Config{}); err != nil { // or processed.MigrationsFS with goose / golang-migrate
 			return err
 		}
-	}
-	beginner, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{}) // BEGIN + claim in one round trip
-	if err != nil {
-		return err
-	}
-	idem, err := inbox.NewIdempotent(inbox.Config{
-		Consumer: n.Consumer, // required: the claim key's consumer name, shared by competing workers
-		Beginner: beginner,
-		Store:    store,
-	}, logger)
-	if err != nil {
-		return err
 	}
 
 	subCfg := amqp.NewDurableTopicConfig(amqpURL, n.Exchange, n.Queue)
@@ -120,15 +98,16 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 	}
 	defer poison.Close()
 
-	cc := inbox.ChainConfig{ // the whole chain, one middleware
-		Idempotent:      idem,
-		PoisonPublisher: poison,
-		PoisonTopic:     dl.PoisonTopic(),
+	cfg := middleware.ConsumerConfig{
+		Consumer:      n.Consumer, // the claim key's name, shared by every worker of this consumer
+		DB:            db,
+		ReplayHorizon: 7 * 24 * time.Hour,
+		Poison:        middleware.PoisonConfig{Publisher: poison, Topic: dl.PoisonTopic()},
 	}
-	if w.chainConfig != nil {
-		w.chainConfig(&cc)
+	if w.retry != nil {
+		w.retry(&cfg.Retry)
 	}
-	chain, err := inbox.NewHandlerMiddleware(cc, logger)
+	c, err := middleware.NewConsumer(cfg, logger)
 	if err != nil {
 		return err
 	}
@@ -136,32 +115,22 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 	if err != nil {
 		return err
 	}
-	h := router.AddConsumerHandler(n.Handler, n.Topic, subscriber, func(msg *message.Message) error {
+	_, err = c.AddConsumerHandler(router, n.Handler, n.Topic, subscriber, func(msg *message.Message) error {
 		var order struct {
 			OrderID string `json:"order_id"`
 		}
 		if err := json.Unmarshal(msg.Payload, &order); err != nil {
-			return inbox.Permanent(err) // poisoned at once, never retried
+			return middleware.Permanent(err) // poisoned at once, never retried
 		}
 		if w.handler != nil {
 			return w.handler(msg, order.OrderID)
 		}
-		tx, ok := inbox.PgxTxFromContext(msg.Context()) // the attempt's transaction: write effects here
-		if !ok {
-			return errors.New("reserve_stock: no transaction (and no deduplication): add the chain with AddMiddleware(chain)")
-		}
+		tx, _ := middleware.PgxTxFromContext(msg.Context()) // the attempt's transaction, claim included
 		_, err := tx.Exec(msg.Context(), `INSERT INTO reservation (order_id) VALUES ($1)`, order.OrderID)
-		return err // error → rollback, retried; nil → commit, ack
+		return err // nil: commit, ack; error: rollback, retry, then poison
 	})
-	if w.chain != nil {
-		w.chain(router, h, idem, chain, poison, dl.PoisonTopic())
-	} else {
-		h.AddMiddleware(chain) // per handler, not router.AddMiddleware
-	}
-	if w.extraHandlers != nil {
-		if err := w.extraHandlers(router, amqpURL, idem, chain, logger); err != nil {
-			return err
-		}
+	if err != nil {
+		return err
 	}
 	return router.Run(ctx)
 }
