@@ -1,0 +1,97 @@
+package sqldb_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/operation"
+	"github.com/watermill-idempotency/idempotency/outbox"
+	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/sqldb"
+	"github.com/watermill-idempotency/idempotency/versioned"
+)
+
+// Each component's Migrate records its versions beside the tables it
+// creates (in their schema, not the search_path's): after the schema is
+// dropped and created again, Migrate creates every table again. The
+// connection's search_path is another schema, so a record kept there (the
+// outbox's, before) would survive the drop and Migrate would create
+// nothing (the relay then failed with 42P01 forever).
+func TestMigrateRecreatesDroppedSchema(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	home := testenv.Schema(t) // the search_path: where an unqualified record would go
+	pool, err := pgxpool.New(ctx, testenv.SchemaURL(home))
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	q := sqldb.Pgx(pool)
+
+	components := []struct {
+		name    string
+		tables  []string
+		migrate func(schema string) error
+	}{
+		{"processed", []string{"processed_event"}, func(s string) error {
+			st, err := processed.NewStore(processed.Config{Table: s + ".processed_event"})
+			if err != nil {
+				return err
+			}
+			return st.Migrate(ctx, q)
+		}},
+		{"operation", []string{"operation"}, func(s string) error {
+			r, err := operation.NewRunner(operation.Config{Pool: pool, Table: s + ".operation"}, nil)
+			if err != nil {
+				return err
+			}
+			return r.Migrate(ctx, q)
+		}},
+		{"versioned", []string{"latest", "applied"}, func(s string) error {
+			st, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{LatestTable: s + ".latest", AppliedTable: s + ".applied"})
+			if err != nil {
+				return err
+			}
+			return st.Migrate(ctx, q)
+		}},
+		{"outbox", []string{"outbox", "outbox_dead", "outbox_relayed", "outbox_relay"}, func(s string) error {
+			ob, err := outbox.New(outbox.Config{Table: s + ".outbox"}, nil)
+			if err != nil {
+				return err
+			}
+			return ob.Migrate(ctx, q)
+		}},
+	}
+	for _, c := range components {
+		t.Run(c.name, func(t *testing.T) {
+			schema := testenv.UniqueName("recreate_" + c.name)
+			t.Cleanup(func() { _, _ = pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS "`+schema+`" CASCADE`) })
+			count := func() int {
+				var n int
+				require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM information_schema.tables WHERE table_schema = $1 AND table_name = ANY($2)`, schema, c.tables).Scan(&n))
+				return n
+			}
+			_, err := pool.Exec(ctx, `CREATE SCHEMA "`+schema+`"`)
+			require.NoError(t, err)
+			require.NoError(t, c.migrate(schema))
+			require.Equal(t, len(c.tables), count())
+			var records int
+			require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM "`+schema+`".idempotency_migration`).Scan(&records))
+			require.NotZero(t, records, "the versions are recorded beside the tables")
+
+			_, err = pool.Exec(ctx, `DROP SCHEMA "`+schema+`" CASCADE; CREATE SCHEMA "`+schema+`"`)
+			require.NoError(t, err)
+			require.NoError(t, c.migrate(schema))
+			require.Equal(t, len(c.tables), count(), "Migrate recreated every table")
+
+			// A table dropped alone (its schema kept, and with it the
+			// records) is created again too.
+			_, err = pool.Exec(ctx, `DROP TABLE "`+schema+`"."`+c.tables[0]+`" CASCADE`)
+			require.NoError(t, err)
+			require.NoError(t, c.migrate(schema))
+			require.Equal(t, len(c.tables), count(), "Migrate recreated the dropped table")
+		})
+	}
+}
