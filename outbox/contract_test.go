@@ -455,7 +455,9 @@ func runChildRelay() int {
 			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		}
 	})
-	r, err := ob.NewRelay(beginner(tg), filePublisher{os.Getenv("OUTBOX_BROKER")}, outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
+	// A short lease (3 × PublishTimeout): the next relay takes over soon
+	// after the SIGKILL.
+	r, err := ob.NewRelay(beginner(tg), filePublisher{os.Getenv("OUTBOX_BROKER")}, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, PublishTimeout: 300 * time.Millisecond})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2

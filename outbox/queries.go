@@ -23,11 +23,15 @@ type queries struct {
 	insert    string
 	stats     string
 	countDead string
-	lock      string // relay lock: a row (SQLite: an update) when this relay holds it
+	lease     string // takes or renews the relay lease: args owner, lease (µs), owner; 1 row when held; beat_us = its expiry
+	release   string // gives the lease up: arg owner
+	unclaim   string // %s: inIDs; a Parallel relay's claimed rows due again
+	pressure  string // back-pressure: args backoff (µs), error, id; attempts unchanged
 	claim     string // %s: exclusions (holdBack), %d: batch size
 	peek      string // claim's candidates without locks (ids, topics); %s, %d as claim
 	lockIDs   string // %s: inIDs; locks the candidates, skipping those locked
 	waiting   string // rows waiting for a retry, oldest first
+	inFlight  string // %s: inIDs; arg 1 the lease (µs): a Parallel relay's claimed rows, hidden from the others
 	purge     string
 	replay    string // %s: extra topic condition
 }
@@ -62,21 +66,27 @@ func newQueries(d sqldb.Dialect, t tables) queries {
 	q.insert = `INSERT INTO ` + t.Table + ` (event_id, topic, payload, metadata, created_at_us) VALUES (` + placeholders(d, 1, 4) + `, ` + now + `)`
 	q.stats = `SELECT count(*), ` + now + ` - min(created_at_us) FROM ` + t.Table
 	q.countDead = `SELECT count(*) FROM ` + t.Dead
+	// The lease: taken when free (owner ''), expired (beat_us, the expiry
+	// its holder set, has passed) or already ours; one UPDATE, so two
+	// relays racing for it serialise on the row and the second finds it
+	// taken.
+	q.lease = `UPDATE ` + t.Lock + ` SET owner = ` + p(1) + `, beat_us = ` + now + ` + ` + p(2) + ` WHERE name = 'relay' AND (owner = ` + p(3) +
+		` OR owner = '' OR beat_us < ` + now + `)`
+	q.release = `UPDATE ` + t.Lock + ` SET owner = '', beat_us = 0 WHERE name = 'relay' AND owner = ` + p(1)
+	q.unclaim = `UPDATE ` + t.Table + ` SET next_try_us = 0 WHERE id%s`
+	q.pressure = `UPDATE ` + t.Table + ` SET next_try_us = ` + now + ` + ` + p(1) + `, last_error = ` + p(2) + ` WHERE id = ` + p(3)
 	switch d {
 	case sqldb.SQLite:
-		// SQLite has one writer: the UPDATE takes the database's write lock
-		// (held to COMMIT), so relays on one file take turns.
-		q.lock = `UPDATE ` + t.Lock + ` SET beat_us = ` + now + ` WHERE name = 'relay'`
 		q.claim = `SELECT id, event_id, topic, payload, metadata, attempts FROM ` + t.Table +
 			` WHERE next_try_us <= ` + now + `%s ORDER BY id LIMIT %d`
 	default:
-		q.lock = `SELECT name FROM ` + t.Lock + ` WHERE name = 'relay' FOR UPDATE SKIP LOCKED`
 		q.claim = `SELECT id, event_id, topic, payload, metadata, attempts FROM ` + t.Table +
 			` WHERE next_try_us <= ` + now + `%s ORDER BY id LIMIT %d FOR UPDATE SKIP LOCKED`
 	}
 	q.peek = `SELECT id, topic FROM ` + t.Table + ` WHERE next_try_us <= ` + now + `%s ORDER BY id LIMIT %d`
 	q.lockIDs = `SELECT id, event_id, topic, payload, metadata, attempts FROM ` + t.Table + ` WHERE id%s ORDER BY id FOR UPDATE SKIP LOCKED`
 	q.waiting = `SELECT id, topic FROM ` + t.Table + ` WHERE next_try_us > ` + now + ` ORDER BY id`
+	q.inFlight = `UPDATE ` + t.Table + ` SET next_try_us = ` + now + ` + ` + p(1) + ` WHERE id%s`
 	q.purge = `DELETE FROM ` + t.Archive + ` WHERE relayed_at_us < ` + now + ` - ` + p(1)
 	q.replay = `SELECT id, event_id, topic, payload, metadata, created_at_us FROM ` + t.Archive +
 		` WHERE created_at_us >= ` + p(1) + ` AND created_at_us < ` + p(2) + `%s ORDER BY id`
