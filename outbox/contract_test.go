@@ -105,6 +105,7 @@ func (s *sink) setRefuse(f func(string, *message.Message) error) {
 // counts is a Recorder counting everything.
 type counts struct {
 	rounds, published, failed, dead atomic.Int64
+	pressure                        atomic.Int64
 	pending                         atomic.Int64
 	oldest                          atomic.Int64
 	reports                         atomic.Int64
@@ -113,6 +114,7 @@ type counts struct {
 func (c *counts) Round(n int)          { c.rounds.Add(1); c.published.Add(int64(n)) }
 func (c *counts) PublishFailed(string) { c.failed.Add(1) }
 func (c *counts) DeadLettered(string)  { c.dead.Add(1) }
+func (c *counts) BackPressured(string) { c.pressure.Add(1) }
 func (c *counts) Pending(n int, d time.Duration) {
 	c.pending.Store(int64(n))
 	c.oldest.Store(int64(d))
