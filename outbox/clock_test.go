@@ -200,3 +200,29 @@ func refuseRows(err error) func(string, *message.Message) error {
 		return err
 	}
 }
+
+// On SQLite the outbox's clock is the process clock in microseconds (the
+// database is in-process): over 200 writes, the stored write time is never
+// earlier than a Go clock read just before the write, nor later than one
+// read just after, and it has microsecond resolution. SQLite's
+// julianday('now') (milliseconds) read earlier in 199 of 200.
+func TestSQLiteClockIsTheProcessClock(t *testing.T) {
+	t.Parallel()
+	b := newBox(t, testenv.NewTarget(t, testenv.TargetSQLite, 2))
+	ctx := context.Background()
+	subMillisecond := 0
+	for i := 0; i < 200; i++ {
+		id := newID()
+		before := time.Now()
+		b.write(t, "events", id)
+		after := time.Now()
+		var created int64
+		require.NoError(t, b.tg.DB.QueryRow(ctx, `SELECT created_at_us FROM `+b.tg.Quote(b.table)+` WHERE event_id = ?`, id).Scan(&created))
+		require.GreaterOrEqual(t, created, before.UnixMicro(), "write %d: stored before the Go clock read just before it", i)
+		require.LessOrEqual(t, created, after.UnixMicro(), "write %d: stored after the Go clock read just after it", i)
+		if created%1000 != 0 {
+			subMillisecond++
+		}
+	}
+	require.Greater(t, subMillisecond, 100, "microsecond resolution")
+}

@@ -619,8 +619,9 @@ func testOutageAfterSuccess(t *testing.T, b *box) {
 // original ids, filtered by topic, or counts it (DryRun); the archive is
 // purged after the retention.
 func testReplay(t *testing.T, b *box) {
-	// Write times are the database's clock (SQLite's: milliseconds, so
-	// the bounds keep a millisecond clear of the writes).
+	// Write times are the database's clock (SQLite's: the process clock,
+	// in microseconds; another server's may differ a little from ours, so
+	// the bounds keep two milliseconds clear of the writes).
 	t0 := time.Now().Add(-2 * time.Millisecond)
 	a1, a2, c1 := newID(), newID(), newID()
 	b.write(t, "a", a1, a2)

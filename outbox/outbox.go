@@ -87,7 +87,10 @@
 // clock is an hour off neither starves the others' retries (next try an
 // hour late) nor hot-loops them (an hour early), nor reports a wrong age.
 // Process clocks only pace a relay's own loop (poll interval, backoff
-// waits). SQLite's clock is the host's, to the millisecond.
+// waits). On SQLite the database is in-process, so its clock is the
+// process's: read in Go (time.Now, microseconds) for each statement, never
+// SQLite's julianday('now'), which has millisecond resolution and read
+// earlier than a Go clock read just before the write.
 package outbox
 
 import (
@@ -247,7 +250,7 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 		if payload == nil {
 			payload = []byte{}
 		}
-		if _, err := p.tx.ExecContext(m.Context(), p.o.q.insert, m.UUID, topic, payload, string(md)); err != nil {
+		if _, err := p.tx.ExecContext(m.Context(), p.o.q.at(p.o.q.insert), m.UUID, topic, payload, string(md)); err != nil {
 			return fmt.Errorf("outbox: publish %s: %w", m.UUID, err)
 		}
 	}
@@ -279,7 +282,7 @@ func (o *Outbox) DeadLetters(ctx context.Context, db wsql.ContextExecutor) (int,
 func (o *Outbox) stats(ctx context.Context, db wsql.ContextExecutor) (int, time.Duration, error) {
 	var n int
 	var ageUs sql.NullInt64
-	if err := queryRow(ctx, db, o.q.stats, nil, &n, &ageUs); err != nil {
+	if err := queryRow(ctx, db, o.q.at(o.q.stats), nil, &n, &ageUs); err != nil {
 		return 0, 0, fmt.Errorf("outbox: pending: %w", err)
 	}
 	return n, time.Duration(max(ageUs.Int64, 0)) * time.Microsecond, nil

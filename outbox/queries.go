@@ -2,7 +2,9 @@ package outbox
 
 import (
 	"fmt"
+	"strconv"
 	"strings"
+	"time"
 
 	"github.com/watermill-idempotency/idempotency/sqldb"
 )
@@ -46,14 +48,18 @@ type queries struct {
 //   - MySQL/MariaDB: microseconds from 1970-01-01 00:00:00 to
 //     UTC_TIMESTAMP(6) (UNIX_TIMESTAMP(NOW(6)) would read NOW in the
 //     session time_zone and is ambiguous in a DST fall-back hour);
-//   - SQLite: julianday('now') (UTC; the clock of the process running
-//     SQLite, which is the database's), millisecond precision.
+//   - SQLite: the process clock (the database is in-process), in
+//     microseconds: a marker that at replaces, for each statement, with
+//     time.Now() as an integer literal. SQLite's own julianday('now') has
+//     millisecond resolution: it read earlier than a Go clock read just
+//     before the write (199 of 200 reads), and time-range bounds computed
+//     in Go missed rows.
 func dbNow(d sqldb.Dialect) string {
 	switch d {
 	case sqldb.MySQL:
 		return `TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))`
 	case sqldb.SQLite:
-		return `CAST((julianday('now') - 2440587.5) * 86400000000.0 AS INTEGER)`
+		return sqliteNow
 	default:
 		return `(extract(epoch from statement_timestamp()) * 1000000)::bigint`
 	}
@@ -91,6 +97,20 @@ func newQueries(d sqldb.Dialect, t tables) queries {
 	q.replay = `SELECT id, event_id, topic, payload, metadata, created_at_us FROM ` + t.Archive +
 		` WHERE created_at_us >= ` + p(1) + ` AND created_at_us < ` + p(2) + `%s ORDER BY id`
 	return q
+}
+
+// sqliteNow marks the database clock in SQLite statements; at replaces it.
+// An unknown column name, so that a statement run without at fails.
+const sqliteNow = "idem_outbox_now_us"
+
+// at returns query ready to run: on SQLite with the clock marker replaced
+// by the process clock's microseconds since the epoch (one reading per
+// statement, as PostgreSQL's statement_timestamp()); unchanged otherwise.
+func (q queries) at(query string) string {
+	if q.d != sqldb.SQLite {
+		return query
+	}
+	return strings.ReplaceAll(query, sqliteNow, strconv.FormatInt(time.Now().UnixMicro(), 10))
 }
 
 // inIDs is " IN (…)" for n ids, placeholders from position from.

@@ -601,7 +601,7 @@ func (r *Relay) claimRound(ctx context.Context) (rows []pendingRow, err error) {
 		for _, row := range rows {
 			args = append(args, row.id)
 		}
-		if _, err := tx.ExecContext(ctx, fmt.Sprintf(r.o.q.inFlight, r.o.q.inIDs(2, len(rows))), args...); err != nil {
+		if _, err := tx.ExecContext(ctx, r.o.q.at(fmt.Sprintf(r.o.q.inFlight, r.o.q.inIDs(2, len(rows)))), args...); err != nil {
 			return nil, fmt.Errorf("claim: %w", err)
 		}
 	}
@@ -695,7 +695,7 @@ func (r *Relay) pressured(ctx context.Context, tx wsql.Tx, row *pendingRow) erro
 	n := r.pressure[row.topic]
 	r.pressure[row.topic] = n + 1
 	reason := truncate(row.err.Error())
-	if _, err := tx.ExecContext(ctx, r.o.q.pressure, r.backoff(n).Microseconds(), reason, row.id); err != nil {
+	if _, err := tx.ExecContext(ctx, r.o.q.at(r.o.q.pressure), r.backoff(n).Microseconds(), reason, row.id); err != nil {
 		return fmt.Errorf("delay row %d: %w", row.id, err)
 	}
 	r.logger.Info("outbox row publish met back-pressure, will retry (not counted against the row)", watermill.LogFields{
@@ -780,7 +780,7 @@ type waitingHead struct {
 
 // waiting returns, per topic, the oldest row waiting for its retry.
 func (r *Relay) waiting(ctx context.Context, tx wsql.Tx) ([]waitingHead, error) {
-	rows, err := tx.QueryContext(ctx, r.o.q.waiting)
+	rows, err := tx.QueryContext(ctx, r.o.q.at(r.o.q.waiting))
 	if err != nil {
 		return nil, fmt.Errorf("waiting rows: %w", err)
 	}
@@ -808,7 +808,7 @@ func (r *Relay) waiting(ctx context.Context, tx wsql.Tx) ([]waitingHead, error) 
 // (RelayConfig.PublishTimeout × 3) is taken over: that long after a relay
 // process dies, a standby takes its place.
 func (r *Relay) takeLease(ctx context.Context, tx wsql.Tx) (bool, error) {
-	res, err := tx.ExecContext(ctx, r.o.q.lease, r.owner, r.lease.Microseconds(), r.owner)
+	res, err := tx.ExecContext(ctx, r.o.q.at(r.o.q.lease), r.owner, r.lease.Microseconds(), r.owner)
 	if err != nil {
 		return false, fmt.Errorf("relay lease: %w", err)
 	}
@@ -822,7 +822,7 @@ func (r *Relay) takeLease(ctx context.Context, tx wsql.Tx) (bool, error) {
 // renew renews the lease between publishes (no transaction open); false
 // means another relay took it over.
 func (r *Relay) renew(ctx context.Context) (bool, error) {
-	res, err := r.db.ExecContext(ctx, r.o.q.lease, r.owner, r.lease.Microseconds(), r.owner)
+	res, err := r.db.ExecContext(ctx, r.o.q.at(r.o.q.lease), r.owner, r.lease.Microseconds(), r.owner)
 	if err != nil {
 		return false, fmt.Errorf("relay lease: %w", err)
 	}
@@ -865,13 +865,13 @@ func (r *Relay) claim(ctx context.Context, tx wsql.Tx, held []waitingHead) ([]pe
 	}
 	exclude := r.o.q.holdBack(1, len(held))
 	if r.cfg.Parallel || r.o.cfg.Dialect == sqldb.SQLite {
-		return r.scanRows(tx.QueryContext(ctx, fmt.Sprintf(r.o.q.claim, exclude, r.cfg.BatchSize), args...))
+		return r.scanRows(tx.QueryContext(ctx, r.o.q.at(fmt.Sprintf(r.o.q.claim, exclude, r.cfg.BatchSize)), args...))
 	}
 	type candidate struct {
 		id    int64
 		topic string
 	}
-	rows, err := tx.QueryContext(ctx, fmt.Sprintf(r.o.q.peek, exclude, r.cfg.BatchSize), args...)
+	rows, err := tx.QueryContext(ctx, r.o.q.at(fmt.Sprintf(r.o.q.peek, exclude, r.cfg.BatchSize)), args...)
 	if err != nil {
 		return nil, fmt.Errorf("claim: %w", err)
 	}
@@ -1008,7 +1008,7 @@ func (r *Relay) remove(ctx context.Context, tx wsql.Tx, ids []int64) error {
 		args = append(args, id)
 	}
 	if r.cfg.Retention > 0 {
-		if _, err := tx.ExecContext(ctx, r.o.q.archive(len(ids)), args...); err != nil {
+		if _, err := tx.ExecContext(ctx, r.o.q.at(r.o.q.archive(len(ids))), args...); err != nil {
 			return fmt.Errorf("archive: %w", err)
 		}
 	}
@@ -1030,7 +1030,7 @@ func (r *Relay) fail(ctx context.Context, tx wsql.Tx, row *pendingRow, permanent
 		return true, r.deadLetter(ctx, tx, row, attempts, reason)
 	}
 	backoff := r.backoff(attempts - 1).Microseconds()
-	if _, err := tx.ExecContext(ctx, r.o.q.retry(), attempts, backoff, reason, row.id); err != nil {
+	if _, err := tx.ExecContext(ctx, r.o.q.at(r.o.q.retry()), attempts, backoff, reason, row.id); err != nil {
 		return false, fmt.Errorf("retry row %d: %w", row.id, err)
 	}
 	r.logger.Info("outbox row publish failed, will retry", watermill.LogFields{
@@ -1041,7 +1041,7 @@ func (r *Relay) fail(ctx context.Context, tx wsql.Tx, row *pendingRow, permanent
 
 // deadLetter moves row to the dead-letter table.
 func (r *Relay) deadLetter(ctx context.Context, tx wsql.Tx, row *pendingRow, attempts int, reason string) error {
-	if _, err := tx.ExecContext(ctx, r.o.q.deadLetter(), attempts, reason, row.id); err != nil {
+	if _, err := tx.ExecContext(ctx, r.o.q.at(r.o.q.deadLetter()), attempts, reason, row.id); err != nil {
 		return fmt.Errorf("dead-letter row %d: %w", row.id, err)
 	}
 	if _, err := tx.ExecContext(ctx, r.o.q.delete(1), row.id); err != nil {
@@ -1074,7 +1074,7 @@ func (r *Relay) housekeeping(ctx context.Context) {
 		}
 	}
 	if r.cfg.Retention > 0 {
-		if _, err := r.db.ExecContext(ctx, r.o.q.purge, r.cfg.Retention.Microseconds()); err != nil && ctx.Err() == nil {
+		if _, err := r.db.ExecContext(ctx, r.o.q.at(r.o.q.purge), r.cfg.Retention.Microseconds()); err != nil && ctx.Err() == nil {
 			r.logger.Error("outbox archive purge", err, nil)
 		}
 	}
