@@ -38,6 +38,11 @@ func TestSQLSubscriberJoinsTransactionWithSavepoints(t *testing.T) {
 			return backend{wsql.BeginnerFromPgx(pool), wsql.DefaultPostgreSQLSchema{}, wsql.DefaultPostgreSQLOffsetsAdapter{},
 				sqldb.PostgreSQL, sqldb.Pgx(pool), `INSERT INTO effect (event_id, note) VALUES ($1, $2)`}
 		},
+		"postgres-pgx-queue": func(t *testing.T) backend { // the schema that does not stall behind open transactions
+			pool, _ := testenv.Pool(t)
+			return backend{wsql.BeginnerFromPgx(pool), wsql.PostgreSQLQueueSchema{}, wsql.PostgreSQLQueueOffsetsAdapter{},
+				sqldb.PostgreSQL, sqldb.Pgx(pool), `INSERT INTO effect (event_id, note) VALUES ($1, $2)`}
+		},
 		"mariadb": func(t *testing.T) backend {
 			db := testenv.MySQLDB(t)
 			return backend{wsql.BeginnerFromStdSQL(db), wsql.DefaultMySQLSchema{}, wsql.DefaultMySQLOffsetsAdapter{},
