@@ -1,6 +1,7 @@
 package versioned
 
 import (
+	"context"
 	"errors"
 	"sync/atomic"
 
@@ -143,6 +144,26 @@ type LatestFilterConfig struct {
 	// records and logs them as OutcomeObsolete / OutcomeStale, at debug
 	// level, like duplicates.
 	DisableMarkStale bool
+
+	// DisableRetireOnPoison opts out of retiring poisoned messages. By
+	// default, when a message the filter let through to the handler is
+	// about to be poisoned by the library's chain (middleware.OnPoison,
+	// after the retries), its position is retired (FamilyStore.Retire, on
+	// RetireDB, outside the failed transaction): a latest record naming it
+	// no longer makes older messages obsolete at this consumer, so a
+	// poisoned newest message never freezes its family. If the retirement
+	// fails, the message is held and retried, not poisoned. Opted out, a
+	// poisoned newest message keeps every older message of its family
+	// obsolete at this consumer (the family frozen there) until a newer one
+	// is published.
+	DisableRetireOnPoison bool
+
+	// RetireDB is where poisoned messages are retired: a pool (or
+	// connection) of the consumer's database, where Families' tables are.
+	// Defaults to the idempotent middleware's own database outside the
+	// attempt (middleware.DBFromContext); set it with
+	// middleware.NewSQLSubscriberBeginner, which knows no pool.
+	RetireDB sqldb.Querier
 }
 
 // Validate reports the first invalid field of c, naming it.
@@ -297,6 +318,9 @@ func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		f.record(obs)
 		f.logger.Trace("Latest message of its family handled", fields)
 		noteHandled(ctx, consumer, fam, pos) // for RetireOnPoison, latest_retire.go
+		if !f.cfg.DisableRetireOnPoison {
+			f.retireOnPoison(ctx, msg.UUID, consumer, fam, pos)
+		}
 		return h(msg)
 	}
 }
@@ -343,4 +367,22 @@ func (f *LatestFilter) record(o FilterObservation) {
 	if f.cfg.Recorder != nil {
 		f.cfg.Recorder.RecordFilter(o)
 	}
+}
+
+// retireOnPoison registers with the chain (middleware.OnPoison) the
+// retirement of the message at pos, should the chain poison it.
+func (f *LatestFilter) retireOnPoison(ctx context.Context, eventID, consumer string, fam Family, pos Position) {
+	db := f.cfg.RetireDB
+	if db == nil {
+		db, _ = middleware.DBFromContext(ctx)
+	}
+	middleware.OnPoison(ctx, f, func(ctx context.Context) error {
+		if db == nil {
+			f.logger.Error("Poisoned family message not retired: no database to retire it in (set LatestFilterConfig.RetireDB); "+
+				"its family stays frozen at this consumer until a newer message is published", nil,
+				watermill.LogFields{"event_id": eventID, "consumer": consumer, "family_kind": fam.Kind, "family_id": fam.ID})
+			return nil
+		}
+		return f.retire(ctx, db, eventID, consumer, fam, pos)
+	})
 }
