@@ -95,3 +95,72 @@ func TestMigrateRecreatesDroppedSchema(t *testing.T) {
 		})
 	}
 }
+
+// The same on MariaDB, where a schema is a database: each component's
+// tables in a database other than the connection's, which is dropped and
+// created again.
+func TestMigrateRecreatesDroppedDatabaseMySQL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testenv.MySQLDB(t) // the connection's database: where an unqualified record would go
+	q := sqldb.Std(db)
+	components := []struct {
+		name    string
+		tables  []string
+		migrate func(schema string) error
+	}{
+		{"processed", []string{"processed_event"}, func(s string) error {
+			st, err := processed.NewStore(processed.Config{Table: s + ".processed_event", Dialect: sqldb.MySQL})
+			if err != nil {
+				return err
+			}
+			return st.Migrate(ctx, q)
+		}},
+		{"operation", []string{"operation"}, func(s string) error {
+			r, err := operation.NewRunner(operation.Config{DB: db, Dialect: sqldb.MySQL, Table: s + ".operation"}, nil)
+			if err != nil {
+				return err
+			}
+			return r.Migrate(ctx, q)
+		}},
+		{"versioned", []string{"latest", "applied"}, func(s string) error {
+			st, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{LatestTable: s + ".latest", AppliedTable: s + ".applied", Dialect: sqldb.MySQL})
+			if err != nil {
+				return err
+			}
+			return st.Migrate(ctx, q)
+		}},
+		{"outbox", []string{"outbox", "outbox_dead", "outbox_relayed", "outbox_relay"}, func(s string) error {
+			ob, err := outbox.New(outbox.Config{Table: s + ".outbox", Dialect: sqldb.MySQL}, nil)
+			if err != nil {
+				return err
+			}
+			return ob.Migrate(ctx, q)
+		}},
+	}
+	for _, c := range components {
+		t.Run(c.name, func(t *testing.T) {
+			schema := testenv.UniqueName("recreate_" + c.name)
+			t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), "DROP DATABASE IF EXISTS "+schema) })
+			count := func() int {
+				n := 0
+				for _, table := range c.tables {
+					var k int
+					require.NoError(t, db.QueryRowContext(ctx, `SELECT count(*) FROM information_schema.tables WHERE table_schema = ? AND table_name = ?`, schema, table).Scan(&k))
+					n += k
+				}
+				return n
+			}
+			_, err := db.ExecContext(ctx, "CREATE DATABASE "+schema)
+			require.NoError(t, err)
+			require.NoError(t, c.migrate(schema))
+			require.Equal(t, len(c.tables), count())
+			_, err = db.ExecContext(ctx, "DROP DATABASE "+schema)
+			require.NoError(t, err)
+			_, err = db.ExecContext(ctx, "CREATE DATABASE "+schema)
+			require.NoError(t, err)
+			require.NoError(t, c.migrate(schema))
+			require.Equal(t, len(c.tables), count(), "Migrate recreated every table")
+		})
+	}
+}
