@@ -67,14 +67,15 @@ func relayDB(t *testing.T, b *box) (wsql.Beginner, *pgActivity) {
 	return wsql.BeginnerFromPgx(pool), &pgActivity{app: app, pool: pool}
 }
 
-// openTx counts the relay's sessions idle inside a transaction (waiting for
-// the relay, which is inside Publish, to send the next statement). Its
-// statements in flight (stats, lease renewal) are not counted.
+// openTx counts the relay's sessions idle inside a transaction for more
+// than 250 ms (a transaction held across a publish, which hangs for
+// PublishTimeout). The instants between the statements of its short claim
+// and settle transactions are not counted, nor its statements in flight.
 func (a *pgActivity) openTx(t *testing.T) int {
 	t.Helper()
 	var n int
 	require.NoError(t, a.pool.QueryRow(context.Background(),
-		`SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND state LIKE 'idle in transaction%' AND pid <> pg_backend_pid()`, a.app).Scan(&n))
+		`SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND state LIKE 'idle in transaction%' AND now() - state_change > interval '250 milliseconds' AND pid <> pg_backend_pid()`, a.app).Scan(&n))
 	return n
 }
 
@@ -95,7 +96,7 @@ func testHangingPublish(t *testing.T, b *box) {
 			close(h.release)
 		}
 	})
-	logger := watermill.NewCaptureLogger()
+	logger := newTestLogger()
 	ob, err := outbox.New(outbox.Config{Table: b.table, Dialect: b.tg.Dialect}, logger)
 	require.NoError(t, err)
 	db, activity := relayDB(t, b)

@@ -102,7 +102,7 @@ func testBackoffDBTime(t *testing.T, b *box, skew time.Duration) {
 // stall warning for a row a second old).
 func testAgeSkewedRelay(t *testing.T, b *box, skew time.Duration) {
 	b.write(t, "events", newID())
-	logger := watermill.NewCaptureLogger()
+	logger := newTestLogger()
 	sk := &box{table: b.table, tg: b.tg, ob: skewed(t, b, skew, logger), db: b.db}
 	rec := &counts{}
 	s := &sink{refuse: refuseRows(errors.New("broker: refused"))}

@@ -502,7 +502,7 @@ func testPoison(t *testing.T, b *box) {
 		return nil
 	}}
 	rec := &counts{}
-	logger := watermill.NewCaptureLogger()
+	logger := newTestLogger()
 	ob, err := outbox.New(outbox.Config{Table: b.table, Dialect: b.tg.Dialect}, logger)
 	require.NoError(t, err)
 	b.ob = ob
@@ -600,14 +600,24 @@ func testOutageAfterSuccess(t *testing.T, b *box) {
 		return nil
 	}
 	rec := &counts{}
-	b.relay(t, s, outbox.RelayConfig{MaxAttempts: 3, RetryInterval: 50 * time.Millisecond, MaxBackoff: 50 * time.Millisecond, Recorder: rec})
+	// x's retries while the broker is up count: slow enough that it is not
+	// dead-lettered before the outage begins, even on a loaded machine.
+	b.relay(t, s, outbox.RelayConfig{MaxAttempts: 3, RetryInterval: 300 * time.Millisecond, MaxBackoff: 300 * time.Millisecond, Recorder: rec})
 	eventually(t, 30*time.Second, func() bool { return rec.failed.Load() >= 1 && b.nextTry(t) != 0 }, "x failed once, broker up")
 	b.write(t, "b", y) // published after x's first failure: the broker is up
 	eventually(t, 30*time.Second, func() bool { return s.count(y) == 1 }, "y published")
 	down.Store(true) // then the outage begins
 	n := rec.failed.Load()
-	eventually(t, 30*time.Second, func() bool { return rec.failed.Load() >= n+6 || rec.dead.Load() > 0 }, "x retried well past MaxAttempts during the outage")
+	eventually(t, 30*time.Second, func() bool { return rec.failed.Load() >= n+2 }, "x failing in the outage")
+	attempts := func() int {
+		var a int
+		require.NoError(t, b.tg.DB.QueryRow(context.Background(), `SELECT attempts FROM `+b.tg.Quote(b.table)).Scan(&a))
+		return a
+	}
+	before := attempts()
+	eventually(t, 30*time.Second, func() bool { return rec.failed.Load() >= n+8 || rec.dead.Load() > 0 }, "x retried well past MaxAttempts during the outage")
 	require.Zero(t, rec.dead.Load(), "no dead letter during the outage")
+	require.Equal(t, before, attempts(), "failures during the outage are not x's attempts")
 	s.setRefuse(nil)
 	down.Store(false)
 	eventually(t, 30*time.Second, func() bool { return s.count(x) == 1 }, "x published after the outage")
@@ -715,7 +725,7 @@ func testOrder(t *testing.T, b *box) {
 func testStats(t *testing.T, b *box) {
 	stuck := newID()
 	b.write(t, "events", stuck)
-	logger := watermill.NewCaptureLogger()
+	logger := newTestLogger()
 	ob, err := outbox.New(outbox.Config{Table: b.table, Dialect: b.tg.Dialect}, logger)
 	require.NoError(t, err)
 	b.ob = ob

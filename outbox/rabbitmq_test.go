@@ -108,7 +108,7 @@ func testLoneBadRow(t *testing.T, b *box) {
 	probeQ, goodQ := rb.queue("probe"), rb.queue("good")
 	unroutable := testenv.UniqueName("nobody")
 	bad := b.writeEvent(t, unroutable)
-	logger := watermill.NewCaptureLogger()
+	logger := newTestLogger()
 	ob, err := outbox.New(outbox.Config{Table: b.table, Dialect: b.tg.Dialect}, logger)
 	require.NoError(t, err)
 	b.ob = ob
@@ -150,7 +150,7 @@ func testProxyOutage(t *testing.T, b *box) {
 	ids := []string{b.writeEvent(t, goodQ), b.writeEvent(t, goodQ), b.writeEvent(t, goodQ)}
 	bad := b.writeEvent(t, testenv.UniqueName("nobody"))
 	rec := &counts{}
-	logger := watermill.NewCaptureLogger()
+	logger := newTestLogger()
 	ob, err := outbox.New(outbox.Config{Table: b.table, Dialect: b.tg.Dialect}, logger)
 	require.NoError(t, err)
 	b.ob = ob
@@ -222,7 +222,7 @@ func testBlockedConnection(t *testing.T, b *box) {
 	rb := newRabbit(t)
 	probeQ, q := rb.queue("probe"), rb.queue("blocked")
 	warm := b.writeEvent(t, q)
-	logger := watermill.NewCaptureLogger()
+	logger := newTestLogger()
 	ob, err := outbox.New(outbox.Config{Table: b.table, Dialect: b.tg.Dialect}, logger)
 	require.NoError(t, err)
 	db, activity := relayDB(t, b)
