@@ -457,7 +457,7 @@ func runChildRelay() int {
 			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		}
 	})
-	// A short lease (3 × PublishTimeout): the next relay takes over soon
+	// A short lease (2 × PublishTimeout): the next relay takes over soon
 	// after the SIGKILL.
 	r, err := ob.NewRelay(beginner(tg), filePublisher{os.Getenv("OUTBOX_BROKER")}, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, PublishTimeout: 300 * time.Millisecond})
 	if err != nil {

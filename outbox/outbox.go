@@ -31,7 +31,7 @@
 // # Order and several relays
 //
 // By default a relay round first takes or renews the outbox's relay lease
-// (an UPDATE of the <table>_relay row naming the relay, valid for three
+// (an UPDATE of the <table>_relay row naming the relay, valid for two
 // RelayConfig.PublishTimeouts, renewed between publishes): one relay
 // publishes at a time, the others stand by and take over as soon as it
 // stops (Close gives the lease up), or when its lease expires (its process

@@ -112,7 +112,7 @@ type RelayConfig struct {
 	// publisher that has not returned is left behind and the relay
 	// publishes nothing more until it returns, keeping its stats and stall
 	// warning meanwhile. No database transaction is open during a publish.
-	// The relay lease (one relay at a time, Parallel false) lasts three
+	// The relay lease (one relay at a time, Parallel false) lasts two
 	// PublishTimeouts: a standby takes over that long after the active
 	// relay's process died (at once after Close). Defaults to
 	// DefaultPublishTimeout.
@@ -234,7 +234,7 @@ type Relay struct {
 
 	// Owned by the Run goroutine.
 	owner     string         // this relay's lease token
-	lease     time.Duration  // the lease's length: 3 × PublishTimeout
+	lease     time.Duration  // the lease's length: 2 × PublishTimeout
 	leasedAt  time.Time      // last time the lease was taken or renewed
 	stuck     chan struct{}  // closed when an abandoned publish returns
 	pressure  map[string]int // consecutive back-pressure failures per topic
@@ -269,7 +269,7 @@ func (o *Outbox) NewRelay(db wsql.Beginner, dest message.Publisher, cfg RelayCon
 		closing:  make(chan struct{}),
 		done:     make(chan struct{}),
 		owner:    uuid.NewString(),
-		lease:    3 * cfg.PublishTimeout,
+		lease:    2 * cfg.PublishTimeout,
 		pressure: map[string]int{},
 	}
 	if o.cfg.Dialect != sqldb.SQLite {
@@ -805,7 +805,7 @@ func (r *Relay) waiting(ctx context.Context, tx wsql.Tx) ([]waitingHead, error) 
 
 // takeLease takes or renews the relay lease in tx; false means another
 // relay holds it (this one stands by). A lease not renewed for its length
-// (RelayConfig.PublishTimeout × 3) is taken over: that long after a relay
+// (RelayConfig.PublishTimeout × 2) is taken over: that long after a relay
 // process dies, a standby takes its place.
 func (r *Relay) takeLease(ctx context.Context, tx wsql.Tx) (bool, error) {
 	res, err := tx.ExecContext(ctx, r.o.q.at(r.o.q.lease), r.owner, r.lease.Microseconds(), r.owner)
