@@ -344,6 +344,11 @@ func (r *Relay) sleep(ctx context.Context, d time.Duration, nextStats *time.Time
 		case <-ctx.Done():
 			t.Stop()
 			return false
+		case <-r.stuck: // nil (never ready) unless a publish was left behind
+			// The publisher returned: the broker takes publishes again, or
+			// failed them at last; either way the next round tells.
+			t.Stop()
+			return true
 		case <-t.C:
 		}
 		if !time.Now().Before(deadline) {
