@@ -102,7 +102,10 @@ func childRelay() error {
 		Pool:         pool,
 		Publisher:    pub,
 		PollInterval: 10 * time.Millisecond,
-		Logger:       logger,
+		// A short lease (2 × PublishTimeout): the restarted relay takes
+		// over soon after the SIGKILL.
+		PublishTimeout: 500 * time.Millisecond,
+		Logger:         logger,
 	})
 	if err != nil {
 		return err

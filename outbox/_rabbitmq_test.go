@@ -92,6 +92,8 @@ func TestRelayRabbitMQ(t *testing.T) {
 	testenv.EachTarget(t, func(t *testing.T, tg testenv.Target) {
 		t.Run("LoneUnroutableRowDeadLettered", func(t *testing.T) { testLoneBadRow(t, newBox(t, tg)) })
 		t.Run("OutageThroughProxyDeadLettersNothing", func(t *testing.T) { testProxyOutage(t, newBox(t, tg)) })
+		t.Run("FullQueueDeadLettersNothing", func(t *testing.T) { testFullQueue(t, newBox(t, tg)) })
+		t.Run("BlockedConnectionBounded", func(t *testing.T) { testBlockedConnection(t, newBox(t, tg)) })
 	})
 }
 
@@ -106,7 +108,7 @@ func testLoneBadRow(t *testing.T, b *box) {
 	probeQ, goodQ := rb.queue("probe"), rb.queue("good")
 	unroutable := testenv.UniqueName("nobody")
 	bad := b.writeEvent(t, unroutable)
-	logger := watermill.NewCaptureLogger()
+	logger := newTestLogger()
 	ob, err := outbox.New(outbox.Config{Table: b.table, DB: b.tg.Handle()}, logger)
 	require.NoError(t, err)
 	b.ob = ob
@@ -148,20 +150,18 @@ func testProxyOutage(t *testing.T, b *box) {
 	ids := []string{b.writeEvent(t, goodQ), b.writeEvent(t, goodQ), b.writeEvent(t, goodQ)}
 	bad := b.writeEvent(t, testenv.UniqueName("nobody"))
 	rec := &counts{}
-	logger := watermill.NewCaptureLogger()
+	logger := newTestLogger()
 	ob, err := outbox.New(outbox.Config{Table: b.table, DB: b.tg.Handle()}, logger)
 	require.NoError(t, err)
 	b.ob = ob
 	const maxAttempts = 2
 	b.relay(t, rb.pub, outbox.RelayConfig{MaxAttempts: maxAttempts, RetryInterval: 5 * time.Millisecond, MaxBackoff: 20 * time.Millisecond, ProbeTopic: probeQ, Recorder: rec})
-	eventually(t, 60*time.Second, func() bool {
-		// The head of each topic is tried; the rows behind it wait for it.
-		var heads int
-		require.NoError(t, b.tg.DB.QueryRow(context.Background(), `SELECT count(*) FROM `+b.tg.Quote(b.table)+` WHERE attempts >= 3 * `+"2").Scan(&heads))
-		return heads == 2
-	}, "the head row of each topic failed well past MaxAttempts during the outage")
+	eventually(t, 60*time.Second, func() bool { return rec.failed.Load() >= 6*maxAttempts }, "the head row of each topic failed well past MaxAttempts during the outage")
 	require.Zero(t, rec.dead.Load(), "an outage dead-letters nothing")
 	require.Equal(t, 4, b.pending(t))
+	var counted int
+	require.NoError(t, b.tg.DB.QueryRow(context.Background(), `SELECT count(*) FROM `+b.tg.Quote(b.table)+` WHERE attempts > 0`).Scan(&counted))
+	require.Zero(t, counted, "failures during the outage are not the rows' attempts")
 	var probeFailed bool
 	for _, e := range logger.Captured()[watermill.ErrorLogLevel] {
 		probeFailed = probeFailed || strings.Contains(e.Msg, "broker probe failed")
@@ -174,7 +174,97 @@ func testProxyOutage(t *testing.T, b *box) {
 	require.Equal(t, ids, got, "in order, once each")
 	eventually(t, 60*time.Second, func() bool { return rec.dead.Load() == 1 && b.pending(t) == 0 }, "only the refused row is dead-lettered")
 	var id string
-	require.NoError(t, b.tg.DB.QueryRow(context.Background(), `SELECT event_id FROM `+b.tg.Quote(b.table+"_dead")).Scan(&id))
+	var attempts int
+	require.NoError(t, b.tg.DB.QueryRow(context.Background(), `SELECT event_id, attempts FROM `+b.tg.Quote(b.table+"_dead")).Scan(&id, &attempts))
 	require.Equal(t, bad, id)
+	require.Equal(t, maxAttempts, attempts, "dead-lettered after MaxAttempts failures with the broker up, not at its first one")
 	_ = message.NewMessage
+}
+
+// A destination queue at its length limit that refuses more
+// (x-max-length 1, x-overflow reject-publish: the broker nacks) while its
+// consumer is down, for many more rounds than MaxAttempts, with the broker
+// up (the probe goes through): back-pressure, so no row is dead-lettered
+// and none has an attempt counted; once the consumer drains the queue,
+// every row arrives, in order.
+func testFullQueue(t *testing.T, b *box) {
+	rb := newRabbit(t)
+	probeQ := rb.queue("probe")
+	full := testenv.UniqueName("full")
+	_, err := rb.ch.QueueDeclare(full, false, false, false, false, amqp091.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"})
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = rb.ch.QueueDelete(full, false, false, false) })
+	ids := []string{b.writeEvent(t, full), b.writeEvent(t, full), b.writeEvent(t, full), b.writeEvent(t, full)}
+	rec := &counts{}
+	const maxAttempts = 2
+	b.relay(t, rb.pub, outbox.RelayConfig{MaxAttempts: maxAttempts, RetryInterval: 5 * time.Millisecond, MaxBackoff: 20 * time.Millisecond, ProbeTopic: probeQ, Recorder: rec})
+	eventually(t, 60*time.Second, func() bool { return rec.pressure.Load() >= 5*maxAttempts }, "the full queue pushed back many times")
+	require.Zero(t, rec.dead.Load(), "a full queue dead-letters nothing")
+	var counted int
+	require.NoError(t, b.tg.DB.QueryRow(context.Background(), `SELECT count(*) FROM `+b.tg.Quote(b.table)+` WHERE attempts > 0`).Scan(&counted))
+	require.Zero(t, counted, "the nacks are not the rows' attempts")
+	require.Equal(t, 3, b.pending(t), "one row in the queue, three waiting")
+
+	var got []string // the consumer comes back
+	eventually(t, 60*time.Second, func() bool { got = append(got, rb.received(full)...); return len(got) >= len(ids) }, "all delivered once the queue drains")
+	require.Equal(t, ids, got, "in order, once each")
+	require.Zero(t, rec.dead.Load())
+	eventually(t, 30*time.Second, func() bool { return b.pending(t) == 0 }, "nothing pending")
+}
+
+// The broker stops reading the relay's connection (modelled by the proxy
+// holding every byte: a blocked connection, a memory or disk alarm, looks
+// the same to the client): each publish is bounded by PublishTimeout,
+// logged, counted as back-pressure, never against the row, and the stall
+// is logged within StalledAfter with no transaction open; when the broker
+// reads again the rows are delivered in order.
+func testBlockedConnection(t *testing.T, b *box) {
+	rb := newRabbit(t)
+	probeQ, q := rb.queue("probe"), rb.queue("blocked")
+	warm := b.writeEvent(t, q)
+	logger := newTestLogger()
+	ob, err := outbox.New(outbox.Config{Table: b.table, DB: b.tg.Handle()}, logger)
+	require.NoError(t, err)
+	db, activity := relayDB(t, b)
+	rbox := &box{table: b.table, tg: b.tg, ob: ob, db: db}
+	rec := &counts{}
+	const timeout, stalledAfter = 500 * time.Millisecond, time.Second
+	rbox.relay(t, rb.pub, outbox.RelayConfig{MaxAttempts: 1, PublishTimeout: timeout, StalledAfter: stalledAfter, StatsInterval: 20 * time.Millisecond,
+		RetryInterval: 5 * time.Millisecond, MaxBackoff: 50 * time.Millisecond, ProbeTopic: probeQ, Recorder: rec})
+	var got []string
+	eventually(t, 60*time.Second, func() bool { got = append(got, rb.received(q)...); return len(got) == 1 }, "the connection works")
+
+	rb.proxy.Hang()
+	start := time.Now()
+	ids := []string{b.writeEvent(t, q), b.writeEvent(t, q)}
+	var stalledAt time.Duration
+	for time.Since(start) < stalledAfter+2*time.Second {
+		if activity != nil {
+			require.Zero(t, activity.openTx(t), "no transaction open while the broker is blocked")
+		}
+		if stalledAt == 0 {
+			for _, e := range logger.Captured()[watermill.ErrorLogLevel] {
+				if errors.Is(e.Err, outbox.ErrStalled) {
+					stalledAt = time.Since(start)
+				}
+			}
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	var timedOut bool
+	for _, e := range logger.Captured()[watermill.ErrorLogLevel] {
+		timedOut = timedOut || errors.Is(e.Err, outbox.ErrPublishTimeout)
+	}
+	require.True(t, timedOut, "the publish was bounded and logged")
+	require.NotZero(t, stalledAt, "stall logged")
+	require.Less(t, stalledAt, stalledAfter+500*time.Millisecond, "within StalledAfter (+ a stats interval)")
+	require.GreaterOrEqual(t, rec.pressure.Load(), int64(1))
+	require.Zero(t, rec.dead.Load(), "MaxAttempts 1, and nothing dead-lettered")
+	t.Logf("stall logged %s after the broker blocked (StalledAfter %s)", stalledAt.Round(time.Millisecond), stalledAfter)
+
+	rb.proxy.Resume()
+	eventually(t, 90*time.Second, func() bool { got = append(got, rb.received(q)...); return b.pending(t) == 0 && len(got) >= 3 }, "delivered once the broker reads again")
+	require.Equal(t, warm, got[0])
+	require.Subset(t, got[1:], ids)
+	require.Zero(t, rec.dead.Load())
 }

@@ -87,7 +87,7 @@ func (b *box) nextTry(t *testing.T) int64 {
 // (every relay hot-loops on it).
 func testBackoffDBTime(t *testing.T, b *box, skew time.Duration) {
 	b.write(t, "events", newID())
-	s := &sink{refuse: func(string, *message.Message) error { return errors.New("broker: refused") }}
+	s := &sink{refuse: refuseRows(errors.New("broker: refused"))}
 	sk := &box{table: b.table, tg: b.tg, ob: skewed(t, b, skew, nil), db: b.db}
 	rec := &counts{}
 	sk.relay(t, s, outbox.RelayConfig{RetryInterval: time.Minute, MaxBackoff: time.Minute, MaxAttempts: 1000, Recorder: rec})
@@ -102,10 +102,10 @@ func testBackoffDBTime(t *testing.T, b *box, skew time.Duration) {
 // stall warning for a row a second old).
 func testAgeSkewedRelay(t *testing.T, b *box, skew time.Duration) {
 	b.write(t, "events", newID())
-	logger := watermill.NewCaptureLogger()
+	logger := newTestLogger()
 	sk := &box{table: b.table, tg: b.tg, ob: skewed(t, b, skew, logger), db: b.db}
 	rec := &counts{}
-	s := &sink{refuse: func(string, *message.Message) error { return errors.New("broker: refused") }}
+	s := &sink{refuse: refuseRows(errors.New("broker: refused"))}
 	sk.relay(t, s, outbox.RelayConfig{StatsInterval: 5 * time.Millisecond, StalledAfter: 10 * time.Minute, RetryInterval: time.Hour, MaxBackoff: time.Hour, MaxAttempts: 1000, Recorder: rec})
 	var last time.Duration
 	eventually(t, 30*time.Second, func() bool {
@@ -177,7 +177,7 @@ func TestSessionTimeZone(t *testing.T) {
 			require.NoError(t, base.DB.QueryRow(ctx, `SELECT created_at_us FROM `+base.Quote(b.table)).Scan(&created))
 			require.WithinRange(t, time.UnixMicro(created), t0, t1, "write time in real (UTC) time")
 			rec := &counts{}
-			s := &sink{refuse: func(string, *message.Message) error { return errors.New("broker: refused") }}
+			s := &sink{refuse: refuseRows(errors.New("broker: refused"))}
 			b.relay(t, s, outbox.RelayConfig{StatsInterval: 5 * time.Millisecond, RetryInterval: time.Minute, MaxBackoff: time.Minute, MaxAttempts: 1000, Recorder: rec})
 			eventually(t, 30*time.Second, func() bool {
 				d := time.Duration(rec.oldest.Load())
@@ -187,4 +187,42 @@ func TestSessionTimeZone(t *testing.T) {
 			require.WithinRange(t, time.UnixMicro(b.nextTry(t)), time.Now().Add(30*time.Second), time.Now().Add(2*time.Minute), "retry at now + 1 min")
 		})
 	}
+}
+
+// refuseRows refuses every row with err while the broker takes the probe:
+// the failures are the rows' own (an attempt counts, the retry is
+// scheduled), not an outage.
+func refuseRows(err error) func(string, *message.Message) error {
+	return func(topic string, _ *message.Message) error {
+		if topic == outbox.DefaultProbeTopic {
+			return nil
+		}
+		return err
+	}
+}
+
+// On SQLite the outbox's clock is the process clock in microseconds (the
+// database is in-process): over 200 writes, the stored write time is never
+// earlier than a Go clock read just before the write, nor later than one
+// read just after, and it has microsecond resolution. SQLite's
+// julianday('now') (milliseconds) read earlier in 199 of 200.
+func TestSQLiteClockIsTheProcessClock(t *testing.T) {
+	t.Parallel()
+	b := newBox(t, testenv.NewTarget(t, testenv.TargetSQLite, 2))
+	ctx := context.Background()
+	subMillisecond := 0
+	for i := 0; i < 200; i++ {
+		id := newID()
+		before := time.Now()
+		b.write(t, "events", id)
+		after := time.Now()
+		var created int64
+		require.NoError(t, b.tg.DB.QueryRow(ctx, `SELECT created_at_us FROM `+b.tg.Quote(b.table)+` WHERE event_id = ?`, id).Scan(&created))
+		require.GreaterOrEqual(t, created, before.UnixMicro(), "write %d: stored before the Go clock read just before it", i)
+		require.LessOrEqual(t, created, after.UnixMicro(), "write %d: stored after the Go clock read just after it", i)
+		if created%1000 != 0 {
+			subMillisecond++
+		}
+	}
+	require.Greater(t, subMillisecond, 100, "microsecond resolution")
 }

@@ -105,6 +105,7 @@ func (s *sink) setRefuse(f func(string, *message.Message) error) {
 // counts is a Recorder counting everything.
 type counts struct {
 	rounds, published, failed, dead atomic.Int64
+	pressure                        atomic.Int64
 	pending                         atomic.Int64
 	oldest                          atomic.Int64
 	reports                         atomic.Int64
@@ -113,6 +114,7 @@ type counts struct {
 func (c *counts) Round(n int)          { c.rounds.Add(1); c.published.Add(int64(n)) }
 func (c *counts) PublishFailed(string) { c.failed.Add(1) }
 func (c *counts) DeadLettered(string)  { c.dead.Add(1) }
+func (c *counts) BackPressured(string) { c.pressure.Add(1) }
 func (c *counts) Pending(n int, d time.Duration) {
 	c.pending.Store(int64(n))
 	c.oldest.Store(int64(d))
@@ -455,7 +457,9 @@ func runChildRelay() int {
 			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		}
 	})
-	r, err := ob.NewRelay(filePublisher{os.Getenv("OUTBOX_BROKER")}, outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
+	// A short lease (2 × PublishTimeout): the next relay takes over soon
+	// after the SIGKILL.
+	r, err := ob.NewRelay(filePublisher{os.Getenv("OUTBOX_BROKER")}, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, PublishTimeout: 300 * time.Millisecond})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
@@ -498,7 +502,7 @@ func testPoison(t *testing.T, b *box) {
 		return nil
 	}}
 	rec := &counts{}
-	logger := watermill.NewCaptureLogger()
+	logger := newTestLogger()
 	ob, err := outbox.New(outbox.Config{Table: b.table, DB: b.tg.Handle()}, logger)
 	require.NoError(t, err)
 	b.ob = ob
@@ -596,14 +600,24 @@ func testOutageAfterSuccess(t *testing.T, b *box) {
 		return nil
 	}
 	rec := &counts{}
-	b.relay(t, s, outbox.RelayConfig{MaxAttempts: 3, RetryInterval: 50 * time.Millisecond, MaxBackoff: 50 * time.Millisecond, Recorder: rec})
+	// x's retries while the broker is up count: slow enough that it is not
+	// dead-lettered before the outage begins, even on a loaded machine.
+	b.relay(t, s, outbox.RelayConfig{MaxAttempts: 3, RetryInterval: 300 * time.Millisecond, MaxBackoff: 300 * time.Millisecond, Recorder: rec})
 	eventually(t, 30*time.Second, func() bool { return rec.failed.Load() >= 1 && b.nextTry(t) != 0 }, "x failed once, broker up")
 	b.write(t, "b", y) // published after x's first failure: the broker is up
 	eventually(t, 30*time.Second, func() bool { return s.count(y) == 1 }, "y published")
 	down.Store(true) // then the outage begins
 	n := rec.failed.Load()
-	eventually(t, 30*time.Second, func() bool { return rec.failed.Load() >= n+6 || rec.dead.Load() > 0 }, "x retried well past MaxAttempts during the outage")
+	eventually(t, 30*time.Second, func() bool { return rec.failed.Load() >= n+2 }, "x failing in the outage")
+	attempts := func() int {
+		var a int
+		require.NoError(t, b.tg.DB.QueryRow(context.Background(), `SELECT attempts FROM `+b.tg.Quote(b.table)).Scan(&a))
+		return a
+	}
+	before := attempts()
+	eventually(t, 30*time.Second, func() bool { return rec.failed.Load() >= n+8 || rec.dead.Load() > 0 }, "x retried well past MaxAttempts during the outage")
 	require.Zero(t, rec.dead.Load(), "no dead letter during the outage")
+	require.Equal(t, before, attempts(), "failures during the outage are not x's attempts")
 	s.setRefuse(nil)
 	down.Store(false)
 	eventually(t, 30*time.Second, func() bool { return s.count(x) == 1 }, "x published after the outage")
@@ -615,8 +629,9 @@ func testOutageAfterSuccess(t *testing.T, b *box) {
 // original ids, filtered by topic, or counts it (DryRun); the archive is
 // purged after the retention.
 func testReplay(t *testing.T, b *box) {
-	// Write times are the database's clock (SQLite's: milliseconds, so
-	// the bounds keep a millisecond clear of the writes).
+	// Write times are the database's clock (SQLite's: the process clock,
+	// in microseconds; another server's may differ a little from ours, so
+	// the bounds keep two milliseconds clear of the writes).
 	t0 := time.Now().Add(-2 * time.Millisecond)
 	a1, a2, c1 := newID(), newID(), newID()
 	b.write(t, "a", a1, a2)
@@ -710,7 +725,7 @@ func testOrder(t *testing.T, b *box) {
 func testStats(t *testing.T, b *box) {
 	stuck := newID()
 	b.write(t, "events", stuck)
-	logger := watermill.NewCaptureLogger()
+	logger := newTestLogger()
 	ob, err := outbox.New(outbox.Config{Table: b.table, DB: b.tg.Handle()}, logger)
 	require.NoError(t, err)
 	b.ob = ob

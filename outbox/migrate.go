@@ -41,15 +41,21 @@ func (o *Outbox) MigrationsFS() (fs.FS, error) {
 }
 
 // Migrate applies the migrations in version order and records each in the
-// idempotency_migration table (component "outbox:<table>"); safe from
-// several instances at once (sqldb.Migrate).
+// idempotency_migration table beside the outbox table (in its schema when
+// Config.Table is qualified, component "outbox:<table>"), so that dropping
+// and recreating that schema and migrating again recreates the tables; safe
+// from several instances at once (sqldb.MigrateTable).
 func (o *Outbox) Migrate(ctx context.Context) error {
 	q := o.db.Querier()
 	ms, err := o.migrations()
 	if err != nil {
 		return err
 	}
-	if err := sqldb.Migrate(ctx, q, o.dialect, "outbox:"+o.cfg.Table, ms); err != nil {
+	table, err := sqldb.ParseIdent(o.cfg.Table)
+	if err != nil {
+		return fmt.Errorf("outbox: %w", err)
+	}
+	if err := sqldb.MigrateTable(ctx, q, o.dialect, table, "outbox:"+o.cfg.Table, ms); err != nil {
 		return fmt.Errorf("outbox: %w", err)
 	}
 	return nil

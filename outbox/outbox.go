@@ -10,10 +10,11 @@
 //
 // # Relay: why a row that commits late is never skipped
 //
-// The relay keeps no read position. Each round is one transaction that
-// claims the oldest pending rows (SELECT … ORDER BY id … FOR UPDATE SKIP
-// LOCKED LIMIT n under READ COMMITTED), publishes them, then deletes them (or
-// moves them to the archive) and commits. A row of a transaction still open
+// The relay keeps no read position. Each round claims the oldest pending
+// rows in one short transaction (SELECT … ORDER BY id … FOR UPDATE SKIP
+// LOCKED LIMIT n under READ COMMITTED), publishes them with no transaction
+// open, then deletes them (or moves them to the archive) in a second short
+// transaction. A row of a transaction still open
 // is invisible to the claim and is simply claimed by a later round once it
 // commits: there is no offset to move past it, so it cannot be skipped, and
 // no open transaction anywhere on the server (another database, the same
@@ -23,17 +24,18 @@
 // server while any write transaction is open (ThreeDotsLabs/watermill#311).
 //
 // At least once: a row is deleted only in the transaction that follows its
-// publish, so a crash between publish and commit leaves the row pending and
+// publish, so a crash between publish and delete leaves the row pending and
 // a later round publishes it again with the same event_id; consumers
 // deduplicate (that is the idempotent middleware's job).
 //
 // # Order and several relays
 //
-// By default a relay round first takes the outbox's lock row (FOR UPDATE
-// SKIP LOCKED on PostgreSQL and MySQL; on SQLite the database's single write
-// lock, taken by an UPDATE of that row): one relay publishes at a time, the
-// others stand by and take over as soon as it stops, so rows are published in
-// id order. For two rows of the same topic written by transactions that
+// By default a relay round first takes or renews the outbox's relay lease
+// (an UPDATE of the <table>_relay row naming the relay, valid for two
+// RelayConfig.PublishTimeouts, renewed between publishes): one relay
+// publishes at a time, the others stand by and take over as soon as it
+// stops (Close gives the lease up), or when its lease expires (its process
+// died), so rows are published in id order. For two rows of the same topic written by transactions that
 // followed each other (the second began after the first committed, e.g. both
 // updated the same aggregate row), id order is write order. Rows of
 // concurrent transactions are published in the order they become visible by
@@ -47,9 +49,14 @@
 //
 // # Failures, dead letters, retention
 //
-// A row whose publish fails is retried with exponential backoff
+// Back-pressure is not failure: a publish is bounded by
+// RelayConfig.PublishTimeout (a broker that blocks the connection holds no
+// transaction open and shows as a stall: the oldest pending row's age in
+// the stats and the stall warning keep being reported), and a timeout, a
+// nack of a full queue (RelayConfig.BackPressure) or an outage never counts
+// against a row. A row whose own publish fails is retried with exponential backoff
 // (RelayConfig.RetryInterval doubling up to MaxBackoff) and, after
-// RelayConfig.MaxAttempts failed attempts while the broker is up, moved to
+// RelayConfig.MaxAttempts failed attempts while the broker takes its topic, moved to
 // the dead-letter table (<table>_dead, with the reason), counted
 // (Recorder.DeadLettered) and logged at ERROR with its row id, event_id and
 // reason; the relay goes on with the rest. Whose fault a failure is comes
@@ -67,6 +74,7 @@
 // Relayed rows leave the outbox table in the round that publishes them: at
 // rest it holds only pending rows. With RelayConfig.Retention > 0 they are
 // kept in the archive table (<table>_relayed) for that long, for Replay.
+// Redrive moves dead-lettered rows back to pending, attempts reset.
 //
 // # Clocks
 //
@@ -79,7 +87,10 @@
 // clock is an hour off neither starves the others' retries (next try an
 // hour late) nor hot-loops them (an hour early), nor reports a wrong age.
 // Process clocks only pace a relay's own loop (poll interval, backoff
-// waits). SQLite's clock is the host's, to the millisecond.
+// waits). On SQLite the database is in-process, so its clock is the
+// process's: read in Go (time.Now, microseconds) for each statement, never
+// SQLite's julianday('now'), which has millisecond resolution and read
+// earlier than a Go clock read just before the write.
 package outbox
 
 import (
@@ -250,7 +261,7 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 		if payload == nil {
 			payload = []byte{}
 		}
-		if _, err := p.tx.ExecContext(m.Context(), p.o.q.insert, m.UUID, topic, payload, string(md)); err != nil {
+		if _, err := p.tx.ExecContext(m.Context(), p.o.q.at(p.o.q.insert), m.UUID, topic, payload, string(md)); err != nil {
 			return fmt.Errorf("outbox: publish %s: %w", m.UUID, err)
 		}
 	}
@@ -290,7 +301,7 @@ func (o *Outbox) beginner() wsql.Beginner {
 func (o *Outbox) stats(ctx context.Context, db wsql.ContextExecutor) (int, time.Duration, error) {
 	var n int
 	var ageUs sql.NullInt64
-	if err := queryRow(ctx, db, o.q.stats, nil, &n, &ageUs); err != nil {
+	if err := queryRow(ctx, db, o.q.at(o.q.stats), nil, &n, &ageUs); err != nil {
 		return 0, 0, fmt.Errorf("outbox: pending: %w", err)
 	}
 	return n, time.Duration(max(ageUs.Int64, 0)) * time.Microsecond, nil

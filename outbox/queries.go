@@ -2,7 +2,9 @@ package outbox
 
 import (
 	"fmt"
+	"strconv"
 	"strings"
+	"time"
 
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
@@ -23,11 +25,15 @@ type queries struct {
 	insert    string
 	stats     string
 	countDead string
-	lock      string // relay lock: a row (SQLite: an update) when this relay holds it
+	lease     string // takes or renews the relay lease: args owner, lease (µs), owner; 1 row when held; beat_us = its expiry
+	release   string // gives the lease up: arg owner
+	unclaim   string // %s: inIDs; a Parallel relay's claimed rows due again
+	pressure  string // back-pressure: args backoff (µs), error, id; attempts unchanged
 	claim     string // %s: exclusions (holdBack), %d: batch size
 	peek      string // claim's candidates without locks (ids, topics); %s, %d as claim
 	lockIDs   string // %s: inIDs; locks the candidates, skipping those locked
 	waiting   string // rows waiting for a retry, oldest first
+	inFlight  string // %s: inIDs; arg 1 the lease (µs): a Parallel relay's claimed rows, hidden from the others
 	purge     string
 	replay    string // %s: extra topic condition
 }
@@ -42,14 +48,18 @@ type queries struct {
 //   - MySQL/MariaDB: microseconds from 1970-01-01 00:00:00 to
 //     UTC_TIMESTAMP(6) (UNIX_TIMESTAMP(NOW(6)) would read NOW in the
 //     session time_zone and is ambiguous in a DST fall-back hour);
-//   - SQLite: julianday('now') (UTC; the clock of the process running
-//     SQLite, which is the database's), millisecond precision.
+//   - SQLite: the process clock (the database is in-process), in
+//     microseconds: a marker that at replaces, for each statement, with
+//     time.Now() as an integer literal. SQLite's own julianday('now') has
+//     millisecond resolution: it read earlier than a Go clock read just
+//     before the write (199 of 200 reads), and time-range bounds computed
+//     in Go missed rows.
 func dbNow(d sqldb.Dialect) string {
 	switch d {
 	case sqldb.MySQL:
 		return `TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))`
 	case sqldb.SQLite:
-		return `CAST((julianday('now') - 2440587.5) * 86400000000.0 AS INTEGER)`
+		return sqliteNow
 	default:
 		return `(extract(epoch from statement_timestamp()) * 1000000)::bigint`
 	}
@@ -62,25 +72,45 @@ func newQueries(d sqldb.Dialect, t tables) queries {
 	q.insert = `INSERT INTO ` + t.Table + ` (event_id, topic, payload, metadata, created_at_us) VALUES (` + placeholders(d, 1, 4) + `, ` + now + `)`
 	q.stats = `SELECT count(*), ` + now + ` - min(created_at_us) FROM ` + t.Table
 	q.countDead = `SELECT count(*) FROM ` + t.Dead
+	// The lease: taken when free (owner ''), expired (beat_us, the expiry
+	// its holder set, has passed) or already ours; one UPDATE, so two
+	// relays racing for it serialise on the row and the second finds it
+	// taken.
+	q.lease = `UPDATE ` + t.Lock + ` SET owner = ` + p(1) + `, beat_us = ` + now + ` + ` + p(2) + ` WHERE name = 'relay' AND (owner = ` + p(3) +
+		` OR owner = '' OR beat_us < ` + now + `)`
+	q.release = `UPDATE ` + t.Lock + ` SET owner = '', beat_us = 0 WHERE name = 'relay' AND owner = ` + p(1)
+	q.unclaim = `UPDATE ` + t.Table + ` SET next_try_us = 0 WHERE id%s`
+	q.pressure = `UPDATE ` + t.Table + ` SET next_try_us = ` + now + ` + ` + p(1) + `, last_error = ` + p(2) + ` WHERE id = ` + p(3)
 	switch d {
 	case sqldb.SQLite:
-		// SQLite has one writer: the UPDATE takes the database's write lock
-		// (held to COMMIT), so relays on one file take turns.
-		q.lock = `UPDATE ` + t.Lock + ` SET beat_us = ` + now + ` WHERE name = 'relay'`
 		q.claim = `SELECT id, event_id, topic, payload, metadata, attempts FROM ` + t.Table +
 			` WHERE next_try_us <= ` + now + `%s ORDER BY id LIMIT %d`
 	default:
-		q.lock = `SELECT name FROM ` + t.Lock + ` WHERE name = 'relay' FOR UPDATE SKIP LOCKED`
 		q.claim = `SELECT id, event_id, topic, payload, metadata, attempts FROM ` + t.Table +
 			` WHERE next_try_us <= ` + now + `%s ORDER BY id LIMIT %d FOR UPDATE SKIP LOCKED`
 	}
 	q.peek = `SELECT id, topic FROM ` + t.Table + ` WHERE next_try_us <= ` + now + `%s ORDER BY id LIMIT %d`
 	q.lockIDs = `SELECT id, event_id, topic, payload, metadata, attempts FROM ` + t.Table + ` WHERE id%s ORDER BY id FOR UPDATE SKIP LOCKED`
 	q.waiting = `SELECT id, topic FROM ` + t.Table + ` WHERE next_try_us > ` + now + ` ORDER BY id`
+	q.inFlight = `UPDATE ` + t.Table + ` SET next_try_us = ` + now + ` + ` + p(1) + ` WHERE id%s`
 	q.purge = `DELETE FROM ` + t.Archive + ` WHERE relayed_at_us < ` + now + ` - ` + p(1)
 	q.replay = `SELECT id, event_id, topic, payload, metadata, created_at_us FROM ` + t.Archive +
 		` WHERE created_at_us >= ` + p(1) + ` AND created_at_us < ` + p(2) + `%s ORDER BY id`
 	return q
+}
+
+// sqliteNow marks the database clock in SQLite statements; at replaces it.
+// An unknown column name, so that a statement run without at fails.
+const sqliteNow = "idem_outbox_now_us"
+
+// at returns query ready to run: on SQLite with the clock marker replaced
+// by the process clock's microseconds since the epoch (one reading per
+// statement, as PostgreSQL's statement_timestamp()); unchanged otherwise.
+func (q queries) at(query string) string {
+	if q.d != sqldb.SQLite {
+		return query
+	}
+	return strings.ReplaceAll(query, sqliteNow, strconv.FormatInt(time.Now().UnixMicro(), 10))
 }
 
 // inIDs is " IN (…)" for n ids, placeholders from position from.

@@ -32,3 +32,14 @@ func (NopRecorder) DeadLettered(string) {}
 
 // Pending implements Recorder.
 func (NopRecorder) Pending(int, time.Duration) {}
+
+// BackPressureRecorder is implemented by a Recorder that also counts
+// back-pressure (RelayConfig.BackPressure): the relay calls BackPressured
+// for each publish of a row to topic that the broker pushed back (a full
+// queue's nack, a timed-out or blocked publish), besides PublishFailed.
+type BackPressureRecorder interface {
+	BackPressured(topic string)
+}
+
+// BackPressured implements BackPressureRecorder.
+func (NopRecorder) BackPressured(string) {}

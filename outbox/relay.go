@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
@@ -42,6 +43,8 @@ const (
 	DefaultStatsInterval = 10 * time.Second
 	// DefaultProbeTopic is the default probe's topic (RelayConfig.ProbeTopic).
 	DefaultProbeTopic = "outbox.probe"
+	// DefaultPublishTimeout bounds one publish (RelayConfig.PublishTimeout).
+	DefaultPublishTimeout = 10 * time.Second
 	// DefaultStalledAfter is the age of the oldest pending row above which
 	// the relay logs a warning.
 	DefaultStalledAfter = time.Minute
@@ -61,21 +64,25 @@ type RelayConfig struct {
 	RetryInterval time.Duration
 	// MaxBackoff caps the backoff. Defaults to DefaultMaxBackoff.
 	MaxBackoff time.Duration
-	// MaxAttempts bounds the publish attempts of a row the broker is up
-	// for: a row whose publish failed MaxAttempts times (with backoff
-	// between them) is moved to the dead-letter table, counted
-	// (Recorder.DeadLettered) and logged at ERROR with its row id, event_id
-	// and reason, and the relay goes on. Failures are told apart by origin,
-	// not by the error's text: an attempt counts against the row when the
-	// broker took something else in the same round (another row, or else
-	// the Probe); when nothing went through, probe included, the broker is
-	// taken to be down (connection refused, every publish failing) and no
-	// row is dead-lettered, however long the outage: rows keep waiting with
-	// backoff capped at MaxBackoff, the relay backs off as a whole, and the
-	// first round after the outage publishes them. So a lone failing row
-	// with nothing behind it is dead-lettered after MaxAttempts too (the
-	// probe shows the broker up), and an outage dead-letters nothing.
-	// Defaults to DefaultMaxAttempts.
+	// MaxAttempts bounds the publish attempts of a row that are its own
+	// fault: a row whose publish failed MaxAttempts times while the broker
+	// accepted its topic (with backoff between them) is moved to the
+	// dead-letter table, counted (Recorder.DeadLettered) and logged at
+	// ERROR with its row id, event_id and reason, and the relay goes on.
+	// Failures are told apart by origin, not by the error's text:
+	//   - back-pressure (BackPressure: a nack of a full queue, a publish
+	//     that timed out, a connection the broker blocked) never counts: the
+	//     row waits with backoff per topic;
+	//   - an outage never counts: when nothing went through in a round,
+	//     probe included (connection refused, every publish failing), the
+	//     rows are left as they are, the relay backs off as a whole, and the
+	//     first round after the outage publishes them;
+	//   - any other failure counts when the broker took something in the
+	//     same round (another row, or else the Probe).
+	// So a lone row the broker refuses is dead-lettered after MaxAttempts
+	// (the probe shows the broker up), and neither an outage nor
+	// back-pressure of any length dead-letters anything. Defaults to
+	// DefaultMaxAttempts.
 	MaxAttempts int
 	// Probe reports whether the broker takes publishes at all (nil) or not
 	// (an error). The relay calls it in a round where publishes failed and
@@ -96,6 +103,29 @@ type RelayConfig struct {
 	// and reports success, which is what is wanted. Defaults to
 	// DefaultProbeTopic. Ignored when Probe is set.
 	ProbeTopic string
+	// PublishTimeout bounds one publish (and one probe): the publish gets a
+	// context that expires after it, and the relay waits no longer, even
+	// for a publisher that ignores its context (watermill-amqp v3 waits for
+	// a confirm without one: a connection the broker blocks, a memory or
+	// disk alarm, would hold it forever). A publish that hit the bound is
+	// back-pressure (ErrPublishTimeout, not counted against the row); a
+	// publisher that has not returned is left behind and the relay
+	// publishes nothing more until it returns, keeping its stats and stall
+	// warning meanwhile. No database transaction is open during a publish.
+	// The relay lease (one relay at a time, Parallel false) lasts two
+	// PublishTimeouts: a standby takes over that long after the active
+	// relay's process died (at once after Close). Defaults to
+	// DefaultPublishTimeout.
+	PublishTimeout time.Duration
+	// BackPressure, if set, classifies a publish error as back-pressure
+	// (the broker cannot take the message now, e.g. watermill-amqp's
+	// "delivery not confirmed" nack of a queue at x-max-length with
+	// x-overflow reject-publish): it never counts against the row. Errors
+	// that have a BackPressure() bool method returning true (the nack of
+	// marshaler/amqp.PoisonPublisher, ErrNotConfirmed), ErrPublishTimeout
+	// and context.DeadlineExceeded are back-pressure without it. Classify
+	// by type or origin, not message text.
+	BackPressure func(error) bool
 	// Permanent, if set, classifies a publish error as permanent (the row can
 	// never be published, e.g. the marshaler refuses it): the row is
 	// dead-lettered at once. Classify by type or origin, not message text.
@@ -142,6 +172,9 @@ func (c *RelayConfig) setDefaults() {
 	if c.StatsInterval == 0 {
 		c.StatsInterval = DefaultStatsInterval
 	}
+	if c.PublishTimeout == 0 {
+		c.PublishTimeout = DefaultPublishTimeout
+	}
 	if c.StalledAfter == 0 {
 		c.StalledAfter = DefaultStalledAfter
 	}
@@ -159,7 +192,8 @@ func (c RelayConfig) Validate() error {
 		name string
 		v    time.Duration
 	}{{"PollInterval", c.PollInterval}, {"RetryInterval", c.RetryInterval}, {"MaxBackoff", c.MaxBackoff},
-		{"Retention", c.Retention}, {"StatsInterval", c.StatsInterval}, {"StalledAfter", c.StalledAfter}} {
+		{"Retention", c.Retention}, {"StatsInterval", c.StatsInterval}, {"StalledAfter", c.StalledAfter},
+		{"PublishTimeout", c.PublishTimeout}} {
 		if f.v < 0 {
 			return fmt.Errorf("outbox: RelayConfig.%s %s: must be ≥ 0", f.name, f.v)
 		}
@@ -177,6 +211,11 @@ func (c RelayConfig) Validate() error {
 // pending row is older than RelayConfig.StalledAfter.
 var ErrStalled = errors.New("outbox: oldest pending row older than the stall threshold")
 
+// ErrPublishTimeout is the reason of a publish (or probe) that did not
+// finish within RelayConfig.PublishTimeout: back-pressure, never counted
+// against the row.
+var ErrPublishTimeout = errors.New("outbox: publish timed out")
+
 // Relay publishes an outbox's committed rows and removes them. See the
 // package documentation for its guarantees. Run it once; Close stops it.
 type Relay struct {
@@ -192,6 +231,14 @@ type Relay struct {
 	closing chan struct{}
 	closeMu sync.Once
 	done    chan struct{}
+
+	// Owned by the Run goroutine.
+	owner     string         // this relay's lease token
+	lease     time.Duration  // the lease's length: 2 × PublishTimeout
+	leasedAt  time.Time      // last time the lease was taken or renewed
+	stuck     chan struct{}  // closed when an abandoned publish returns
+	pressure  map[string]int // consecutive back-pressure failures per topic
+	nextStats time.Time      // next housekeeping
 }
 
 // NewRelay validates cfg (on a copy with defaults applied) and returns a
@@ -215,10 +262,13 @@ func (o *Outbox) NewRelay(dest message.Publisher, cfg RelayConfig) (*Relay, erro
 	}
 	r := &Relay{
 		o: o, db: db, dest: dest, cfg: cfg,
-		logger:  o.logger.With(watermill.LogFields{"outbox": o.cfg.Table}),
-		running: make(chan struct{}),
-		closing: make(chan struct{}),
-		done:    make(chan struct{}),
+		logger:   o.logger.With(watermill.LogFields{"outbox": o.cfg.Table}),
+		running:  make(chan struct{}),
+		closing:  make(chan struct{}),
+		done:     make(chan struct{}),
+		owner:    uuid.NewString(),
+		lease:    2 * cfg.PublishTimeout,
+		pressure: map[string]int{},
 	}
 	if o.dialect != sqldb.SQLite {
 		r.txOpts = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
@@ -242,10 +292,13 @@ func (r *Relay) Run(ctx context.Context) error {
 		case <-ctx.Done():
 		}
 	}()
-	var nextStats time.Time
+	if !r.cfg.Parallel {
+		defer r.releaseLease(ctx)
+	}
+	nextStats := &r.nextStats
 	failures := 0
 	for {
-		r.housekeepingIfDue(ctx, &nextStats)
+		r.housekeepingIfDue(ctx, nextStats)
 		res, err := r.round(ctx)
 		r.runOnce.Do(func() { close(r.running) })
 		if ctx.Err() != nil {
@@ -266,7 +319,7 @@ func (r *Relay) Run(ctx context.Context) error {
 			wait = r.cfg.PollInterval
 			failures = 0
 		}
-		if wait > 0 && !r.sleep(ctx, wait, &nextStats) {
+		if wait > 0 && !r.sleep(ctx, wait, nextStats) {
 			return nil
 		}
 	}
@@ -289,6 +342,11 @@ func (r *Relay) sleep(ctx context.Context, d time.Duration, nextStats *time.Time
 		case <-ctx.Done():
 			t.Stop()
 			return false
+		case <-r.stuck: // nil (never ready) unless a publish was left behind
+			// The publisher returned: the broker takes publishes again, or
+			// failed them at last; either way the next round tells.
+			t.Stop()
+			return true
 		case <-t.C:
 		}
 		if !time.Now().Before(deadline) {
@@ -341,32 +399,182 @@ type pendingRow struct {
 	err      error
 }
 
-// roundResult is what a round did. down: some publish failed and the
-// broker did not take anything this round, the probe included.
+// roundResult is what a round did. down: the broker is taken to be down or
+// blocked (every publish failed and so did the probe, or a publish did not
+// return within PublishTimeout): the relay backs off as a whole.
 type roundResult struct {
 	claimed, published, failed int
 	down                       bool
 }
 
-// round is one relay transaction: lock, claim, publish, remove, commit.
+// verdict is what becomes of a row after its publish.
+type verdict int
+
+const (
+	unsent    verdict = iota // not tried this round (behind a failed row of its topic, or the round stopped)
+	sentOK                   // the broker has it: remove
+	rowFault                 // failed while the broker takes its topic: an attempt counts
+	pressured                // back-pressure (full queue, blocked connection, timeout): no attempt counts
+	brokerOut                // failed while the broker took nothing, probe included: untouched
+	permanent                // can never be published: dead-lettered at once
+)
+
+// round is one relay round in three steps, none of which holds a database
+// transaction open across a publish:
+//
+//  1. claim (one short transaction): renew the relay lease (default, one
+//     relay at a time) or, with Parallel, hide the claimed rows from the
+//     other relays for the lease's length; commit;
+//  2. publish each row, each publish bounded by PublishTimeout, with no
+//     transaction open;
+//  3. settle (one short transaction): remove the published rows, record
+//     the failures; commit.
+//
+// A crash between 2 and 3 leaves the rows pending: they are published again
+// (same event_id) by the next round, or after the lease by another relay.
 //
 // Per-topic order (default, not Parallel): when a row's publish fails, the
 // rows of its topic behind it are not published (this round, and while it
 // waits for its retry: the claim excludes them), until it is published or
 // dead-lettered.
 //
-// Who is at fault (see RelayConfig.MaxAttempts): a failed row is the row's
-// fault only when the broker took something in the same round: another
-// row, or else the probe (RelayConfig.Probe), which the round publishes
-// once when rows failed and none succeeded. A row that failed
-// MaxAttempts times and is the row's fault is dead-lettered; while the
-// broker takes nothing (an outage: connection refused, every publish
-// failing) nothing is dead-lettered, rows keep their backoff, and the
-// relay backs off as a whole (res.down).
+// Who is at fault (see RelayConfig.MaxAttempts): a failure counts against
+// the row only when the broker accepts its topic: the failure is not
+// back-pressure (BackPressure: a nack of a full queue, a blocked
+// connection, a publish that timed out) and the broker took something in
+// the same round (another row, or else the probe). Back-pressure delays the
+// row (backoff per topic) without counting; an outage (nothing went
+// through, probe included) leaves the rows as they are and the relay backs
+// off as a whole.
 func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
+	if r.stuck != nil {
+		select {
+		case <-r.stuck:
+			r.stuck = nil
+		default:
+			// A publish of an earlier round is still inside the publisher
+			// (it did not return within PublishTimeout): do not pile
+			// another one behind it.
+			res.down = true
+			return res, nil
+		}
+	}
+	rows, err := r.claimRound(ctx)
+	if err != nil {
+		return res, err
+	}
+	res.claimed = len(rows)
+	if len(rows) == 0 {
+		r.cfg.Recorder.Round(0)
+		return res, nil
+	}
+
+	verdicts := make([]verdict, len(rows))
+	blocked := map[string]bool{}
+	var sent, faults, stalled int
+	for i := range rows {
+		row := &rows[i]
+		if blocked[row.topic] {
+			continue // behind a row of its topic that failed this round
+		}
+		if !r.cfg.Parallel && time.Since(r.leasedAt) > r.lease/3 {
+			if held, err := r.renew(ctx); err != nil || !held {
+				if ctx.Err() == nil {
+					r.logger.Error("outbox relay: lease lost or not renewed, stopping the round", err, nil)
+				}
+				break
+			}
+		}
+		var timedOut bool
+		row.err, timedOut = r.bounded(ctx, func(pctx context.Context) error { return r.publish(pctx, row) })
+		if ctx.Err() != nil {
+			break // closing: settle what went through
+		}
+		switch {
+		case row.err == nil:
+			verdicts[i] = sentOK
+			sent++
+			delete(r.pressure, row.topic)
+			continue
+		case errors.Is(row.err, ErrBadMetadata) || (r.cfg.Permanent != nil && r.cfg.Permanent(row.err)):
+			verdicts[i] = permanent
+		case timedOut || r.isBackPressure(row.err):
+			verdicts[i] = pressured
+		default:
+			verdicts[i] = rowFault
+			faults++
+		}
+		res.failed++
+		if !r.cfg.Parallel {
+			blocked[row.topic] = true
+		}
+		if timedOut {
+			stalled++
+			break // the publisher is stuck: nothing more this round
+		}
+	}
+	res.published = sent
+	brokerUp := sent > 0
+	if faults > 0 && !brokerUp && stalled == 0 && ctx.Err() == nil {
+		// Nothing went through: the rows or the broker? Ask the probe.
+		perr, timedOut := r.bounded(ctx, r.cfg.Probe)
+		switch {
+		case ctx.Err() != nil:
+		case perr == nil:
+			brokerUp = true
+		default:
+			if timedOut {
+				stalled++
+			}
+			r.logger.Error("outbox relay: publishes and the broker probe failed, taking the broker to be down (nothing is counted against the rows)", perr, watermill.LogFields{"failed_rows": faults})
+		}
+	}
+	if !brokerUp {
+		for i, v := range verdicts {
+			if v == rowFault {
+				verdicts[i] = brokerOut
+			}
+		}
+	}
+	res.down = stalled > 0 || (faults > 0 && !brokerUp)
+	if sent > 0 {
+		// The broker has these rows; a crash here republishes them.
+		crashpoint.Reached(crashpoint.OutboxAfterPublish)
+	}
+	dead, err := r.settle(ctx, rows, verdicts)
+	if err != nil {
+		return res, err
+	}
+	r.cfg.Recorder.Round(sent)
+	bp, _ := r.cfg.Recorder.(BackPressureRecorder)
+	for i, v := range verdicts {
+		switch v {
+		case rowFault, permanent, pressured, brokerOut:
+			r.cfg.Recorder.PublishFailed(rows[i].topic)
+		}
+		if v == pressured && bp != nil {
+			bp.BackPressured(rows[i].topic)
+		}
+	}
+	for _, row := range dead {
+		r.cfg.Recorder.DeadLettered(row.topic)
+		r.logger.Error("outbox row dead-lettered", row.err, watermill.LogFields{
+			"row_id": row.id, "event_id": row.eventID, "topic": row.topic, "attempts": row.attempts,
+		})
+	}
+	if ctx.Err() != nil {
+		return res, ctx.Err()
+	}
+	return res, nil
+}
+
+// claimRound is step 1 of a round: the rows to publish, in id order, in a
+// transaction committed before any publish. Empty when another relay holds
+// the lease (this one stands by) or nothing is due.
+func (r *Relay) claimRound(ctx context.Context) (rows []pendingRow, err error) {
 	tx, err := r.db.BeginTx(ctx, r.txOpts)
 	if err != nil {
-		return res, fmt.Errorf("begin: %w", err)
+		return nil, fmt.Errorf("begin: %w", err)
 	}
 	committed := false
 	defer func() {
@@ -376,94 +584,194 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 	}()
 	var held []waitingHead
 	if !r.cfg.Parallel {
-		locked, err := r.lock(ctx, tx)
-		if err != nil || !locked {
-			return res, err
+		leased, err := r.takeLease(ctx, tx)
+		if err != nil {
+			return nil, err
+		}
+		if !leased {
+			committed = true
+			return nil, tx.Commit()
 		}
 		if held, err = r.waiting(ctx, tx); err != nil {
-			return res, err
+			return nil, err
 		}
 	}
-	rows, err := r.claim(ctx, tx, held)
-	if err != nil {
-		return res, err
+	if rows, err = r.claim(ctx, tx, held); err != nil {
+		return nil, err
 	}
-	res.claimed = len(rows)
-	if len(rows) == 0 {
-		committed = true
-		if err := tx.Commit(); err != nil {
-			return res, fmt.Errorf("commit: %w", err)
+	if r.cfg.Parallel && len(rows) > 0 {
+		args := []any{r.lease.Microseconds()}
+		for _, row := range rows {
+			args = append(args, row.id)
 		}
-		r.cfg.Recorder.Round(0)
-		return res, nil
-	}
-	var ok []int64
-	var failed []*pendingRow
-	blocked := map[string]bool{}
-	for i := range rows {
-		row := &rows[i]
-		if blocked[row.topic] {
-			continue // behind a row of its topic that failed this round
-		}
-		if row.err = r.publish(ctx, row); row.err != nil {
-			if ctx.Err() != nil {
-				return res, ctx.Err()
-			}
-			res.failed++
-			failed = append(failed, row)
-			if !r.cfg.Parallel {
-				blocked[row.topic] = true
-			}
-			continue
-		}
-		ok = append(ok, row.id)
-	}
-	res.published = len(ok)
-	for _, row := range failed {
-		r.cfg.Recorder.PublishFailed(row.topic)
-	}
-	brokerUp := len(ok) > 0
-	if len(failed) > 0 && !brokerUp {
-		// Nothing went through: the rows or the broker? Ask the probe.
-		if perr := r.cfg.Probe(ctx); perr != nil {
-			if ctx.Err() != nil {
-				return res, ctx.Err()
-			}
-			r.logger.Error("outbox relay: publishes and the broker probe failed, taking the broker to be down (nothing is dead-lettered)", perr, watermill.LogFields{"failed_rows": len(failed)})
-		} else {
-			brokerUp = true
-		}
-	}
-	res.down = len(failed) > 0 && !brokerUp
-	if len(ok) > 0 {
-		// The broker has these rows; a crash here republishes them.
-		crashpoint.Reached(crashpoint.OutboxAfterPublish)
-		if err := r.remove(ctx, tx, ok); err != nil {
-			return res, err
-		}
-	}
-	var dead []*pendingRow
-	for _, row := range failed {
-		isDead, err := r.fail(ctx, tx, row, brokerUp)
-		if err != nil {
-			return res, err
-		}
-		if isDead {
-			dead = append(dead, row)
+		if _, err := tx.ExecContext(ctx, r.o.q.at(fmt.Sprintf(r.o.q.inFlight, r.o.q.inIDs(2, len(rows)))), args...); err != nil {
+			return nil, fmt.Errorf("claim: %w", err)
 		}
 	}
 	committed = true
 	if err := tx.Commit(); err != nil {
-		return res, fmt.Errorf("commit: %w", err)
+		return nil, fmt.Errorf("commit: %w", err)
 	}
-	r.cfg.Recorder.Round(len(ok))
-	for _, row := range dead {
-		r.cfg.Recorder.DeadLettered(row.topic)
-		r.logger.Error("outbox row dead-lettered", row.err, watermill.LogFields{
-			"row_id": row.id, "event_id": row.eventID, "topic": row.topic, "attempts": row.attempts,
-		})
+	if !r.cfg.Parallel {
+		r.leasedAt = time.Now()
 	}
-	return res, nil
+	return rows, nil
+}
+
+// settleTimeout bounds step 3 when the relay is closing (its context done):
+// the rows the broker took are still removed.
+const settleTimeout = 10 * time.Second
+
+// settle is step 3 of a round: one transaction that removes the published
+// rows and records each failure by its verdict. It returns the rows
+// dead-lettered.
+func (r *Relay) settle(ctx context.Context, rows []pendingRow, verdicts []verdict) (dead []*pendingRow, err error) {
+	if ctx.Err() != nil {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
+		defer cancel()
+	}
+	var ok []int64
+	var release []any
+	work := false
+	for i, v := range verdicts {
+		switch v {
+		case sentOK:
+			ok = append(ok, rows[i].id)
+		case unsent, brokerOut:
+			if r.cfg.Parallel {
+				release = append(release, rows[i].id)
+			}
+		}
+		work = work || v != unsent && v != brokerOut
+	}
+	if !work && len(release) == 0 {
+		return nil, nil
+	}
+	tx, err := r.db.BeginTx(ctx, r.txOpts)
+	if err != nil {
+		return nil, fmt.Errorf("begin: %w", err)
+	}
+	committed := false
+	defer func() {
+		if !committed {
+			_ = tx.Rollback()
+		}
+	}()
+	if len(ok) > 0 {
+		if err := r.remove(ctx, tx, ok); err != nil {
+			return nil, err
+		}
+	}
+	if len(release) > 0 {
+		if _, err := tx.ExecContext(ctx, fmt.Sprintf(r.o.q.unclaim, r.o.q.inIDs(1, len(release))), release...); err != nil {
+			return nil, fmt.Errorf("release rows: %w", err)
+		}
+	}
+	for i, v := range verdicts {
+		row := &rows[i]
+		switch v {
+		case rowFault, permanent:
+			isDead, err := r.fail(ctx, tx, row, v == permanent)
+			if err != nil {
+				return nil, err
+			}
+			if isDead {
+				dead = append(dead, row)
+			}
+		case pressured:
+			if err := r.pressured(ctx, tx, row); err != nil {
+				return nil, err
+			}
+		}
+	}
+	committed = true
+	if err := tx.Commit(); err != nil {
+		return nil, fmt.Errorf("commit: %w", err)
+	}
+	return dead, nil
+}
+
+// pressured delays row after a back-pressure failure, by the backoff of its
+// topic's consecutive back-pressure failures; its attempts do not change.
+func (r *Relay) pressured(ctx context.Context, tx wsql.Tx, row *pendingRow) error {
+	n := r.pressure[row.topic]
+	r.pressure[row.topic] = n + 1
+	reason := truncate(row.err.Error())
+	if _, err := tx.ExecContext(ctx, r.o.q.at(r.o.q.pressure), r.backoff(n).Microseconds(), reason, row.id); err != nil {
+		return fmt.Errorf("delay row %d: %w", row.id, err)
+	}
+	r.logger.Info("outbox row publish met back-pressure, will retry (not counted against the row)", watermill.LogFields{
+		"row_id": row.id, "event_id": row.eventID, "topic": row.topic, "attempts": row.attempts, "error": reason,
+	})
+	return nil
+}
+
+// isBackPressure reports whether a publish error is the broker pushing
+// back rather than the row's fault (RelayConfig.BackPressure).
+func (r *Relay) isBackPressure(err error) bool {
+	if errors.Is(err, ErrPublishTimeout) || errors.Is(err, context.DeadlineExceeded) {
+		return true
+	}
+	var bp interface{ BackPressure() bool }
+	if errors.As(err, &bp) && bp.BackPressure() {
+		return true
+	}
+	return r.cfg.BackPressure != nil && r.cfg.BackPressure(err)
+}
+
+// bounded runs f (a publish) with a context that expires after
+// PublishTimeout, and waits at most that long for it: a publisher that
+// ignores the context (blocked inside a connection the broker stopped
+// reading) is left behind, the next rounds publish nothing until it
+// returns (Relay.stuck), and the relay's housekeeping (stats, stall
+// warning) goes on meanwhile. timedOut reports that the bound was hit.
+func (r *Relay) bounded(ctx context.Context, f func(context.Context) error) (err error, timedOut bool) {
+	pctx, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
+	done := make(chan error, 1)
+	go func() { done <- f(pctx) }()
+	timer := time.NewTimer(r.cfg.PublishTimeout)
+	defer timer.Stop()
+	tick := time.NewTicker(r.cfg.StatsInterval)
+	defer tick.Stop()
+	abandon := func() {
+		stuck := make(chan struct{})
+		go func() {
+			<-done
+			cancel()
+			close(stuck)
+		}()
+		r.stuck = stuck
+	}
+	for {
+		select {
+		case err := <-done:
+			cancel()
+			if err != nil && ctx.Err() == nil && errors.Is(pctx.Err(), context.DeadlineExceeded) {
+				err = fmt.Errorf("%w (%s): %w", ErrPublishTimeout, r.cfg.PublishTimeout, err)
+				r.logger.Error("outbox relay: publish timed out (broker blocked or not confirming?); back-pressure, not counted against the row", err, nil)
+				return err, true
+			}
+			return err, false
+		case <-timer.C:
+			abandon()
+			err := fmt.Errorf("%w (%s): the publisher has not returned", ErrPublishTimeout, r.cfg.PublishTimeout)
+			r.logger.Error("outbox relay: publish did not return (broker blocked?); no more publishes until it does, nothing counted against the row", err, nil)
+			return err, true
+		case <-ctx.Done():
+			abandon()
+			return ctx.Err(), false
+		case <-tick.C:
+			r.housekeepingIfDue(ctx, &r.nextStats)
+		}
+	}
+}
+
+func truncate(reason string) string {
+	if len(reason) > maxReason {
+		return reason[:maxReason] + "… (truncated)"
+	}
+	return reason
 }
 
 // waitingHead is the oldest row of a topic waiting for its retry: the rows
@@ -475,7 +783,7 @@ type waitingHead struct {
 
 // waiting returns, per topic, the oldest row waiting for its retry.
 func (r *Relay) waiting(ctx context.Context, tx wsql.Tx) ([]waitingHead, error) {
-	rows, err := tx.QueryContext(ctx, r.o.q.waiting)
+	rows, err := tx.QueryContext(ctx, r.o.q.at(r.o.q.waiting))
 	if err != nil {
 		return nil, fmt.Errorf("waiting rows: %w", err)
 	}
@@ -498,31 +806,47 @@ func (r *Relay) waiting(ctx context.Context, tx wsql.Tx) ([]waitingHead, error) 
 	return out, nil
 }
 
-// lock takes the outbox's relay lock for this transaction; false means
-// another relay holds it (this one stands by).
-func (r *Relay) lock(ctx context.Context, tx wsql.Tx) (bool, error) {
-	if r.o.dialect == sqldb.SQLite {
-		res, err := tx.ExecContext(ctx, r.o.q.lock)
-		if err != nil {
-			return false, fmt.Errorf("relay lock: %w", err)
-		}
-		n, err := res.RowsAffected()
-		if err != nil {
-			return false, fmt.Errorf("relay lock: %w", err)
-		}
-		if n != 1 {
-			return false, errors.New("relay lock: the lock row is missing (run Migrate)")
-		}
-		return true, nil
+// takeLease takes or renews the relay lease in tx; false means another
+// relay holds it (this one stands by). A lease not renewed for its length
+// (RelayConfig.PublishTimeout × 2) is taken over: that long after a relay
+// process dies, a standby takes its place.
+func (r *Relay) takeLease(ctx context.Context, tx wsql.Tx) (bool, error) {
+	res, err := tx.ExecContext(ctx, r.o.q.at(r.o.q.lease), r.owner, r.lease.Microseconds(), r.owner)
+	if err != nil {
+		return false, fmt.Errorf("relay lease: %w", err)
 	}
-	var name string
-	switch err := queryRow(ctx, tx, r.o.q.lock, nil, &name); {
-	case errors.Is(err, sql.ErrNoRows):
-		return false, nil
-	case err != nil:
-		return false, fmt.Errorf("relay lock: %w", err)
+	n, err := res.RowsAffected()
+	if err != nil {
+		return false, fmt.Errorf("relay lease: %w", err)
 	}
-	return true, nil
+	return n == 1, nil
+}
+
+// renew renews the lease between publishes (no transaction open); false
+// means another relay took it over.
+func (r *Relay) renew(ctx context.Context) (bool, error) {
+	res, err := r.db.ExecContext(ctx, r.o.q.at(r.o.q.lease), r.owner, r.lease.Microseconds(), r.owner)
+	if err != nil {
+		return false, fmt.Errorf("relay lease: %w", err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return false, fmt.Errorf("relay lease: %w", err)
+	}
+	if n == 1 {
+		r.leasedAt = time.Now()
+	}
+	return n == 1, nil
+}
+
+// releaseLease gives the lease up when the relay stops, so that a standby
+// takes over at its next round.
+func (r *Relay) releaseLease(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
+	defer cancel()
+	if _, err := r.db.ExecContext(ctx, r.o.q.release, r.owner); err != nil {
+		r.logger.Error("outbox relay: release the lease", err, nil)
+	}
 }
 
 // claim returns the rows this round publishes, in id order, locked.
@@ -544,13 +868,13 @@ func (r *Relay) claim(ctx context.Context, tx wsql.Tx, held []waitingHead) ([]pe
 	}
 	exclude := r.o.q.holdBack(1, len(held))
 	if r.cfg.Parallel || r.o.dialect == sqldb.SQLite {
-		return r.scanRows(tx.QueryContext(ctx, fmt.Sprintf(r.o.q.claim, exclude, r.cfg.BatchSize), args...))
+		return r.scanRows(tx.QueryContext(ctx, r.o.q.at(fmt.Sprintf(r.o.q.claim, exclude, r.cfg.BatchSize)), args...))
 	}
 	type candidate struct {
 		id    int64
 		topic string
 	}
-	rows, err := tx.QueryContext(ctx, fmt.Sprintf(r.o.q.peek, exclude, r.cfg.BatchSize), args...)
+	rows, err := tx.QueryContext(ctx, r.o.q.at(fmt.Sprintf(r.o.q.peek, exclude, r.cfg.BatchSize)), args...)
 	if err != nil {
 		return nil, fmt.Errorf("claim: %w", err)
 	}
@@ -687,7 +1011,7 @@ func (r *Relay) remove(ctx context.Context, tx wsql.Tx, ids []int64) error {
 		args = append(args, id)
 	}
 	if r.cfg.Retention > 0 {
-		if _, err := tx.ExecContext(ctx, r.o.q.archive(len(ids)), args...); err != nil {
+		if _, err := tx.ExecContext(ctx, r.o.q.at(r.o.q.archive(len(ids))), args...); err != nil {
 			return fmt.Errorf("archive: %w", err)
 		}
 	}
@@ -697,35 +1021,30 @@ func (r *Relay) remove(ctx context.Context, tx wsql.Tx, ids []int64) error {
 	return nil
 }
 
-// fail records a failed publish of row: another attempt later, or the
-// dead-letter table. brokerUp: the broker took something this round (a row
-// or the probe), so the failure is the row's. It reports whether the row was
+// fail records a failed publish of row that is the row's own (the broker
+// takes its topic): another attempt later, or the dead-letter table after
+// MaxAttempts, at once when permanent. It reports whether the row was
 // dead-lettered.
-func (r *Relay) fail(ctx context.Context, tx wsql.Tx, row *pendingRow, brokerUp bool) (bool, error) {
+func (r *Relay) fail(ctx context.Context, tx wsql.Tx, row *pendingRow, permanent bool) (bool, error) {
 	attempts := row.attempts + 1
 	row.attempts = attempts
-	permanent := errors.Is(row.err, ErrBadMetadata) || (r.cfg.Permanent != nil && r.cfg.Permanent(row.err))
-	reason := row.err.Error()
-	if len(reason) > maxReason {
-		reason = reason[:maxReason] + "… (truncated)"
-	}
-	if permanent || (attempts >= r.cfg.MaxAttempts && brokerUp) {
+	reason := truncate(row.err.Error())
+	if permanent || attempts >= r.cfg.MaxAttempts {
 		return true, r.deadLetter(ctx, tx, row, attempts, reason)
 	}
 	backoff := r.backoff(attempts - 1).Microseconds()
-	if _, err := tx.ExecContext(ctx, r.o.q.retry(), attempts, backoff, reason, row.id); err != nil {
+	if _, err := tx.ExecContext(ctx, r.o.q.at(r.o.q.retry()), attempts, backoff, reason, row.id); err != nil {
 		return false, fmt.Errorf("retry row %d: %w", row.id, err)
 	}
 	r.logger.Info("outbox row publish failed, will retry", watermill.LogFields{
 		"row_id": row.id, "event_id": row.eventID, "topic": row.topic, "attempts": attempts, "error": reason,
-		"broker_up": brokerUp,
 	})
 	return false, nil
 }
 
 // deadLetter moves row to the dead-letter table.
 func (r *Relay) deadLetter(ctx context.Context, tx wsql.Tx, row *pendingRow, attempts int, reason string) error {
-	if _, err := tx.ExecContext(ctx, r.o.q.deadLetter(), attempts, reason, row.id); err != nil {
+	if _, err := tx.ExecContext(ctx, r.o.q.at(r.o.q.deadLetter()), attempts, reason, row.id); err != nil {
 		return fmt.Errorf("dead-letter row %d: %w", row.id, err)
 	}
 	if _, err := tx.ExecContext(ctx, r.o.q.delete(1), row.id); err != nil {
@@ -758,7 +1077,7 @@ func (r *Relay) housekeeping(ctx context.Context) {
 		}
 	}
 	if r.cfg.Retention > 0 {
-		if _, err := r.db.ExecContext(ctx, r.o.q.purge, r.cfg.Retention.Microseconds()); err != nil && ctx.Err() == nil {
+		if _, err := r.db.ExecContext(ctx, r.o.q.at(r.o.q.purge), r.cfg.Retention.Microseconds()); err != nil && ctx.Err() == nil {
 			r.logger.Error("outbox archive purge", err, nil)
 		}
 	}

@@ -140,12 +140,15 @@
 // family's newest message is never older than the record. Losing records only
 // lets more through.
 //
-// A poisoned newest message never freezes its family: with
-// LatestFilter.RetireOnPoison in middleware.ChainConfig.AfterPoison, a
-// message the filter let through and that is then poisoned is recorded as
-// retired for that consumer (the retired table, the applied table's name +
-// "_retired", written on its own outside the failed transaction; a failed
-// write turns the poisoning into a transient retry). A latest record naming
+// A poisoned newest message never freezes its family, by default: a
+// message the filter let through and that the library's chain then poisons
+// (middleware.OnPoison) is recorded as retired for that consumer (the
+// retired table, the applied table's name + "_retired", written on its own
+// outside the failed transaction, on LatestFilterConfig.RetireDB or the
+// idempotent middleware's database; a failed write holds the message and
+// retries it instead of poisoning it). LatestFilterConfig.DisableRetireOnPoison
+// opts out; LatestFilter.RetireOnPoison does the same for a chain of your
+// own (middleware.ChainConfig.AfterPoison). A latest record naming
 // a retired message makes nothing obsolete at that consumer: an older
 // message of the family that arrives afterwards and is newer than what was
 // applied is applied, whichever latest store holds the records (SQL or

@@ -1,6 +1,7 @@
 package versioned
 
 import (
+	"context"
 	"errors"
 	"sync/atomic"
 
@@ -145,6 +146,24 @@ type LatestFilterConfig struct {
 	// records and logs them as OutcomeObsolete / OutcomeStale, at debug
 	// level, like duplicates.
 	DisableMarkStale bool
+
+	// DisableRetireOnPoison opts out of retiring poisoned messages. By
+	// default, when a message the filter let through to the handler is
+	// about to be poisoned by the consumer's chain (after the retries),
+	// its position is retired (on RetireDB, outside the failed
+	// transaction): a latest record naming it
+	// no longer makes older messages obsolete at this consumer, so a
+	// poisoned newest message never freezes its family. If the retirement
+	// fails, the message is held and retried, not poisoned. Opted out, a
+	// poisoned newest message keeps every older message of its family
+	// obsolete at this consumer (the family frozen there) until a newer one
+	// is published.
+	DisableRetireOnPoison bool
+
+	// RetireDB is where poisoned messages are retired: the consumer's
+	// database, where Families' tables are. Defaults to the consumer's own
+	// DB (ConsumerConfig.DB).
+	RetireDB idempotency.DB
 }
 
 // Validate reports the first invalid field of c, naming it.
@@ -299,6 +318,9 @@ func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		f.record(obs)
 		f.logger.Trace("Latest message of its family handled", fields)
 		noteHandled(ctx, consumer, fam, pos) // for RetireOnPoison, latest_retire.go
+		if !f.cfg.DisableRetireOnPoison {
+			f.retireOnPoison(ctx, msg.UUID, consumer, fam, pos)
+		}
 		return h(msg)
 	}
 }
@@ -351,4 +373,24 @@ func (f *LatestFilter) record(o FilterObservation) {
 func hasDB(db idempotency.DB) bool {
 	_, err := sqldb.HandleOf(db)
 	return err == nil
+}
+
+// retireOnPoison registers with the chain (middleware.OnPoison) the
+// retirement of the message at pos, should the chain poison it.
+func (f *LatestFilter) retireOnPoison(ctx context.Context, eventID, consumer string, fam Family, pos Position) {
+	var db sqldb.Querier
+	if h, err := sqldb.HandleOf(f.cfg.RetireDB); err == nil {
+		db = h.Querier()
+	} else {
+		db, _ = inbox.DBFromContext(ctx)
+	}
+	inbox.OnPoison(ctx, f, func(ctx context.Context) error {
+		if db == nil {
+			f.logger.Error("Poisoned family message not retired: no database to retire it in (set LatestFilterConfig.RetireDB); "+
+				"its family stays frozen at this consumer until a newer message is published", nil,
+				watermill.LogFields{"event_id": eventID, "consumer": consumer, "family_kind": fam.Kind, "family_id": fam.ID})
+			return nil
+		}
+		return f.retire(ctx, db, eventID, consumer, fam, pos)
+	})
 }

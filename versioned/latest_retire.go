@@ -92,7 +92,10 @@ func noteHandled(ctx context.Context, consumer string, fam Family, pos Position)
 }
 
 // RetireOnPoison returns the middleware that retires a family message when
-// it is about to be poisoned: put it in middleware.ConsumerConfig.AfterPoison,
+// it is about to be poisoned. The filter does this by default inside the
+// library's chain (LatestFilterConfig.RetireDB); use this
+// middleware where the poison decision is made by a chain of your own: put
+// it in middleware.ConsumerConfig.AfterPoison,
 // so that it sits just inside the poison middleware and sees the error the
 // poison middleware acts on (after the retries). q is a pool (or connection)
 // of the consumer's database, where the family store's tables are.
@@ -125,16 +128,25 @@ func (f *LatestFilter) RetireOnPoison(db idempotency.DB) message.HandlerMiddlewa
 			if err == nil || !note.set || !inbox.ShouldPoison(err) {
 				return out, err
 			}
-			fields := watermill.LogFields{
-				"event_id": msg.UUID, "consumer": note.consumer,
-				"family_kind": note.fam.Kind, "family_id": note.fam.ID, "position": note.pos.String(),
-			}
-			if rerr := f.cfg.Families.retire(context.WithoutCancel(ctx), q, note.consumer, note.fam, note.pos); rerr != nil {
-				f.logger.Error("Could not retire a poisoned family message; retrying it instead of poisoning", rerr, fields)
+			if rerr := f.retire(context.WithoutCancel(ctx), q, msg.UUID, note.consumer, note.fam, note.pos); rerr != nil {
 				return out, errors.Join(err, inbox.Transient(rerr))
 			}
-			f.logger.Info("Poisoned family message retired: older messages of the family are no longer obsolete behind it", fields)
 			return out, err
 		}
 	}
+}
+
+// retire retires the poisoned message at pos of fam for consumer on q, and
+// logs the outcome.
+func (f *LatestFilter) retire(ctx context.Context, q sqldb.Querier, eventID, consumer string, fam Family, pos Position) error {
+	fields := watermill.LogFields{
+		"event_id": eventID, "consumer": consumer,
+		"family_kind": fam.Kind, "family_id": fam.ID, "position": pos.String(),
+	}
+	if err := f.cfg.Families.retire(ctx, q, consumer, fam, pos); err != nil {
+		f.logger.Error("Could not retire a poisoned family message; retrying it instead of poisoning", err, fields)
+		return err
+	}
+	f.logger.Info("Poisoned family message retired: older messages of the family are no longer obsolete behind it", fields)
+	return nil
 }

@@ -401,6 +401,13 @@ func (s *FamilyStore) Migrate(ctx context.Context, db idempotency.DB) error {
 	if err := sqldb.MigrateTable(ctx, q, s.dialect, s.applied, component, ms); err != nil {
 		return fmt.Errorf("versioned: %w", err)
 	}
+	// The latest table may live in another schema than the applied one:
+	// its own record beside it, so that losing that schema (or the table)
+	// applies the (idempotent) migrations again. In one schema, the second
+	// record sits next to the first and runs nothing more.
+	if err := sqldb.MigrateTable(ctx, q, s.dialect, s.latest, component+":latest", ms); err != nil {
+		return fmt.Errorf("versioned: %w", err)
+	}
 	if s.dialect != sqldb.PostgreSQL {
 		return nil
 	}

@@ -58,6 +58,9 @@ Commands:
                                                   confirmed before the dead letter is acked)
   outbox replay --from T1 --to T2 [--topic T ...] [--dry-run] [--exchange E]
                                                   republish outbox events of [T1, T2) with their ids
+  outbox redrive (--event-id ID ... | --topic T ... | --all) [--dry-run]
+                                                  move dead-lettered outbox rows back to pending
+                                                  (attempts reset; the relay publishes them)
   operations list [--state S] [--limit N]         operation records (default: uncertain)
   operations resolve KEY (--succeeded REF | --failed REASON | --not-executed REASON)
                      [--by NAME] [--fingerprint F] [--note TEXT]
@@ -152,6 +155,7 @@ var commands = []command{
 	{"dlq show", "dlq show QUEUE EVENT_ID [--payload]", runDLQShow},
 	{"dlq redrive", "dlq redrive QUEUE (--event-id ID ... | --all) [--dry-run] [--to QUEUE] [--exchange E] [--window N] [--progress N]", runDLQRedrive},
 	{"outbox replay", "outbox replay --from T1 --to T2 [--topic T] [--dry-run]", runOutboxReplay},
+	{"outbox redrive", "outbox redrive (--event-id ID ... | --topic T ... | --all) [--dry-run]", runOutboxRedrive},
 	{"operations list", "operations list [--state S] [--limit N]", runOperationsList},
 	{"operations resolve", "operations resolve KEY (--succeeded REF | --failed REASON | --not-executed REASON) [--by NAME] [--fingerprint F] [--note TEXT]", runOperationsResolve},
 	{"purge", "purge --dry-run [--horizon D]", runPurge},

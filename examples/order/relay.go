@@ -55,6 +55,10 @@ type RelayConfig struct {
 	// Retention keeps relayed events replayable (Service.Replay) this long.
 	// Defaults to DefaultRetention; negative keeps nothing.
 	Retention time.Duration
+	// PublishTimeout bounds one publish (outbox.RelayConfig.PublishTimeout);
+	// a standby relay takes over twice that long after this one's process
+	// died. Defaults to outbox.DefaultPublishTimeout.
+	PublishTimeout time.Duration
 	// Recorder receives the relay's metrics (outbox.Recorder); optional.
 	Recorder outbox.Recorder
 	// Logger defaults to watermill.NopLogger.
@@ -103,12 +107,13 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 		return nil, fmt.Errorf("order: relay: %w", err)
 	}
 	r, err := ob.NewRelay(cfg.Publisher, outbox.RelayConfig{
-		BatchSize:     cfg.BatchSize,
-		PollInterval:  cfg.PollInterval,
-		RetryInterval: cfg.RetryInterval,
-		MaxAttempts:   cfg.MaxAttempts,
-		Retention:     cfg.Retention,
-		Recorder:      cfg.Recorder,
+		BatchSize:      cfg.BatchSize,
+		PollInterval:   cfg.PollInterval,
+		RetryInterval:  cfg.RetryInterval,
+		MaxAttempts:    cfg.MaxAttempts,
+		Retention:      cfg.Retention,
+		PublishTimeout: cfg.PublishTimeout,
+		Recorder:       cfg.Recorder,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("order: relay: %w", err)

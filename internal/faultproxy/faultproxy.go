@@ -6,7 +6,6 @@ package faultproxy
 
 import (
 	"errors"
-	"io"
 	"net"
 	"sync"
 	"time"
@@ -20,6 +19,7 @@ type Proxy struct {
 	mu          sync.Mutex
 	conns       map[net.Conn]struct{}
 	refuseUntil time.Time
+	hung        chan struct{} // non-nil while Hang holds the data; Resume closes it
 	closed      bool
 	wg          sync.WaitGroup
 }
@@ -68,8 +68,31 @@ func (p *Proxy) Restore() {
 	p.mu.Unlock()
 }
 
+// Hang stops forwarding in both directions without closing anything: the
+// connections stay open, what either side sends is read and held, as when a
+// server stops reading (RabbitMQ blocking a connection on a memory or disk
+// alarm) or the network stalls. Resume forwards what was held.
+func (p *Proxy) Hang() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.hung == nil {
+		p.hung = make(chan struct{})
+	}
+}
+
+// Resume ends a Hang.
+func (p *Proxy) Resume() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.hung != nil {
+		close(p.hung)
+		p.hung = nil
+	}
+}
+
 // Close stops listening, cuts every connection and waits for its goroutines.
 func (p *Proxy) Close() error {
+	p.Resume()
 	p.mu.Lock()
 	p.closed = true
 	p.mu.Unlock()
@@ -126,7 +149,24 @@ func (p *Proxy) accept() {
 
 func (p *Proxy) pipe(dst, src net.Conn) {
 	defer p.wg.Done()
-	_, _ = io.Copy(dst, src)
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			p.mu.Lock()
+			hung := p.hung
+			p.mu.Unlock()
+			if hung != nil {
+				<-hung
+			}
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				break
+			}
+		}
+		if err != nil {
+			break
+		}
+	}
 	_ = dst.Close()
 	_ = src.Close()
 	p.untrack(dst)

@@ -258,6 +258,12 @@ func NewStdBeginner(db *sql.DB) (TxBeginner, error) {
 
 type stdBeginner struct{ db *sql.DB }
 
+// outside is the database outside any attempt (DBFromContext).
+func (b *stdBeginner) outside() sqldb.Querier { return sqldb.Std(b.db) }
+
+// outside is the database outside any attempt (DBFromContext).
+func (b *pgxBeginner) outside() sqldb.Querier { return sqldb.Pgx(b.pool) }
+
 func (b *stdBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx, bool, error) {
 	tx, err := b.db.BeginTx(ctx, nil)
 	if err != nil {

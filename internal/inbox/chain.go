@@ -9,6 +9,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -308,7 +309,8 @@ func (p *holdPoison) middleware(h message.HandlerFunc) message.HandlerFunc {
 			// handler-level): the outer one holds and poisons.
 			return h(msg)
 		}
-		inner := context.WithValue(orig, chainKey{}, p)
+		hooks := &poisonHooks{}
+		inner := context.WithValue(context.WithValue(orig, chainKey{}, p), poisonHooksKey{}, hooks)
 		defer msg.SetContext(orig)
 		start := time.Now()
 		wait := newBackoff(p.cfg)
@@ -328,9 +330,12 @@ func (p *holdPoison) middleware(h message.HandlerFunc) message.HandlerFunc {
 				"handler": message.HandlerNameFromCtx(orig), "class": class.String(), "held": held}
 			if class == ClassPermanent || class == ClassOrdinary {
 				if !p.poisonLoop(msg, orig) {
-					return nil, p.poison(msg, orig, err, class, start, wait)
-				}
-				if msg.Metadata.Get(wmw.ReasonForPoisonedKey) == "" {
+					herr := hooks.run(orig)
+					if herr == nil {
+						return nil, p.poison(msg, orig, err, class, start, wait)
+					}
+					p.logger.Error("A step before poisoning failed (OnPoison): delivery held, not poisoned", herr, fields.Add(watermill.LogFields{"error": err}))
+				} else if msg.Metadata.Get(wmw.ReasonForPoisonedKey) == "" {
 					// Never poisoned: the handler consumes the poison topic.
 					p.logger.Error("Poison topic is the topic this handler consumes: not poisoned, held", err, fields.Add(watermill.LogFields{
 						"hint": fmt.Sprintf("ChainConfig.PoisonTopic %q is the topic this handler consumes: give the chain a poison topic of its own "+
@@ -497,4 +502,59 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 	case <-t.C:
 		return true
 	}
+}
+
+// poisonHooks are the steps inner middlewares registered with OnPoison for
+// one delivery.
+type poisonHooks struct {
+	mu    sync.Mutex
+	keys  []any
+	steps map[any]func(context.Context) error
+}
+
+type poisonHooksKey struct{}
+
+// OnPoison registers, for the message whose context is ctx, a step the
+// chain runs just before it poisons that message (after the retries, with
+// the message's own context, outside any attempt's transaction): a
+// middleware inside the chain uses it to record what poisoning means for
+// it (versioned.LatestFilter retires the family's message, so the family
+// never freezes behind it). key identifies the registrant: a later
+// attempt's registration under the same key replaces the earlier one. If a
+// step returns an error, the message is not poisoned: the delivery is held
+// and the attempt re-run later, as for an infrastructure failure. It
+// returns false, registering nothing, when ctx is not inside the chain.
+func OnPoison(ctx context.Context, key any, step func(context.Context) error) bool {
+	h, ok := ctx.Value(poisonHooksKey{}).(*poisonHooks)
+	if !ok || step == nil {
+		return false
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.steps == nil {
+		h.steps = map[any]func(context.Context) error{}
+	}
+	if _, seen := h.steps[key]; !seen {
+		h.keys = append(h.keys, key)
+	}
+	h.steps[key] = step
+	return true
+}
+
+// run runs the registered steps in registration order; the first error
+// stops it.
+func (h *poisonHooks) run(ctx context.Context) error {
+	h.mu.Lock()
+	keys := append([]any(nil), h.keys...)
+	steps := make([]func(context.Context) error, 0, len(keys))
+	for _, k := range keys {
+		steps = append(steps, h.steps[k])
+	}
+	h.mu.Unlock()
+	for _, step := range steps {
+		if err := step(context.WithoutCancel(ctx)); err != nil {
+			return err
+		}
+	}
+	return nil
 }

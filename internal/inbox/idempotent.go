@@ -493,6 +493,9 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 
 	crashpoint.Reached(crashpoint.AfterClaim)
 	state := &attemptState{consumer: consumer, outcome: OutcomeProcessed, outbox: m.cfg.Outbox, tx: tx}
+	if o, ok := m.cfg.Beginner.(interface{ outside() sqldb.Querier }); ok {
+		state.db = o.outside()
+	}
 	state.q, state.ptx, state.stx = tx.parts()
 	faults := faultsFrom(origCtx)
 	if faults != nil {

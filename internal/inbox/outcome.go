@@ -41,6 +41,9 @@ type attemptState struct {
 	outbox   *outbox.Outbox
 	tx       attemptTx
 	pub      message.Publisher
+	// db reaches the attempt's database outside its transaction (the
+	// beginner's pool); nil when the beginner has none.
+	db sqldb.Querier
 
 	// The transaction as the handler sees it (attemptTx.parts).
 	q   sqldb.Querier
@@ -128,6 +131,21 @@ func ConsumerFromContext(ctx context.Context) (string, bool) {
 		return "", false
 	}
 	return st.consumer, true
+}
+
+// DBFromContext returns, inside an attempt run by the middleware, a
+// querier of the attempt's database outside the attempt's transaction (the
+// pool or *sql.DB the beginner opens transactions on): for a write that
+// must commit on its own whatever the attempt does, such as the retirement
+// of a poisoned message (versioned.LatestFilter, through OnPoison). ok is
+// false outside an attempt, and with NewSQLSubscriberBeginner (it joins a
+// transaction it did not open and knows no pool).
+func DBFromContext(ctx context.Context) (db sqldb.Querier, ok bool) {
+	st, ok := stateFrom(ctx)
+	if !ok || st.db == nil {
+		return nil, false
+	}
+	return st.db, true
 }
 
 // PublisherFromContext returns, inside a handler run by the middleware with

@@ -35,6 +35,14 @@ const savepointName = "idempotency_msg"
 // the subscriber's database. The handler reads the transaction with
 // QuerierFromContext, and also PgxTxFromContext or SQLTxFromContext depending
 // on the subscriber's Beginner; it must not Commit or Rollback it.
+//
+// On PostgreSQL use watermill-sql's queue schema
+// (wsql.PostgreSQLQueueSchema with wsql.PostgreSQLQueueOffsetsAdapter), or
+// a schema of your own that reads committed rows whatever else is open:
+// wsql.DefaultPostgreSQLSchema reads only rows below
+// pg_snapshot_xmin(pg_current_snapshot()) (ThreeDotsLabs/watermill#311), so
+// one session idle in a transaction anywhere on the server stops delivery
+// until it ends.
 func NewSQLSubscriberBeginner() TxBeginner { return sqlSubscriberBeginner{} }
 
 type sqlSubscriberBeginner struct{}

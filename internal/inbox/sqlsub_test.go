@@ -33,9 +33,12 @@ func TestSQLSubscriberJoinsTransactionWithSavepoints(t *testing.T) {
 		insert   string
 	}
 	backends := map[string]func(t *testing.T) backend{
+		// The queue schema: the default one reads only below
+		// pg_snapshot_xmin and stalls behind any transaction left open on
+		// the shared server (TestSQLSubscriberJoinDeliversBehindIdleTransaction).
 		"postgres-pgx": func(t *testing.T) backend {
 			pool, _ := testenv.Pool(t)
-			return backend{wsql.BeginnerFromPgx(pool), wsql.DefaultPostgreSQLSchema{}, wsql.DefaultPostgreSQLOffsetsAdapter{},
+			return backend{wsql.BeginnerFromPgx(pool), wsql.PostgreSQLQueueSchema{}, wsql.PostgreSQLQueueOffsetsAdapter{},
 				sqldb.PostgreSQL, sqldb.Pgx(pool), `INSERT INTO effect (event_id, note) VALUES ($1, $2)`}
 		},
 		"mariadb": func(t *testing.T) backend {

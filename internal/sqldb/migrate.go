@@ -150,6 +150,21 @@ func MigrateTable(ctx context.Context, q Querier, d Dialect, next Ident, compone
 	if _, err := q.Exec(ctx, create); err != nil {
 		return fmt.Errorf("migrate %s: create %s: %w", component, bk, err)
 	}
+	if !next.IsZero() {
+		// The record is beside the table, but the table alone can be gone
+		// (dropped by hand, a restored dump without it): its records then
+		// describe nothing, and everything is applied again (the
+		// migrations are idempotent).
+		exists, err := tableExists(ctx, q, d, next)
+		if err != nil {
+			return fmt.Errorf("migrate %s: look up %s: %w", component, next, err)
+		}
+		if !exists {
+			if _, err := q.Exec(ctx, fmt.Sprintf("DELETE FROM %s WHERE component = %s", table, quoted)); err != nil {
+				return fmt.Errorf("migrate %s: forget the records of missing %s: %w", component, next, err)
+			}
+		}
+	}
 	applied := func(v int) (bool, error) {
 		var ok bool
 		err := q.QueryRow(ctx, fmt.Sprintf("SELECT EXISTS (SELECT 1 FROM %s WHERE component = %s AND version = %d)", table, quoted, v)).Scan(&ok)
@@ -203,6 +218,35 @@ func MigrateTable(ctx context.Context, q Querier, d Dialect, next Ident, compone
 		}
 	}
 	return nil
+}
+
+// tableExists reports whether table exists (in its schema, or where an
+// unqualified name resolves).
+func tableExists(ctx context.Context, q Querier, d Dialect, table Ident) (bool, error) {
+	lit := func(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
+	schema, _, qualified := strings.Cut(table.String(), ".")
+	var query string
+	switch d {
+	case MySQL:
+		db := "DATABASE()"
+		if qualified {
+			db = lit(schema)
+		}
+		query = fmt.Sprintf("SELECT EXISTS (SELECT 1 FROM information_schema.tables WHERE table_schema = %s AND table_name = %s)", db, lit(table.Name()))
+	case SQLite:
+		master := "sqlite_master"
+		if qualified {
+			master = `"` + schema + `".sqlite_master`
+		}
+		query = fmt.Sprintf("SELECT EXISTS (SELECT 1 FROM %s WHERE type = 'table' AND name = %s)", master, lit(table.Name()))
+	default:
+		query = fmt.Sprintf("SELECT to_regclass(%s) IS NOT NULL", lit(table.Quoted('"')))
+	}
+	var ok bool
+	if err := q.QueryRow(ctx, query).Scan(&ok); err != nil {
+		return false, err
+	}
+	return ok, nil
 }
 
 func lockKey(name string) int64 {

@@ -23,9 +23,22 @@ const DefaultConfirmTimeout = 10 * time.Second
 // not stored; the chain keeps the original and retries.
 var ErrUnroutable = errors.New("amqp: poison message unroutable (no queue bound for it)")
 
-// ErrNotConfirmed: the broker nacked a poison message (basic.nack), or the
-// channel closed before it confirmed it.
-var ErrNotConfirmed = errors.New("amqp: poison message not confirmed by the broker")
+// ErrNotConfirmed: the broker nacked a message (basic.nack: a queue at its
+// x-max-length with x-overflow reject-publish, an internal error), or the
+// channel closed before it confirmed it. It is back-pressure, not the
+// message's fault: it has a BackPressure method returning true, which
+// outbox.Relay reads (a relay publishing through a PoisonPublisher never
+// counts it against a row).
+var ErrNotConfirmed error = backPressureError("amqp: poison message not confirmed by the broker")
+
+// backPressureError is an error that tells whoever retries it that the
+// broker pushed back.
+type backPressureError string
+
+func (e backPressureError) Error() string { return string(e) }
+
+// BackPressure reports true.
+func (backPressureError) BackPressure() bool { return true }
 
 // PoisonPublisherConfig configures NewPoisonPublisher.
 type PoisonPublisherConfig struct {

@@ -52,9 +52,13 @@ type Recorder struct {
 	pending, oldest  prometheus.Gauge
 	relayed, rounds  prometheus.Counter
 	failures, deadLt *prometheus.CounterVec
+	backPressure     *prometheus.CounterVec
 }
 
-var _ outbox.Recorder = (*Recorder)(nil)
+var (
+	_ outbox.Recorder             = (*Recorder)(nil)
+	_ outbox.BackPressureRecorder = (*Recorder)(nil)
+)
 
 // New creates and registers the collectors. Registering the same Outbox
 // twice on one Registerer fails with prometheus.AlreadyRegisteredError;
@@ -82,8 +86,10 @@ func New(cfg Config) (*Recorder, error) {
 			Help: "Failed publishes of outbox rows, by destination topic."}, []string{"topic"}),
 		deadLt: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: cfg.Namespace, Subsystem: "outbox", Name: "dead_lettered_total", ConstLabels: labels,
 			Help: "Outbox rows moved to the dead-letter table, by destination topic."}, []string{"topic"}),
+		backPressure: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: cfg.Namespace, Subsystem: "outbox", Name: "back_pressure_total", ConstLabels: labels,
+			Help: "Publishes of outbox rows the broker pushed back (full queue, blocked or timed-out publish), by destination topic; never counted against the row."}, []string{"topic"}),
 	}
-	for _, c := range []prometheus.Collector{r.pending, r.oldest, r.relayed, r.rounds, r.failures, r.deadLt} {
+	for _, c := range []prometheus.Collector{r.pending, r.oldest, r.relayed, r.rounds, r.failures, r.deadLt, r.backPressure} {
 		if err := cfg.Registerer.Register(c); err != nil {
 			return nil, err
 		}
@@ -96,6 +102,9 @@ func (r *Recorder) Round(published int) {
 	r.rounds.Inc()
 	r.relayed.Add(float64(published))
 }
+
+// BackPressured implements outbox.BackPressureRecorder.
+func (r *Recorder) BackPressured(topic string) { r.backPressure.WithLabelValues(topic).Inc() }
 
 // PublishFailed implements outbox.Recorder.
 func (r *Recorder) PublishFailed(topic string) { r.failures.WithLabelValues(topic).Inc() }
