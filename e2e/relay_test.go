@@ -69,12 +69,12 @@ func (p *producer) pending(t *testing.T) int {
 }
 
 // rounds counts the relay's rounds (outbox.Recorder).
-type rounds struct {
-	outbox.NopRecorder
-	n atomic.Int64
-}
+type rounds struct{ n atomic.Int64 }
 
-func (r *rounds) Round(int) { r.n.Add(1) }
+func (r *rounds) Round(int)                  { r.n.Add(1) }
+func (r *rounds) PublishFailed(string)       {}
+func (r *rounds) DeadLettered(string)        {}
+func (r *rounds) Pending(int, time.Duration) {}
 
 // loseConfirms reports a failure after the broker took the message, for
 // the first lose publishes: a relay whose confirm was lost publishes the

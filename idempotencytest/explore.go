@@ -52,7 +52,7 @@ type Divergence struct {
 	Err error
 }
 
-func (d Divergence) String() string {
+func (d Divergence) describe() string {
 	at := d.Point
 	if d.Statement != "" {
 		at += " (" + oneLine(d.Statement) + ")"
@@ -184,7 +184,7 @@ func Explore(t TB, s Subject, msg *message.Message) ExploreReport {
 	}
 
 	for _, d := range rep.Divergences {
-		t.Errorf("idempotencytest.Explore: %s", d)
+		t.Errorf("idempotencytest.Explore: %s", d.describe())
 	}
 	return rep
 }

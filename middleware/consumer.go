@@ -21,7 +21,6 @@ import (
 
 // Defaults of ConsumerConfig.
 const (
-	DefaultTable                = processedstore.DefaultTable
 	DefaultLockTimeout          = inbox.DefaultLockTimeout
 	DefaultMaxFutureSkew        = processedstore.DefaultMaxFutureSkew
 	DefaultMaxRetries           = inbox.DefaultMaxRetries
@@ -85,7 +84,7 @@ type ConsumerConfig struct {
 	// Table is the processed-event table, "name" or "schema.name" (letters,
 	// digits, underscores; validated and quoted once). Create it with
 	// processed.Migrate. An unqualified name follows the connection's
-	// search_path. Defaults to DefaultTable ("processed_event").
+	// search_path. Defaults to processed.DefaultTable ("processed_event").
 	Table string
 
 	// ReplayHorizon is how long the table keeps a processed event, and the

@@ -189,9 +189,6 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 // Table is the outbox table's name as configured (unquoted).
 func (o *Outbox) Table() string { return o.cfg.Table }
 
-// Dialect is the outbox's SQL dialect.
-func (o *Outbox) Dialect() idempotency.Dialect { return o.dialect }
-
 // Publisher returns a publisher that writes into the outbox through tx (a
 // transaction: wsql.TxFromPgx, wsql.TxFromStdSQL, or anything with
 // ExecContext/QueryContext). Publish(topic, msgs…) stores each message for

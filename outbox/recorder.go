@@ -18,20 +18,20 @@ type Recorder interface {
 	Pending(rows int, oldest time.Duration)
 }
 
-// NopRecorder records nothing.
-type NopRecorder struct{}
+// nopRecorder records nothing.
+type nopRecorder struct{}
 
 // Round implements Recorder.
-func (NopRecorder) Round(int) {}
+func (nopRecorder) Round(int) {}
 
 // PublishFailed implements Recorder.
-func (NopRecorder) PublishFailed(string) {}
+func (nopRecorder) PublishFailed(string) {}
 
 // DeadLettered implements Recorder.
-func (NopRecorder) DeadLettered(string) {}
+func (nopRecorder) DeadLettered(string) {}
 
 // Pending implements Recorder.
-func (NopRecorder) Pending(int, time.Duration) {}
+func (nopRecorder) Pending(int, time.Duration) {}
 
 // BackPressureRecorder is implemented by a Recorder that also counts
 // back-pressure (RelayConfig.BackPressure): the relay calls BackPressured
@@ -42,4 +42,4 @@ type BackPressureRecorder interface {
 }
 
 // BackPressured implements BackPressureRecorder.
-func (NopRecorder) BackPressured(string) {}
+func (nopRecorder) BackPressured(string) {}

@@ -91,7 +91,7 @@ type RelayConfig struct {
 	// are the rows' (counted towards MaxAttempts' dead-lettering) or the
 	// broker's (nothing dead-lettered). A probe that fails while the broker
 	// is up (a wrong ProbeTopic) keeps every failing row waiting: the relay
-	// logs each failed probe at ERROR. Defaults to publishing ProbeMessage()
+	// logs each failed probe at ERROR. Defaults to publishing probeMessage()
 	// to ProbeTopic through the destination publisher: the same connection,
 	// exchange, marshaler and confirms as the rows.
 	Probe func(ctx context.Context) error
@@ -149,7 +149,7 @@ type RelayConfig struct {
 	// warning (Warn if the logger has one, else Error with ErrStalled).
 	// Defaults to DefaultStalledAfter.
 	StalledAfter time.Duration
-	// Recorder receives the relay's metrics. Defaults to NopRecorder.
+	// Recorder receives the relay's metrics. Defaults to nopRecorder.
 	Recorder Recorder
 }
 
@@ -179,7 +179,7 @@ func (c *RelayConfig) setDefaults() {
 		c.StalledAfter = DefaultStalledAfter
 	}
 	if c.Recorder == nil {
-		c.Recorder = NopRecorder{}
+		c.Recorder = nopRecorder{}
 	}
 	if c.ProbeTopic == "" {
 		c.ProbeTopic = DefaultProbeTopic
@@ -942,19 +942,19 @@ func (r *Relay) scanRows(rows wsql.Rows, err error) ([]pendingRow, error) {
 	return out, nil
 }
 
-// ProbeEventName is the event name of ProbeMessage.
-const ProbeEventName = "outbox.probe"
+// probeEventName is the event name of probeMessage.
+const probeEventName = "outbox.probe"
 
-// MetadataProbe is set ("true") on ProbeMessage: a consumer of the probe
+// MetadataProbe is set ("true") on probeMessage: a consumer of the probe
 // topic can tell probes apart and drop them.
 const MetadataProbe = "outbox_probe"
 
-// ProbeMessage returns a new probe message: a valid envelope
+// probeMessage returns a new probe message: a valid envelope
 // (marshaler.NewMessage, a fresh UUIDv7 event id, event name
-// ProbeEventName, payload {"probe":true}) with metadata MetadataProbe
+// probeEventName, payload {"probe":true}) with metadata MetadataProbe
 // "true", so envelope-checking marshalers take it.
-func ProbeMessage() (*message.Message, error) {
-	m, err := marshaler.NewMessage(ProbeEventName, map[string]bool{"probe": true})
+func probeMessage() (*message.Message, error) {
+	m, err := marshaler.NewMessage(probeEventName, map[string]bool{"probe": true})
 	if err != nil {
 		return nil, err
 	}
@@ -962,11 +962,11 @@ func ProbeMessage() (*message.Message, error) {
 	return m, nil
 }
 
-// publishProbe is the default RelayConfig.Probe: ProbeMessage to topic
+// publishProbe is the default RelayConfig.Probe: probeMessage to topic
 // through dest.
 func publishProbe(dest message.Publisher, topic string) func(context.Context) error {
 	return func(ctx context.Context) error {
-		m, err := ProbeMessage()
+		m, err := probeMessage()
 		if err != nil {
 			return err
 		}
