@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
@@ -106,10 +107,17 @@ var ErrNilHandle = errors.New("middleware: nil database handle")
 // connection (see PgxTxFromContext). On a pool whose
 // ConnConfig.DefaultQueryExecMode is pgx.QueryExecModeCacheStatement (pgx's
 // default) they are statements of the beginner's own, prepared once per
-// connection (named "idempotency_<n>"; the claim sets the lock timeout
+// connection (named "idempotency_" and a hash of their SQL, as pgx names
+// its cached statements: a pooler that shares server connections never
+// runs one of another SQL under the name; the claim sets the lock timeout
 // itself, see Config.LockTimeout) and sent in one pgconn.Batch with
 // parameters the beginner encodes; a connection that lost them (DISCARD
-// ALL, DEALLOCATE ALL) prepares them again once. In the other modes
+// ALL, DEALLOCATE ALL) prepares them again once, and a connection whose
+// server session is shared with other clients (a transaction pooler that
+// does not track prepared statements: 42P05 on a name it never prepared,
+// or statements lost again right after they were prepared) makes the
+// beginner send them unnamed, in the same one round trip, from then on.
+// In the other modes
 // (simple protocol, exec/describe for poolers such as pgbouncer) they are a
 // pgx.Batch in the pool's mode. A pgx.BatchTracer on the pool sees the
 // batch either way. A nil pool is an error wrapping ErrNilHandle.
@@ -134,6 +142,10 @@ type pgxBeginner struct {
 	// tracer is the pool's pgx.BatchTracer, if any: the prepared claim's
 	// batch is traced as a pgx.Batch would be.
 	tracer pgx.BatchTracer
+	// pooled: a server session was seen shared with other clients (a
+	// transaction pooler, pgxclaim.go): statements are sent unnamed from
+	// then on.
+	pooled atomic.Bool
 }
 
 func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx, bool, error) {
@@ -154,7 +166,7 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 			if err != errFallback {
 				tx, claimed, err := b.claimed(ctx, conn, claimed, err)
 				if ptx, ok := tx.(*pgxTx); ok {
-					ptx.prepared, ptx.tracer = true, b.tracer
+					ptx.prepared, ptx.tracer, ptx.pooled = true, b.tracer, &b.pooled
 				}
 				return tx, claimed, err
 			}
