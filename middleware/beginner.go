@@ -240,7 +240,15 @@ func (a *pgxNativeTx) bind(ctx context.Context) context.Context {
 	ctx = context.WithValue(ctx, pgxTxKey{}, a.tx)
 	return sqldb.ContextWithTx(ctx, sqldb.Pgx(a.tx))
 }
-func (a *pgxNativeTx) commit(ctx context.Context) error { return a.tx.Commit(ctx) }
+
+// commit commits pgx's transaction, unless a handler statement ended it
+// (the connection is idle outside a transaction: see pgxTx.commit).
+func (a *pgxNativeTx) commit(ctx context.Context) error {
+	if a.tx.Conn().PgConn().TxStatus() == 'I' {
+		return errHandlerEndedBySQL
+	}
+	return a.tx.Commit(ctx)
+}
 func (a *pgxNativeTx) rollback(ctx context.Context) error {
 	err := a.tx.Rollback(ctx)
 	if err == pgx.ErrTxClosed {
@@ -275,7 +283,7 @@ func (b *stdBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	if err != nil {
 		return nil, false, fmt.Errorf("begin: %w", err)
 	}
-	a := &stdTx{tx: tx}
+	a := &stdTx{tx: tx, pg: c.store.Dialect() == sqldb.PostgreSQL}
 	if q, args, ok := c.lockTimeoutQuery(); ok {
 		if _, err := tx.ExecContext(ctx, q, args...); err != nil {
 			_ = a.rollback(ctx)
@@ -290,13 +298,44 @@ func (b *stdBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	return a, claimed, nil
 }
 
-type stdTx struct{ tx *sql.Tx }
+type stdTx struct {
+	tx *sql.Tx
+	// pg: PostgreSQL, where commit first checks that the transaction is
+	// still the claim's.
+	pg bool
+}
 
 func (a *stdTx) bind(ctx context.Context) context.Context {
 	ctx = context.WithValue(ctx, sqlTxKey{}, a.tx)
 	return sqldb.ContextWithTx(ctx, sqldb.Std(a.tx))
 }
-func (a *stdTx) commit(context.Context) error { return a.tx.Commit() }
+
+// commit commits the attempt. On PostgreSQL it first checks, in one
+// statement on the transaction, that the connection is still inside a
+// transaction with the claim's transaction id: a handler statement that
+// ended it (ROLLBACK, COMMIT, END, ABORT through ExecContext; database/sql
+// cannot see those) leaves the session outside any transaction, where
+// COMMIT would only warn and the delivery be acked without its claim.
+func (a *stdTx) commit(ctx context.Context) error {
+	if a.pg {
+		var inTx bool
+		if err := a.tx.QueryRowContext(ctx, `SELECT pg_current_xact_id_if_assigned() IS NOT NULL`).Scan(&inTx); err != nil {
+			if errors.Is(err, sql.ErrTxDone) {
+				return err
+			}
+			var pgErr interface{ SQLState() string }
+			if errors.As(err, &pgErr) && pgErr.SQLState() == "25P02" {
+				return a.tx.Commit() // aborted by a handler statement: the commit reports it
+			}
+			return err
+		}
+		if !inTx {
+			_ = a.tx.Rollback()
+			return errHandlerEndedBySQL
+		}
+	}
+	return a.tx.Commit()
+}
 func (a *stdTx) rollback(context.Context) error {
 	err := a.tx.Rollback()
 	if err == sql.ErrTxDone {

@@ -67,7 +67,18 @@ func (tx *pgxTx) bind(ctx context.Context) context.Context {
 	return sqldb.ContextWithTx(ctx, sqldb.Pgx(tx))
 }
 
-func (tx *pgxTx) commit(ctx context.Context) error { return tx.Commit(ctx) }
+// commit commits the attempt. The connection must still be inside the
+// transaction that BEGIN opened: a handler statement that ended it
+// (ROLLBACK, COMMIT, END, ABORT through Exec) leaves the connection idle
+// ('I', read from the last ReadyForQuery: no round trip), and a COMMIT then
+// would only warn, so the attempt fails with errHandlerEndedBySQL.
+func (tx *pgxTx) commit(ctx context.Context) error {
+	if !tx.closed && tx.savepoint == "" && tx.pc.PgConn().TxStatus() == 'I' {
+		tx.closed = true
+		return errHandlerEndedBySQL
+	}
+	return tx.Commit(ctx)
+}
 
 func (tx *pgxTx) rollback(ctx context.Context) error {
 	err := tx.Rollback(ctx)
