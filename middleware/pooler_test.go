@@ -221,8 +221,12 @@ func TestPoolerTwoServicesApplyEachEventOnce(t *testing.T) {
 					children[svc.name] = out
 					cmds = append(cmds, child)
 				}
+				var waits []error
 				for _, c := range cmds {
-					require.NoError(t, c.Wait(), children["a"].String()+children["b"].String())
+					waits = append(waits, c.Wait())
+				}
+				for _, err := range waits {
+					require.NoError(t, err, children["a"].String()+children["b"].String())
 				}
 				for _, name := range []string{"a", "b"} {
 					out := children[name].String()
