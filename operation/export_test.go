@@ -1,5 +1,7 @@
 package operation
 
+import "time"
+
 // Test-only exports for the external test package.
 
 const (
@@ -16,3 +18,12 @@ const PgLockKey = pgLockKey
 func ProcessLockWaiters(file, table string, k Key) int {
 	return processLockWaiters(processLockName(file, table, k.String()))
 }
+
+// The tests' lease: short, so that a dead owner's record is judged soon.
+func init() { leaseDuration, acquireTimeout = 3*time.Second, 2*time.Second }
+
+// LeaseDuration is the lease of a started record's owner in these tests.
+func LeaseDuration() time.Duration { return leaseDuration }
+
+// AcquireTimeout bounds Do's wait for a connection in these tests.
+func AcquireTimeout() time.Duration { return acquireTimeout }
