@@ -12,6 +12,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
@@ -778,7 +779,7 @@ func (a *attempt) write(ctx context.Context, want State, q stmt, args ...any) (b
 	a.write0 = true
 	wctx2, cancel2 := a.detached(ctx)
 	defer cancel2()
-	n, err2 := a.r.pool.Exec(wctx2, q.sql, args...)
+	n, err2 := a.poolExec(wctx2, q.sql, args...)
 	if err2 != nil {
 		return false, errors.Join(err, err2)
 	}
@@ -997,14 +998,13 @@ func (a *attempt) heartbeat(ctx context.Context) (stop func()) {
 				return
 			case <-t.C:
 			}
-			var q sqldb.Querier = a.conn
-			if broken {
-				q = a.r.pool
-			}
-			if _, err := a.beat(ctx, q); err != nil && !broken {
+			if !broken {
+				if _, err := a.beat(ctx, a.conn); err == nil {
+					continue
+				}
 				broken = true
-				_, _ = a.beat(ctx, a.r.pool)
 			}
+			_, _ = a.beat(ctx, poolQuerier{a})
 		}
 	}()
 	return func() {
@@ -1014,4 +1014,36 @@ func (a *attempt) heartbeat(ctx context.Context) (stop func()) {
 			a.write0 = true
 		}
 	}
+}
+
+// poolExec runs one statement on a connection of the Runner's pool, up to
+// three times while connections fail: the pool may hand out connections
+// whose sessions the server ended while they sat idle (idle_session_timeout
+// ends them all alike); each failure discards one. The statements it runs
+// are owner-checked, so running one twice changes nothing.
+func (a *attempt) poolExec(ctx context.Context, query string, args ...any) (int64, error) {
+	var errs []error
+	for try := 0; try < 3; try++ {
+		n, err := a.r.pool.Exec(ctx, query, args...)
+		if err == nil {
+			return n, nil
+		}
+		errs = append(errs, err)
+		var pgErr *pgconn.PgError
+		if ctx.Err() != nil || (errors.As(err, &pgErr) && !strings.HasPrefix(pgErr.Code, "57P") && !strings.HasPrefix(pgErr.Code, "08")) {
+			break // the statement's own error, or out of time
+		}
+	}
+	return 0, errors.Join(errs...)
+}
+
+// poolQuerier runs Exec through poolExec (the heartbeat's fallback).
+type poolQuerier struct{ a *attempt }
+
+func (q poolQuerier) Exec(ctx context.Context, query string, args ...any) (int64, error) {
+	return q.a.poolExec(ctx, query, args...)
+}
+
+func (q poolQuerier) QueryRow(ctx context.Context, query string, args ...any) sqldb.Row {
+	return q.a.r.pool.QueryRow(ctx, query, args...)
 }
