@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"fmt"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -20,6 +21,8 @@ import (
 type connPool interface {
 	sqldb.Querier
 	acquire(ctx context.Context) (conn, error)
+	// describe names the pool and its use, for errors.
+	describe() string
 }
 
 // conn is one dedicated connection: a database session.
@@ -51,6 +54,12 @@ func (p pgxConnPool) acquire(ctx context.Context) (conn, error) {
 		return nil, err
 	}
 	return pgxConn{sqldb.Pgx(c), c}, nil
+}
+
+func (p pgxConnPool) describe() string {
+	cc, st := p.p.Config().ConnConfig, p.p.Stat()
+	return fmt.Sprintf("Config.Pool %s@%s:%d/%s, %d of %d connections acquired",
+		cc.User, cc.Host, cc.Port, cc.Database, st.AcquiredConns(), st.MaxConns())
 }
 
 type pgxConn struct {
@@ -94,6 +103,11 @@ func (p stdConnPool) acquire(ctx context.Context) (conn, error) {
 		return nil, err
 	}
 	return stdConn{sqldb.Std(c), c}, nil
+}
+
+func (p stdConnPool) describe() string {
+	st := p.db.Stats()
+	return fmt.Sprintf("Config.DB, %d of %d open connections in use (max %d)", st.InUse, st.OpenConnections, st.MaxOpenConnections)
 }
 
 type stdConn struct {

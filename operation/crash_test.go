@@ -7,11 +7,13 @@ import (
 	"os/exec"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/operation"
 )
@@ -78,6 +80,7 @@ func TestCrashAfterProviderAccepted(t *testing.T) {
 		hp := httpProvider{base: srv.URL}
 
 		runCrashChild(t, e, srv.URL, operation.CrashAfterCall)
+		waitLease(t, e)
 		charges, calls, _ := p.counts()
 		require.Equal(t, 1, charges, "the provider accepted the charge")
 		require.Equal(t, 1, calls)
@@ -127,6 +130,7 @@ func TestCrashBeforeProviderCalled(t *testing.T) {
 		hp := httpProvider{base: srv.URL}
 
 		runCrashChild(t, e, srv.URL, operation.CrashAfterBegin)
+		waitLease(t, e)
 		_, calls, _ := p.counts()
 		require.Zero(t, calls)
 
@@ -140,4 +144,15 @@ func TestCrashBeforeProviderCalled(t *testing.T) {
 		require.Equal(t, 1, lookups)
 		require.Equal(t, []string{"lookup charge:p-1", "charge charge:p-1"}, p.seenKeys())
 	})
+}
+
+// waitLease waits until the dead child's lease on its started record ran
+// out (operation.LeaseDuration after it last renewed it): until then its
+// owner is presumed alive and the next attempt is in progress elsewhere.
+func waitLease(t *testing.T, e *runnerEnv) {
+	t.Helper()
+	if e.Dialect == sqldb.SQLite {
+		return // the lock is the process's: no lease
+	}
+	time.Sleep(operation.LeaseDuration() + 100*time.Millisecond)
 }

@@ -33,6 +33,13 @@ type dialectSQL struct {
 
 	peek, claim, take, succeed, fail, uncertain, release, restart, resolve, get stmt
 
+	// beat renews the lease of a started record this attempt owns (its
+	// updated_at; $1 key, $2 owner): 0 rows means ownership lost. alive
+	// reads whether a record's lease is live ($1 key, $2 the lease in
+	// microseconds). Empty where the key's lock belongs to the process
+	// (SQLite): no session to lose.
+	beat, alive stmt
+
 	// claimReturns: claim returns (inserted, record columns…) in one
 	// statement (PostgreSQL). Otherwise claim inserts the started row or
 	// does nothing, and get reads the record: under the key's lock nothing
@@ -70,8 +77,10 @@ func (s stmt) args(in ...any) []any {
 
 // render fills in the table and columns of every statement.
 func (d dialectSQL) render(table string) dialectSQL {
-	for _, s := range []*stmt{&d.peek, &d.claim, &d.take, &d.succeed, &d.fail, &d.uncertain, &d.release, &d.restart, &d.resolve, &d.get} {
-		s.sql = fmt.Sprintf(s.sql, table, d.columns)
+	for _, s := range []*stmt{&d.peek, &d.claim, &d.take, &d.succeed, &d.fail, &d.uncertain, &d.release, &d.restart, &d.resolve, &d.get, &d.beat, &d.alive} {
+		if s.sql != "" {
+			s.sql = fmt.Sprintf(s.sql, table, d.columns)
+		}
 	}
 	return d
 }

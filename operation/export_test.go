@@ -1,6 +1,10 @@
 package operation
 
-import "github.com/watermill-idempotency/idempotency/internal/sqldb"
+import (
+	"time"
+
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+)
 
 // Test-only exports for the external test package.
 
@@ -21,3 +25,12 @@ func ProcessLockWaiters(file, table string, k Key) int {
 
 // DialectOf is the runner's SQL dialect.
 func DialectOf(r *Runner) sqldb.Dialect { return r.dialectOf() }
+
+// The tests' lease: short, so that a dead owner's record is judged soon.
+func init() { leaseDuration, acquireTimeout = 3*time.Second, 2*time.Second }
+
+// LeaseDuration is the lease of a started record's owner in these tests.
+func LeaseDuration() time.Duration { return leaseDuration }
+
+// AcquireTimeout bounds Do's wait for a connection in these tests.
+func AcquireTimeout() time.Duration { return acquireTimeout }

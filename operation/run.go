@@ -13,6 +13,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
@@ -46,14 +47,21 @@ type Config struct {
 	// DB is where the Runner takes its connections (idempotency.Pgx or
 	// idempotency.SQL). Required. One connection per Do, held from the
 	// begin transaction until the outcome is recorded, including during the
-	// external call (on PostgreSQL and MySQL it carries the key's lock). It
-	// must not be the connection of the caller's transaction: size the pool
-	// for the handlers that run at once, on top of the connections their
-	// own transactions use, or give the Runner a pool of its own. On SQLite
-	// it must be a database file of its own, not the consumer's: SQLite has
-	// one writer per file, and the Runner commits its started record while
-	// the handler's transaction holds that file's write lock (NewRunner and
-	// middleware.NewConsumer refuse the shared file, ErrSharedSQLiteFile).
+	// external call (on PostgreSQL and MySQL it carries the key's session
+	// lock). It must not be the connection of the caller's transaction, and
+	// it must be a direct connection or a session-mode pooler: a
+	// transaction-mode pooler (PgBouncer pool_mode=transaction, ProxySQL
+	// multiplexing) breaks session locks; once an unlock shows it (the
+	// session that answers does not hold the lock it took), Do refuses with
+	// a configuration error that says so. Size it for the handlers that run
+	// at once, on top of the connections their own transactions use, or
+	// give the Runner a pool of its own: Do waits at most 10 s for a
+	// connection, then fails (transient) naming the pool and how many of
+	// its connections are in use. On SQLite it must be a database file of
+	// its own, not the consumer's: SQLite has one writer per file, and the
+	// Runner commits its started record while the handler's transaction
+	// holds that file's write lock (NewRunner and middleware.NewConsumer
+	// refuse the shared file, ErrSharedSQLiteFile).
 	DB idempotency.DB
 
 	// Table is the operations table, "name" or "schema.name"; each part must
@@ -121,7 +129,25 @@ type Runner struct {
 	logger       watermill.LoggerAdapter
 	sql          dialectSQL
 	file         atomic.Pointer[string] // SQLite: the runner's database file, once read
+	// pooled: an unlock found the key's session lock not held by the
+	// session that took it: the connection's server session changes under
+	// it (a transaction pooler). Do refuses from then on (errPooled).
+	pooled atomic.Bool
 }
+
+// errSessionPooler: the Runner's connections do not keep their session.
+var errSessionPooler = errors.New("operation: the Runner's connections do not keep their database session " +
+	"(the key's session lock was not held by the session that took it): a transaction pooler (PgBouncer pool_mode=transaction, " +
+	"ProxySQL multiplexing) sits between the Runner and the database; the key's lock is a session lock held through the external call, " +
+	"so give Config.Pool/Config.DB a direct connection or a session-pooling one")
+
+// configError is a deployment error: held, never poisoned, logged with what
+// to fix (middleware.ClassOf: Configuration).
+type configError struct{ err error }
+
+func (e *configError) Error() string       { return e.err.Error() }
+func (e *configError) Unwrap() error       { return e.err }
+func (e *configError) Configuration() bool { return true }
 
 // NewRunner validates cfg (on a copy with defaults applied) and builds the
 // SQL text once. A nil logger is watermill.NopLogger. It does not write to
@@ -261,14 +287,23 @@ func WithWait(d time.Duration) Option { return func(o *options) { o.wait = d } }
 //     succeeded → its Result (Origin OriginStored), nothing called;
 //     failed → a FailedError (permanent), nothing called;
 //     started with no owner (the last call certainly did nothing) → call;
-//     started with an owner, or uncertain → the owner died during a call (its
-//     lock is free, so its session ended): the outcome is uncertain. With
+//     started with an owner whose lease is live (the owner renews the
+//     record during its call, every 5 s of a 15 s lease) → the owner is
+//     alive though its session lock is gone (idle_session_timeout, a
+//     terminated backend): an InProgressError (transient), never a call;
+//     started with an owner whose lease ran out, or uncertain → the owner
+//     died during a call: the outcome is uncertain. With
 //     WithReconcile, the reconcile function decides (found → success
 //     recorded, OriginReconciled; ErrNotFound → call, same key; Rejected →
 //     failed; Transient → a transient UncertainError). Without it, the record
 //     is marked uncertain and Do returns a permanent UncertainError. Never a
 //     blind call.
-//  3. Call, then record the outcome in a second write, only if this attempt
+//  3. Right before the call, renew the record if it is still this
+//     attempt's (a worker paused past its lease finds another owner and
+//     does not call; a pause between that write and the call itself is the
+//     window left, which the key passed to the provider closes where the
+//     provider deduplicates by it); renew it during the call.
+//     Call, then record the outcome in a second write, only if this attempt
 //     still owns the record: success → succeeded with Reference and Data;
 //     Rejected → failed, FailedError; Transient → started with no owner, a
 //     transient error (the retry calls again, same key); Timeout or any
@@ -282,8 +317,8 @@ func WithWait(d time.Duration) Option { return func(o *options) { o.wait = d } }
 // ErrInvalidParams.
 //
 // If call panics, the panic propagates after the lock is released; the
-// record stays started with this attempt as owner, so the next attempt
-// treats the outcome as uncertain.
+// record stays started with this attempt as owner, so the next attempt,
+// once the attempt's lease ran out (15 s), treats the outcome as uncertain.
 func (r *Runner) Do(ctx context.Context, key Key, params any, call CallFunc, opts ...Option) (Result, error) {
 	if key.IsZero() {
 		return Result{}, &invalidError{fmt.Errorf("%w: zero Key", ErrInvalidKey)}
@@ -303,6 +338,9 @@ func (r *Runner) Do(ctx context.Context, key Key, params any, call CallFunc, opt
 		if err := r.checkOwnFile(ctx, key); err != nil {
 			return Result{}, err
 		}
+	}
+	if r.pooled.Load() {
+		return Result{}, &configError{fmt.Errorf("operation %s: %w", key, errSessionPooler)}
 	}
 	a, err := r.acquire(ctx, key, o)
 	if err != nil {
@@ -451,13 +489,28 @@ type attempt struct {
 	// dirty: the session's lock state is unknown (a failed lock or unlock):
 	// the connection is closed rather than returned, which releases every
 	// lock the session held.
-	dirty  bool
+	dirty bool
+	// write0: the attempt's connection failed a statement (its session may
+	// be gone), so a lock it no longer holds says nothing of a pooler.
+	write0 bool
 	fields watermill.LogFields
 }
 
 func (r *Runner) acquire(ctx context.Context, key Key, o options) (*attempt, error) {
-	conn, err := r.pool.acquire(ctx)
+	actx, cancel := context.WithTimeout(ctx, acquireTimeout)
+	defer cancel()
+	conn, err := r.pool.acquire(actx)
 	if err != nil {
+		if ctx.Err() == nil && actx.Err() != nil {
+			// Never wait forever, and say for what: a Runner on the
+			// handlers' own pool, with as many handlers at once as
+			// connections, waits for a connection only a handler can free.
+			r.logger.Error("Operation runner has no connection", err, watermill.LogFields{"key": key.String(), "pool": r.pool.describe()})
+			return nil, &transientError{fmt.Errorf("operation %s: no connection from the Runner's pool within %s (%s): "+
+				"each Do holds one connection of Config.Pool/Config.DB through its call; a Runner sharing the handlers' pool, "+
+				"with as many handlers at once as connections, waits for itself: give the Runner a pool of its own or more connections: %w",
+				key, acquireTimeout, r.pool.describe(), err)}
+		}
 		return nil, fmt.Errorf("operation %s: acquire connection: %w", key, err)
 	}
 	owner := uuid.New()
@@ -492,6 +545,13 @@ func (a *attempt) release() {
 		if ok, err := locker.unlock(ctx, a.conn, &a.lk); err != nil || !ok {
 			a.r.logger.Info("Operation unlock failed; closing the connection", a.fields.Add(watermill.LogFields{"err": err, "held": ok}))
 			a.dirty = true
+			if err == nil && !a.write0 {
+				// The session answered, and does not hold the lock it took,
+				// though it never failed (a.write0: no outcome write had to
+				// go elsewhere): another session answers on this connection.
+				a.r.pooled.Store(true)
+				a.r.logger.Error("Operation runner behind a transaction pooler: refusing further calls", errSessionPooler, a.fields)
+			}
 		}
 	}
 	a.conn.release(ctx, a.dirty)
@@ -643,8 +703,20 @@ func (a *attempt) decide(ctx context.Context, tx tx, inserted bool, rec *Record)
 		if rec.Owner == "" {
 			return decideCall, take(StateStarted)
 		}
-		// We hold the lock, so the owner's session is gone: it died
-		// between its begin and its outcome write. Its call may have run.
+		// We hold the lock, so the owner's session is gone. That alone
+		// does not make the owner dead (idle_session_timeout, a
+		// terminated backend, a pooler's server connection: the session
+		// went, the process goes on): an owner renews its record's lease
+		// during its call, so a live lease means a live call. Wait for it.
+		if live, err := a.leaseLive(ctx, tx); err != nil {
+			return 0, err
+		} else if live {
+			a.r.logger.Info("Operation owned by a live attempt whose session lock is gone: waiting",
+				a.fields.Add(watermill.LogFields{"previous_owner": rec.Owner}))
+			return 0, &InProgressError{Key: a.key.String(), Err: errLeaseLive}
+		}
+		// Its lease expired too: it died between its begin and its outcome
+		// write. Its call may have run.
 		a.r.logger.Info("Operation left started by a dead attempt: outcome uncertain",
 			a.fields.Add(watermill.LogFields{"previous_owner": rec.Owner, "reconcile": a.opts.reconcile != nil}))
 		if err := take(StateUncertain); err != nil {
@@ -678,9 +750,10 @@ func (a *attempt) write(ctx context.Context, want State, q stmt, args ...any) (b
 	}
 	a.r.logger.Info("Operation outcome write failed; retrying on another connection", a.fields.Add(watermill.LogFields{"err": err}))
 	a.dirty = true
+	a.write0 = true
 	wctx2, cancel2 := a.detached(ctx)
 	defer cancel2()
-	n, err2 := a.r.pool.Exec(wctx2, q.sql, args...)
+	n, err2 := a.poolExec(wctx2, q.sql, args...)
 	if err2 != nil {
 		return false, errors.Join(err, err2)
 	}
@@ -719,7 +792,17 @@ func (a *attempt) call(ctx context.Context, rec Record, call CallFunc) (Result, 
 		return Result{}, &transientError{fmt.Errorf("operation %s: not called: %w", k, err)}
 	}
 	crashpoint.Reached(crashAfterBegin)
-	res, err := call(ctx, k)
+	// The fence: the record must still be ours, its lease renewed, right
+	// before the call (a worker paused past its lease finds another owner
+	// and does not call).
+	if ok, err := a.beat(ctx, a.conn); err != nil || !ok {
+		if err == nil {
+			a.r.logger.Error("Operation taken over before its call", ErrLostOwnership, a.fields)
+			err = ErrLostOwnership
+		}
+		return Result{}, &transientError{fmt.Errorf("operation %s: not called: %w", k, err)}
+	}
+	res, err := a.callBeating(ctx, k, call)
 	crashpoint.Reached(crashAfterCall)
 	switch {
 	case err == nil:
@@ -818,4 +901,123 @@ func (a *attempt) reconcile(ctx context.Context, rec Record, call CallFunc) (Res
 		return Result{}, &UncertainError{Key: k, Kind: a.key.Kind(), Reference: rec.Reference, Attempts: rec.Attempts,
 			Retry: classOf(err) == classTransient, Cause: err}
 	}
+}
+
+// acquireTimeout bounds Do's wait for a connection of the Runner's pool
+// (a variable for tests).
+var acquireTimeout = 10 * time.Second
+
+// leaseDuration is how long a started record's owner is presumed alive
+// after it last renewed the record (its begin, the fence before its call,
+// the heartbeat during the call, every leaseDuration/3). A variable for
+// tests.
+var leaseDuration = 15 * time.Second
+
+// errLeaseLive: the key's owner lost its session lock but renews its lease.
+var errLeaseLive = errors.New("the owner's session lock is gone but its lease is live (a call in progress)")
+
+// leaseLive reports whether the record's lease is live, in tx (false where
+// the dialect has no lease: SQLite's lock belongs to the process).
+func (a *attempt) leaseLive(ctx context.Context, tx tx) (bool, error) {
+	q := a.r.sql.alive
+	if q.sql == "" {
+		return false, nil
+	}
+	var live bool
+	if err := tx.QueryRow(ctx, q.sql, q.args(a.key.String(), leaseDuration.Microseconds())...).Scan(&live); err != nil {
+		return false, fmt.Errorf("operation %s: lease: %w", a.key, err)
+	}
+	return live, nil
+}
+
+// beat renews the lease of the attempt's started record on q; false: the
+// record is no longer this attempt's. True where the dialect has no lease.
+func (a *attempt) beat(ctx context.Context, q sqldb.Querier) (bool, error) {
+	st := a.r.sql.beat
+	if st.sql == "" {
+		return true, nil
+	}
+	wctx, cancel := a.detached(ctx)
+	defer cancel()
+	n, err := q.Exec(wctx, st.sql, st.args(a.key.String(), a.r.sql.owner(a.owner))...)
+	return n == 1, err
+}
+
+// callBeating runs call with the heartbeat on; the heartbeat stops when
+// call returns, panics or exits its goroutine.
+func (a *attempt) callBeating(ctx context.Context, k string, call CallFunc) (Result, error) {
+	stop := a.heartbeat(ctx)
+	defer stop()
+	return call(ctx, k)
+}
+
+// heartbeat renews the lease every leaseDuration/3 while the call runs, on
+// the attempt's connection, or on another of the pool once that one failed
+// (its session may be gone: idle_session_timeout, a terminated backend).
+// stop ends it and waits for it.
+func (a *attempt) heartbeat(ctx context.Context) (stop func()) {
+	if a.r.sql.beat.sql == "" {
+		return func() {}
+	}
+	done := make(chan struct{})
+	finished := make(chan bool)
+	go func() {
+		broken := false
+		t := time.NewTicker(leaseDuration / 3)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				finished <- broken
+				return
+			case <-t.C:
+			}
+			if !broken {
+				if _, err := a.beat(ctx, a.conn); err == nil {
+					continue
+				}
+				broken = true
+			}
+			_, _ = a.beat(ctx, poolQuerier{a})
+		}
+	}()
+	return func() {
+		close(done)
+		if <-finished {
+			a.dirty = true // the connection failed: close it rather than reuse it
+			a.write0 = true
+		}
+	}
+}
+
+// poolExec runs one statement on a connection of the Runner's pool, up to
+// three times while connections fail: the pool may hand out connections
+// whose sessions the server ended while they sat idle (idle_session_timeout
+// ends them all alike); each failure discards one. The statements it runs
+// are owner-checked, so running one twice changes nothing.
+func (a *attempt) poolExec(ctx context.Context, query string, args ...any) (int64, error) {
+	var errs []error
+	for try := 0; try < 3; try++ {
+		n, err := a.r.pool.Exec(ctx, query, args...)
+		if err == nil {
+			return n, nil
+		}
+		errs = append(errs, err)
+		var pgErr *pgconn.PgError
+		if ctx.Err() != nil || (errors.As(err, &pgErr) && !strings.HasPrefix(pgErr.Code, "57P") && !strings.HasPrefix(pgErr.Code, "08")) {
+			break // the statement's own error, or out of time
+		}
+	}
+	return 0, errors.Join(errs...)
+}
+
+// poolQuerier runs Exec through poolExec (the heartbeat's fallback).
+type poolQuerier struct{ a *attempt }
+
+func (q poolQuerier) Exec(ctx context.Context, query string, args ...any) (int64, error) {
+	return q.a.poolExec(ctx, query, args...)
+}
+
+func (q poolQuerier) QueryRow(ctx context.Context, query string, args ...any) sqldb.Row {
+	return q.a.r.pool.QueryRow(ctx, query, args...)
 }

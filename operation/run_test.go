@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -14,6 +15,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/operation"
 )
 
@@ -162,7 +164,14 @@ func TestDoOutcomes(t *testing.T) {
 			rec := get(t, k)
 			require.Equal(t, operation.StateStarted, rec.State)
 			require.NotEmpty(t, rec.Owner)
-			_, err := r.Do(ctx, k, eur100, p.call("100", "EUR"))
+			// In progress while the panicked attempt's lease runs (on
+			// SQLite the lock is the process's: at once).
+			var err error
+			eventually(t, "the panicked attempt's lease to run out", func(o *testenv.Observed) bool {
+				_, err = r.Do(ctx, k, eur100, p.call("100", "EUR"))
+				var ip *operation.InProgressError
+				return !errors.As(err, &ip) && o.Err("do", nil)
+			})
 			require.ErrorIs(t, err, operation.ErrUncertain)
 			require.Equal(t, operation.StateUncertain, get(t, k).State)
 			_, calls, _ := p.counts()
@@ -422,13 +431,14 @@ func TestConfigValidate(t *testing.T) {
 	}
 }
 
-// The documented window of the session lock: the connection of a live
-// attempt dies during its call, so its lock goes; another worker takes the
-// key over, reconciles (not found yet) and calls. The first attempt then
-// cannot record its outcome over the new owner's: ErrLostOwnership,
-// transient, and the record keeps the new owner's outcome. PostgreSQL and
-// MySQL (session locks); SQLite's lock belongs to the process, which no
-// session loss takes away.
+// The key's session lock is lost during the call (the owner's backend
+// terminated: pg_terminate_backend, KILL CONNECTION; the owner's process
+// lives on). A second worker that then takes the free lock finds the record
+// started by an owner whose lease is live (the owner renews it during its
+// call) and waits (InProgressError, transient): it never calls the provider
+// while the owner's call may run, even with a reconcile function that finds
+// nothing. The owner records its outcome on another connection; the second
+// worker then gets the stored result (case 27.5).
 func TestLostOwnership(t *testing.T) {
 	t.Parallel()
 	eachRunner(t, operation.Config{}, func(t *testing.T, e *runnerEnv) {
@@ -463,25 +473,41 @@ AND classid::bigint = $1 AND objid::bigint = $2 AND objsubid = 1`, int64(id>>32)
 		notFound := func(context.Context, operation.Record) (operation.Result, error) {
 			return operation.Result{}, operation.ErrNotFound
 		}
-		_, err := r.Do(ctx, k, eur100, func(ctx context.Context, key string) (operation.Result, error) {
+		var secondCalls int
+		res, err := r.Do(ctx, k, eur100, func(ctx context.Context, key string) (operation.Result, error) {
 			session, ok := holder()
 			require.True(t, ok, "the attempt holds the key's lock during its call")
 			kill(session)
 			eventually(t, "the lock to go with the session", func(o *testenv.Observed) bool { _, held := holder(); return !o.Bool("held", held) })
-			second, err := r.Do(ctx, k, eur100, func(context.Context, string) (operation.Result, error) {
-				return operation.Result{Reference: "second"}, nil
-			}, operation.WithReconcile(notFound))
-			require.NoError(t, err)
-			require.Equal(t, operation.OriginCall, second.Origin)
+			// Longer than the lease: the owner's heartbeat keeps it live.
+			deadline := time.Now().Add(operation.LeaseDuration() + 500*time.Millisecond)
+			for time.Now().Before(deadline) {
+				_, err := r.Do(ctx, k, eur100, func(context.Context, string) (operation.Result, error) {
+					secondCalls++
+					return operation.Result{Reference: "second"}, nil
+				}, operation.WithReconcile(notFound))
+				var ip *operation.InProgressError
+				require.ErrorAs(t, err, &ip, "a live owner's key is in progress")
+				require.True(t, middleware.IsTransient(err))
+				time.Sleep(100 * time.Millisecond)
+			}
 			return operation.Result{Reference: "first"}, nil
 		})
-		require.ErrorIs(t, err, operation.ErrLostOwnership)
-		require.True(t, inbox.IsTransient(err))
+		require.NoError(t, err, "the owner records its outcome on another connection")
+		require.Equal(t, "first", res.Reference)
+		require.Zero(t, secondCalls, "the provider is called by one worker only")
+		second, err := r.Do(ctx, k, eur100, func(context.Context, string) (operation.Result, error) {
+			secondCalls++
+			return operation.Result{}, nil
+		}, operation.WithReconcile(notFound))
+		require.NoError(t, err)
+		require.Equal(t, operation.OriginStored, second.Origin)
+		require.Zero(t, secondCalls)
 		rec, err := r.Get(ctx, k)
 		require.NoError(t, err)
 		require.Equal(t, operation.StateSucceeded, rec.State)
-		require.Equal(t, "second", rec.Reference)
-		require.Equal(t, 2, rec.Attempts)
+		require.Equal(t, "first", rec.Reference)
+		require.Equal(t, 1, rec.Attempts)
 	})
 }
 

@@ -49,6 +49,9 @@ var mysqlSQL = dialectSQL{
 
 	get: stmt{sql: "SELECT %[2]s FROM %[1]s WHERE `key` = ?"},
 
+	beat:  stmt{sql: "UPDATE %[1]s SET updated_at = UTC_TIMESTAMP(6) WHERE `key` = ? AND owner = ? AND state = 'started'"},
+	alive: stmt{sql: "SELECT updated_at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND FROM %[1]s WHERE `key` = ?", order: []int{1, 0}},
+
 	owner:  func(id uuid.UUID) any { b := id; return b[:] },
 	locker: myLocker{},
 }

@@ -84,7 +84,11 @@ WHERE key = $1 AND owner = $2 AND state = 'uncertain'`},
 WHERE key = $1 AND state IN ('started', 'uncertain')`},
 
 	// get reads one record.
-	get: stmt{sql: `SELECT %[2]s FROM %[1]s WHERE key = $1`},
+	get:  stmt{sql: `SELECT %[2]s FROM %[1]s WHERE key = $1`},
+	beat: stmt{sql: `UPDATE %[1]s SET updated_at = now() WHERE key = $1 AND owner = $2 AND state = 'started'`},
+	// clock_timestamp(): the lease is judged at the statement's instant,
+	// not at the start of the (short) begin transaction.
+	alive: stmt{sql: `SELECT updated_at > clock_timestamp() - $2::bigint * interval '1 microsecond' FROM %[1]s WHERE key = $1`},
 
 	owner:  func(id uuid.UUID) any { return pgtype.UUID{Bytes: id, Valid: true} },
 	locker: pgLocker{},

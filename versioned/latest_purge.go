@@ -78,8 +78,12 @@ func (c FamilyPurgerConfig) Validate() error {
 // FamilyPurger deletes idle families' rows from a FamilyStore's two tables,
 // in bounded batches, on one dedicated connection that holds a lock for the
 // run: however many instances run one on the same tables, one works at a
-// time and the others skip that run. The lock is a session-level advisory
-// lock on PostgreSQL, a named lock (GET_LOCK) on MySQL, and a lock of the
+// time and the others skip that run. On PostgreSQL the lock is a
+// transaction-scoped advisory lock taken again by each batch's own
+// transaction (pg_try_advisory_xact_lock: no session state outlives a
+// transaction, so a pooler sharing server connections neither leaks it nor
+// skips runs; two runs may take turns between batches); it is a named lock
+// (GET_LOCK) held for the run on MySQL, and a lock of the
 // process on SQLite (one process per database file). (A redislatest.Store needs
 // none: its keys expire.)
 type FamilyPurger struct {
@@ -130,7 +134,18 @@ func (p *FamilyPurger) PurgeNow(ctx context.Context) (deleted int64, ran bool, e
 	batch := func(ctx context.Context, q sqldb.Querier, limit int) (int64, error) {
 		return p.store.purgeBatch(ctx, q, p.cfg.Horizon, limit)
 	}
-	deleted, ran, err = purgeloop.Drain(ctx, p.pool, lock, batch, p.cfg.BatchSize, p.cfg.OnPurge)
+	if p.store.dialect == sqldb.PostgreSQL {
+		// A transaction-scoped lock per batch (see processed.Purger): no
+		// session state outlives a transaction, behind a pooler too.
+		txLock := func(ctx context.Context, q sqldb.Querier) (bool, error) {
+			var ok bool
+			err := q.QueryRow(ctx, `SELECT pg_try_advisory_xact_lock(`+pgFamilyLockKey+`)`, name).Scan(&ok)
+			return ok, err
+		}
+		deleted, ran, err = purgeloop.DrainTx(ctx, p.pool, txLock, nil, batch, p.cfg.BatchSize, p.cfg.OnPurge)
+	} else {
+		deleted, ran, err = purgeloop.Drain(ctx, p.pool, lock, batch, p.cfg.BatchSize, p.cfg.OnPurge)
+	}
 	if err != nil {
 		return deleted, ran, fmt.Errorf("versioned: family purge: %w", err)
 	}

@@ -208,6 +208,10 @@ WHERE cur.order_key < EXCLUDED.order_key`
     FOR UPDATE SKIP LOCKED)`
 )
 
+// pgFamilyLockKey is the family purger's PostgreSQL lock key ($1: the
+// latest table's quoted name; see pgFamilyLock).
+const pgFamilyLockKey = `(x'1de1'::bigint << 32) | $1::regclass::oid::bigint`
+
 // pgFamilyLock is the purger's session-level advisory lock, held for one
 // whole run, so one purger works at a time per pair of tables. Its key is
 // the latest table's OID (resolved through the search_path, so tables of
@@ -215,7 +219,7 @@ WHERE cur.order_key < EXCLUDED.order_key`
 // word that keeps it apart from other advisory-lock users (processed's
 // purger uses 0x1de0). name is the latest table.
 func pgFamilyLock(ctx context.Context, conn sqldb.Conn, name string) (func(), bool, error) {
-	const key = `(x'1de1'::bigint << 32) | $1::regclass::oid::bigint`
+	const key = pgFamilyLockKey
 	var ok bool
 	if err := conn.QueryRow(ctx, `SELECT pg_try_advisory_lock(`+key+`)`, name).Scan(&ok); err != nil || !ok {
 		return nil, false, err

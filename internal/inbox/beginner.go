@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
@@ -106,10 +107,17 @@ var ErrNilHandle = errors.New("middleware: nil database handle")
 // connection (see PgxTxFromContext). On a pool whose
 // ConnConfig.DefaultQueryExecMode is pgx.QueryExecModeCacheStatement (pgx's
 // default) they are statements of the beginner's own, prepared once per
-// connection (named "idempotency_<n>"; the claim sets the lock timeout
+// connection (named "idempotency_" and a hash of their SQL, as pgx names
+// its cached statements: a pooler that shares server connections never
+// runs one of another SQL under the name; the claim sets the lock timeout
 // itself, see Config.LockTimeout) and sent in one pgconn.Batch with
 // parameters the beginner encodes; a connection that lost them (DISCARD
-// ALL, DEALLOCATE ALL) prepares them again once. In the other modes
+// ALL, DEALLOCATE ALL) prepares them again once, and a connection whose
+// server session is shared with other clients (a transaction pooler that
+// does not track prepared statements: 42P05 on a name it never prepared,
+// or statements lost again right after they were prepared) makes the
+// beginner send them unnamed, in the same one round trip, from then on.
+// In the other modes
 // (simple protocol, exec/describe for poolers such as pgbouncer) they are a
 // pgx.Batch in the pool's mode. A pgx.BatchTracer on the pool sees the
 // batch either way. A nil pool is an error wrapping ErrNilHandle.
@@ -134,6 +142,10 @@ type pgxBeginner struct {
 	// tracer is the pool's pgx.BatchTracer, if any: the prepared claim's
 	// batch is traced as a pgx.Batch would be.
 	tracer pgx.BatchTracer
+	// pooled: a server session was seen shared with other clients (a
+	// transaction pooler, pgxclaim.go): statements are sent unnamed from
+	// then on.
+	pooled atomic.Bool
 }
 
 func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx, bool, error) {
@@ -154,7 +166,7 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 			if err != errFallback {
 				tx, claimed, err := b.claimed(ctx, conn, claimed, err)
 				if ptx, ok := tx.(*pgxTx); ok {
-					ptx.prepared, ptx.tracer = true, b.tracer
+					ptx.prepared, ptx.tracer, ptx.pooled = true, b.tracer, &b.pooled
 				}
 				return tx, claimed, err
 			}
@@ -228,7 +240,15 @@ func (a *pgxNativeTx) bind(ctx context.Context) context.Context {
 	ctx = context.WithValue(ctx, pgxTxKey{}, a.tx)
 	return sqldb.ContextWithTx(ctx, sqldb.Pgx(a.tx))
 }
-func (a *pgxNativeTx) commit(ctx context.Context) error { return a.tx.Commit(ctx) }
+
+// commit commits pgx's transaction, unless a handler statement ended it
+// (the connection is idle outside a transaction: see pgxTx.commit).
+func (a *pgxNativeTx) commit(ctx context.Context) error {
+	if a.tx.Conn().PgConn().TxStatus() == 'I' {
+		return errHandlerEndedBySQL
+	}
+	return a.tx.Commit(ctx)
+}
 func (a *pgxNativeTx) rollback(ctx context.Context) error {
 	err := a.tx.Rollback(ctx)
 	if err == pgx.ErrTxClosed {
@@ -269,7 +289,7 @@ func (b *stdBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	if err != nil {
 		return nil, false, fmt.Errorf("begin: %w", err)
 	}
-	a := &stdTx{tx: tx}
+	a := &stdTx{tx: tx, pg: c.store.Dialect() == sqldb.PostgreSQL}
 	if q, args, ok := c.lockTimeoutQuery(); ok {
 		if _, err := tx.ExecContext(ctx, q, args...); err != nil {
 			_ = a.rollback(ctx)
@@ -284,13 +304,44 @@ func (b *stdBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	return a, claimed, nil
 }
 
-type stdTx struct{ tx *sql.Tx }
+type stdTx struct {
+	tx *sql.Tx
+	// pg: PostgreSQL, where commit first checks that the transaction is
+	// still the claim's.
+	pg bool
+}
 
 func (a *stdTx) bind(ctx context.Context) context.Context {
 	ctx = context.WithValue(ctx, sqlTxKey{}, a.tx)
 	return sqldb.ContextWithTx(ctx, sqldb.Std(a.tx))
 }
-func (a *stdTx) commit(context.Context) error { return a.tx.Commit() }
+
+// commit commits the attempt. On PostgreSQL it first checks, in one
+// statement on the transaction, that the connection is still inside a
+// transaction with the claim's transaction id: a handler statement that
+// ended it (ROLLBACK, COMMIT, END, ABORT through ExecContext; database/sql
+// cannot see those) leaves the session outside any transaction, where
+// COMMIT would only warn and the delivery be acked without its claim.
+func (a *stdTx) commit(ctx context.Context) error {
+	if a.pg {
+		var inTx bool
+		if err := a.tx.QueryRowContext(ctx, `SELECT pg_current_xact_id_if_assigned() IS NOT NULL`).Scan(&inTx); err != nil {
+			if errors.Is(err, sql.ErrTxDone) {
+				return err
+			}
+			var pgErr interface{ SQLState() string }
+			if errors.As(err, &pgErr) && pgErr.SQLState() == "25P02" {
+				return a.tx.Commit() // aborted by a handler statement: the commit reports it
+			}
+			return err
+		}
+		if !inTx {
+			_ = a.tx.Rollback()
+			return errHandlerEndedBySQL
+		}
+	}
+	return a.tx.Commit()
+}
 func (a *stdTx) rollback(context.Context) error {
 	err := a.tx.Rollback()
 	if err == sql.ErrTxDone {

@@ -230,7 +230,9 @@ func (e *ConfigurationError) Configuration() bool { return true }
 //     (read-only transaction: a standby or a demoted primary), 25P03/25P04
 //     (session ended by a timeout), 40001 (serialization failure), 40003
 //     (statement completion unknown), 40P01 (deadlock), 55006 (object in
-//     use), 55P03 (lock not available). See sqlStateCodeClass for the
+//     use), 55P03 (lock not available), 26000/42P05 (a prepared statement
+//     the session lost or already has: DISCARD ALL, a transaction
+//     pooler). See sqlStateCodeClass for the
 //     source of each.
 //   - ClassOrdinary: everything else, including a bare io.EOF, net.Error,
 //     context.DeadlineExceeded, syscall.ECONNREFUSED or driver.ErrBadConn
@@ -311,7 +313,11 @@ func sqlStateClass(err error) Class {
 // idle-in-transaction session timeout, 25P04 transaction timeout (17+);
 // 40001 serialization failure, 40003 statement completion unknown, 40P01
 // deadlock detected (40000 and 40002, a deferred constraint, are the
-// data's: ordinary); 55006 object in use, 55P03 lock not available.
+// data's: ordinary); 55006 object in use, 55P03 lock not available; 26000
+// invalid statement name and 42P05 duplicate prepared statement (the
+// session's prepared statements changed under the client: DISCARD ALL, a
+// pooler sharing server connections; a pooler's own protocol errors are
+// class 08).
 //
 // These codes come from the server's state, not from a message: they are
 // transient wherever they arise in the attempt (the claim, a handler
@@ -329,6 +335,13 @@ func sqlStateCodeClass(code string) Class {
 	}
 	switch code {
 	case "25006", "25P03", "25P04", "40001", "40003", "40P01", "55006", "55P03":
+		return ClassTransient
+	case "26000", "42P05":
+		// A prepared statement the session does not know, or already has
+		// under that name: the session changed under the client (DISCARD
+		// ALL, a transaction pooler such as PgBouncer < 1.21 sharing server
+		// connections between clients). pgx drops a failed statement from
+		// its cache, so a later attempt prepares it again.
 		return ClassTransient
 	case "42P01", "42703", "42883", "42501", "3F000", "3D000", "28000", "28P01":
 		return ClassConfiguration
@@ -378,6 +391,12 @@ func claimError(err error, cls ErrorClassifier) error {
 		if c := cls(err); c == ClassConfiguration {
 			return &ConfigurationError{Hint: claimHint, Err: err}
 		}
+	}
+	if statementInvalid(err) {
+		// Our prepared statement was lost (26000) or its plan no longer
+		// fits the table (0A000): the next attempt prepares it again; it
+		// is not the deployment's error.
+		return &InfrastructureError{Op: "prepared statement lost or invalidated", Err: err}
 	}
 	var s interface{ SQLState() string }
 	if errors.As(err, &s) {

@@ -54,6 +54,14 @@ func commitError(consumer string, eventID uuid.UUID, err error, cls ErrorClassif
 	return fmt.Errorf("%w: %s/%s: %w", ErrCommit, consumer, eventID, err)
 }
 
+// errHandlerEndedBySQL: at commit, the attempt's transaction is no longer
+// the one the claim was made in: a statement of the handler ended it
+// (ROLLBACK, COMMIT, END, ABORT, ROLLBACK TO our savepoint). It wraps
+// pgx.ErrTxClosed, so commitError reports it as handlerEndedTx
+// (permanent): committing would ack a delivery whose claim is gone.
+var errHandlerEndedBySQL = fmt.Errorf("idempotency: a statement of the handler ended the attempt's transaction "+
+	"(ROLLBACK, COMMIT, END, ABORT or ROLLBACK TO SAVEPOINT): the claim is not part of it any more: %w", pgx.ErrTxClosed)
+
 // txEnded reports whether err says the attempt's transaction was already
 // committed or rolled back (pgx.ErrTxClosed, sql.ErrTxDone).
 func txEnded(err error) bool { return errors.Is(err, pgx.ErrTxClosed) || errors.Is(err, sql.ErrTxDone) }

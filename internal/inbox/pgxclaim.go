@@ -2,9 +2,10 @@ package inbox
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"strconv"
-	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -32,14 +33,33 @@ import (
 // rolls back what the batch opened, forgets the connection's statements,
 // prepares them again and resends the batch once; a second failure is the
 // attempt's error (classified by claimError), never a loop.
+//
+// Poolers. A statement's name is "idempotency_" and a hash of its SQL text
+// (as pgx's own statement cache names its statements), never a number of
+// the process: behind a pooler that shares server connections between
+// clients without tracking named statements (PgBouncer in transaction
+// pooling before 1.21, or with max_prepared_statements = 0), a name that
+// another process prepared on that server connection is the same SQL, so
+// executing it can never run another service's claim. Such a pooler shows
+// itself by what a direct connection never answers: 42P05 (duplicate
+// prepared statement) when this connection prepares a name it never
+// prepared, or 26000 again right after the statements were prepared anew.
+// The beginner then stops naming statements for good (pgxBeginner.pooled):
+// BEGIN, the lock timeout and the claim travel as unnamed statements
+// (Parse, Bind, Execute each) in one pgconn.Batch, still one round trip,
+// which any pooler keeps on one server connection.
 
 // preparedClaimKey is the key of the per-connection state in
 // pgconn.PgConn.CustomData.
 const preparedClaimKey = "github.com/watermill-idempotency/idempotency/middleware.preparedClaim"
 
-// stmtSeq numbers the statements this process prepares ("idempotency_<n>"),
-// so no two statements of the process share a name on one connection.
-var stmtSeq atomic.Int64
+// stmtName is the name of sql's statement: "idempotency_" and 24 bytes of
+// its SHA-256 in hex (60 characters, within PostgreSQL's 63), so a name
+// identifies its SQL on every connection of every process.
+func stmtName(sql string) string {
+	d := sha256.Sum256([]byte(sql))
+	return "idempotency_" + hex.EncodeToString(d[:24])
+}
 
 // PostgreSQL type OIDs of the claim's parameters.
 const (
@@ -89,9 +109,14 @@ func (st *connClaim) stmt(ctx context.Context, pc *pgconn.PgConn, sql string, ty
 			return s, nil
 		}
 	}
-	s := preparedStmt{sql: sql, name: "idempotency_" + strconv.FormatInt(stmtSeq.Add(1), 10)}
+	s := preparedStmt{sql: sql, name: stmtName(sql)}
 	sd, err := pc.Prepare(ctx, s.name, sql, nil)
 	if err != nil {
+		if sqlState(err) == "42P05" {
+			// This connection never prepared the name: its server
+			// session is shared with other clients (a pooler).
+			return preparedStmt{}, errPooled
+		}
 		return preparedStmt{}, err
 	}
 	s.ok = paramTypesMatch(sd.ParamOIDs, types)
@@ -156,9 +181,53 @@ func (st *connClaim) encode(p *processedstore.ClaimParams) [][]byte {
 // forget drops the connection's statements (the server lost them).
 func (st *connClaim) forget() { st.stmts = st.stmts[:0] }
 
+// forgetStmt drops sql's statement alone.
+func (st *connClaim) forgetStmt(sql string) {
+	for i, s := range st.stmts {
+		if s.sql == sql {
+			st.stmts = append(st.stmts[:i], st.stmts[i+1:]...)
+			return
+		}
+	}
+}
+
 // errFallback: the statement's parameter types are not the encoded ones;
 // the caller takes the pgx.Batch path.
 var errFallback = errors.New("middleware: prepared claim not applicable")
+
+// errPooled: the connection's server session is shared with other clients
+// (42P05 on a name this connection never prepared); nothing was sent on
+// the statement's behalf and no transaction is open.
+var errPooled = errors.New("middleware: prepared claim behind a pooler")
+
+// claimOIDs are the claim's parameter types, as encoded by connClaim.encode.
+var claimOIDs = [5]uint32{oidText, oidUUID, oidTimestamptz, oidText, oidBytea}
+
+// claimUnnamed sends BEGIN, the lock timeout and the claim p on pc as
+// unnamed statements in one pgconn.Batch (one Sync: a pooler keeps it on
+// one server connection), with the parameters encoded as the prepared
+// claim's. It reports whether the claim inserted its row; on an error the
+// caller rolls back.
+func (b *pgxBeginner) claimUnnamed(ctx context.Context, conn *pgx.Conn, lockSQL string, p *processedstore.ClaimParams) (bool, error) {
+	st := connClaimOf(conn.PgConn())
+	vals := st.encode(p)
+	var batch pgconn.Batch
+	batch.ExecParams("begin", nil, nil, nil, nil)
+	if lockSQL != "" {
+		batch.ExecParams(lockSQL, nil, nil, nil, nil)
+	}
+	batch.ExecParams(p.SQL, vals, claimOIDs[:len(vals)], st.formats[:len(vals)], nil)
+	return b.execClaimBatch(ctx, conn, &batch, lockSQL, p.SQL)
+}
+
+// sqlState is err's SQLSTATE, or "".
+func sqlState(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	return ""
+}
 
 // claimPrepared sends BEGIN, the lock timeout and the claim p on pc in one
 // round trip (see the top of this file) and reports whether the claim
@@ -186,18 +255,24 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *clai
 	if p.Identity {
 		types = claimIdentityTypes
 	}
+	if b.pooled.Load() {
+		return b.claimUnnamed(ctx, conn, lockSQL, p)
+	}
 	for try := 0; ; try++ {
 		begin, err := st.stmt(ctx, pc, "begin", nil)
-		if err != nil {
-			return false, err
-		}
 		var lock preparedStmt
-		if lockSQL != "" {
-			if lock, err = st.stmt(ctx, pc, lockSQL, nil); err != nil {
-				return false, err
-			}
+		if err == nil && lockSQL != "" {
+			lock, err = st.stmt(ctx, pc, lockSQL, nil)
 		}
-		claim, err := st.stmt(ctx, pc, p.SQL, types)
+		var claim preparedStmt
+		if err == nil {
+			claim, err = st.stmt(ctx, pc, p.SQL, types)
+		}
+		if err == errPooled {
+			b.pooled.Store(true)
+			st.forget()
+			return b.claimUnnamed(ctx, conn, lockSQL, p)
+		}
 		if err != nil {
 			return false, err
 		}
@@ -215,18 +290,31 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *clai
 		if err == nil || !statementLost(err) || pc.IsClosed() {
 			return claimed, err
 		}
-		if try > 0 {
-			st.forget() // the next attempt prepares them again
-			return claimed, lostStatement(err)
-		}
 		// The connection lost our statements: end what the batch opened,
-		// then prepare them again and resend, once.
+		// then prepare them again and resend, once. Those it still has
+		// (one may have been lost alone) are dropped first, so preparing
+		// them anew never meets their own name (42P05, the pooler's sign).
 		if pc.TxStatus() != 'I' {
 			if _, rerr := pc.Exec(ctx, "rollback").ReadAll(); rerr != nil {
 				return false, errors.Join(err, rerr)
 			}
 		}
+		if try == 0 {
+			for _, s := range st.stmts {
+				if derr := pc.Deallocate(ctx, s.name); derr != nil {
+					return false, errors.Join(err, derr)
+				}
+			}
+		}
 		st.forget()
+		if try > 0 {
+			// Lost again right after they were prepared: the server
+			// session changes under this connection (a transaction
+			// pooler). Unnamed statements from now on, this attempt
+			// included (it rolled back: nothing is claimed yet).
+			b.pooled.Store(true)
+			return b.claimUnnamed(ctx, conn, lockSQL, p)
+		}
 	}
 }
 
@@ -282,6 +370,9 @@ func statementLost(err error) bool {
 // identityReadTypes are the stored-identity read's parameter types.
 var identityReadTypes = [][]uint32{{oidText, oidVarchar}, {oidUUID}}
 
+// identityReadOIDs are the read's parameter types as encoded.
+var identityReadOIDs = []uint32{oidText, oidUUID}
+
 // binaryResults asks for the stored identity's two columns in binary: the
 // bytes of the text and of the bytea as stored.
 var binaryResults = []int16{1, 1}
@@ -289,40 +380,85 @@ var binaryResults = []int16{1, 1}
 // readAndRollbackPrepared is readAndRollback after a prepared claim: query
 // (processedstore.Store.StoredIdentityQuery, $1 consumer, $2 event id) and
 // ROLLBACK as statements prepared once per connection, in one pgconn.Batch,
-// the parameters encoded as the claim's. errFallback (nothing sent, tx
-// still open) asks for the pgx.Batch path.
+// the parameters encoded as the claim's (unnamed statements behind a
+// pooler, pgxBeginner.pooled). errFallback (nothing sent, tx still open)
+// asks for the pgx.Batch path.
+//
+// A read whose statement the server lost (26000) or can no longer run as
+// prepared (0A000 "cached plan must not change result type": the table's
+// columns changed since it was prepared, e.g. ALTER TABLE … TYPE) is
+// dropped and read once more, unnamed, once the transaction ended: the row
+// it reads is committed, and a statement of its own after the ROLLBACK
+// takes a snapshot as new as the one in the transaction would have. The
+// next duplicate prepares it again.
 func (tx *pgxTx) readAndRollbackPrepared(ctx context.Context, query string, key identityKey, name, fp *[]byte) (found bool, err error) {
 	pc := tx.pc.PgConn()
 	st := connClaimOf(pc)
-	read, err := st.stmt(ctx, pc, query, identityReadTypes)
-	if err != nil {
-		tx.closed = true
-		return false, tx.endAfterBatch(ctx, err)
-	}
-	rb, err := st.stmt(ctx, pc, "rollback", nil)
-	if err != nil {
-		tx.closed = true
-		return false, tx.endAfterBatch(ctx, err)
-	}
-	if !read.ok || !rb.ok {
-		return false, errFallback
+	named := tx.pooled == nil || !tx.pooled.Load()
+	var read, rb preparedStmt
+	if named {
+		read, err = st.stmt(ctx, pc, query, identityReadTypes)
+		if err == nil {
+			rb, err = st.stmt(ctx, pc, "rollback", nil)
+		}
+		switch {
+		case err == errPooled:
+			tx.pooled.Store(true)
+			st.forget()
+			named = false
+		case err != nil:
+			tx.closed = true
+			return false, tx.endAfterBatch(ctx, err)
+		case !read.ok || !rb.ok:
+			return false, errFallback
+		}
 	}
 	tx.closed = true
 	st.text[0] = append(st.text[0][:0], key.consumer...)
 	st.vals[0] = st.text[0]
 	st.uuid = key.eventID
 	st.vals[1] = st.uuid[:]
+	vals := st.vals[:2]
 	var batch pgconn.Batch
-	batch.ExecPrepared(read.name, st.vals[:2], st.formats[:2], binaryResults)
-	batch.ExecPrepared(rb.name, nil, nil, nil)
+	if named {
+		batch.ExecPrepared(read.name, vals, st.formats[:2], binaryResults)
+		batch.ExecPrepared(rb.name, nil, nil, nil)
+	} else {
+		batch.ExecParams(query, vals, identityReadOIDs, st.formats[:2], binaryResults)
+		batch.ExecParams("rollback", nil, nil, nil, nil)
+	}
+	found, err = tx.execReadBatch(ctx, &batch, query, key, []string{query, "rollback"}, name, fp)
+	err = tx.endAfterBatch(ctx, err)
+	if named && statementInvalid(err) && !pc.IsClosed() && pc.TxStatus() == 'I' {
+		// Drop it (a no-op when lost) so that the next duplicate prepares
+		// it anew, then read once more, unnamed.
+		_ = pc.Deallocate(ctx, read.name)
+		st.forgetStmt(query)
+		var again pgconn.Batch
+		again.ExecParams(query, vals, identityReadOIDs, st.formats[:2], binaryResults)
+		found, err = tx.execReadBatch(ctx, &again, query, key, []string{query}, name, fp)
+	}
+	return found, err
+}
+
+// execReadBatch sends batch (the stored-identity read first) and reads the
+// identity of its first result into name and fp. It is an error when the
+// batch did not return one result per entry of sqls (traced as a pgx.Batch
+// of sqls).
+func (tx *pgxTx) execReadBatch(ctx context.Context, batch *pgconn.Batch, query string, key identityKey, sqls []string, name, fp *[]byte) (found bool, err error) {
 	var tb *pgx.Batch
 	if tx.tracer != nil {
 		tb = &pgx.Batch{}
-		tb.Queue(query, key.consumer, key.eventID)
-		tb.Queue("rollback")
+		for _, q := range sqls {
+			if q == query {
+				tb.Queue(q, key.consumer, key.eventID)
+			} else {
+				tb.Queue(q)
+			}
+		}
 		ctx = tx.tracer.TraceBatchStart(ctx, tx.pc, pgx.TraceBatchStartData{Batch: tb})
 	}
-	mrr := pc.ExecBatch(ctx, &batch)
+	mrr := tx.pc.PgConn().ExecBatch(ctx, batch)
 	results := 0
 	for mrr.NextResult() {
 		rr := mrr.ResultReader()
@@ -340,7 +476,7 @@ func (tx *pgxTx) readAndRollbackPrepared(ctx context.Context, query string, key 
 			}
 		}
 		tag, rerr := rr.Close()
-		if tb != nil {
+		if tb != nil && results < len(tb.QueuedQueries) {
 			tx.tracer.TraceBatchQuery(ctx, tx.pc, pgx.TraceBatchQueryData{SQL: tb.QueuedQueries[results].SQL, Args: tb.QueuedQueries[results].Arguments, CommandTag: tag, Err: rerr})
 		}
 		results++
@@ -349,23 +485,19 @@ func (tx *pgxTx) readAndRollbackPrepared(ctx context.Context, query string, key 
 	if tb != nil {
 		tx.tracer.TraceBatchEnd(ctx, tx.pc, pgx.TraceBatchEndData{Err: err})
 	}
-	if statementLost(err) {
-		// The read's statement was lost since it was prepared (the claim's
-		// were not): this attempt fails, transiently, and the next one
-		// prepares it again.
-		st.forget()
-		err = lostStatement(err)
+	if err == nil && results != len(sqls) {
+		err = errors.New("middleware: prepared duplicate read: " + strconv.Itoa(results) + " results for " + strconv.Itoa(len(sqls)) + " statements")
 	}
-	if err == nil && results != 2 {
-		err = errors.New("middleware: prepared duplicate read: " + strconv.Itoa(results) + " results for 2 statements")
-	}
-	return found, tx.endAfterBatch(ctx, err)
+	return found, err
 }
 
-// lostStatement is err, a statement of this file the connection does not
-// know (26000), as what it is by origin: the attempt's connection lost the
-// beginner's own statement (transient; the next attempt prepares it
-// again), never a configuration error of the claim.
-func lostStatement(err error) error {
-	return &InfrastructureError{Op: "prepared statement lost", Err: err}
+// statementInvalid: a named statement the server lost (26000
+// invalid_sql_statement_name) or can no longer run as prepared (0A000
+// feature_not_supported, "cached plan must not change result type").
+func statementInvalid(err error) bool {
+	switch sqlState(err) {
+	case "26000", "0A000":
+		return true
+	}
+	return false
 }

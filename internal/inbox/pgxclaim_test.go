@@ -19,6 +19,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
 // preparedClaimSetup is a middleware over a pool of maxConns connections in
@@ -272,10 +273,10 @@ func TestLockTimeoutHoldsForTheHandler(t *testing.T) {
 
 // A duplicate whose stored-identity read lost its prepared statement alone
 // (DEALLOCATE of that one statement: the claim's statements still exist)
-// fails transiently (ErrInfrastructure, never a configuration or
-// permanent error), and the next delivery prepares it again and is a
-// duplicate: no loop of failures.
-func TestPreparedDuplicateReadLostIsTransient(t *testing.T) {
+// is read again once, in the same attempt, and acked as a duplicate (never
+// a configuration or permanent error, no failed delivery); the next
+// delivery prepares the read again, and a reused event_id is still seen.
+func TestPreparedDuplicateReadLostIsReadAgain(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	var calls atomic.Int32
@@ -298,14 +299,47 @@ func TestPreparedDuplicateReadLostIsTransient(t *testing.T) {
 	c.Release()
 
 	_, err = h(preparedClaimMsg(t, id, `{"n":1}`))
-	require.ErrorIs(t, err, inbox.ErrInfrastructure)
-	require.True(t, inbox.IsTransient(err))
-	require.False(t, inbox.IsPermanent(err))
-	require.NotErrorIs(t, err, inbox.ErrConfiguration)
+	require.NoError(t, err, "read again, once: a duplicate")
 
 	_, err = h(preparedClaimMsg(t, id, `{"n":1}`))
 	require.NoError(t, err)
 	_, err = h(preparedClaimMsg(t, id, `{"n":2}`))
 	require.ErrorIs(t, err, inbox.ErrEventIDReused)
 	require.EqualValues(t, 1, calls.Load())
+}
+
+// After ALTER TABLE … TYPE on a column the duplicate's read returns, its
+// prepared statement answers 0A000 ("cached plan must not change result
+// type") on every connection that prepared it. It is prepared again like a
+// lost statement: the duplicate is read once more and acked, never a
+// configuration error (case 27.1), and later duplicates on the same
+// connection are plain duplicates. The same on the pgx.Batch path of the
+// other exec modes, where pgx's cache holds the statement.
+func TestPreparedDuplicateReadAfterColumnTypeChange(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			var calls atomic.Int32
+			pool, h := preparedClaimSetup(t, mode, 1, func(context.Context, pgx.Tx) error {
+				calls.Add(1)
+				return nil
+			})
+			id := uuid.Must(uuid.NewV7())
+			for i := 0; i < 2; i++ { // applied, then a duplicate that prepares the read
+				_, err := h(preparedClaimMsg(t, id, `{"n":1}`))
+				require.NoError(t, err)
+			}
+			_, err := pool.Exec(ctx, `ALTER TABLE processed_event ALTER COLUMN event_name TYPE varchar(300)`)
+			require.NoError(t, err)
+			for i := 0; i < 3; i++ {
+				_, err = h(preparedClaimMsg(t, id, `{"n":1}`))
+				require.NoError(t, err, "duplicate %d after the column's type changed", i)
+			}
+			_, err = h(preparedClaimMsg(t, id, `{"n":2}`))
+			require.ErrorIs(t, err, middleware.ErrEventIDReused)
+			require.EqualValues(t, 1, calls.Load())
+		})
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"strconv"
+	"sync/atomic"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/jackc/pgx/v5"
@@ -60,6 +61,9 @@ type pgxTx struct {
 	// tracer is the pool's pgx.BatchTracer (nil: none), for the batches
 	// this type sends through pgconn.
 	tracer pgx.BatchTracer
+	// pooled is the beginner's pooler flag (pgxBeginner.pooled): the
+	// duplicate's read is sent unnamed once it is set.
+	pooled *atomic.Bool
 }
 
 var _ pgx.Tx = (*pgxTx)(nil)
@@ -69,7 +73,18 @@ func (tx *pgxTx) bind(ctx context.Context) context.Context {
 	return sqldb.ContextWithTx(ctx, sqldb.Pgx(tx))
 }
 
-func (tx *pgxTx) commit(ctx context.Context) error { return tx.Commit(ctx) }
+// commit commits the attempt. The connection must still be inside the
+// transaction that BEGIN opened: a handler statement that ended it
+// (ROLLBACK, COMMIT, END, ABORT through Exec) leaves the connection idle
+// ('I', read from the last ReadyForQuery: no round trip), and a COMMIT then
+// would only warn, so the attempt fails with errHandlerEndedBySQL.
+func (tx *pgxTx) commit(ctx context.Context) error {
+	if !tx.closed && tx.savepoint == "" && tx.pc.PgConn().TxStatus() == 'I' {
+		tx.closed = true
+		return errHandlerEndedBySQL
+	}
+	return tx.Commit(ctx)
+}
 
 func (tx *pgxTx) rollback(ctx context.Context) error {
 	err := tx.Rollback(ctx)
@@ -136,7 +151,18 @@ func (tx *pgxTx) readAndRollback(ctx context.Context, query string, args []any, 
 	if err == nil {
 		err = closeErr
 	}
-	return found, tx.endAfterBatch(ctx, err)
+	err = tx.endAfterBatch(ctx, err)
+	if statementInvalid(err) && !tx.pc.IsClosed() && tx.pc.PgConn().TxStatus() == 'I' {
+		// pgx's cached statement was lost (26000) or its plan no longer
+		// fits the table (0A000); pgx dropped it from its cache. Read
+		// once more, after the transaction, without a named statement.
+		err = tx.pc.QueryRow(ctx, query, append([]any{pgx.QueryExecModeExec}, args...)...).Scan(name, fp)
+		found = err == nil
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = nil
+		}
+	}
+	return found, err
 }
 
 // endAfterBatch makes sure the transaction ended after a batch that ended

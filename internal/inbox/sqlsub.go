@@ -52,7 +52,7 @@ func (sqlSubscriberBeginner) beginClaim(ctx context.Context, c claimRequest) (at
 	if !ok {
 		return nil, false, &ConfigurationError{Hint: "consume from watermill-sql's Subscriber, or use NewPgxBeginner/NewStdBeginner", Err: ErrNoSubscriberTx}
 	}
-	a := &savepointTx{tx: tx, q: wsqlQuerier{tx}}
+	a := &savepointTx{tx: tx, q: wsqlQuerier{tx}, claim: c}
 	if _, err := tx.ExecContext(ctx, "SAVEPOINT "+savepointName); err != nil {
 		return nil, false, fmt.Errorf("savepoint: %w", err)
 	}
@@ -75,6 +75,9 @@ type savepointTx struct {
 	tx   wsql.Tx
 	q    sqldb.Querier
 	done bool
+	// claim is the attempt's claim, looked up at commit: a handler that
+	// rolled back to the savepoint (ROLLBACK TO SAVEPOINT) undid it.
+	claim claimRequest
 }
 
 func (a *savepointTx) parts() (sqldb.Querier, pgx.Tx, *sql.Tx) {
@@ -109,6 +112,14 @@ func (a *savepointTx) bind(ctx context.Context) context.Context {
 func (a *savepointTx) commit(ctx context.Context) error {
 	if a.done {
 		return errors.New("idempotency: savepoint already ended")
+	}
+	// The claim must still be part of the transaction: a handler that ran
+	// ROLLBACK TO SAVEPOINT undid it (a RELEASE of ours by the handler makes
+	// the RELEASE below fail).
+	if ok, err := a.claim.store.Processed(ctx, a.q, a.claim.consumer, a.claim.eventID); err != nil {
+		return err
+	} else if !ok {
+		return errHandlerEndedBySQL
 	}
 	if _, err := a.tx.ExecContext(ctx, "RELEASE SAVEPOINT "+savepointName); err != nil {
 		return err

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -142,4 +143,67 @@ func TestSQLSubscriberBeginnerOutsideSubscriber(t *testing.T) {
 	require.ErrorIs(t, err, inbox.ErrNoSubscriberTx)
 	require.True(t, inbox.IsConfiguration(err), "a wiring error is held, never poisoned")
 	require.False(t, inbox.ShouldPoison(err))
+}
+
+// A handler inside watermill-sql's subscriber transaction that rolls back
+// to the attempt's savepoint (ROLLBACK TO SAVEPOINT idempotency_msg) undoes
+// the claim: the attempt fails (handler_ended_tx) instead of acking the
+// message with no claim, and the redelivery applies it once (case 27.4).
+func TestSQLSubscriberHandlerRollingBackToOurSavepointIsNotAcked(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := testenv.Pool(t)
+	beginner := wsql.BeginnerFromPgx(pool)
+	store, err := processedstore.NewStore(processedstore.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
+	_, err = pool.Exec(ctx, `CREATE TABLE effect (event_id varchar(36) NOT NULL, note varchar(100))`)
+	require.NoError(t, err)
+	logger := watermill.NopLogger{}
+	topic := "orders"
+	sub, err := wsql.NewSubscriber(beginner, wsql.SubscriberConfig{
+		SchemaAdapter: wsql.DefaultPostgreSQLSchema{}, OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true,
+		PollInterval: 20 * time.Millisecond, ResendInterval: 10 * time.Millisecond,
+	}, logger)
+	require.NoError(t, err)
+	require.NoError(t, sub.SubscribeInitialize(topic))
+	pub, err := wsql.NewPublisher(beginner, wsql.PublisherConfig{SchemaAdapter: wsql.DefaultPostgreSQLSchema{}}, logger)
+	require.NoError(t, err)
+	m, err := marshaler.NewMessage("order.placed", map[string]int{"i": 1})
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish(topic, m))
+
+	idem, err := inbox.NewIdempotent(inbox.Config{Beginner: inbox.NewSQLSubscriberBeginner(), Store: store, Consumer: "stock"}, logger)
+	require.NoError(t, err)
+	var calls atomic.Int32
+	router, err := message.NewRouter(message.RouterConfig{}, logger)
+	require.NoError(t, err)
+	router.AddMiddleware(idem.Middleware)
+	router.AddNoPublisherHandler("stock", topic, sub, func(msg *message.Message) error {
+		n := calls.Add(1)
+		q, _ := inbox.QuerierFromContext(msg.Context())
+		if _, err := q.Exec(msg.Context(), `INSERT INTO effect (event_id, note) VALUES ($1, 'x')`, msg.UUID); err != nil {
+			return err
+		}
+		if n == 1 {
+			_, err := q.Exec(msg.Context(), `ROLLBACK TO SAVEPOINT idempotency_msg`)
+			return err
+		}
+		return nil
+	})
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() { _ = router.Run(runCtx) }()
+	<-router.Running()
+	claims := func() int {
+		var n int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM processed_event`).Scan(&n))
+		return n
+	}
+	require.Eventually(t, func() bool { return claims() == 1 }, 30*time.Second, 20*time.Millisecond, "the message is claimed")
+	require.NoError(t, router.Close())
+	require.EqualValues(t, 2, calls.Load(), "the attempt that undid its claim is not acked: redelivered once")
+	var effects int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM effect`).Scan(&effects))
+	require.Equal(t, 1, effects)
 }

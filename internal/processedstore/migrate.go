@@ -127,7 +127,7 @@ func (s *Store) migratePartitioned(ctx context.Context, q sqldb.Querier) error {
 	if err := sqldb.MigrateTable(ctx, q, s.dialect, s.table, "processed-partitioned:"+s.table.String(), ms); err != nil {
 		return fmt.Errorf("processed: %w", err)
 	}
-	rep, err := s.maintain(ctx, q, 0)
+	rep, err := s.maintain(ctx, q, 0, "")
 	if err != nil {
 		return err
 	}

@@ -167,12 +167,23 @@ func (s *Store) MaintainPartitions(ctx context.Context, q sqldb.Querier, purgeHo
 	if s.horizon <= 0 || purgeHorizon < s.horizon {
 		return rep, fmt.Errorf("%w: purge horizon %s, store horizon %s", ErrHorizonBelowClaim, purgeHorizon, s.horizon)
 	}
-	return s.maintain(ctx, q, purgeHorizon)
+	return s.maintain(ctx, q, purgeHorizon, "")
+}
+
+// maintainLocked is MaintainPartitions with lock, a statement sent in each
+// CREATE's and DROP's implicit transaction after its lock timeout and
+// before it (the purge lock, taken by the statement itself: the Purger's
+// lock is transaction-scoped).
+func (s *Store) maintainLocked(ctx context.Context, q sqldb.Querier, purgeHorizon time.Duration, lock string) (PartitionReport, error) {
+	if s.horizon <= 0 || purgeHorizon < s.horizon {
+		return PartitionReport{}, fmt.Errorf("%w: purge horizon %s, store horizon %s", ErrHorizonBelowClaim, purgeHorizon, s.horizon)
+	}
+	return s.maintain(ctx, q, purgeHorizon, lock)
 }
 
 // maintain creates the spans ahead and, with purgeHorizon > 0, drops the
 // partitions wholly older than now() − purgeHorizon.
-func (s *Store) maintain(ctx context.Context, q sqldb.Querier, purgeHorizon time.Duration) (PartitionReport, error) {
+func (s *Store) maintain(ctx context.Context, q sqldb.Querier, purgeHorizon time.Duration, lock string) (PartitionReport, error) {
 	var rep PartitionReport
 	var clock string
 	if err := q.QueryRow(ctx, `SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`).Scan(&clock); err != nil {
@@ -188,7 +199,7 @@ func (s *Store) maintain(ctx context.Context, q sqldb.Querier, purgeHorizon time
 	}
 	span := s.span
 	parent := s.table.Quoted('"')
-	lockTimeout := fmt.Sprintf("SET LOCAL lock_timeout = '%dms'; ", dropLockTimeout.Milliseconds())
+	lockTimeout := fmt.Sprintf("SET LOCAL lock_timeout = '%dms'; ", dropLockTimeout.Milliseconds()) + lock
 	names := map[string]bool{}
 	for _, p := range existing {
 		names[p.name] = true

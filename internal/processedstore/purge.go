@@ -83,9 +83,15 @@ func (c PurgerConfig) Validate() error {
 }
 
 // Purger deletes processed rows dated (event_at) before the replay horizon, in bounded
-// batches, on one dedicated connection that holds a session-level advisory
-// lock for the run: however many instances run a Purger on the same table,
-// one works at a time and the others skip that run.
+// batches, on one dedicated connection, under a lock: however many
+// instances run a Purger on the same table, one works at a time and the
+// others skip that run. On PostgreSQL the lock is transaction-scoped
+// (pg_try_advisory_xact_lock), taken again by each batch's own
+// transaction, so no session state outlives a transaction and a pooler
+// sharing server connections (PgBouncer in transaction pooling) neither
+// leaks it nor skips runs; two runs may then take turns between batches.
+// On MySQL it is a session lock (GET_LOCK) held for the run, on SQLite a
+// lock of the process.
 type Purger struct {
 	store  *Store
 	pool   sqldb.Pool
@@ -159,21 +165,15 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 			if legacy, err = p.store.legacyExists(ctx, q); err != nil {
 				return 0, err
 			}
-			maintain := p.store.MaintainPartitions
+			maintain := p.store.maintainLocked
 			if p.cfg.FromTable { // the table's horizon is the claim's, by construction
 				maintain = p.store.maintain
 			}
-			rep, err := maintain(ctx, q, horizon)
+			rep, err := maintain(ctx, q, horizon, "")
 			if err != nil {
 				return 0, err
 			}
-			f := watermill.LogFields{"table": p.store.table.String(), "created": rep.Created, "dropped": rep.Dropped}
-			for _, e := range rep.Skipped {
-				p.logger.Error("Partition maintenance deferred to the next run", e, f)
-			}
-			if len(rep.Created)+len(rep.Dropped) > 0 {
-				p.logger.Info("Partitions maintained", f)
-			}
+			p.logMaintenance(rep)
 		}
 		n, err := p.store.PurgeBatch(ctx, q, horizon, limit)
 		if err != nil || !legacy {
@@ -185,14 +185,68 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 		m, err := p.store.purgeLegacyBatch(ctx, q, horizon, limit)
 		return n + m, err // ≥ limit (one more batch) while either is full
 	}
-	deleted, ran, err = purgeloop.Drain(ctx, p.pool, p.lock, batch, p.cfg.BatchSize, p.cfg.OnPurge)
+	if p.store.dialect == sqldb.PostgreSQL {
+		// A transaction-scoped lock per batch: no session state outlives a
+		// transaction, so a pooler sharing server connections between
+		// clients (PgBouncer in transaction pooling) neither leaks the lock
+		// to another client nor runs the unlock elsewhere.
+		var key int64 // the lock's key, read with the first lock
+		lock := func(ctx context.Context, q sqldb.Querier) (bool, error) {
+			var ok bool
+			err := q.QueryRow(ctx, `SELECT pg_try_advisory_xact_lock(k), k FROM (SELECT `+pgPurgeLockKey+` AS k) l`,
+				p.store.table.Quoted('"')).Scan(&ok, &key)
+			return ok, err
+		}
+		var first func(context.Context, sqldb.Querier) error
+		if !maintained {
+			maintained = true
+			first = func(ctx context.Context, q sqldb.Querier) error {
+				var err error
+				if legacy, err = p.store.legacyExists(ctx, q); err != nil {
+					return err
+				}
+				// Each CREATE and DROP waits (within its lock timeout) for
+				// the purge lock in its own implicit transaction.
+				maintain := p.store.maintainLocked
+				if p.cfg.FromTable { // the table's horizon is the claim's, by construction
+					maintain = p.store.maintain
+				}
+				rep, err := maintain(ctx, q, horizon, fmt.Sprintf("SELECT pg_advisory_xact_lock(%d); ", key))
+				if err != nil {
+					return err
+				}
+				p.logMaintenance(rep)
+				return nil
+			}
+		}
+		deleted, ran, err = purgeloop.DrainTx(ctx, p.pool, lock, first, batch, p.cfg.BatchSize, p.cfg.OnPurge)
+	} else {
+		deleted, ran, err = purgeloop.Drain(ctx, p.pool, p.lock, batch, p.cfg.BatchSize, p.cfg.OnPurge)
+	}
 	if err != nil {
 		return deleted, ran, fmt.Errorf("processed: purge: %w", err)
 	}
 	return deleted, ran, nil
 }
 
-// lock takes the purge lock for one run: a session-level advisory lock held
+// logMaintenance logs what a partition maintenance did or deferred.
+func (p *Purger) logMaintenance(rep PartitionReport) {
+	f := watermill.LogFields{"table": p.store.table.String(), "created": rep.Created, "dropped": rep.Dropped}
+	for _, e := range rep.Skipped {
+		p.logger.Error("Partition maintenance deferred to the next run", e, f)
+	}
+	if len(rep.Created)+len(rep.Dropped) > 0 {
+		p.logger.Info("Partitions maintained", f)
+	}
+}
+
+// pgPurgeLockKey is the PostgreSQL purge lock's key: the table's OID ($1,
+// its quoted name resolved through the search_path, so tables of one name
+// in different schemas have different locks) under the constant high word
+// 0x1de0, apart from other advisory-lock users.
+const pgPurgeLockKey = `(x'1de0'::bigint << 32) | $1::regclass::oid::bigint`
+
+// lock takes the purge lock for one run (MySQL, SQLite): a session-level lock held
 // by conn (PostgreSQL pg_try_advisory_lock, MySQL GET_LOCK), or a lock of the
 // process per database file where the dialect has none (SQLite).
 func (p *Purger) lock(ctx context.Context, conn sqldb.Conn) (unlock func(), ok bool, err error) {
