@@ -33,4 +33,10 @@ for m in $(bash scripts/modules.sh); do
   (cd "$m" && go vet "${flags[@]}" ./... && go test "${flags[@]}" -race -count=1 -p "$p" -timeout 9m "$@" ./...) || status=1
   echo "=== module $m: $((SECONDS - start)) s"
 done
+
+# The examples are what users copy: idemvet (cmd/idemvet) must find nothing
+# in them that voids the guarantee.
+echo "=== idemvet on examples"
+vettool=$(mktemp -d)/idemvet
+(cd cmd/idemvet && go build -o "$vettool" .) && (cd examples && go vet -vettool="$vettool" ./...) || status=1
 exit $status

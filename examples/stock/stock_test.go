@@ -221,3 +221,13 @@ func mustBeginner(b inbox.TxBeginner, err error) inbox.TxBeginner {
 	}
 	return b
 }
+
+// The stock handler applies its effects once whatever fails where: each
+// statement, the commit, the ack (idempotencytest.Explore).
+func TestReserveOnceUnderFaults(t *testing.T) {
+	t.Parallel()
+	_, s := setup(t)
+	r := idempotencytest.Explore(t, s, placed(t, "o-explore"))
+	require.NotEmpty(t, r.Statements)
+	require.Empty(t, r.Divergences)
+}

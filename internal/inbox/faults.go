@@ -3,6 +3,7 @@ package inbox
 import (
 	"context"
 	"errors"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -107,3 +108,40 @@ func (r faultRow) Scan(dest ...any) error {
 	}
 	return r.after()
 }
+
+// SendBatch is one point: the batch's statements, before it is sent and
+// after its results are closed.
+func (t *faultTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	var sqls []string
+	for _, q := range b.QueuedQueries {
+		sqls = append(sqls, q.SQL)
+	}
+	text := strings.Join(sqls, "; ")
+	if err := t.hook(ctx, text, false); err != nil {
+		return errBatch{err: err}
+	}
+	return &faultBatch{BatchResults: t.Tx.SendBatch(ctx, b), after: func() error { return t.hook(ctx, text, true) }}
+}
+
+type faultBatch struct {
+	pgx.BatchResults
+	after func() error
+}
+
+func (r *faultBatch) Close() error {
+	if err := r.BatchResults.Close(); err != nil {
+		return err
+	}
+	return r.after()
+}
+
+// errBatch is the results of a batch a fault refused.
+type errBatch struct {
+	pgx.BatchResults
+	err error
+}
+
+func (e errBatch) Exec() (pgconn.CommandTag, error) { return pgconn.CommandTag{}, e.err }
+func (e errBatch) Query() (pgx.Rows, error)         { return nil, e.err }
+func (e errBatch) QueryRow() pgx.Row                { return errRow{err: e.err} }
+func (e errBatch) Close() error                     { return e.err }
