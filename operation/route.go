@@ -36,12 +36,11 @@ const (
 // the permanent error first) and outside the idempotent middleware (so the
 // attempt's transaction has rolled back and the event is not marked
 // processed: once the operation is resolved, the same event can be replayed
-// and completes with the recorded result): middleware.ChainConfig.AfterPoison.
+// and completes with the recorded result): middleware.ConsumerConfig.AfterPoison.
 //
 //	route, _ := operation.RouteUncertain(pub, "billing.reconcile", logger)
-//	cfg.AfterPoison = []message.HandlerMiddleware{route}
-//	chain, _ := middleware.NewChain(cfg, logger) // poison, route, retry, recoverer, idempotent
-//	router.AddMiddleware(chain...)
+//	cfg.AfterPoison = []message.HandlerMiddleware{route} // cfg: middleware.ConsumerConfig
+//	c, _ := middleware.NewConsumer(cfg, logger)          // poison, route, retry, recoverer, claim
 //
 // If the publish fails, the handler's outcome is replaced by a transient
 // error (the message is nacked and comes back; the operation is not called

@@ -170,7 +170,7 @@ func NewRunner(cfg Config, logger watermill.LoggerAdapter) (*Runner, error) {
 		if err != nil {
 			if errors.Is(err, ErrSharedSQLiteFile) {
 				return nil, fmt.Errorf("operation.Config.DB: the SQLite file %s is the database of an idempotent middleware "+
-					"(middleware.NewIdempotent) in this process, whose transactions hold its write lock while handlers call Do: "+
+					"(middleware.NewConsumer) in this process, whose transactions hold its write lock while handlers call Do: "+
 					"open operation.Config.DB on a database file of its own (for example %s next to it, with busy_timeout and WAL) "+
 					"and run Runner.Migrate there: %w", path, ownFileHint(path), err)
 			}

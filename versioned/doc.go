@@ -148,7 +148,7 @@
 // idempotent middleware's database; a failed write holds the message and
 // retries it instead of poisoning it). LatestFilterConfig.DisableRetireOnPoison
 // opts out; LatestFilter.RetireOnPoison does the same for a chain of your
-// own (middleware.ChainConfig.AfterPoison). A latest record naming
+// own (middleware.ConsumerConfig.AfterPoison). A latest record naming
 // a retired message makes nothing obsolete at that consumer: an older
 // message of the family that arrives afterwards and is newer than what was
 // applied is applied, whichever latest store holds the records (SQL or

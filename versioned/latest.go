@@ -93,7 +93,7 @@ var (
 	ErrFamilyInvalid error = &familyError{"versioned: invalid family metadata"}
 
 	// ErrNoTransaction is returned (wrapped) by the LatestFilter when the
-	// message's context holds no transaction (middleware.QuerierFromContext):
+	// message's context holds no transaction (middleware.TxFromContext):
 	// the filter is not inside the idempotent middleware. It is a
 	// configuration error, permanent like ErrFamilyInvalid.
 	ErrNoTransaction error = &familyError{"versioned: LatestFilter outside the idempotent middleware (no transaction in the message context)"}

@@ -13,7 +13,7 @@ import (
 const QueueTypeQuorum = "quorum"
 
 // DeadLetterConfig configures DeclareDeadLetter: where poisoned messages
-// (middleware.ChainConfig.PoisonPublisher / PoisonTopic) of a
+// (middleware.PoisonConfig.Publisher / Topic) of a
 // watermill-amqp consumer go.
 //
 // The obvious way, SubscribeInitialize(poisonTopic) on the consumer's own
@@ -46,7 +46,7 @@ type DeadLetterConfig struct {
 	// Connection.AmqpURI is required.
 	Subscriber wamqp.Config
 	// Topic is the poison topic: pass the same value as
-	// middleware.ChainConfig.PoisonTopic. Required; letters, digits, '-',
+	// middleware.PoisonConfig.Topic. Required; letters, digits, '-',
 	// '_', '.', ':' (at most 255 bytes, not starting with "amq.").
 	Topic string
 	// Queue names the dead-letter queue. Defaults to Topic.
@@ -155,7 +155,7 @@ func (c DeadLetterConfig) Declare(ch *amqp091.Channel) error {
 	return nil
 }
 
-// PoisonTopic is the topic to give middleware.ChainConfig.PoisonTopic with
+// PoisonTopic is the topic to give middleware.PoisonConfig.Topic with
 // the publisher of PoisonPublisherConfig or PublisherConfig: QueueName() in
 // the queue layout (the routing key on the default exchange), Topic in the
 // exchange layouts (a fanout exchange routes any key to the queue).
@@ -219,7 +219,7 @@ func (c DeadLetterConfig) PublisherConfig() wamqp.Config {
 //	dl := idamqp.DeadLetterConfig{Subscriber: sub, Topic: "stock.events.dlq", Quorum: true}
 //	pubCfg, err := idamqp.DeclareDeadLetter(dl)
 //	poison, err := idamqp.NewPoisonPublisher(pubCfg, logger)
-//	// middleware.ChainConfig{PoisonPublisher: poison, PoisonTopic: dl.PoisonTopic(), …}
+//	// middleware.ConsumerConfig{Poison: middleware.PoisonConfig{Publisher: poison, Topic: dl.PoisonTopic()}, …}
 func DeclareDeadLetter(cfg DeadLetterConfig) (PoisonPublisherConfig, error) {
 	if err := cfg.Validate(); err != nil {
 		return PoisonPublisherConfig{}, err

@@ -74,7 +74,7 @@ func (c PoisonPublisherConfig) Validate() error {
 }
 
 // PoisonPublisher is a message.Publisher for the poison (dead-letter) topic
-// of middleware.ChainConfig: Publish returns nil only once the broker has
+// of middleware.PoisonConfig: Publish returns nil only once the broker has
 // confirmed every message (publisher confirms) and routed it to a queue
 // (mandatory: an unroutable message comes back as basic.return, which is
 // ErrUnroutable, not success). watermill-amqp v3's Publisher, even with
