@@ -520,9 +520,9 @@ func TestLatestFilterLatestQuerier(t *testing.T) {
 	pub := e.publisher(&lfQueue{})
 	m1, m2 := lfSeqMsg(t, f, 1), lfSeqMsg(t, f, 2)
 	require.NoError(t, pub.Publish("t", m1, m2))
-	filter, err := versioned.NewLatestFilter(versioned.LatestFilterConfig{
-		Families: e.families, LatestDB: e.tg.Handle(), Consumer: "indexer", Recorder: e.counter,
-	}, nil)
+	filter, err := versioned.NewRecordedLatestFilter(versioned.LatestFilterConfig{
+		Families: e.families, LatestDB: e.tg.Handle(), Consumer: "indexer",
+	}, e.counter, nil)
 	require.NoError(t, err)
 	idem, err := inbox.NewIdempotent(inbox.Config{Beginner: e.beginner, Consumer: "indexer"}, nil)
 	require.NoError(t, err)

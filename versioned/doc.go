@@ -97,14 +97,14 @@
 // Consumer side: a LatestFilter runs inside the idempotent middleware's
 // transaction, directly around the handler:
 //
-//	PoisonQueue → Retry → Recoverer → Idempotent → LatestFilter → handler
+//	poison → retry → recoverer → claim (middleware.Consumer) → LatestFilter → handler
 //
 // It acks without calling the handler a message older than the family's
 // latest record ("obsolete"), and a message not newer than the last one this
 // consumer applied for the family ("stale"; the applied position is recorded
 // in the handler's transaction, so it commits or rolls back with the effect).
-// Both are marked with middleware.MarkStale and so logged and counted like
-// duplicates; a FilterRecorder (FilterCounter) counts them apart. Messages
+// They are reported to the consumer's Recorder as middleware.OutcomeObsolete
+// and middleware.OutcomeStale (the filter marks the attempt). Messages
 // without family metadata pass through untouched.
 //
 // Which store gives which guarantee:

@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
@@ -19,3 +20,28 @@ func (s *FamilyStore) PurgeBatch(ctx context.Context, q sqldb.Querier, horizon t
 
 func (s *FamilyStore) LatestTable() sqldb.Ident  { return s.latestTable() }
 func (s *FamilyStore) AppliedTable() sqldb.Ident { return s.appliedTable() }
+
+// The filter's own per-outcome counter, for tests.
+type (
+	FilterCounter     = filterCounter
+	FilterOutcome     = filterOutcome
+	FilterObservation = filterObservation
+)
+
+const (
+	FilterNoFamily = filterNoFamily
+	FilterHandled  = filterHandled
+	FilterObsolete = filterObsolete
+	FilterStale    = filterStale
+	FilterRejected = filterRejected
+	FilterFailed   = filterFailed
+)
+
+// NewRecordedLatestFilter is NewLatestFilter reporting every attempt to rec.
+func NewRecordedLatestFilter(cfg LatestFilterConfig, rec *FilterCounter, logger watermill.LoggerAdapter) (*LatestFilter, error) {
+	f, err := NewLatestFilter(cfg, logger)
+	if err == nil && rec != nil {
+		f.rec = rec
+	}
+	return f, err
+}

@@ -5,15 +5,16 @@ import (
 	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency"
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/idempotencytest"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
@@ -51,11 +52,10 @@ func ExampleNewLatestFilter() {
 
 	// Once, at start: the stores and their tables.
 	families, _ := versioned.NewFamilyStore(versioned.FamilyStoreConfig{})
-	store, _ := processedstore.NewStore(processedstore.Config{})
 	if err := families.Migrate(ctx, idempotency.Pgx(pool)); err != nil {
 		panic(err)
 	}
-	if err := store.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
+	if err := processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}); err != nil {
 		panic(err)
 	}
 
@@ -82,24 +82,29 @@ func ExampleNewLatestFilter() {
 		}
 	}
 
-	// Consumer: Idempotent → LatestFilter → handler.
-	counter := &versioned.FilterCounter{}
-	filter, _ := versioned.NewLatestFilter(versioned.LatestFilterConfig{Families: families, Consumer: "indexer", Recorder: counter}, nil)
-	beginner, _ := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
-	idem, _ := inbox.NewIdempotent(inbox.Config{
-		Beginner: beginner,
-		Consumer: "indexer",
+	// Consumer: the consumer's chain → LatestFilter → handler. Obsolete
+	// messages reach the consumer's Recorder as middleware.OutcomeObsolete.
+	outcomes := &idempotencytest.Outcomes{}
+	poison := gochannel.NewGoChannel(gochannel.Config{}, nil)
+	defer poison.Close()
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+		Consumer: "indexer", DB: idempotency.Pgx(pool), Recorder: outcomes,
+		Poison: middleware.PoisonConfig{Publisher: poison, Topic: "indexer.poison"},
 	}, nil)
-	handler := idem.Middleware(filter.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+	if err != nil {
+		panic(err)
+	}
+	filter, _ := versioned.NewLatestFilter(versioned.LatestFilterConfig{Families: families, Consumer: "indexer"}, nil)
+	s := idempotencytest.Subject{Consumer: c, Handler: filter.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		fmt.Println("indexed", msg.Metadata.Get(versioned.MetadataFamilyID), "at version", msg.Metadata.Get(versioned.MetadataFamilySeq))
 		return nil, nil
-	}))
+	})}
 	for _, msg := range broker.msgs {
-		if _, err := handler(msg); err != nil {
+		if _, err := idempotencytest.Deliver(s, msg); err != nil {
 			panic(err)
 		}
 	}
-	fmt.Println("skipped as obsolete:", counter.Count(versioned.FilterObsolete))
+	fmt.Println("skipped as obsolete:", outcomes.Count(middleware.OutcomeObsolete))
 	// Output:
 	// indexed p-1 at version 3
 	// skipped as obsolete: 2

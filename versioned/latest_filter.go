@@ -14,63 +14,63 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
-// FilterOutcome is what the LatestFilter did with one attempt.
-type FilterOutcome string
+// filterOutcome is what the LatestFilter did with one attempt.
+type filterOutcome string
 
 const (
-	// FilterNoFamily: the message has no family metadata; the handler was
+	// filterNoFamily: the message has no family metadata; the handler was
 	// called, the filter did nothing else.
-	FilterNoFamily FilterOutcome = "no_family"
-	// FilterHandled: the message is the newest of its family this consumer
+	filterNoFamily filterOutcome = "no_family"
+	// filterHandled: the message is the newest of its family this consumer
 	// has seen and no newer one is recorded; the handler was called, and its
 	// position recorded as applied in the same transaction.
-	FilterHandled FilterOutcome = "handled"
-	// FilterObsolete: a newer message of the family was published (the
+	filterHandled filterOutcome = "handled"
+	// filterObsolete: a newer message of the family was published (the
 	// latest record is newer): acked without calling the handler.
-	FilterObsolete FilterOutcome = "obsolete"
-	// FilterStale: the consumer already applied this message or a newer one
+	filterObsolete filterOutcome = "obsolete"
+	// filterStale: the consumer already applied this message or a newer one
 	// of the family: acked without calling the handler.
-	FilterStale FilterOutcome = "stale"
-	// FilterRejected: the family metadata is invalid, or the filter runs
+	filterStale filterOutcome = "stale"
+	// filterRejected: the family metadata is invalid, or the filter runs
 	// outside the idempotent middleware; a permanent error was returned.
-	FilterRejected FilterOutcome = "rejected"
-	// FilterFailed: the store failed; the error was returned (retried).
-	FilterFailed FilterOutcome = "failed"
+	filterRejected filterOutcome = "rejected"
+	// filterFailed: the store failed; the error was returned (retried).
+	filterFailed filterOutcome = "failed"
 )
 
-// FilterObservation is one attempt's outcome.
-type FilterObservation struct {
+// filterObservation is one attempt's outcome.
+type filterObservation struct {
 	// Consumer is the consumer name the applied record is kept under.
 	Consumer string
-	// Family is the message's family (zero for FilterNoFamily and some
-	// FilterRejected).
+	// Family is the message's family (zero for filterNoFamily and some
+	// filterRejected).
 	Family Family
 	// EventID is msg.UUID.
 	EventID string
 	// Outcome is what the filter did.
-	Outcome FilterOutcome
+	Outcome filterOutcome
 	// LatestUnknown is true when the latest record could not be read (a
 	// non-transactional store failed) and the message was let through on
 	// the applied check alone.
 	LatestUnknown bool
 }
 
-// FilterRecorder receives one FilterObservation per attempt (metrics);
+// filterRecorder receives one filterObservation per attempt (metrics);
 // implementations must be safe for concurrent use and fast.
-type FilterRecorder interface {
-	RecordFilter(FilterObservation)
+type filterRecorder interface {
+	RecordFilter(filterObservation)
 }
 
-// FilterCounter is a FilterRecorder that counts attempts per outcome. The
+// filterCounter is a filterRecorder that counts attempts per outcome. The
 // zero value is ready to use; safe for concurrent use.
-type FilterCounter struct {
+type filterCounter struct {
 	noFamily, handled, obsolete, stale, rejected, failed, latestUnknown atomic.Int64
 }
 
-var _ FilterRecorder = (*FilterCounter)(nil)
+var _ filterRecorder = (*filterCounter)(nil)
 
 // RecordFilter counts o.
-func (c *FilterCounter) RecordFilter(o FilterObservation) {
+func (c *filterCounter) RecordFilter(o filterObservation) {
 	if n := c.counter(o.Outcome); n != nil {
 		n.Add(1)
 	}
@@ -81,7 +81,7 @@ func (c *FilterCounter) RecordFilter(o FilterObservation) {
 
 // Count returns the number of attempts recorded with outcome o (0 for an
 // unknown outcome).
-func (c *FilterCounter) Count(o FilterOutcome) int64 {
+func (c *filterCounter) Count(o filterOutcome) int64 {
 	if n := c.counter(o); n != nil {
 		return n.Load()
 	}
@@ -90,21 +90,21 @@ func (c *FilterCounter) Count(o FilterOutcome) int64 {
 
 // LatestUnknown returns the number of attempts let through because the
 // latest record could not be read.
-func (c *FilterCounter) LatestUnknown() int64 { return c.latestUnknown.Load() }
+func (c *filterCounter) LatestUnknown() int64 { return c.latestUnknown.Load() }
 
-func (c *FilterCounter) counter(o FilterOutcome) *atomic.Int64 {
+func (c *filterCounter) counter(o filterOutcome) *atomic.Int64 {
 	switch o {
-	case FilterNoFamily:
+	case filterNoFamily:
 		return &c.noFamily
-	case FilterHandled:
+	case filterHandled:
 		return &c.handled
-	case FilterObsolete:
+	case filterObsolete:
 		return &c.obsolete
-	case FilterStale:
+	case filterStale:
 		return &c.stale
-	case FilterRejected:
+	case filterRejected:
 		return &c.rejected
-	case FilterFailed:
+	case filterFailed:
 		return &c.failed
 	}
 	return nil
@@ -136,9 +136,6 @@ type LatestFilterConfig struct {
 	// the message's context. With none, every message with a family fails
 	// with the permanent ErrNoConsumer.
 	Consumer string
-
-	// Recorder receives one observation per attempt. Defaults to none.
-	Recorder FilterRecorder
 
 	// DisableMarkStale keeps the filter from calling middleware.MarkObsolete
 	// (obsolete messages) and middleware.MarkStale (stale ones) for the
@@ -179,6 +176,7 @@ func (c LatestFilterConfig) Validate() error {
 type LatestFilter struct {
 	cfg    LatestFilterConfig
 	logger watermill.LoggerAdapter
+	rec    filterRecorder // tests only (export_test.go)
 	// oneTrip: the latest table is the applied table's store, read in the
 	// handler's transaction: one statement gives the whole verdict.
 	oneTrip bool
@@ -230,9 +228,9 @@ func NewLatestFilter(cfg LatestFilterConfig, logger watermill.LoggerAdapter) (*L
 //     handler's transaction, and h is called. If h fails, the transaction
 //     rolls back and the record with it, so a retry is not stale.
 //
-// Skipped messages (3, 4) are logged at debug level, reported to the
-// Recorder, and marked with middleware.MarkStale so that the idempotent
-// middleware records them like duplicates.
+// Skipped messages (3, 4) are logged at debug level and marked (obsolete,
+// stale) so that the consumer's Recorder counts them as
+// middleware.OutcomeObsolete and middleware.OutcomeStale.
 //
 // With the family store read in the handler's transaction, steps 3-5 cost
 // one statement on PostgreSQL, two (a read, then the applied upsert) on
@@ -251,11 +249,11 @@ func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		fam, pos, ok, err := FamilyOf(msg)
 		if err != nil {
-			f.record(FilterObservation{Family: fam, EventID: msg.UUID, Outcome: FilterRejected})
+			f.record(filterObservation{Family: fam, EventID: msg.UUID, Outcome: filterRejected})
 			return nil, err
 		}
 		if !ok {
-			f.record(FilterObservation{EventID: msg.UUID, Outcome: FilterNoFamily})
+			f.record(filterObservation{EventID: msg.UUID, Outcome: filterNoFamily})
 			return h(msg)
 		}
 		ctx := msg.Context()
@@ -266,15 +264,15 @@ func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if consumer == "" {
 			consumer = message.HandlerNameFromCtx(ctx)
 		}
-		obs := FilterObservation{Consumer: consumer, Family: fam, EventID: msg.UUID}
+		obs := filterObservation{Consumer: consumer, Family: fam, EventID: msg.UUID}
 		if consumer == "" {
-			obs.Outcome = FilterRejected
+			obs.Outcome = filterRejected
 			f.record(obs)
 			return nil, ErrNoConsumer
 		}
 		q, ok := inbox.QuerierFromContext(ctx)
 		if !ok {
-			obs.Outcome = FilterRejected
+			obs.Outcome = filterRejected
 			f.record(obs)
 			return nil, ErrNoTransaction
 		}
@@ -286,7 +284,7 @@ func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			v, err = f.twoSteps(msg, q, consumer, fam, pos, &obs)
 		}
 		if err != nil {
-			obs.Outcome = FilterFailed
+			obs.Outcome = filterFailed
 			f.record(obs)
 			return nil, err
 		}
@@ -299,9 +297,9 @@ func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		switch v {
 		case verdictObsolete, verdictStale:
-			obs.Outcome = FilterObsolete
+			obs.Outcome = filterObsolete
 			if v == verdictStale {
-				obs.Outcome = FilterStale
+				obs.Outcome = filterStale
 			}
 			f.record(obs)
 			if !f.cfg.DisableMarkStale {
@@ -314,7 +312,7 @@ func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			f.logger.Debug("Superseded message skipped", fields.Add(watermill.LogFields{"outcome": string(obs.Outcome)}))
 			return nil, nil
 		}
-		obs.Outcome = FilterHandled
+		obs.Outcome = filterHandled
 		f.record(obs)
 		f.logger.Trace("Latest message of its family handled", fields)
 		noteHandled(ctx, consumer, fam, pos) // for RetireOnPoison, latest_retire.go
@@ -327,7 +325,7 @@ func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 
 // twoSteps reads the latest record from a separate store, then records the
 // applied position in the handler's transaction.
-func (f *LatestFilter) twoSteps(msg *message.Message, q sqldb.Querier, consumer string, fam Family, pos Position, obs *FilterObservation) (verdict, error) {
+func (f *LatestFilter) twoSteps(msg *message.Message, q sqldb.Querier, consumer string, fam Family, pos Position, obs *filterObservation) (verdict, error) {
 	ctx := msg.Context()
 	lq := q
 	inTx := f.cfg.Latest.Transactional() && !hasDB(f.cfg.LatestDB)
@@ -363,9 +361,9 @@ func (f *LatestFilter) twoSteps(msg *message.Message, q sqldb.Querier, consumer 
 	return verdictHandle, nil
 }
 
-func (f *LatestFilter) record(o FilterObservation) {
-	if f.cfg.Recorder != nil {
-		f.cfg.Recorder.RecordFilter(o)
+func (f *LatestFilter) record(o filterObservation) {
+	if f.rec != nil {
+		f.rec.RecordFilter(o)
 	}
 }
 

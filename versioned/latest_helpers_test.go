@@ -214,12 +214,11 @@ func (e *lfEnv) publisher(q message.Publisher) *versioned.LatestPublisher {
 // filter builds a LatestFilter for consumer, recording into e.counter.
 func (e *lfEnv) filter(consumer string) *versioned.LatestFilter {
 	e.t.Helper()
-	f, err := versioned.NewLatestFilter(versioned.LatestFilterConfig{
+	f, err := versioned.NewRecordedLatestFilter(versioned.LatestFilterConfig{
 		Families: e.families,
 		Latest:   e.latest,
 		Consumer: consumer,
-		Recorder: e.counter,
-	}, watermill.NopLogger{})
+	}, e.counter, watermill.NopLogger{})
 	require.NoError(e.t, err)
 	return f
 }

@@ -56,9 +56,9 @@ func TestLatestFilterPoisonedLatestDoesNotFreezeFamily(t *testing.T) {
 					case "explicit":
 						after = append(after, filter.RetireOnPoison(e.tg.Handle()))
 					case "opt-out":
-						filter, err = versioned.NewLatestFilter(versioned.LatestFilterConfig{
-							Families: e.families, Latest: e.latest, Consumer: "crm", Recorder: e.counter, DisableRetireOnPoison: true,
-						}, nil)
+						filter, err = versioned.NewRecordedLatestFilter(versioned.LatestFilterConfig{
+							Families: e.families, Latest: e.latest, Consumer: "crm", DisableRetireOnPoison: true,
+						}, e.counter, nil)
 						require.NoError(t, err)
 					}
 					idem, err := inbox.NewIdempotent(inbox.Config{

@@ -93,6 +93,9 @@ type consumerSpec struct {
 	table        processed.Config // the processed-event table; zero: the default
 	// relayDest wraps the relay's destination (fault injection), optional.
 	relayDest func(message.Publisher) message.Publisher
+	// recorder wraps the run's recorder (the indexer counts its skips),
+	// optional.
+	recorder func(middleware.Recorder) middleware.Recorder
 }
 
 // billingRun is the billing service's state beside its two consumers.
@@ -466,7 +469,7 @@ func (d *demo) setupCatalogue(ctx context.Context) error {
 	if err := c.ix.MigrateDB(ctx, ixDB, processed.Config{}); err != nil {
 		return err
 	}
-	c.indexer, err = d.startConsumer(ctx, consumerSpec{consumer: indexer.Consumer, db: ixDB, schema: ixSchema, handler: c.ix.Handle})
+	c.indexer, err = d.startConsumer(ctx, consumerSpec{consumer: indexer.Consumer, db: ixDB, schema: ixSchema, handler: c.ix.Handle, recorder: c.ix.Recorder})
 	if err != nil {
 		return err
 	}
@@ -528,6 +531,10 @@ func (d *demo) startConsumer(ctx context.Context, s consumerSpec) (*consumerRun,
 	if d.cfg.IDAtReception {
 		mws = append(mws, idAtReception)
 	}
+	var rec middleware.Recorder = r.rec
+	if s.recorder != nil {
+		rec = s.recorder(rec)
+	}
 	cfg := shop.ServiceConfig{
 		Transport:  transport,
 		Consumer:   c,
@@ -540,7 +547,7 @@ func (d *demo) startConsumer(ctx context.Context, s consumerSpec) (*consumerRun,
 		Middleware: mws,
 		Idempotency: middleware.ConsumerConfig{
 			Table: s.table.Table, Layout: s.table.Layout, ReplayHorizon: replayHorizon(s.table),
-			Recorder: r.rec,
+			Recorder: rec,
 			Retry:    middleware.RetryConfig{InitialInterval: 20 * time.Millisecond, MaxInterval: time.Second},
 		},
 		Logger: d.logger,

@@ -139,11 +139,11 @@ type Stats struct {
 // Indexer is the consumer: Handle indexes the latest update of each product.
 // Safe for concurrent use.
 type Indexer struct {
-	index    *SearchIndex
-	families *versioned.FamilyStore
-	counter  *versioned.FilterCounter
-	handle   message.HandlerFunc
-	updates  atomic.Int64
+	index           *SearchIndex
+	families        *versioned.FamilyStore
+	obsolete, stale atomic.Int64
+	handle          message.HandlerFunc
+	updates         atomic.Int64
 }
 
 // NewIndexer validates cfg (on a copy with defaults applied).
@@ -161,13 +161,12 @@ func NewIndexer(cfg IndexerConfig) (*Indexer, error) {
 	if cfg.Consumer == "" {
 		cfg.Consumer = Consumer.Name
 	}
-	ix := &Indexer{index: cfg.Index, families: cfg.Families, counter: &versioned.FilterCounter{}}
+	ix := &Indexer{index: cfg.Index, families: cfg.Families}
 	filter, err := versioned.NewLatestFilter(versioned.LatestFilterConfig{
 		Families: cfg.Families,
 		Latest:   cfg.Latest,
 		LatestDB: cfg.LatestDB,
 		Consumer: cfg.Consumer,
-		Recorder: ix.counter,
 	}, cfg.Logger)
 	if err != nil {
 		return nil, err
@@ -226,8 +225,8 @@ func (ix *Indexer) put(msg *message.Message) ([]*message.Message, error) {
 func (ix *Indexer) Stats() Stats {
 	return Stats{
 		IndexUpdates:    ix.updates.Load(),
-		ObsoleteSkipped: ix.counter.Count(versioned.FilterObsolete),
-		StaleSkipped:    ix.counter.Count(versioned.FilterStale),
+		ObsoleteSkipped: ix.obsolete.Load(),
+		StaleSkipped:    ix.stale.Load(),
 	}
 }
 
@@ -269,4 +268,29 @@ func CheckLatest(index *SearchIndex, want map[string]int64) error {
 		diffs = append(diffs[:5], "…")
 	}
 	return fmt.Errorf("%w: %d differences: %s", ErrIndexBehind, n, strings.Join(diffs, "; "))
+}
+
+// Recorder returns the consumer's Recorder for the indexer: it counts the
+// updates the latest filter skipped (middleware.OutcomeObsolete and
+// OutcomeStale, which Stats reports) and hands every observation on to next
+// (nil: none). Set it as the indexer's middleware.ConsumerConfig.Recorder.
+func (ix *Indexer) Recorder(next middleware.Recorder) middleware.Recorder {
+	return skipCounter{ix: ix, next: next}
+}
+
+type skipCounter struct {
+	ix   *Indexer
+	next middleware.Recorder
+}
+
+func (c skipCounter) RecordOutcome(o middleware.Observation) {
+	switch o.Outcome {
+	case middleware.OutcomeObsolete:
+		c.ix.obsolete.Add(1)
+	case middleware.OutcomeStale:
+		c.ix.stale.Add(1)
+	}
+	if c.next != nil {
+		c.next.RecordOutcome(o)
+	}
 }

@@ -166,7 +166,7 @@ func startIndexer(t *testing.T, db *shopDB, ix *indexer.Indexer, broker *gochann
 	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
 		Consumer: indexer.Consumer.Name,
 		DB:       idempotency.Pgx(db.ixPool),
-		Recorder: rec,
+		Recorder: ix.Recorder(rec),
 		Poison:   middleware.PoisonConfig{Publisher: broker, Topic: "poison"},
 		Retry:    middleware.RetryConfig{InitialInterval: 5 * time.Millisecond, MaxInterval: 50 * time.Millisecond},
 	}, nil)
@@ -286,7 +286,7 @@ func TestIndexerOverRabbitMQ(t *testing.T) {
 		Pool:        db.ixPool,
 		Handler:     ix.Handle,
 		Workers:     2,
-		Idempotency: middleware.ConsumerConfig{Recorder: rec},
+		Idempotency: middleware.ConsumerConfig{Recorder: ix.Recorder(rec)},
 	})
 	require.NoError(t, err)
 	runInBackground(t, svc.Run, svc.Running(), svc.Close)
@@ -354,7 +354,7 @@ func TestIndexerProcessesOnlyTheLatestSQLite(t *testing.T) {
 	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
 		Consumer: indexer.Consumer.Name,
 		DB:       idempotency.SQL(ixDB, idempotency.SQLite),
-		Recorder: rec,
+		Recorder: ix.Recorder(rec),
 		Poison:   middleware.PoisonConfig{Publisher: poison, Topic: topic},
 		Retry:    middleware.RetryConfig{InitialInterval: 5 * time.Millisecond, MaxInterval: 50 * time.Millisecond},
 	}, nil)
