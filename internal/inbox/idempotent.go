@@ -520,6 +520,9 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	}
 	if err != nil {
 		err = attemptError(err, rollback(origCtx, tx), m.cfg.Classifier)
+		if statementsLost(err) {
+			resetStatements(origCtx, tx)
+		}
 		ended = true
 		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, err)
 	}

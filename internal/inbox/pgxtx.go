@@ -316,3 +316,29 @@ func (closedBatchResults) Close() error             { return pgx.ErrTxClosed }
 // Tx is pgx.BatchResults.Tx (pgx ≥ v5.12): the batch of a closed
 // transaction began no transaction.
 func (closedBatchResults) Tx() pgx.Tx { return nil }
+
+// statementsLost reports a 26000 (a prepared statement the session does not
+// know) or 42P05 (a name the session already has) anywhere in err: the
+// session's prepared statements changed under the client (a transaction
+// pooler sharing server connections, DISCARD ALL).
+func statementsLost(err error) bool {
+	var pg *pgconn.PgError
+	return errors.As(err, &pg) && (pg.Code == "26000" || pg.Code == "42P05")
+}
+
+// resetStatements forgets, after a failed attempt on pgx, every statement
+// prepared on the attempt's connection, in pgx's cache and on the server
+// (DEALLOCATE ALL): behind a pooler that shares server connections, a
+// handler statement that pgx caches under a name of its SQL (another
+// client's statement of the same SQL already holds that name there) would
+// otherwise fail the same way at every retry. The library's own claim
+// statements are prepared again on the next attempt (26000, once).
+func resetStatements(ctx context.Context, tx attemptTx) {
+	p, ok := tx.(*pgxTx)
+	if !ok || p.pc == nil || p.pc.IsClosed() {
+		return
+	}
+	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+	defer cancel()
+	_ = p.pc.DeallocateAll(c)
+}
