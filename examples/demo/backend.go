@@ -19,8 +19,8 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	_ "modernc.org/sqlite" // the pure-Go SQLite driver of the embedded backend
 
-	"github.com/watermill-idempotency/idempotency/examples/demo/faultproxy"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 )
 
 // The demo's two backends.

@@ -12,8 +12,8 @@ import (
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/nats-io/nats.go"
 
-	"github.com/watermill-idempotency/idempotency/examples/demo/faultproxy"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/marshaler/jetstream"
 )
 
