@@ -11,6 +11,18 @@
 // a message flagged [marshaler.MetadataMalformed], which the middleware
 // dead-letters once and acks.
 //
+// Consuming: [NewSubscriber] is the recommended configuration as code
+// (watermill-nats pkg/nats underneath, see [SubscriberConfig.WatermillConfig]):
+// a durable push consumer created by this package and never deleted by a
+// shutdown, explicit acks sent only after the attempt's outcome, a short
+// AckWait kept alive by in-progress acks while a handler holds a delivery,
+// and a watch that notices the durable consumer deleted or replaced under
+// the running service (jsm.go#101).
+//
+// Publishing: the outbox relay publishes with watermill-nats' publisher and
+// [Marshaler]; dead letters, redrives and replays with [CopyPublisher], which
+// gives each copy a Nats-Msg-Id of its own and reads the PubAck.
+//
 // Deduplication notes for JetStream:
 //
 //   - JetStream drops a publish whose Nats-Msg-Id header it already saw in the
