@@ -11,9 +11,8 @@
 // a message flagged [marshaler.MetadataMalformed], which the middleware
 // dead-letters once and acks.
 //
-// Consuming: [NewSubscriber] is the recommended configuration as code
-// (watermill-nats pkg/nats underneath, see [SubscriberConfig.WatermillConfig]):
-// a durable push consumer created by this package and never deleted by a
+// Consuming: [NewSubscriber] is the recommended configuration as code, a
+// message.Subscriber on nats.go's JetStream push subscriptions: a durable push consumer created by this package and never deleted by a
 // shutdown, explicit acks sent only after the attempt's outcome, a short
 // AckWait kept alive by in-progress acks while a handler holds a delivery,
 // and a watch that notices the durable consumer deleted or replaced under

@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wmnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/nats-io/nats.go"
 
@@ -32,9 +31,10 @@ const (
 )
 
 // SubscriberConfig configures [NewSubscriber], the recommended JetStream
-// subscriber: watermill-nats v2 pkg/nats on a durable push consumer that
-// this package creates (never the library, so it is never deleted), acked
-// only after the attempt's outcome.
+// subscriber: push subscriptions bound to a durable consumer that this
+// package creates when missing (nats.go deletes a durable it created itself
+// when the subscription is unsubscribed, which watermill-nats' Close does),
+// each delivery acked only after the attempt's outcome.
 type SubscriberConfig struct {
 	// URL of the NATS server. Required.
 	URL string
@@ -60,14 +60,15 @@ type SubscriberConfig struct {
 	// handler, the middleware's retries and hold). While it is held the
 	// subscriber sends an in-progress ack every AckWait/3, so a long hold
 	// needs no long AckWait; past MaxHold the delivery is given up (not
-	// acked) and JetStream redelivers it AckWait later. It is watermill-nats'
-	// AckWaitTimeout. Defaults to MaxHoldDefault; at least AckWait.
+	// acked) and JetStream redelivers it AckWait later. Defaults to
+	// MaxHoldDefault; at least AckWait.
 	MaxHold time.Duration
 	// MaxAckPending is the consumer's bound on deliveries awaiting an ack.
 	// Defaults to MaxAckPendingDefault.
 	MaxAckPending int
-	// SubscribersCount is the number of concurrent subscriptions (watermill-
-	// nats' SubscribersCount), each in the deliver group. Defaults to 1.
+	// SubscribersCount is the number of concurrent subscriptions, each in
+	// the deliver group (deliveries of one subscription are handed over one
+	// at a time). Defaults to 1.
 	SubscribersCount int
 	// CloseTimeout bounds Close's wait for deliveries in flight; those still
 	// held are not acked and come back AckWait later. Defaults to
@@ -152,56 +153,37 @@ func (c SubscriberConfig) Validate() error {
 	return nil
 }
 
-// WatermillConfig returns the watermill-nats subscription configuration the
-// subscriber runs with (defaults applied): manual, synchronous acks sent
-// only on the message's Ack or Nack (nats.ManualAck: without it nats.go acks
-// every delivery when watermill-nats' callback returns, also on Close, on a
-// timeout and on an Unmarshal error, before the handler finished); the
-// subscription bound to the durable consumer (nats.Bind: a consumer the
-// library created is deleted by its Unsubscribe, which watermill-nats calls
-// on Close); the deliver group named Durable; MaxHold as watermill-nats'
-// AckWaitTimeout. Deliveries are unmarshaled by [Marshaler] with Decoder.
-func (c SubscriberConfig) WatermillConfig() (wmnats.SubscriberSubscriptionConfig, error) {
-	c = c.withDefaults()
-	if err := c.Validate(); err != nil {
-		return wmnats.SubscriberSubscriptionConfig{}, err
-	}
-	return wmnats.SubscriberSubscriptionConfig{
-		Unmarshaler:      Marshaler{Decoder: c.Decoder},
-		SubscribersCount: c.SubscribersCount,
-		AckWaitTimeout:   c.MaxHold,
-		CloseTimeout:     c.CloseTimeout,
-		SubscribeTimeout: 30 * time.Second,
-		QueueGroupPrefix: c.Durable,
-		JetStream: wmnats.JetStreamConfig{
-			DurablePrefix:    c.Durable,
-			SubscribeOptions: []nats.SubOpt{nats.Bind(c.Stream, c.Durable), nats.ManualAck()},
-		},
-	}, nil
-}
-
 // Subscriber is the recommended JetStream subscriber (see
 // [SubscriberConfig]). It subscribes to one topic (the consumer's filter
 // subject).
+//
+// It runs its own push subscriptions on nats.go rather than watermill-nats'
+// Subscriber, whose loop it otherwise follows: watermill-nats v2.1.3 closes a
+// subscription's channel while nats.go callbacks may still be sending on it
+// (a data race, and a send on a closed channel when Subscribe's context ends
+// as a delivery arrives), and without nats.ManualAck nats.go acks each
+// delivery when that callback returns (on Close, on its AckWaitTimeout, on
+// an Unmarshal error), before the handler finished. Here a delivery is
+// acked (synchronously) on the message's Ack, nacked on its Nack, kept alive
+// by in-progress acks in between, and left unacked otherwise; the channel is
+// closed only after every callback returned.
 type Subscriber struct {
 	cfg    SubscriberConfig
 	logger watermill.LoggerAdapter
 	nc     *nats.Conn
 	js     nats.JetStreamContext
-	inner  *wmnats.Subscriber
+	m      Marshaler
 
 	losses atomic.Uint64
 	// onLookUp, set by tests before Subscribe, gets the ack floor the watch
 	// knows after each look-up.
 	onLookUp func(ackFloor uint64)
 
-	mu         sync.Mutex
-	subscribed bool
-	closed     bool
-
-	doneMu sync.Mutex     // guards done's closing against wg.Add
-	done   chan struct{}  // closed by Close: stops the watch and the progress acks
-	wg     sync.WaitGroup // the watch and the progress acks
+	mu     sync.Mutex
+	closed bool
+	sub    *subscription // nil before Subscribe
+	done   chan struct{} // closed by Close: stops the watch
+	wg     sync.WaitGroup
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)
@@ -210,8 +192,7 @@ var _ message.Subscriber = (*Subscriber)(nil)
 // is watermill.NopLogger.
 func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (*Subscriber, error) {
 	cfg = cfg.withDefaults()
-	wcfg, err := cfg.WatermillConfig()
-	if err != nil {
+	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
 	if logger == nil {
@@ -226,14 +207,7 @@ func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (*Subsc
 		nc.Close()
 		return nil, fmt.Errorf("jetstream: %w", err)
 	}
-	s := &Subscriber{cfg: cfg, logger: logger, nc: nc, js: js, done: make(chan struct{})}
-	wcfg.Unmarshaler = progressUnmarshaler{s: s, m: Marshaler{Decoder: cfg.Decoder}}
-	s.inner, err = wmnats.NewSubscriberWithNatsConn(nc, wcfg, logger)
-	if err != nil {
-		nc.Close()
-		return nil, err
-	}
-	return s, nil
+	return &Subscriber{cfg: cfg, logger: logger, nc: nc, js: js, m: Marshaler{Decoder: cfg.Decoder}, done: make(chan struct{})}, nil
 }
 
 // ConsumerLosses is the number of times the durable consumer was found
@@ -241,34 +215,160 @@ func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (*Subsc
 func (s *Subscriber) ConsumerLosses() uint64 { return s.losses.Load() }
 
 // Subscribe creates the durable consumer when missing (or checks the
-// existing one) and subscribes to topic through it. It may be called once.
+// existing one) and subscribes to topic through it: SubscribersCount
+// subscriptions bound to it (nats.Bind: never deleted by their
+// Unsubscribe) in its deliver group, with manual acks. The channel closes
+// when ctx ends, on Close, or when the consumer was replaced under the
+// subscriber. It may be called once.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
 		return nil, errors.New("jetstream: subscriber closed")
 	}
-	if s.subscribed {
+	if s.sub != nil {
 		return nil, errors.New("jetstream: Subscriber subscribes to one topic; use one Subscriber (and Durable) per topic")
 	}
 	ci, err := s.ensureConsumer(topic)
 	if err != nil {
 		return nil, err
 	}
-	subCtx, cancel := context.WithCancel(ctx)
-	out, err := s.inner.Subscribe(subCtx, topic)
-	if err != nil {
-		cancel()
-		return nil, err
+	sub := &subscription{
+		s: s, ctx: ctx, out: make(chan *message.Message),
+		stop: make(chan struct{}), abandon: make(chan struct{}), ended: make(chan struct{}),
+		fields: watermill.LogFields{"stream": s.cfg.Stream, "durable": s.cfg.Durable, "topic": topic},
 	}
-	s.subscribed = true
-	s.wg.Add(1)
+	for range s.cfg.SubscribersCount {
+		ns, err := s.js.QueueSubscribe(topic, s.cfg.Durable, sub.handle, nats.Bind(s.cfg.Stream, s.cfg.Durable), nats.ManualAck())
+		if err != nil {
+			sub.end(0)
+			return nil, fmt.Errorf("jetstream: subscribe to %q: %w", topic, err)
+		}
+		sub.subs = append(sub.subs, ns)
+	}
+	s.sub = sub
+	s.wg.Add(2)
 	go func() {
 		defer s.wg.Done()
-		defer cancel()
-		s.watch(subCtx, cancel, topic, ci)
+		select {
+		case <-ctx.Done():
+			sub.end(0)
+		case <-sub.ended:
+		}
 	}()
-	return out, nil
+	go func() {
+		defer s.wg.Done()
+		s.watch(ctx, sub, topic, ci)
+	}()
+	return sub.out, nil
+}
+
+// subscription is one Subscribe's nats.go subscriptions and channel.
+type subscription struct {
+	s      *Subscriber
+	ctx    context.Context
+	subs   []*nats.Subscription
+	out    chan *message.Message
+	fields watermill.LogFields
+
+	mu       sync.Mutex
+	stopping bool
+	inFlight sync.WaitGroup // callbacks; Add under mu while !stopping
+
+	stop    chan struct{} // closed first by end: no new delivery reaches out
+	abandon chan struct{} // closed by end when its wait is over: unacked deliveries are left
+	endOnce sync.Once
+	ended   chan struct{} // closed once out is closed
+}
+
+// end stops the subscription: no new deliveries, wait (at most wait) for
+// the ones with handlers to be acked or nacked, leave the rest unacked,
+// close the channel. Safe to call several times and concurrently.
+func (sub *subscription) end(wait time.Duration) {
+	sub.endOnce.Do(func() {
+		sub.mu.Lock()
+		sub.stopping = true
+		sub.mu.Unlock()
+		close(sub.stop)
+		for _, ns := range sub.subs {
+			// Bound: the consumer is kept. A closed connection has dropped
+			// the subscription already.
+			if err := ns.Unsubscribe(); err != nil && !errors.Is(err, nats.ErrConnectionClosed) {
+				sub.s.logger.Error("JetStream unsubscribe failed", err, sub.fields)
+			}
+		}
+		finished := make(chan struct{})
+		go func() { sub.inFlight.Wait(); close(finished) }()
+		select {
+		case <-finished:
+		case <-time.After(wait):
+			close(sub.abandon)
+			<-finished
+		}
+		close(sub.out)
+		close(sub.ended)
+	})
+	<-sub.ended
+}
+
+// handle is the nats.go callback of one delivery: it hands the message to
+// the channel and settles the delivery with the message's outcome.
+func (sub *subscription) handle(nm *nats.Msg) {
+	sub.mu.Lock()
+	if sub.stopping {
+		sub.mu.Unlock()
+		return // not acked: redelivered after AckWait
+	}
+	sub.inFlight.Add(1)
+	sub.mu.Unlock()
+	defer sub.inFlight.Done()
+
+	s := sub.s
+	msg, _ := s.m.Unmarshal(nm) // never fails
+	fields := sub.fields.Add(watermill.LogFields{"message_uuid": msg.UUID})
+	ctx, cancel := context.WithCancel(sub.ctx)
+	defer cancel()
+	msg.SetContext(ctx)
+
+	select {
+	case sub.out <- msg:
+	case <-sub.stop:
+		return
+	case <-ctx.Done():
+		return
+	}
+	tick := time.NewTicker(s.cfg.AckWait / 3)
+	defer tick.Stop()
+	hold := time.NewTimer(s.cfg.MaxHold)
+	defer hold.Stop()
+	for {
+		select {
+		case <-msg.Acked():
+			if err := nm.AckSync(); err != nil {
+				s.logger.Error("JetStream ack failed; the delivery comes back", err, fields)
+			}
+			return
+		case <-msg.Nacked():
+			if err := nm.Nak(); err != nil {
+				s.logger.Error("JetStream nak failed; the delivery comes back after AckWait", err, fields)
+			}
+			return
+		case <-tick.C:
+			if err := nm.InProgress(); err != nil {
+				s.logger.Info("JetStream in-progress ack failed", fields.Add(watermill.LogFields{"err": err}))
+				if errors.Is(err, nats.ErrConnectionClosed) {
+					return // no ack can be sent any more
+				}
+			}
+		case <-hold.C:
+			s.logger.Error("JetStream delivery held past MaxHold, left unacked", nil, fields.Add(watermill.LogFields{"max_hold": s.cfg.MaxHold}))
+			return
+		case <-sub.abandon:
+			return
+		case <-ctx.Done():
+			return
+		}
+	}
 }
 
 func (s *Subscriber) consumerConfig(topic, deliverSubject string) *nats.ConsumerConfig {
@@ -329,7 +429,7 @@ func (s *Subscriber) checkConsumer(ci *nats.ConsumerInfo, topic string) error {
 
 // watch looks the durable consumer up every WatchInterval until the
 // subscription ends. ci is the consumer the subscription is bound to.
-func (s *Subscriber) watch(ctx context.Context, cancel context.CancelFunc, topic string, ci *nats.ConsumerInfo) {
+func (s *Subscriber) watch(ctx context.Context, sub *subscription, topic string, ci *nats.ConsumerInfo) {
 	fields := watermill.LogFields{"stream": s.cfg.Stream, "durable": s.cfg.Durable}
 	deliver, created, ackFloor := ci.Config.DeliverSubject, ci.Created, ci.AckFloor.Stream
 	t := time.NewTicker(s.cfg.WatchInterval)
@@ -339,6 +439,8 @@ func (s *Subscriber) watch(ctx context.Context, cancel context.CancelFunc, topic
 		case <-ctx.Done():
 			return
 		case <-s.done:
+			return
+		case <-sub.ended:
 			return
 		case <-t.C:
 		}
@@ -372,7 +474,7 @@ func (s *Subscriber) watch(ctx context.Context, cancel context.CancelFunc, topic
 				lost = fmt.Errorf("%w: %w", ErrConsumerLost, err)
 			}
 			s.lost(ConsumerLost{Stream: s.cfg.Stream, Durable: s.cfg.Durable, Recreated: true, Err: lost}, fields)
-			cancel() // watermill-nats unsubscribes (a bound consumer is kept) and closes the channel
+			go sub.end(s.cfg.CloseTimeout) // the deliveries in hand may still be acked
 			return
 		}
 		ackFloor = max(ackFloor, cur.AckFloor.Stream)
@@ -395,9 +497,9 @@ func (s *Subscriber) lost(l ConsumerLost, fields watermill.LogFields) {
 	}
 }
 
-// Close ends the subscription: deliveries not acked within CloseTimeout are
-// left unacked (JetStream redelivers them AckWait later); the durable
-// consumer is kept.
+// Close ends the subscription: no new deliveries; those with handlers get
+// CloseTimeout to be acked or nacked, the others are left unacked
+// (JetStream redelivers them AckWait later); the durable consumer is kept.
 func (s *Subscriber) Close() error {
 	s.mu.Lock()
 	if s.closed {
@@ -405,66 +507,13 @@ func (s *Subscriber) Close() error {
 		return nil
 	}
 	s.closed = true
+	sub := s.sub
 	s.mu.Unlock()
-	err := s.inner.Close() // progress acks go on while it waits for deliveries in flight
-	s.doneMu.Lock()
+	if sub != nil {
+		sub.end(s.cfg.CloseTimeout)
+	}
 	close(s.done)
-	s.doneMu.Unlock()
 	s.wg.Wait()
 	s.nc.Close()
-	return err
-}
-
-// progressUnmarshaler decodes with m and keeps each JetStream delivery's ack
-// deadline alive (an in-progress ack every AckWait/3) until the message is
-// acked or nacked, MaxHold has passed, or the subscriber closes.
-// watermill-nats gives the *nats.Msg only to the Unmarshaler, so that is
-// where the delivery is taken hold of.
-type progressUnmarshaler struct {
-	s *Subscriber
-	m Marshaler
-}
-
-func (p progressUnmarshaler) Unmarshal(nm *nats.Msg) (*message.Message, error) {
-	msg, _ := p.m.Unmarshal(nm)
-	if nm == nil || nm.Reply == "" {
-		return msg, nil
-	}
-	p.s.doneMu.Lock()
-	defer p.s.doneMu.Unlock()
-	select {
-	case <-p.s.done:
-		return msg, nil // watermill-nats discards it
-	default:
-	}
-	p.s.wg.Add(1)
-	go func() {
-		defer p.s.wg.Done()
-		p.s.keepInProgress(nm, msg)
-	}()
-	return msg, nil
-}
-
-func (s *Subscriber) keepInProgress(nm *nats.Msg, msg *message.Message) {
-	tick := time.NewTicker(s.cfg.AckWait / 3)
-	defer tick.Stop()
-	hold := time.NewTimer(s.cfg.MaxHold)
-	defer hold.Stop()
-	for {
-		select {
-		case <-msg.Acked():
-			return
-		case <-msg.Nacked():
-			return
-		case <-hold.C:
-			return
-		case <-s.done:
-			return
-		case <-tick.C:
-			if err := nm.InProgress(); err != nil {
-				s.logger.Info("JetStream in-progress ack failed", watermill.LogFields{"message_uuid": msg.UUID, "err": err})
-				return
-			}
-		}
-	}
+	return nil
 }

@@ -101,9 +101,10 @@ func consumerInfo(t *testing.T, js nats.JetStreamContext, stream, durable string
 
 func TestSubscriberConfigValidate(t *testing.T) {
 	t.Parallel()
-	ok := SubscriberConfig{URL: "nats://x", Stream: "s", Durable: "d"}
-	_, err := ok.WatermillConfig()
-	require.NoError(t, err)
+	ok := SubscriberConfig{URL: "nats://x", Stream: "s", Durable: "d"}.withDefaults()
+	require.NoError(t, ok.Validate())
+	require.Equal(t, AckWaitDefault, ok.AckWait)
+	require.Equal(t, MaxHoldDefault, ok.MaxHold)
 	for name, c := range map[string]SubscriberConfig{
 		"no url":           {Stream: "s", Durable: "d"},
 		"no stream":        {URL: "u", Durable: "d"},
@@ -112,18 +113,10 @@ func TestSubscriberConfigValidate(t *testing.T) {
 		"hold < ack wait":  {URL: "u", Stream: "s", Durable: "d", AckWait: time.Minute, MaxHold: time.Second},
 		"negative pending": {URL: "u", Stream: "s", Durable: "d", MaxAckPending: -1},
 	} {
-		_, err := c.WatermillConfig()
-		require.Error(t, err, name)
-		_, err = NewSubscriber(c, nil)
+		require.Error(t, c.withDefaults().Validate(), name)
+		_, err := NewSubscriber(c, nil)
 		require.Error(t, err, name)
 	}
-	w, err := ok.WatermillConfig()
-	require.NoError(t, err)
-	require.Equal(t, MaxHoldDefault, w.AckWaitTimeout, "watermill-nats gives a delivery up after MaxHold")
-	require.Equal(t, "d", w.QueueGroupPrefix)
-	require.Equal(t, "d", w.JetStream.DurablePrefix)
-	require.False(t, w.JetStream.TrackMsgId, "TrackMsgId would replace Marshaler's Nats-Msg-Id")
-	require.Len(t, w.JetStream.SubscribeOptions, 2) // Bind, ManualAck
 }
 
 // TestWatermillNATSDeletesTheDurableItCreated pins the trap SubscriberConfig
