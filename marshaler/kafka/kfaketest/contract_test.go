@@ -29,15 +29,21 @@ func TestKafkaContract(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(c.Close)
 	brokers := c.ListenAddrs()
+	transporttest.Run(t, kfakeTransport(brokers, 1))
+}
+
+// kfakeTransport is kfake as a transporttest.Transport: a topic of its own
+// with partitions partitions per NewTopic, consumed by group <topic>_g.
+func kfakeTransport(brokers []string, partitions int32) transporttest.Transport {
 	var n atomic.Int32
-	transporttest.Run(t, transporttest.Transport{
+	return transporttest.Transport{
 		Name: "kafka-kfake",
 		NewTopic: func(t *testing.T) transporttest.Topic {
 			name := fmt.Sprintf("contract_%d_%s", n.Add(1), watermill.NewShortUUID())
 			group := name + "_g"
 			admin, err := sarama.NewClusterAdmin(brokers, saramaConfig())
 			require.NoError(t, err)
-			require.NoError(t, admin.CreateTopic(name, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false))
+			require.NoError(t, admin.CreateTopic(name, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false))
 			require.NoError(t, admin.Close())
 			pub := newPublisher(t, brokers)
 			producer, err := sarama.NewSyncProducer(brokers, func() *sarama.Config {
@@ -52,13 +58,7 @@ func TestKafkaContract(t *testing.T) {
 				Name:      name,
 				Publisher: pub,
 				NewSubscriber: func(t *testing.T, _ string) message.Subscriber {
-					sub, err := wmkafka.NewSubscriber(wmkafka.SubscriberConfig{
-						Brokers: brokers, Unmarshaler: kafka.Marshaler{}, ConsumerGroup: group,
-						OverwriteSaramaConfig: saramaConfig(),
-					}, testLogger)
-					require.NoError(t, err)
-					t.Cleanup(func() { _ = sub.Close() })
-					return sub
+					return groupSubscriber(t, brokers, group)
 				},
 				PublishRaw: func(t *testing.T, body []byte) {
 					_, _, err := producer.SendMessage(&sarama.ProducerMessage{Topic: name, Value: sarama.ByteEncoder(body)})
@@ -66,5 +66,16 @@ func TestKafkaContract(t *testing.T) {
 				},
 			}
 		},
-	})
+	}
+}
+
+func groupSubscriber(t *testing.T, brokers []string, group string) *wmkafka.Subscriber {
+	t.Helper()
+	sub, err := wmkafka.NewSubscriber(wmkafka.SubscriberConfig{
+		Brokers: brokers, Unmarshaler: kafka.Marshaler{}, ConsumerGroup: group,
+		OverwriteSaramaConfig: saramaConfig(),
+	}, testLogger)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	return sub
 }
