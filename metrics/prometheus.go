@@ -34,13 +34,13 @@ import (
 // DefaultNamespace prefixes every metric name.
 const DefaultNamespace = "idempotency"
 
-// Default duration buckets: DefaultBucketCount bounds from
-// DefaultBucketStart, each DefaultBucketFactor times the previous one
+// Default duration buckets: bucketCount bounds from bucketStart, each
+// bucketFactor times the previous one
 // (10 µs … about 5.2 s).
 const (
-	DefaultBucketStart  = 10 * time.Microsecond
-	DefaultBucketFactor = 2.0
-	DefaultBucketCount  = 20
+	bucketStart  = 10 * time.Microsecond
+	bucketFactor = 2.0
+	bucketCount  = 20
 )
 
 // NoHandlerName is the handler_name label of an attempt outside a Watermill
@@ -48,10 +48,10 @@ const (
 const NoHandlerName = "<no handler>"
 
 // DefaultBuckets returns the default bounds of the duration histograms, in
-// seconds: prometheus.ExponentialBuckets(DefaultBucketStart,
-// DefaultBucketFactor, DefaultBucketCount). A new slice on every call.
+// seconds: 20 bounds from 10 µs, each twice the previous one (10 µs to
+// about 5.2 s). A new slice on every call.
 func DefaultBuckets() []float64 {
-	return prometheus.ExponentialBuckets(DefaultBucketStart.Seconds(), DefaultBucketFactor, DefaultBucketCount)
+	return prometheus.ExponentialBuckets(bucketStart.Seconds(), bucketFactor, bucketCount)
 }
 
 // Config configures NewPrometheus.

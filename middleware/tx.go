@@ -32,9 +32,6 @@ func PublisherFromContext(ctx context.Context) (pub message.Publisher, ok bool) 
 	return inbox.PublisherFromContext(ctx)
 }
 
-// ConsumerFromContext returns the consumer name of the running attempt.
-func ConsumerFromContext(ctx context.Context) (string, bool) { return inbox.ConsumerFromContext(ctx) }
-
 // MarkStale records that the handler found the message stale (a versioned
 // upsert that applied nothing): the attempt commits and is counted as
 // OutcomeStale. It reports whether ctx is an attempt's.

@@ -147,8 +147,7 @@
 // outside the failed transaction, on LatestFilterConfig.RetireDB or the
 // idempotent middleware's database; a failed write holds the message and
 // retries it instead of poisoning it). LatestFilterConfig.DisableRetireOnPoison
-// opts out; LatestFilter.RetireOnPoison does the same for a chain of your
-// own (middleware.ConsumerConfig.AfterPoison). A latest record naming
+// opts out. A latest record naming
 // a retired message makes nothing obsolete at that consumer: an older
 // message of the family that arrives afterwards and is newer than what was
 // applied is applied, whichever latest store holds the records (SQL or

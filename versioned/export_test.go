@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
@@ -44,4 +46,9 @@ func NewRecordedLatestFilter(cfg LatestFilterConfig, rec *FilterCounter, logger 
 		f.rec = rec
 	}
 	return f, err
+}
+
+// RetireOnPoison is the retirement as a middleware of a chain of one's own.
+func (f *LatestFilter) RetireOnPoison(db idempotency.DB) message.HandlerMiddleware {
+	return f.retireOnPoisonMiddleware(db)
 }

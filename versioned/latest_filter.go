@@ -132,7 +132,7 @@ type LatestFilterConfig struct {
 
 	// Consumer names the consumer whose applied positions are recorded.
 	// Defaults to the consumer the idempotent middleware claimed with
-	// (middleware.ConsumerFromContext), else the Watermill handler name of
+	// (the consumer attaching the filter), else the Watermill handler name of
 	// the message's context. With none, every message with a family fails
 	// with the permanent ErrNoConsumer.
 	Consumer string
@@ -315,7 +315,7 @@ func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		obs.Outcome = filterHandled
 		f.record(obs)
 		f.logger.Trace("Latest message of its family handled", fields)
-		noteHandled(ctx, consumer, fam, pos) // for RetireOnPoison, latest_retire.go
+		noteHandled(ctx, consumer, fam, pos) // for the poison step, latest_retire.go
 		if !f.cfg.DisableRetireOnPoison {
 			f.retireOnPoison(ctx, msg.UUID, consumer, fam, pos)
 		}

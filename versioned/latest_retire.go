@@ -18,7 +18,7 @@ import (
 // a consumer, it will never be applied there, and without more the latest
 // record would keep making every older message of the family obsolete: the
 // family would stay frozen at that consumer behind a message that no longer
-// exists. LatestFilter.RetireOnPoison records the poisoned position in the
+// exists. the consumer's chain (or retireOnPoisonMiddleware) records the poisoned position in the
 // retired table (the applied table's name + "_retired", same schema) of the
 // consumer's database; the filter's verdict then ignores a latest record that
 // names a retired message, so an older message that arrives later is judged
@@ -48,7 +48,7 @@ func (s *FamilyStore) retiredTable() sqldb.Ident { return s.retired }
 // it must commit on its own, outside the failed handler transaction), that
 // the message at pos of family f will never be applied by consumer (it was
 // poisoned). The retired position only moves forward. LatestFilter's
-// RetireOnPoison calls it; call it directly when a message of a family is
+// The poison step calls it; call it directly when a message of a family is
 // discarded by other means.
 func (s *FamilyStore) retire(ctx context.Context, q sqldb.Querier, consumer string, f Family, pos Position) error {
 	if consumer == "" {
@@ -72,7 +72,7 @@ func (s *FamilyStore) isRetired(ctx context.Context, q sqldb.Querier, consumer s
 	return retired, nil
 }
 
-// handledNote is where the filter, inside the chain, tells RetireOnPoison,
+// handledNote is where the filter, inside the chain, tells the poison step,
 // outside it, which family message went to the handler.
 type handledNote struct {
 	set      bool
@@ -83,7 +83,7 @@ type handledNote struct {
 
 type handledNoteKey struct{}
 
-// noteHandled records, for RetireOnPoison, that the filter let the message
+// noteHandled records, for the poison step, that the filter let the message
 // at pos of fam through to the handler for consumer.
 func noteHandled(ctx context.Context, consumer string, fam Family, pos Position) {
 	if n, ok := ctx.Value(handledNoteKey{}).(*handledNote); ok {
@@ -91,7 +91,7 @@ func noteHandled(ctx context.Context, consumer string, fam Family, pos Position)
 	}
 }
 
-// RetireOnPoison returns the middleware that retires a family message when
+// retireOnPoisonMiddleware returns the middleware that retires a family message when
 // it is about to be poisoned. The filter does this by default inside the
 // library's chain (LatestFilterConfig.RetireDB); use this
 // middleware where the poison decision is made by a chain of your own: put
@@ -113,7 +113,7 @@ func noteHandled(ctx context.Context, consumer string, fam Family, pos Position)
 //
 // Messages dropped as obsolete while the latest message was still being
 // retried (before it was poisoned) are not brought back: they were acked.
-func (f *LatestFilter) RetireOnPoison(db idempotency.DB) message.HandlerMiddleware {
+func (f *LatestFilter) retireOnPoisonMiddleware(db idempotency.DB) message.HandlerMiddleware {
 	var q sqldb.Querier
 	if h, err := sqldb.HandleOf(db); err == nil {
 		q = h.Querier()

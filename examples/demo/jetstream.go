@@ -14,7 +14,6 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/examples/shop"
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
-	"github.com/watermill-idempotency/idempotency/marshaler/jetstream"
 )
 
 // backendJetStream is PostgreSQL (DATABASE_URL) and NATS JetStream
@@ -79,7 +78,7 @@ func (b *jetstreamBroker) publishRaw(ctx context.Context, key, id string, body [
 	subject := b.t.Subject(key)
 	m := &nats.Msg{Subject: subject, Data: body, Header: nats.Header{}}
 	m.Header.Set(wmnats.WatermillUUIDHdr, id)
-	m.Header.Set(nats.MsgIdHdr, jetstream.MsgID(id, subject))
+	m.Header.Set(nats.MsgIdHdr, id+":"+subject /* the adapter's Nats-Msg-Id */)
 	_, err := b.js.PublishMsg(m, nats.Context(ctx))
 	return err
 }

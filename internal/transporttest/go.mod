@@ -22,6 +22,7 @@ require (
 	github.com/stretchr/testify v1.12.1
 	github.com/watermill-idempotency/idempotency v0.0.0-00010101000000-000000000000
 	github.com/watermill-idempotency/idempotency/examples v0.0.0-00010101000000-000000000000
+	github.com/watermill-idempotency/idempotency/marshaler/amqp v0.0.0-00010101000000-000000000000
 	github.com/watermill-idempotency/idempotency/marshaler/jetstream v0.0.0-00010101000000-000000000000
 	github.com/watermill-idempotency/idempotency/marshaler/redisstream v0.0.0-00010101000000-000000000000
 )
@@ -48,7 +49,6 @@ require (
 	github.com/pkg/errors v0.9.1 // indirect
 	github.com/sony/gobreaker v1.0.0 // indirect
 	github.com/vmihailenco/msgpack v4.0.4+incompatible // indirect
-	github.com/watermill-idempotency/idempotency/marshaler/amqp v0.0.0-00010101000000-000000000000 // indirect
 	go.uber.org/atomic v1.11.0 // indirect
 	go.yaml.in/yaml/v3 v3.0.5 // indirect
 	golang.org/x/crypto v0.41.0 // indirect

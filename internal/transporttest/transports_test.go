@@ -153,10 +153,10 @@ func TestJetStream(t *testing.T) {
 				Name:      name,
 				Publisher: pub,
 				NewSubscriber: func(t *testing.T, addr string) message.Subscriber {
-					sub, err := wmnats.NewSubscriber(wmnats.SubscriberConfig{
-						URL: "nats://" + addr, QueueGroupPrefix: group, SubscribersCount: 1,
-						AckWaitTimeout: 5 * time.Second, CloseTimeout: 5 * time.Second,
-						Unmarshaler: jetstream.Marshaler{}, JetStream: jsCfg,
+					// The recommended subscriber, on the consumer made above.
+					sub, err := jetstream.NewSubscriber(jetstream.SubscriberConfig{
+						URL: "nats://" + addr, Stream: name, Durable: group,
+						AckWait: time.Second, CloseTimeout: 5 * time.Second,
 						NatsOptions: []nats.Option{nats.ReconnectWait(100 * time.Millisecond)},
 					}, watermill.NopLogger{})
 					require.NoError(t, err)

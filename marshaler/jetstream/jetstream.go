@@ -11,6 +11,17 @@
 // a message flagged [marshaler.MetadataMalformed], which the middleware
 // dead-letters once and acks.
 //
+// Consuming: [NewSubscriber] is the recommended configuration as code, a
+// message.Subscriber on nats.go's JetStream push subscriptions: a durable push consumer created by this package and never deleted by a
+// shutdown, explicit acks sent only after the attempt's outcome, a short
+// AckWait kept alive by in-progress acks while a handler holds a delivery,
+// and a watch that notices the durable consumer deleted or replaced under
+// the running service (jsm.go#101).
+//
+// Publishing: the outbox relay publishes with watermill-nats' publisher and
+// [Marshaler]; dead letters, redrives and replays with [CopyPublisher], which
+// gives each copy a Nats-Msg-Id of its own and reads the PubAck.
+//
 // Deduplication notes for JetStream:
 //
 //   - JetStream drops a publish whose Nats-Msg-Id header it already saw in the
@@ -80,16 +91,16 @@ var skippedHeaders = map[string]bool{
 	nats.ExpectedLastSeqHdr:     true,
 }
 
-// MsgID returns the Nats-Msg-Id Marshal sets for an event published to
+// msgID returns the Nats-Msg-Id Marshal sets for an event published to
 // subject: "<event id>:<subject>".
-func MsgID(eventID, subject string) string { return eventID + ":" + subject }
+func msgID(eventID, subject string) string { return eventID + ":" + subject }
 
 // Marshal turns msg into a NATS message for subject topic.
 //
 // The body and headers are those of [marshaler.EncodeMessage] (one header
 // value per metadata key). For an ordinary message it also sets
 // _watermill_message_uuid (watermill-nats' UUID header) to the canonical
-// event id and Nats-Msg-Id to [MsgID](event id, topic), for JetStream's
+// event id and Nats-Msg-Id to "<event id>:<topic>", for JetStream's
 // duplicate window (see the package doc). A message flagged malformed (a
 // dead-letter copy) gets no Nats-Msg-Id (the broker must not drop it) and its
 // UUID, which identifies the copy and no event, in _watermill_message_uuid;
@@ -109,7 +120,7 @@ func (m Marshaler) Marshal(topic string, msg *message.Message) (*nats.Msg, error
 	if _, malformed := marshaler.Malformed(msg); !malformed {
 		id, _ := marshaler.ParseEventID(msg.UUID) // EncodeMessage checked it
 		hdr.Set(wmnats.WatermillUUIDHdr, id.String())
-		hdr.Set(nats.MsgIdHdr, MsgID(id.String(), topic))
+		hdr.Set(nats.MsgIdHdr, msgID(id.String(), topic))
 	} else if msg.UUID != "" {
 		hdr.Set(wmnats.WatermillUUIDHdr, msg.UUID) // names the copy, deduplicates nothing
 	}

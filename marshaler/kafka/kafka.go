@@ -3,8 +3,9 @@
 // and decodes with [marshaler.Decoder], so it never fails on foreign or
 // malformed records.
 //
-// It was tested on sarama's message types only: no Kafka broker runs where
-// this module is tested.
+// Its tests here use sarama's message types; the module kfaketest runs it
+// with watermill-kafka v3 on kfake, franz-go's in-process Kafka (consumer
+// groups, rebalances, offset commits).
 //
 // Why never fail: watermill-kafka v3 returns the Unmarshal error from its
 // consumer-group handler, which ends the session; after the rebalance the

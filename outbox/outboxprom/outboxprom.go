@@ -18,18 +18,16 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/watermill-idempotency/idempotency/metrics"
 	"github.com/watermill-idempotency/idempotency/outbox"
 )
-
-// DefaultNamespace prefixes every metric name.
-const DefaultNamespace = "idempotency"
 
 // Config configures New.
 type Config struct {
 	// Registerer receives the collectors. Required (pass
 	// prometheus.DefaultRegisterer explicitly to use the global one).
 	Registerer prometheus.Registerer
-	// Namespace prefixes metric names. Defaults to DefaultNamespace.
+	// Namespace prefixes metric names. Defaults to metrics.DefaultNamespace.
 	Namespace string
 	// Outbox is the "outbox" label of every series (the outbox table, say).
 	// Required.
@@ -70,7 +68,7 @@ func New(cfg Config) (*Recorder, error) {
 		return nil, err
 	}
 	if cfg.Namespace == "" {
-		cfg.Namespace = DefaultNamespace
+		cfg.Namespace = metrics.DefaultNamespace
 	}
 	labels := prometheus.Labels{"outbox": cfg.Outbox}
 	r := &Recorder{
