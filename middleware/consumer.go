@@ -161,12 +161,14 @@ type ConsumerConfig struct {
 	// is dead-lettered with reason "crash_loop" (ErrCrashLoop, permanent),
 	// so that it stops killing every consumer that receives it and the
 	// messages behind it are applied. Attempts are counted in the table's
-	// <table>_crash table, in autocommit, only for deliveries the broker
-	// marks as redelivered (AMQP redelivered, JetStream and quorum-queue
-	// delivery counts): a first delivery writes nothing. A delivery held
-	// through an outage ends its attempts normally and is never counted.
-	// Transports that mark no redelivery (Kafka, Redis Streams) are not
-	// counted. Defaults to DefaultMaxCrashes (3); negative: never.
+	// <table>_crash table, in autocommit, for deliveries the broker marks as
+	// redelivered (AMQP redelivered, JetStream and quorum-queue delivery
+	// counts) and for the first 64 attempts after the consumer is built
+	// (Kafka and Redis Streams mark no redelivery, and a message that killed
+	// the process is among the first a restarted consumer receives); other
+	// first deliveries write nothing. A delivery held through an outage
+	// ends its attempts normally and is never counted. Defaults to
+	// DefaultMaxCrashes (3); negative: never.
 	MaxCrashes int
 
 	// Recorder receives one Observation per attempt (metrics). Defaults to

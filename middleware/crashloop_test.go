@@ -63,30 +63,45 @@ func runCrashingConsumer() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	_, err = h(crashingEvent(os.Getenv("CHILD_EVENT")))
+	_, err = h(crashingEvent(os.Getenv("CHILD_EVENT"), os.Getenv("CHILD_REDELIVERED") == "true"))
 	fmt.Fprintln(os.Stderr, "the handler returned:", err)
 	return 3
 }
 
-func crashingEvent(id string) *message.Message {
+// crashingEvent is the event as the transport delivers it again: marked
+// redelivered (AMQP, JetStream) or not (Kafka, Redis Streams).
+func crashingEvent(id string, redelivered bool) *message.Message {
 	msg := message.NewMessage(id, []byte(`{}`))
 	msg.Metadata.Set(marshaler.MetadataEventName, "order.placed")
-	marshaler.SetRedelivered(msg, true)
+	if redelivered {
+		marshaler.SetRedelivered(msg, true)
+	}
 	return msg
 }
 
 // A message whose processing kills the process is dead-lettered once
 // MaxCrashes attempts died in it, with the reason crash_loop; the message
 // behind it is applied (issue 24: a crash-looping message must not block
-// its queue forever).
+// its queue forever). Whether the transport marks the redelivery (AMQP,
+// JetStream) or not (Kafka, Redis Streams: counted in the consumer's first
+// attempts after a start, where a message that killed it comes back).
 func TestConsumerDeadLettersAMessageThatKillsTheProcess(t *testing.T) {
 	t.Parallel()
+	for _, redelivered := range []bool{true, false} {
+		t.Run(map[bool]string{true: "redelivered", false: "unmarked"}[redelivered], func(t *testing.T) {
+			t.Parallel()
+			testCrashLoop(t, redelivered)
+		})
+	}
+}
+
+func testCrashLoop(t *testing.T, redelivered bool) {
 	e := newConsumerEnv(t)
 	schema := schemaOf(t, e.pool)
 	event := newEvent(t).UUID
 	for i := 0; i < middleware.DefaultMaxCrashes; i++ {
 		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), childEnv+"=1", "CHILD_SCHEMA="+schema, "CHILD_EVENT="+event)
+		cmd.Env = append(os.Environ(), childEnv+"=1", "CHILD_SCHEMA="+schema, "CHILD_EVENT="+event, fmt.Sprintf("CHILD_REDELIVERED=%t", redelivered))
 		out, err := cmd.CombinedOutput()
 		var exit *exec.ExitError
 		require.ErrorAs(t, err, &exit, "child %d: %s", i, out)
@@ -107,7 +122,7 @@ func TestConsumerDeadLettersAMessageThatKillsTheProcess(t *testing.T) {
 	poisoned, err := e.pubsub.Subscribe(context.Background(), "poison")
 	require.NoError(t, err)
 
-	_, err = h(crashingEvent(event))
+	_, err = h(crashingEvent(event, redelivered))
 	require.NoError(t, err, "dead-lettered and acked")
 	select {
 	case p := <-poisoned:
@@ -120,7 +135,7 @@ func TestConsumerDeadLettersAMessageThatKillsTheProcess(t *testing.T) {
 	require.Zero(t, calls.Load(), "the handler never ran it again")
 
 	next := newEvent(t)
-	marshaler.SetRedelivered(next, true)
+	marshaler.SetRedelivered(next, redelivered)
 	_, err = h(next)
 	require.NoError(t, err)
 	require.Equal(t, int32(1), calls.Load())

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -196,7 +197,20 @@ type Idempotent struct {
 
 	// quiet: the logger is Watermill's NopLogger, so no log field is built.
 	quiet bool
+
+	// warmup counts the first attempts since the middleware was built whose
+	// crashes are counted though the broker did not mark them redelivered
+	// (countsCrashes).
+	warmup atomic.Int64
 }
+
+// crashWarmup is how many attempts after a consumer starts are counted as
+// possible crashes whatever the broker says: a message that killed the
+// process is among the first a restarted consumer receives (Kafka resumes
+// at the committed offset, Redis Streams claims its pending entries first),
+// on transports that mark no redelivery. Later first deliveries write
+// nothing.
+const crashWarmup = 64
 
 // isNopLogger reports whether l is Watermill's NopLogger (it logs nothing).
 func isNopLogger(l watermill.LoggerAdapter) bool {
@@ -379,8 +393,8 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 }
 
 // countsCrashes reports whether msg's attempts are counted: a bound is set
-// and the broker marks the delivery as a redelivery (a first delivery
-// writes nothing).
+// and the broker marks the delivery as a redelivery, or the consumer has just
+// started (crashWarmup). Other first deliveries write nothing.
 func (m *Idempotent) countsCrashes(msg *message.Message) bool {
 	if m.cfg.MaxCrashes <= 0 || m.cfg.CrashQuerier == nil {
 		return false
@@ -388,8 +402,10 @@ func (m *Idempotent) countsCrashes(msg *message.Message) bool {
 	if marshaler.Redelivered(msg) {
 		return true
 	}
-	n, ok := marshaler.DeliveryCount(msg)
-	return ok && n > 0
+	if n, ok := marshaler.DeliveryCount(msg); ok && n > 0 {
+		return true
+	}
+	return m.warmup.Add(1) <= crashWarmup
 }
 
 func (m *Idempotent) startAttempt(ctx context.Context, consumer string, id uuid.UUID) (int, error) {
