@@ -16,6 +16,7 @@ import (
 	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/examples/billing"
 	"github.com/watermill-idempotency/idempotency/examples/shop"
+	"github.com/watermill-idempotency/idempotency/idempotencytest"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
@@ -285,4 +286,33 @@ func mustBeginner(b inbox.TxBeginner, err error) inbox.TxBeginner {
 		panic(err)
 	}
 	return b
+}
+
+// The billing handler charges once whatever fails where: each statement,
+// the commit, the ack (idempotencytest.Explore). Every copy Explore
+// delivers is the same order, so one charge in all: a second is the
+// provider called again.
+func TestChargeOnceUnderFaults(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, schema := testenv.Pool(t)
+	runner, err := operation.NewRunner(operation.Config{DB: idempotency.Pgx(testenv.PoolOn(t, schema, 4))}, nil)
+	require.NoError(t, err)
+	require.NoError(t, billing.Migrate(ctx, pool, processed.Config{}, runner))
+	provider := billing.NewProvider()
+	svc, err := billing.New(billing.Config{Runner: runner, Provider: provider, Mailer: billing.NewMailer(), Dialect: idempotency.PostgreSQL})
+	require.NoError(t, err)
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+		Consumer: billing.Consumer.Name, DB: idempotency.Pgx(pool),
+		Poison: middleware.PoisonConfig{Publisher: gochannel.NewGoChannel(gochannel.Config{}, nil), Topic: "billing.dlq"},
+	}, nil)
+	require.NoError(t, err)
+	r := idempotencytest.Explore(t, idempotencytest.Subject{
+		Handler:  svc.HandleOrderPlaced,
+		Consumer: c,
+		Effects:  func(context.Context, *message.Message) (int, error) { return provider.Charges(), nil },
+	}, placed(t, "o-explore", "1.000"))
+	require.NotEmpty(t, r.Statements)
+	require.Empty(t, r.Divergences)
+	require.Equal(t, 1, provider.Charges())
 }

@@ -193,3 +193,13 @@ func mustBeginner(b inbox.TxBeginner, err error) inbox.TxBeginner {
 	}
 	return b
 }
+
+// The shipping handler keeps its copy right whatever fails where: each
+// statement, the commit, the ack (idempotencytest.Explore).
+func TestCopyUnderFaults(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	r := idempotencytest.Explore(t, f.s, status(t, "o-explore", 3, "shipped"))
+	require.NotEmpty(t, r.Statements)
+	require.Empty(t, r.Divergences)
+}
