@@ -324,7 +324,22 @@ FOR EACH ROW EXECUTE FUNCTION h11_slow_commit()`)
 					})
 					b.proxy.Cut()
 					if branch.note == "lock" {
-						testenv.Eventually(t, 30*time.Second, "the client's cancel request reached the COMMIT and was swallowed", func(o *testenv.Observed) bool {
+						// The client's cancel request (pgconn sends one when it
+						// closes a connection it lost mid-query) must reach the
+						// waiting COMMIT before the lock is released, or a late
+						// one aborts it. It does not always come (database/sql's
+						// commit runs on no context; timing under load): after
+						// a few seconds the test sends one itself. The trigger
+						// swallows every cancel.
+						deadline := time.Now().Add(5 * time.Second)
+						for cancels() <= before && time.Now().Before(deadline) {
+							time.Sleep(20 * time.Millisecond)
+						}
+						if cancels() <= before {
+							_, _ = holder.Exec(ctx, `SELECT pg_cancel_backend(pid) FROM pg_stat_activity
+								WHERE application_name = $1 AND wait_event = 'advisory' AND query ILIKE 'commit%'`, e.schema)
+						}
+						testenv.Eventually(t, 30*time.Second, "a cancel request reached the COMMIT and was swallowed", func(o *testenv.Observed) bool {
 							return o.Int("cancels", cancels()) > before
 						})
 						_, _ = holder.Exec(ctx, `SELECT pg_advisory_unlock_all()`) // the server completes the COMMIT
