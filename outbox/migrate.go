@@ -2,13 +2,9 @@ package outbox
 
 import (
 	"context"
-	"database/sql"
 	"embed"
-	"errors"
 	"fmt"
 	"io/fs"
-
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
@@ -60,28 +56,3 @@ func (o *Outbox) Migrate(ctx context.Context) error {
 	}
 	return nil
 }
-
-// execQuerier adapts a wsql.ContextExecutor to sqldb.Querier.
-type execQuerier struct{ e wsql.ContextExecutor }
-
-func (q execQuerier) Exec(ctx context.Context, query string, args ...any) (int64, error) {
-	res, err := q.e.ExecContext(ctx, query, args...)
-	if err != nil {
-		return 0, err
-	}
-	return res.RowsAffected()
-}
-
-func (q execQuerier) QueryRow(ctx context.Context, query string, args ...any) sqldb.Row {
-	return rowFunc(func(dest ...any) error {
-		err := queryRow(ctx, q.e, query, args, dest...)
-		if errors.Is(err, sql.ErrNoRows) {
-			return sqldb.ErrNoRows
-		}
-		return err
-	})
-}
-
-type rowFunc func(dest ...any) error
-
-func (f rowFunc) Scan(dest ...any) error { return f(dest...) }
