@@ -179,8 +179,9 @@ func TestPoolerChildService(t *testing.T) {
 	fmt.Printf("POOLER-CHILD poisoned=%d held=%d first=%v\n", poisoned, held, first)
 }
 
-// Behind PgBouncer in transaction and in session pooling, in every pgx exec
-// mode, two services in two processes sharing the pooler's server
+// Behind PgBouncer (Debian's 1.18, and 1.24 with and without
+// max_prepared_statements) in transaction and in session pooling, in every
+// pgx exec mode, two services in two processes sharing the pooler's server
 // connections (default_pool_size = 2) each apply every event once, though
 // each is delivered three times: no claim of one service runs under a name
 // the other prepared (its row would land in the other's table and its
@@ -188,16 +189,32 @@ func TestPoolerChildService(t *testing.T) {
 // is poisoned (case 27.1).
 func TestPoolerTwoServicesApplyEachEventOnce(t *testing.T) {
 	t.Parallel()
-	for _, poolMode := range []string{"transaction", "session"} {
+	for _, setup := range []struct {
+		name, poolMode string
+		newer          bool     // testenv.StartNewerPgBouncer (1.24) instead of Debian's 1.18
+		settings       []string // more [pgbouncer] lines
+	}{
+		{"transaction", "transaction", false, nil},
+		{"session", "session", false, nil},
+		// 1.21+ prepares protocol-level named statements on each server
+		// connection itself (max_prepared_statements, default 200 since
+		// 1.22), or passes them through as 1.18 does (0).
+		{"1.24-prepared/transaction", "transaction", true, []string{"max_prepared_statements = 200"}},
+		{"1.24-unprepared/transaction", "transaction", true, []string{"max_prepared_statements = 0"}},
+	} {
 		for _, mode := range poolerExecModes {
-			t.Run(poolMode+"/"+mode.String(), func(t *testing.T) {
+			t.Run(setup.name+"/"+mode.String(), func(t *testing.T) {
 				t.Parallel()
 				ctx := context.Background()
 				size := "2"
-				if poolMode == "session" {
+				if setup.poolMode == "session" {
 					size = "8" // a session holds its server connection: room for both pools
 				}
-				bouncer := testenv.StartPgBouncer(t, poolMode, "default_pool_size = "+size)
+				start := testenv.StartPgBouncer
+				if setup.newer {
+					start = testenv.StartNewerPgBouncer
+				}
+				bouncer := start(t, setup.poolMode, append([]string{"default_pool_size = " + size}, setup.settings...)...)
 				admin, schema := testenv.Pool(t)
 				a, b := newPoolerService(t, schema, "a"), newPoolerService(t, schema, "b")
 				a.migrate(t, admin)
@@ -291,6 +308,42 @@ func TestPoolerErrorsOfHandlerStatementsAreHeld(t *testing.T) {
 	t.Logf("held: %v, poisoned: %v", held, poisoned)
 	for i, name := range []string{"a", "b"} {
 		require.Zero(t, poisoned[i], "service %s: %v", name, first[i])
+		var effects, twice int
+		require.NoError(t, admin.QueryRow(ctx, fmt.Sprintf(`SELECT count(*), count(*) FILTER (WHERE n > 1) FROM (
+SELECT event_id, count(*) AS n FROM %s.effect_%s GROUP BY event_id) e`, schema, name)).Scan(&effects, &twice))
+		require.Zero(t, twice)
+		require.Equal(t, poolerEvents, effects)
+	}
+}
+
+// Behind PgBouncer 1.24 with max_prepared_statements (the setting README
+// recommends for pgx's default cache mode behind a transaction pooler) the
+// pooler prepares each client's named statements on whichever server
+// connection runs them: the handler's cached statements never meet 26000 or
+// 42P05, so no delivery is even held, and every event is applied once.
+func TestPoolerWithPreparedStatementsHoldsNothing(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	bouncer := testenv.StartNewerPgBouncer(t, "transaction", "default_pool_size = 1", "max_prepared_statements = 200")
+	admin, schema := testenv.Pool(t)
+	var wg sync.WaitGroup
+	var poisoned, held [2]int64
+	var first [2]error
+	for i, name := range []string{"a", "b"} {
+		svc := newPoolerService(t, schema, name)
+		svc.ownStatements = true
+		svc.migrate(t, admin)
+		pool := bouncer.PoolBehind(t, pgx.QueryExecModeCacheStatement, 2)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			poisoned[i], held[i], first[i] = svc.run(t, pool, poolerEventIDs(rand.Uint64()))
+		}()
+	}
+	wg.Wait()
+	for i, name := range []string{"a", "b"} {
+		require.Zero(t, poisoned[i], "service %s: %v", name, first[i])
+		require.Zero(t, held[i], "service %s: deliveries held (first: %v)", name, first[i])
 		var effects, twice int
 		require.NoError(t, admin.QueryRow(ctx, fmt.Sprintf(`SELECT count(*), count(*) FILTER (WHERE n > 1) FROM (
 SELECT event_id, count(*) AS n FROM %s.effect_%s GROUP BY event_id) e`, schema, name)).Scan(&effects, &twice))

@@ -53,6 +53,28 @@ func StartPgBouncer(t testing.TB, mode string, settings ...string) *PgBouncer {
 		}
 		bin = "/usr/sbin/pgbouncer"
 	}
+	return startPgBouncer(t, bin, mode, settings...)
+}
+
+// NewerPgBouncerEnv names the PgBouncer 1.21+ binary the pooler tests also
+// run against (scripts/pgbouncer-newer.sh builds 1.24.1 and prints its
+// path; .ci/run sets it). Debian bookworm's package is 1.18, which has no
+// max_prepared_statements.
+const NewerPgBouncerEnv = "IDEMPOTENCY_PGBOUNCER_NEWER"
+
+// StartNewerPgBouncer is StartPgBouncer with the binary of
+// NewerPgBouncerEnv. Unset, the test is skipped, or fails under CI=true.
+func StartNewerPgBouncer(t testing.TB, mode string, settings ...string) *PgBouncer {
+	t.Helper()
+	bin := os.Getenv(NewerPgBouncerEnv)
+	if bin == "" {
+		missingTool(t, "%s is not set (bash scripts/pgbouncer-newer.sh builds PgBouncer 1.24 and prints its path)", NewerPgBouncerEnv)
+	}
+	return startPgBouncer(t, bin, mode, settings...)
+}
+
+func startPgBouncer(t testing.TB, bin, mode string, settings ...string) *PgBouncer {
+	t.Helper()
 	target, err := url.Parse(PostgresURL())
 	if err != nil {
 		t.Fatalf("testenv: StartPgBouncer: %s: %v", PostgresURL(), err)
