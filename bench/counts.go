@@ -209,7 +209,8 @@ type countResult struct {
 }
 
 func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
-	keys := []string{"server_instructions_per_claim", "client_instructions_per_msg", "client_instructions_per_msg_plain",
+	keys := []string{"server_instructions_per_claim", "client_instructions_per_claim", "wal_bytes_per_claim",
+		"client_instructions_per_msg", "client_instructions_per_msg_plain",
 		"server_instructions_per_msg", "server_instructions_per_msg_plain", "duplicate_cpu_ratio"}
 	skip := func(why string) error {
 		for _, k := range keys {
@@ -358,6 +359,8 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	res.set("client_instructions_per_duplicate", dup.client)
 	res.set("server_instructions_per_duplicate", dup.server)
 	res.set("duplicate_cpu_ratio", (dup.client+dup.server)/(ours.client+ours.server))
+	res.set("client_instructions_per_claim", ours.client-base.client)
+	res.set("wal_bytes_per_claim", ours.wal-base.wal)
 	res.set("wal_bytes_per_msg", ours.wal)
 	res.set("wal_bytes_per_msg_plain", base.wal)
 	res.set("allocs_per_msg_chain", ours.allocs)
