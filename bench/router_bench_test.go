@@ -143,4 +143,3 @@ func (p poisonFails) Publish(_ string, msgs ...*message.Message) error {
 	return nil
 }
 func (poisonFails) Close() error { return nil }
-
