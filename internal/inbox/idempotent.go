@@ -194,6 +194,9 @@ type Idempotent struct {
 	cfg         Config
 	logger      watermill.LoggerAdapter
 	lockTimeout *lockTimeoutStmt // built once from cfg.LockTimeout
+	// outside is the beginner's database outside any attempt
+	// (DBFromContext), built once; nil when the beginner has none.
+	outside sqldb.Querier
 
 	// quiet: the logger is Watermill's NopLogger, so no log field is built.
 	quiet bool
@@ -255,8 +258,12 @@ func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, err
 	if err := registerSQLiteInbox(cfg); err != nil {
 		return nil, err
 	}
-	return &Idempotent{cfg: cfg, logger: logger, lockTimeout: newLockTimeoutStmt(cfg.Store, cfg.LockTimeout),
-		quiet: isNopLogger(logger)}, nil
+	m := &Idempotent{cfg: cfg, logger: logger, lockTimeout: newLockTimeoutStmt(cfg.Store, cfg.LockTimeout),
+		quiet: isNopLogger(logger)}
+	if o, ok := cfg.Beginner.(interface{ outside() sqldb.Querier }); ok {
+		m.outside = o.outside()
+	}
+	return m, nil
 }
 
 // registerSQLiteInbox records, on SQLite, the database file of the
@@ -509,9 +516,7 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 
 	crashpoint.Reached(crashpoint.AfterClaim)
 	state := &attemptState{consumer: consumer, outcome: OutcomeProcessed, outbox: m.cfg.Outbox, tx: tx}
-	if o, ok := m.cfg.Beginner.(interface{ outside() sqldb.Querier }); ok {
-		state.db = o.outside()
-	}
+	state.db = m.outside
 	state.q, state.ptx, state.stx = tx.parts()
 	faults := faultsFrom(origCtx)
 	if faults != nil {
