@@ -341,58 +341,75 @@ func (p *holdPoison) middleware(h message.HandlerFunc) message.HandlerFunc {
 			return h(msg)
 		}
 		inner := &chainCtx{Context: orig, p: p}
-		hooks := &inner.hooks
-		defer msg.SetContext(orig)
 		start := time.Now()
-		var wait *holdBackoff // built at the first failure
-		for held := 0; ; held++ {
+		defer msg.SetContext(orig)
+		msg.SetContext(inner)
+		produced, err := h(msg)
+		msg.SetContext(orig)
+		if err == nil {
+			return produced, nil
+		}
+		return p.hold(h, msg, inner, start, err)
+	}
+}
+
+// hold is the outer layer after a failed attempt: it poisons, or holds the
+// delivery and re-runs the attempt in place (see NewChain). It is a
+// function of its own so that the success path's stack frame stays small:
+// the router runs each message on a new goroutine, whose stack is grown
+// (copied) every time the chain's frames pass its size.
+func (p *holdPoison) hold(h message.HandlerFunc, msg *message.Message, inner *chainCtx, start time.Time, err error) ([]*message.Message, error) {
+	orig := inner.Context
+	hooks := &inner.hooks
+	defer msg.SetContext(orig)
+	wait := newBackoff(p.cfg)
+	for held := 0; ; held++ {
+		if held > 0 {
 			msg.SetContext(inner)
-			produced, err := h(msg)
+			var produced []*message.Message
+			produced, err = h(msg)
 			msg.SetContext(orig)
 			if err == nil {
 				return produced, nil
 			}
-			if orig.Err() != nil {
-				// The message context ended (shutdown): give it back.
-				return nil, err
-			}
-			if wait == nil {
-				wait = newBackoff(p.cfg)
-			}
-			class := ClassOf(err)
-			fields := watermill.LogFields{"message_uuid": msg.UUID, "topic": message.SubscribeTopicFromCtx(orig),
-				"handler": message.HandlerNameFromCtx(orig), "class": class.String(), "held": held}
-			if class == ClassPermanent || class == ClassOrdinary {
-				if !p.poisonLoop(msg, orig) {
-					herr := hooks.run(orig)
-					if herr == nil {
-						return nil, p.poison(msg, orig, err, class, start, wait)
-					}
-					p.logger.Error("A step before poisoning failed (OnPoison): delivery held, not poisoned", herr, fields.Add(watermill.LogFields{"error": err}))
-				} else if msg.Metadata.Get(wmw.ReasonForPoisonedKey) == "" {
-					// Never poisoned: the handler consumes the poison topic.
-					p.logger.Error("Poison topic is the topic this handler consumes: not poisoned, held", err, fields.Add(watermill.LogFields{
-						"hint": fmt.Sprintf("ChainConfig.PoisonTopic %q is the topic this handler consumes: give the chain a poison topic of its own "+
-							"(a dead-letter queue), and wire the chain per handler, never around the poison topic's consumer", p.cfg.PoisonTopic),
-					}))
-				} else {
-					p.logger.Error("Poisoned message failed again on the poison topic's consumer: not re-poisoned, held", err, fields.Add(watermill.LogFields{
-						"hint": "wire the chain per handler (middleware.NewHandlerMiddleware), not with router.AddMiddleware on a router that also consumes the poison topic",
-					}))
+		}
+		if orig.Err() != nil {
+			// The message context ended (shutdown): give it back.
+			return nil, err
+		}
+		class := ClassOf(err)
+		fields := watermill.LogFields{"message_uuid": msg.UUID, "topic": message.SubscribeTopicFromCtx(orig),
+			"handler": message.HandlerNameFromCtx(orig), "class": class.String(), "held": held}
+		if class == ClassPermanent || class == ClassOrdinary {
+			if !p.poisonLoop(msg, orig) {
+				herr := hooks.run(orig)
+				if herr == nil {
+					return nil, p.poison(msg, orig, err, class, start, wait)
 				}
-			} else if class == ClassConfiguration {
-				hint := ""
-				var ce *ConfigurationError
-				if errors.As(err, &ce) {
-					hint = ce.Hint
-				}
-				p.logger.Error("Configuration error: delivery held, not poisoned", err, fields.Add(watermill.LogFields{"hint": hint}))
+				p.logger.Error("A step before poisoning failed (OnPoison): delivery held, not poisoned", herr, fields.Add(watermill.LogFields{"error": err}))
+			} else if msg.Metadata.Get(wmw.ReasonForPoisonedKey) == "" {
+				// Never poisoned: the handler consumes the poison topic.
+				p.logger.Error("Poison topic is the topic this handler consumes: not poisoned, held", err, fields.Add(watermill.LogFields{
+					"hint": fmt.Sprintf("ChainConfig.PoisonTopic %q is the topic this handler consumes: give the chain a poison topic of its own "+
+						"(a dead-letter queue), and wire the chain per handler, never around the poison topic's consumer", p.cfg.PoisonTopic),
+				}))
 			} else {
-				p.logger.Info("Infrastructure failure: delivery held, not poisoned", fields.Add(watermill.LogFields{"error": err}))
+				p.logger.Error("Poisoned message failed again on the poison topic's consumer: not re-poisoned, held", err, fields.Add(watermill.LogFields{
+					"hint": "wire the chain per handler (middleware.NewHandlerMiddleware), not with router.AddMiddleware on a router that also consumes the poison topic",
+				}))
 			}
-			if !p.sleep(orig, start, wait) {
-				return nil, err
+		} else if class == ClassConfiguration {
+			hint := ""
+			var ce *ConfigurationError
+			if errors.As(err, &ce) {
+				hint = ce.Hint
 			}
+			p.logger.Error("Configuration error: delivery held, not poisoned", err, fields.Add(watermill.LogFields{"hint": hint}))
+		} else {
+			p.logger.Info("Infrastructure failure: delivery held, not poisoned", fields.Add(watermill.LogFields{"error": err}))
+		}
+		if !p.sleep(orig, start, wait) {
+			return nil, err
 		}
 	}
 }
