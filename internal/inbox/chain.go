@@ -87,7 +87,7 @@ type ChainConfig struct {
 	// reconciliation topic). Defaults to none.
 	AfterPoison []message.HandlerMiddleware
 
-	// MaxRetries is how many times Watermill's Retry re-runs an attempt that
+	// MaxRetries is how many times the chain's retry re-runs an attempt that
 	// failed with an ordinary error, in-process, before the message is
 	// poisoned. Defaults to DefaultMaxRetries.
 	MaxRetries int

@@ -320,7 +320,7 @@ func registerSQLiteInbox(cfg Config) error {
 //
 // The message's context is restored after the attempt, the connection is
 // returned to its pool on every path (panics included: one deferred cleanup
-// ends every attempt), and each attempt (Watermill's Retry calls the chain
+// ends every attempt), and each attempt (the chain's retry calls the middleware
 // again with the same message) gets a fresh transaction. Without an outbox,
 // the messages h returns are returned after the commit, for the router to
 // publish: a crash between the commit and that publish loses them.
@@ -641,7 +641,7 @@ func (m *Idempotent) writeOutbox(_ context.Context, st *attemptState, topic stri
 }
 
 // MetadataAttempt is the metadata key in which the middleware counts its
-// attempts at a message ("1", "2", …): Watermill's Retry re-runs the chain
+// attempts at a message ("1", "2", …): the chain's retry re-runs the middleware
 // with the same message, and the count travels with it to the poison topic.
 const MetadataAttempt = "idempotency_attempt"
 
