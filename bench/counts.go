@@ -136,6 +136,9 @@ func countChild(specJSON string) error {
 	}
 	v := s.Variant
 	h := vs.handlerFor(v, handler(h1)) // none, idempotent, duplicate (vs.handlerFor: ours)
+	if v == vPlainTx {
+		h = txMiddleware(pool)(handler(h1))
+	}
 	if mod, ok := countConfigs[v]; ok {
 		beginner, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
 		if err != nil {
@@ -186,7 +189,12 @@ type CountSizes struct {
 }
 
 // countVariants are the variants counted, the first the baseline.
-var countVariants = []string{vNone, vOurs, vDuplicate, "idem_no_lock_timeout", "idem_no_verify", "dup_no_lock_timeout_no_verify"}
+var countVariants = []string{vNone, vOurs, vDuplicate, "idem_no_lock_timeout", "idem_no_verify", "dup_no_lock_timeout_no_verify", vPlainTx}
+
+// vPlainTx is the handler in a plain pgx transaction without the chain
+// (none has the chain's outer layers): what a router without this library
+// runs; the consumer's whole cost is idempotent − plain_tx.
+const vPlainTx = "plain_tx"
 
 // countConfigs are the counted configurations of the middleware other than
 // the default: where its cost goes.
@@ -345,7 +353,7 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	}
 	ours, dup := got[vOurs], got[vDuplicate]
 	t.Notes = []string{
-		"idem_no_lock_timeout: Config.LockTimeout < 0 (no SET LOCAL); idem_no_verify: DisablePayloadVerification (no fingerprint, no identity read on a duplicate); dup_no_lock_timeout_no_verify: a duplicate with neither (BEGIN, claim, ROLLBACK).",
+		"plain_tx: the handler in pgx's own transaction, no chain (none has the chain's poison, retry and recoverer layers). idem_no_lock_timeout: Config.LockTimeout < 0 (no SET LOCAL); idem_no_verify: DisablePayloadVerification (no fingerprint, no identity read on a duplicate); dup_no_lock_timeout_no_verify: a duplicate with neither (BEGIN, claim, ROLLBACK).",
 		fmt.Sprintf("(I(%d) − I(%d)) ÷ %d per message: process start and connection cancel out; building the message is inside (same for all).", sz.N2, sz.N1, sz.N2-sz.N1),
 		"server: a scratch PostgreSQL (initdb, loopback, fsync off) run by this part under cachegrind, the child's backend only; WAL: pg_current_wal_insert_lsn diff; allocs: MemStats.Mallocs.",
 		fmt.Sprintf("server instructions per claim (ours − none): %s k; duplicate CPU ÷ new message CPU: %s.", k(ours.server-base.server), f3((dup.client+dup.server)/(ours.client+ours.server))),
@@ -366,6 +374,10 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	res.set("allocs_per_msg_chain", ours.allocs)
 	res.set("allocs_per_msg_chain_plain", base.allocs)
 	res.set("allocs_ratio_chain", ours.allocs/base.allocs)
+	plain := got[vPlainTx]
+	res.set("client_instructions_per_msg_plain_tx", plain.client)
+	res.set("allocs_per_msg_plain_tx_nochain", plain.allocs)
+	res.set("allocs_ratio_plain_tx", ours.allocs/plain.allocs)
 	res.set("server_instructions_per_msg_no_lock_timeout", got["idem_no_lock_timeout"].server)
 	res.set("server_instructions_per_msg_no_verify", got["idem_no_verify"].server)
 	res.set("client_instructions_per_msg_no_verify", got["idem_no_verify"].client)

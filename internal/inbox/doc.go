@@ -46,6 +46,7 @@
 //
 // The recommended order, which NewChain builds and NewHandlerMiddleware
 // composes into one middleware for handler.AddMiddleware: hold and poison →
-// Retry (ResetContextOnRetry, ordinary errors only) → Recoverer →
+// retry (the chain's own: the message's context restored before each
+// attempt, ordinary errors only) → Recoverer →
 // Idempotent → handler.
 package inbox

@@ -194,6 +194,9 @@ type Idempotent struct {
 	cfg         Config
 	logger      watermill.LoggerAdapter
 	lockTimeout *lockTimeoutStmt // built once from cfg.LockTimeout
+	// outside is the beginner's database outside any attempt
+	// (DBFromContext), built once; nil when the beginner has none.
+	outside sqldb.Querier
 
 	// quiet: the logger is Watermill's NopLogger, so no log field is built.
 	quiet bool
@@ -255,8 +258,12 @@ func NewIdempotent(cfg Config, logger watermill.LoggerAdapter) (*Idempotent, err
 	if err := registerSQLiteInbox(cfg); err != nil {
 		return nil, err
 	}
-	return &Idempotent{cfg: cfg, logger: logger, lockTimeout: newLockTimeoutStmt(cfg.Store, cfg.LockTimeout),
-		quiet: isNopLogger(logger)}, nil
+	m := &Idempotent{cfg: cfg, logger: logger, lockTimeout: newLockTimeoutStmt(cfg.Store, cfg.LockTimeout),
+		quiet: isNopLogger(logger)}
+	if o, ok := cfg.Beginner.(interface{ outside() sqldb.Querier }); ok {
+		m.outside = o.outside()
+	}
+	return m, nil
 }
 
 // registerSQLiteInbox records, on SQLite, the database file of the
@@ -313,7 +320,7 @@ func registerSQLiteInbox(cfg Config) error {
 //
 // The message's context is restored after the attempt, the connection is
 // returned to its pool on every path (panics included: one deferred cleanup
-// ends every attempt), and each attempt (Watermill's Retry calls the chain
+// ends every attempt), and each attempt (the chain's retry calls the middleware
 // again with the same message) gets a fresh transaction. Without an outbox,
 // the messages h returns are returned after the commit, for the router to
 // publish: a crash between the commit and that publish loses them.
@@ -336,12 +343,7 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		// gets none).
 		var fields watermill.LogFields
 		if !m.quiet {
-			fields = make(watermill.LogFields, 8)
-			fields["event_id"] = msg.UUID
-			fields["event_name"] = marshaler.EventName(msg)
-			fields["consumer"] = consumer
-			fields["handler_name"] = handlerName
-			fields["attempt"] = attempt
+			fields = attemptFields(msg, consumer, handlerName, attempt)
 		}
 		reject := func(o Outcome, reason string, err error) ([]*message.Message, error) {
 			return nil, m.finish(handlerName, o, start, 0, fields, permanent(reason, err))
@@ -350,11 +352,7 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 			// Wired twice (by hand, or a router-level chain plus a
 			// handler-level one): this claim would wait for the outer
 			// attempt's uncommitted claim of the same key, forever.
-			return nil, m.finish(handlerName, OutcomeFailed, start, 0, fields, &ConfigurationError{
-				Hint: "wire the idempotent middleware of a consumer once per handler: use middleware.NewHandlerMiddleware on the handler " +
-					"and no router-level chain or Idempotent.Middleware besides",
-				Err: fmt.Errorf("idempotency: the idempotent middleware of consumer %q runs twice around one handler (nested attempt)", consumer),
-			})
+			return nil, m.finish(handlerName, OutcomeFailed, start, 0, fields, wiredTwice(consumer))
 		}
 		if reason, bad := marshaler.Malformed(msg); bad {
 			// msg.UUID is the transport's message id here, not an event id.
@@ -390,6 +388,28 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields)
 	}
+}
+
+// wiredTwice is the error of an attempt nested in an attempt of the same
+// consumer (see Middleware, step 0).
+func wiredTwice(consumer string) error {
+	return &ConfigurationError{
+		Hint: "wire the idempotent middleware of a consumer once per handler: use middleware.NewHandlerMiddleware on the handler " +
+			"and no router-level chain or Idempotent.Middleware besides",
+		Err: fmt.Errorf("idempotency: the idempotent middleware of consumer %q runs twice around one handler (nested attempt)", consumer),
+	}
+}
+
+// attemptFields are the log fields of an attempt (built only for a logger
+// that logs).
+func attemptFields(msg *message.Message, consumer, handlerName string, attempt int) watermill.LogFields {
+	fields := make(watermill.LogFields, 8)
+	fields["event_id"] = msg.UUID
+	fields["event_name"] = marshaler.EventName(msg)
+	fields["consumer"] = consumer
+	fields["handler_name"] = handlerName
+	fields["attempt"] = attempt
+	return fields
 }
 
 // countsCrashes reports whether msg's attempts are counted: a bound is set
@@ -465,53 +485,14 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	}()
 
 	if !claimed {
-		if d, ok := tx.(duplicateEnder); ok {
-			// pgx: the stored identity is read in one round trip with
-			// the ROLLBACK (duplicate.go).
-			ended = true
-			o, reason, dErr := m.endDuplicate(origCtx, d, req, fields)
-			switch {
-			case dErr != nil && reason == "":
-				return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(dErr, m.cfg.Classifier))
-			case dErr != nil:
-				return nil, m.finish(handlerName, o, start, claimDur, fields, permanent(reason, dErr))
-			}
-			_ = m.finish(handlerName, OutcomeDuplicate, start, claimDur, fields, nil)
-			return nil, nil
-		}
-		// Refused by the replay window (expired or future), or a duplicate.
-		if o, reason, rerr := m.refused(origCtx, tx, consumer, eventID, eventAt, fields); rerr != nil {
-			_ = rollback(origCtx, tx)
-			ended = true
-			if reason == "" { // the verdict itself failed: the attempt's connection
-				return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(rerr, m.cfg.Classifier))
-			}
-			return nil, m.finish(handlerName, o, start, claimDur, fields, permanent(reason, rerr))
-		}
-		// A duplicate: with payload verification, the stored fingerprint
-		// must be this message's (identity.go).
-		if conflict, vErr := m.verifyDuplicate(origCtx, tx, req, fields); vErr != nil {
-			_ = rollback(origCtx, tx)
-			ended = true
-			if conflict {
-				return nil, m.finish(handlerName, OutcomeConflict, start, claimDur, fields, permanent("event_id_reused", vErr))
-			}
-			return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(vErr, m.cfg.Classifier))
-		}
-		// Nothing was written: end the transaction and ack.
-		if rbErr := rollback(origCtx, tx); rbErr != nil {
-			m.logger.Debug("Rollback after duplicate failed", fields.Add(watermill.LogFields{"error": oneLine(rbErr.Error())}))
-		}
+		err := m.unclaimed(origCtx, tx, req, handlerName, start, claimDur, fields)
 		ended = true
-		_ = m.finish(handlerName, OutcomeDuplicate, start, claimDur, fields, nil)
-		return nil, nil
+		return nil, err
 	}
 
 	crashpoint.Reached(crashpoint.AfterClaim)
 	state := &attemptState{consumer: consumer, outcome: OutcomeProcessed, outbox: m.cfg.Outbox, tx: tx}
-	if o, ok := m.cfg.Beginner.(interface{ outside() sqldb.Querier }); ok {
-		state.db = o.outside()
-	}
+	state.db = m.outside
 	state.q, state.ptx, state.stx = tx.parts()
 	faults := faultsFrom(origCtx)
 	if faults != nil {
@@ -555,6 +536,51 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	crashpoint.Reached(crashpoint.AfterCommit)
 	_ = m.finish(handlerName, state.outcome, start, claimDur, fields, nil)
 	return produced, nil
+}
+
+// unclaimed ends an attempt whose claim inserted nothing: a duplicate
+// (acked: nil) or an event refused by the replay window, or a conflict
+// (permanent). The transaction is ended on every path. A function of its
+// own, off the new event's path (see holdPoison.hold).
+func (m *Idempotent) unclaimed(origCtx context.Context, tx attemptTx, req claimRequest, handlerName string,
+	start time.Time, claimDur time.Duration, fields watermill.LogFields) error {
+	consumer, eventID, eventAt := req.consumer, req.eventID, req.eventAt
+	if d, ok := tx.(duplicateEnder); ok {
+		// pgx: the stored identity is read in one round trip with
+		// the ROLLBACK (duplicate.go).
+		o, reason, dErr := m.endDuplicate(origCtx, d, req, fields)
+		switch {
+		case dErr != nil && reason == "":
+			return m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(dErr, m.cfg.Classifier))
+		case dErr != nil:
+			return m.finish(handlerName, o, start, claimDur, fields, permanent(reason, dErr))
+		}
+		_ = m.finish(handlerName, OutcomeDuplicate, start, claimDur, fields, nil)
+		return nil
+	}
+	// Refused by the replay window (expired or future), or a duplicate.
+	if o, reason, rerr := m.refused(origCtx, tx, consumer, eventID, eventAt, fields); rerr != nil {
+		_ = rollback(origCtx, tx)
+		if reason == "" { // the verdict itself failed: the attempt's connection
+			return m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(rerr, m.cfg.Classifier))
+		}
+		return m.finish(handlerName, o, start, claimDur, fields, permanent(reason, rerr))
+	}
+	// A duplicate: with payload verification, the stored fingerprint
+	// must be this message's (identity.go).
+	if conflict, vErr := m.verifyDuplicate(origCtx, tx, req, fields); vErr != nil {
+		_ = rollback(origCtx, tx)
+		if conflict {
+			return m.finish(handlerName, OutcomeConflict, start, claimDur, fields, permanent("event_id_reused", vErr))
+		}
+		return m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(vErr, m.cfg.Classifier))
+	}
+	// Nothing was written: end the transaction and ack.
+	if rbErr := rollback(origCtx, tx); rbErr != nil {
+		m.logger.Debug("Rollback after duplicate failed", fields.Add(watermill.LogFields{"error": oneLine(rbErr.Error())}))
+	}
+	_ = m.finish(handlerName, OutcomeDuplicate, start, claimDur, fields, nil)
+	return nil
 }
 
 // rollback ends tx on a context that survives the message context's
@@ -615,7 +641,7 @@ func (m *Idempotent) writeOutbox(_ context.Context, st *attemptState, topic stri
 }
 
 // MetadataAttempt is the metadata key in which the middleware counts its
-// attempts at a message ("1", "2", …): Watermill's Retry re-runs the chain
+// attempts at a message ("1", "2", …): the chain's retry re-runs the middleware
 // with the same message, and the count travels with it to the poison topic.
 const MetadataAttempt = "idempotency_attempt"
 
@@ -661,6 +687,12 @@ func (m *Idempotent) finish(handlerName string, o Outcome, start time.Time, clai
 		}
 		return singleLine(err)
 	}
+	return m.log(o, total, fields, err)
+}
+
+// log is finish's logging, a function of its own so that the attempt's
+// stack stays small on the quiet path (see holdPoison.hold).
+func (m *Idempotent) log(o Outcome, total time.Duration, fields watermill.LogFields, err error) error {
 	f := fields.Add(watermill.LogFields{"outcome": string(o), "duration": total})
 	switch o {
 	case OutcomeProcessed:
