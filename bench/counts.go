@@ -378,6 +378,7 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	res.set("client_instructions_per_msg_plain_tx", plain.client)
 	res.set("allocs_per_msg_plain_tx_nochain", plain.allocs)
 	res.set("allocs_ratio_plain_tx", ours.allocs/plain.allocs)
+	res.set("client_instructions_over_plain_tx", ours.client-plain.client)
 	res.set("server_instructions_per_msg_no_lock_timeout", got["idem_no_lock_timeout"].server)
 	res.set("server_instructions_per_msg_no_verify", got["idem_no_verify"].server)
 	res.set("client_instructions_per_msg_no_verify", got["idem_no_verify"].client)
