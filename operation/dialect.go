@@ -61,10 +61,16 @@ type dialectSQL struct {
 type stmt struct {
 	sql   string
 	order []int
+	// clock: the statement takes the process clock (sqldb.SQLiteNow) as
+	// one more parameter after the canonical ones (SQLite).
+	clock bool
 }
 
 // args arranges the canonical arguments for s.
 func (s stmt) args(in ...any) []any {
+	if s.clock {
+		return append(in[:len(in):len(in)], sqldb.SQLiteNow())
+	}
 	if s.order == nil {
 		return in
 	}

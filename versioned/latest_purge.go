@@ -36,7 +36,8 @@ const (
 // the longest time a message may wait in a queue or dead-letter queue.
 type FamilyPurgerConfig struct {
 	// Horizon: rows whose updated_at is older than the database's now()
-	// minus Horizon are deleted. Required; must be ≥ MinHorizon.
+	// (on SQLite the process clock, in microseconds) minus Horizon are
+	// deleted. Required; must be ≥ MinHorizon.
 	Horizon time.Duration
 	// MinHorizon guards against a mistyped horizon. Defaults to
 	// DefaultFamilyMinHorizon (1 h).

@@ -90,14 +90,17 @@ func familySQLFor(d sqldb.Dialect, latest, applied, retired sqldb.Ident) (family
 				if at != nil {
 					text = at.UTC().Format(time.RFC3339Nano)
 				}
-				return []any{kind, id, key, eventID, seq, text}
+				return []any{kind, id, key, eventID, seq, text, sqldb.SQLiteNow()}
+			},
+			appliedArgs: func(consumer, kind, id string, key []byte, eventID any) []any {
+				return []any{consumer, kind, id, key, eventID, sqldb.SQLiteNow()}
 			},
 			latest: f(liteFamilyLatest), newer: f(liteFamilyNewer),
 			retire: f(liteFamilyRetire), retired: f(liteFamilyRetired),
 			purgeLatest:  fmt.Sprintf(liteFamilyPurge, l, "family_kind, family_id"),
 			purgeApplied: fmt.Sprintf(liteFamilyPurge, a, "consumer, family_kind, family_id"),
 			purgeArgs: func(h time.Duration, limit int64) []any {
-				return []any{fmt.Sprintf("-%.6f seconds", h.Seconds()), limit}
+				return []any{sqldb.SQLiteTime(time.Now().Add(-h.Truncate(time.Microsecond))), limit}
 			},
 			eventID: func(id uuid.UUID) any { return id[:] },
 			lock:    liteFamilyLock,
@@ -314,23 +317,27 @@ func myFamilyLock(ctx context.Context, conn sqldb.Conn, name string) (func(), bo
 }
 
 // SQLite 3.35+. One writer at a time: the upserts need no row lock to be
-// serialised, the writer's transaction holds the database's.
+// serialised, the writer's transaction holds the database's. updated_at is
+// sqldb.SQLiteTimeLayout text (UTC, microseconds) from the process clock,
+// the last parameter of each write (sqldb.SQLiteNow): SQLite's
+// strftime('now') has millisecond resolution and read earlier than a Go
+// clock read just before the statement.
 const (
-	liteFamilyAdvance = `INSERT INTO %[1]s (family_kind, family_id, order_key, event_id, seq, occurred_at)
-VALUES (?, ?, ?, ?, ?, ?)
+	liteFamilyAdvance = `INSERT INTO %[1]s (family_kind, family_id, order_key, event_id, seq, occurred_at, updated_at)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
 ON CONFLICT (family_kind, family_id) DO UPDATE
 SET order_key = excluded.order_key, event_id = excluded.event_id, seq = excluded.seq,
-    occurred_at = excluded.occurred_at, updated_at = strftime('%%Y-%%m-%%dT%%H:%%M:%%fZ', 'now')
+    occurred_at = excluded.occurred_at, updated_at = excluded.updated_at
 WHERE order_key < excluded.order_key
 RETURNING 1`
 
 	liteFamilyLatest = `SELECT order_key FROM %[1]s WHERE family_kind = ? AND family_id = ?`
 
-	liteFamilyApplied = `INSERT INTO %[2]s (consumer, family_kind, family_id, order_key, event_id)
-VALUES (?, ?, ?, ?, ?)
+	liteFamilyApplied = `INSERT INTO %[2]s (consumer, family_kind, family_id, order_key, event_id, updated_at)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6)
 ON CONFLICT (consumer, family_kind, family_id) DO UPDATE
 SET order_key = excluded.order_key, event_id = excluded.event_id,
-    updated_at = strftime('%%Y-%%m-%%dT%%H:%%M:%%fZ', 'now')
+    updated_at = excluded.updated_at
 WHERE order_key < excluded.order_key
 RETURNING 1`
 
@@ -338,21 +345,22 @@ RETURNING 1`
     AND NOT EXISTS (SELECT 1 FROM %[3]s r WHERE r.consumer = ? AND r.family_kind = l.family_kind
                     AND r.family_id = l.family_id AND r.order_key = l.order_key))`
 
-	liteFamilyRetire = `INSERT INTO %[3]s (consumer, family_kind, family_id, order_key, event_id)
-VALUES (?, ?, ?, ?, ?)
+	liteFamilyRetire = `INSERT INTO %[3]s (consumer, family_kind, family_id, order_key, event_id, updated_at)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6)
 ON CONFLICT (consumer, family_kind, family_id) DO UPDATE
 SET order_key = excluded.order_key, event_id = excluded.event_id,
-    updated_at = strftime('%%Y-%%m-%%dT%%H:%%M:%%fZ', 'now')
+    updated_at = excluded.updated_at
 WHERE order_key < excluded.order_key`
 
 	liteFamilyRetired = `SELECT EXISTS (SELECT 1 FROM %[3]s WHERE consumer = ? AND family_kind = ? AND family_id = ? AND order_key = ?)`
 
 	// liteFamilyPurge: %[1]s the table, %[2]s its primary key columns;
-	// parameters: the strftime modifier "-N seconds", the limit.
+	// parameters: the cutoff (the process clock minus the horizon), the
+	// limit.
 	liteFamilyPurge = `DELETE FROM %[1]s WHERE (%[2]s) IN (
     SELECT %[2]s FROM %[1]s
-    WHERE updated_at < strftime('%%Y-%%m-%%dT%%H:%%M:%%fZ', 'now', ?)
-    ORDER BY updated_at LIMIT ?)`
+    WHERE updated_at < ?1
+    ORDER BY updated_at LIMIT ?2)`
 )
 
 // liteFamilyLock is a lock of the process per database file and name

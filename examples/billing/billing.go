@@ -158,7 +158,8 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool, table processed.Config, ru
 	return MigrateDB(ctx, shop.PgxDB(pool), table, runner)
 }
 
-// The ledger on SQLite (see shop.SQLiteDB).
+// The ledger on SQLite (see shop.SQLiteDB). recorded_at is for display only
+// (nothing compares it): SQLite's CURRENT_TIMESTAMP (whole seconds) will do.
 const sqliteSchemaSQL = `
 CREATE TABLE IF NOT EXISTS billing_payment (
     order_id     TEXT    PRIMARY KEY,

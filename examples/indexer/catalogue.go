@@ -60,7 +60,8 @@ ON CONFLICT (sku) DO UPDATE SET version = catalogue_product.version + 1, name = 
     price_cents = EXCLUDED.price_cents, updated_at = now()
 RETURNING version`
 
-// The catalogue's tables on SQLite.
+// The catalogue's tables on SQLite. updated_at is for display only (nothing
+// compares it), so SQLite's CURRENT_TIMESTAMP (whole seconds) will do.
 const sqliteCatalogueSchemaSQL = `
 CREATE TABLE IF NOT EXISTS catalogue_product (
     sku         TEXT    PRIMARY KEY,

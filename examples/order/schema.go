@@ -23,7 +23,8 @@ CREATE TABLE IF NOT EXISTS order_line (
 
 // The same on SQLite (shop.SQLiteDB): quantities are NUMERIC (SQLite stores
 // them as REAL; the demo compares them rounded to 3 decimals), timestamps
-// text.
+// text from SQLite's CURRENT_TIMESTAMP (whole seconds): for display only,
+// nothing compares them.
 const sqliteSchemaSQL = `
 CREATE TABLE IF NOT EXISTS orders (
     order_id   TEXT    PRIMARY KEY,

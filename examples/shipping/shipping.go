@@ -37,7 +37,8 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool, table processed.Config) er
 	return MigrateDB(ctx, shop.PgxDB(pool), table)
 }
 
-// The status copy on SQLite (see shop.SQLiteDB).
+// The status copy on SQLite (see shop.SQLiteDB). updated_at is for display
+// only (the version orders updates): CURRENT_TIMESTAMP (seconds) will do.
 const sqliteSchemaSQL = `
 CREATE TABLE IF NOT EXISTS order_status_copy (
     order_id   TEXT    PRIMARY KEY,

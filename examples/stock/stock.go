@@ -43,7 +43,8 @@ const (
 ON CONFLICT (sku) DO UPDATE SET reserved = stock_level.reserved + excluded.reserved`
 )
 
-// The stock tables on SQLite (see shop.SQLiteDB).
+// The stock tables on SQLite (see shop.SQLiteDB). reserved_at is for display
+// only (nothing compares it): CURRENT_TIMESTAMP (whole seconds) will do.
 const sqliteSchemaSQL = `
 CREATE TABLE IF NOT EXISTS reservation (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,

@@ -151,7 +151,12 @@ func (s *Store) ClaimIdentityQueryAt(consumer string, eventID uuid.UUID, at time
 // numbered form) or positional ? (MySQL, SQLite's VALUES form), whose
 // arguments are inserted where the placeholders are.
 func withIdentityColumns(query string, args []any, name string, fp []byte) (string, []any) {
-	query = strings.Replace(query, "(consumer, event_id, event_at)", "(consumer, event_id, event_at, event_name, fingerprint)", 1)
+	// The two columns close the column list (SQLite's ends with
+	// processed_at), as their placeholders close the values.
+	if i := strings.Index(query, "(consumer, event_id, event_at"); i >= 0 {
+		end := i + strings.Index(query[i:], ")")
+		query = query[:end] + ", event_name, fingerprint" + query[end:]
+	}
 	n := len(args)
 	var ph string
 	switch {

@@ -37,7 +37,8 @@ func (s *Store) LookupQuery(eventID uuid.UUID, consumer string) (string, []any) 
 // as PurgeBatch computes it), the rows of the table, the rows older than
 // the cutoff (those a purge run would delete now, locked rows aside), and
 // the oldest event_at (NULL when the table is empty): the purge deletes by
-// event time (event_at), on the database clock. Times scan as
+// event time (event_at), on the database clock (SQLite: the process
+// clock, as PurgeBatch reads it). Times scan as
 // PurgeBatch's dialect stores them: time.Time on PostgreSQL and MySQL
 // (UTC), ISO 8601 UTC text on SQLite.
 func (s *Store) PurgePreviewQuery(horizon time.Duration) (string, []any) {
@@ -49,9 +50,10 @@ func (s *Store) PurgePreviewQuery(horizon time.Duration) (string, []any) {
 		now, cutoff = `UTC_TIMESTAMP(6)`, `(UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND)`
 		args = []any{horizon.Microseconds(), horizon.Microseconds()}
 	case sqldb.SQLite:
-		now, cutoff = `strftime('%Y-%m-%dT%H:%M:%fZ', 'now')`, `strftime('%Y-%m-%dT%H:%M:%fZ', 'now', ?)`
-		arg := fmt.Sprintf("-%.3f seconds", horizon.Seconds())
-		args = []any{arg, arg}
+		// The process clock, as the purge reads it (sql_sqlite.go).
+		t := s.clock()
+		now, cutoff = `?1`, `?2`
+		args = []any{sqldb.SQLiteTime(t), sqldb.SQLiteTime(t.Add(-horizon.Truncate(time.Microsecond)))}
 	default:
 		now, cutoff = `now()`, `(now() - ($1::bigint * interval '1 microsecond'))`
 		args = []any{horizon.Microseconds()}

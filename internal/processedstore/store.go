@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"time"
 
 	"github.com/google/uuid"
@@ -35,7 +34,8 @@ type Config struct {
 
 	// Horizon is the replay horizon: how long a processed row is kept, and
 	// the age beyond which the claim refuses an event (ErrExpired). Both
-	// are judged by one clock, the database's now(), on one time, the
+	// are judged by one clock, the database's now() (on SQLite the process
+	// clock, in microseconds), on one time, the
 	// event's own (its UUIDv7 timestamp, RFC 9562 §5.7, else the occurred_at
 	// the caller passes), stored in the row as event_at. The claim refuses
 	// event_at < now() − Horizon and the purge deletes event_at < now() −
@@ -118,7 +118,8 @@ type Store struct {
 	skew    time.Duration
 	layout  Layout
 	span    time.Duration
-	other   *otherSQL // LayoutPartitioned: the side table of non-v7 ids
+	other   *otherSQL        // LayoutPartitioned: the side table of non-v7 ids
+	now     func() time.Time // the process clock of SQLite statements; nil: time.Now (tests set it)
 
 	claimSQL   string
 	existsSQL  string
@@ -147,6 +148,11 @@ type dialectSQL struct {
 	lockTimeout     func(time.Duration) (string, []any) // nil: none
 	tryLock, unlock string                              // one parameter, the table; "": in-process lock only
 	eventID         func(uuid.UUID) any
+	// processClock: the statements take the process clock as parameters
+	// instead of reading a database clock (SQLite, in-process; see
+	// sql_sqlite.go): the claims after event_at, the verdict after it,
+	// the purge as its cutoff.
+	processClock bool
 }
 
 func sqlFor(d sqldb.Dialect) dialectSQL {
@@ -183,11 +189,10 @@ func NewStore(cfg Config) (*Store, error) {
 		purgeSQL:  fmt.Sprintf(d.purgeBatch, q),
 		identity:  newIdentityStatements(cfg.Dialect, q),
 	}
-	// %[2]d, %[3]d: horizon and skew in microseconds; %[4]s, %[5]s: in
-	// seconds with 6 decimals (SQLite's date modifiers).
-	secs := func(d time.Duration) string { return strconv.FormatFloat(d.Seconds(), 'f', 6, 64) }
+	// %[2]d, %[3]d: horizon and skew in microseconds (SQLite takes its
+	// bounds as parameters).
 	window := func(text string) string {
-		return fmt.Sprintf(text, q, s.horizon.Microseconds(), s.skew.Microseconds(), secs(s.horizon), secs(s.skew))
+		return fmt.Sprintf(text, q, s.horizon.Microseconds(), s.skew.Microseconds())
 	}
 	s.verdictSQL = window(d.verdict)
 	if s.horizon > 0 {
@@ -241,6 +246,9 @@ func (s *Store) ClaimQueryAt(consumer string, eventID uuid.UUID, at time.Time) (
 	}
 	if s.horizon > 0 && s.sql.windowArgs != nil {
 		return s.claimSQL, s.sql.windowArgs(consumer, id, t)
+	}
+	if s.sql.processClock {
+		return s.claimSQL, append([]any{consumer, id, t}, s.sqliteClock(s.horizon > 0)...)
 	}
 	return s.claimSQL, []any{consumer, id, t}
 }
@@ -380,7 +388,12 @@ func (s *Store) Verdict(ctx context.Context, q sqldb.Querier, consumer string, e
 	if s.routed(eventID) {
 		verdict = s.other.verdict
 	}
-	if err := q.QueryRow(ctx, verdict, consumer, s.sql.eventID(eventID), s.sql.eventAt(t)).Scan(&exists, &expired, &clock); err != nil {
+	args := []any{consumer, s.sql.eventID(eventID), s.sql.eventAt(t)}
+	if s.sql.processClock {
+		now := s.clock()
+		args = append(args, sqldb.SQLiteTime(now.Add(-s.horizon)), sqldb.SQLiteTime(now))
+	}
+	if err := q.QueryRow(ctx, verdict, args...).Scan(&exists, &expired, &clock); err != nil {
 		return fmt.Errorf("processed: claim verdict %s/%s: %w", consumer, eventID, err)
 	}
 	now, _ := time.Parse(time.RFC3339Nano, clock) // for the error text only
@@ -408,7 +421,8 @@ func (s *Store) Processed(ctx context.Context, q sqldb.Querier, consumer string,
 }
 
 // PurgeBatch deletes at most limit rows whose event_at is older than the
-// database's now() minus horizon, in one statement (one short transaction when
+// database's now() minus horizon (on SQLite the process clock, in
+// microseconds), in one statement (one short transaction when
 // q is a pool), and returns how many it deleted. Rows locked by a concurrent
 // transaction are skipped, never waited on. horizon is truncated to whole
 // microseconds; limit must be > 0.
@@ -421,10 +435,16 @@ func (s *Store) PurgeBatch(ctx context.Context, q sqldb.Querier, horizon time.Du
 	}
 	var n int64
 	var err error
-	if s.layout == LayoutPartitioned {
-		err = q.QueryRow(ctx, s.purgeSQL, s.sql.purgeArgs(horizon, limit)...).Scan(&n)
+	var args []any
+	if s.sql.processClock {
+		args = []any{sqldb.SQLiteTime(s.clock().Add(-horizon.Truncate(time.Microsecond))), limit}
 	} else {
-		n, err = q.Exec(ctx, s.purgeSQL, s.sql.purgeArgs(horizon, limit)...)
+		args = s.sql.purgeArgs(horizon, limit)
+	}
+	if s.layout == LayoutPartitioned {
+		err = q.QueryRow(ctx, s.purgeSQL, args...).Scan(&n)
+	} else {
+		n, err = q.Exec(ctx, s.purgeSQL, args...)
 	}
 	if err != nil {
 		return 0, fmt.Errorf("processed: purge: %w", err)

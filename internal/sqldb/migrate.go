@@ -269,6 +269,8 @@ func migrationsTable(d Dialect, table string) string {
 	case MySQL:
 		ts = "DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)"
 	case SQLite:
+		// SQLite's own clock (milliseconds) is enough here: applied_at
+		// is a record for operators, nothing compares it.
 		ts = "TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))"
 	}
 	return `CREATE TABLE IF NOT EXISTS ` + table + ` (

@@ -38,3 +38,22 @@ func (ts *Time) Scan(src any) error {
 	}
 	return fmt.Errorf("sqldb: time: cannot parse %q", text)
 }
+
+// SQLiteTimeLayout is how the library's SQLite columns store a time: ISO
+// 8601 in UTC with microseconds, fixed width, so that text order is time
+// order. Earlier versions stored milliseconds ("…05.123Z", which sorts
+// after every microsecond text of the same millisecond); the components'
+// SQLite migrations rewrite such rows to this layout ("…05.123000Z").
+const SQLiteTimeLayout = "2006-01-02T15:04:05.000000Z"
+
+// SQLiteTime formats t in SQLiteTimeLayout (UTC, truncated to the
+// microsecond).
+func SQLiteTime(t time.Time) string { return t.UTC().Format(SQLiteTimeLayout) }
+
+// SQLiteNow is the SQLite clock of the library: the process clock (the
+// database is in-process), read once per call, in SQLiteTimeLayout. Every
+// SQLite statement that stores or compares a time takes it as a parameter:
+// SQLite's own strftime/julianday('now') have millisecond resolution and
+// read earlier than a Go clock read just before the statement (199 of 200
+// reads), so bounds computed in Go missed rows.
+func SQLiteNow() string { return SQLiteTime(time.Now()) }
