@@ -298,7 +298,7 @@ func TestKafkaConsumerProcessesApplyEachEventOnce(t *testing.T) {
 	published := func() int { mu.Lock(); defer mu.Unlock(); return len(ids) }
 	stop := make(chan struct{})
 	pubDone := make(chan error, 1)
-	go func() {
+	publish := func() {
 		for i := 0; ; i++ {
 			select {
 			case <-stop:
@@ -337,7 +337,7 @@ func TestKafkaConsumerProcessesApplyEachEventOnce(t *testing.T) {
 			mu.Unlock()
 			time.Sleep(5 * time.Millisecond) // pacing: the load lasts through every fault below
 		}
-	}()
+	}
 	t.Cleanup(func() {
 		select {
 		case <-stop:
@@ -365,6 +365,18 @@ func TestKafkaConsumerProcessesApplyEachEventOnce(t *testing.T) {
 	for _, name := range []string{"a", "b"} {
 		members[name] = startMember(t, name, brokers, schema)
 	}
+	// The load starts once a and b form the group: the poison record is not
+	// in flight during their joining rebalance (a partition moving between
+	// its dead-letter publish and its ack would dead-letter it twice; see
+	// docs/transports.md).
+	testenv.Eventually(t, wait, "a and b in the group", func(o *testenv.Observed) bool {
+		groups, err := admin.DescribeConsumerGroups([]string{loadGroup})
+		if !o.Err("describe", err) || len(groups) != 1 {
+			return false
+		}
+		return o.Str("state", groups[0].State) == "Stable" && o.Int("members", len(groups[0].Members)) == 2
+	})
+	go publish()
 
 	// 1. The poison record is dead-lettered and its offset committed.
 	testenv.Eventually(t, wait, "the poison record dead-lettered and committed past", func(o *testenv.Observed) bool {
