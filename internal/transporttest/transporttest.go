@@ -2,7 +2,8 @@
 // faults every Watermill Pub/Sub shows (a duplicate publish, a redelivery
 // after a lost ack, a connection cut after commit, a malformed body, copies
 // consumed concurrently, a failure before commit) run through a real router,
-// the recommended middleware chain and PostgreSQL, against one transport.
+// the public door (middleware.NewConsumer and its AddConsumerHandler, the
+// whole chain) and PostgreSQL, against one transport.
 // Each transport's test calls [Run] with a [Transport] (see the _test files
 // of this package for RabbitMQ, NATS JetStream, Redis Streams and GoChannel).
 //
@@ -24,12 +25,12 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // Transport is one Pub/Sub under test.
@@ -84,13 +85,12 @@ func Run(t *testing.T, tr Transport) {
 const wait = 30 * time.Second
 
 // rig is one scenario's consumer side: a PostgreSQL schema with the
-// processed store and an effect table, the transport topic and its poison
+// processed-event table and an effect table, the transport topic and its poison
 // topic, and counters.
 type rig struct {
 	t      *testing.T
 	tr     Transport
 	pool   *pgxpool.Pool
-	store  *processedstore.Store
 	topic  Topic
 	poison Topic
 
@@ -105,12 +105,10 @@ type rig struct {
 func newRig(t *testing.T, tr Transport) *rig {
 	t.Helper()
 	pool, _ := testenv.Pool(t)
-	store, err := processedstore.NewStore(processedstore.Config{})
+	require.NoError(t, processed.Migrate(context.Background(), idempotency.Pgx(pool), processed.Config{}))
+	_, err := pool.Exec(context.Background(), `CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL)`)
 	require.NoError(t, err)
-	require.NoError(t, store.Migrate(context.Background(), sqldb.Pgx(pool)))
-	_, err = pool.Exec(context.Background(), `CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL)`)
-	require.NoError(t, err)
-	r := &rig{t: t, tr: tr, pool: pool, store: store, topic: tr.NewTopic(t), poison: tr.NewTopic(t),
+	r := &rig{t: t, tr: tr, pool: pool, topic: tr.NewTopic(t), poison: tr.NewTopic(t),
 		delivered: map[string]int{}, finished: map[string]int{}, calls: map[string]int{}}
 	r.countPoison()
 	return r
@@ -162,19 +160,17 @@ func (r *rig) start(sub message.Subscriber, fault wrapper) *consumer {
 	logger := watermill.NopLogger{}
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
 	require.NoError(r.t, err)
-	beginner, err := inbox.NewPgxBeginner(r.pool, inbox.PgxBeginnerConfig{})
-	require.NoError(r.t, err)
-	idem, err := inbox.NewIdempotent(inbox.Config{
-		Beginner: beginner,
-		Store:    r.store,
+	// One Consumer per router (a Consumer serves one handler); competing
+	// workers share the consumer name and the handler name.
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
 		Consumer: "contract",
+		DB:       idempotency.Pgx(r.pool),
+		Poison:   middleware.PoisonConfig{Publisher: r.poison.Publisher, Topic: r.poison.Name},
+		Retry:    middleware.RetryConfig{MaxRetries: 2, InitialInterval: 10 * time.Millisecond, MaxInterval: 50 * time.Millisecond},
 	}, logger)
 	require.NoError(r.t, err)
-	chain, err := inbox.NewChain(inbox.ChainConfig{
-		Idempotent: idem, PoisonPublisher: r.poison.Publisher, PoisonTopic: r.poison.Name,
-		MaxRetries: 2, InitialInterval: 10 * time.Millisecond, MaxInterval: 50 * time.Millisecond,
-	}, logger)
-	require.NoError(r.t, err)
+	// Router-level middleware runs outside the consumer's chain, which
+	// AddConsumerHandler adds at the handler's level.
 	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			r.mu.Lock()
@@ -195,12 +191,11 @@ func (r *rig) start(sub message.Subscriber, fault wrapper) *consumer {
 			return out, err
 		}
 	})
-	router.AddMiddleware(chain...)
-	router.AddNoPublisherHandler("contract", r.topic.Name, sub, func(msg *message.Message) error {
+	_, err = c.AddConsumerHandler(router, "contract", r.topic.Name, sub, func(msg *message.Message) error {
 		r.mu.Lock()
 		r.calls[msg.UUID]++
 		r.mu.Unlock()
-		tx, ok := inbox.PgxTxFromContext(msg.Context())
+		tx, ok := middleware.PgxTxFromContext(msg.Context())
 		if !ok {
 			return errors.New("no transaction in the context")
 		}
@@ -210,9 +205,10 @@ func (r *rig) start(sub message.Subscriber, fault wrapper) *consumer {
 		}
 		return beforeCommitFault(msg)
 	})
-	c := &consumer{router: router, sub: sub, done: make(chan struct{})}
+	require.NoError(r.t, err)
+	cons := &consumer{router: router, sub: sub, done: make(chan struct{})}
 	go func() {
-		defer close(c.done)
+		defer close(cons.done)
 		_ = router.Run(context.Background())
 	}()
 	select {
@@ -220,8 +216,8 @@ func (r *rig) start(sub message.Subscriber, fault wrapper) *consumer {
 	case <-time.After(wait):
 		r.t.Fatal("router did not start")
 	}
-	r.t.Cleanup(c.stop)
-	return c
+	r.t.Cleanup(cons.stop)
+	return cons
 }
 
 // beforeCommitFaults holds, per event id, how many more attempts must fail
@@ -237,7 +233,7 @@ func beforeCommitFault(msg *message.Message) error {
 	if n.Add(-1) >= 0 {
 		// Transient: not retried into the poison topic, nacked for the
 		// transport to redeliver.
-		return inbox.Transient(errors.New("contract: crash before commit"))
+		return middleware.Transient(errors.New("contract: crash before commit"))
 	}
 	return nil
 }
