@@ -17,7 +17,7 @@
 // router; consumer is the claim's consumer name, which Watermill has no
 // label for. table is the purged table, one series per purger.
 //
-// The duration histograms default to DefaultBuckets: exponential from
+// The duration histograms default to 20 exponential bounds from
 // 10 µs, so a claim of about 60 µs falls between the 40 µs and 80 µs
 // bounds instead of in the first bucket of prometheus.DefBuckets (5 ms).
 package metrics
@@ -47,10 +47,10 @@ const (
 // router, as Watermill's own metrics label it.
 const NoHandlerName = "<no handler>"
 
-// DefaultBuckets returns the default bounds of the duration histograms, in
+// defaultBuckets returns the default bounds of the duration histograms, in
 // seconds: 20 bounds from 10 µs, each twice the previous one (10 µs to
 // about 5.2 s). A new slice on every call.
-func DefaultBuckets() []float64 {
+func defaultBuckets() []float64 {
 	return prometheus.ExponentialBuckets(bucketStart.Seconds(), bucketFactor, bucketCount)
 }
 
@@ -62,7 +62,7 @@ type Config struct {
 	// Namespace prefixes metric names. Defaults to DefaultNamespace.
 	Namespace string
 	// Buckets of the duration histograms, in seconds, increasing.
-	// Defaults to DefaultBuckets().
+	// Defaults to 20 bounds from 10 µs, each twice the previous (to about 5.2 s).
 	Buckets []float64
 }
 
@@ -102,7 +102,7 @@ func NewPrometheus(cfg Config) (*Prometheus, error) {
 		cfg.Namespace = DefaultNamespace
 	}
 	if cfg.Buckets == nil {
-		cfg.Buckets = DefaultBuckets()
+		cfg.Buckets = defaultBuckets()
 	}
 	p := &Prometheus{
 		attempts: prometheus.NewCounterVec(prometheus.CounterOpts{

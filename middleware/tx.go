@@ -51,6 +51,7 @@ const (
 	OutcomeConflict  = inbox.OutcomeConflict  // event_id reused for another event: permanent
 	OutcomeStale     = inbox.OutcomeStale     // committed, the handler marked it stale
 	OutcomeObsolete  = inbox.OutcomeObsolete  // committed, superseded in its family
+	OutcomeStalled   = inbox.OutcomeStalled   // no attempt finished for a minute while some ran (reported, not an attempt's end)
 )
 
 // Observation is one attempt's outcome, handed to a Recorder.

@@ -31,9 +31,9 @@ const (
 	// the class (permanent or exhausted) and the reason's full length.
 	headerPoisonClass = inbox.MetadataPoisonClass
 	headerReasonBytes = inbox.MetadataReasonBytes
-	// headerPoisonedAt is read as the failure time when a poison path
-	// stamps one (RFC 3339); Watermill's PoisonQueue does not.
-	headerPoisonedAt = "idempotency_poisoned_at"
+	// headerPoisonedAt is the failure time our chain stamps (RFC 3339);
+	// Watermill's PoisonQueue stamps none.
+	headerPoisonedAt = inbox.MetadataPoisonedAt
 )
 
 // poisonHeader reports whether a header belongs to the failure, not to the

@@ -60,6 +60,9 @@ const (
 	// MaxCopiedHeaderBytes (the largest values are dropped first). Set only
 	// when some were dropped.
 	MetadataDroppedHeaders = "idempotency_dropped_headers"
+	// MetadataPoisonedAt is when the copy was poisoned (RFC 3339, UTC, the
+	// process clock): `idem dlq list` shows it as the failure time.
+	MetadataPoisonedAt = "idempotency_poisoned_at"
 )
 
 // ChainConfig configures NewChain and NewHandlerMiddleware: the recommended
@@ -274,6 +277,7 @@ func (p *holdPoison) retry(h message.HandlerFunc) message.HandlerFunc {
 			if err == nil {
 				return produced, nil
 			}
+			p.stall.touch()
 			if n >= p.cfg.MaxRetries || ClassOf(err) != ClassOrdinary {
 				return produced, err
 			}
@@ -330,6 +334,7 @@ func (c *chainCtx) Value(key any) any {
 type holdPoison struct {
 	cfg    ChainConfig
 	logger watermill.LoggerAdapter
+	stall  stallWatch
 }
 
 func (p *holdPoison) middleware(h message.HandlerFunc) message.HandlerFunc {
@@ -342,6 +347,8 @@ func (p *holdPoison) middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		inner := &chainCtx{Context: orig, p: p}
 		start := time.Now()
+		p.stall.begin(p)
+		defer p.stall.end()
 		defer msg.SetContext(orig)
 		msg.SetContext(inner)
 		produced, err := h(msg)
@@ -373,6 +380,7 @@ func (p *holdPoison) hold(h message.HandlerFunc, msg *message.Message, inner *ch
 				return produced, nil
 			}
 		}
+		p.stall.touch()
 		if orig.Err() != nil {
 			// The message context ended (shutdown): give it back.
 			return nil, err
@@ -446,6 +454,7 @@ func (p *holdPoison) poison(msg *message.Message, ctx context.Context, cause err
 	pm.Metadata.Set(wmw.PoisonedTopicKey, bound(message.SubscribeTopicFromCtx(ctx), p.cfg.MaxHeaderBytes))
 	pm.Metadata.Set(wmw.PoisonedHandlerKey, bound(message.HandlerNameFromCtx(ctx), p.cfg.MaxHeaderBytes))
 	pm.Metadata.Set(wmw.PoisonedSubscriberKey, bound(message.SubscriberNameFromCtx(ctx), p.cfg.MaxHeaderBytes))
+	pm.Metadata.Set(MetadataPoisonedAt, time.Now().UTC().Format(time.RFC3339Nano))
 	if class == ClassPermanent {
 		pm.Metadata.Set(MetadataPoisonClass, "permanent")
 	} else {

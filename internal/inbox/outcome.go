@@ -33,6 +33,10 @@ const (
 	// (MarkObsolete) that a newer message of the same family was already
 	// published, so this one was dropped (versioned.LatestFilter).
 	OutcomeObsolete Outcome = "obsolete"
+	// OutcomeStalled: no attempt of the chain finished for StallAfter while
+	// some were in flight (recorded once per report, with the idle time as
+	// Total and no handler name); the attempts go on.
+	OutcomeStalled Outcome = "stalled"
 )
 
 type attemptState struct {

@@ -1,0 +1,4 @@
+package metrics
+
+// DefaultBuckets is defaultBuckets, for the external tests.
+var DefaultBuckets = defaultBuckets
