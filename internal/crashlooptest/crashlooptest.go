@@ -171,9 +171,9 @@ func Run(t *testing.T, tr Transport) {
 		allowed++
 	}
 	var dead []*message.Message
+	var applied int
 	done := func() bool {
 		dead = append(dead, tr.DeadLetters(t)...)
-		var applied int
 		if err := pool.QueryRow(ctx, `SELECT count(DISTINCT event_id) FROM effect`).Scan(&applied); err != nil {
 			t.Fatal(err)
 		}
@@ -210,7 +210,8 @@ func Run(t *testing.T, tr Transport) {
 				} else if time.Now().After(deadline) {
 					_ = cmd.Process.Kill()
 					<-exited
-					t.Fatalf("child %d neither crashed nor finished within 2 min; output:\n%s", crashes+1, out.String())
+					t.Fatalf("child %d neither crashed nor finished within 2 min (%d dead letters, %d of %d events applied); output:\n%s",
+						crashes+1, len(dead), applied, len(others), out.String())
 				} else {
 					continue
 				}
