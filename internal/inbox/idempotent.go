@@ -208,11 +208,10 @@ type Idempotent struct {
 }
 
 // crashWarmup is how many attempts after a consumer starts are counted as
-// possible crashes whatever the broker says: a message that killed the
-// process is among the first a restarted consumer receives (Kafka resumes
-// at the committed offset, Redis Streams claims its pending entries first),
-// on transports that mark no redelivery. Later first deliveries write
-// nothing.
+// possible crashes on transports that mark no redelivery (Kafka, Redis
+// Streams without CountingClient): a message that killed the process is
+// among the first a restarted consumer receives (Kafka resumes at the
+// committed offset). Later first deliveries write nothing.
 const crashWarmup = 64
 
 // isNopLogger reports whether l is Watermill's NopLogger (it logs nothing).
@@ -415,7 +414,7 @@ func attemptFields(msg *message.Message, consumer, handlerName string, attempt i
 // countsCrashes reports whether msg's attempts are counted: a bound is set
 // and either the transport marks redeliveries (the redelivered flag or a
 // delivery count is present: AMQP, JetStream, Redis Streams through
-// CountingClient) and this is one (redelivered, or a delivery count above
+// redisstream.CountingClient) and this is one (redelivered, or a delivery count above
 // 0), or it marks none (Kafka) and the consumer has just started
 // (crashWarmup). First deliveries on a transport that marks redeliveries
 // write nothing.
