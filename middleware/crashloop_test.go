@@ -83,8 +83,9 @@ func crashingEvent(id string, redelivered bool) *message.Message {
 // MaxCrashes attempts died in it, with the reason crash_loop; the message
 // behind it is applied (issue 24: a crash-looping message must not block
 // its queue forever). Whether the transport marks the redelivery (AMQP,
-// JetStream) or not (Kafka, Redis Streams: counted in the consumer's first
-// attempts after a start, where a message that killed it comes back).
+// JetStream, Redis Streams with CountingClient) or not (Kafka: counted in
+// the consumer's first attempts after a start, where a message that killed
+// it comes back).
 func TestConsumerDeadLettersAMessageThatKillsTheProcess(t *testing.T) {
 	t.Parallel()
 	for _, redelivered := range []bool{true, false} {
