@@ -2,6 +2,8 @@ package redisstream
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"strconv"
 	"sync"
 
@@ -15,8 +17,17 @@ import (
 // reads: the entry's earlier deliveries in the consumer group, in decimal
 // ("0" for an entry read for the first time), or "redelivered" when it was
 // claimed without its count being known. [Marshaler.Unmarshal] maps it to
-// [marshaler.MetadataDeliveryCount] and [marshaler.MetadataRedelivered].
-const fieldDeliveries = "_idempotency_deliveries"
+// [marshaler.MetadataDeliveryCount] and [marshaler.MetadataRedelivered] and
+// removes it. Its name ends with a random suffix drawn at start, so an
+// entry stored by a producer cannot carry it: it exists only in the
+// entries this process's CountingClient returns.
+var fieldDeliveries = "_idempotency_deliveries." + randomSuffix()
+
+func randomSuffix() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails (Go 1.24)
+	return hex.EncodeToString(b[:])
+}
 
 // pendingLimit bounds the delivery counts CountingClient remembers between
 // XPENDING and XCLAIM; past it they are forgotten (a claim then marks the
@@ -36,9 +47,9 @@ const pendingLimit = 4096
 // (middleware.ConsumerConfig.MaxCrashes) and a first delivery writes
 // nothing. Without it the transport marks nothing and the consumer counts
 // the first attempts after each start. The mark is an extra field of the
-// returned entry, written by this client on every read it wraps (an entry
-// field of that name stored by a producer is overwritten). Other commands
-// pass through unchanged.
+// returned entry, under a name drawn at random when the process starts (a
+// producer cannot forge it). Other commands pass through unchanged. The mark is in memory only: no entry stored in
+// Redis is changed.
 func CountingClient(c redis.UniversalClient) redis.UniversalClient {
 	return &countingClient{UniversalClient: c, pending: make(map[string]int64)}
 }
@@ -115,13 +126,19 @@ func (c *countingClient) XReadGroup(ctx context.Context, a *redis.XReadGroupArgs
 	return cmd
 }
 
-// setDeliveries maps the CountingClient mark of an entry to msg's metadata.
-func setDeliveries(msg *message.Message, values map[string]interface{}) {
+// takeDeliveries removes the CountingClient mark from an entry's fields and
+// returns a function that maps it to a decoded message's metadata.
+func takeDeliveries(values map[string]interface{}) func(*message.Message) {
 	v, ok := values[fieldDeliveries]
 	if !ok {
-		return
+		return func(*message.Message) {}
 	}
-	s := fieldText(v)
+	delete(values, fieldDeliveries)
+	return func(msg *message.Message) { setDeliveries(msg, fieldText(v)) }
+}
+
+// setDeliveries maps a CountingClient mark to msg's metadata.
+func setDeliveries(msg *message.Message, s string) {
 	if n, err := strconv.ParseInt(s, 10, 64); err == nil && n >= 0 {
 		marshaler.SetRedelivered(msg, n > 0)
 		marshaler.SetDeliveryCount(msg, n)

@@ -111,6 +111,7 @@ func (m Marshaler) Unmarshal(values map[string]interface{}) (msg *message.Messag
 			msg = marshaler.NewMalformed(entryJSON(values), "", fmt.Sprintf("redisstream: internal error decoding the entry: %v", r))
 		}
 	}()
+	mark := takeDeliveries(values)
 	id := fieldText(values[fieldUUID])
 	raw, ok := values[FieldPayload]
 	if !ok {
@@ -123,7 +124,7 @@ func (m Marshaler) Unmarshal(values map[string]interface{}) (msg *message.Messag
 		}
 	}
 	msg = m.Decoder.DecodeDelivery(in)
-	setDeliveries(msg, values)
+	mark(msg)
 	return msg, nil
 }
 
