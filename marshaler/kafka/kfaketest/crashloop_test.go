@@ -24,13 +24,15 @@ const (
 
 func init() { crashlooptest.Child(crashLoopWiring) }
 
-// crashLoopSaramaConfig: offsets committed at each ack only, so a killed
-// member's successor resumes at the record that killed it.
+// crashLoopSaramaConfig: offsets marked at each ack and auto-committed
+// (docs/transports.md), so a killed member's successor resumes at or before
+// the record that killed it (never acked, never marked).
 func crashLoopSaramaConfig() *sarama.Config {
 	c := wmkafka.DefaultSaramaSubscriberConfig()
 	c.Version = sarama.V2_1_0_0
 	c.Consumer.Offsets.Initial = sarama.OffsetOldest
-	c.Consumer.Offsets.AutoCommit.Enable = false
+	c.Consumer.Offsets.AutoCommit.Enable = true
+	c.Consumer.Offsets.AutoCommit.Interval = 200 * time.Millisecond
 	c.Consumer.Group.Heartbeat.Interval = 100 * time.Millisecond
 	c.Consumer.Group.Session.Timeout = 6 * time.Second
 	c.Consumer.Group.Rebalance.Timeout = 2 * time.Second
