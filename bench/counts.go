@@ -131,6 +131,11 @@ func countChild(specJSON string) error {
 		if err != nil {
 			return err
 		}
+		if countMarked[s.Variant] {
+			// A first delivery as AMQP and JetStream mark it.
+			marshaler.SetRedelivered(m, false)
+			marshaler.SetDeliveryCount(m, 0)
+		}
 		m.SetContext(ctx)
 		msgs[i] = m
 	}
@@ -146,6 +151,9 @@ func countChild(specJSON string) error {
 		}
 		cfg := inbox.Config{Beginner: beginner, Store: store, Consumer: consumerName, Recorder: vs.sink}
 		mod(&cfg)
+		if cfg.MaxCrashes > 0 {
+			cfg.CrashQuerier = sqldb.Pgx(pool)
+		}
 		idem, err := inbox.NewIdempotent(cfg, watermill.NopLogger{})
 		if err != nil {
 			return err
@@ -189,12 +197,18 @@ type CountSizes struct {
 }
 
 // countVariants are the variants counted, the first the baseline.
-var countVariants = []string{vNone, vOurs, vDuplicate, "idem_no_lock_timeout", "idem_no_verify", "dup_no_lock_timeout_no_verify", vPlainTx}
+var countVariants = []string{vNone, vOurs, vDuplicate, "idem_no_lock_timeout", "idem_no_verify", "dup_no_lock_timeout_no_verify", vPlainTx,
+	"idem_crash_bound_marked", "idem_crash_bound_unmarked"}
 
 // vPlainTx is the handler in a plain pgx transaction without the chain
 // (none has the chain's outer layers): what a router without this library
 // runs; the consumer's whole cost is idempotent − plain_tx.
 const vPlainTx = "plain_tx"
+
+// countMarked are the variants whose messages are marked as first
+// deliveries (redelivered "false", delivery count 0), as AMQP and JetStream
+// deliver them.
+var countMarked = map[string]bool{"idem_crash_bound_marked": true}
 
 // countConfigs are the counted configurations of the middleware other than
 // the default: where its cost goes.
@@ -208,6 +222,13 @@ var countConfigs = map[string]func(*inbox.Config){
 	"dup_no_lock_timeout_no_verify": func(c *inbox.Config) {
 		c.LockTimeout, c.DisablePayloadVerification = -1, true
 	},
+	// The crash bound as NewConsumer sets it (ConsumerConfig.MaxCrashes,
+	// counted on the pool): on first deliveries a transport marks (AMQP,
+	// JetStream, Redis Streams with CountingClient) nothing is written;
+	// unmarked (Kafka) the first 64 attempts of each child are counted, and
+	// the N2 − N1 difference is what follows them.
+	"idem_crash_bound_marked":   func(c *inbox.Config) { c.MaxCrashes = 3 },
+	"idem_crash_bound_unmarked": func(c *inbox.Config) { c.MaxCrashes = 3 },
 }
 
 type countResult struct {
@@ -354,6 +375,7 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	ours, dup := got[vOurs], got[vDuplicate]
 	t.Notes = []string{
 		"plain_tx: the handler in pgx's own transaction, no chain (none has the chain's poison, retry and recoverer layers). idem_no_lock_timeout: Config.LockTimeout < 0 (no SET LOCAL); idem_no_verify: DisablePayloadVerification (no fingerprint, no identity read on a duplicate); dup_no_lock_timeout_no_verify: a duplicate with neither (BEGIN, claim, ROLLBACK).",
+		"idem_crash_bound_marked / _unmarked: ours with the crash bound NewConsumer sets (MaxCrashes 3, counted on the pool), on first deliveries marked as such (AMQP, JetStream, Redis Streams with CountingClient: nothing written) or unmarked (Kafka: each child's first 64 attempts are counted, inside both runs, so they cancel out of the per-message figure).",
 		fmt.Sprintf("(I(%d) − I(%d)) ÷ %d per message: process start and connection cancel out; building the message is inside (same for all).", sz.N2, sz.N1, sz.N2-sz.N1),
 		"server: a scratch PostgreSQL (initdb, loopback, fsync off) run by this part under cachegrind, the child's backend only; WAL: pg_current_wal_insert_lsn diff; allocs: MemStats.Mallocs.",
 		fmt.Sprintf("server instructions per claim (ours − none): %s k; duplicate CPU ÷ new message CPU: %s.", k(ours.server-base.server), f3((dup.client+dup.server)/(ours.client+ours.server))),
@@ -382,6 +404,13 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	res.set("server_instructions_per_msg_no_lock_timeout", got["idem_no_lock_timeout"].server)
 	res.set("server_instructions_per_msg_no_verify", got["idem_no_verify"].server)
 	res.set("client_instructions_per_msg_no_verify", got["idem_no_verify"].client)
+	for _, v := range []string{"idem_crash_bound_marked", "idem_crash_bound_unmarked"} {
+		r := got[v]
+		res.set(v+"_client_instructions_extra", r.client-ours.client)
+		res.set(v+"_server_instructions_extra", r.server-ours.server)
+		res.set(v+"_wal_bytes_extra", r.wal-ours.wal)
+		res.set(v+"_allocs_extra", r.allocs-ours.allocs)
+	}
 	floor := got["dup_no_lock_timeout_no_verify"]
 	res.set("duplicate_cpu_ratio_no_lock_timeout_no_verify", (floor.client+floor.server)/(ours.client+ours.server))
 	return nil

@@ -161,14 +161,21 @@ type ConsumerConfig struct {
 	// is dead-lettered with reason "crash_loop" (ErrCrashLoop, permanent),
 	// so that it stops killing every consumer that receives it and the
 	// messages behind it are applied. Attempts are counted in the table's
-	// <table>_crash table, in autocommit, for deliveries the broker marks as
-	// redelivered (AMQP redelivered, JetStream and quorum-queue delivery
-	// counts) and for the first 64 attempts after the consumer is built
-	// (Kafka and Redis Streams mark no redelivery, and a message that killed
-	// the process is among the first a restarted consumer receives); other
-	// first deliveries write nothing. A delivery held through an outage
-	// ends its attempts normally and is never counted. Defaults to
-	// DefaultMaxCrashes (3); negative: never.
+	// <table>_crash table, in autocommit (a write when an attempt starts, a
+	// delete when it ends), for redeliveries only on transports that mark
+	// them (AMQP's redelivered flag, quorum queues' x-delivery-count,
+	// JetStream's NumDelivered, Redis Streams' pending delivery count), and
+	// for the first 64 attempts after the consumer is built on transports
+	// that mark none (Kafka: a message that killed the process is among the
+	// first a restarted consumer receives). A first delivery on a marking
+	// transport writes nothing. The broker's delivery count bounds the
+	// crashes counted but is not taken as one: it also counts messages
+	// buffered behind the crashing one and never handled. So the message is
+	// dead-lettered at its MaxCrashes+2nd delivery on a marking transport
+	// (its first crash wrote nothing), at its MaxCrashes+1st on Kafka when
+	// each crash came within a start's first 64 attempts. A delivery held through an outage ends its attempts
+	// normally and is never counted. Defaults to DefaultMaxCrashes (3);
+	// negative: never.
 	MaxCrashes int
 
 	// Recorder receives one Observation per attempt (metrics). Defaults to

@@ -83,8 +83,9 @@ func crashingEvent(id string, redelivered bool) *message.Message {
 // MaxCrashes attempts died in it, with the reason crash_loop; the message
 // behind it is applied (issue 24: a crash-looping message must not block
 // its queue forever). Whether the transport marks the redelivery (AMQP,
-// JetStream) or not (Kafka, Redis Streams: counted in the consumer's first
-// attempts after a start, where a message that killed it comes back).
+// JetStream, Redis Streams with CountingClient) or not (Kafka: counted in
+// the consumer's first attempts after a start, where a message that killed
+// it comes back).
 func TestConsumerDeadLettersAMessageThatKillsTheProcess(t *testing.T) {
 	t.Parallel()
 	for _, redelivered := range []bool{true, false} {
@@ -143,4 +144,64 @@ func testCrashLoop(t *testing.T, redelivered bool) {
 	var left int
 	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_event_crash`).Scan(&left))
 	require.Zero(t, left, "every ended attempt forgets its count")
+}
+
+// A first delivery on a transport that marks redeliveries (redelivered
+// "false", as AMQP and JetStream set it) writes no crash count, even among
+// the first attempts after the consumer starts: the count starts with the
+// first redelivery. A transport that marks nothing (Kafka) is counted in
+// those first attempts.
+func TestConsumerCountsNoCrashOnAMarkedFirstDelivery(t *testing.T) {
+	t.Parallel()
+	for _, marked := range []bool{true, false} {
+		t.Run(map[bool]string{true: "marked", false: "unmarked"}[marked], func(t *testing.T) {
+			t.Parallel()
+			e := newConsumerEnv(t)
+			c, err := middleware.NewConsumer(e.config("stock"), nil)
+			require.NoError(t, err)
+			var rows int
+			h, err := door.Wrap(c, "reserve", func(msg *message.Message) ([]*message.Message, error) {
+				// Another connection: the count is written in autocommit.
+				return nil, e.pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_event_crash`).Scan(&rows)
+			})
+			require.NoError(t, err)
+			msg := newEvent(t)
+			if marked {
+				marshaler.SetRedelivered(msg, false)
+				marshaler.SetDeliveryCount(msg, 0)
+			}
+			_, err = h(msg)
+			require.NoError(t, err)
+			if marked {
+				require.Zero(t, rows, "a first delivery the transport marks as such is not counted")
+			} else {
+				require.Equal(t, 1, rows, "an unmarked delivery in the first attempts after a start is counted")
+			}
+		})
+	}
+}
+
+// A crash count left behind (a crash loop cut short by a redrive, a row
+// restored from a backup) is never taken for more crashes than the broker
+// counts deliveries: a message the broker delivered once before is not
+// dead-lettered whatever the table says.
+func TestConsumerCrashCountIsBoundedByTheBrokersDeliveryCount(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	msg := newEvent(t)
+	_, err := e.pool.Exec(context.Background(), `INSERT INTO processed_event_crash (consumer, event_id, started) VALUES ('stock', $1, 10)`, msg.UUID)
+	require.NoError(t, err)
+	c, err := middleware.NewConsumer(e.config("stock"), nil)
+	require.NoError(t, err)
+	var calls atomic.Int32
+	h, err := door.Wrap(c, "reserve", func(*message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		return nil, nil
+	})
+	require.NoError(t, err)
+	marshaler.SetRedelivered(msg, true)
+	marshaler.SetDeliveryCount(msg, 1)
+	_, err = h(msg)
+	require.NoError(t, err)
+	require.Equal(t, int32(1), calls.Load(), "handled, not dead-lettered as a crash loop")
 }

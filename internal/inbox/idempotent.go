@@ -208,11 +208,10 @@ type Idempotent struct {
 }
 
 // crashWarmup is how many attempts after a consumer starts are counted as
-// possible crashes whatever the broker says: a message that killed the
-// process is among the first a restarted consumer receives (Kafka resumes
-// at the committed offset, Redis Streams claims its pending entries first),
-// on transports that mark no redelivery. Later first deliveries write
-// nothing.
+// possible crashes on transports that mark no redelivery (Kafka, Redis
+// Streams without CountingClient): a message that killed the process is
+// among the first a restarted consumer receives (Kafka resumes at the
+// committed offset). Later first deliveries write nothing.
 const crashWarmup = 64
 
 // isNopLogger reports whether l is Watermill's NopLogger (it logs nothing).
@@ -381,7 +380,7 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		// The count ends with the attempt on every path but the process's
 		// death: a panic unwinds through here too.
 		defer m.endAttempt(origCtx, consumer, eventID)
-		if crashed := started - 1; crashed >= m.cfg.MaxCrashes {
+		if crashed := crashedAttempts(msg, started); crashed >= m.cfg.MaxCrashes {
 			setField(fields, "crashed_attempts", crashed)
 			return reject(OutcomeRejected, "crash_loop", fmt.Errorf("%w: %d attempts of this message started and never ended "+
 				"(the process died in them: out of memory, a fatal error, a liveness probe); at most %d", ErrCrashLoop, crashed, m.cfg.MaxCrashes))
@@ -413,19 +412,40 @@ func attemptFields(msg *message.Message, consumer, handlerName string, attempt i
 }
 
 // countsCrashes reports whether msg's attempts are counted: a bound is set
-// and the broker marks the delivery as a redelivery, or the consumer has just
-// started (crashWarmup). Other first deliveries write nothing.
+// and either the transport marks redeliveries (the redelivered flag or a
+// delivery count is present: AMQP, JetStream, Redis Streams through
+// redisstream.CountingClient) and this is one (redelivered, or a delivery count above
+// 0), or it marks none (Kafka) and the consumer has just started
+// (crashWarmup). First deliveries on a transport that marks redeliveries
+// write nothing.
 func (m *Idempotent) countsCrashes(msg *message.Message) bool {
 	if m.cfg.MaxCrashes <= 0 || m.cfg.CrashQuerier == nil {
 		return false
 	}
-	if marshaler.Redelivered(msg) {
-		return true
-	}
-	if n, ok := marshaler.DeliveryCount(msg); ok && n > 0 {
-		return true
+	n, hasCount := marshaler.DeliveryCount(msg)
+	if _, hasFlag := msg.Metadata[marshaler.MetadataRedelivered]; hasFlag || hasCount {
+		return marshaler.Redelivered(msg) || n > 0
 	}
 	return m.warmup.Add(1) <= crashWarmup
+}
+
+// crashedAttempts is how many earlier attempts of msg died: started, the
+// durable count of attempts begun and never ended (this one included), less
+// this one, and never more than the broker's count of earlier deliveries
+// where it has one (a quorum queue's x-delivery-count, JetStream's
+// NumDelivered - 1, Redis Streams' delivery count - 1), so that a count
+// left behind is never taken for crashes. The broker's count alone is not
+// the crash count: it also counts deliveries buffered behind a crashing
+// message and never handled (a JetStream pull batch, an AMQP prefetch) and
+// deliveries given back at a shutdown or after a hold, and those did not
+// crash. On a transport that marks redeliveries the first delivery wrote
+// nothing, so its crash is not among them.
+func crashedAttempts(msg *message.Message, started int) int {
+	crashed := started - 1
+	if n, ok := marshaler.DeliveryCount(msg); ok && n < int64(crashed) {
+		return int(n)
+	}
+	return crashed
 }
 
 func (m *Idempotent) startAttempt(ctx context.Context, consumer string, id uuid.UUID) (int, error) {

@@ -210,7 +210,7 @@ func TestRedisStreams(t *testing.T) {
 				NewSubscriber: func(t *testing.T, addr string) message.Subscriber {
 					client := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1})
 					sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
-						Client: client, Unmarshaller: redismarshaler.Marshaler{},
+						Client: redismarshaler.CountingClient(client), Unmarshaller: redismarshaler.Marshaler{},
 						ConsumerGroup: group, Consumer: testenv.UniqueName("c"),
 						BlockTime: 100 * time.Millisecond, ClaimInterval: 100 * time.Millisecond,
 						MaxIdleTime: 500 * time.Millisecond, CheckConsumersInterval: time.Hour,

@@ -308,7 +308,7 @@ func TestUniversalSuiteRedisStreams(t *testing.T) {
 		pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: redis.NewClient(&redis.Options{Addr: addr}), Marshaller: redismarshaler.Marshaler{}}, watermill.NopLogger{})
 		require.NoError(t, err)
 		sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
-			Client: redis.NewClient(&redis.Options{Addr: addr}), Unmarshaller: redismarshaler.Marshaler{},
+			Client: redismarshaler.CountingClient(redis.NewClient(&redis.Options{Addr: addr})), Unmarshaller: redismarshaler.Marshaler{},
 			Consumer: watermill.NewShortUUID(), ConsumerGroup: group,
 			BlockTime: 10 * time.Millisecond, ClaimInterval: 3 * time.Second, MaxIdleTime: 5 * time.Second,
 		}, watermill.NopLogger{})

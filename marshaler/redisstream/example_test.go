@@ -4,7 +4,9 @@ import (
 	"fmt"
 	"time"
 
+	wmredis "github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
 	"github.com/google/uuid"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/marshaler/redisstream"
@@ -35,4 +37,22 @@ func Example() {
 	// Output:
 	// 01906dbc-ad00-70a1-8a1b-2c3d4e5f6a7b order.placed
 	// <nil> true
+}
+
+// The subscriber of a consumer group, wired so that each delivery carries
+// Redis' delivery count: a first read writes no crash count, and a
+// message that keeps killing the process is dead-lettered after
+// middleware.ConsumerConfig.MaxCrashes crashes.
+func ExampleCountingClient() {
+	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:6379"})
+	sub, err := wmredis.NewSubscriber(wmredis.SubscriberConfig{
+		Client:        redisstream.CountingClient(client), // marks first reads and claims
+		Unmarshaller:  redisstream.Marshaler{},
+		ConsumerGroup: "stock",
+	}, nil)
+	if err != nil {
+		panic(err)
+	}
+	defer sub.Close()
+	// Hand sub to middleware.NewConsumer's AddConsumerHandler.
 }

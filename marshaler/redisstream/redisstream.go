@@ -27,12 +27,15 @@
 //     entry's delivery count) and hands them to a consumer again: that is the
 //     redelivery after a crash or a lost ack. Two groups each get every entry:
 //     two consumers, two claim names.
-//   - The delivery count (XPENDING's times-delivered) is not mapped: the
-//     watermill-redisstream Unmarshaller gets only the entry's fields, not its
-//     id nor its pending-list record, so [marshaler.MetadataRedelivered] and
-//     [marshaler.MetadataDeliveryCount] are absent on this transport. A Nack
-//     makes watermill-redisstream resend the same message in process, not
-//     through Redis.
+//   - The delivery count (XPENDING's times-delivered) reaches the
+//     middleware only through [CountingClient]: the watermill-redisstream
+//     Unmarshaller gets only the entry's fields, not its id nor its
+//     pending-list record. Give the Subscriber CountingClient(client) and
+//     [marshaler.MetadataRedelivered] and [marshaler.MetadataDeliveryCount]
+//     are set (first read: not redelivered, 0; claim: redelivered, the
+//     earlier deliveries); without it they are absent. A Nack makes
+//     watermill-redisstream resend the same message in process, not
+//     through Redis (no count).
 //   - MAXLEN/MINID trimming deletes entries whether or not they were
 //     processed, pending ones included: size the stream for the longest
 //     consumer outage.
@@ -51,8 +54,9 @@ import (
 
 // Entry field names, the same as watermill-redisstream's default marshaller.
 const (
-	// FieldUUID holds the canonical event id (redisstream.UUIDHeaderKey).
-	FieldUUID = redisstream.UUIDHeaderKey
+	// fieldUUID holds the canonical event id: watermill-redisstream's
+	// redisstream.UUIDHeaderKey.
+	fieldUUID = redisstream.UUIDHeaderKey
 	// FieldPayload holds the envelope.
 	FieldPayload = "payload"
 	// FieldMetadata holds the metadata as a msgpack map of strings.
@@ -71,7 +75,7 @@ type Marshaler struct {
 
 var _ redisstream.MarshallerUnmarshaller = Marshaler{}
 
-// Marshal turns msg into the fields of one stream entry: FieldUUID, the
+// Marshal turns msg into the fields of one stream entry: fieldUUID, the
 // event id (for a malformed dead-letter copy: msg.UUID), FieldPayload, the
 // body of [marshaler.EncodeMessage], and FieldMetadata, its headers as
 // msgpack. It returns the errors of [marshaler.EncodeMessage].
@@ -89,7 +93,7 @@ func (m Marshaler) Marshal(_ string, msg *message.Message) (map[string]interface
 	if err != nil {
 		return nil, fmt.Errorf("redisstream: metadata: %w", err)
 	}
-	return map[string]interface{}{FieldUUID: id, FieldPayload: body, FieldMetadata: md}, nil
+	return map[string]interface{}{fieldUUID: id, FieldPayload: body, FieldMetadata: md}, nil
 }
 
 // Unmarshal turns the fields of one stream entry into a message. It never
@@ -97,7 +101,7 @@ func (m Marshaler) Marshal(_ string, msg *message.Message) (map[string]interface
 //
 // FieldPayload is decoded by [marshaler.Decoder.DecodeDelivery], with the
 // FieldMetadata map (msgpack, as watermill-redisstream writes it) as headers
-// and FieldUUID as the transport id. An entry without FieldPayload, or whose
+// and fieldUUID as the transport id. An entry without FieldPayload, or whose
 // metadata does not decode, is flagged malformed; its payload is then the
 // entry's fields rendered as a JSON object (sorted keys), so the dead-letter
 // copy shows what was received.
@@ -107,7 +111,8 @@ func (m Marshaler) Unmarshal(values map[string]interface{}) (msg *message.Messag
 			msg = marshaler.NewMalformed(entryJSON(values), "", fmt.Sprintf("redisstream: internal error decoding the entry: %v", r))
 		}
 	}()
-	id := fieldText(values[FieldUUID])
+	mark := takeDeliveries(values)
+	id := fieldText(values[fieldUUID])
 	raw, ok := values[FieldPayload]
 	if !ok {
 		return marshaler.NewMalformed(entryJSON(values), id, "redisstream: entry has no "+FieldPayload+" field"), nil
@@ -118,7 +123,9 @@ func (m Marshaler) Unmarshal(values map[string]interface{}) (msg *message.Messag
 			return marshaler.NewMalformed(entryJSON(values), id, "redisstream: "+FieldMetadata+" field is not a msgpack map of strings"), nil
 		}
 	}
-	return m.Decoder.DecodeDelivery(in), nil
+	msg = m.Decoder.DecodeDelivery(in)
+	mark(msg)
+	return msg, nil
 }
 
 // fieldText renders an entry field: go-redis gives strings; a hand-built map

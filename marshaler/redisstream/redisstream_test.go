@@ -44,7 +44,7 @@ func TestRedisStreamRoundTrip(t *testing.T) {
 	t.Parallel()
 	fields, err := Marshaler{}.Marshal("orders", event(t))
 	require.NoError(t, err)
-	require.Equal(t, testID, fields[FieldUUID])
+	require.Equal(t, testID, fields[fieldUUID])
 	out, err := Marshaler{}.Unmarshal(asRead(fields))
 	require.NoError(t, err)
 	require.Equal(t, testID, out.UUID)
@@ -91,8 +91,8 @@ func TestRedisStreamUnmarshalNeverFails(t *testing.T) {
 		"foreign fields":   {"foo": "bar"},
 		"no fields":        {},
 		"nil map":          nil,
-		"not an envelope":  {FieldUUID: "legacy-1", FieldPayload: "hello"},
-		"bad metadata":     {FieldUUID: "legacy-2", FieldPayload: "{}", FieldMetadata: "\xc1"},
+		"not an envelope":  {fieldUUID: "legacy-1", FieldPayload: "hello"},
+		"bad metadata":     {fieldUUID: "legacy-2", FieldPayload: "{}", FieldMetadata: "\xc1"},
 		"odd value types":  {FieldPayload: 42, FieldMetadata: 7},
 		"spoofed metadata": {FieldPayload: "x", FieldMetadata: mustMsgpack(t, map[string]string{marshaler.MetadataMalformed: "false"})},
 	} {
@@ -107,7 +107,7 @@ func TestRedisStreamUnmarshalNeverFails(t *testing.T) {
 	}
 	msg, _ := Marshaler{}.Unmarshal(map[string]interface{}{"foo": "bar"})
 	require.JSONEq(t, `{"foo":"bar"}`, string(msg.Payload), "the dead-letter copy shows the entry")
-	msg, _ = Marshaler{}.Unmarshal(map[string]interface{}{FieldUUID: "legacy-1", FieldPayload: "hello"})
+	msg, _ = Marshaler{}.Unmarshal(map[string]interface{}{fieldUUID: "legacy-1", FieldPayload: "hello"})
 	require.Equal(t, "legacy-1", msg.UUID)
 	require.Equal(t, "hello", string(msg.Payload))
 	require.NotContains(t, msg.Metadata, marshaler.MetadataRedelivered, "not known on this transport")
@@ -115,10 +115,10 @@ func TestRedisStreamUnmarshalNeverFails(t *testing.T) {
 
 func TestRedisStreamMarshalMalformedVerbatim(t *testing.T) {
 	t.Parallel()
-	bad, _ := Marshaler{}.Unmarshal(map[string]interface{}{FieldUUID: "legacy-1", FieldPayload: "\xffhello"})
+	bad, _ := Marshaler{}.Unmarshal(map[string]interface{}{fieldUUID: "legacy-1", FieldPayload: "\xffhello"})
 	fields, err := Marshaler{}.Marshal("orders.dlq", bad)
 	require.NoError(t, err)
-	require.Equal(t, "legacy-1", fields[FieldUUID])
+	require.Equal(t, "legacy-1", fields[fieldUUID])
 	require.Equal(t, "\xffhello", string(fields[FieldPayload].([]byte)))
 	again, _ := Marshaler{}.Unmarshal(asRead(fields))
 	_, flagged := marshaler.Malformed(again)

@@ -1,0 +1,253 @@
+// Package crashlooptest is the crash-loop scenario of issue 24, run on a
+// real transport by that transport's tests: a consumer process whose
+// handler SIGKILLs itself on one poisoned event is started again and again
+// (the test binary re-executed as a child), until the poisoned event is
+// dead-lettered, with a reason naming the crash loop, and the events
+// published before and after it are each applied once.
+//
+// A transport's test calls [Child] from its test binary's init (so no
+// TestMain is needed) and [Run] from a test. Setting CRASHLOOP_MAX_CRASHES
+// in the test's environment passes that ConsumerConfig.MaxCrashes to the
+// children: -1 (no bound) shows the test failing.
+package crashlooptest
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-idempotency/idempotency"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
+)
+
+const (
+	childEnv     = "CRASHLOOP_CHILD"
+	schemaEnv    = "CRASHLOOP_SCHEMA"
+	poisonEnv    = "CRASHLOOP_POISON"
+	maxCrashEnv  = "CRASHLOOP_MAX_CRASHES"
+	consumerName = "crashloop"
+)
+
+// Wiring is what a child consumes from and dead-letters to.
+type Wiring struct {
+	Subscriber  message.Subscriber
+	Topic       string
+	Poison      message.Publisher
+	PoisonTopic string
+}
+
+// Child runs the child consumer and exits, when the test binary was started
+// as one by Run; otherwise it returns at once. build makes the transport's
+// subscriber and dead-letter publisher from the environment Run passed
+// (Transport.Env).
+func Child(build func(logger watermill.LoggerAdapter) (Wiring, error)) {
+	if os.Getenv(childEnv) == "" {
+		return
+	}
+	if err := runChild(build); err != nil {
+		fmt.Fprintln(os.Stderr, "crashloop child:", err)
+		os.Exit(2)
+	}
+	os.Exit(3)
+}
+
+func runChild(build func(logger watermill.LoggerAdapter) (Wiring, error)) error {
+	logger := watermill.NewStdLoggerWithOut(os.Stderr, false, false)
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
+	if err != nil {
+		return err
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = os.Getenv(schemaEnv)
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		return err
+	}
+	w, err := build(logger)
+	if err != nil {
+		return err
+	}
+	maxCrashes := 0
+	if s := os.Getenv(maxCrashEnv); s != "" {
+		if maxCrashes, err = strconv.Atoi(s); err != nil {
+			return fmt.Errorf("%s: %w", maxCrashEnv, err)
+		}
+	}
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+		Consumer: consumerName, DB: idempotency.Pgx(pool), MaxCrashes: maxCrashes,
+		Poison: middleware.PoisonConfig{Publisher: w.Poison, Topic: w.PoisonTopic},
+	}, logger)
+	if err != nil {
+		return err
+	}
+	router, err := message.NewRouter(message.RouterConfig{}, logger)
+	if err != nil {
+		return err
+	}
+	poison := os.Getenv(poisonEnv)
+	if _, err := c.AddConsumerHandler(router, "crashloop", w.Topic, w.Subscriber, func(msg *message.Message) error {
+		if msg.UUID == poison {
+			fmt.Fprintln(os.Stderr, "crashloop child: poisoned event, SIGKILL")
+			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+			select {}
+		}
+		tx, _ := middleware.PgxTxFromContext(msg.Context())
+		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID)
+		return err
+	}); err != nil {
+		return err
+	}
+	return router.Run(context.Background())
+}
+
+// Transport is one transport's side of the scenario, in the parent.
+type Transport struct {
+	// Marked: the transport marks redeliveries (AMQP, JetStream, Redis
+	// Streams with the counting client), so the poisoned event's first
+	// crash is not counted and it is dead-lettered at its MaxCrashes+2nd
+	// delivery; unmarked (Kafka), every child's first attempts are counted
+	// and it is dead-lettered at its MaxCrashes+1st.
+	Marked bool
+	// Env is passed to every child (names of the transport's topics).
+	Env []string
+	// Publish publishes msgs, in order, to the topic the children consume.
+	Publish func(t testing.TB, msgs []*message.Message)
+	// DeadLetters returns the messages received on the dead-letter topic
+	// since the last call.
+	DeadLetters func(t testing.TB) []*message.Message
+}
+
+// Run publishes three events, the poisoned one and three more, then starts
+// child consumers one after the other: each dies by SIGKILL on the poisoned
+// event until it is dead-lettered; then the last child applies the rest and
+// is stopped. It checks that the poisoned event was dead-lettered exactly
+// once, with a reason naming the crash loop, after at most the deliveries
+// the bound allows, and that each other event was applied exactly once.
+func Run(t *testing.T, tr Transport) {
+	pool, schema := testenv.Pool(t)
+	ctx := context.Background()
+	if err := processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	var msgs []*message.Message
+	var others []string
+	for i := 0; i < 7; i++ {
+		m, err := marshaler.NewMessage("order.placed", map[string]int{"n": i})
+		if err != nil {
+			t.Fatal(err)
+		}
+		msgs = append(msgs, m)
+		if i != 3 {
+			others = append(others, m.UUID)
+		}
+	}
+	poison := msgs[3].UUID
+	tr.Publish(t, msgs)
+
+	maxCrashes := middleware.DefaultMaxCrashes
+	if s := os.Getenv(maxCrashEnv); s != "" {
+		maxCrashes, _ = strconv.Atoi(s)
+	}
+	allowed := maxCrashes // crashes before the dead-lettering delivery
+	if maxCrashes < 0 {   // no bound: give it the default's chances
+		allowed = middleware.DefaultMaxCrashes
+	}
+	if tr.Marked {
+		allowed++
+	}
+	var dead []*message.Message
+	var applied int
+	done := func() bool {
+		dead = append(dead, tr.DeadLetters(t)...)
+		if err := pool.QueryRow(ctx, `SELECT count(DISTINCT event_id) FROM effect`).Scan(&applied); err != nil {
+			t.Fatal(err)
+		}
+		return len(dead) > 0 && applied == len(others)
+	}
+	crashes := 0
+	for finished := false; !finished; {
+		if crashes > allowed+1 {
+			t.Fatalf("the poisoned event killed %d consumers and was not dead-lettered (MaxCrashes %d)", crashes, maxCrashes)
+		}
+		var out strings.Builder
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(append(os.Environ(), childEnv+"=1", schemaEnv+"="+schema, poisonEnv+"="+poison), tr.Env...)
+		cmd.Stdout, cmd.Stderr = &out, &out
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		exited := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(exited) }()
+		deadline := time.Now().Add(2 * time.Minute) // a hang guard, not a measurement
+		for {
+			select {
+			case <-exited:
+				ws := cmd.ProcessState.Sys().(syscall.WaitStatus)
+				if !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
+					t.Fatalf("child %d ended with %s, not by its SIGKILL; output:\n%s", crashes+1, cmd.ProcessState, out.String())
+				}
+				crashes++
+			case <-time.After(100 * time.Millisecond):
+				if done() {
+					_ = cmd.Process.Kill()
+					<-exited
+					finished = true
+				} else if time.Now().After(deadline) {
+					_ = cmd.Process.Kill()
+					<-exited
+					t.Fatalf("child %d neither crashed nor finished within 2 min (%d dead letters, %d of %d events applied); output:\n%s",
+						crashes+1, len(dead), applied, len(others), out.String())
+				} else {
+					continue
+				}
+			}
+			break
+		}
+	}
+	if crashes < 1 || crashes > allowed {
+		t.Fatalf("the poisoned event killed %d consumers; want 1 to %d (MaxCrashes %d)", crashes, allowed, maxCrashes)
+	}
+	dead = append(dead, tr.DeadLetters(t)...)
+	if len(dead) != 1 || dead[0].UUID != poison {
+		ids := make([]string, len(dead))
+		for i, d := range dead {
+			ids[i] = d.UUID
+		}
+		t.Fatalf("dead letters %v, want exactly the poisoned event %s", ids, poison)
+	}
+	if r := dead[0].Metadata.Get("reason_poisoned"); !strings.Contains(r, "crash loop") {
+		t.Fatalf("dead letter reason %q does not name the crash loop", r)
+	}
+	for _, id := range others {
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM effect WHERE event_id = $1`, id).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n != 1 {
+			t.Fatalf("event %s applied %d times, want once", id, n)
+		}
+	}
+	var left int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM processed_event_crash`).Scan(&left); err != nil {
+		t.Fatal(err)
+	}
+	if left != 0 {
+		t.Fatalf("%d crash counts left behind", left)
+	}
+	t.Logf("dead-lettered after %d crashes (MaxCrashes %d)", crashes, maxCrashes)
+}

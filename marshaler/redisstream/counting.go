@@ -1,0 +1,148 @@
+package redisstream
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"strconv"
+	"sync"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/watermill-idempotency/idempotency/marshaler"
+)
+
+// fieldDeliveries is the entry field CountingClient adds to each entry it
+// reads: the entry's earlier deliveries in the consumer group, in decimal
+// ("0" for an entry read for the first time), or "redelivered" when it was
+// claimed without its count being known. [Marshaler.Unmarshal] maps it to
+// [marshaler.MetadataDeliveryCount] and [marshaler.MetadataRedelivered] and
+// removes it. Its name ends with a random suffix drawn at start, so an
+// entry stored by a producer cannot carry it: it exists only in the
+// entries this process's CountingClient returns.
+var fieldDeliveries = "_idempotency_deliveries." + randomSuffix()
+
+func randomSuffix() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails (Go 1.24)
+	return hex.EncodeToString(b[:])
+}
+
+// pendingLimit bounds the delivery counts CountingClient remembers between
+// XPENDING and XCLAIM; past it they are forgotten (a claim then marks the
+// entry redelivered without a count).
+const pendingLimit = 4096
+
+// CountingClient wraps the client of a watermill-redisstream Subscriber (in
+// a consumer group) so that each delivery carries the Redis Streams
+// delivery count to the middleware: an entry read for the first time
+// (XREADGROUP ">") is marked as such, and an entry claimed from the pending
+// entries list (XCLAIM, watermill-redisstream's only redelivery: after a
+// consumer died or did not ack within MaxIdleTime) is marked redelivered,
+// with the times-delivered count XPENDING reported before the claim (the
+// claim is one more delivery). [Marshaler] maps the mark to
+// [marshaler.MetadataRedelivered] and [marshaler.MetadataDeliveryCount]; the
+// consumer then counts crashes from the first redelivery only
+// (middleware.ConsumerConfig.MaxCrashes) and a first delivery writes
+// nothing. Without it the transport marks nothing and the consumer counts
+// the first attempts after each start. The mark is an extra field of the
+// returned entry, under a name drawn at random when the process starts (a
+// producer cannot forge it). Other commands pass through unchanged. The mark is in memory only: no entry stored in
+// Redis is changed.
+func CountingClient(c redis.UniversalClient) redis.UniversalClient {
+	return &countingClient{UniversalClient: c, pending: make(map[string]int64)}
+}
+
+type countingClient struct {
+	redis.UniversalClient
+	mu      sync.Mutex
+	pending map[string]int64 // stream + "\x00" + entry id → times delivered, from XPENDING
+}
+
+func pendingKey(stream, id string) string { return stream + "\x00" + id }
+
+func (c *countingClient) XPendingExt(ctx context.Context, a *redis.XPendingExtArgs) *redis.XPendingExtCmd {
+	cmd := c.UniversalClient.XPendingExt(ctx, a)
+	if cmd.Err() == nil {
+		c.mu.Lock()
+		if len(c.pending)+len(cmd.Val()) > pendingLimit {
+			clear(c.pending)
+		}
+		for _, p := range cmd.Val() {
+			c.pending[pendingKey(a.Stream, p.ID)] = p.RetryCount
+		}
+		c.mu.Unlock()
+	}
+	return cmd
+}
+
+func (c *countingClient) XClaim(ctx context.Context, a *redis.XClaimArgs) *redis.XMessageSliceCmd {
+	cmd := c.UniversalClient.XClaim(ctx, a)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, id := range a.Messages {
+		k := pendingKey(a.Stream, id)
+		n, known := c.pending[k]
+		delete(c.pending, k)
+		for _, m := range cmd.Val() {
+			if m.ID != id || m.Values == nil {
+				continue
+			}
+			if known && n > 0 {
+				m.Values[fieldDeliveries] = strconv.FormatInt(n, 10)
+			} else {
+				m.Values[fieldDeliveries] = "redelivered"
+			}
+		}
+	}
+	return cmd
+}
+
+func (c *countingClient) XReadGroup(ctx context.Context, a *redis.XReadGroupArgs) *redis.XStreamSliceCmd {
+	cmd := c.UniversalClient.XReadGroup(ctx, a)
+	// Streams is the stream names, then one start id per stream: ">" reads
+	// entries never delivered to the group, any other id re-reads this
+	// consumer's pending ones.
+	half := len(a.Streams) / 2
+	for _, s := range cmd.Val() {
+		first := false
+		for i := 0; i < half; i++ {
+			if a.Streams[i] == s.Stream {
+				first = a.Streams[half+i] == ">"
+			}
+		}
+		for _, m := range s.Messages {
+			if m.Values == nil {
+				continue
+			}
+			if first {
+				m.Values[fieldDeliveries] = "0"
+			} else {
+				m.Values[fieldDeliveries] = "redelivered"
+			}
+		}
+	}
+	return cmd
+}
+
+// takeDeliveries removes the CountingClient mark from an entry's fields and
+// returns a function that maps it to a decoded message's metadata.
+func takeDeliveries(values map[string]interface{}) func(*message.Message) {
+	v, ok := values[fieldDeliveries]
+	if !ok {
+		return func(*message.Message) {}
+	}
+	delete(values, fieldDeliveries)
+	return func(msg *message.Message) { setDeliveries(msg, fieldText(v)) }
+}
+
+// setDeliveries maps a CountingClient mark to msg's metadata.
+func setDeliveries(msg *message.Message, s string) {
+	if n, err := strconv.ParseInt(s, 10, 64); err == nil && n >= 0 {
+		marshaler.SetRedelivered(msg, n > 0)
+		marshaler.SetDeliveryCount(msg, n)
+		return
+	}
+	marshaler.SetRedelivered(msg, true)
+}

@@ -1,0 +1,56 @@
+package redisstream
+
+import (
+	"context"
+	"testing"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+)
+
+// Through CountingClient an entry read for the first time arrives marked
+// not redelivered with 0 earlier deliveries, and the same entry claimed
+// from the pending list (after a consumer died holding it) arrives marked
+// redelivered with the delivery count Redis keeps; a field a producer
+// stored cannot pass for the mark, and the mark does not outlive decoding.
+func TestCountingClientMarksFirstReadsAndClaims(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	raw := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
+	t.Cleanup(func() { _ = raw.Close() })
+	stream := testenv.UniqueName("counting")
+	t.Cleanup(func() { raw.Del(ctx, stream) })
+	fields, err := Marshaler{}.Marshal(stream, event(t))
+	require.NoError(t, err)
+	fields["_idempotency_deliveries"] = "7" // a producer's attempt at the mark
+	require.NoError(t, raw.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: fields}).Err())
+	require.NoError(t, raw.XGroupCreateMkStream(ctx, stream, "g", "0").Err())
+
+	c := CountingClient(raw)
+	read, err := c.XReadGroup(ctx, &redis.XReadGroupArgs{Group: "g", Consumer: "dead", Streams: []string{stream, ">"}, Count: 1}).Result()
+	require.NoError(t, err)
+	msg, err := Marshaler{}.Unmarshal(read[0].Messages[0].Values)
+	require.NoError(t, err)
+	require.NotContains(t, read[0].Messages[0].Values, fieldDeliveries, "removed by Unmarshal")
+	require.Equal(t, "false", msg.Metadata.Get(marshaler.MetadataRedelivered))
+	n, ok := marshaler.DeliveryCount(msg)
+	require.True(t, ok)
+	require.Zero(t, n)
+
+	// The consumer "dead" never acks; another one claims the entry, as
+	// watermill-redisstream's claim loop does: XPENDING, then XCLAIM.
+	pending, err := c.XPendingExt(ctx, &redis.XPendingExtArgs{Stream: stream, Group: "g", Start: "-", End: "+", Count: 10}).Result()
+	require.NoError(t, err)
+	require.Len(t, pending, 1)
+	claimed, err := c.XClaim(ctx, &redis.XClaimArgs{Stream: stream, Group: "g", Consumer: "alive", Messages: []string{pending[0].ID}}).Result()
+	require.NoError(t, err)
+	msg, err = Marshaler{}.Unmarshal(claimed[0].Values)
+	require.NoError(t, err)
+	require.True(t, marshaler.Redelivered(msg))
+	n, ok = marshaler.DeliveryCount(msg)
+	require.True(t, ok)
+	require.Equal(t, int64(1), n, "delivered once before the claim")
+}
