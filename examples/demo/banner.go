@@ -16,6 +16,8 @@ func backendLine(cfg config) string {
 		return fmt.Sprintf("backend services: PostgreSQL %s, RabbitMQ %s", redact(cfg.DatabaseURL), redact(cfg.AMQPURL))
 	case backendJetStream:
 		return fmt.Sprintf("backend jetstream: PostgreSQL %s, NATS JetStream %s", redact(cfg.DatabaseURL), redact(cfg.NATSURL))
+	case backendKafka:
+		return fmt.Sprintf("backend kafka: PostgreSQL %s, in-process Kafka-protocol cluster (kfake, examples/demo/kafkapeer)", redact(cfg.DatabaseURL))
 	default:
 		return "backend " + cfg.Backend + ":"
 	}

@@ -136,7 +136,7 @@ type demo struct {
 	admin       *pgxpool.Pool // services backend
 	dir         string        // embedded backend: the SQLite files
 	attached    []attachment  // embedded backend: the files the checks attach
-	broker      broker        // RabbitMQ or the in-process broker
+	broker      broker        // RabbitMQ, NATS JetStream, Kafka or the in-process broker
 	orderSchema string
 	orderDB     shop.DB
 	orders      *order.Service
@@ -263,9 +263,15 @@ func (d *demo) setup(ctx context.Context) error {
 		if err := d.admin.Ping(ctx); err != nil {
 			return fmt.Errorf("PostgreSQL at %s unreachable: %w (start it, or set DATABASE_URL)", d.cfg.DatabaseURL, err)
 		}
-		if d.cfg.Backend == backendJetStream {
+		switch d.cfg.Backend {
+		case backendJetStream:
 			d.broker, err = d.newJetStreamBroker(all)
-		} else {
+		case backendKafka:
+			d.broker, err = d.newKafkaBroker(all)
+			// The run's clock (-timeout) starts once the broker is up: the
+			// first build of the Kafka peer takes a while.
+			d.started = time.Now()
+		default:
 			d.broker, err = d.newAMQPBroker(all)
 		}
 		if err != nil {

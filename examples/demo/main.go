@@ -27,7 +27,15 @@
 //     durable consumer per service, a TCP fault proxy in front of each
 //     consumer's NATS connection.
 //
-// The faults and the checks are the same on all three.
+//   - kafka: PostgreSQL as above and an in-process Kafka-protocol cluster
+//     (kfake): the demo builds and starts examples/demo/kafkapeer (a module
+//     of its own, Go 1.26) with the go command, so it runs from the
+//     repository (go run). shop.KafkaTransport: a topic per event name, a
+//     consumer group per consumer and topic (watermill-kafka v3, Sarama);
+//     a cut closes the consumer's group members before the ack, and the
+//     partitions are consumed again from the last committed offset.
+//
+// The faults and the checks are the same on all four.
 //
 // One process runs the producers and the consumers of the example shop, each
 // consumer a shop.Service built on middleware.NewConsumer (the whole
@@ -103,8 +111,10 @@ import (
 
 // config is the demo's sizes, fault rates and service URLs.
 type config struct {
-	// Backend is backendEmbedded (SQLite files and the in-process broker)
-	// or backendServices (PostgreSQL at DatabaseURL, RabbitMQ at AMQPURL).
+	// Backend is backendEmbedded (SQLite files and the in-process broker),
+	// backendServices (PostgreSQL at DatabaseURL, RabbitMQ at AMQPURL),
+	// backendJetStream or backendKafka (PostgreSQL and NATS JetStream or an
+	// in-process Kafka).
 	Backend     string
 	DatabaseURL string
 	AMQPURL     string
@@ -176,7 +186,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	c := defaultConfig()
 	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&c.Backend, "backend", c.Backend, "embedded (SQLite and the in-process broker: nothing to install), services (PostgreSQL at DATABASE_URL, RabbitMQ at AMQP_URL) or jetstream (PostgreSQL at DATABASE_URL, NATS JetStream at NATS_URL); defaults to services when DATABASE_URL or AMQP_URL is set")
+	fs.StringVar(&c.Backend, "backend", c.Backend, "embedded (SQLite and the in-process broker: nothing to install), services (PostgreSQL at DATABASE_URL, RabbitMQ at AMQP_URL), jetstream (PostgreSQL at DATABASE_URL, NATS JetStream at NATS_URL) or kafka (PostgreSQL at DATABASE_URL, an in-process Kafka-protocol cluster the demo builds and starts: run it from the repository); defaults to services when DATABASE_URL or AMQP_URL is set")
 	fs.IntVar(&c.Orders, "orders", c.Orders, "orders to place")
 	fs.IntVar(&c.MaxLines, "lines", c.MaxLines, "maximum lines per order (1..n)")
 	fs.IntVar(&c.StatusChanges, "status-changes", c.StatusChanges, "status changes per order after it is placed (0..3)")
@@ -207,8 +217,8 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 		return c, fmt.Errorf("-partitioned needs PostgreSQL: -backend services")
 	}
 	switch {
-	case c.Backend != backendEmbedded && c.Backend != backendServices && c.Backend != backendJetStream:
-		return c, fmt.Errorf("-backend %q: embedded, services or jetstream", c.Backend)
+	case c.Backend != backendEmbedded && c.Backend != backendServices && c.Backend != backendJetStream && c.Backend != backendKafka:
+		return c, fmt.Errorf("-backend %q: embedded, services, jetstream or kafka", c.Backend)
 	case c.Orders < 1:
 		return c, fmt.Errorf("-orders %d: must be ≥ 1", c.Orders)
 	case c.MaxLines < 1:
