@@ -12,6 +12,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
@@ -294,6 +295,12 @@ func newIdentityStatements(d sqldb.Dialect, q string) identityStatements {
 // HasEventAt is false, dated now() by the server), and with Identity $4
 // EventName (text, cut to MaxStoredEventName bytes) and $5 Fingerprint
 // (bytea).
+//
+// On the plain layout SQL is the lean claim (postgresLeanClaim), and
+// Refusal is true: an event outside the replay window is refused by an
+// error, SQLSTATE 23502 on the column consumer (IsRefusal), not by
+// inserting nothing; the transaction is then aborted, and the caller rolls
+// it back and asks Store.Verdict why.
 type ClaimParams struct {
 	SQL         string
 	Consumer    string
@@ -303,6 +310,16 @@ type ClaimParams struct {
 	Identity    bool
 	EventName   string
 	Fingerprint []byte
+	Refusal     bool
+}
+
+// IsRefusal reports whether err, from a claim of ClaimParams with Refusal,
+// is its refusal of an event outside the replay window: a not-null
+// violation (SQLSTATE 23502) on the column consumer, which no other cause
+// produces (the consumer is never empty, ErrEmptyConsumer).
+func IsRefusal(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "23502" && pgErr.ColumnName == "consumer"
 }
 
 // ClaimParamsAt returns the claim of (consumer, eventID) dated at (see
@@ -318,6 +335,15 @@ func (s *Store) ClaimParamsAt(consumer string, eventID uuid.UUID, at time.Time, 
 	}
 	routed := s.routed(eventID)
 	switch {
+	case s.hasLean:
+		v7, withID := 0, 0
+		if eventID.Version() == 7 {
+			v7 = 1
+		}
+		if id != nil {
+			withID = 1
+		}
+		p.SQL, p.Refusal = s.lean[v7][withID], true
 	case id != nil && routed:
 		p.SQL = s.identity.claimOther
 	case id != nil:
