@@ -217,24 +217,7 @@ func (b *pgxBeginner) claimUnnamed(ctx context.Context, conn *pgx.Conn, lockSQL 
 		batch.ExecParams(lockSQL, nil, nil, nil, nil)
 	}
 	batch.ExecParams(p.SQL, vals, claimOIDs[:len(vals)], st.formats[:len(vals)], nil)
-	claimed, err := b.execClaimBatch(ctx, conn, &batch, lockSQL, p.SQL)
-	return b.afterClaim(ctx, conn, p, claimed, err)
-}
-
-// afterClaim ends a lean claim (processedstore.ClaimParams with Refusal)
-// that refused its event (processedstore.IsRefusal: outside the replay
-// window): the aborted transaction is rolled back and a new one begun on
-// the connection (one round trip, only on this rare path), and the claim
-// is reported as one that inserted nothing, so the duplicate path finds no
-// row and asks Store.Verdict why, as when the window was a WHERE.
-func (b *pgxBeginner) afterClaim(ctx context.Context, conn *pgx.Conn, p *processedstore.ClaimParams, claimed bool, err error) (bool, error) {
-	if err == nil || !p.Refusal || !processedstore.IsRefusal(err) {
-		return claimed, err
-	}
-	if _, rerr := conn.PgConn().Exec(ctx, "rollback; begin").ReadAll(); rerr != nil {
-		return false, errors.Join(err, rerr)
-	}
-	return false, nil
+	return b.execClaimBatch(ctx, conn, &batch, lockSQL, p.SQL)
 }
 
 // sqlState is err's SQLSTATE, or "".
@@ -305,7 +288,7 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *clai
 		batch.ExecPrepared(claim.name, vals, st.formats[:len(vals)], nil)
 		claimed, err := b.execClaimBatch(ctx, conn, &batch, lockSQL, p.SQL)
 		if err == nil || !statementLost(err) || pc.IsClosed() {
-			return b.afterClaim(ctx, conn, p, claimed, err)
+			return claimed, err
 		}
 		// The connection lost our statements: end what the batch opened,
 		// then prepare them again and resend, once. Those it still has

@@ -12,7 +12,6 @@ import (
 	"unicode/utf8"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
@@ -296,11 +295,8 @@ func newIdentityStatements(d sqldb.Dialect, q string) identityStatements {
 // EventName (text, cut to MaxStoredEventName bytes) and $5 Fingerprint
 // (bytea).
 //
-// On the plain layout SQL is the lean claim (postgresLeanClaim), and
-// Refusal is true: an event outside the replay window is refused by an
-// error, SQLSTATE 23502 on the column consumer (IsRefusal), not by
-// inserting nothing; the transaction is then aborted, and the caller rolls
-// it back and asks Store.Verdict why.
+// On the plain layout SQL is the lean claim (postgresLeanClaim): a UUIDv7
+// row without event_at.
 type ClaimParams struct {
 	SQL         string
 	Consumer    string
@@ -310,16 +306,6 @@ type ClaimParams struct {
 	Identity    bool
 	EventName   string
 	Fingerprint []byte
-	Refusal     bool
-}
-
-// IsRefusal reports whether err, from a claim of ClaimParams with Refusal,
-// is its refusal of an event outside the replay window: a not-null
-// violation (SQLSTATE 23502) on the column consumer, which no other cause
-// produces (the consumer is never empty, ErrEmptyConsumer).
-func IsRefusal(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "23502" && pgErr.ColumnName == "consumer"
 }
 
 // ClaimParamsAt returns the claim of (consumer, eventID) dated at (see
@@ -343,7 +329,7 @@ func (s *Store) ClaimParamsAt(consumer string, eventID uuid.UUID, at time.Time, 
 		if id != nil {
 			withID = 1
 		}
-		p.SQL, p.Refusal = s.lean[v7][withID], true
+		p.SQL = s.lean[v7][withID]
 	case id != nil && routed:
 		p.SQL = s.identity.claimOther
 	case id != nil:

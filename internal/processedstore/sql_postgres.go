@@ -99,48 +99,41 @@ ON CONFLICT DO NOTHING`,
 }
 
 // postgresLeanClaim is the claim the pgx beginner prepares (ClaimParamsAt)
-// on the plain layout, for q, the quoted table: one INSERT … VALUES … ON
-// CONFLICT DO NOTHING with the same parameters as the claim ($1 consumer,
-// $2 event id, $3 event time or NULL; with identity $4 event name, $5
-// fingerprint). It differs in two ways, each measured with cachegrind
-// (issue 25; docs/performance.md):
-//   - A UUIDv7 row is written without event_at (v7): the column's default
-//     applies, none on the plain layout since migration 0007 (NULL), so
-//     the partial event_at index skips the row; its time is its id (RFC
-//     9562 §5.7), which orders the primary key, and the purge reads it
-//     there. (A table without migration 0007 dates it with its default,
-//     now(): kept at least as long.)
-//   - The replay window is not the WHERE of an INSERT … SELECT but the
-//     consumer's value: $1 when $3 is NULL (no time known) or lies within
-//     [now() − horizon, now() + skew] by the database clock (the purge's
-//     and the verdict's), else NULL, which the NOT NULL column refuses with
-//     SQLSTATE 23502 naming the column consumer (ClaimParams.Refusal): the
-//     transaction is aborted and holds nothing of the event, and the
-//     caller asks Store.Verdict why. A RETURNING of the check cost more
-//     than the WHERE (15k server instructions a claim: the row description
-//     and output function setup of every execution).
+// on the plain layout, for q, the quoted table: the same single INSERT …
+// SELECT … WHERE … ON CONFLICT DO NOTHING with the same parameters ($1
+// consumer, $2 event id, $3 event time or NULL; with identity $4 event
+// name, $5 fingerprint) and the same replay window on the database clock,
+// but a UUIDv7 row is written without event_at (v7): the column's default
+// applies, none on the plain layout since migration 0007 (NULL), so the
+// partial event_at index skips the row (8k server instructions and 75 B of
+// WAL a claim, issue 25); its time is its id (RFC 9562 §5.7), which orders
+// the primary key, and the purge reads it there. A table without migration
+// 0007 dates it with its default, now(): kept at least as long. A UUIDv7
+// always has a time, so its window has no IS NULL arm (2k).
+//
+// Measured and not kept: the window as a CASE on the consumer (a refusal
+// by the NOT NULL column's error) cost the same as the WHERE; as a
+// RETURNING column, 15k more (a row description and an output function
+// per execution).
 func postgresLeanClaim(q string, v7, identity bool, horizon, skew time.Duration) string {
-	// Without a horizon nothing is refused; $3 still gets its type (the
-	// planner folds the condition to true).
-	consumer := "CASE WHEN $3::timestamptz IS NULL OR true THEN $1 END"
-	if horizon > 0 {
-		// A UUIDv7 id always has a time: no IS NULL arm (2k server
-		// instructions a claim).
-		test := "$3::timestamptz IS NULL OR "
-		if v7 {
-			test = ""
-		}
-		consumer = fmt.Sprintf("CASE WHEN %s$3::timestamptz BETWEEN now() - interval '%d microseconds' AND now() + interval '%d microseconds' THEN $1 END",
-			test, horizon.Microseconds(), skew.Microseconds())
-	}
-	cols, vals := "consumer, event_id, event_at", consumer+", $2, coalesce($3::timestamptz, now())"
+	cols, sel := "consumer, event_id, event_at", "$1, $2, coalesce($3::timestamptz, now())"
 	if v7 {
-		cols, vals = "consumer, event_id", consumer+", $2"
+		cols, sel = "consumer, event_id", "$1, $2"
 	}
 	if identity {
-		cols, vals = cols+", event_name, fingerprint", vals+", $4, $5"
+		cols, sel = cols+", event_name, fingerprint", sel+", $4, $5"
 	}
-	return fmt.Sprintf("INSERT INTO %s (%s) VALUES (%s) ON CONFLICT DO NOTHING", q, cols, vals)
+	// Without a horizon nothing is refused; $3 still gets its type (the
+	// planner folds the condition to true).
+	where := "$3::timestamptz IS NULL OR true"
+	if horizon > 0 {
+		where = fmt.Sprintf("$3::timestamptz BETWEEN now() - interval '%d microseconds' AND now() + interval '%d microseconds'",
+			horizon.Microseconds(), skew.Microseconds())
+		if !v7 {
+			where = "$3::timestamptz IS NULL OR " + where
+		}
+	}
+	return fmt.Sprintf("INSERT INTO %s (%s)\nSELECT %s\nWHERE %s\nON CONFLICT DO NOTHING", q, cols, sel, where)
 }
 
 // v7TimeSQL is the SQL of the UUIDv7 time of the uuid expression id: its
