@@ -64,10 +64,14 @@ type countSpec struct {
 }
 
 type countReport struct {
-	PID    uint32  `json:"pid"`    // the backend's pid
-	WAL    int64   `json:"wal"`    // bytes of WAL during the loop
-	Allocs float64 `json:"allocs"` // per message
-	Bytes  float64 `json:"bytes"`  // per message
+	PID uint32 `json:"pid"` // the backend's pid
+	WAL int64  `json:"wal"` // bytes of WAL during the loop
+	// WALWrites: pg_stat_wal.wal_write during the loop, the server's WAL
+	// writes (each commit's flush is one; the scratch server runs nothing
+	// else but the WAL writer), for "one WAL flush per message".
+	WALWrites int64   `json:"wal_writes"`
+	Allocs    float64 `json:"allocs"` // per message
+	Bytes     float64 `json:"bytes"`  // per message
 }
 
 // RunCountChild runs the counts part's child when the process was started
@@ -166,7 +170,8 @@ func countChild(specJSON string) error {
 	}
 	var rep countReport
 	var lsn0 string
-	if err := pool.QueryRow(ctx, "SELECT pg_backend_pid(), pg_current_wal_insert_lsn()::text").Scan(&rep.PID, &lsn0); err != nil {
+	var writes0 int64
+	if err := pool.QueryRow(ctx, "SELECT pg_backend_pid(), pg_current_wal_insert_lsn()::text, (SELECT wal_write FROM pg_stat_wal)").Scan(&rep.PID, &lsn0, &writes0); err != nil {
 		return err
 	}
 	var a, b runtime.MemStats
@@ -177,7 +182,7 @@ func countChild(specJSON string) error {
 		}
 	}
 	runtime.ReadMemStats(&b)
-	if err := pool.QueryRow(ctx, "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), $1::pg_lsn)::bigint", lsn0).Scan(&rep.WAL); err != nil {
+	if err := pool.QueryRow(ctx, "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), $1::pg_lsn)::bigint, (SELECT wal_write FROM pg_stat_wal) - $2", lsn0, writes0).Scan(&rep.WAL, &rep.WALWrites); err != nil {
 		return err
 	}
 	n := float64(s.N)
@@ -234,6 +239,7 @@ var countConfigs = map[string]func(*inbox.Config){
 type countResult struct {
 	client, server float64 // instructions per message
 	wal            float64 // bytes per message
+	walWrites      float64 // WAL writes per message
 	allocs, bytes  float64 // per message (N2 run)
 }
 
@@ -358,7 +364,7 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 		d := float64(sz.N2 - sz.N1)
 		got[v] = countResult{
 			client: float64(c2-c1) / d, server: float64(s2-s1) / d,
-			wal: float64(rep.WAL) / float64(sz.N2), allocs: rep.Allocs, bytes: rep.Bytes,
+			wal: float64(rep.WAL) / float64(sz.N2), walWrites: float64(rep.WALWrites) / float64(sz.N2), allocs: rep.Allocs, bytes: rep.Bytes,
 		}
 	}
 	k := func(x float64) string { return f1(x / 1000) }
@@ -379,6 +385,7 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 		fmt.Sprintf("(I(%d) − I(%d)) ÷ %d per message: process start and connection cancel out; building the message is inside (same for all).", sz.N2, sz.N1, sz.N2-sz.N1),
 		"server: a scratch PostgreSQL (initdb, loopback, fsync off) run by this part under cachegrind, the child's backend only; WAL: pg_current_wal_insert_lsn diff; allocs: MemStats.Mallocs.",
 		fmt.Sprintf("server instructions per claim (ours − none): %s k; duplicate CPU ÷ new message CPU: %s.", k(ours.server-base.server), f3((dup.client+dup.server)/(ours.client+ours.server))),
+		fmt.Sprintf("WAL writes per message (pg_stat_wal.wal_write, a commit's flush is one): none %s, ours %s, duplicate %s.", f3(base.walWrites), f3(ours.walWrites), f3(dup.walWrites)),
 	}
 	res.Tables = append(res.Tables, t)
 	res.set("server_instructions_per_claim", ours.server-base.server)
@@ -393,6 +400,8 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	res.set("wal_bytes_per_claim", ours.wal-base.wal)
 	res.set("wal_bytes_per_msg", ours.wal)
 	res.set("wal_bytes_per_msg_plain", base.wal)
+	res.set("wal_writes_per_msg", ours.walWrites)
+	res.set("wal_writes_per_msg_plain", base.walWrites)
 	res.set("allocs_per_msg_chain", ours.allocs)
 	res.set("allocs_per_msg_chain_plain", base.allocs)
 	res.set("allocs_ratio_chain", ours.allocs/base.allocs)

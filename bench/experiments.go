@@ -19,8 +19,8 @@ import (
 //
 //   - idempotent: the default (BEGIN + lock_timeout + claim pipelined).
 //   - no_lock_timeout: Config.LockTimeout < 0 (no SET LOCAL in the batch).
-//   - no_event_at_idx: the processed table without its event_at
-//     btree (purge would then need another access path).
+//   - no_event_at_idx: the processed table without its partial event_at
+//     btree (migration 7; purge would then need another access path).
 //   - brin_processed_at: that index (event_at) as BRIN instead of btree.
 func experiments(ctx context.Context, e *env, sz OverheadSizes, res *Result) error {
 	schema, err := e.schema(ctx, "exp")
@@ -75,15 +75,15 @@ func experiments(ctx context.Context, e *env, sz OverheadSizes, res *Result) err
 	if err != nil {
 		return err
 	}
-	if _, err := pool.Exec(ctx, "DROP INDEX "+schema+"."+s2.Table().Name()+"_event_at_idx"); err != nil {
+	if _, err := pool.Exec(ctx, "DROP INDEX "+schema+"."+s2.Table().Name()+"_event_at_set_idx"); err != nil {
 		return err
 	}
 	hBrin, s3, err := mk("processed_brin", nil)
 	if err != nil {
 		return err
 	}
-	idx := schema + "." + s3.Table().Name() + "_event_at_idx"
-	if _, err := pool.Exec(ctx, "DROP INDEX "+idx+"; CREATE INDEX "+s3.Table().Name()+"_event_at_idx ON "+s3.Table().Quoted('"')+" USING brin (event_at)"); err != nil {
+	idx := schema + "." + s3.Table().Name() + "_event_at_set_idx"
+	if _, err := pool.Exec(ctx, "DROP INDEX "+idx+"; CREATE INDEX "+s3.Table().Name()+"_event_at_set_idx ON "+s3.Table().Quoted('"')+" USING brin (event_at) WHERE event_at IS NOT NULL"); err != nil {
 		return err
 	}
 	vs, err := newVariantSet(pool, store)

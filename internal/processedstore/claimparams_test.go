@@ -1,6 +1,7 @@
 package processedstore_test
 
 import (
+	"strings"
 	"testing"
 	"time"
 
@@ -13,7 +14,8 @@ import (
 )
 
 // ClaimParamsAt is ClaimQueryAt / ClaimIdentityQueryAt unboxed: the same
-// statement and the same arguments in the same order, on every layout
+// arguments in the same order (on the plain layout with the lean
+// statement), on every layout
 // (the partitioned layout routes ids that are not UUIDv7 to the side
 // table), with and without the replay window, identity and event time.
 func TestClaimParamsMatchClaimQuery(t *testing.T) {
@@ -41,7 +43,14 @@ func TestClaimParamsMatchClaimQuery(t *testing.T) {
 					}
 					p, ok := s.ClaimParamsAt("stock", id, when, ip)
 					require.True(t, ok)
-					require.Equal(t, q, p.SQL)
+					if cfg.Layout == processedstore.LayoutPartitioned {
+						require.Equal(t, q, p.SQL)
+					} else {
+						// The lean claim (pgx beginner only):
+						// same parameters, no event_at for a
+						// UUIDv7.
+						require.Equal(t, id.Version() == 7, !strings.Contains(p.SQL, "event_at"), p.SQL)
+					}
 					want := []any{"stock", pgtype.UUID{Bytes: id, Valid: true}, nil}
 					if p.HasEventAt {
 						want[2] = p.EventAt

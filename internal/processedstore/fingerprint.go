@@ -299,6 +299,9 @@ func newIdentityStatements(d sqldb.Dialect, q string) identityStatements {
 // HasEventAt is false, dated now() by the server), and with Identity $4
 // EventName (text, cut to MaxStoredEventName bytes) and $5 Fingerprint
 // (bytea).
+//
+// On the plain layout SQL is the lean claim (postgresLeanClaim): a UUIDv7
+// row without event_at.
 type ClaimParams struct {
 	SQL         string
 	Consumer    string
@@ -323,6 +326,15 @@ func (s *Store) ClaimParamsAt(consumer string, eventID uuid.UUID, at time.Time, 
 	}
 	routed := s.routed(eventID)
 	switch {
+	case s.hasLean:
+		v7, withID := 0, 0
+		if eventID.Version() == 7 {
+			v7 = 1
+		}
+		if id != nil {
+			withID = 1
+		}
+		p.SQL = s.lean[v7][withID]
 	case id != nil && routed:
 		p.SQL = s.identity.claimOther
 	case id != nil:

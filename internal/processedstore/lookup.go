@@ -45,6 +45,7 @@ func (s *Store) PurgePreviewQuery(horizon time.Duration) (string, []any) {
 	q := s.table.Quoted(s.dialect.QuoteChar())
 	var now, cutoff string
 	var args []any
+	at := "event_at"
 	switch s.dialect {
 	case sqldb.MySQL:
 		now, cutoff = `UTC_TIMESTAMP(6)`, `(UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND)`
@@ -57,9 +58,11 @@ func (s *Store) PurgePreviewQuery(horizon time.Duration) (string, []any) {
 	default:
 		now, cutoff = `now()`, `(now() - ($1::bigint * interval '1 microsecond'))`
 		args = []any{horizon.Microseconds()}
+		// A UUIDv7 row of the lean claim has no event_at: its id's time.
+		at = "coalesce(event_at, " + v7TimeSQL("event_id") + ")"
 	}
 	return fmt.Sprintf(`SELECT %[2]s, %[3]s, count(*),
-    COALESCE(SUM(CASE WHEN event_at < %[3]s THEN 1 ELSE 0 END), 0),
-    MIN(event_at)
-FROM %[1]s`, q, now, cutoff), args
+    COALESCE(SUM(CASE WHEN %[4]s < %[3]s THEN 1 ELSE 0 END), 0),
+    MIN(%[4]s)
+FROM %[1]s`, q, now, cutoff, at), args
 }

@@ -45,7 +45,9 @@ import (
 // legacyMoveTrigger is the trigger's SQL: %[1]s the function's qualified
 // name, %[2]s the quoted legacy table, %[3]s the quoted parent, %[4]s the
 // quoted side table, %[5]s the trigger's name, %[6]s the side table's bare
-// name as a literal, %[7]d the advisory lock space (legacyLockSpace).
+// name as a literal, %[7]d the advisory lock space (legacyLockSpace), %[8]s
+// the UUIDv7 time of r.event_id (a legacy row the lean claim wrote without
+// event_at; the partitioned tables keep event_at NOT NULL).
 const legacyMoveTrigger = `CREATE OR REPLACE FUNCTION %[1]s() RETURNS trigger LANGUAGE plpgsql AS $fn$
 DECLARE
     r record;
@@ -72,7 +74,7 @@ BEGIN
     END IF;
     EXECUTE format('INSERT INTO %%I.%%I (consumer, event_id, processed_at, event_at, event_name, fingerprint) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING',
         TG_TABLE_SCHEMA, TG_TABLE_NAME)
-        USING r.consumer, r.event_id, r.processed_at, r.event_at, r.event_name, r.fingerprint;
+        USING r.consumer, r.event_id, r.processed_at, coalesce(r.event_at, %[8]s), r.event_name, r.fingerprint;
     RETURN NULL; -- the claim inserts nothing: a duplicate
 END
 $fn$;
@@ -167,7 +169,7 @@ END $do$`, legacy, name),
 	}
 	script = append(script, s.spanStatements(now.UTC())...)
 	fn := fmt.Sprintf(`%s"%s_legacy_move"`, qualifier, name)
-	script = append(script, fmt.Sprintf(legacyMoveTrigger, fn, legacy, s.table.Quoted('"'), s.sibling("other"), `"`+name+`_legacy_move"`, "'"+name+"_other'", legacyLockSpace))
+	script = append(script, fmt.Sprintf(legacyMoveTrigger, fn, legacy, s.table.Quoted('"'), s.sibling("other"), `"`+name+`_legacy_move"`, "'"+name+"_other'", legacyLockSpace, v7TimeSQL("r.event_id")))
 	if _, err := q.Exec(ctx, strings.Join(script, ";\n")); err != nil {
 		return fmt.Errorf("processed: migrate to partitioned: switch %s: %w", s.table, err)
 	}

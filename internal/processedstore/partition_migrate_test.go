@@ -259,3 +259,36 @@ func TestMigrateToPartitionedBehindAnOpenClaim(t *testing.T) {
 		t.Fatal("unexpected")
 	}
 }
+
+// A UUIDv7 row the lean claim wrote without event_at (migration 7) is
+// moved by the upgrade to the partitioned layout, whose event_at is NOT
+// NULL, dated by its id: its next claim is a duplicate, not an error. The
+// trigger before this test inserted its NULL event_at (SQLSTATE 23502).
+func TestMigrateToPartitionedMovesLeanRowsDatedByTheirId(t *testing.T) {
+	t.Parallel()
+	pool, _ := testenv.Pool(t)
+	ctx := context.Background()
+	plain, err := processedstore.NewStore(processedstore.Config{Horizon: 2 * time.Hour})
+	require.NoError(t, err)
+	part, err := processedstore.NewStore(processedstore.Config{Layout: processedstore.LayoutPartitioned, Horizon: 2 * time.Hour})
+	require.NoError(t, err)
+	require.NoError(t, plain.Migrate(ctx, sqldb.Pgx(pool)))
+	id := uuid.Must(uuid.NewV7())
+	p, ok := plain.ClaimParamsAt("c", id, time.Time{}, nil)
+	require.True(t, ok)
+	tag, err := pool.Exec(ctx, p.SQL, p.Consumer, p.EventID, p.EventAt)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, tag.RowsAffected())
+	var null bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT event_at IS NULL FROM processed_event WHERE event_id = $1`, id).Scan(&null))
+	require.True(t, null, "the lean claim writes a UUIDv7 row without event_at")
+
+	require.NoError(t, part.MigrateToPartitioned(ctx, sqldb.Pgx(pool)))
+	ok, err = claimTx(t, pool, part, "c", id)
+	require.NoError(t, err)
+	require.False(t, ok, "the lean row is a duplicate after the switch")
+	var at time.Time
+	require.NoError(t, pool.QueryRow(ctx, `SELECT event_at FROM processed_event WHERE event_id = $1`, id).Scan(&at))
+	want, _ := processedstore.EventTime(id, time.Time{})
+	require.True(t, want.Equal(at), "moved row dated by its id: %s, want %s", at, want)
+}

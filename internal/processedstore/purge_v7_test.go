@@ -35,10 +35,13 @@ type purgeRow struct {
 	id       uuid.UUID
 	at       time.Time
 	gone     bool // expired by event_at: the purge must delete it
+	noAt     bool // written without event_at (the lean claim's UUIDv7 rows)
 }
 
 // The plain layout's purge deletes exactly the rows whose
-// event_at is before the cutoff, of every id version, across consumers:
+// event_at is before the cutoff, of every id version, across consumers,
+// and the UUIDv7 rows without event_at (the lean claim's) whose id's
+// millisecond is before the cutoff's, by a primary-key range per consumer:
 // never an unexpired one (UUIDv7 ids of the cutoff's millisecond, a v4 id
 // that sorts below the bound, a UUIDv7 dated after its id's time), and it
 // skips rows locked by another transaction. The purge runs in a transaction
@@ -61,28 +64,41 @@ func TestPlainPurgeExactlyExpiredV7AndOtherIds(t *testing.T) {
 	var rows []purgeRow
 	for _, c := range []string{"billing", "orders", "stock"} {
 		rows = append(rows,
-			purgeRow{"v7 expired long ago", c, v7Ms(m - 3_600_000), idTime(m - 3_600_000), true},
-			purgeRow{"v7 expired 1 ms before", c, v7Ms(m - 1), idTime(m - 1), true},
-			purgeRow{"v7 cutoff's ms, dated at the cutoff", c, v7Ms(m), cutoff, false},
-			purgeRow{"v7 cutoff's ms, 1 µs before the cutoff", c, v7Ms(m), cutoff.Add(-time.Microsecond), true},
-			purgeRow{"v7 cutoff's ms, dated by its id", c, v7Ms(m), idTime(m), idTime(m).Before(cutoff)},
-			purgeRow{"v7 1 ms after", c, v7Ms(m + 1), idTime(m + 1), false},
-			purgeRow{"v7 fresh", c, v7Ms(now.UnixMilli()), idTime(now.UnixMilli()), false},
-			purgeRow{"v7 old id, dated now (e.g. migration 2's default)", c, v7Ms(m - 7_200_000), now, false},
-			purgeRow{"v7 fresh id, dated before the cutoff (by hand)", c, v7Ms(now.UnixMilli()), cutoff.Add(-time.Minute), true},
-			purgeRow{"v4 expired", c, uuid.New(), cutoff.Add(-time.Minute), true},
-			purgeRow{"v4 1 µs before", c, uuid.New(), cutoff.Add(-time.Microsecond), true},
-			purgeRow{"v4 at the cutoff", c, uuid.New(), cutoff, false},
-			purgeRow{"v4 unexpired", c, uuid.New(), now, false},
-			purgeRow{"v4 below the bound, unexpired", c, v4Low(), cutoff.Add(time.Minute), false},
-			purgeRow{"v4 below the bound, expired", c, v4Low(), cutoff.Add(-time.Minute), true},
+			purgeRow{"v7 expired long ago", c, v7Ms(m - 3_600_000), idTime(m - 3_600_000), true, false},
+			purgeRow{"v7 expired 1 ms before", c, v7Ms(m - 1), idTime(m - 1), true, false},
+			purgeRow{"v7 cutoff's ms, dated at the cutoff", c, v7Ms(m), cutoff, false, false},
+			purgeRow{"v7 cutoff's ms, 1 µs before the cutoff", c, v7Ms(m), cutoff.Add(-time.Microsecond), true, false},
+			purgeRow{"v7 cutoff's ms, dated by its id", c, v7Ms(m), idTime(m), idTime(m).Before(cutoff), false},
+			purgeRow{"v7 1 ms after", c, v7Ms(m + 1), idTime(m + 1), false, false},
+			purgeRow{"v7 fresh", c, v7Ms(now.UnixMilli()), idTime(now.UnixMilli()), false, false},
+			purgeRow{"v7 old id, dated now (e.g. migration 2's default)", c, v7Ms(m - 7_200_000), now, false, false},
+			purgeRow{"v7 fresh id, dated before the cutoff (by hand)", c, v7Ms(now.UnixMilli()), cutoff.Add(-time.Minute), true, false},
+			purgeRow{"v4 expired", c, uuid.New(), cutoff.Add(-time.Minute), true, false},
+			purgeRow{"v4 1 µs before", c, uuid.New(), cutoff.Add(-time.Microsecond), true, false},
+			purgeRow{"v4 at the cutoff", c, uuid.New(), cutoff, false, false},
+			purgeRow{"v4 unexpired", c, uuid.New(), now, false, false},
+			purgeRow{"v4 below the bound, unexpired", c, v4Low(), cutoff.Add(time.Minute), false, false},
+			purgeRow{"v4 below the bound, expired", c, v4Low(), cutoff.Add(-time.Minute), true, false},
+			// The lean claim's UUIDv7 rows: no event_at, dated by their id.
+			purgeRow{"lean v7 expired long ago", c, v7Ms(m - 3_600_000), time.Time{}, true, true},
+			purgeRow{"lean v7 expired 1 ms before", c, v7Ms(m - 1), time.Time{}, true, true},
+			purgeRow{"lean v7 of the cutoff's ms", c, v7Ms(m), time.Time{}, false, true},
+			purgeRow{"lean v7 1 ms after", c, v7Ms(m + 1), time.Time{}, false, true},
+			purgeRow{"lean v7 fresh", c, v7Ms(now.UnixMilli()), time.Time{}, false, true},
+			// A v4 row without event_at (a release before migration 2
+			// under an old default): its time is unknown, never purged.
+			purgeRow{"v4 below the bound, no event_at", c, v4Low(), time.Time{}, false, true},
 		)
 	}
 	// Committed by another connection after tx began (READ COMMITTED: the
 	// purge's statement sees them).
 	b := &pgx.Batch{}
 	for _, r := range rows {
-		b.Queue(`INSERT INTO processed_event (consumer, event_id, event_at) VALUES ($1, $2, $3)`, r.consumer, r.id, r.at)
+		var at any = r.at
+		if r.noAt {
+			at = nil
+		}
+		b.Queue(`INSERT INTO processed_event (consumer, event_id, event_at) VALUES ($1, $2, $3)`, r.consumer, r.id, at)
 	}
 	require.NoError(t, pool.SendBatch(ctx, b).Close())
 
@@ -188,7 +204,7 @@ SELECT 'c' || (i % 5), gen_random_uuid(), now() - i * interval '1 second' FROM g
 		if strings.HasSuffix(n, " using processed_event_pkey") {
 			pkey = true
 		}
-		if strings.HasSuffix(n, " using processed_event_event_at_idx") {
+		if strings.HasSuffix(n, " using processed_event_event_at_set_idx") {
 			eventAt = true
 		}
 	}

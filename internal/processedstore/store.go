@@ -126,6 +126,10 @@ type Store struct {
 	purgeSQL   string
 	verdictSQL string
 	identity   identityStatements // payload verification (fingerprint.go)
+	// lean is the pgx beginner's claim on the plain PostgreSQL layout
+	// (postgresLeanClaim), by [UUIDv7 id][with identity]; hasLean: in use.
+	lean    [2][2]string
+	hasLean bool
 }
 
 // dialectSQL is one dialect's statements and argument encodings (one file per
@@ -201,6 +205,14 @@ func NewStore(cfg Config) (*Store, error) {
 	if s.layout == LayoutPartitioned {
 		s.initPartitioned()
 		s.identity.storedOther = "SELECT event_name, fingerprint FROM " + s.sibling("other") + " WHERE consumer = $1 AND event_id = $2"
+	}
+	if s.dialect == sqldb.PostgreSQL && s.layout != LayoutPartitioned {
+		for v7 := 0; v7 < 2; v7++ {
+			for id := 0; id < 2; id++ {
+				s.lean[v7][id] = postgresLeanClaim(q, v7 == 1, id == 1, s.horizon, s.skew)
+			}
+		}
+		s.hasLean = true
 	}
 	if s.dialect == sqldb.PostgreSQL {
 		three := []any{nil, nil, nil}
