@@ -125,6 +125,7 @@ type Store struct {
 	purgeSQL   string
 	verdictSQL string
 	identity   identityStatements // payload verification (fingerprint.go)
+	guard      guardStatements    // the commit guard (guard.go)
 }
 
 // dialectSQL is one dialect's statements and argument encodings (one file per
@@ -197,6 +198,7 @@ func NewStore(cfg Config) (*Store, error) {
 		s.initPartitioned()
 		s.identity.storedOther = "SELECT event_name, fingerprint FROM " + s.sibling("other") + " WHERE consumer = $1 AND event_id = $2"
 	}
+	s.guard = newGuardStatements(s)
 	if s.dialect == sqldb.PostgreSQL {
 		three := []any{nil, nil, nil}
 		s.identity.claim, _ = withIdentityColumns(s.claimSQL, three, "", nil)
