@@ -146,6 +146,8 @@ type pgxBeginner struct {
 	// transaction pooler, pgxclaim.go): statements are sent unnamed from
 	// then on.
 	pooled atomic.Bool
+	// schemas: the commit guard's table per store (commitguard.go).
+	schemas guardSchemas
 }
 
 func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx, bool, error) {
@@ -162,14 +164,18 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 			id = &c.identity
 		}
 		if p, ok := c.store.ClaimParamsAt(c.consumer, c.eventID, c.eventAt, id); ok {
-			if g, ok := c.store.ClaimGuardQuery(c.eventID); ok {
-				b.prepareGuard(ctx, conn.Conn(), g)
-			}
 			claimed, err := b.claimPrepared(ctx, conn.Conn(), &c, &p)
 			if err != errFallback {
 				tx, claimed, err := b.claimed(ctx, conn, &c, claimed, err)
 				if ptx, ok := tx.(*pgxTx); ok {
 					ptx.prepared, ptx.tracer, ptx.pooled = true, b.tracer, &b.pooled
+					if claimed && ptx.guard.sql != "" {
+						if err := b.prepareGuard(ctx, ptx.pc, ptx.guard.sql); err != nil {
+							_ = ptx.rollback(ctx)
+							ptx.release()
+							return nil, false, err
+						}
+					}
 				}
 				return tx, claimed, err
 			}
@@ -215,7 +221,15 @@ func (b *pgxBeginner) claimed(ctx context.Context, conn *pgxpool.Conn, c *claimR
 		return nil, false, err
 	}
 	if claimed {
-		tx.guard = newCommitGuard(c)
+		tx.guard, err = b.schemas.guard(ctx, c, func(ctx context.Context, q string) (string, error) {
+			var s string
+			return s, tx.pc.QueryRow(ctx, q).Scan(&s)
+		})
+		if err != nil {
+			_ = tx.rollback(ctx)
+			tx.release()
+			return nil, false, err
+		}
 	}
 	return tx, claimed, nil
 }
@@ -238,7 +252,14 @@ func (b *pgxBeginner) beginClaimUnpipelined(ctx context.Context, c claimRequest)
 		return nil, false, err
 	}
 	if claimed {
-		a.guard = newCommitGuard(&c)
+		a.guard, err = b.schemas.guard(ctx, &c, func(ctx context.Context, q string) (string, error) {
+			var s string
+			return s, tx.QueryRow(ctx, q).Scan(&s)
+		})
+		if err != nil {
+			_ = a.rollback(ctx)
+			return nil, false, err
+		}
 	}
 	return a, claimed, nil
 }
@@ -265,6 +286,9 @@ func (a *pgxNativeTx) commit(ctx context.Context) error {
 	if a.guard.sql != "" {
 		var one int64
 		if err := a.tx.QueryRow(ctx, a.guard.sql, a.guard.args()...).Scan(&one); err != nil {
+			if sqlState(err) == "25P02" {
+				return a.tx.Commit(ctx) // aborted by a handler statement: the commit reports it
+			}
 			return checkGuard(err)
 		}
 	}
@@ -297,7 +321,10 @@ func NewStdBeginner(db *sql.DB) (TxBeginner, error) {
 	return &stdBeginner{db: db}, nil
 }
 
-type stdBeginner struct{ db *sql.DB }
+type stdBeginner struct {
+	db      *sql.DB
+	schemas guardSchemas // the commit guard's table per store (commitguard.go)
+}
 
 // outside is the database outside any attempt (DBFromContext).
 func (b *stdBeginner) outside() sqldb.Querier { return sqldb.Std(b.db) }
@@ -323,7 +350,15 @@ func (b *stdBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 		return nil, false, err
 	}
 	if claimed {
-		if a.guard = newCommitGuard(&c); a.guard.sql == "" {
+		a.guard, err = b.schemas.guard(ctx, &c, func(ctx context.Context, q string) (string, error) {
+			var s string
+			return s, tx.QueryRowContext(ctx, q).Scan(&s)
+		})
+		if err != nil {
+			_ = a.rollback(ctx)
+			return nil, false, err
+		}
+		if a.guard.sql == "" {
 			// MySQL, SQLite: the transaction's marker (commitguard.go).
 			if _, err := tx.ExecContext(ctx, "SAVEPOINT "+claimSavepoint); err != nil {
 				_ = a.rollback(ctx)

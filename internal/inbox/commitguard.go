@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"sync"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -43,12 +44,34 @@ type commitGuard struct {
 	eventID  uuid.UUID
 }
 
-func newCommitGuard(c *claimRequest) commitGuard {
-	q, ok := c.store.ClaimGuardQuery(c.eventID)
-	if !ok {
-		return commitGuard{}
+// guardSchemas caches, per store, the schema its unqualified claim table
+// resolves to on a beginner's connections: resolved once, in the first
+// claimed attempt, after the claim and before its handler runs (one
+// statement), so that the guard names the claim's table whatever
+// search_path the handler sets (processedstore.ClaimGuardSchemaQuery).
+type guardSchemas struct{ m sync.Map } // *processedstore.Store → string
+
+// guard is the commit guard of c's claim (claimed), on the transaction
+// that query runs its statement on.
+func (g *guardSchemas) guard(ctx context.Context, c *claimRequest, query func(ctx context.Context, sql string) (string, error)) (commitGuard, error) {
+	schema := ""
+	if q, ok := c.store.ClaimGuardSchemaQuery(); ok {
+		if v, ok := g.m.Load(c.store); ok {
+			schema = v.(string)
+		} else {
+			s, err := query(ctx, q)
+			if err != nil && !errors.Is(err, pgx.ErrNoRows) && !errors.Is(err, sql.ErrNoRows) {
+				return commitGuard{}, err
+			}
+			schema = s
+			g.m.Store(c.store, schema)
+		}
 	}
-	return commitGuard{sql: q, consumer: c.consumer, eventID: c.eventID}
+	q, ok := c.store.ClaimGuardQuery(c.eventID, schema)
+	if !ok {
+		return commitGuard{}, nil
+	}
+	return commitGuard{sql: q, consumer: c.consumer, eventID: c.eventID}, nil
 }
 
 func (g commitGuard) args() []any {
@@ -67,14 +90,18 @@ func guardFailed(err error) bool { return sqlState(err) == processedstore.GuardF
 // attempt that fails so once succeeds when retried.
 const guardConnKey = "github.com/watermill-idempotency/idempotency/middleware.commitGuardUnnamed"
 
-// prepareGuard prepares the guard and COMMIT on conn (idle, before the
-// claim's BEGIN: a failed PREPARE inside the transaction would abort it),
-// once per connection, when the beginner names its statements. A failure
-// is not the attempt's: the commit then sends them unnamed.
-func (b *pgxBeginner) prepareGuard(ctx context.Context, conn *pgx.Conn, guard string) {
+// prepareGuard prepares the guard and COMMIT on conn, once per
+// connection, when the beginner names its statements: inside the claimed
+// attempt's transaction, after the claim, whose lock on the claim table
+// makes the guard's parse wait on no other transaction (a PREPARE outside
+// it would wait on a LOCK TABLE unbounded by the lock timeout). A failed
+// PREPARE aborts the transaction, so its error fails the attempt; 42P05
+// (a pooler sharing the server session) makes the beginner send its
+// statements unnamed from then on (the retry succeeds).
+func (b *pgxBeginner) prepareGuard(ctx context.Context, conn *pgx.Conn, guard string) error {
 	pc := conn.PgConn()
-	if b.pooled.Load() || pc.TxStatus() != 'I' || pc.CustomData()[guardConnKey] != nil {
-		return
+	if b.pooled.Load() || pc.CustomData()[guardConnKey] != nil {
+		return nil
 	}
 	st := connClaimOf(pc)
 	_, err := st.stmt(ctx, pc, guard, identityReadTypes)
@@ -85,6 +112,7 @@ func (b *pgxBeginner) prepareGuard(ctx context.Context, conn *pgx.Conn, guard st
 		b.pooled.Store(true)
 		st.forget()
 	}
+	return err
 }
 
 // findStmt returns sql's statement on the connection if it is prepared
@@ -122,7 +150,10 @@ func (tx *pgxTx) commitGuarded(ctx context.Context) error {
 			err = cerr
 		}
 	}
-	if err == nil && tag.String() == "ROLLBACK" {
+	if (err == nil && tag.String() == "ROLLBACK") || sqlState(err) == "25P02" {
+		// A statement of the handler failed and aborted the transaction
+		// (the guard then fails with 25P02): COMMIT would have answered
+		// ROLLBACK.
 		err = pgx.ErrTxCommitRollback
 	}
 	if err != nil && !tx.pc.IsClosed() {
@@ -194,9 +225,9 @@ func (tx *pgxTx) sendGuardPrepared(ctx context.Context) (pgconn.CommandTag, erro
 	return tag, err
 }
 
-// checkGuard runs the guard statement q on a transaction that is about to
-// commit (pgx's own, database/sql's): errHandlerEndedBySQL when it fails
-// with processedstore.GuardFailed, its error otherwise.
+// checkGuard is the error of the guard statement run on its own before
+// COMMIT (pgx's own transaction, database/sql): errHandlerEndedBySQL when
+// it failed with processedstore.GuardFailed, err otherwise.
 func checkGuard(err error) error {
 	if guardFailed(err) {
 		return fmt.Errorf("%w (%w)", errHandlerEndedBySQL, err)

@@ -36,8 +36,8 @@ import (
 //     until this transaction ends.
 //   - A handler should not Commit or Rollback the middleware's transaction:
 //     the middleware's own commit then fails with pgx.ErrTxClosed and the
-//     attempt is reported as failed and retried (it never acks an attempt
-//     whose end it did not see).
+//     attempt is permanent (handler_ended_tx; it never acks an attempt
+//     whose end it did not see). So is one that ends it by SQL (commit).
 type pgxTx struct {
 	// Tx is always nil. It is embedded so that a method a newer pgx adds to
 	// pgx.Tx is promoted (and panics if called) instead of breaking the
