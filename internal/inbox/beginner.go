@@ -146,6 +146,8 @@ type pgxBeginner struct {
 	// transaction pooler, pgxclaim.go): statements are sent unnamed from
 	// then on.
 	pooled atomic.Bool
+	// schemas: the commit guard's table per store (commitguard.go).
+	schemas guardSchemas
 }
 
 func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx, bool, error) {
@@ -164,9 +166,16 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 		if p, ok := c.store.ClaimParamsAt(c.consumer, c.eventID, c.eventAt, id); ok {
 			claimed, err := b.claimPrepared(ctx, conn.Conn(), &c, &p)
 			if err != errFallback {
-				tx, claimed, err := b.claimed(ctx, conn, claimed, err)
+				tx, claimed, err := b.claimed(ctx, conn, &c, claimed, err)
 				if ptx, ok := tx.(*pgxTx); ok {
 					ptx.prepared, ptx.tracer, ptx.pooled = true, b.tracer, &b.pooled
+					if claimed && ptx.guard.sql != "" {
+						if err := b.prepareGuard(ctx, ptx.pc, ptx.guard.sql); err != nil {
+							_ = ptx.rollback(ctx)
+							ptx.release()
+							return nil, false, err
+						}
+					}
 				}
 				return tx, claimed, err
 			}
@@ -197,18 +206,30 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	if tagErr == nil {
 		tagErr = closeErr
 	}
-	return b.claimed(ctx, conn, claimed, tagErr)
+	return b.claimed(ctx, conn, &c, claimed, tagErr)
 }
 
 // claimed is the attempt's transaction on conn after the claim's batch; on
-// err the transaction is rolled back and conn released.
-func (b *pgxBeginner) claimed(ctx context.Context, conn *pgxpool.Conn, claimed bool, err error) (attemptTx, bool, error) {
+// err the transaction is rolled back and conn released. A claimed
+// attempt's commit is guarded (commitguard.go).
+func (b *pgxBeginner) claimed(ctx context.Context, conn *pgxpool.Conn, c *claimRequest, claimed bool, err error) (attemptTx, bool, error) {
 	tx := &pgxTx{conn: conn, pc: conn.Conn()}
 	tx.savepoints = &tx.spCount
 	if err != nil {
 		_ = tx.rollback(ctx)
 		tx.release()
 		return nil, false, err
+	}
+	if claimed {
+		tx.guard, err = b.schemas.guard(ctx, c, func(ctx context.Context, q string) (string, error) {
+			var s string
+			return s, tx.pc.QueryRow(ctx, q).Scan(&s)
+		})
+		if err != nil {
+			_ = tx.rollback(ctx)
+			tx.release()
+			return nil, false, err
+		}
 	}
 	return tx, claimed, nil
 }
@@ -230,11 +251,24 @@ func (b *pgxBeginner) beginClaimUnpipelined(ctx context.Context, c claimRequest)
 		_ = a.rollback(ctx)
 		return nil, false, err
 	}
+	if claimed {
+		a.guard, err = b.schemas.guard(ctx, &c, func(ctx context.Context, q string) (string, error) {
+			var s string
+			return s, tx.QueryRow(ctx, q).Scan(&s)
+		})
+		if err != nil {
+			_ = a.rollback(ctx)
+			return nil, false, err
+		}
+	}
 	return a, claimed, nil
 }
 
 // pgxNativeTx is an attempt on pgx's own transaction type.
-type pgxNativeTx struct{ tx pgx.Tx }
+type pgxNativeTx struct {
+	tx    pgx.Tx
+	guard commitGuard // a claimed attempt's (commitguard.go)
+}
 
 func (a *pgxNativeTx) bind(ctx context.Context) context.Context {
 	ctx = context.WithValue(ctx, pgxTxKey{}, a.tx)
@@ -242,10 +276,21 @@ func (a *pgxNativeTx) bind(ctx context.Context) context.Context {
 }
 
 // commit commits pgx's transaction, unless a handler statement ended it
-// (the connection is idle outside a transaction: see pgxTx.commit).
+// (the connection is idle outside a transaction, or in another one: see
+// pgxTx.commit). pgx's transaction sends COMMIT itself, so the guard is a
+// round trip of its own here.
 func (a *pgxNativeTx) commit(ctx context.Context) error {
 	if a.tx.Conn().PgConn().TxStatus() == 'I' {
 		return errHandlerEndedBySQL
+	}
+	if a.guard.sql != "" {
+		var one int64
+		if err := a.tx.QueryRow(ctx, a.guard.sql, a.guard.args()...).Scan(&one); err != nil {
+			if sqlState(err) == "25P02" {
+				return a.tx.Commit(ctx) // aborted by a handler statement: the commit reports it
+			}
+			return checkGuard(err)
+		}
 	}
 	return a.tx.Commit(ctx)
 }
@@ -276,7 +321,10 @@ func NewStdBeginner(db *sql.DB) (TxBeginner, error) {
 	return &stdBeginner{db: db}, nil
 }
 
-type stdBeginner struct{ db *sql.DB }
+type stdBeginner struct {
+	db      *sql.DB
+	schemas guardSchemas // the commit guard's table per store (commitguard.go)
+}
 
 // outside is the database outside any attempt (DBFromContext).
 func (b *stdBeginner) outside() sqldb.Querier { return sqldb.Std(b.db) }
@@ -289,7 +337,7 @@ func (b *stdBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	if err != nil {
 		return nil, false, fmt.Errorf("begin: %w", err)
 	}
-	a := &stdTx{tx: tx, pg: c.store.Dialect() == sqldb.PostgreSQL}
+	a := &stdTx{tx: tx}
 	if q, args, ok := c.lockTimeoutQuery(); ok {
 		if _, err := tx.ExecContext(ctx, q, args...); err != nil {
 			_ = a.rollback(ctx)
@@ -301,14 +349,33 @@ func (b *stdBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 		_ = a.rollback(ctx)
 		return nil, false, err
 	}
+	if claimed {
+		a.guard, err = b.schemas.guard(ctx, &c, func(ctx context.Context, q string) (string, error) {
+			var s string
+			return s, tx.QueryRowContext(ctx, q).Scan(&s)
+		})
+		if err != nil {
+			_ = a.rollback(ctx)
+			return nil, false, err
+		}
+		if a.guard.sql == "" {
+			// MySQL, SQLite: the transaction's marker (commitguard.go).
+			if _, err := tx.ExecContext(ctx, "SAVEPOINT "+claimSavepoint); err != nil {
+				_ = a.rollback(ctx)
+				return nil, false, err
+			}
+			a.savepoint = true
+		}
+	}
 	return a, claimed, nil
 }
 
 type stdTx struct {
 	tx *sql.Tx
-	// pg: PostgreSQL, where commit first checks that the transaction is
-	// still the claim's.
-	pg bool
+	// guard is a claimed attempt's guard statement on PostgreSQL;
+	// savepoint: claimSavepoint was set after the claim (MySQL, SQLite).
+	guard     commitGuard
+	savepoint bool
 }
 
 func (a *stdTx) bind(ctx context.Context) context.Context {
@@ -316,28 +383,32 @@ func (a *stdTx) bind(ctx context.Context) context.Context {
 	return sqldb.ContextWithTx(ctx, sqldb.Std(a.tx))
 }
 
-// commit commits the attempt. On PostgreSQL it first checks, in one
-// statement on the transaction, that the connection is still inside a
-// transaction with the claim's transaction id: a handler statement that
-// ended it (ROLLBACK, COMMIT, END, ABORT through ExecContext; database/sql
-// cannot see those) leaves the session outside any transaction, where
-// COMMIT would only warn and the delivery be acked without its claim.
+// commit commits the attempt after checking that its transaction is still
+// the claim's (database/sql cannot see a ROLLBACK, COMMIT, END, ABORT or
+// BEGIN a handler sends through ExecContext; COMMIT would then only warn,
+// or commit another transaction, and the delivery be acked without its
+// claim): on PostgreSQL the guard statement (one round trip), on MySQL and
+// SQLite the RELEASE of claimSavepoint (commitguard.go). A handler that
+// ended it fails the attempt with errHandlerEndedBySQL.
 func (a *stdTx) commit(ctx context.Context) error {
-	if a.pg {
-		var inTx bool
-		if err := a.tx.QueryRowContext(ctx, `SELECT pg_current_xact_id_if_assigned() IS NOT NULL`).Scan(&inTx); err != nil {
+	switch {
+	case a.guard.sql != "":
+		var one int64
+		if err := a.tx.QueryRowContext(ctx, a.guard.sql, a.guard.consumer, a.guard.eventID).Scan(&one); err != nil {
 			if errors.Is(err, sql.ErrTxDone) {
 				return err
 			}
-			var pgErr interface{ SQLState() string }
-			if errors.As(err, &pgErr) && pgErr.SQLState() == "25P02" {
+			if sqlState(err) == "25P02" {
 				return a.tx.Commit() // aborted by a handler statement: the commit reports it
+			}
+			if err = checkGuard(err); errors.Is(err, errHandlerEndedBySQL) {
+				_ = a.tx.Rollback()
 			}
 			return err
 		}
-		if !inTx {
-			_ = a.tx.Rollback()
-			return errHandlerEndedBySQL
+	case a.savepoint:
+		if err := releaseClaimSavepoint(ctx, a.tx); err != nil {
+			return err
 		}
 	}
 	return a.tx.Commit()

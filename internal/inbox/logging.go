@@ -56,11 +56,13 @@ func commitError(consumer string, eventID uuid.UUID, err error, cls ErrorClassif
 
 // errHandlerEndedBySQL: at commit, the attempt's transaction is no longer
 // the one the claim was made in: a statement of the handler ended it
-// (ROLLBACK, COMMIT, END, ABORT, ROLLBACK TO our savepoint). It wraps
-// pgx.ErrTxClosed, so commitError reports it as handlerEndedTx
-// (permanent): committing would ack a delivery whose claim is gone.
+// (ROLLBACK, COMMIT, END, ABORT, ROLLBACK TO our savepoint), maybe and
+// began another (BEGIN, START TRANSACTION, AND CHAIN; commitguard.go). It
+// wraps pgx.ErrTxClosed, so commitError reports it as handlerEndedTx
+// (permanent): committing would ack a delivery whose claim is gone, or
+// was committed apart from the effects that followed it.
 var errHandlerEndedBySQL = fmt.Errorf("idempotency: a statement of the handler ended the attempt's transaction "+
-	"(ROLLBACK, COMMIT, END, ABORT or ROLLBACK TO SAVEPOINT): the claim is not part of it any more: %w", pgx.ErrTxClosed)
+	"(ROLLBACK, COMMIT, END, ABORT or ROLLBACK TO SAVEPOINT, maybe then BEGIN), or changed the search_path that finds an unqualified claim table: the claim is not part of it any more: %w", pgx.ErrTxClosed)
 
 // txEnded reports whether err says the attempt's transaction was already
 // committed or rolled back (pgx.ErrTxClosed, sql.ErrTxDone).

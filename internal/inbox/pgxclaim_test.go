@@ -101,7 +101,7 @@ func TestPreparedClaimIsTaken(t *testing.T) {
 				require.NoError(t, err)
 			}
 			if mode == pgx.QueryExecModeCacheStatement {
-				require.Equal(t, []int{3, 3, 3}, stmts, "begin, SET LOCAL lock_timeout, the claim: prepared once on the one connection")
+				require.Equal(t, []int{5, 5, 5}, stmts, "begin, SET LOCAL lock_timeout, the claim, the commit guard and COMMIT: prepared once on the one connection")
 				require.Equal(t, []int{1, 2, 3}, claims, "one execution of the prepared claim per message")
 				return
 			}
@@ -146,8 +146,15 @@ func TestPreparedClaimRecoversLostStatements(t *testing.T) {
 	run(ids[1], `{"n":1}`)
 	run(ids[1], `{"n":1}`) // a duplicate
 
-	// A handler that deallocates every statement of its connection.
+	// A handler that deallocates every statement of its connection drops
+	// the commit guard sent with COMMIT: that attempt fails once, transient
+	// (26000, nothing committed), and the connection sends the guard
+	// unnamed from then on, so the redelivery succeeds although the
+	// handler deallocates again (no loop).
 	inHandlerDeallocate.Store(true)
+	_, err = h(preparedClaimMsg(t, ids[2], `{"n":2}`))
+	require.Error(t, err)
+	require.True(t, inbox.IsTransient(err), "%v", err)
 	run(ids[2], `{"n":2}`)
 	inHandlerDeallocate.Store(false)
 	run(ids[3], `{"n":3}`)

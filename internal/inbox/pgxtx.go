@@ -36,8 +36,8 @@ import (
 //     until this transaction ends.
 //   - A handler should not Commit or Rollback the middleware's transaction:
 //     the middleware's own commit then fails with pgx.ErrTxClosed and the
-//     attempt is reported as failed and retried (it never acks an attempt
-//     whose end it did not see).
+//     attempt is permanent (handler_ended_tx; it never acks an attempt
+//     whose end it did not see). So is one that ends it by SQL (commit).
 type pgxTx struct {
 	// Tx is always nil. It is embedded so that a method a newer pgx adds to
 	// pgx.Tx is promoted (and panics if called) instead of breaking the
@@ -64,6 +64,8 @@ type pgxTx struct {
 	// pooled is the beginner's pooler flag (pgxBeginner.pooled): the
 	// duplicate's read is sent unnamed once it is set.
 	pooled *atomic.Bool
+	// guard is the commit guard of a claimed attempt (commitguard.go).
+	guard commitGuard
 }
 
 var _ pgx.Tx = (*pgxTx)(nil)
@@ -74,14 +76,24 @@ func (tx *pgxTx) bind(ctx context.Context) context.Context {
 }
 
 // commit commits the attempt. The connection must still be inside the
-// transaction that BEGIN opened: a handler statement that ended it
-// (ROLLBACK, COMMIT, END, ABORT through Exec) leaves the connection idle
-// ('I', read from the last ReadyForQuery: no round trip), and a COMMIT then
-// would only warn, so the attempt fails with errHandlerEndedBySQL.
+// transaction that BEGIN opened, and it must be the claim's:
+//   - a handler statement that ended it (ROLLBACK, COMMIT, END, ABORT
+//     through Exec) leaves the connection idle ('I', read from the last
+//     ReadyForQuery: no round trip), and a COMMIT then would only warn;
+//   - one that ended it and began another (ROLLBACK or COMMIT then BEGIN,
+//     COMMIT AND CHAIN) leaves it in a transaction without the claim, or
+//     whose claim is already committed: the guard statement sent with
+//     COMMIT in one batch fails and COMMIT does not commit
+//     (commitGuarded).
+//
+// Either way the attempt fails with errHandlerEndedBySQL.
 func (tx *pgxTx) commit(ctx context.Context) error {
 	if !tx.closed && tx.savepoint == "" && tx.pc.PgConn().TxStatus() == 'I' {
 		tx.closed = true
 		return errHandlerEndedBySQL
+	}
+	if !tx.closed && tx.savepoint == "" && tx.guard.sql != "" {
+		return tx.commitGuarded(ctx)
 	}
 	return tx.Commit(ctx)
 }

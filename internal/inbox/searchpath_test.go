@@ -20,8 +20,13 @@ import (
 // § Configuration reference). With a schema-qualified Table the redelivery
 // on that connection still finds the claim: a duplicate, the effect once.
 // With an unqualified Table the next claim on that connection goes to the
-// other schema's table, as documented: the redelivery runs the handler
-// again.
+// other schema's table, as documented; the commit guard (issue 27 item 4)
+// still looks for it in the table the connection's search_path named
+// first, misses it and fails that attempt as permanent (handler_ended_tx),
+// so the redelivery is not applied twice. A handler that sets search_path
+// with SET LOCAL (the schema-per-tenant pattern) moves nothing: the
+// guard finds the claim in the table it was made in, the redelivery is a
+// duplicate.
 func TestSessionSearchPathSetByHandler(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
@@ -42,8 +47,9 @@ func TestSessionSearchPathSetByHandler(t *testing.T) {
 	for _, c := range []struct {
 		name    string
 		store   *processedstore.Store
+		set     string
 		effects int
-	}{{"qualified", qualified, 1}, {"unqualified", unqualified, 2}} {
+	}{{"qualified", qualified, "SET", 1}, {"unqualified", unqualified, "SET", 1}, {"unqualified-set-local", unqualified, "SET LOCAL", 1}} {
 		t.Run(c.name, func(t *testing.T) {
 			// One connection: the redelivery runs where the handler's SET stayed.
 			pool, err := pgxpool.NewWithConfig(ctx, testenv.PoolConfig(t, testenv.PostgresURL(), e.schema, 1))
@@ -55,12 +61,18 @@ func TestSessionSearchPathSetByHandler(t *testing.T) {
 					if _, err := q.Exec(msg.Context(), `INSERT INTO `+e.schema+`.effect (event_id, note) VALUES ($1, 'x')`, msg.UUID); err != nil {
 						return nil, err
 					}
-					_, err := q.Exec(msg.Context(), `SET search_path = `+other)
+					_, err := q.Exec(msg.Context(), c.set+` search_path = `+other)
 					return nil, err
 				})
 			id := uuid.Must(uuid.NewV7()).String()
 			for i := 0; i < 2; i++ {
 				_, err := h(newMsg(id))
+				if c.name == "unqualified" && i == 1 {
+					var p *inbox.PermanentError
+					require.ErrorAs(t, err, &p, "the claim moved to the other schema's table")
+					require.Equal(t, "handler_ended_tx", p.Reason)
+					continue
+				}
 				require.NoError(t, err)
 			}
 			require.Equal(t, c.effects, e.effects(id))

@@ -130,6 +130,7 @@ type Store struct {
 	// (postgresLeanClaim), by [UUIDv7 id][with identity]; hasLean: in use.
 	lean    [2][2]string
 	hasLean bool
+	guard   guardStatements // the commit guard (guard.go)
 }
 
 // dialectSQL is one dialect's statements and argument encodings (one file per
@@ -214,6 +215,7 @@ func NewStore(cfg Config) (*Store, error) {
 		}
 		s.hasLean = true
 	}
+	s.guard = newGuardStatements(s)
 	if s.dialect == sqldb.PostgreSQL {
 		three := []any{nil, nil, nil}
 		s.identity.claim, _ = withIdentityColumns(s.claimSQL, three, "", nil)
