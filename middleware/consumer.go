@@ -195,7 +195,7 @@ type PoisonConfig struct {
 	// Publisher receives poisoned messages. Required. The message is acked
 	// only after Publish returned nil, so Publish must return nil only once
 	// the broker has the message: on RabbitMQ use the confirmed, mandatory
-	// publisher of the amqp adapter module (NewPoisonPublisher). A failed
+	// publisher of the amqp adapter module (NewConfirmedPublisher). A failed
 	// publish is retried with backoff, the delivery held.
 	Publisher message.Publisher
 	// Topic is the poison topic. Required.

@@ -28,7 +28,7 @@ type rabbit struct {
 	t     *testing.T
 	proxy *faultproxy.Proxy
 	ch    *amqp091.Channel // direct, not through the proxy
-	pub   *idemamqp.PoisonPublisher
+	pub   *idemamqp.ConfirmedPublisher
 }
 
 func newRabbit(t *testing.T) *rabbit {
@@ -44,7 +44,7 @@ func newRabbit(t *testing.T) *rabbit {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = proxy.Close() })
 	u.Host = proxy.Addr()
-	pub, err := idemamqp.NewPoisonPublisher(idemamqp.PoisonPublisherConfig{URL: u.String(), ConfirmTimeout: 5 * time.Second}, nil)
+	pub, err := idemamqp.NewConfirmedPublisher(idemamqp.ConfirmedPublisherConfig{URL: u.String(), ConfirmTimeout: 5 * time.Second}, nil)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = pub.Close() })
 	return &rabbit{t: t, proxy: proxy, ch: ch, pub: pub}
@@ -94,6 +94,7 @@ func TestRelayRabbitMQ(t *testing.T) {
 		t.Run("OutageThroughProxyDeadLettersNothing", func(t *testing.T) { testProxyOutage(t, newBox(t, tg)) })
 		t.Run("FullQueueDeadLettersNothing", func(t *testing.T) { testFullQueue(t, newBox(t, tg)) })
 		t.Run("BlockedConnectionBounded", func(t *testing.T) { testBlockedConnection(t, newBox(t, tg)) })
+		t.Run("RowsBeforeTheirQueueExistsAreKept", func(t *testing.T) { testRowsBeforeQueue(t, newBox(t, tg)) })
 	})
 }
 
@@ -266,5 +267,38 @@ func testBlockedConnection(t *testing.T, b *box) {
 	eventually(t, 90*time.Second, func() bool { got = append(got, rb.received(q)...); return b.pending(t) == 0 && len(got) >= 3 }, "delivered once the broker reads again")
 	require.Equal(t, warm, got[0])
 	require.Subset(t, got[1:], ids)
+	require.Zero(t, rec.dead.Load())
+}
+
+// A producer that runs before any consumer has declared its queue (the
+// README's quick start on a fresh broker): with the confirmed, mandatory
+// publisher and the default probe topic (bound to nothing), every publish
+// and every probe comes back unroutable, which the relay reads as a broker
+// that takes nothing: the rows stay in the outbox, none is dead-lettered,
+// and once the queue exists they are delivered in order. With
+// watermill-amqp's own publisher the broker drops them and the relay
+// deletes them (seen by a new user: outbox 0 rows, consumer never called).
+func testRowsBeforeQueue(t *testing.T, b *box) {
+	rb := newRabbit(t)
+	topic := testenv.UniqueName("later")
+	var want []string
+	for i := 0; i < 3; i++ {
+		want = append(want, b.writeEvent(t, topic))
+	}
+	ob, err := outbox.New(outbox.Config{Table: b.table, DB: b.tg.Handle()}, newTestLogger())
+	require.NoError(t, err)
+	b.ob = ob
+	rec := &counts{}
+	b.relay(t, rb.pub, outbox.RelayConfig{MaxAttempts: 2, RetryInterval: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond, Recorder: rec})
+	eventually(t, 60*time.Second, func() bool { return rec.failed.Load() >= 6 }, "publishes refused while no queue is bound")
+	require.Zero(t, rec.dead.Load(), "nothing dead-lettered while the broker routes nothing")
+	require.Equal(t, 3, b.pending(t), "every row kept")
+
+	_, err = rb.ch.QueueDeclare(topic, false, false, false, false, nil) // the default exchange routes the topic to it
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = rb.ch.QueueDelete(topic, false, false, false) })
+	var got []string
+	eventually(t, 60*time.Second, func() bool { got = append(got, rb.received(topic)...); return len(got) >= 3 }, "the rows delivered once the queue exists")
+	require.Equal(t, want, got)
 	require.Zero(t, rec.dead.Load())
 }

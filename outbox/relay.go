@@ -98,7 +98,7 @@ type RelayConfig struct {
 	// ProbeTopic is the topic the default Probe publishes to. The broker
 	// must accept a publish there while it is up: with a publisher that
 	// fails unroutable messages (mandatory publish, e.g.
-	// marshaler/amqp.PoisonPublisher) bind a queue to it (with a message
+	// marshaler/amqp.ConfirmedPublisher) bind a queue to it (with a message
 	// TTL or length limit); plain watermill-amqp drops an unroutable probe
 	// and reports success, which is what is wanted. Defaults to
 	// DefaultProbeTopic. Ignored when Probe is set.
@@ -122,7 +122,7 @@ type RelayConfig struct {
 	// "delivery not confirmed" nack of a queue at x-max-length with
 	// x-overflow reject-publish): it never counts against the row. Errors
 	// that have a BackPressure() bool method returning true (the nack of
-	// marshaler/amqp.PoisonPublisher, ErrNotConfirmed), ErrPublishTimeout
+	// marshaler/amqp.ConfirmedPublisher, ErrNotConfirmed), ErrPublishTimeout
 	// and context.DeadlineExceeded are back-pressure without it. Classify
 	// by type or origin, not message text.
 	BackPressure func(error) bool

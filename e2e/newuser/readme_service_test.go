@@ -65,7 +65,7 @@ func TestREADMEServiceDuplicatesAndPoison(t *testing.T) {
 // Symptom (proven on RabbitMQ 3.10, frame_max 131072, + PostgreSQL 15):
 // with 130,900 bytes of incoming headers the original is delivered, but
 // the poison copy's header frame exceeds frame_max: the broker closes the
-// poison publisher's channel ("poison message not confirmed by the broker:
+// poison publisher's channel ("message not confirmed by the broker:
 // channel closed"), the chain retries the publish for MaxHold, nacks, the
 // broker redelivers, and so on forever (every MaxHold, 25 min by default):
 // the poison message loops, never reaches the dead-letter queue, and while

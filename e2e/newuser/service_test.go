@@ -92,7 +92,7 @@ func runStock(ctx context.Context, amqpURL, databaseURL string, logger watermill
 	if err != nil {
 		return err
 	}
-	poison, err := idamqp.NewPoisonPublisher(poisonCfg, logger)
+	poison, err := idamqp.NewConfirmedPublisher(poisonCfg, logger)
 	if err != nil {
 		return err
 	}

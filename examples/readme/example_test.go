@@ -10,8 +10,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency"
+	"github.com/watermill-idempotency/idempotency/marshaler"
 	idamqp "github.com/watermill-idempotency/idempotency/marshaler/amqp"
 	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/outbox"
 )
 
 // README:begin
@@ -27,7 +29,7 @@ func runStock(ctx context.Context, pool *pgxpool.Pool, amqpURL string, logger wa
 	if err != nil {
 		return err
 	}
-	poison, err := idamqp.NewPoisonPublisher(poisonCfg, logger) // confirmed, mandatory
+	poison, err := idamqp.NewConfirmedPublisher(poisonCfg, logger) // confirmed, mandatory
 	if err != nil {
 		return err
 	}
@@ -54,3 +56,48 @@ func runStock(ctx context.Context, pool *pgxpool.Pool, amqpURL string, logger wa
 // README:end
 
 var _ = runStock
+
+// README:producer:begin
+func placeOrder(ctx context.Context, pool *pgxpool.Pool, ob *outbox.Outbox, id string, total int) error {
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback(ctx) // a no-op after Commit
+	if _, err := tx.Exec(ctx, `INSERT INTO orders (id, total) VALUES ($1, $2)`, id, total); err != nil {
+		return err
+	}
+	pub, err := ob.PgxPublisher(tx)
+	if err != nil {
+		return err
+	}
+	msg, err := marshaler.NewMessage("order.placed", map[string]any{"id": id, "total": total}) // event_id: a UUIDv7
+	if err != nil {
+		return err
+	}
+	if err := pub.Publish("order.placed", msg); err != nil { // stored iff tx commits
+		return err
+	}
+	return tx.Commit(ctx)
+}
+
+// runRelay publishes what committed; one per service. ob is
+// outbox.New(outbox.Config{DB: idempotency.Pgx(pool)}, logger), its tables
+// made once with ob.Migrate(ctx).
+func runRelay(ctx context.Context, ob *outbox.Outbox, amqpURL string, logger watermill.LoggerAdapter) error {
+	// Confirmed and mandatory: a row whose topic no queue is bound to yet
+	// stays in the outbox (watermill-amqp's publisher would drop it).
+	pub, err := idamqp.NewConfirmedPublisher(idamqp.ConfirmedPublisherConfig{URL: amqpURL, Exchange: "events"}, logger)
+	if err != nil {
+		return err
+	}
+	relay, err := ob.NewRelay(pub, outbox.RelayConfig{})
+	if err != nil {
+		return err
+	}
+	return relay.Run(ctx)
+}
+
+// README:producer:end
+
+var _, _ = placeOrder, runRelay

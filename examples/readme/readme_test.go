@@ -6,37 +6,41 @@ import (
 	"testing"
 )
 
-// snippet is the text between "// README:begin" and "// README:end" in
-// example_test.go.
-func snippet(t *testing.T) string {
+// snippet is the text between "// README:<name>begin" and
+// "// README:<name>end" in example_test.go (name "" is the consumer,
+// "producer:" the producer).
+func snippet(t *testing.T, name string) string {
 	t.Helper()
 	src, err := os.ReadFile("example_test.go")
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, rest, ok := strings.Cut(string(src), "// README:begin\n")
-	body, _, ok2 := strings.Cut(rest, "// README:end\n")
+	_, rest, ok := strings.Cut(string(src), "// README:"+name+"begin\n")
+	body, _, ok2 := strings.Cut(rest, "// README:"+name+"end\n")
 	if !ok || !ok2 {
-		t.Fatal("example_test.go: README:begin / README:end markers missing")
+		t.Fatalf("example_test.go: README:%sbegin / README:%send markers missing", name, name)
 	}
 	return strings.Trim(body, "\n")
 }
 
-// readmeSnippet is README.md's ```go block that starts with "// quickstart",
-// without that line.
-func readmeSnippet(t *testing.T) string {
+// readmeBlock is README.md's ```go block that starts with the line
+// "// "+tag, without that line.
+func readmeBlock(t *testing.T, tag string) string {
 	t.Helper()
 	md, err := os.ReadFile("../../README.md")
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, block, ok := strings.Cut(string(md), "```go\n// quickstart\n")
+	_, block, ok := strings.Cut(string(md), "```go\n// "+tag+"\n")
 	code, _, ok2 := strings.Cut(block, "\n```")
 	if !ok || !ok2 {
-		t.Fatal("README.md: no ```go block starting with // quickstart")
+		t.Fatalf("README.md: no ```go block starting with // %s", tag)
 	}
 	return code
 }
+
+// readmeSnippet is the consumer's quick start (the block tagged quickstart).
+func readmeSnippet(t *testing.T) string { return readmeBlock(t, "quickstart") }
 
 // The quick start is at most 35 lines of code (comments and blank lines
 // aside), and wires a consumer from the pool to the router in at most 20:
@@ -69,10 +73,16 @@ func TestREADMEQuickStartIsShort(t *testing.T) {
 	}
 }
 
-// The README's snippet is the compiled runStock, character for character.
+// The README's snippets are the compiled runStock, placeOrder and
+// runRelay, character for character.
 func TestREADMESnippet(t *testing.T) {
 	t.Parallel()
-	want, got := snippet(t), readmeSnippet(t)
+	sameText(t, snippet(t, ""), readmeSnippet(t))
+	sameText(t, snippet(t, "producer:"), readmeBlock(t, "quickstart producer"))
+}
+
+func sameText(t *testing.T, want, got string) {
+	t.Helper()
 	if got == want {
 		return
 	}

@@ -389,10 +389,10 @@ func (t AMQPTransport) EventsPublisher(logger watermill.LoggerAdapter) (message.
 // PoisonPublisher implements Transport: a publisher to c's dead-letter
 // exchange (fanout, bound to c's dead-letter queue by Topology.Declare), and
 // the poison topic to give it. It is the library's confirmed publisher
-// (idamqp.NewPoisonPublisher: confirms + mandatory), so a poisoned delivery
+// (idamqp.NewConfirmedPublisher: confirms + mandatory), so a poisoned delivery
 // is acked only once its copy is stored in a queue.
 func (t AMQPTransport) PoisonPublisher(c Consumer, logger watermill.LoggerAdapter) (message.Publisher, string, error) {
-	p, err := idamqp.NewPoisonPublisher(t.Topology.PoisonPublisherConfig(t.URL, c), logger)
+	p, err := idamqp.NewConfirmedPublisher(t.Topology.PoisonPublisherConfig(t.URL, c), logger)
 	if err != nil {
 		return nil, "", err
 	}

@@ -270,13 +270,13 @@ func (t Topology) PublisherConfig(amqpURL string) wamqp.Config {
 
 // PoisonPublisherConfig is the configuration of c's poison publisher
 // (middleware.PoisonConfig.Publisher), from the library's
-// idamqp.DeadLetterConfig: idamqp.NewPoisonPublisher on c's dead-letter
+// idamqp.DeadLetterConfig: idamqp.NewConfirmedPublisher on c's dead-letter
 // exchange (fanout, durable), so every poisoned message lands in c's
 // dead-letter queue whatever the Watermill topic; confirmed and mandatory,
 // so the poisoned delivery is acked only after the broker stored its copy in
 // a queue. Malformed deliveries are published verbatim (see
 // idamqp.Marshaler.Marshal).
-func (t Topology) PoisonPublisherConfig(amqpURL string, c Consumer) idamqp.PoisonPublisherConfig {
+func (t Topology) PoisonPublisherConfig(amqpURL string, c Consumer) idamqp.ConfirmedPublisherConfig {
 	return t.deadLetter(amqpURL, c).PoisonPublisherConfig()
 }
 

@@ -30,9 +30,9 @@ func (r *rabbit) subscriber() message.Subscriber {
 	return sub
 }
 
-func (r *rabbit) poisonPublisher() *amqppoison.PoisonPublisher {
+func (r *rabbit) poisonPublisher() *amqppoison.ConfirmedPublisher {
 	r.t.Helper()
-	p, err := amqppoison.NewPoisonPublisher(amqppoison.PoisonPublisherConfig{URL: testenv.AMQPURL()}, nil)
+	p, err := amqppoison.NewConfirmedPublisher(amqppoison.ConfirmedPublisherConfig{URL: testenv.AMQPURL()}, nil)
 	require.NoError(r.t, err)
 	r.t.Cleanup(func() { _ = p.Close() })
 	return p

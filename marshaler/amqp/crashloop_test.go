@@ -43,7 +43,7 @@ func crashLoopWiring(logger watermill.LoggerAdapter) (crashlooptest.Wiring, erro
 	if err != nil {
 		return crashlooptest.Wiring{}, err
 	}
-	poison, err := idamqp.NewPoisonPublisher(pubCfg, logger)
+	poison, err := idamqp.NewConfirmedPublisher(pubCfg, logger)
 	if err != nil {
 		return crashlooptest.Wiring{}, err
 	}

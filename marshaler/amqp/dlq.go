@@ -156,7 +156,7 @@ func (c DeadLetterConfig) Declare(ch *amqp091.Channel) error {
 }
 
 // PoisonTopic is the topic to give middleware.PoisonConfig.Topic with
-// the publisher of PoisonPublisherConfig or PublisherConfig: QueueName() in
+// the publisher of ConfirmedPublisherConfig or PublisherConfig: QueueName() in
 // the queue layout (the routing key on the default exchange), Topic in the
 // exchange layouts (a fanout exchange routes any key to the queue).
 func (c DeadLetterConfig) PoisonTopic() string {
@@ -166,13 +166,13 @@ func (c DeadLetterConfig) PoisonTopic() string {
 	return c.Topic
 }
 
-// PoisonPublisherConfig is the configuration of this package's confirmed,
-// mandatory PoisonPublisher (NewPoisonPublisher) for the dead-letter
+// ConfirmedPublisherConfig is the configuration of this package's confirmed,
+// mandatory ConfirmedPublisher (NewConfirmedPublisher) for the dead-letter
 // topology: Subscriber's URL and marshaler, the exchange ExchangeName(). Give
 // the chain PoisonTopic() as its topic. Unlike watermill-amqp's Publisher,
 // it reports a message the broker could not route (ErrUnroutable).
-func (c DeadLetterConfig) PoisonPublisherConfig() PoisonPublisherConfig {
-	return PoisonPublisherConfig{
+func (c DeadLetterConfig) PoisonPublisherConfig() ConfirmedPublisherConfig {
+	return ConfirmedPublisherConfig{
 		URL:       c.Subscriber.Connection.AmqpURI,
 		Exchange:  c.ExchangeName(),
 		Marshaler: c.Subscriber.Marshaler,
@@ -180,7 +180,7 @@ func (c DeadLetterConfig) PoisonPublisherConfig() PoisonPublisherConfig {
 }
 
 // PublisherConfig is the watermill-amqp configuration of a poison
-// publisher, for users of watermill-amqp's Publisher (PoisonPublisherConfig
+// publisher, for users of watermill-amqp's Publisher (ConfirmedPublisherConfig
 // is the safer choice: watermill-amqp never reads basic.return): Subscriber's connection and marshaler; the default exchange
 // with routing key QueueName() (queue layout), or the fanout exchange Topic
 // (exchange layouts), whatever topic the message is published to; with
@@ -218,27 +218,27 @@ func (c DeadLetterConfig) PublisherConfig() wamqp.Config {
 //
 //	dl := idamqp.DeadLetterConfig{Subscriber: sub, Topic: "stock.events.dlq", Quorum: true}
 //	pubCfg, err := idamqp.DeclareDeadLetter(dl)
-//	poison, err := idamqp.NewPoisonPublisher(pubCfg, logger)
+//	poison, err := idamqp.NewConfirmedPublisher(pubCfg, logger)
 //	// middleware.ConsumerConfig{Poison: middleware.PoisonConfig{Publisher: poison, Topic: dl.PoisonTopic()}, …}
-func DeclareDeadLetter(cfg DeadLetterConfig) (PoisonPublisherConfig, error) {
+func DeclareDeadLetter(cfg DeadLetterConfig) (ConfirmedPublisherConfig, error) {
 	if err := cfg.Validate(); err != nil {
-		return PoisonPublisherConfig{}, err
+		return ConfirmedPublisherConfig{}, err
 	}
 	conn, err := amqp091.DialConfig(cfg.Subscriber.Connection.AmqpURI, amqp091.Config{
 		TLSClientConfig: cfg.Subscriber.Connection.TLSConfig,
 		Properties:      amqp091.Table{"connection_name": "idempotency dead-letter declaration"},
 	})
 	if err != nil {
-		return PoisonPublisherConfig{}, fmt.Errorf("amqp: dead-letter declaration: connect: %w", err)
+		return ConfirmedPublisherConfig{}, fmt.Errorf("amqp: dead-letter declaration: connect: %w", err)
 	}
 	defer conn.Close()
 	ch, err := conn.Channel()
 	if err != nil {
-		return PoisonPublisherConfig{}, fmt.Errorf("amqp: dead-letter declaration: channel: %w", err)
+		return ConfirmedPublisherConfig{}, fmt.Errorf("amqp: dead-letter declaration: channel: %w", err)
 	}
 	defer ch.Close()
 	if err := cfg.Declare(ch); err != nil {
-		return PoisonPublisherConfig{}, err
+		return ConfirmedPublisherConfig{}, err
 	}
 	return cfg.PoisonPublisherConfig(), nil
 }

@@ -25,7 +25,7 @@ func ExampleDeclareDeadLetter() {
 	if err != nil {
 		panic(err)
 	}
-	poison, err := idamqp.NewPoisonPublisher(pubCfg, logger)
+	poison, err := idamqp.NewConfirmedPublisher(pubCfg, logger)
 	if err != nil {
 		panic(err)
 	}

@@ -208,7 +208,7 @@ func TestDeclareDeadLetter(t *testing.T) {
 				poisonTopic := dl.PoisonTopic()
 				var poison message.Publisher
 				if confirmed {
-					p, err := idamqp.NewPoisonPublisher(pubCfg, watermill.NopLogger{})
+					p, err := idamqp.NewConfirmedPublisher(pubCfg, watermill.NopLogger{})
 					require.NoError(t, err)
 					poison = p
 				} else {

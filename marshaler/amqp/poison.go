@@ -15,21 +15,22 @@ import (
 )
 
 // DefaultConfirmTimeout bounds the wait for the broker's confirm of one
-// poison message (PoisonPublisherConfig.ConfirmTimeout).
+// message (ConfirmedPublisherConfig.ConfirmTimeout).
 const DefaultConfirmTimeout = 10 * time.Second
 
-// ErrUnroutable: the broker returned a poison message (basic.return) because
-// no queue is bound for it: the dead-letter queue is missing. The message was
-// not stored; the chain keeps the original and retries.
-var ErrUnroutable = errors.New("amqp: poison message unroutable (no queue bound for it)")
+// ErrUnroutable: the broker returned a message (basic.return) because no
+// queue is bound for it (a dead-letter queue or a consumer's queue not
+// declared yet). The message was not stored: the chain keeps the original
+// and retries, the relay keeps the row.
+var ErrUnroutable = errors.New("amqp: message unroutable (no queue bound for it)")
 
 // ErrNotConfirmed: the broker nacked a message (basic.nack: a queue at its
 // x-max-length with x-overflow reject-publish, an internal error), or the
 // channel closed before it confirmed it. It is back-pressure, not the
 // message's fault: it has a BackPressure method returning true, which
-// outbox.Relay reads (a relay publishing through a PoisonPublisher never
+// outbox.Relay reads (a relay publishing through a ConfirmedPublisher never
 // counts it against a row).
-var ErrNotConfirmed error = backPressureError("amqp: poison message not confirmed by the broker")
+var ErrNotConfirmed error = backPressureError("amqp: message not confirmed by the broker")
 
 // backPressureError is an error that tells whoever retries it that the
 // broker pushed back.
@@ -40,8 +41,8 @@ func (e backPressureError) Error() string { return string(e) }
 // BackPressure reports true.
 func (backPressureError) BackPressure() bool { return true }
 
-// PoisonPublisherConfig configures NewPoisonPublisher.
-type PoisonPublisherConfig struct {
+// ConfirmedPublisherConfig configures NewConfirmedPublisher.
+type ConfirmedPublisherConfig struct {
 	// URL is the broker's AMQP URL ("amqp://guest:guest@127.0.0.1:5672/").
 	// Required.
 	URL string
@@ -63,18 +64,22 @@ type PoisonPublisherConfig struct {
 }
 
 // Validate reports the first invalid field of c, naming it.
-func (c PoisonPublisherConfig) Validate() error {
+func (c ConfirmedPublisherConfig) Validate() error {
 	if c.URL == "" {
-		return errors.New("amqp: PoisonPublisherConfig.URL is required")
+		return errors.New("amqp: ConfirmedPublisherConfig.URL is required")
 	}
 	if c.ConfirmTimeout < 0 {
-		return fmt.Errorf("amqp: PoisonPublisherConfig.ConfirmTimeout %s: must be ≥ 0", c.ConfirmTimeout)
+		return fmt.Errorf("amqp: ConfirmedPublisherConfig.ConfirmTimeout %s: must be ≥ 0", c.ConfirmTimeout)
 	}
 	return nil
 }
 
-// PoisonPublisher is a message.Publisher for the poison (dead-letter) topic
-// of middleware.PoisonConfig: Publish returns nil only once the broker has
+// ConfirmedPublisher is a message.Publisher for the poison (dead-letter) topic
+// of middleware.PoisonConfig and for the outbox relay (outbox.NewRelay): a
+// message no queue takes is an error, never a silent success, so the relay
+// keeps the row (and, when its probe is unroutable too, treats the broker as
+// down: nothing is dead-lettered) until the consumer's queue is bound.
+// Publish returns nil only once the broker has
 // confirmed every message (publisher confirms) and routed it to a queue
 // (mandatory: an unroutable message comes back as basic.return, which is
 // ErrUnroutable, not success). watermill-amqp v3's Publisher, even with
@@ -84,8 +89,8 @@ func (c PoisonPublisherConfig) Validate() error {
 // One connection and channel, opened on first use and reopened after any
 // failure (the broker down, the channel closed); publishes are serialised.
 // Errors are returned, never retried here: the chain retries with backoff.
-type PoisonPublisher struct {
-	cfg    PoisonPublisherConfig
+type ConfirmedPublisher struct {
+	cfg    ConfirmedPublisherConfig
 	logger watermill.LoggerAdapter
 
 	mu      sync.Mutex
@@ -95,10 +100,10 @@ type PoisonPublisher struct {
 	closed  bool
 }
 
-// NewPoisonPublisher validates cfg (defaults on a copy) and returns the
+// NewConfirmedPublisher validates cfg (defaults on a copy) and returns the
 // publisher; it connects on the first Publish. A nil logger is
 // watermill.NopLogger.
-func NewPoisonPublisher(cfg PoisonPublisherConfig, logger watermill.LoggerAdapter) (*PoisonPublisher, error) {
+func NewConfirmedPublisher(cfg ConfirmedPublisherConfig, logger watermill.LoggerAdapter) (*ConfirmedPublisher, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -111,17 +116,17 @@ func NewPoisonPublisher(cfg PoisonPublisherConfig, logger watermill.LoggerAdapte
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	return &PoisonPublisher{cfg: cfg, logger: logger}, nil
+	return &ConfirmedPublisher{cfg: cfg, logger: logger}, nil
 }
 
-var _ message.Publisher = (*PoisonPublisher)(nil)
+var _ message.Publisher = (*ConfirmedPublisher)(nil)
 
 // Publish publishes msgs to topic (the routing key), mandatory and
 // persistent as the marshaler sets it, and waits for each confirm. It
 // returns an error wrapping ErrUnroutable, ErrNotConfirmed, a connection or
 // marshal error, or the context's error (msg.Context()); the channel is then
 // reopened on the next call.
-func (p *PoisonPublisher) Publish(topic string, msgs ...*message.Message) error {
+func (p *ConfirmedPublisher) Publish(topic string, msgs ...*message.Message) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
@@ -136,7 +141,7 @@ func (p *PoisonPublisher) Publish(topic string, msgs ...*message.Message) error 
 	return nil
 }
 
-func (p *PoisonPublisher) publishOne(topic string, msg *message.Message) error {
+func (p *ConfirmedPublisher) publishOne(topic string, msg *message.Message) error {
 	pub, err := p.cfg.Marshaler.Marshal(msg)
 	if err != nil {
 		return fmt.Errorf("marshal: %w", err)
@@ -172,7 +177,7 @@ func (p *PoisonPublisher) publishOne(topic string, msg *message.Message) error {
 }
 
 // open (re)connects and opens a confirm-mode channel.
-func (p *PoisonPublisher) open() error {
+func (p *ConfirmedPublisher) open() error {
 	if p.ch != nil && !p.ch.IsClosed() && p.conn != nil && !p.conn.IsClosed() {
 		return nil
 	}
@@ -197,7 +202,7 @@ func (p *PoisonPublisher) open() error {
 	return nil
 }
 
-func (p *PoisonPublisher) reset() {
+func (p *ConfirmedPublisher) reset() {
 	if p.conn != nil {
 		_ = p.conn.Close()
 	}
@@ -205,7 +210,7 @@ func (p *PoisonPublisher) reset() {
 }
 
 // Close closes the connection; later publishes fail.
-func (p *PoisonPublisher) Close() error {
+func (p *ConfirmedPublisher) Close() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.closed = true

@@ -46,7 +46,7 @@ func poisonMsg(t *testing.T) *message.Message {
 func TestPoisonPublisherConfirmsAndReportsUnroutable(t *testing.T) {
 	t.Parallel()
 	ch, q := declare(t)
-	p, err := amqp.NewPoisonPublisher(amqp.PoisonPublisherConfig{URL: testenv.AMQPURL()}, nil)
+	p, err := amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{URL: testenv.AMQPURL()}, nil)
 	require.NoError(t, err)
 	defer p.Close()
 
@@ -80,7 +80,7 @@ func TestPoisonPublisherBrokerDownThenBack(t *testing.T) {
 	require.NoError(t, err)
 	defer proxy.Close()
 	u.Host = "127.0.0.1:" + strconv.Itoa(proxy.Port())
-	p, err := amqp.NewPoisonPublisher(amqp.PoisonPublisherConfig{URL: u.String(), ConfirmTimeout: 5 * time.Second}, nil)
+	p, err := amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{URL: u.String(), ConfirmTimeout: 5 * time.Second}, nil)
 	require.NoError(t, err)
 	defer p.Close()
 	require.NoError(t, p.Publish(q, poisonMsg(t)))
@@ -103,8 +103,8 @@ func TestPoisonPublisherBrokerDownThenBack(t *testing.T) {
 
 func TestPoisonPublisherConfigValidate(t *testing.T) {
 	t.Parallel()
-	_, err := amqp.NewPoisonPublisher(amqp.PoisonPublisherConfig{}, nil)
+	_, err := amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{}, nil)
 	require.ErrorContains(t, err, "PoisonPublisherConfig.URL")
-	_, err = amqp.NewPoisonPublisher(amqp.PoisonPublisherConfig{URL: "amqp://x", ConfirmTimeout: -1}, nil)
+	_, err = amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{URL: "amqp://x", ConfirmTimeout: -1}, nil)
 	require.True(t, strings.Contains(err.Error(), "ConfirmTimeout"))
 }
