@@ -89,7 +89,7 @@ func exported(t *testing.T, dir string) map[string]bool {
 //
 // Symptom (before the README fix): the README named `marshaler.AMQP{}`
 // twice (the hint for a message without UUID, and the default of
-// PoisonPublisherConfig.Marshaler); package marshaler has no AMQP: the
+// ConfirmedPublisherConfig.Marshaler); package marshaler has no AMQP: the
 // envelope marshaler of watermill-amqp is Marshaler{} of package
 // marshaler/amqp (idamqp.Marshaler{}).
 func TestREADMENamesExist(t *testing.T) {

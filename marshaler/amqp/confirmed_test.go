@@ -43,7 +43,7 @@ func poisonMsg(t *testing.T) *message.Message {
 // A poison message is confirmed into its queue; one to a queue that does
 // not exist comes back (mandatory + basic.return) as ErrUnroutable, never
 // as success.
-func TestPoisonPublisherConfirmsAndReportsUnroutable(t *testing.T) {
+func TestConfirmedPublisherConfirmsAndReportsUnroutable(t *testing.T) {
 	t.Parallel()
 	ch, q := declare(t)
 	p, err := amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{URL: testenv.AMQPURL()}, nil)
@@ -71,7 +71,7 @@ func TestPoisonPublisherConfirmsAndReportsUnroutable(t *testing.T) {
 
 // The broker unreachable: Publish fails (no hang beyond the context), and
 // succeeds again once it is back, on a new connection.
-func TestPoisonPublisherBrokerDownThenBack(t *testing.T) {
+func TestConfirmedPublisherBrokerDownThenBack(t *testing.T) {
 	t.Parallel()
 	ch, q := declare(t)
 	u, err := url.Parse(testenv.AMQPURL())
@@ -101,10 +101,10 @@ func TestPoisonPublisherBrokerDownThenBack(t *testing.T) {
 	require.Equal(t, 2, st.Messages)
 }
 
-func TestPoisonPublisherConfigValidate(t *testing.T) {
+func TestConfirmedPublisherConfigValidate(t *testing.T) {
 	t.Parallel()
 	_, err := amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{}, nil)
-	require.ErrorContains(t, err, "PoisonPublisherConfig.URL")
+	require.ErrorContains(t, err, "ConfirmedPublisherConfig.URL")
 	_, err = amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{URL: "amqp://x", ConfirmTimeout: -1}, nil)
 	require.True(t, strings.Contains(err.Error(), "ConfirmTimeout"))
 }
