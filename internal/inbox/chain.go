@@ -470,6 +470,7 @@ func (p *holdPoison) poison(msg *message.Message, ctx context.Context, cause err
 		}
 		p.logger.Error("Poison publish failed: delivery held, retrying", err, watermill.LogFields{
 			"message_uuid": msg.UUID, "poison_topic": p.cfg.PoisonTopic, "publishes": n})
+		p.stall.touch() // a failed publish is progress, logged on its own
 		if !p.sleep(ctx, start, wait) {
 			return &InfrastructureError{Op: "poison publish", Err: errors.Join(err, cause)}
 		}

@@ -7,7 +7,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 )
 
-// StallAfter is how long the chain lets its attempts go without one of them
+// StallAfter is how long (at least, and at least twice
+// ChainConfig.MaxInterval) the chain lets its attempts go without one of them
 // finishing before it reports them as stalled: a database that stops
 // answering with its connection left open (a network partition, a hung
 // proxy, a paused VM) blocks an attempt with no error to hold or retry
@@ -50,7 +51,9 @@ func (w *stallWatch) end() {
 func (w *stallWatch) watch(p *holdPoison) {
 	every := time.Duration(stallEvery.Load())
 	if every <= 0 {
-		every = StallAfter
+		// Above two of the hold's waits: a held delivery sleeping
+		// between attempts is not stalled.
+		every = max(StallAfter, 2*p.cfg.MaxInterval)
 	}
 	t := time.NewTicker(every / 4)
 	defer t.Stop()
