@@ -49,7 +49,7 @@ func (r *Result) WriteMarkdown(path, command string, took time.Duration, loadSta
 		fmt.Fprintf(&b, "**The machine was loaded when this run started** (load average above 1.0 on a shared machine). "+
 			"Ratios come from variants interleaved in one process and are the figures to read; absolute rates and latencies are lower and noisier than on an idle machine.\n\n")
 	}
-	b.WriteString("## Issue 17 targets, measured value and floor\n\n")
+	b.WriteString("## Issue 25 targets, measured value and floor\n\n")
 	b.WriteString("Rate ratios are medians of per-round ratios (interleaved rounds); the spread is their min–max and interquartile range over the rounds. " +
 		"A ratio whose rounds straddle its target is noise, not a result.\n\n")
 	b.WriteString(r.TargetsMarkdown())
