@@ -292,6 +292,12 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 	if err != nil {
 		return nil, fmt.Errorf("middleware: ConsumerConfig: %w", err)
 	}
+	ctx, cancel = context.WithTimeout(context.Background(), startupTimeout)
+	err = store.CheckLean(ctx, h.Querier())
+	cancel()
+	if err != nil {
+		return nil, fmt.Errorf("middleware: ConsumerConfig.DB: %w", err)
+	}
 	var beginner inbox.TxBeginner
 	switch {
 	case cfg.JoinSQLSubscriber:

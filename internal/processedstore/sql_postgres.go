@@ -1,11 +1,14 @@
 package processedstore
 
 import (
+	"context"
 	"fmt"
 	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // postgresSQL is every PostgreSQL statement of the store; %[1]s is the quoted
@@ -141,4 +144,29 @@ func postgresLeanClaim(q string, v7, identity bool, horizon, skew time.Duration)
 // the time of a row the lean claim wrote without event_at.
 func v7TimeSQL(id string) string {
 	return "to_timestamp(('x' || lpad(left(replace(" + id + "::text, '-', ''), 12), 16, '0'))::bit(64)::bigint / 1000.0)"
+}
+
+// CheckLean turns the lean claim (postgresLeanClaim) off for a table
+// whose event_at is still NOT NULL or which is partitioned: one that
+// migration 0007 skipped (partitioned by its owner) or that a binary
+// without 0007 migrated. There an omitted event_at takes the column's
+// DEFAULT now(), the claim's time rather than the id's, and an id dated
+// ahead of the database clock (within MaxFutureSkew) would be purged while
+// the claim still accepts its redelivery. The classic claim writes the
+// id's time instead. A missing table turns it off too (its first claim
+// reports the missing table). NewConsumer calls it once, before the first
+// claim; without it a store on the plain PostgreSQL layout claims lean.
+func (s *Store) CheckLean(ctx context.Context, q sqldb.Querier) error {
+	if !s.hasLean {
+		return nil
+	}
+	var off bool
+	err := q.QueryRow(ctx, `SELECT coalesce((SELECT a.attnotnull OR c.relkind = 'p'
+FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_class c ON c.oid = a.attrelid
+WHERE a.attrelid = to_regclass($1) AND a.attname = 'event_at' AND NOT a.attisdropped), true)`, s.table.Quoted('"')).Scan(&off)
+	if err != nil {
+		return fmt.Errorf("processed: read the layout of %s: %w", s.table, err)
+	}
+	s.hasLean = !off
+	return nil
 }
