@@ -89,8 +89,19 @@ func TestCrashLoopingEventIsDeadLetteredOnRabbitMQ(t *testing.T) {
 					var out []*message.Message
 					for {
 						d, ok, err := ch.Get(queue+".dlq", true)
-						if err != nil { // the queue is declared by the first child
-							if ae, isAMQP := err.(*amqp091.Error); isAMQP && ae.Code == amqp091.NotFound {
+						if err != nil {
+							// NotFound: the first child has not declared the
+							// queue yet. InternalError: a quorum queue just
+							// declared whose replica is not running yet
+							// (RabbitMQ 3.10 answers basic.get with 541
+							// "noproc"). Both close the channel: reopen it and
+							// look again on the next poll (541 closes the
+							// connection too: dial again).
+							if ae, isAMQP := err.(*amqp091.Error); isAMQP && (ae.Code == amqp091.NotFound || ae.Code == amqp091.InternalError) {
+								if conn.IsClosed() {
+									conn, err = amqp091.Dial(testenv.AMQPURL())
+									require.NoError(t, err)
+								}
 								ch, err = conn.Channel()
 								require.NoError(t, err)
 								return out
