@@ -197,11 +197,14 @@ func TestPartitionDefaultRowsOfASpanAreNoErrorLoop(t *testing.T) {
 	s := partitionedStore(t, time.Hour, 2*time.Hour)
 	require.NoError(t, s.Migrate(ctx, sqldb.Pgx(pool)))
 	now := dbNow(t, pool)
-	// As if the purger had stopped for more than the spans ahead: the
-	// current span has no partition (Migrate created it; drop it).
-	_, err := pool.Exec(ctx, `DROP TABLE processed_event_p`+now.UTC().Truncate(time.Hour).Format("200601021504"))
+	// As if the purger had stopped for more than the spans ahead: the span
+	// of the event claimed next has no partition (Migrate created it; drop
+	// it). The event's own span, not now's: 30 s before an hour ends they
+	// differ.
+	at := now.Add(30 * time.Second)
+	_, err := pool.Exec(ctx, `DROP TABLE processed_event_p`+at.UTC().Truncate(time.Hour).Format("200601021504"))
 	require.NoError(t, err)
-	early := v7(now.Add(30 * time.Second)) // no partition: default
+	early := v7(at) // no partition: default
 	ok, err := claimTx(t, pool, s, "c", early)
 	require.NoError(t, err)
 	require.True(t, ok)
