@@ -34,6 +34,11 @@ for m in $(bash scripts/modules.sh); do
   echo "=== module $m: $((SECONDS - start)) s"
 done
 
+# Allocation-count tests skip under the race detector (it allocates on its
+# own): run them once without it.
+echo "=== allocation counts (no race detector)"
+go test -overlay "$overlay" -count=1 -run 'Allocate' ./internal/inbox/ || status=1
+
 # The examples are what users copy: idemvet (cmd/idemvet) must find nothing
 # in them that voids the guarantee.
 echo "=== idemvet on examples"
