@@ -1,8 +1,10 @@
 package amqp_test
 
 import (
+	"context"
 	"os"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
@@ -80,10 +82,7 @@ func TestCrashLoopingEventIsDeadLetteredOnRabbitMQ(t *testing.T) {
 				Marked: true,
 				Env:    []string{"CRASHLOOP_AMQP_QUEUE=" + queue, "CRASHLOOP_AMQP_QUORUM=" + map[bool]string{false: "false", true: "true"}[quorum]},
 				Publish: func(t testing.TB, msgs []*message.Message) {
-					pub, err := wamqp.NewPublisher(cfg, watermill.NopLogger{})
-					require.NoError(t, err)
-					defer pub.Close()
-					require.NoError(t, pub.Publish(queue, msgs...))
+					publishConfirmed(t, queue, msgs)
 				},
 				DeadLetters: func(t testing.TB) []*message.Message {
 					var out []*message.Message
@@ -118,5 +117,41 @@ func TestCrashLoopingEventIsDeadLetteredOnRabbitMQ(t *testing.T) {
 				},
 			})
 		})
+	}
+}
+
+// publishConfirmed publishes msgs to queue with publisher confirms, once the
+// queue answers: a quorum queue just declared may not be running yet
+// (RabbitMQ 3.10 answers basic.get with 541 "noproc"), and a publish
+// without confirms to it can be dropped in silence (seen in CI: 2 of 6
+// events ever delivered). A nack fails the test.
+func publishConfirmed(t testing.TB, queue string, msgs []*message.Message) {
+	t.Helper()
+	for attempt := 0; ; attempt++ {
+		conn, err := amqp091.Dial(testenv.AMQPURL())
+		require.NoError(t, err)
+		ch, err := conn.Channel()
+		require.NoError(t, err)
+		_, _, err = ch.Get(queue, false) // the queue is empty: nothing is taken
+		if err != nil {
+			_ = conn.Close()
+			if attempt == 600 { // a hang guard, not a measurement
+				t.Fatalf("queue %s never answered: %v", queue, err)
+			}
+			time.Sleep(100 * time.Millisecond)
+			continue
+		}
+		require.NoError(t, ch.Confirm(false))
+		for _, msg := range msgs {
+			p, err := idamqp.Marshaler{}.Marshal(msg)
+			require.NoError(t, err)
+			c, err := ch.PublishWithDeferredConfirm("", queue, true, false, p)
+			require.NoError(t, err)
+			ok, err := c.WaitContext(context.Background())
+			require.NoError(t, err)
+			require.True(t, ok, "broker nacked event %s", msg.UUID)
+		}
+		require.NoError(t, conn.Close())
+		return
 	}
 }
