@@ -84,7 +84,11 @@ type ConsumerConfig struct {
 	// Table is the processed-event table, "name" or "schema.name" (letters,
 	// digits, underscores; validated and quoted once). Create it with
 	// processed.Migrate. An unqualified name follows the connection's
-	// search_path. Defaults to processed.DefaultTable ("processed_event").
+	// search_path: on the consumer's first claim with Pgx in pgx's default
+	// exec mode, which names that schema from then on (a handler's
+	// session-level SET search_path moves no claim); at each statement
+	// otherwise (docs/databases.md). Defaults to processed.DefaultTable
+	// ("processed_event").
 	Table string
 
 	// ReplayHorizon is how long the table keeps a processed event, and the

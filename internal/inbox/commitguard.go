@@ -45,27 +45,38 @@ type commitGuard struct {
 }
 
 // guardSchemas caches, per store, the schema its unqualified claim table
-// resolves to on a beginner's connections: resolved once, in the first
-// claimed attempt, after the claim and before its handler runs (one
-// statement), so that the guard names the claim's table whatever
-// search_path the handler sets (processedstore.ClaimGuardSchemaQuery).
+// resolves to on a beginner's connections: resolved once (one statement),
+// before the first prepared claim (which then names that schema,
+// processedstore.Store.QualifyClaim) or else in the first claimed attempt,
+// after the claim and before its handler runs, so that the guard names the
+// claim's table whatever search_path the handler sets
+// (processedstore.ClaimGuardSchemaQuery).
 type guardSchemas struct{ m sync.Map } // *processedstore.Store → string
+
+// schemaOf returns store's schema, resolved by query the first time; ""
+// for a qualified table, a dialect without schemas or a table not found.
+func (g *guardSchemas) schemaOf(ctx context.Context, store *processedstore.Store, query func(ctx context.Context, sql string) (string, error)) (string, error) {
+	q, ok := store.ClaimGuardSchemaQuery()
+	if !ok {
+		return "", nil
+	}
+	if v, ok := g.m.Load(store); ok {
+		return v.(string), nil
+	}
+	s, err := query(ctx, q)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) && !errors.Is(err, sql.ErrNoRows) {
+		return "", err
+	}
+	g.m.Store(store, s)
+	return s, nil
+}
 
 // guard is the commit guard of c's claim (claimed), on the transaction
 // that query runs its statement on.
 func (g *guardSchemas) guard(ctx context.Context, c *claimRequest, query func(ctx context.Context, sql string) (string, error)) (commitGuard, error) {
-	schema := ""
-	if q, ok := c.store.ClaimGuardSchemaQuery(); ok {
-		if v, ok := g.m.Load(c.store); ok {
-			schema = v.(string)
-		} else {
-			s, err := query(ctx, q)
-			if err != nil && !errors.Is(err, pgx.ErrNoRows) && !errors.Is(err, sql.ErrNoRows) {
-				return commitGuard{}, err
-			}
-			schema = s
-			g.m.Store(c.store, schema)
-		}
+	schema, err := g.schemaOf(ctx, c.store, query)
+	if err != nil {
+		return commitGuard{}, err
 	}
 	q, ok := c.store.ClaimGuardQuery(c.eventID, schema)
 	if !ok {

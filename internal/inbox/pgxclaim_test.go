@@ -118,8 +118,15 @@ func TestPreparedClaimIsTaken(t *testing.T) {
 func TestPreparedClaimRecoversLostStatements(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	var inHandlerDeallocate atomic.Bool
+	var inHandlerDeallocate, setsAppName atomic.Bool
 	pool, h := preparedClaimSetup(t, pgx.QueryExecModeCacheStatement, 1, func(ctx context.Context, tx pgx.Tx) error {
+		if setsAppName.Load() {
+			// The claim's marker is gone: the commit guard's statement
+			// decides (pgxTx.claimOpen).
+			if _, err := tx.Exec(ctx, "SET LOCAL default_transaction_read_only = off"); err != nil {
+				return err
+			}
+		}
 		if inHandlerDeallocate.Load() {
 			// pgx's own reset: DEALLOCATE ALL, and pgx forgets its cache.
 			return tx.Conn().DeallocateAll(ctx)
@@ -131,7 +138,7 @@ func TestPreparedClaimRecoversLostStatements(t *testing.T) {
 		_, err := h(preparedClaimMsg(t, id, payload))
 		require.NoError(t, err)
 	}
-	ids := []uuid.UUID{uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())}
+	ids := []uuid.UUID{uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())}
 	run(ids[0], `{"n":0}`)
 
 	// A pooler-like reset between attempts, on the pool's one connection;
@@ -146,26 +153,31 @@ func TestPreparedClaimRecoversLostStatements(t *testing.T) {
 	run(ids[1], `{"n":1}`)
 	run(ids[1], `{"n":1}`) // a duplicate
 
-	// A handler that deallocates every statement of its connection drops
-	// the commit guard sent with COMMIT: that attempt fails once, transient
-	// (26000, nothing committed), and the connection sends the guard
-	// unnamed from then on, so the redelivery succeeds although the
-	// handler deallocates again (no loop).
+	// A handler that deallocates every statement of its connection: while
+	// the claim's marker stands, COMMIT is sent alone and the attempt
+	// succeeds. When the guard's statement is needed too (the handler also
+	// undid the marker), the guard sent with COMMIT was dropped: that
+	// attempt fails once, transient (26000, nothing committed), and the
+	// connection sends the guard unnamed from then on, so the redelivery
+	// succeeds although the handler deallocates again (no loop).
 	inHandlerDeallocate.Store(true)
+	run(ids[4], `{"n":4}`)
+	setsAppName.Store(true)
 	_, err = h(preparedClaimMsg(t, ids[2], `{"n":2}`))
 	require.Error(t, err)
 	require.True(t, inbox.IsTransient(err), "%v", err)
 	run(ids[2], `{"n":2}`)
 	inHandlerDeallocate.Store(false)
+	setsAppName.Store(false)
 	run(ids[3], `{"n":3}`)
 	run(ids[2], `{"n":2}`) // a duplicate
 
 	var effects int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM effect`).Scan(&effects))
-	require.Equal(t, 4, effects)
+	require.Equal(t, 5, effects)
 	var rows int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM processed_event`).Scan(&rows))
-	require.Equal(t, 4, rows)
+	require.Equal(t, 5, rows)
 	c, err = pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer c.Release()
@@ -353,4 +365,57 @@ func TestPreparedDuplicateReadAfterColumnTypeChange(t *testing.T) {
 			require.EqualValues(t, 1, calls.Load())
 		})
 	}
+}
+
+// The prepared claim marks its transaction (default_transaction_read_only
+// is on until it ends: processedstore.ClaimMarkerParam), so a handler that
+// leaves the transaction alone is committed with COMMIT alone: the commit
+// guard's statement is never executed (issue 25: it cost 61.7k server
+// instructions a message). When the marker is gone for a reason other
+// than an end of the transaction (the handler set the setting itself),
+// the guard's statement runs and the attempt commits, its effect applied
+// once. The transaction the handler runs in is read-write, and after
+// COMMIT the session's own default is back.
+func TestCommitGuardStatementRunsOnlyWhenTheClaimsMarkerIsGone(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	var undoesMarker atomic.Bool
+	var seen []string
+	var guardRuns []int
+	pool, h := preparedClaimSetup(t, pgx.QueryExecModeCacheStatement, 1, func(ctx context.Context, tx pgx.Tx) error {
+		var marker, readOnly string
+		var runs int
+		if err := tx.QueryRow(ctx, `SELECT current_setting('default_transaction_read_only'), current_setting('transaction_read_only'),
+  (SELECT coalesce(sum(generic_plans + custom_plans), 0) FROM pg_prepared_statements WHERE statement LIKE '%idempotency commit guard%')`,
+			pgx.QueryExecModeSimpleProtocol).Scan(&marker, &readOnly, &runs); err != nil {
+			return err
+		}
+		seen, guardRuns = append(seen, marker+" "+readOnly+" "+tx.Conn().PgConn().ParameterStatus("default_transaction_read_only")), append(guardRuns, runs)
+		if undoesMarker.Load() {
+			_, err := tx.Exec(ctx, "SET LOCAL default_transaction_read_only = off")
+			return err
+		}
+		return nil
+	})
+	ids := []uuid.UUID{uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())}
+	for i, id := range ids {
+		undoesMarker.Store(i >= 3)
+		_, err := h(preparedClaimMsg(t, id, `{"n":1}`))
+		require.NoError(t, err)
+		require.Equal(t, "on off on", seen[i], "the marker (set, not in effect: the transaction is read-write), as the server reported it")
+	}
+	// Run counts as read in each handler, before its commit: the guard ran
+	// for neither of the first three (nor before the fourth), then once for
+	// the fourth.
+	require.Equal(t, []int{0, 0, 0, 0, 1}, guardRuns, "guard statement executions")
+	var effects int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM effect`).Scan(&effects))
+	require.Equal(t, len(ids), effects, "each effect committed once")
+	c, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer c.Release()
+	var def string
+	require.NoError(t, c.QueryRow(ctx, `SELECT current_setting('default_transaction_read_only')`).Scan(&def))
+	require.Equal(t, "off", def, "the session's own default after COMMIT")
+	require.Equal(t, "off", c.Conn().PgConn().ParameterStatus("default_transaction_read_only"))
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
@@ -66,6 +67,9 @@ type pgxTx struct {
 	pooled *atomic.Bool
 	// guard is the commit guard of a claimed attempt (commitguard.go).
 	guard commitGuard
+	// marked: the claim marked its transaction (processedstore.ClaimParams.Marked):
+	// the guard's statement is sent only when the marker is gone.
+	marked bool
 }
 
 var _ pgx.Tx = (*pgxTx)(nil)
@@ -86,16 +90,32 @@ func (tx *pgxTx) bind(ctx context.Context) context.Context {
 //     COMMIT in one batch fails and COMMIT does not commit
 //     (commitGuarded).
 //
-// Either way the attempt fails with errHandlerEndedBySQL.
+// Either way the attempt fails with errHandlerEndedBySQL. After a marked
+// claim (tx.marked) whose marker the server still reports (claimOpen), the
+// transaction is the claim's and COMMIT is sent alone.
 func (tx *pgxTx) commit(ctx context.Context) error {
 	if !tx.closed && tx.savepoint == "" && tx.pc.PgConn().TxStatus() == 'I' {
 		tx.closed = true
 		return errHandlerEndedBySQL
 	}
-	if !tx.closed && tx.savepoint == "" && tx.guard.sql != "" {
+	if !tx.closed && tx.savepoint == "" && tx.guard.sql != "" && !tx.claimOpen() {
 		return tx.commitGuarded(ctx)
 	}
 	return tx.Commit(ctx)
+}
+
+// claimOpen reports, without a round trip, that the connection is still
+// inside the claim's transaction: the claim marked it and the server's
+// last ParameterStatus for the marker is still the marker's value (any end
+// of the transaction undoes the marker, and the server reports that before
+// its ReadyForQuery; processedstore.ClaimMarkerParam). A transaction
+// aborted by a handler statement ('E') is not open: the guarded COMMIT
+// reports it. When the marker is not seen for another reason (PostgreSQL
+// 13, a handler that sets the setting itself, a pooler that drops
+// ParameterStatus), the guard's statement decides, as without a marker.
+func (tx *pgxTx) claimOpen() bool {
+	pc := tx.pc.PgConn()
+	return tx.marked && pc.TxStatus() == 'T' && pc.ParameterStatus(processedstore.ClaimMarkerParam) == processedstore.ClaimMarkerValue
 }
 
 func (tx *pgxTx) rollback(ctx context.Context) error {

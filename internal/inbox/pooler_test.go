@@ -335,3 +335,104 @@ SELECT event_id, count(*) AS n FROM %s.effect_%s GROUP BY event_id) e`, schema, 
 	}
 	return held
 }
+
+// TestCommitGuardBehindPoolers (issue 27 item 4 with issue 25's marker):
+// behind PgBouncer 1.18 and 1.24, in session and in transaction pooling,
+// with pgx's default exec mode, a handler that ends the attempt's
+// transaction by SQL and goes on writing in a new one is poisoned once and
+// nothing it wrote after its own BEGIN is committed; a handler that
+// behaves commits at once, with COMMIT alone (the claim's marker,
+// default_transaction_read_only, reaches the client through the pooler), and a
+// redelivery applies its effect once. The poolers forward the
+// ParameterStatus messages that carry the marker and its undoing.
+func TestCommitGuardBehindPoolers(t *testing.T) {
+	t.Parallel()
+	type pooler struct {
+		name  string
+		start func(t *testing.T) *testenv.PgBouncer
+	}
+	poolers := []pooler{
+		{"1.18-transaction", func(t *testing.T) *testenv.PgBouncer {
+			return testenv.StartPgBouncer(t, "transaction", "default_pool_size = 1")
+		}},
+		{"1.18-session", func(t *testing.T) *testenv.PgBouncer { return testenv.StartPgBouncer(t, "session") }},
+		{"1.24-transaction-prepared", func(t *testing.T) *testenv.PgBouncer {
+			return testenv.StartNewerPgBouncer(t, "transaction", "default_pool_size = 1", "max_prepared_statements = 200")
+		}},
+		{"1.24-session", func(t *testing.T) *testenv.PgBouncer { return testenv.StartNewerPgBouncer(t, "session") }},
+	}
+	for _, p := range poolers {
+		t.Run(p.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			admin, schema := testenv.Pool(t)
+			pool := p.start(t).PoolBehind(t, pgx.QueryExecModeCacheStatement, 1)
+			store, err := processedstore.NewStore(processedstore.Config{Table: schema + ".processed_event", Horizon: time.Hour})
+			require.NoError(t, err)
+			require.NoError(t, store.Migrate(ctx, sqldb.Pgx(admin)))
+			effect := schema + ".effect"
+			_, err = admin.Exec(ctx, `CREATE TABLE `+effect+` (event_id uuid NOT NULL, part text NOT NULL)`)
+			require.NoError(t, err)
+			b, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
+			require.NoError(t, err)
+			idem, err := inbox.NewIdempotent(inbox.Config{Beginner: b, Store: store, Consumer: "stock"}, watermill.NopLogger{})
+			require.NoError(t, err)
+			count := func(id, part string) (n int) {
+				require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM `+effect+` WHERE event_id = $1 AND part = $2`, id, part).Scan(&n))
+				return n
+			}
+			write := func(msg *message.Message, part string) error {
+				tx, _ := inbox.PgxTxFromContext(msg.Context())
+				_, err := tx.Exec(msg.Context(), `INSERT INTO `+effect+` (event_id, part) VALUES ($1, $2)`, msg.UUID, part)
+				return err
+			}
+			poison := &capture{msgs: make(chan *message.Message, 4)}
+			var marker string // what the client was told the marker is, in the handler
+			good := chained(t, idem, poison, nil, func(msg *message.Message) ([]*message.Message, error) {
+				tx, _ := inbox.PgxTxFromContext(msg.Context())
+				marker = tx.Conn().PgConn().ParameterStatus("default_transaction_read_only")
+				return nil, write(msg, "before")
+			})
+			for _, end := range [][]string{{"ROLLBACK", "BEGIN"}, {"COMMIT", "BEGIN"}, {"COMMIT AND CHAIN"}, {"ROLLBACK"}} {
+				t.Run(strings.ReplaceAll(strings.Join(end, "+"), " ", "_"), func(t *testing.T) {
+					calls := 0
+					misuse := chained(t, idem, poison, nil, func(msg *message.Message) ([]*message.Message, error) {
+						calls++
+						if err := write(msg, "before"); err != nil {
+							return nil, err
+						}
+						tx, _ := inbox.PgxTxFromContext(msg.Context())
+						for _, s := range end {
+							if _, err := tx.Exec(msg.Context(), s); err != nil {
+								return nil, err
+							}
+						}
+						if len(end) == 2 || strings.HasSuffix(end[0], "CHAIN") {
+							return nil, write(msg, "after")
+						}
+						return nil, nil
+					})
+					id := uuid.Must(uuid.NewV7()).String()
+					_, err := misuse(newMsg(id))
+					require.NoError(t, err, "acked once poisoned")
+					require.Equal(t, 1, calls, "poisoned at once, never retried")
+					require.Len(t, poison.msgs, 1, "poisoned once")
+					<-poison.msgs
+					require.Zero(t, count(id, "after"), "what the handler wrote after its own BEGIN is not committed")
+					marker = ""
+					for range 2 {
+						_, err = good(newMsg(id))
+						require.NoError(t, err)
+					}
+					require.Equal(t, 1, count(id, "before"), "the effect is applied once")
+					if strings.HasPrefix(end[0], "ROLLBACK") {
+						require.Equal(t, "on", marker, "the claim's marker reached the client through the pooler")
+					} else {
+						require.Empty(t, marker, "the handler's COMMIT committed the claim with the effect: the redeliveries are duplicates")
+					}
+					require.Empty(t, poison.msgs)
+				})
+			}
+		})
+	}
+}

@@ -6,6 +6,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -19,14 +20,15 @@ import (
 // leaves it on the pooled connection (processedstore.Config.Table's doc, README
 // § Configuration reference). With a schema-qualified Table the redelivery
 // on that connection still finds the claim: a duplicate, the effect once.
-// With an unqualified Table the next claim on that connection goes to the
-// other schema's table, as documented; the commit guard (issue 27 item 4)
-// still looks for it in the table the connection's search_path named
-// first, misses it and fails that attempt as permanent (handler_ended_tx),
-// so the redelivery is not applied twice. A handler that sets search_path
-// with SET LOCAL (the schema-per-tenant pattern) moves nothing: the
-// guard finds the claim in the table it was made in, the redelivery is a
-// duplicate.
+// With an unqualified Table the prepared claim names the schema the table
+// resolved to on the consumer's first claim (processedstore.Store.QualifyClaim),
+// so the redelivery's claim stays in the first table and is a duplicate
+// too: the claim never moves to the other schema's table, where its
+// commit, which sends no guard statement while the claim's marker stands,
+// would not look. A handler that sets search_path with SET LOCAL (the
+// schema-per-tenant pattern) moves nothing either. (A claim that is not
+// prepared still follows the search_path; the commit guard catches the
+// move there: TestSessionSearchPathMovesAnUnpreparedClaimIntoTheGuard.)
 func TestSessionSearchPathSetByHandler(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
@@ -67,15 +69,54 @@ func TestSessionSearchPathSetByHandler(t *testing.T) {
 			id := uuid.Must(uuid.NewV7()).String()
 			for i := 0; i < 2; i++ {
 				_, err := h(newMsg(id))
-				if c.name == "unqualified" && i == 1 {
-					var p *inbox.PermanentError
-					require.ErrorAs(t, err, &p, "the claim moved to the other schema's table")
-					require.Equal(t, "handler_ended_tx", p.Reason)
-					continue
-				}
 				require.NoError(t, err)
 			}
 			require.Equal(t, c.effects, e.effects(id))
+			var moved int
+			require.NoError(t, e.pool.QueryRow(ctx, `SELECT count(*) FROM `+other+`.processed_event`).Scan(&moved))
+			require.Zero(t, moved, "no claim in the other schema's table")
 		})
 	}
+}
+
+// A claim that is not prepared (a pool in the simple protocol: the
+// pgx.Batch path, no marker) follows the connection's search_path at each
+// statement: after a handler's session-level SET search_path the next claim
+// on that connection goes to the other schema's table. The commit guard
+// still looks in the table the search_path named first, misses the claim
+// and fails that attempt as permanent (handler_ended_tx), so the
+// redelivery is never applied twice.
+func TestSessionSearchPathMovesAnUnpreparedClaimIntoTheGuard(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := context.Background()
+	other := e.schema + "_other"
+	_, err := e.pool.Exec(ctx, `CREATE SCHEMA `+other)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = e.pool.Exec(context.Background(), `DROP SCHEMA `+other+` CASCADE`) })
+	otherPool, err := pgxpool.NewWithConfig(ctx, testenv.PoolConfig(t, testenv.PostgresURL(), other, 1))
+	require.NoError(t, err)
+	t.Cleanup(otherPool.Close)
+	require.NoError(t, e.store.Migrate(ctx, sqldb.Pgx(otherPool)))
+	cfg := testenv.PoolConfig(t, testenv.PostgresURL(), e.schema, 1)
+	cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	defer pool.Close()
+	h := e.mw(pool, nil)(func(msg *message.Message) ([]*message.Message, error) {
+		q, _ := inbox.QuerierFromContext(msg.Context())
+		if _, err := q.Exec(msg.Context(), `INSERT INTO `+e.schema+`.effect (event_id, note) VALUES ($1, 'x')`, msg.UUID); err != nil {
+			return nil, err
+		}
+		_, err := q.Exec(msg.Context(), `SET search_path = `+other)
+		return nil, err
+	})
+	id := uuid.Must(uuid.NewV7()).String()
+	_, err = h(newMsg(id))
+	require.NoError(t, err)
+	_, err = h(newMsg(id))
+	var p *inbox.PermanentError
+	require.ErrorAs(t, err, &p, "the claim moved to the other schema's table")
+	require.Equal(t, "handler_ended_tx", p.Reason)
+	require.Equal(t, 1, e.effects(id))
 }
