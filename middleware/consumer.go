@@ -83,11 +83,11 @@ type ConsumerConfig struct {
 
 	// Table is the processed-event table, "name" or "schema.name" (letters,
 	// digits, underscores; validated and quoted once). Create it with
-	// processed.Migrate. An unqualified name follows the connection's
-	// search_path: on the consumer's first claim with Pgx in pgx's default
-	// exec mode, which names that schema from then on (a handler's
-	// session-level SET search_path moves no claim); at each statement
-	// otherwise (docs/databases.md). Defaults to processed.DefaultTable
+	// processed.Migrate. On PostgreSQL, NewConsumer names an unqualified
+	// table with the schema DB's search_path finds it in, once (a
+	// handler's session-level SET search_path moves no later claim); a
+	// table not found yet follows each connection's search_path
+	// (docs/databases.md). Defaults to processed.DefaultTable
 	// ("processed_event").
 	Table string
 
@@ -276,13 +276,23 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 		return nil, err
 	}
 	h, _ := sqldb.HandleOf(cfg.DB)
+	// An unqualified table is named with the schema it resolves to now,
+	// once: a handler's session-level SET search_path cannot move a later
+	// claim, and the claim marks its transaction (processedstore.QualifiedTable).
+	ctx, cancel := context.WithTimeout(context.Background(), startupTimeout)
+	var err error
+	cfg.Table, err = processedstore.QualifiedTable(ctx, h.Querier(), h.Dialect, cfg.Table)
+	cancel()
+	if err != nil {
+		return nil, fmt.Errorf("middleware: ConsumerConfig.DB: %w", err)
+	}
 	table, err := processedstore.NewStore(processedstore.Config{Table: cfg.Table, Dialect: h.Dialect, Layout: cfg.Layout})
 	if err != nil {
 		return nil, fmt.Errorf("middleware: ConsumerConfig: %w", err)
 	}
 	// The horizon lives with the table: recorded by the first consumer,
 	// verified by every later one (ErrHorizonMismatch), adopted when unset.
-	ctx, cancel := context.WithTimeout(context.Background(), startupTimeout)
+	ctx, cancel = context.WithTimeout(context.Background(), startupTimeout)
 	horizon, err := table.AdoptHorizon(ctx, h.Querier(), cfg.ReplayHorizon, time.Now())
 	cancel()
 	if err != nil {

@@ -3,6 +3,7 @@ package middleware_test
 import (
 	"context"
 	"errors"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -336,4 +337,80 @@ func TestPurgerMaintainsPartitionsByTheTableHorizon(t *testing.T) {
 	var parts int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_inherits WHERE inhparent = 'processed_event'::regclass`).Scan(&parts))
 	require.Greater(t, parts, 2, "partitions ahead exist beside default and other")
+}
+
+// A handler that runs a session-level SET search_path (not SET LOCAL)
+// leaves it on its pooled connection. NewConsumer names an unqualified
+// table with the schema it found it in, so the redelivery on that
+// connection claims in the same table: a duplicate, never reaching the
+// handler, and no claim lands in the other schema's same-named table, on
+// both layouts. (A table created after the consumer stays unqualified,
+// unmarked, and the commit guard catches a moved claim:
+// internal/inbox TestClaimMovedBySearchPathIsCaughtWhenTheTableCameAfterTheConsumer.)
+func TestConsumerKeepsItsTableWhenAHandlerSetsSearchPath(t *testing.T) {
+	t.Parallel()
+	for _, layout := range []processed.Layout{processed.LayoutPlain, processed.LayoutPartitioned} {
+		t.Run(map[processed.Layout]string{processed.LayoutPlain: "plain", processed.LayoutPartitioned: "partitioned"}[layout], func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			admin, schema := testenv.Pool(t)
+			other := schema + "_other"
+			_, err := admin.Exec(ctx, `CREATE SCHEMA `+other)
+			require.NoError(t, err)
+			t.Cleanup(func() { _, _ = admin.Exec(context.Background(), `DROP SCHEMA `+other+` CASCADE`) })
+			require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(admin), processed.Config{Layout: layout}))
+			require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(testenv.PoolOn(t, other, 1)), processed.Config{Layout: layout}))
+			_, err = admin.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL, note text)`)
+			require.NoError(t, err)
+			pool := testenv.PoolOn(t, schema, 1) // one connection: the redelivery runs where the SET stayed
+			ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64, Persistent: true}, watermill.NopLogger{})
+			t.Cleanup(func() { _ = ps.Close() })
+			c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+				Consumer: "stock", DB: idempotency.Pgx(pool), Layout: layout,
+				Poison: middleware.PoisonConfig{Publisher: ps, Topic: "poison"},
+			}, nil)
+			require.NoError(t, err)
+			poisoned, err := ps.Subscribe(ctx, "poison")
+			require.NoError(t, err)
+			r, err := message.NewRouter(message.RouterConfig{}, nil)
+			require.NoError(t, err)
+			calls := map[string]int{}
+			var mu sync.Mutex
+			_, err = c.AddConsumerHandler(r, "reserve", "orders", ps, func(msg *message.Message) error {
+				mu.Lock()
+				calls[msg.UUID]++
+				mu.Unlock()
+				tx, _ := middleware.PgxTxFromContext(msg.Context())
+				if _, err := tx.Exec(msg.Context(), `INSERT INTO `+schema+`.effect (event_id) VALUES ($1)`, msg.UUID); err != nil {
+					return err
+				}
+				_, err := tx.Exec(msg.Context(), `SET search_path = `+other)
+				return err
+			})
+			require.NoError(t, err)
+			runRouter(t, r)
+			first, last := newEvent(t), newEvent(t)
+			// Handled in order by the one handler: the copy is done when the
+			// last event's effect is there.
+			require.NoError(t, ps.Publish("orders", first, first.Copy(), last))
+			testenv.Eventually(t, 10*time.Second, "the last event applied", func(o *testenv.Observed) bool {
+				var n int
+				require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM effect WHERE event_id = $1`, last.UUID).Scan(&n))
+				return testenv.See(o, "last event's effects", n) == 1
+			})
+			var effects, moved int
+			require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM effect WHERE event_id = $1`, first.UUID).Scan(&effects))
+			require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM `+other+`.processed_event`).Scan(&moved))
+			require.Equal(t, 1, effects, "the redelivery is a duplicate")
+			require.Zero(t, moved, "no claim in the other schema's table")
+			mu.Lock()
+			require.Equal(t, 1, calls[first.UUID], "the duplicate never reached the handler")
+			mu.Unlock()
+			select {
+			case p := <-poisoned:
+				t.Fatalf("poisoned: %s", p.Metadata.Get("reason_poisoned"))
+			default:
+			}
+		})
+	}
 }

@@ -164,21 +164,6 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 			id = &c.identity
 		}
 		if p, ok := c.store.ClaimParamsAt(c.consumer, c.eventID, c.eventAt, id); ok {
-			// The claim names the schema its table resolved to on the
-			// first claim (QualifyClaim): it commits without the guard's
-			// statement (pgxTx.claimOpen), which would have caught a claim
-			// moved by a handler's session-level SET search_path. Resolved
-			// outside a transaction in the simple protocol (any pooler
-			// keeps one statement on one server connection).
-			schema, err := b.schemas.schemaOf(ctx, c.store, func(ctx context.Context, q string) (string, error) {
-				var s string
-				return s, conn.QueryRow(ctx, q, pgx.QueryExecModeSimpleProtocol).Scan(&s)
-			})
-			if err != nil {
-				conn.Release()
-				return nil, false, err
-			}
-			c.store.QualifyClaim(&p, schema)
 			claimed, err := b.claimPrepared(ctx, conn.Conn(), &c, &p)
 			if err != errFallback {
 				tx, claimed, err := b.claimed(ctx, conn, &c, claimed, err)

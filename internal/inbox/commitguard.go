@@ -67,7 +67,13 @@ func (g *guardSchemas) schemaOf(ctx context.Context, store *processedstore.Store
 	if err != nil && !errors.Is(err, pgx.ErrNoRows) && !errors.Is(err, sql.ErrNoRows) {
 		return "", err
 	}
-	g.m.Store(store, s)
+	if s != "" {
+		// Kept once found. A table not found yet (a consumer started
+		// before processed.Migrate: its claims fail with 42P01) is looked
+		// up again by the next attempt, so the schema it is created in is
+		// the one every later claim and guard names.
+		g.m.Store(store, s)
+	}
 	return s, nil
 }
 

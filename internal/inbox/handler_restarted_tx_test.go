@@ -88,6 +88,10 @@ func TestHandlerEndingOrRestartingTheTransactionBySQLIsPoisonedAndAppliedOnce(t 
 		name   string
 		target string
 		build  func(t *testing.T, tg testenv.Target) inbox.TxBeginner
+		// qualified: the table is named with its schema, as NewConsumer
+		// names it, so the prepared claim marks its transaction and COMMIT
+		// goes without the guard's statement while the mark stands.
+		qualified bool
 	}
 	pgxOn := func(mode pgx.QueryExecMode, cfg inbox.PgxBeginnerConfig) func(*testing.T, testenv.Target) inbox.TxBeginner {
 		return func(t *testing.T, tg testenv.Target) inbox.TxBeginner {
@@ -104,20 +108,25 @@ func TestHandlerEndingOrRestartingTheTransactionBySQLIsPoisonedAndAppliedOnce(t 
 		return mustBeginner(inbox.NewStdBeginner(tg.Std))
 	}
 	beginners := []beginner{
-		{"pgx-prepared", testenv.TargetPostgresPgx, pgxOn(pgx.QueryExecModeCacheStatement, inbox.PgxBeginnerConfig{})},
-		{"pgx-batch-simple", testenv.TargetPostgresPgx, pgxOn(pgx.QueryExecModeSimpleProtocol, inbox.PgxBeginnerConfig{})},
-		{"pgx-batch-exec", testenv.TargetPostgresPgx, pgxOn(pgx.QueryExecModeExec, inbox.PgxBeginnerConfig{})},
-		{"pgx-native", testenv.TargetPostgresPgx, pgxOn(pgx.QueryExecModeCacheStatement, inbox.PgxBeginnerConfig{DisablePipeline: true})},
-		{"database-sql-postgres", testenv.TargetPostgresStdlib, std},
-		{"database-sql-mariadb", testenv.TargetMariaDB, std},
-		{"database-sql-sqlite", testenv.TargetSQLite, std},
+		{"pgx-prepared", testenv.TargetPostgresPgx, pgxOn(pgx.QueryExecModeCacheStatement, inbox.PgxBeginnerConfig{}), false},
+		{"pgx-prepared-marked", testenv.TargetPostgresPgx, pgxOn(pgx.QueryExecModeCacheStatement, inbox.PgxBeginnerConfig{}), true},
+		{"pgx-batch-simple", testenv.TargetPostgresPgx, pgxOn(pgx.QueryExecModeSimpleProtocol, inbox.PgxBeginnerConfig{}), false},
+		{"pgx-batch-exec", testenv.TargetPostgresPgx, pgxOn(pgx.QueryExecModeExec, inbox.PgxBeginnerConfig{}), false},
+		{"pgx-native", testenv.TargetPostgresPgx, pgxOn(pgx.QueryExecModeCacheStatement, inbox.PgxBeginnerConfig{DisablePipeline: true}), false},
+		{"database-sql-postgres", testenv.TargetPostgresStdlib, std, false},
+		{"database-sql-mariadb", testenv.TargetMariaDB, std, false},
+		{"database-sql-sqlite", testenv.TargetSQLite, std, false},
 	}
 	for _, bg := range beginners {
 		t.Run(bg.name, func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			tg := testenv.NewTarget(t, bg.target, 2)
-			store, err := processedstore.NewStore(processedstore.Config{Dialect: tg.Dialect, Horizon: time.Hour})
+			table := ""
+			if bg.qualified {
+				table = tg.Database + ".processed_event"
+			}
+			store, err := processedstore.NewStore(processedstore.Config{Table: table, Dialect: tg.Dialect, Horizon: time.Hour})
 			require.NoError(t, err)
 			require.NoError(t, store.Migrate(ctx, tg.DB))
 			_, err = tg.DB.Exec(ctx, `CREATE TABLE effect (event_id VARCHAR(36) NOT NULL, part VARCHAR(10) NOT NULL)`)

@@ -39,7 +39,9 @@ func preparedClaimSetupLock(t *testing.T, mode pgx.QueryExecMode, maxConns int32
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	store, err := processedstore.NewStore(processedstore.Config{Horizon: time.Hour})
+	// Schema-qualified, as NewConsumer makes a table it finds: the claim
+	// marks its transaction (processedstore.ClaimParams.Marked).
+	store, err := processedstore.NewStore(processedstore.Config{Table: schema + ".processed_event", Horizon: time.Hour})
 	require.NoError(t, err)
 	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
 	_, err = pool.Exec(ctx, `CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL, note text)`)
@@ -123,7 +125,7 @@ func TestPreparedClaimRecoversLostStatements(t *testing.T) {
 		if setsAppName.Load() {
 			// The claim's marker is gone: the commit guard's statement
 			// decides (pgxTx.claimOpen).
-			if _, err := tx.Exec(ctx, "SET LOCAL default_transaction_read_only = off"); err != nil {
+			if _, err := tx.Exec(ctx, "SET LOCAL application_name = 'handler'"); err != nil {
 				return err
 			}
 		}
@@ -367,42 +369,43 @@ func TestPreparedDuplicateReadAfterColumnTypeChange(t *testing.T) {
 	}
 }
 
-// The prepared claim marks its transaction (default_transaction_read_only
-// is on until it ends: processedstore.ClaimMarkerParam), so a handler that
-// leaves the transaction alone is committed with COMMIT alone: the commit
-// guard's statement is never executed (issue 25: it cost 61.7k server
-// instructions a message). When the marker is gone for a reason other
-// than an end of the transaction (the handler set the setting itself),
-// the guard's statement runs and the attempt commits, its effect applied
-// once. The transaction the handler runs in is read-write, and after
-// COMMIT the session's own default is back.
+// The prepared claim marks its transaction (application_name is
+// "idempotency <event id>" until it ends: processedstore.ClaimMarkerIs), so
+// a handler that leaves the transaction alone is committed with COMMIT
+// alone: the commit guard's statement is never executed (issue 25: it cost
+// 61.7k server instructions a message). When the mark is gone for a reason
+// other than an end of the transaction (the handler set application_name
+// itself), the guard's statement runs and the attempt commits, its effect
+// applied once. After COMMIT the connection's own application_name is
+// back.
 func TestCommitGuardStatementRunsOnlyWhenTheClaimsMarkerIsGone(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	var undoesMarker atomic.Bool
+	var setsAppName atomic.Bool
 	var seen []string
 	var guardRuns []int
 	pool, h := preparedClaimSetup(t, pgx.QueryExecModeCacheStatement, 1, func(ctx context.Context, tx pgx.Tx) error {
-		var marker, readOnly string
+		var app string
 		var runs int
-		if err := tx.QueryRow(ctx, `SELECT current_setting('default_transaction_read_only'), current_setting('transaction_read_only'),
+		if err := tx.QueryRow(ctx, `SELECT current_setting('application_name'),
   (SELECT coalesce(sum(generic_plans + custom_plans), 0) FROM pg_prepared_statements WHERE statement LIKE '%idempotency commit guard%')`,
-			pgx.QueryExecModeSimpleProtocol).Scan(&marker, &readOnly, &runs); err != nil {
+			pgx.QueryExecModeSimpleProtocol).Scan(&app, &runs); err != nil {
 			return err
 		}
-		seen, guardRuns = append(seen, marker+" "+readOnly+" "+tx.Conn().PgConn().ParameterStatus("default_transaction_read_only")), append(guardRuns, runs)
-		if undoesMarker.Load() {
-			_, err := tx.Exec(ctx, "SET LOCAL default_transaction_read_only = off")
+		seen, guardRuns = append(seen, app+" | "+tx.Conn().PgConn().ParameterStatus("application_name")), append(guardRuns, runs)
+		if setsAppName.Load() {
+			_, err := tx.Exec(ctx, "SET LOCAL application_name = 'handler'")
 			return err
 		}
 		return nil
 	})
 	ids := []uuid.UUID{uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())}
 	for i, id := range ids {
-		undoesMarker.Store(i >= 3)
+		setsAppName.Store(i >= 3)
 		_, err := h(preparedClaimMsg(t, id, `{"n":1}`))
 		require.NoError(t, err)
-		require.Equal(t, "on off on", seen[i], "the marker (set, not in effect: the transaction is read-write), as the server reported it")
+		mark := "idempotency " + id.String()
+		require.Equal(t, mark+" | "+mark, seen[i], "the claim's mark, as set and as the server reported it")
 	}
 	// Run counts as read in each handler, before its commit: the guard ran
 	// for neither of the first three (nor before the fourth), then once for
@@ -414,8 +417,8 @@ func TestCommitGuardStatementRunsOnlyWhenTheClaimsMarkerIsGone(t *testing.T) {
 	c, err := pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer c.Release()
-	var def string
-	require.NoError(t, c.QueryRow(ctx, `SELECT current_setting('default_transaction_read_only')`).Scan(&def))
-	require.Equal(t, "off", def, "the session's own default after COMMIT")
-	require.Equal(t, "off", c.Conn().PgConn().ParameterStatus("default_transaction_read_only"))
+	var app string
+	require.NoError(t, c.QueryRow(ctx, `SELECT current_setting('application_name')`).Scan(&app))
+	require.Equal(t, c.Conn().Config().RuntimeParams["application_name"], app, "the session's own application_name after COMMIT")
+	require.Equal(t, app, c.Conn().PgConn().ParameterStatus("application_name"))
 }

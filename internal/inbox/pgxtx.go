@@ -106,16 +106,19 @@ func (tx *pgxTx) commit(ctx context.Context) error {
 
 // claimOpen reports, without a round trip, that the connection is still
 // inside the claim's transaction: the claim marked it and the server's
-// last ParameterStatus for the marker is still the marker's value (any end
-// of the transaction undoes the marker, and the server reports that before
-// its ReadyForQuery; processedstore.ClaimMarkerParam). A transaction
-// aborted by a handler statement ('E') is not open: the guarded COMMIT
-// reports it. When the marker is not seen for another reason (PostgreSQL
-// 13, a handler that sets the setting itself, a pooler that drops
-// ParameterStatus), the guard's statement decides, as without a marker.
+// last ParameterStatus for application_name is still the mark, which names
+// this attempt's event (any end of the transaction undoes the mark, and the
+// server reports that before its ReadyForQuery;
+// processedstore.ClaimMarkerIs). A transaction aborted by a handler
+// statement ('E') is not open: the guarded COMMIT reports it. When the
+// mark is not seen for another reason (a handler that sets
+// application_name itself, a pooler that drops ParameterStatus), the
+// guard's statement decides, as without a mark. Only a handler that sets
+// application_name to this very mark in a transaction of its own could
+// pass for the claim's: a forgery, not a mistake.
 func (tx *pgxTx) claimOpen() bool {
 	pc := tx.pc.PgConn()
-	return tx.marked && pc.TxStatus() == 'T' && pc.ParameterStatus(processedstore.ClaimMarkerParam) == processedstore.ClaimMarkerValue
+	return tx.marked && pc.TxStatus() == 'T' && processedstore.ClaimMarkerIs(pc.ParameterStatus(processedstore.ClaimMarkerParam), tx.guard.eventID)
 }
 
 func (tx *pgxTx) rollback(ctx context.Context) error {

@@ -301,12 +301,11 @@ func newIdentityStatements(d sqldb.Dialect, q string) identityStatements {
 // (bytea).
 //
 // On the plain layout SQL is the lean claim (postgresLeanClaim): a UUIDv7
-// row without event_at; it also marks its transaction (Marked,
-// ClaimMarkerParam).
+// row without event_at; on a schema-qualified table it also marks its
+// transaction (Marked, ClaimMarkerIs).
 type ClaimParams struct {
 	SQL string
-	// Marked: SQL sets ClaimMarkerParam to ClaimMarkerValue for its
-	// transaction.
+	// Marked: SQL marks its transaction (ClaimMarkerIs).
 	Marked      bool
 	Consumer    string
 	EventID     uuid.UUID
@@ -315,38 +314,6 @@ type ClaimParams struct {
 	Identity    bool
 	EventName   string
 	Fingerprint []byte
-}
-
-// QualifyClaim makes p's lean claim (p.Marked) name the store's
-// unqualified table in schema, the schema that table resolved to through
-// the connection's search_path (ClaimGuardSchemaQuery), so that a
-// session-level SET search_path left on the connection by a handler never
-// moves a later claim to another schema's table, where the marked claim's
-// commit (which sends no guard statement) would miss it. It does nothing
-// for a qualified table, an empty schema or a claim that is not lean.
-func (s *Store) QualifyClaim(p *ClaimParams, schema string) {
-	if !p.Marked || schema == "" || strings.Contains(s.table.String(), ".") {
-		return
-	}
-	v, ok := s.leanIn.Load(schema)
-	if !ok {
-		q := `"` + strings.ReplaceAll(schema, `"`, `""`) + `".` + s.table.Quoted('"')
-		var l [2][2]string
-		for v7 := 0; v7 < 2; v7++ {
-			for id := 0; id < 2; id++ {
-				l[v7][id] = postgresLeanClaim(q, v7 == 1, id == 1, s.horizon, s.skew)
-			}
-		}
-		v, _ = s.leanIn.LoadOrStore(schema, &l)
-	}
-	v7, id := 0, 0
-	if p.EventID.Version() == 7 {
-		v7 = 1
-	}
-	if p.Identity {
-		id = 1
-	}
-	p.SQL = v.(*[2][2]string)[v7][id]
 }
 
 // ClaimParamsAt returns the claim of (consumer, eventID) dated at (see
@@ -370,7 +337,13 @@ func (s *Store) ClaimParamsAt(consumer string, eventID uuid.UUID, at time.Time, 
 		if id != nil {
 			withID = 1
 		}
-		p.SQL, p.Marked = s.lean[v7][withID], true
+		// Marked only on a schema-qualified table: an unqualified one
+		// follows the search_path, which a handler's session-level SET
+		// may change under a later claim; the guard statement (which
+		// names the schema the table resolved to first) catches that
+		// claim's move, a mark would not. NewConsumer qualifies the
+		// table it finds.
+		p.SQL, p.Marked = s.lean[v7][withID], strings.Contains(s.table.String(), ".")
 	case id != nil && routed:
 		p.SQL = s.identity.claimOther
 	case id != nil:

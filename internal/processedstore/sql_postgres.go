@@ -3,6 +3,7 @@ package processedstore
 import (
 	"context"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -139,34 +140,56 @@ func postgresLeanClaim(q string, v7, identity bool, horizon, skew time.Duration)
 	return fmt.Sprintf("INSERT INTO %s (%s)\nSELECT %s\nWHERE %s IS NOT NULL AND (%s)\nON CONFLICT DO NOTHING", q, cols, sel, claimMarkerSQL, where)
 }
 
-// claimMarkerSQL marks the claim's transaction: default_transaction_read_only
-// is "on" until the transaction ends (set_config with is_local, undone by
-// COMMIT or ROLLBACK). It changes nothing in the transaction itself, which
-// began read-write (the setting applies to transactions that begin later;
-// a session whose default is already on cannot claim at all). Since
-// PostgreSQL 14 it is a GUC_REPORT setting: the server sends its new value
-// in a ParameterStatus message before the statement's ReadyForQuery, and
-// its old value when the transaction ends, also when a handler's ROLLBACK,
-// COMMIT or … AND CHAIN ends it and BEGIN opens another (PostgreSQL
-// protocol, "Asynchronous Operations"; PgBouncer 1.18 and 1.24 forward both
-// in session and transaction pooling, TestCommitGuardBehindPoolers). So the
-// client knows with no statement of its own that the claim's transaction
-// is still open (ClaimMarkerParam): the commit guard's statement is sent
-// only when it is not (issue 25: the guard cost 61.7k server instructions
-// a message, the marker 15k). On PostgreSQL 13 the marker is never
-// reported and the guard's statement always runs. application_name would
-// name the event in pg_stat_activity, but costs 5k more (a string built
-// and reported, the activity entry written) and hides the user's own.
-const claimMarkerSQL = `set_config('default_transaction_read_only', 'on', true)`
+// claimMarkerSQL marks the claim's transaction: application_name is
+// "idempotency " and the event id until the transaction ends (set_config
+// with is_local, undone by COMMIT or ROLLBACK). application_name is a
+// GUC_REPORT setting: the server sends its new value in a ParameterStatus
+// message before the statement's ReadyForQuery, and its old value when the
+// transaction ends, also when a handler's ROLLBACK, COMMIT or … AND CHAIN
+// ends it and BEGIN opens another (PostgreSQL protocol, "Asynchronous
+// Operations"; PgBouncer 1.18 and 1.24 forward both in session and
+// transaction pooling, TestCommitGuardBehindPoolers). So the client knows,
+// with no statement of its own, that the claim's transaction is still open
+// (ClaimMarkerIs): the commit guard's statement is sent only when it is not
+// (issue 25: the guard cost 61.7k server instructions a message, the mark
+// 20k). The value names the event, so no value the transaction can revert
+// to is the mark: a boolean setting (default_transaction_read_only, 5k
+// cheaper) reverts unreported when a reload made its default the mark's
+// value. In pg_stat_activity and log_line_prefix's %a a backend inside a
+// claimed attempt shows the event it processes. $2::uuid types the event
+// id where the INSERT's columns have not yet.
+const claimMarkerSQL = `set_config('application_name', 'idempotency ' || $2::uuid, true)`
 
 // ClaimMarkerParam is the ParameterStatus a marked claim
-// (ClaimParams.Marked) sets to ClaimMarkerValue for its transaction; a
-// connection whose last report of it is another value has left that
-// transaction (or its handler set it).
-const (
-	ClaimMarkerParam = "default_transaction_read_only"
-	ClaimMarkerValue = "on"
-)
+// (ClaimParams.Marked) sets for its transaction (ClaimMarkerIs).
+const ClaimMarkerParam = "application_name"
+
+// ClaimMarkerIs reports whether v, a connection's ClaimMarkerParam as the
+// server last reported it, is the mark a lean claim of id sets:
+// "idempotency " and id in RFC 9562 text form, as PostgreSQL's uuid_out
+// writes it (lower-case hex). It allocates nothing.
+func ClaimMarkerIs(v string, id uuid.UUID) bool {
+	const prefix = "idempotency "
+	if len(v) != len(prefix)+36 || v[:len(prefix)] != prefix {
+		return false
+	}
+	const hexDigits = "0123456789abcdef"
+	v = v[len(prefix):]
+	j := 0
+	for i, b := range id {
+		if i == 4 || i == 6 || i == 8 || i == 10 {
+			if v[j] != '-' {
+				return false
+			}
+			j++
+		}
+		if v[j] != hexDigits[b>>4] || v[j+1] != hexDigits[b&0xf] {
+			return false
+		}
+		j += 2
+	}
+	return true
+}
 
 // v7TimeSQL is the SQL of the UUIDv7 time of the uuid expression id: its
 // first 48 bits as Unix milliseconds (RFC 9562 §5.7), a timestamptz. It is
@@ -198,4 +221,35 @@ WHERE a.attrelid = to_regclass($1) AND a.attname = 'event_at' AND NOT a.attisdro
 	}
 	s.hasLean = !off
 	return nil
+}
+
+// QualifiedTable returns table ("name", or "" for DefaultTable) as
+// "schema.name" with the schema it resolves to through q's search_path now,
+// on PostgreSQL; table as given when it is qualified already, when no such
+// table exists yet (a consumer started before processed.Migrate) or when
+// the schema's name is not a valid identifier (ParseIdent). NewConsumer
+// uses it once, so that a handler's session-level SET search_path left on
+// a pooled connection never moves a later claim, verdict or read to
+// another schema's table; only on a qualified table does the claim mark
+// its transaction (ClaimParams.Marked).
+func QualifiedTable(ctx context.Context, q sqldb.Querier, d sqldb.Dialect, table string) (string, error) {
+	if table == "" {
+		table = DefaultTable
+	}
+	id, err := sqldb.ParseIdent(table)
+	if d != sqldb.PostgreSQL || err != nil || strings.Contains(id.String(), ".") {
+		return table, nil
+	}
+	var schema *string
+	err = q.QueryRow(ctx, `SELECT (SELECT n.nspname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1))`, id.Quoted('"')).Scan(&schema)
+	if err != nil {
+		return "", fmt.Errorf("processed: find the schema of %s: %w", table, err)
+	}
+	if schema == nil {
+		return table, nil
+	}
+	if _, err := sqldb.ParseIdent(*schema + "." + id.Name()); err != nil {
+		return table, nil
+	}
+	return *schema + "." + id.Name(), nil
 }

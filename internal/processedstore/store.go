@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/google/uuid"
@@ -131,10 +130,7 @@ type Store struct {
 	// (postgresLeanClaim), by [UUIDv7 id][with identity]; hasLean: in use.
 	lean    [2][2]string
 	hasLean bool
-	// leanIn: the lean claims naming an unqualified table in a schema
-	// (QualifyClaim), by schema: *[2][2]string.
-	leanIn sync.Map
-	guard  guardStatements // the commit guard (guard.go)
+	guard   guardStatements // the commit guard (guard.go)
 }
 
 // dialectSQL is one dialect's statements and argument encodings (one file per
