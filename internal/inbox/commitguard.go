@@ -42,6 +42,7 @@ type commitGuard struct {
 	sql      string
 	consumer string
 	eventID  uuid.UUID
+	store    *processedstore.Store // the claim's, for the read after a marked COMMIT
 }
 
 // guardSchemas caches, per store, the schema its unqualified claim table
@@ -88,7 +89,7 @@ func (g *guardSchemas) guard(ctx context.Context, c *claimRequest, query func(ct
 	if !ok {
 		return commitGuard{}, nil
 	}
-	return commitGuard{sql: q, consumer: c.consumer, eventID: c.eventID}, nil
+	return commitGuard{sql: q, consumer: c.consumer, eventID: c.eventID, store: c.store}, nil
 }
 
 func (g commitGuard) args() []any {

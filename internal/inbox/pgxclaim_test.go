@@ -125,7 +125,7 @@ func TestPreparedClaimRecoversLostStatements(t *testing.T) {
 		if setsAppName.Load() {
 			// The claim's marker is gone: the commit guard's statement
 			// decides (pgxTx.claimOpen).
-			if _, err := tx.Exec(ctx, "SET LOCAL application_name = 'handler'"); err != nil {
+			if _, err := tx.Exec(ctx, "SET LOCAL default_transaction_read_only = off"); err != nil {
 				return err
 			}
 		}
@@ -369,43 +369,42 @@ func TestPreparedDuplicateReadAfterColumnTypeChange(t *testing.T) {
 	}
 }
 
-// The prepared claim marks its transaction (application_name is
-// "idempotency <event id>" until it ends: processedstore.ClaimMarkerIs), so
-// a handler that leaves the transaction alone is committed with COMMIT
-// alone: the commit guard's statement is never executed (issue 25: it cost
-// 61.7k server instructions a message). When the mark is gone for a reason
-// other than an end of the transaction (the handler set application_name
-// itself), the guard's statement runs and the attempt commits, its effect
-// applied once. After COMMIT the connection's own application_name is
-// back.
+// The prepared claim marks its transaction (default_transaction_read_only
+// is on until it ends: processedstore.ClaimMarkerParam), so a handler that
+// leaves the transaction alone is committed with COMMIT alone: the commit
+// guard's statement is never executed (issue 25: it cost 61.7k server
+// instructions a message). When the marker is gone for a reason other
+// than an end of the transaction (the handler set the setting itself),
+// the guard's statement runs and the attempt commits, its effect applied
+// once. The transaction the handler runs in is read-write, and after
+// COMMIT the session's own default is back.
 func TestCommitGuardStatementRunsOnlyWhenTheClaimsMarkerIsGone(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	var setsAppName atomic.Bool
+	var undoesMarker atomic.Bool
 	var seen []string
 	var guardRuns []int
 	pool, h := preparedClaimSetup(t, pgx.QueryExecModeCacheStatement, 1, func(ctx context.Context, tx pgx.Tx) error {
-		var app string
+		var marker, readOnly string
 		var runs int
-		if err := tx.QueryRow(ctx, `SELECT current_setting('application_name'),
+		if err := tx.QueryRow(ctx, `SELECT current_setting('default_transaction_read_only'), current_setting('transaction_read_only'),
   (SELECT coalesce(sum(generic_plans + custom_plans), 0) FROM pg_prepared_statements WHERE statement LIKE '%idempotency commit guard%')`,
-			pgx.QueryExecModeSimpleProtocol).Scan(&app, &runs); err != nil {
+			pgx.QueryExecModeSimpleProtocol).Scan(&marker, &readOnly, &runs); err != nil {
 			return err
 		}
-		seen, guardRuns = append(seen, app+" | "+tx.Conn().PgConn().ParameterStatus("application_name")), append(guardRuns, runs)
-		if setsAppName.Load() {
-			_, err := tx.Exec(ctx, "SET LOCAL application_name = 'handler'")
+		seen, guardRuns = append(seen, marker+" "+readOnly+" "+tx.Conn().PgConn().ParameterStatus("default_transaction_read_only")), append(guardRuns, runs)
+		if undoesMarker.Load() {
+			_, err := tx.Exec(ctx, "SET LOCAL default_transaction_read_only = off")
 			return err
 		}
 		return nil
 	})
 	ids := []uuid.UUID{uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())}
 	for i, id := range ids {
-		setsAppName.Store(i >= 3)
+		undoesMarker.Store(i >= 3)
 		_, err := h(preparedClaimMsg(t, id, `{"n":1}`))
 		require.NoError(t, err)
-		mark := "idempotency " + id.String()
-		require.Equal(t, mark+" | "+mark, seen[i], "the claim's mark, as set and as the server reported it")
+		require.Equal(t, "on off on", seen[i], "the marker (set, not in effect: the transaction is read-write), as the server reported it")
 	}
 	// Run counts as read in each handler, before its commit: the guard ran
 	// for neither of the first three (nor before the fourth), then once for
@@ -417,8 +416,8 @@ func TestCommitGuardStatementRunsOnlyWhenTheClaimsMarkerIsGone(t *testing.T) {
 	c, err := pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer c.Release()
-	var app string
-	require.NoError(t, c.QueryRow(ctx, `SELECT current_setting('application_name')`).Scan(&app))
-	require.Equal(t, c.Conn().Config().RuntimeParams["application_name"], app, "the session's own application_name after COMMIT")
-	require.Equal(t, app, c.Conn().PgConn().ParameterStatus("application_name"))
+	var def string
+	require.NoError(t, c.QueryRow(ctx, `SELECT current_setting('default_transaction_read_only')`).Scan(&def))
+	require.Equal(t, "off", def, "the session's own default after COMMIT")
+	require.Equal(t, "off", c.Conn().PgConn().ParameterStatus("default_transaction_read_only"))
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"strconv"
 	"sync/atomic"
 
@@ -98,27 +99,48 @@ func (tx *pgxTx) commit(ctx context.Context) error {
 		tx.closed = true
 		return errHandlerEndedBySQL
 	}
-	if !tx.closed && tx.savepoint == "" && tx.guard.sql != "" && !tx.claimOpen() {
+	if tx.closed || tx.savepoint != "" || tx.guard.sql == "" {
+		return tx.Commit(ctx)
+	}
+	if !tx.claimOpen() {
 		return tx.commitGuarded(ctx)
 	}
-	return tx.Commit(ctx)
+	if err := tx.Commit(ctx); err != nil {
+		return err
+	}
+	pc := tx.pc.PgConn()
+	if !processedstore.ClaimMarkerIs(pc.ParameterStatus(processedstore.ClaimMarkerParam)) {
+		return nil // the mark's undo was reported at COMMIT: it was the claim's transaction
+	}
+	// No undo reported: the session's own default is now the mark's value
+	// (a reload turned the server's default on while the transaction ran,
+	// or the handler set it for the session), so the mark proved nothing.
+	// The claim row tells whether this COMMIT was the claim's. A failed
+	// read leaves the outcome unknown: an error, never an ack.
+	found, err := tx.guard.store.Processed(ctx, sqldb.Pgx(tx.pc), tx.guard.consumer, tx.guard.eventID)
+	if err != nil {
+		return fmt.Errorf("middleware: read the claim after COMMIT: %w", err)
+	}
+	if !found {
+		return errHandlerEndedBySQL
+	}
+	return nil
 }
 
 // claimOpen reports, without a round trip, that the connection is still
 // inside the claim's transaction: the claim marked it and the server's
-// last ParameterStatus for application_name is still the mark, which names
-// this attempt's event (any end of the transaction undoes the mark, and the
-// server reports that before its ReadyForQuery;
-// processedstore.ClaimMarkerIs). A transaction aborted by a handler
-// statement ('E') is not open: the guarded COMMIT reports it. When the
-// mark is not seen for another reason (a handler that sets
-// application_name itself, a pooler that drops ParameterStatus), the
-// guard's statement decides, as without a mark. Only a handler that sets
-// application_name to this very mark in a transaction of its own could
-// pass for the claim's: a forgery, not a mistake.
+// last ParameterStatus for the mark's setting is still the mark (any end of
+// the transaction undoes it, and the server reports that before its
+// ReadyForQuery; processedstore.ClaimMarkerIs). A transaction aborted by a
+// handler statement ('E') is not open: the guarded COMMIT reports it. When
+// the mark is not seen for another reason (a handler that set the setting
+// itself, a pooler that drops ParameterStatus), the guard's statement
+// decides, as without a mark. A handler that ends the transaction and sets
+// the mark again in its own (SET LOCAL default_transaction_read_only = on)
+// passes for the claim's: a known limit (docs/guarantees.md).
 func (tx *pgxTx) claimOpen() bool {
 	pc := tx.pc.PgConn()
-	return tx.marked && pc.TxStatus() == 'T' && processedstore.ClaimMarkerIs(pc.ParameterStatus(processedstore.ClaimMarkerParam), tx.guard.eventID)
+	return tx.marked && pc.TxStatus() == 'T' && processedstore.ClaimMarkerIs(pc.ParameterStatus(processedstore.ClaimMarkerParam))
 }
 
 func (tx *pgxTx) rollback(ctx context.Context) error {

@@ -140,56 +140,35 @@ func postgresLeanClaim(q string, v7, identity bool, horizon, skew time.Duration)
 	return fmt.Sprintf("INSERT INTO %s (%s)\nSELECT %s\nWHERE %s IS NOT NULL AND (%s)\nON CONFLICT DO NOTHING", q, cols, sel, claimMarkerSQL, where)
 }
 
-// claimMarkerSQL marks the claim's transaction: application_name is
-// "idempotency " and the event id until the transaction ends (set_config
-// with is_local, undone by COMMIT or ROLLBACK). application_name is a
-// GUC_REPORT setting: the server sends its new value in a ParameterStatus
-// message before the statement's ReadyForQuery, and its old value when the
-// transaction ends, also when a handler's ROLLBACK, COMMIT or … AND CHAIN
-// ends it and BEGIN opens another (PostgreSQL protocol, "Asynchronous
-// Operations"; PgBouncer 1.18 and 1.24 forward both in session and
-// transaction pooling, TestCommitGuardBehindPoolers). So the client knows,
-// with no statement of its own, that the claim's transaction is still open
-// (ClaimMarkerIs): the commit guard's statement is sent only when it is not
-// (issue 25: the guard cost 61.7k server instructions a message, the mark
-// 20k). The value names the event, so no value the transaction can revert
-// to is the mark: a boolean setting (default_transaction_read_only, 5k
-// cheaper) reverts unreported when a reload made its default the mark's
-// value. In pg_stat_activity and log_line_prefix's %a a backend inside a
-// claimed attempt shows the event it processes. $2::uuid types the event
-// id where the INSERT's columns have not yet.
-const claimMarkerSQL = `set_config('application_name', 'idempotency ' || $2::uuid, true)`
+// claimMarkerSQL marks the claim's transaction: default_transaction_read_only
+// is "on" until the transaction ends (set_config with is_local, undone by
+// COMMIT or ROLLBACK). It changes nothing in the transaction itself, which
+// began read-write (the setting applies to transactions that begin later; a
+// session whose default is already on cannot claim at all). Since
+// PostgreSQL 14 it is a GUC_REPORT setting: the server sends its new value
+// in a ParameterStatus message before the statement's ReadyForQuery, and
+// its old value when the transaction ends, also when a handler's ROLLBACK,
+// COMMIT or … AND CHAIN ends it and BEGIN opens another (PostgreSQL
+// protocol, "Asynchronous Operations"; PgBouncer 1.18 and 1.24 forward both
+// in session and transaction pooling, TestCommitGuardBehindPoolers). So the
+// client knows, with no statement of its own, that the claim's transaction
+// is still open (ClaimMarkerIs): the commit guard's statement is sent only
+// when it is not (issue 25: the guard cost 61.7k server instructions a
+// message, the mark 15k). A reload that turns the server's default on
+// while the transaction runs makes the undo unreported: the client then
+// checks the claim after COMMIT (pgxTx.commit). application_name naming
+// the event would be a mark no undo can equal, but it costs 5k more and
+// hides the pool's application_name from pg_stat_activity and from
+// log_line_prefix's %a while every handler runs.
+const claimMarkerSQL = `set_config('default_transaction_read_only', 'on', true)`
 
 // ClaimMarkerParam is the ParameterStatus a marked claim
 // (ClaimParams.Marked) sets for its transaction (ClaimMarkerIs).
-const ClaimMarkerParam = "application_name"
+const ClaimMarkerParam = "default_transaction_read_only"
 
 // ClaimMarkerIs reports whether v, a connection's ClaimMarkerParam as the
-// server last reported it, is the mark a lean claim of id sets:
-// "idempotency " and id in RFC 9562 text form, as PostgreSQL's uuid_out
-// writes it (lower-case hex). It allocates nothing.
-func ClaimMarkerIs(v string, id uuid.UUID) bool {
-	const prefix = "idempotency "
-	if len(v) != len(prefix)+36 || v[:len(prefix)] != prefix {
-		return false
-	}
-	const hexDigits = "0123456789abcdef"
-	v = v[len(prefix):]
-	j := 0
-	for i, b := range id {
-		if i == 4 || i == 6 || i == 8 || i == 10 {
-			if v[j] != '-' {
-				return false
-			}
-			j++
-		}
-		if v[j] != hexDigits[b>>4] || v[j+1] != hexDigits[b&0xf] {
-			return false
-		}
-		j += 2
-	}
-	return true
-}
+// server last reported it, is the mark a claim sets.
+func ClaimMarkerIs(v string) bool { return v == "on" }
 
 // v7TimeSQL is the SQL of the UUIDv7 time of the uuid expression id: its
 // first 48 bits as Unix milliseconds (RFC 9562 §5.7), a timestamptz. It is
