@@ -354,13 +354,10 @@ func TestConsumerKeepsItsTableWhenAHandlerSetsSearchPath(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			admin, schema := testenv.Pool(t)
-			other := schema + "_other"
-			_, err := admin.Exec(ctx, `CREATE SCHEMA `+other)
-			require.NoError(t, err)
-			t.Cleanup(func() { _, _ = admin.Exec(context.Background(), `DROP SCHEMA `+other+` CASCADE`) })
+			other := testenv.Schema(t) // another tenant's schema, with a table of the same name
 			require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(admin), processed.Config{Layout: layout}))
 			require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(testenv.PoolOn(t, other, 1)), processed.Config{Layout: layout}))
-			_, err = admin.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL, note text)`)
+			_, err := admin.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL, note text)`)
 			require.NoError(t, err)
 			pool := testenv.PoolOn(t, schema, 1) // one connection: the redelivery runs where the SET stayed
 			ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64, Persistent: true}, watermill.NopLogger{})

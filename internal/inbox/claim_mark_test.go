@@ -45,10 +45,7 @@ func TestClaimMovedBySearchPathIsCaughtWhenTheTableCameAfterTheConsumer(t *testi
 	t.Parallel()
 	ctx := context.Background()
 	admin, schema := testenv.Pool(t)
-	other := schema + "_other"
-	_, err := admin.Exec(ctx, `CREATE SCHEMA `+other)
-	require.NoError(t, err)
-	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), `DROP SCHEMA `+other+` CASCADE`) })
+	other := testenv.Schema(t) // another tenant's schema, with a table of the same name
 	// The other schema (another tenant, another service) has its own table.
 	m1, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)

@@ -32,10 +32,7 @@ func TestSessionSearchPathSetByHandler(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
-	other := e.schema + "_other"
-	_, err := e.pool.Exec(ctx, `CREATE SCHEMA `+other)
-	require.NoError(t, err)
-	t.Cleanup(func() { _, _ = e.pool.Exec(context.Background(), `DROP SCHEMA `+other+` CASCADE`) })
+	other := testenv.Schema(t) // another tenant's schema, with a table of the same name
 	unqualified, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)
 	otherPool, err := pgxpool.NewWithConfig(ctx, testenv.PoolConfig(t, testenv.PostgresURL(), other, 1))
@@ -92,14 +89,8 @@ func TestSessionSearchPathMovesAnUnpreparedClaimIntoTheGuard(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	ctx := context.Background()
-	other := e.schema + "_other"
-	_, err := e.pool.Exec(ctx, `CREATE SCHEMA `+other)
-	require.NoError(t, err)
-	t.Cleanup(func() { _, _ = e.pool.Exec(context.Background(), `DROP SCHEMA `+other+` CASCADE`) })
-	otherPool, err := pgxpool.NewWithConfig(ctx, testenv.PoolConfig(t, testenv.PostgresURL(), other, 1))
-	require.NoError(t, err)
-	t.Cleanup(otherPool.Close)
-	require.NoError(t, e.store.Migrate(ctx, sqldb.Pgx(otherPool)))
+	other := testenv.Schema(t) // another tenant's schema, with a table of the same name
+	require.NoError(t, e.store.Migrate(ctx, sqldb.Pgx(testenv.PoolOn(t, other, 1))))
 	cfg := testenv.PoolConfig(t, testenv.PostgresURL(), e.schema, 1)
 	cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
