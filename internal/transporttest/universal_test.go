@@ -69,6 +69,11 @@ type suiteSubscriber struct {
 	closing   chan struct{}
 	closeOnce sync.Once
 	onTopic   func(topic string) // records what to clean up
+	// forwarding counts the goroutines that feed Subscribe's channels:
+	// Close returns once each has closed its channel, as the suite
+	// expects of a closed subscriber (a non-blocking read right after
+	// Close; seen failing in CI when Close returned first).
+	forwarding sync.WaitGroup
 }
 
 func newSuiteSubscriber(sub message.Subscriber, onTopic func(string)) *suiteSubscriber {
@@ -94,7 +99,9 @@ func (s *suiteSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *
 		return nil, err
 	}
 	out := make(chan *message.Message)
+	s.forwarding.Add(1)
 	go func() {
+		defer s.forwarding.Done()
 		defer close(out)
 		for m := range in {
 			if reason, bad := marshaler.Malformed(m); bad {
@@ -119,7 +126,9 @@ func (s *suiteSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *
 
 func (s *suiteSubscriber) Close() error {
 	s.closeOnce.Do(func() { close(s.closing) })
-	return s.Subscriber.Close()
+	err := s.Subscriber.Close() // closes the channels the goroutines range over
+	s.forwarding.Wait()
+	return err
 }
 
 // topics records the topics a suite run used, for its cleanup.
