@@ -1,5 +1,0 @@
-//go:build race
-
-package inbox
-
-const raceEnabled = true
