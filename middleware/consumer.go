@@ -137,13 +137,17 @@ type ConsumerConfig struct {
 	OutboxTopic string
 
 	// LockTimeout bounds the wait on a claim held by another, uncommitted
-	// transaction (two deliveries of one event at once); when it expires
-	// the attempt fails with ErrInFlight (transient: retried later). On
-	// PostgreSQL it is lock_timeout for the attempt's transaction (SET
-	// LOCAL, sent in the claim's round trip), so a handler statement that
-	// waits longer on a lock also fails, transiently (SQLSTATE 55P03).
-	// Whole milliseconds, at least 1 ms. Defaults to DefaultLockTimeout
-	// (15 s); negative leaves the session's lock_timeout untouched.
+	// transaction (two deliveries of one event at once) and on the claim
+	// table's lock; when it expires the attempt fails with ErrInFlight
+	// (transient: retried later). On PostgreSQL it is lock_timeout for the
+	// whole attempt, so a handler statement that waits longer on a lock
+	// also fails, transiently (SQLSTATE 55P03). With idempotency.Pgx over a
+	// direct connection it is the session's lock_timeout, set once per
+	// connection, which the pool's connections keep for other code too;
+	// behind a pooler (PgBouncer) and with SQL it is SET LOCAL, sent in the
+	// claim's round trip (docs/databases.md). Whole milliseconds, at least
+	// 1 ms. Defaults to DefaultLockTimeout (15 s); negative leaves the
+	// session's lock_timeout untouched.
 	LockTimeout time.Duration
 
 	// DisablePayloadVerification turns off the comparison of a duplicate

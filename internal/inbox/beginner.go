@@ -169,6 +169,7 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 				tx, claimed, err := b.claimed(ctx, conn, &c, claimed, err)
 				if ptx, ok := tx.(*pgxTx); ok {
 					ptx.prepared, ptx.tracer, ptx.pooled, ptx.marked = true, b.tracer, &b.pooled, claimed && p.Marked
+					ptx.session = connClaimOf(ptx.pc.PgConn())
 					if claimed && ptx.guard.sql != "" {
 						if err := b.prepareGuard(ctx, ptx.pc, ptx.guard.sql); err != nil {
 							_ = ptx.rollback(ctx)

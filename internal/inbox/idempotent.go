@@ -54,28 +54,30 @@ type Config struct {
 	Consumer string
 
 	// LockTimeout bounds the wait on a claim held by another, uncommitted
-	// transaction (two deliveries of one event at once). When it expires the
-	// attempt fails with the transient ErrInFlight and is retried later. It
-	// is PostgreSQL's lock_timeout for the whole attempt's transaction
-	// (transaction-local, as SET LOCAL: the session's own value is back
-	// after the attempt), so a handler statement that waits longer than it
+	// transaction (two deliveries of one event at once), and on the claim
+	// table's lock. When it expires the attempt fails with the transient
+	// ErrInFlight and is retried later. It is PostgreSQL's lock_timeout for
+	// the whole attempt, so a handler statement that waits longer than it
 	// on a lock also fails, transiently (SQLSTATE 55P03). Defaults to
 	// DefaultLockTimeout (whole milliseconds; at least 1ms); a negative
 	// value leaves the session's lock_timeout untouched.
 	//
-	// How it is set: by one SET LOCAL lock_timeout statement before the
-	// claim, in the claim's round trip (with NewPgxBeginner on a pool in
-	// pgx.QueryExecModeCacheStatement, pgx's default, a statement prepared
-	// once per connection in the claim's pgconn.Batch). It is a statement
-	// of its own, not a set_config inside the claim, because the executor
-	// takes the claim's lock on its table before it evaluates any of the
-	// claim's expressions: that wait (a LOCK TABLE, ALTER TABLE, a
-	// partition DROP holding the table) must be bounded too. Cost: about
-	// 17k server instructions per attempt (bench part 6, counts). To save
-	// that, set lock_timeout on the pool's sessions instead
-	// (pgxpool.Config.ConnConfig.RuntimeParams["lock_timeout"] = "15s") and
-	// LockTimeout to a negative value; the bound then also applies to every
-	// other statement on those connections.
+	// How it is set. With NewPgxBeginner on a pool in
+	// pgx.QueryExecModeCacheStatement (pgx's default) over a direct
+	// connection, it is the session's lock_timeout, set once per
+	// connection (and again after a handler statement that names
+	// lock_timeout or RESET, or after DISCARD ALL): the claim sends no
+	// statement for it (12k server instructions an attempt less, issue
+	// 25). The connection keeps it after the attempt, so other code on
+	// the same pool runs under it too; a session-level change made where
+	// the claim cannot see it (a function the handler calls, other code
+	// on the pool) is the bound of that connection's later claims. Behind
+	// a pooler (the server's process ID is not the one the connection was
+	// given at startup: PgBouncer in any pool mode) and in every other
+	// mode and driver it is SET LOCAL lock_timeout before the claim, in
+	// the claim's round trip: the session's own value is back after the
+	// attempt. Never a set_config inside the claim: the executor takes
+	// the claim's table lock before it evaluates any expression.
 	LockTimeout time.Duration
 
 	// Recorder receives one outcome per attempt (metrics). Defaults to none.

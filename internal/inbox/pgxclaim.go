@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"strconv"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -82,7 +83,12 @@ type preparedStmt struct {
 // parameter buffers. A pooled connection serves one attempt at a time, so
 // the buffers are reused without locking.
 type connClaim struct {
-	stmts   []preparedStmt
+	stmts []preparedStmt
+	// lockMs is the lock_timeout, in milliseconds, this connection's
+	// session was set to by sessionLock (0: not set); shared: its server
+	// session is not its own (a pooler), so the lock timeout is SET LOCAL.
+	lockMs  int64
+	shared  bool
 	vals    [5][]byte
 	formats [5]int16
 	text    [2][]byte // consumer, event name
@@ -179,7 +185,80 @@ func (st *connClaim) encode(p *processedstore.ClaimParams) [][]byte {
 }
 
 // forget drops the connection's statements (the server lost them).
-func (st *connClaim) forget() { st.stmts = st.stmts[:0] }
+// It also forgets the session's lock timeout: what drops every statement
+// (DISCARD ALL, a pooler's reset) resets the session's settings too.
+func (st *connClaim) forget() { st.stmts, st.lockMs = st.stmts[:0], 0 }
+
+// sessionLock makes d the lock_timeout of pc's session, once per
+// connection (and again after forget or sessionChanged), and reports
+// whether it is: then the claim's batch carries no SET LOCAL (issue 25:
+// 12k server instructions an attempt). It is not when pc's server session
+// may be another client's (a pooler: PgBouncer, in any pool mode, gives
+// its clients a BackendKeyData of its own, so the process ID the
+// connection was given at startup is not pg_backend_pid()): there a
+// session setting would stay on a server connection other clients use and
+// be missing from the one the next claim gets, so the SET LOCAL stays.
+// The setting outlives the attempt: it is the bound of every statement on
+// that connection, also outside handlers (documented on
+// Config.LockTimeout). An error is the connection's (nothing is open).
+func (st *connClaim) sessionLock(ctx context.Context, pc *pgconn.PgConn, d time.Duration) (bool, error) {
+	ms := d.Milliseconds()
+	switch {
+	case st.shared:
+		return false, nil
+	case st.lockMs == ms:
+		return true, nil
+	}
+	// CASE evaluates its THEN only when the PIDs match: no setting is
+	// changed on a session that is not this connection's own.
+	q := "SELECT CASE WHEN pg_backend_pid() = " + strconv.FormatUint(uint64(pc.PID()), 10) +
+		" THEN set_config('lock_timeout', '" + strconv.FormatInt(ms, 10) + "ms', false) END"
+	res, err := pc.Exec(ctx, q).ReadAll()
+	if err != nil {
+		return false, err
+	}
+	if len(res) != 1 || len(res[0].Rows) != 1 || len(res[0].Rows[0]) != 1 {
+		return false, errors.New("middleware: session lock timeout: unexpected result")
+	}
+	if res[0].Rows[0][0] == nil {
+		st.shared = true
+		return false, nil
+	}
+	st.lockMs = ms
+	return true, nil
+}
+
+// sessionChanged forgets the session's lock timeout when sql may change
+// session settings (it names lock_timeout, or RESET): a handler's SET
+// SESSION lock_timeout or RESET ALL, committed, would otherwise stay the
+// bound of that connection's later claims. Statements hidden in a
+// function the handler calls are not seen (Config.LockTimeout says so).
+func (st *connClaim) sessionChanged(sql string) {
+	if st.lockMs != 0 && (containsFold(sql, "lock_timeout") || containsFold(sql, "reset")) {
+		st.lockMs = 0
+	}
+}
+
+// containsFold reports whether s contains sub, ASCII letters compared
+// without case (sub is lower case), without allocating.
+func containsFold(s, sub string) bool {
+	for i := 0; i+len(sub) <= len(s); i++ {
+		j := 0
+		for ; j < len(sub); j++ {
+			c := s[i+j]
+			if 'A' <= c && c <= 'Z' {
+				c += 'a' - 'A'
+			}
+			if c != sub[j] {
+				break
+			}
+		}
+		if j == len(sub) {
+			return true
+		}
+	}
+	return false
+}
 
 // forgetStmt drops sql's statement alone.
 func (st *connClaim) forgetStmt(sql string) {
@@ -237,13 +316,15 @@ func sqlState(err error) string {
 func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *claimRequest, p *processedstore.ClaimParams) (bool, error) {
 	pc := conn.PgConn()
 	st := connClaimOf(pc)
-	// The lock timeout is a statement of its own before the claim (the
-	// dialect's SET LOCAL, prepared too), never only a set_config inside
-	// the claim: the executor takes the claim's lock on the claim table
+	// The lock timeout is set before the claim, never only by a set_config
+	// inside it: the executor takes the claim's lock on the claim table
 	// before it evaluates any expression of the statement, so a setting in
 	// the claim's WHERE would leave that wait unbounded (a LOCK TABLE, an
 	// ALTER, a partition DROP holding the table;
-	// TestLockTimeoutBoundsTheClaimTableLock).
+	// TestLockTimeoutBoundsTheClaimTableLock). On a connection whose
+	// session is its own (connClaim.sessionLock) it is the session's
+	// setting, set once; otherwise the dialect's SET LOCAL, prepared too,
+	// in the claim's batch.
 	lockSQL := ""
 	if c.lockTimeout != nil {
 		if len(c.lockTimeout.args) != 0 {
@@ -259,10 +340,20 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *clai
 		return b.claimUnnamed(ctx, conn, lockSQL, p)
 	}
 	for try := 0; ; try++ {
+		batchLock := lockSQL
+		if lockSQL != "" {
+			set, err := st.sessionLock(ctx, pc, c.lockTimeout.d)
+			if err != nil {
+				return false, err
+			}
+			if set {
+				batchLock = ""
+			}
+		}
 		begin, err := st.stmt(ctx, pc, "begin", nil)
 		var lock preparedStmt
-		if err == nil && lockSQL != "" {
-			lock, err = st.stmt(ctx, pc, lockSQL, nil)
+		if err == nil && batchLock != "" {
+			lock, err = st.stmt(ctx, pc, batchLock, nil)
 		}
 		var claim preparedStmt
 		if err == nil {
@@ -276,17 +367,17 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *clai
 		if err != nil {
 			return false, err
 		}
-		if !begin.ok || (lockSQL != "" && !lock.ok) || !claim.ok {
+		if !begin.ok || (batchLock != "" && !lock.ok) || !claim.ok {
 			return false, errFallback
 		}
 		vals := st.encode(p)
 		var batch pgconn.Batch
 		batch.ExecPrepared(begin.name, nil, nil, nil)
-		if lockSQL != "" {
+		if batchLock != "" {
 			batch.ExecPrepared(lock.name, nil, nil, nil)
 		}
 		batch.ExecPrepared(claim.name, vals, st.formats[:len(vals)], nil)
-		claimed, err := b.execClaimBatch(ctx, conn, &batch, lockSQL, p.SQL)
+		claimed, err := b.execClaimBatch(ctx, conn, &batch, batchLock, p.SQL)
 		if err == nil || !statementLost(err) || pc.IsClosed() {
 			return claimed, err
 		}

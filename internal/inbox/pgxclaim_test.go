@@ -83,8 +83,8 @@ FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%'`).Scan(&stmts, &cla
 }
 
 // On a pool in QueryExecModeCacheStatement the claim is sent as the
-// beginner's own prepared statements (BEGIN, SET LOCAL lock_timeout, the
-// claim: three per connection, prepared once) and each new message
+// beginner's own prepared statements (BEGIN and the claim, prepared once
+// per connection; the lock timeout is the session's, set once) and each new message
 // executes the prepared claim once (issue 17). In the other modes no such
 // statement exists: the pgx.Batch path.
 func TestPreparedClaimIsTaken(t *testing.T) {
@@ -103,7 +103,7 @@ func TestPreparedClaimIsTaken(t *testing.T) {
 				require.NoError(t, err)
 			}
 			if mode == pgx.QueryExecModeCacheStatement {
-				require.Equal(t, []int{5, 5, 5}, stmts, "begin, SET LOCAL lock_timeout, the claim, the commit guard and COMMIT: prepared once on the one connection")
+				require.Equal(t, []int{4, 4, 4}, stmts, "begin, the claim, the commit guard and COMMIT: prepared once on the one connection")
 				require.Equal(t, []int{1, 2, 3}, claims, "one execution of the prepared claim per message")
 				return
 			}
@@ -186,7 +186,10 @@ func TestPreparedClaimRecoversLostStatements(t *testing.T) {
 	require.Equal(t, byte('I'), c.Conn().PgConn().TxStatus())
 	var stmts int
 	require.NoError(t, c.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%'`).Scan(&stmts))
-	require.Equal(t, 5, stmts, "prepared again after each loss: begin, the lock timeout, the claim, the duplicate's read and rollback")
+	require.Equal(t, 4, stmts, "prepared again after each loss: begin, the claim, the duplicate's read and rollback")
+	var lock string
+	require.NoError(t, c.QueryRow(ctx, "SHOW lock_timeout").Scan(&lock))
+	require.Equal(t, "15s", lock, "the session's lock timeout, set again after DISCARD ALL reset it")
 }
 
 // The prepared claim's own parameter encoding stores what pgx's encoding
@@ -249,10 +252,11 @@ func TestPreparedClaimStoresTheSameRow(t *testing.T) {
 }
 
 // Config.LockTimeout holds for the whole attempt's transaction in every
-// exec mode (the prepared claim sets it inside the claim statement, the
-// pgx.Batch path with SET LOCAL): the handler sees it, and the session's
-// own setting is back once the attempt ended. A handler statement that
-// waits on a lock longer than it fails with 55P03.
+// exec mode: the handler sees it, and a handler statement that waits on a
+// lock longer than it fails with 55P03. The prepared path makes it the
+// session's setting, which the connection keeps after the attempt; the
+// pgx.Batch path sets it with SET LOCAL, so the session's own setting is
+// back once the attempt ended.
 func TestLockTimeoutHoldsForTheHandler(t *testing.T) {
 	t.Parallel()
 	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeSimpleProtocol} {
@@ -261,10 +265,12 @@ func TestLockTimeoutHoldsForTheHandler(t *testing.T) {
 			ctx := context.Background()
 			var seen string
 			var waitErr error
+			var pid uint32
 			pool, h := preparedClaimSetupLock(t, mode, 2, 250*time.Millisecond, func(ctx context.Context, tx pgx.Tx) error {
 				if err := tx.QueryRow(ctx, "SHOW lock_timeout").Scan(&seen); err != nil {
 					return err
 				}
+				pid = tx.Conn().PgConn().PID()
 				_, waitErr = tx.Exec(ctx, "LOCK TABLE effect IN EXCLUSIVE MODE")
 				return nil
 			})
@@ -286,12 +292,19 @@ func TestLockTimeoutHoldsForTheHandler(t *testing.T) {
 			require.NoError(t, otx.Rollback(ctx))
 			other.Release()
 
-			c, err := pool.Acquire(ctx)
-			require.NoError(t, err)
-			defer c.Release()
-			var after string
-			require.NoError(t, c.QueryRow(ctx, "SHOW lock_timeout").Scan(&after))
-			require.Equal(t, "0", after)
+			after := map[uint32]string{}
+			for _, c := range pool.AcquireAllIdle(ctx) {
+				var s string
+				require.NoError(t, c.QueryRow(ctx, "SHOW lock_timeout").Scan(&s))
+				after[c.Conn().PgConn().PID()] = s
+				c.Release()
+			}
+			want := "0"
+			if mode == pgx.QueryExecModeCacheStatement {
+				want = "250ms"
+			}
+			require.Contains(t, after, pid)
+			require.Equal(t, want, after[pid], "the handler's connection after the attempt")
 		})
 	}
 }

@@ -71,6 +71,10 @@ type pgxTx struct {
 	// marked: the claim marked its transaction (processedstore.ClaimParams.Marked):
 	// the guard's statement is sent only when the marker is gone.
 	marked bool
+	// session is the connection's prepared-claim state (nil: not the
+	// prepared path): a handler statement that may change the session's
+	// lock_timeout makes the next claim set it again (sessionChanged).
+	session *connClaim
 }
 
 var _ pgx.Tx = (*pgxTx)(nil)
@@ -308,7 +312,20 @@ func (tx *pgxTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	if tx.closed {
 		return &closedBatchResults{}
 	}
+	if tx.session != nil {
+		for _, q := range b.QueuedQueries {
+			tx.sessionSQL(q.SQL)
+		}
+	}
 	return tx.pc.SendBatch(ctx, b)
+}
+
+// sessionSQL tells the connection's claim state about a handler
+// statement (connClaim.sessionChanged).
+func (tx *pgxTx) sessionSQL(sql string) {
+	if tx.session != nil {
+		tx.session.sessionChanged(sql)
+	}
 }
 
 // LargeObjects: see the type's documentation.
@@ -324,6 +341,7 @@ func (tx *pgxTx) Prepare(ctx context.Context, name, sql string) (*pgconn.Stateme
 	if tx.closed {
 		return nil, pgx.ErrTxClosed
 	}
+	tx.sessionSQL(sql)
 	return tx.pc.Prepare(ctx, name, sql)
 }
 
@@ -331,6 +349,7 @@ func (tx *pgxTx) Exec(ctx context.Context, sql string, arguments ...any) (pgconn
 	if tx.closed {
 		return pgconn.CommandTag{}, pgx.ErrTxClosed
 	}
+	tx.sessionSQL(sql)
 	return tx.pc.Exec(ctx, sql, arguments...)
 }
 
@@ -338,6 +357,7 @@ func (tx *pgxTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 	if tx.closed {
 		return nil, pgx.ErrTxClosed
 	}
+	tx.sessionSQL(sql)
 	return tx.pc.Query(ctx, sql, args...)
 }
 
@@ -345,6 +365,7 @@ func (tx *pgxTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row 
 	if tx.closed {
 		return errRow{err: pgx.ErrTxClosed}
 	}
+	tx.sessionSQL(sql)
 	return tx.pc.QueryRow(ctx, sql, args...)
 }
 

@@ -436,3 +436,77 @@ func TestCommitGuardBehindPoolers(t *testing.T) {
 		})
 	}
 }
+
+// Behind a pooler the lock timeout stays in the attempt's transaction (SET
+// LOCAL in the claim's batch): the claim's wait is still bounded, and no
+// server session the pooler shares keeps the consumer's lock_timeout
+// after an attempt. Direct connections make it the session's setting
+// (TestLockTimeoutHoldsForTheHandler); a pooler gives its clients a
+// process ID of its own, which is how the claim tells them apart.
+func TestLockTimeoutBehindPoolersStaysInTheTransaction(t *testing.T) {
+	t.Parallel()
+	poolers := []struct {
+		name  string
+		start func(t *testing.T) *testenv.PgBouncer
+	}{
+		{"1.18-transaction", func(t *testing.T) *testenv.PgBouncer {
+			return testenv.StartPgBouncer(t, "transaction", "default_pool_size = 1")
+		}},
+		{"1.24-transaction-prepared", func(t *testing.T) *testenv.PgBouncer {
+			return testenv.StartNewerPgBouncer(t, "transaction", "default_pool_size = 1", "max_prepared_statements = 200")
+		}},
+		{"1.24-session", func(t *testing.T) *testenv.PgBouncer { return testenv.StartNewerPgBouncer(t, "session") }},
+	}
+	for _, p := range poolers {
+		t.Run(p.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			admin, schema := testenv.Pool(t)
+			bouncer := p.start(t)
+			pool := bouncer.PoolBehind(t, pgx.QueryExecModeCacheStatement, 1)
+			table := pgx.Identifier{schema, "processed_event"}.Sanitize()
+			store, err := processedstore.NewStore(processedstore.Config{Table: schema + ".processed_event", Horizon: time.Hour})
+			require.NoError(t, err)
+			require.NoError(t, store.Migrate(ctx, sqldb.Pgx(admin)))
+			b, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
+			require.NoError(t, err)
+			idem, err := inbox.NewIdempotent(inbox.Config{Beginner: b, Store: store, Consumer: "stock", LockTimeout: 60 * time.Millisecond}, watermill.NopLogger{})
+			require.NoError(t, err)
+			var seen string
+			h := idem.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+				tx, _ := inbox.PgxTxFromContext(msg.Context())
+				return nil, tx.QueryRow(msg.Context(), "SHOW lock_timeout").Scan(&seen)
+			})
+			_, err = h(preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":1}`))
+			require.NoError(t, err)
+			require.Equal(t, "60ms", seen, "the handler runs under the lock timeout")
+
+			// What the pooler's server session keeps after the attempt, as
+			// the pool's own connection sees it (in transaction pooling
+			// with one server connection, also any other client's).
+			c, err := pool.Acquire(ctx)
+			require.NoError(t, err)
+			var after string
+			require.NoError(t, c.QueryRow(ctx, "SHOW lock_timeout").Scan(&after))
+			c.Release()
+			require.Equal(t, "0", after, "no session setting left behind a pooler")
+
+			// The claim's wait is bounded: the claim table is held by
+			// another session.
+			holder, err := pgx.Connect(ctx, testenv.PostgresURL())
+			require.NoError(t, err)
+			defer holder.Close(ctx)
+			htx, err := holder.Begin(ctx)
+			require.NoError(t, err)
+			defer func() { _ = htx.Rollback(ctx) }()
+			_, err = htx.Exec(ctx, "LOCK TABLE "+table+" IN ACCESS EXCLUSIVE MODE")
+			require.NoError(t, err)
+			msg := preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":2}`)
+			mctx, cancel := context.WithTimeout(ctx, hrevFailsafe)
+			defer cancel()
+			msg.SetContext(mctx)
+			_, err = h(msg)
+			require.ErrorIs(t, err, inbox.ErrInFlight)
+		})
+	}
+}

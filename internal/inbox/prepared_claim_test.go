@@ -334,13 +334,12 @@ func TestTwoMiddlewaresOnOneConnectionKeepTheirOwnStores(t *testing.T) {
 }
 
 // Session commands a handler may run inside the attempt's transaction on
-// the prepared path: RESET ALL (drops the transaction's lock timeout for
-// the rest of that transaction only), SET SESSION lock_timeout (the
-// handler's own session change, kept after commit as PostgreSQL does) and
-// nothing at all (committed attempt): the next attempt on the same
-// connection still runs its claim and handler under Config.LockTimeout, and
-// after a committed attempt without session changes the session's own
-// lock_timeout is back.
+// the prepared path, where Config.LockTimeout is the session's lock_timeout
+// set once per connection: RESET ALL and SET SESSION lock_timeout (both
+// kept after commit, as PostgreSQL does) make the next claim on that
+// connection set it again, so the next attempt still runs its claim and
+// handler under Config.LockTimeout; between attempts the session keeps it
+// (documented on Config.LockTimeout).
 func TestLockTimeoutSurvivesHandlerSessionCommands(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -359,6 +358,11 @@ func TestLockTimeoutSurvivesHandlerSessionCommands(t *testing.T) {
 		case 2:
 			_, err := tx.Exec(ctx, "SET SESSION lock_timeout = '7s'")
 			return err
+		case 3:
+			b := &pgx.Batch{}
+			b.Queue("select 1")
+			b.Queue("Reset Lock_Timeout")
+			return tx.SendBatch(ctx, b).Close()
 		}
 		return nil
 	})
@@ -370,18 +374,14 @@ func TestLockTimeoutSurvivesHandlerSessionCommands(t *testing.T) {
 		require.NoError(t, c.QueryRow(ctx, "SHOW lock_timeout").Scan(&s))
 		return s
 	}
-	for i := int32(0); i < 4; i++ {
+	want := []string{"40ms", "0", "7s", "0", "40ms"}
+	for i := int32(0); i < 5; i++ {
 		step.Store(i)
 		_, err := h(preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":1}`))
 		require.NoError(t, err)
-		switch i {
-		case 0, 1:
-			require.Equal(t, "0", show(), "after a committed attempt (step %d)", i)
-		case 2:
-			require.Equal(t, "7s", show(), "the handler's own session setting")
-		}
+		require.Equal(t, want[i], show(), "the session's lock_timeout after attempt %d", i)
 	}
-	require.Equal(t, []string{"40ms", "40ms", "40ms", "40ms"}, seen)
+	require.Equal(t, []string{"40ms", "40ms", "40ms", "40ms", "40ms"}, seen)
 }
 
 // A row claimed with payload verification off (no event_name, NULL
@@ -480,15 +480,15 @@ ALTER TABLE processed_event ALTER COLUMN consumer TYPE consumer_name, ALTER COLU
 	}
 }
 
-// The lock-timeout statement of the prepared batch lost alone (a handler
-// DEALLOCATEs it by name; BEGIN and the claim still exist): the next
-// attempt's batch fails at it (26000, the claim not executed), is rolled
-// back, prepared again and resent once: the message is claimed and applied
-// once, under the lock timeout, and the one after that too.
-func TestPreparedLockStatementLostAloneIsPreparedAgain(t *testing.T) {
+// DISCARD ALL on a connection between attempts (as a pooler's reset or a
+// user's code on the pool does) drops the claim's statements and resets
+// the session's lock_timeout: the next attempt's batch fails (26000,
+// nothing claimed), is rolled back, the statements are prepared and the
+// session's lock timeout set again, and the batch is resent once; every
+// message is applied once, under the lock timeout.
+func TestDiscardAllBetweenAttemptsSetsTheLockTimeoutAgain(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	var step atomic.Int32
 	var seen []string
 	pool, h := preparedClaimSetupLock(t, pgx.QueryExecModeCacheStatement, 1, 30*time.Millisecond, func(ctx context.Context, tx pgx.Tx) error {
 		var s string
@@ -496,22 +496,22 @@ func TestPreparedLockStatementLostAloneIsPreparedAgain(t *testing.T) {
 			return err
 		}
 		seen = append(seen, s)
-		if step.Load() == 0 {
-			var name string
-			if err := tx.QueryRow(ctx, `SELECT name FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%' AND statement LIKE 'SET LOCAL%'`).Scan(&name); err != nil {
-				return err
-			}
-			_, err := tx.Exec(ctx, "DEALLOCATE "+pgx.Identifier{name}.Sanitize())
-			return err
-		}
 		return nil
 	})
 	var ids []uuid.UUID
-	for i := int32(0); i < 3; i++ {
-		step.Store(i)
+	for i := 0; i < 3; i++ {
+		c, err := pool.Acquire(ctx)
+		require.NoError(t, err)
+		_, err = c.Exec(ctx, "DISCARD ALL")
+		require.NoError(t, err)
+		require.NoError(t, c.Conn().DeallocateAll(ctx)) // pgx's own cache is not the subject
+		var s string
+		require.NoError(t, c.QueryRow(ctx, "SHOW lock_timeout").Scan(&s))
+		require.Equal(t, "0", s)
+		c.Release()
 		id := uuid.Must(uuid.NewV7())
 		ids = append(ids, id)
-		_, err := h(preparedClaimMsg(t, id, `{"n":1}`))
+		_, err = h(preparedClaimMsg(t, id, `{"n":1}`))
 		require.NoError(t, err, "message %d", i)
 	}
 	require.Equal(t, []string{"30ms", "30ms", "30ms"}, seen)
@@ -521,11 +521,4 @@ func TestPreparedLockStatementLostAloneIsPreparedAgain(t *testing.T) {
 		require.Equal(t, 1, effects)
 		require.Equal(t, 1, claims)
 	}
-	c, err := pool.Acquire(ctx)
-	require.NoError(t, err)
-	defer c.Release()
-	require.Equal(t, byte('I'), c.Conn().PgConn().TxStatus())
-	var lockStmts int
-	require.NoError(t, c.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%' AND statement LIKE 'SET LOCAL%'`).Scan(&lockStmts))
-	require.Equal(t, 1, lockStmts, "prepared again once")
 }
