@@ -129,6 +129,7 @@ func NewPgxBeginner(pool *pgxpool.Pool, cfg PgxBeginnerConfig) (TxBeginner, erro
 	cc := pool.Config().ConnConfig
 	b.prepared = b.pipeline && cc.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
 	b.tracer, _ = cc.Tracer.(pgx.BatchTracer)
+	b.traced = cc.Tracer != nil
 	return b, nil
 }
 
@@ -142,6 +143,8 @@ type pgxBeginner struct {
 	// tracer is the pool's pgx.BatchTracer, if any: the prepared claim's
 	// batch is traced as a pgx.Batch would be.
 	tracer pgx.BatchTracer
+	// traced: the pool has a pgx tracer of any kind.
+	traced bool
 	// pooled: a server session was seen shared with other clients (a
 	// transaction pooler, pgxclaim.go): statements are sent unnamed from
 	// then on.
@@ -169,7 +172,7 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 				tx, claimed, err := b.claimed(ctx, conn, &c, claimed, err)
 				if ptx, ok := tx.(*pgxTx); ok {
 					ptx.prepared, ptx.tracer, ptx.pooled, ptx.marked = true, b.tracer, &b.pooled, claimed && p.Marked
-					ptx.session = connClaimOf(ptx.pc.PgConn())
+					ptx.session, ptx.traced = connClaimOf(ptx.pc.PgConn()), b.traced
 					if claimed && ptx.guard.sql != "" {
 						if err := b.prepareGuard(ctx, ptx.pc, ptx.guard.sql); err != nil {
 							_ = ptx.rollback(ctx)

@@ -234,30 +234,47 @@ func (st *connClaim) sessionLock(ctx context.Context, pc *pgconn.PgConn, d time.
 // bound of that connection's later claims. Statements hidden in a
 // function the handler calls are not seen (Config.LockTimeout says so).
 func (st *connClaim) sessionChanged(sql string) {
-	if st.lockMs != 0 && (containsFold(sql, "lock_timeout") || containsFold(sql, "reset")) {
+	if st.lockMs != 0 && mentionsSessionSetting(sql) {
 		st.lockMs = 0
 	}
 }
 
-// containsFold reports whether s contains sub, ASCII letters compared
-// without case (sub is lower case), without allocating.
-func containsFold(s, sub string) bool {
-	for i := 0; i+len(sub) <= len(s); i++ {
-		j := 0
-		for ; j < len(sub); j++ {
-			c := s[i+j]
-			if 'A' <= c && c <= 'Z' {
-				c += 'a' - 'A'
+// mentionsSessionSetting reports whether sql contains "lock_timeout" or
+// "reset", ASCII letters compared without case: one pass over sql that
+// compares further only where an l or an r starts (about 5 instructions a
+// byte, no allocation).
+func mentionsSessionSetting(sql string) bool {
+	for i := 0; i < len(sql); i++ {
+		switch sql[i] | 0x20 {
+		case 'l':
+			if hasFoldAt(sql, i, "lock_timeout") {
+				return true
 			}
-			if c != sub[j] {
-				break
+		case 'r':
+			if hasFoldAt(sql, i, "reset") {
+				return true
 			}
-		}
-		if j == len(sub) {
-			return true
 		}
 	}
 	return false
+}
+
+// hasFoldAt reports whether s[i:] starts with word (lower case), ASCII
+// letters compared without case.
+func hasFoldAt(s string, i int, word string) bool {
+	if len(s)-i < len(word) {
+		return false
+	}
+	for j := 1; j < len(word); j++ {
+		c := s[i+j]
+		if 'A' <= c && c <= 'Z' {
+			c += 'a' - 'A'
+		}
+		if c != word[j] {
+			return false
+		}
+	}
+	return true
 }
 
 // forgetStmt drops sql's statement alone.

@@ -75,6 +75,9 @@ type pgxTx struct {
 	// prepared path): a handler statement that may change the session's
 	// lock_timeout makes the next claim set it again (sessionChanged).
 	session *connClaim
+	// traced: the pool has a pgx tracer, which sees only what goes
+	// through pgx.Conn (commitDirect then uses Commit).
+	traced bool
 }
 
 var _ pgx.Tx = (*pgxTx)(nil)
@@ -109,7 +112,7 @@ func (tx *pgxTx) commit(ctx context.Context) error {
 	if !tx.claimOpen() {
 		return tx.commitGuarded(ctx)
 	}
-	if err := tx.Commit(ctx); err != nil {
+	if err := tx.commitDirect(ctx); err != nil {
 		return err
 	}
 	pc := tx.pc.PgConn()
@@ -127,6 +130,37 @@ func (tx *pgxTx) commit(ctx context.Context) error {
 	}
 	if !found {
 		return errHandlerEndedBySQL
+	}
+	return nil
+}
+
+// commitDirect is Commit for the claim's own transaction: COMMIT sent
+// through pgconn (simple protocol, as pgx sends it), which skips pgx's
+// statement-cache upkeep on the connection (a map allocated per Exec). Not
+// a prepared COMMIT: a handler may drop every prepared statement of the
+// connection (pgx's DeallocateAll), and a COMMIT that then answers 26000
+// would abort what the handler wrote. With a tracer on the pool, which sees
+// only what goes through pgx.Conn, it is Commit.
+func (tx *pgxTx) commitDirect(ctx context.Context) error {
+	if tx.traced {
+		return tx.Commit(ctx)
+	}
+	tx.closed = true
+	pc := tx.pc.PgConn()
+	mrr := pc.Exec(ctx, "commit")
+	var tag pgconn.CommandTag
+	for mrr.NextResult() {
+		tag, _ = mrr.ResultReader().Close()
+	}
+	if err := mrr.Close(); err != nil {
+		if pc.TxStatus() != 'I' {
+			// Unknown state: never reuse the connection.
+			_ = tx.pc.Close(context.WithoutCancel(ctx))
+		}
+		return err
+	}
+	if tag.String() == "ROLLBACK" {
+		return pgx.ErrTxCommitRollback
 	}
 	return nil
 }

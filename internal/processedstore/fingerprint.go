@@ -343,7 +343,7 @@ func (s *Store) ClaimParamsAt(consumer string, eventID uuid.UUID, at time.Time, 
 		// names the schema the table resolved to first) catches that
 		// claim's move, a mark would not. NewConsumer qualifies the
 		// table it finds.
-		p.SQL, p.Marked = s.lean[v7][withID], strings.Contains(s.table.String(), ".")
+		p.SQL, p.Marked = s.lean[v7][withID], s.table.Qualified()
 	case id != nil && routed:
 		p.SQL = s.identity.claimOther
 	case id != nil:

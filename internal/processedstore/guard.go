@@ -51,7 +51,7 @@ const GuardFailed = "22012"
 // schema-per-tenant pattern) before it runs. ok is false for a qualified
 // table and on the other dialects: ClaimGuardQuery then needs no schema.
 func (s *Store) ClaimGuardSchemaQuery() (query string, ok bool) {
-	if s.guard.main == "" || strings.Contains(s.table.String(), ".") {
+	if s.guard.main == "" || s.table.Qualified() {
 		return "", false
 	}
 	return `SELECT n.nspname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass('` + s.table.Quoted('"') + `')`, true
@@ -72,7 +72,7 @@ func (s *Store) ClaimGuardQuery(eventID uuid.UUID, schema string) (query string,
 		return "", false
 	}
 	g := s.guard
-	if schema != "" && !strings.Contains(s.table.String(), ".") {
+	if schema != "" && !s.table.Qualified() {
 		if v, ok := s.guard.schemas.Load(schema); ok {
 			g = v.(guardStatements)
 		} else {

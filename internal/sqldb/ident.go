@@ -47,6 +47,9 @@ func (i Ident) Name() string {
 // String is the unquoted dotted form, as given.
 func (i Ident) String() string { return strings.Join(i.parts, ".") }
 
+// Qualified reports whether the identifier names its schema.
+func (i Ident) Qualified() bool { return len(i.parts) > 1 }
+
 // Quoted returns the identifier quoted with the given quote character
 // ('"' for PostgreSQL and SQLite, '`' for MySQL). Validation already excluded
 // quote characters, so no escaping is needed.
