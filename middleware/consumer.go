@@ -143,7 +143,8 @@ type ConsumerConfig struct {
 	// whole attempt, so a handler statement that waits longer on a lock
 	// also fails, transiently (SQLSTATE 55P03). With idempotency.Pgx over a
 	// direct connection it is the session's lock_timeout, set once per
-	// connection, which the pool's connections keep for other code too;
+	// connection (and by the claim for its own transaction), which the
+	// pool's connections keep for other code too;
 	// behind a pooler (PgBouncer) and with SQL it is SET LOCAL, sent in the
 	// claim's round trip (docs/databases.md). Whole milliseconds, at least
 	// 1 ms. Defaults to DefaultLockTimeout (15 s); negative leaves the

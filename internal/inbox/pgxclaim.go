@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -87,13 +88,18 @@ type connClaim struct {
 	// lockMs is the lock_timeout, in milliseconds, this connection's
 	// session was set to by sessionLock (0: not set); shared: its server
 	// session is not its own (a pooler), so the lock timeout is SET LOCAL.
-	lockMs  int64
-	shared  bool
-	vals    [5][]byte
-	formats [5]int16
-	text    [2][]byte // consumer, event name
-	uuid    [16]byte
-	ts      [8]byte
+	lockMs int64
+	shared bool
+	// sessionOwn is the session's lock_timeout before sessionLock first
+	// set it; backstops the claim statements with the lock timeout in
+	// their WHERE (withLockBackstop).
+	sessionOwn string
+	backstops  []backstop
+	vals       [5][]byte
+	formats    [5]int16
+	text       [2][]byte // consumer, event name
+	uuid       [16]byte
+	ts         [8]byte
 }
 
 func connClaimOf(pc *pgconn.PgConn) *connClaim {
@@ -192,16 +198,17 @@ func (st *connClaim) forget() { st.stmts, st.lockMs = st.stmts[:0], 0 }
 // sessionLock makes d the lock_timeout of pc's session, once per
 // connection (and again after forget or sessionChanged), and reports
 // whether it is: then the claim's batch carries no SET LOCAL (issue 25:
-// 12k server instructions an attempt). It is not when pc's server session
-// may be another client's (a pooler: PgBouncer, in any pool mode, gives
-// its clients a BackendKeyData of its own, so the process ID the
-// connection was given at startup is not pg_backend_pid()): there a
-// session setting would stay on a server connection other clients use and
-// be missing from the one the next claim gets, so the SET LOCAL stays.
-// The setting outlives the attempt: it is the bound of every statement on
-// that connection, also outside handlers (documented on
-// Config.LockTimeout). An error is the connection's (nothing is open).
-func (st *connClaim) sessionLock(ctx context.Context, pc *pgconn.PgConn, d time.Duration) (bool, error) {
+// 12k server instructions an attempt) and the claim sets the same value
+// for its own transaction in its WHERE (withLockBackstop). It is not when
+// the connection's server session may be another client's (a pooler:
+// PgBouncer, in any pool mode, gives its clients a BackendKeyData of its
+// own, so the process ID the connection was given at startup is not
+// pg_backend_pid()): there a session setting would stay on a server
+// connection other clients use and be missing from the one the next claim
+// gets, so the SET LOCAL stays. The session's value before the first
+// setting is kept for a consumer with no lock timeout
+// (restoreSessionLock). An error is the connection's (nothing is open).
+func (st *connClaim) sessionLock(ctx context.Context, exec sessionExecFunc, d time.Duration) (bool, error) {
 	ms := d.Milliseconds()
 	switch {
 	case st.shared:
@@ -211,25 +218,113 @@ func (st *connClaim) sessionLock(ctx context.Context, pc *pgconn.PgConn, d time.
 	}
 	// CASE evaluates its THEN only when the PIDs match: no setting is
 	// changed on a session that is not this connection's own.
-	q := "SELECT CASE WHEN pg_backend_pid() = " + strconv.FormatUint(uint64(pc.PID()), 10) +
+	q := "SELECT current_setting('lock_timeout'), CASE WHEN pg_backend_pid() = " + strconv.FormatUint(uint64(exec.pid), 10) +
 		" THEN set_config('lock_timeout', '" + strconv.FormatInt(ms, 10) + "ms', false) END"
-	res, err := pc.Exec(ctx, q).ReadAll()
+	row, err := exec.run(ctx, q)
 	if err != nil {
 		return false, err
 	}
-	if len(res) != 1 || len(res[0].Rows) != 1 || len(res[0].Rows[0]) != 1 {
+	if len(row) != 2 {
 		return false, errors.New("middleware: session lock timeout: unexpected result")
 	}
-	if res[0].Rows[0][0] == nil {
+	if row[1] == nil {
 		st.shared = true
 		return false, nil
+	}
+	if st.lockMs == 0 {
+		st.sessionOwn = string(row[0])
 	}
 	st.lockMs = ms
 	return true, nil
 }
 
+// restoreSessionLock gives the session back the lock_timeout it had
+// before sessionLock set it, for a consumer whose LockTimeout is negative
+// (it promises to leave the session's setting alone) on a pool another
+// consumer set it on.
+func (st *connClaim) restoreSessionLock(ctx context.Context, exec sessionExecFunc) error {
+	if _, err := exec.run(ctx, "SELECT set_config('lock_timeout', '"+strings.ReplaceAll(st.sessionOwn, "'", "''")+"', false)"); err != nil {
+		return err
+	}
+	st.lockMs = 0
+	return nil
+}
+
+// withLockBackstop is sql, the lean claim, with the lock timeout d also
+// set for its transaction in its WHERE (set_config, is_local), evaluated
+// before the row is inserted: whatever changed the session's setting
+// where the claim cannot see it (a function the handler called, other
+// code on the pool), the wait on another transaction's claim of the same
+// event and every handler statement stay bounded by d. Only the claim's
+// table lock, taken before any expression, depends on the session's
+// setting. The statement is built once per connection and timeout.
+func (st *connClaim) withLockBackstop(sql string, d time.Duration) string {
+	for _, b := range st.backstops {
+		if b.base == sql && b.d == d {
+			return b.sql
+		}
+	}
+	q := strings.Replace(sql, "\nWHERE ", "\nWHERE set_config('lock_timeout', '"+strconv.FormatInt(d.Milliseconds(), 10)+"ms', true) IS NOT NULL AND ", 1)
+	st.backstops = append(st.backstops, backstop{base: sql, d: d, sql: q})
+	return q
+}
+
+type backstop struct {
+	base, sql string
+	d         time.Duration
+}
+
+// sessionExecFunc runs a one-row statement of the session's lock timeout
+// on the claim's connection: through pgx.Conn when the pool has a tracer
+// (the tracer sees it), else through pgconn.
+type sessionExecFunc struct {
+	pid uint32
+	run func(ctx context.Context, sql string) ([][]byte, error)
+}
+
+func (b *pgxBeginner) sessionExec(conn *pgx.Conn) sessionExecFunc {
+	pc := conn.PgConn()
+	if b.traced {
+		return sessionExecFunc{pid: pc.PID(), run: func(ctx context.Context, sql string) ([][]byte, error) {
+			rows, err := conn.Query(ctx, sql, pgx.QueryExecModeSimpleProtocol)
+			if err != nil {
+				return nil, err
+			}
+			defer rows.Close()
+			var row [][]byte
+			n := 0
+			for rows.Next() {
+				n++
+				for _, v := range rows.RawValues() {
+					if v != nil {
+						v = append([]byte(nil), v...)
+					}
+					row = append(row, v)
+				}
+			}
+			if err := rows.Err(); err != nil {
+				return nil, err
+			}
+			if n != 1 {
+				return nil, errors.New("middleware: session lock timeout: unexpected result")
+			}
+			return row, nil
+		}}
+	}
+	return sessionExecFunc{pid: pc.PID(), run: func(ctx context.Context, sql string) ([][]byte, error) {
+		res, err := pc.Exec(ctx, sql).ReadAll()
+		if err != nil {
+			return nil, err
+		}
+		if len(res) != 1 || len(res[0].Rows) != 1 {
+			return nil, errors.New("middleware: session lock timeout: unexpected result")
+		}
+		return res[0].Rows[0], nil
+	}}
+}
+
 // sessionChanged forgets the session's lock timeout when sql may change
-// session settings (it names lock_timeout, or RESET): a handler's SET
+// session settings (it names lock_timeout, RESET or set_config): a handler's SET
 // SESSION lock_timeout or RESET ALL, committed, would otherwise stay the
 // bound of that connection's later claims. Statements hidden in a
 // function the handler calls are not seen (Config.LockTimeout says so).
@@ -239,10 +334,10 @@ func (st *connClaim) sessionChanged(sql string) {
 	}
 }
 
-// mentionsSessionSetting reports whether sql contains "lock_timeout" or
-// "reset", ASCII letters compared without case: one pass over sql that
-// compares further only where an l or an r starts (about 5 instructions a
-// byte, no allocation).
+// mentionsSessionSetting reports whether sql contains "lock_timeout",
+// "reset" or "set_config" (whose setting may be a parameter or an
+// expression), ASCII letters compared without case: one pass over sql
+// that compares further only where an l, r or s starts (no allocation).
 func mentionsSessionSetting(sql string) bool {
 	for i := 0; i < len(sql); i++ {
 		switch sql[i] | 0x20 {
@@ -252,6 +347,10 @@ func mentionsSessionSetting(sql string) bool {
 			}
 		case 'r':
 			if hasFoldAt(sql, i, "reset") {
+				return true
+			}
+		case 's':
+			if hasFoldAt(sql, i, "set_config") {
 				return true
 			}
 		}
@@ -357,14 +456,21 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *clai
 		return b.claimUnnamed(ctx, conn, lockSQL, p)
 	}
 	for try := 0; ; try++ {
-		batchLock := lockSQL
-		if lockSQL != "" {
-			set, err := st.sessionLock(ctx, pc, c.lockTimeout.d)
+		batchLock, claimSQL := lockSQL, p.SQL
+		switch {
+		case lockSQL != "" && p.Marked:
+			set, err := st.sessionLock(ctx, b.sessionExec(conn), c.lockTimeout.d)
 			if err != nil {
 				return false, err
 			}
 			if set {
-				batchLock = ""
+				batchLock, claimSQL = "", st.withLockBackstop(p.SQL, c.lockTimeout.d)
+			}
+		case c.lockTimeout == nil && st.lockMs != 0:
+			// LockTimeout < 0 leaves the session's lock_timeout as it
+			// was before another consumer on this pool set it.
+			if err := st.restoreSessionLock(ctx, b.sessionExec(conn)); err != nil {
+				return false, err
 			}
 		}
 		begin, err := st.stmt(ctx, pc, "begin", nil)
@@ -374,7 +480,7 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *clai
 		}
 		var claim preparedStmt
 		if err == nil {
-			claim, err = st.stmt(ctx, pc, p.SQL, types)
+			claim, err = st.stmt(ctx, pc, claimSQL, types)
 		}
 		if err == errPooled {
 			b.pooled.Store(true)
@@ -394,7 +500,7 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *clai
 			batch.ExecPrepared(lock.name, nil, nil, nil)
 		}
 		batch.ExecPrepared(claim.name, vals, st.formats[:len(vals)], nil)
-		claimed, err := b.execClaimBatch(ctx, conn, &batch, batchLock, p.SQL)
+		claimed, err := b.execClaimBatch(ctx, conn, &batch, batchLock, claimSQL)
 		if err == nil || !statementLost(err) || pc.IsClosed() {
 			return claimed, err
 		}

@@ -290,7 +290,7 @@ func (tx *pgxTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	if _, err := tx.pc.Exec(ctx, "savepoint "+name); err != nil {
 		return nil, err
 	}
-	return &pgxTx{pc: tx.pc, savepoint: name, savepoints: tx.savepoints}, nil
+	return &pgxTx{pc: tx.pc, savepoint: name, savepoints: tx.savepoints, session: tx.session}, nil
 }
 
 // Commit commits the transaction, or releases the savepoint.
