@@ -29,25 +29,37 @@ func preparedClaimSetup(t *testing.T, mode pgx.QueryExecMode, maxConns int32, in
 	return preparedClaimSetupLock(t, mode, maxConns, 0, inspect)
 }
 
-// preparedClaimSetupLock is preparedClaimSetup with Config.LockTimeout lock.
-func preparedClaimSetupLock(t *testing.T, mode pgx.QueryExecMode, maxConns int32, lock time.Duration, inspect func(ctx context.Context, tx pgx.Tx) error) (*pgxpool.Pool, message.HandlerFunc) {
+// preparedEnv is a pool of maxConns connections in mode (tweak, if set,
+// changes its config) on a fresh schema, a schema-qualified store (the
+// claim marks its transaction, as NewConsumer makes a table it finds
+// qualified), the effect table and the pgx beginner.
+func preparedEnv(t *testing.T, mode pgx.QueryExecMode, maxConns int32, tweak func(*pgxpool.Config)) lockEnv {
 	t.Helper()
 	ctx := context.Background()
 	_, schema := testenv.Pool(t)
 	cfg := testenv.PoolConfig(t, testenv.PostgresURL(), schema, maxConns)
 	cfg.ConnConfig.DefaultQueryExecMode = mode
+	if tweak != nil {
+		tweak(cfg)
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	// Schema-qualified, as NewConsumer makes a table it finds: the claim
-	// marks its transaction (processedstore.ClaimParams.Marked).
 	store, err := processedstore.NewStore(processedstore.Config{Table: schema + ".processed_event", Horizon: time.Hour})
 	require.NoError(t, err)
 	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
 	_, err = pool.Exec(ctx, `CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL, note text)`)
 	require.NoError(t, err)
-	beginner, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
+	b, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
 	require.NoError(t, err)
+	return lockEnv{pool: pool, schema: schema, store: store, b: b}
+}
+
+// preparedClaimSetupLock is preparedClaimSetup with Config.LockTimeout lock.
+func preparedClaimSetupLock(t *testing.T, mode pgx.QueryExecMode, maxConns int32, lock time.Duration, inspect func(ctx context.Context, tx pgx.Tx) error) (*pgxpool.Pool, message.HandlerFunc) {
+	t.Helper()
+	e := preparedEnv(t, mode, maxConns, nil)
+	pool, store, beginner := e.pool, e.store, e.b
 	m, err := inbox.NewIdempotent(inbox.Config{Beginner: beginner, Store: store, Consumer: "stock", LockTimeout: lock}, watermill.NopLogger{})
 	require.NoError(t, err)
 	return pool, m.Middleware(func(msg *message.Message) ([]*message.Message, error) {

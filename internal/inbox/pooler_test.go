@@ -345,23 +345,26 @@ SELECT event_id, count(*) AS n FROM %s.effect_%s GROUP BY event_id) e`, schema, 
 // default_transaction_read_only, reaches the client through the pooler), and a
 // redelivery applies its effect once. The poolers forward the
 // ParameterStatus messages that carry the marker and its undoing.
+// fourPoolers are the PgBouncer setups the claim is tested behind: Debian's
+// 1.18 and 1.24 (IDEMPOTENCY_PGBOUNCER_NEWER), each in transaction pooling
+// with one server connection and in session pooling.
+var fourPoolers = []struct {
+	name  string
+	start func(t *testing.T) *testenv.PgBouncer
+}{
+	{"1.18-transaction", func(t *testing.T) *testenv.PgBouncer {
+		return testenv.StartPgBouncer(t, "transaction", "default_pool_size = 1")
+	}},
+	{"1.18-session", func(t *testing.T) *testenv.PgBouncer { return testenv.StartPgBouncer(t, "session") }},
+	{"1.24-transaction-prepared", func(t *testing.T) *testenv.PgBouncer {
+		return testenv.StartNewerPgBouncer(t, "transaction", "default_pool_size = 1", "max_prepared_statements = 200")
+	}},
+	{"1.24-session", func(t *testing.T) *testenv.PgBouncer { return testenv.StartNewerPgBouncer(t, "session") }},
+}
+
 func TestCommitGuardBehindPoolers(t *testing.T) {
 	t.Parallel()
-	type pooler struct {
-		name  string
-		start func(t *testing.T) *testenv.PgBouncer
-	}
-	poolers := []pooler{
-		{"1.18-transaction", func(t *testing.T) *testenv.PgBouncer {
-			return testenv.StartPgBouncer(t, "transaction", "default_pool_size = 1")
-		}},
-		{"1.18-session", func(t *testing.T) *testenv.PgBouncer { return testenv.StartPgBouncer(t, "session") }},
-		{"1.24-transaction-prepared", func(t *testing.T) *testenv.PgBouncer {
-			return testenv.StartNewerPgBouncer(t, "transaction", "default_pool_size = 1", "max_prepared_statements = 200")
-		}},
-		{"1.24-session", func(t *testing.T) *testenv.PgBouncer { return testenv.StartNewerPgBouncer(t, "session") }},
-	}
-	for _, p := range poolers {
+	for _, p := range fourPoolers {
 		t.Run(p.name, func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
@@ -445,19 +448,7 @@ func TestCommitGuardBehindPoolers(t *testing.T) {
 // process ID of its own, which is how the claim tells them apart.
 func TestLockTimeoutBehindPoolersStaysInTheTransaction(t *testing.T) {
 	t.Parallel()
-	poolers := []struct {
-		name  string
-		start func(t *testing.T) *testenv.PgBouncer
-	}{
-		{"1.18-transaction", func(t *testing.T) *testenv.PgBouncer {
-			return testenv.StartPgBouncer(t, "transaction", "default_pool_size = 1")
-		}},
-		{"1.24-transaction-prepared", func(t *testing.T) *testenv.PgBouncer {
-			return testenv.StartNewerPgBouncer(t, "transaction", "default_pool_size = 1", "max_prepared_statements = 200")
-		}},
-		{"1.24-session", func(t *testing.T) *testenv.PgBouncer { return testenv.StartNewerPgBouncer(t, "session") }},
-	}
-	for _, p := range poolers {
+	for _, p := range fourPoolers {
 		t.Run(p.name, func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
@@ -493,20 +484,7 @@ func TestLockTimeoutBehindPoolersStaysInTheTransaction(t *testing.T) {
 
 			// The claim's wait is bounded: the claim table is held by
 			// another session.
-			holder, err := pgx.Connect(ctx, testenv.PostgresURL())
-			require.NoError(t, err)
-			defer holder.Close(ctx)
-			htx, err := holder.Begin(ctx)
-			require.NoError(t, err)
-			defer func() { _ = htx.Rollback(ctx) }()
-			_, err = htx.Exec(ctx, "LOCK TABLE "+table+" IN ACCESS EXCLUSIVE MODE")
-			require.NoError(t, err)
-			msg := preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":2}`)
-			mctx, cancel := context.WithTimeout(ctx, hrevFailsafe)
-			defer cancel()
-			msg.SetContext(mctx)
-			_, err = h(msg)
-			require.ErrorIs(t, err, inbox.ErrInFlight)
+			claimOnHeldTableIsInFlight(t, h, table, hrevFailsafe)
 		})
 	}
 }

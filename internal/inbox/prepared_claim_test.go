@@ -40,7 +40,6 @@ func TestLockTimeoutBoundsTheClaimTableLock(t *testing.T) {
 	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeSimpleProtocol} {
 		t.Run(mode.String(), func(t *testing.T) {
 			t.Parallel()
-			ctx := context.Background()
 			var schema string
 			_, h := preparedClaimSetupLock(t, mode, 1, 50*time.Millisecond, func(ctx context.Context, tx pgx.Tx) error {
 				return tx.QueryRow(ctx, "SELECT current_schema()").Scan(&schema)
@@ -48,25 +47,36 @@ func TestLockTimeoutBoundsTheClaimTableLock(t *testing.T) {
 			_, err := h(preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":1}`)) // prepares the claim
 			require.NoError(t, err)
 
-			holder, err := pgx.Connect(ctx, testenv.PostgresURL())
-			require.NoError(t, err)
-			defer holder.Close(ctx)
-			htx, err := holder.Begin(ctx)
-			require.NoError(t, err)
-			defer func() { _ = htx.Rollback(ctx) }()
-			_, err = htx.Exec(ctx, "LOCK TABLE "+pgx.Identifier{schema, "processed_event"}.Sanitize()+" IN ACCESS EXCLUSIVE MODE")
-			require.NoError(t, err)
-
-			msg := preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":2}`)
-			mctx, cancel := context.WithTimeout(ctx, hrevFailsafe)
-			defer cancel()
-			msg.SetContext(mctx)
-			_, err = h(msg)
-			require.Error(t, err)
-			require.False(t, errors.Is(err, context.DeadlineExceeded), "the claim waited on the table lock until the failsafe: %v", err)
-			require.ErrorIs(t, err, inbox.ErrInFlight)
+			claimOnHeldTableIsInFlight(t, h, pgx.Identifier{schema, "processed_event"}.Sanitize(), hrevFailsafe)
 		})
 	}
+}
+
+// claimOnHeldTableIsInFlight holds table (the claim table, quoted) in
+// ACCESS EXCLUSIVE mode from another session and runs one new message
+// through h: with the lock timeout in force the attempt fails with
+// ErrInFlight; an unbounded claim waits until failsafe ends it.
+func claimOnHeldTableIsInFlight(t *testing.T, h message.HandlerFunc, table string, failsafe time.Duration) {
+	t.Helper()
+	ctx := context.Background()
+	holder, err := pgx.Connect(ctx, testenv.PostgresURL())
+	require.NoError(t, err)
+	defer holder.Close(ctx)
+	htx, err := holder.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = htx.Rollback(ctx) }()
+	_, err = htx.Exec(ctx, "LOCK TABLE "+table+" IN ACCESS EXCLUSIVE MODE")
+	require.NoError(t, err)
+	msg := preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":9}`)
+	mctx, cancel := context.WithTimeout(ctx, failsafe)
+	defer cancel()
+	msg.SetContext(mctx)
+	start := time.Now()
+	_, err = h(msg)
+	require.Error(t, err)
+	require.False(t, errors.Is(err, context.DeadlineExceeded),
+		"the claim waited on the claim table's lock for %s (until the failsafe): lock_timeout not in force: %v", time.Since(start).Round(time.Millisecond), err)
+	require.ErrorIs(t, err, inbox.ErrInFlight)
 }
 
 // hrevTracer runs fault at a chosen point of the prepared claim's batch

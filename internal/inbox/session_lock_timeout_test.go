@@ -26,7 +26,6 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
-	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 )
 
@@ -44,24 +43,7 @@ type lockEnv struct {
 // lockSetup: a pool in pgx's default mode (the prepared claim) on a
 // fresh schema, a schema-qualified store, the effect table.
 func lockSetup(t *testing.T, maxConns int32, tweak func(*pgxpool.Config)) lockEnv {
-	t.Helper()
-	ctx := context.Background()
-	_, schema := testenv.Pool(t)
-	cfg := testenv.PoolConfig(t, testenv.PostgresURL(), schema, maxConns)
-	if tweak != nil {
-		tweak(cfg)
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	store, err := processedstore.NewStore(processedstore.Config{Table: schema + ".processed_event", Horizon: time.Hour})
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(pool)))
-	_, err = pool.Exec(ctx, `CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL, note text)`)
-	require.NoError(t, err)
-	b, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
-	require.NoError(t, err)
-	return lockEnv{pool: pool, schema: schema, store: store, b: b}
+	return preparedEnv(t, pgx.QueryExecModeCacheStatement, maxConns, tweak)
 }
 
 // consumer returns the middleware-wrapped handler of consumer name with
@@ -89,25 +71,7 @@ func (e lockEnv) consumer(t *testing.T, name string, lock time.Duration, fn func
 // until the failsafe.
 func (e lockEnv) claimWaitIsBounded(t *testing.T, h message.HandlerFunc) {
 	t.Helper()
-	ctx := context.Background()
-	holder, err := pgx.Connect(ctx, testenv.PostgresURL())
-	require.NoError(t, err)
-	defer holder.Close(ctx)
-	htx, err := holder.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = htx.Rollback(ctx) }()
-	_, err = htx.Exec(ctx, "LOCK TABLE "+pgx.Identifier{e.schema, "processed_event"}.Sanitize()+" IN ACCESS EXCLUSIVE MODE")
-	require.NoError(t, err)
-	msg := preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":9}`)
-	mctx, cancel := context.WithTimeout(ctx, lockFailsafe)
-	defer cancel()
-	msg.SetContext(mctx)
-	start := time.Now()
-	_, err = h(msg)
-	require.Error(t, err)
-	require.False(t, errors.Is(err, context.DeadlineExceeded),
-		"the claim waited on the claim table's lock for %s (until the failsafe): lock_timeout not in force: %v", time.Since(start).Round(time.Millisecond), err)
-	require.ErrorIs(t, err, inbox.ErrInFlight)
+	claimOnHeldTableIsInFlight(t, h, pgx.Identifier{e.schema, "processed_event"}.Sanitize(), lockFailsafe)
 }
 
 // lockTimeoutOf reads the session's lock_timeout without naming it in the
@@ -367,36 +331,6 @@ func TestSessionLockTimeoutChangesThroughTheAttemptAreSeen(t *testing.T) {
 				return err
 			})
 		})
-	}
-}
-
-// PgBouncer 1.18 in session pooling: the PID differs, the
-// lock timeout stays a SET LOCAL, nothing is left on the server session.
-func TestLockTimeoutBehindPgBouncer118SessionPooling(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	admin, schema := testenv.Pool(t)
-	bouncer := testenv.StartPgBouncer(t, "session")
-	pool := bouncer.PoolBehind(t, pgx.QueryExecModeCacheStatement, 1)
-	store, err := processedstore.NewStore(processedstore.Config{Table: schema + ".processed_event", Horizon: time.Hour})
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(admin)))
-	b, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
-	require.NoError(t, err)
-	idem, err := inbox.NewIdempotent(inbox.Config{Beginner: b, Store: store, Consumer: "stock", LockTimeout: 60 * time.Millisecond}, watermill.NopLogger{})
-	require.NoError(t, err)
-	var seen string
-	h := idem.Middleware(func(msg *message.Message) ([]*message.Message, error) {
-		tx, _ := inbox.PgxTxFromContext(msg.Context())
-		return nil, tx.QueryRow(msg.Context(), "SHOW lock_timeout").Scan(&seen)
-	})
-	for i := 0; i < 2; i++ {
-		_, err = h(preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":1}`))
-		require.NoError(t, err)
-		require.Equal(t, "60ms", seen)
-		var after string
-		require.NoError(t, pool.QueryRow(ctx, "SHOW lock_timeout").Scan(&after))
-		require.Equal(t, "0", after)
 	}
 }
 
