@@ -172,7 +172,7 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 				tx, claimed, err := b.claimed(ctx, conn, &c, claimed, err)
 				if ptx, ok := tx.(*pgxTx); ok {
 					ptx.prepared, ptx.tracer, ptx.pooled, ptx.marked = true, b.tracer, &b.pooled, claimed && p.Marked
-					ptx.session, ptx.traced = connClaimOf(ptx.pc.PgConn()), b.traced
+					ptx.session = connClaimOf(ptx.pc.PgConn())
 					if claimed && ptx.guard.sql != "" {
 						if err := b.prepareGuard(ctx, ptx.pc, ptx.guard.sql); err != nil {
 							_ = ptx.rollback(ctx)
@@ -217,7 +217,7 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 // err the transaction is rolled back and conn released. A claimed
 // attempt's commit is guarded (commitguard.go).
 func (b *pgxBeginner) claimed(ctx context.Context, conn *pgxpool.Conn, c *claimRequest, claimed bool, err error) (attemptTx, bool, error) {
-	tx := &pgxTx{conn: conn, pc: conn.Conn()}
+	tx := &pgxTx{conn: conn, pc: conn.Conn(), traced: b.traced}
 	tx.savepoints = &tx.spCount
 	if err != nil {
 		_ = tx.rollback(ctx)

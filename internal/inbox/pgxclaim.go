@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -91,15 +90,16 @@ type connClaim struct {
 	lockMs int64
 	shared bool
 	// sessionOwn is the session's lock_timeout before sessionLock first
-	// set it; backstops the claim statements with the lock timeout in
-	// their WHERE (withLockBackstop).
+	// set it (restoreSessionLock).
 	sessionOwn string
-	backstops  []backstop
-	vals       [5][]byte
-	formats    [5]int16
-	text       [2][]byte // consumer, event name
-	uuid       [16]byte
-	ts         [8]byte
+	// backstops are this connection's lean claims with the lock timeout
+	// in their WHERE (withLockBackstop).
+	backstops []backstop
+	vals      [5][]byte
+	formats   [5]int16
+	text      [2][]byte // consumer, event name
+	uuid      [16]byte
+	ts        [8]byte
 }
 
 func connClaimOf(pc *pgconn.PgConn) *connClaim {
@@ -195,7 +195,7 @@ func (st *connClaim) encode(p *processedstore.ClaimParams) [][]byte {
 // (DISCARD ALL, a pooler's reset) resets the session's settings too.
 func (st *connClaim) forget() { st.stmts, st.lockMs = st.stmts[:0], 0 }
 
-// sessionLock makes d the lock_timeout of pc's session, once per
+// sessionLock makes d the lock_timeout of conn's session, once per
 // connection (and again after forget or sessionChanged), and reports
 // whether it is: then the claim's batch carries no SET LOCAL (issue 25:
 // 12k server instructions an attempt) and the claim sets the same value
@@ -205,10 +205,11 @@ func (st *connClaim) forget() { st.stmts, st.lockMs = st.stmts[:0], 0 }
 // own, so the process ID the connection was given at startup is not
 // pg_backend_pid()): there a session setting would stay on a server
 // connection other clients use and be missing from the one the next claim
-// gets, so the SET LOCAL stays. The session's value before the first
+// gets, so the SET LOCAL stays. The round trip goes through pgx.Conn, so
+// a tracer on the pool sees it. The session's value before the first
 // setting is kept for a consumer with no lock timeout
 // (restoreSessionLock). An error is the connection's (nothing is open).
-func (st *connClaim) sessionLock(ctx context.Context, exec sessionExecFunc, d time.Duration) (bool, error) {
+func (st *connClaim) sessionLock(ctx context.Context, conn *pgx.Conn, d time.Duration) (bool, error) {
 	ms := d.Milliseconds()
 	switch {
 	case st.shared:
@@ -218,116 +219,68 @@ func (st *connClaim) sessionLock(ctx context.Context, exec sessionExecFunc, d ti
 	}
 	// CASE evaluates its THEN only when the PIDs match: no setting is
 	// changed on a session that is not this connection's own.
-	q := "SELECT current_setting('lock_timeout'), CASE WHEN pg_backend_pid() = " + strconv.FormatUint(uint64(exec.pid), 10) +
-		" THEN set_config('lock_timeout', '" + strconv.FormatInt(ms, 10) + "ms', false) END"
-	row, err := exec.run(ctx, q)
-	if err != nil {
+	var own string
+	var set *string
+	if err := conn.QueryRow(ctx, "SELECT current_setting('lock_timeout'), CASE WHEN pg_backend_pid()::bigint = $1::bigint THEN set_config('lock_timeout', $2, false) END",
+		pgx.QueryExecModeSimpleProtocol, int64(conn.PgConn().PID()), strconv.FormatInt(ms, 10)+"ms").Scan(&own, &set); err != nil {
 		return false, err
 	}
-	if len(row) != 2 {
-		return false, errors.New("middleware: session lock timeout: unexpected result")
-	}
-	if row[1] == nil {
+	if set == nil {
 		st.shared = true
 		return false, nil
 	}
 	if st.lockMs == 0 {
-		st.sessionOwn = string(row[0])
+		st.sessionOwn = own
 	}
 	st.lockMs = ms
 	return true, nil
 }
 
-// restoreSessionLock gives the session back the lock_timeout it had
+// restoreSessionLock gives conn's session back the lock_timeout it had
 // before sessionLock set it, for a consumer whose LockTimeout is negative
 // (it promises to leave the session's setting alone) on a pool another
 // consumer set it on.
-func (st *connClaim) restoreSessionLock(ctx context.Context, exec sessionExecFunc) error {
-	if _, err := exec.run(ctx, "SELECT set_config('lock_timeout', '"+strings.ReplaceAll(st.sessionOwn, "'", "''")+"', false)"); err != nil {
+func (st *connClaim) restoreSessionLock(ctx context.Context, conn *pgx.Conn) error {
+	if _, err := conn.Exec(ctx, "SELECT set_config('lock_timeout', $1, false)", pgx.QueryExecModeSimpleProtocol, st.sessionOwn); err != nil {
 		return err
 	}
 	st.lockMs = 0
 	return nil
 }
 
-// withLockBackstop is sql, the lean claim, with the lock timeout d also
-// set for its transaction in its WHERE (set_config, is_local), evaluated
-// before the row is inserted: whatever changed the session's setting
-// where the claim cannot see it (a function the handler called, other
-// code on the pool), the wait on another transaction's claim of the same
-// event and every handler statement stay bounded by d. Only the claim's
-// table lock, taken before any expression, depends on the session's
-// setting. The statement is built once per connection and timeout.
-func (st *connClaim) withLockBackstop(sql string, d time.Duration) string {
+// withLockBackstop is sql, the lean claim, with the lock timeout d set for
+// its transaction too (processedstore.LeanClaimWithLockTimeout): whatever
+// changed the session's setting where the claim cannot see it (a function
+// the handler called, other code on the pool), the wait on another
+// transaction's claim of the same event and every handler statement stay
+// bounded by d; only the claim's table lock depends on the session's
+// setting. Built once per connection and timeout; ok is false for a
+// statement that is not a lean claim (the caller keeps the SET LOCAL).
+func (st *connClaim) withLockBackstop(sql string, d time.Duration) (string, bool) {
 	for _, b := range st.backstops {
 		if b.base == sql && b.d == d {
-			return b.sql
+			return b.sql, true
 		}
 	}
-	q := strings.Replace(sql, "\nWHERE ", "\nWHERE set_config('lock_timeout', '"+strconv.FormatInt(d.Milliseconds(), 10)+"ms', true) IS NOT NULL AND ", 1)
-	st.backstops = append(st.backstops, backstop{base: sql, d: d, sql: q})
-	return q
+	q, ok := processedstore.LeanClaimWithLockTimeout(sql, d)
+	if ok {
+		st.backstops = append(st.backstops, backstop{base: sql, d: d, sql: q})
+	}
+	return q, ok
 }
 
+// backstop is a lean claim (base) with the lock timeout d in its WHERE.
 type backstop struct {
 	base, sql string
 	d         time.Duration
 }
 
-// sessionExecFunc runs a one-row statement of the session's lock timeout
-// on the claim's connection: through pgx.Conn when the pool has a tracer
-// (the tracer sees it), else through pgconn.
-type sessionExecFunc struct {
-	pid uint32
-	run func(ctx context.Context, sql string) ([][]byte, error)
-}
-
-func (b *pgxBeginner) sessionExec(conn *pgx.Conn) sessionExecFunc {
-	pc := conn.PgConn()
-	if b.traced {
-		return sessionExecFunc{pid: pc.PID(), run: func(ctx context.Context, sql string) ([][]byte, error) {
-			rows, err := conn.Query(ctx, sql, pgx.QueryExecModeSimpleProtocol)
-			if err != nil {
-				return nil, err
-			}
-			defer rows.Close()
-			var row [][]byte
-			n := 0
-			for rows.Next() {
-				n++
-				for _, v := range rows.RawValues() {
-					if v != nil {
-						v = append([]byte(nil), v...)
-					}
-					row = append(row, v)
-				}
-			}
-			if err := rows.Err(); err != nil {
-				return nil, err
-			}
-			if n != 1 {
-				return nil, errors.New("middleware: session lock timeout: unexpected result")
-			}
-			return row, nil
-		}}
-	}
-	return sessionExecFunc{pid: pc.PID(), run: func(ctx context.Context, sql string) ([][]byte, error) {
-		res, err := pc.Exec(ctx, sql).ReadAll()
-		if err != nil {
-			return nil, err
-		}
-		if len(res) != 1 || len(res[0].Rows) != 1 {
-			return nil, errors.New("middleware: session lock timeout: unexpected result")
-		}
-		return res[0].Rows[0], nil
-	}}
-}
-
 // sessionChanged forgets the session's lock timeout when sql may change
-// session settings (it names lock_timeout, RESET or set_config): a handler's SET
-// SESSION lock_timeout or RESET ALL, committed, would otherwise stay the
-// bound of that connection's later claims. Statements hidden in a
-// function the handler calls are not seen (Config.LockTimeout says so).
+// session settings (it names lock_timeout, RESET or set_config): a
+// handler's SET SESSION lock_timeout or RESET ALL, committed, would
+// otherwise stay the session's value under that connection's later
+// claims. Statements hidden in a function the handler calls are not seen
+// (Config.LockTimeout says so).
 func (st *connClaim) sessionChanged(sql string) {
 	if st.lockMs != 0 && mentionsSessionSetting(sql) {
 		st.lockMs = 0
@@ -457,19 +410,22 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *clai
 	}
 	for try := 0; ; try++ {
 		batchLock, claimSQL := lockSQL, p.SQL
-		switch {
-		case lockSQL != "" && p.Marked:
-			set, err := st.sessionLock(ctx, b.sessionExec(conn), c.lockTimeout.d)
-			if err != nil {
-				return false, err
+		if lockSQL != "" && p.Marked {
+			// Only the lean claim (Marked) carries the backstop, so only
+			// its lock timeout can be the session's.
+			if backstopped, ok := st.withLockBackstop(p.SQL, c.lockTimeout.d); ok {
+				set, err := st.sessionLock(ctx, conn, c.lockTimeout.d)
+				if err != nil {
+					return false, err
+				}
+				if set {
+					batchLock, claimSQL = "", backstopped
+				}
 			}
-			if set {
-				batchLock, claimSQL = "", st.withLockBackstop(p.SQL, c.lockTimeout.d)
-			}
-		case c.lockTimeout == nil && st.lockMs != 0:
+		} else if c.lockTimeout == nil && st.lockMs != 0 {
 			// LockTimeout < 0 leaves the session's lock_timeout as it
 			// was before another consumer on this pool set it.
-			if err := st.restoreSessionLock(ctx, b.sessionExec(conn)); err != nil {
+			if err := st.restoreSessionLock(ctx, conn); err != nil {
 				return false, err
 			}
 		}

@@ -76,7 +76,7 @@ type pgxTx struct {
 	// lock_timeout makes the next claim set it again (sessionChanged).
 	session *connClaim
 	// traced: the pool has a pgx tracer, which sees only what goes
-	// through pgx.Conn (commitDirect then uses Commit).
+	// through pgx.Conn (endTx then sends through it).
 	traced bool
 }
 
@@ -112,7 +112,7 @@ func (tx *pgxTx) commit(ctx context.Context) error {
 	if !tx.claimOpen() {
 		return tx.commitGuarded(ctx)
 	}
-	if err := tx.commitDirect(ctx); err != nil {
+	if err := tx.Commit(ctx); err != nil {
 		return err
 	}
 	pc := tx.pc.PgConn()
@@ -130,37 +130,6 @@ func (tx *pgxTx) commit(ctx context.Context) error {
 	}
 	if !found {
 		return errHandlerEndedBySQL
-	}
-	return nil
-}
-
-// commitDirect is Commit for the claim's own transaction: COMMIT sent
-// through pgconn (simple protocol, as pgx sends it), which skips pgx's
-// statement-cache upkeep on the connection (a map allocated per Exec). Not
-// a prepared COMMIT: a handler may drop every prepared statement of the
-// connection (pgx's DeallocateAll), and a COMMIT that then answers 26000
-// would abort what the handler wrote. With a tracer on the pool, which sees
-// only what goes through pgx.Conn, it is Commit.
-func (tx *pgxTx) commitDirect(ctx context.Context) error {
-	if tx.traced {
-		return tx.Commit(ctx)
-	}
-	tx.closed = true
-	pc := tx.pc.PgConn()
-	mrr := pc.Exec(ctx, "commit")
-	var tag pgconn.CommandTag
-	for mrr.NextResult() {
-		tag, _ = mrr.ResultReader().Close()
-	}
-	if err := mrr.Close(); err != nil {
-		if pc.TxStatus() != 'I' {
-			// Unknown state: never reuse the connection.
-			_ = tx.pc.Close(context.WithoutCancel(ctx))
-		}
-		return err
-	}
-	if tag.String() == "ROLLBACK" {
-		return pgx.ErrTxCommitRollback
 	}
 	return nil
 }
@@ -290,7 +259,7 @@ func (tx *pgxTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	if _, err := tx.pc.Exec(ctx, "savepoint "+name); err != nil {
 		return nil, err
 	}
-	return &pgxTx{pc: tx.pc, savepoint: name, savepoints: tx.savepoints, session: tx.session}, nil
+	return &pgxTx{pc: tx.pc, savepoint: name, savepoints: tx.savepoints, session: tx.session, traced: tx.traced}, nil
 }
 
 // Commit commits the transaction, or releases the savepoint.
@@ -303,7 +272,7 @@ func (tx *pgxTx) Commit(ctx context.Context) error {
 		_, err := tx.pc.Exec(ctx, "release savepoint "+tx.savepoint)
 		return err
 	}
-	tag, err := tx.pc.Exec(ctx, "commit")
+	tag, err := tx.endTx(ctx, "commit")
 	if err != nil {
 		if tx.pc.PgConn().TxStatus() != 'I' {
 			// Unknown state: never reuse the connection.
@@ -328,11 +297,28 @@ func (tx *pgxTx) Rollback(ctx context.Context) error {
 		_, err := tx.pc.Exec(ctx, "rollback to savepoint "+tx.savepoint)
 		return err
 	}
-	if _, err := tx.pc.Exec(ctx, "rollback"); err != nil {
+	if _, err := tx.endTx(ctx, "rollback"); err != nil {
 		_ = tx.pc.Close(context.WithoutCancel(ctx))
 		return err
 	}
 	return nil
+}
+
+// endTx sends COMMIT or ROLLBACK (sql) in the simple protocol, as pgx's
+// Conn.Exec does for a statement without arguments, but through pgconn:
+// without pgx's statement-cache upkeep (a map allocated per Exec), one of
+// the client's costs per message (issue 25). With a tracer on the pool,
+// which sees only what goes through pgx.Conn, it is Conn.Exec.
+func (tx *pgxTx) endTx(ctx context.Context, sql string) (pgconn.CommandTag, error) {
+	if tx.traced {
+		return tx.pc.Exec(ctx, sql)
+	}
+	mrr := tx.pc.PgConn().Exec(ctx, sql)
+	var tag pgconn.CommandTag
+	for mrr.NextResult() {
+		tag, _ = mrr.ResultReader().Close()
+	}
+	return tag, mrr.Close()
 }
 
 func (tx *pgxTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error) {
@@ -346,10 +332,8 @@ func (tx *pgxTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	if tx.closed {
 		return &closedBatchResults{}
 	}
-	if tx.session != nil {
-		for _, q := range b.QueuedQueries {
-			tx.sessionSQL(q.SQL)
-		}
+	for _, q := range b.QueuedQueries {
+		tx.sessionSQL(q.SQL)
 	}
 	return tx.pc.SendBatch(ctx, b)
 }

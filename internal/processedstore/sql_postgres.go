@@ -3,6 +3,7 @@ package processedstore
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -137,7 +138,27 @@ func postgresLeanClaim(q string, v7, identity bool, horizon, skew time.Duration)
 			where = "$3::timestamptz IS NULL OR " + where
 		}
 	}
-	return fmt.Sprintf("INSERT INTO %s (%s)\nSELECT %s\nWHERE %s IS NOT NULL AND (%s)\nON CONFLICT DO NOTHING", q, cols, sel, claimMarkerSQL, where)
+	return fmt.Sprintf("INSERT INTO %s (%s)\nSELECT %s%s%s IS NOT NULL AND (%s)\nON CONFLICT DO NOTHING", q, cols, sel, leanClaimWhere, claimMarkerSQL, where)
+}
+
+// leanClaimWhere opens the lean claim's condition (postgresLeanClaim).
+const leanClaimWhere = "\nWHERE "
+
+// LeanClaimWithLockTimeout returns sql, a marked claim's statement
+// (ClaimParams.SQL with Marked: the lean claim), with lock_timeout also set
+// to d (whole milliseconds) for its transaction in its WHERE
+// (set_config, is_local), evaluated before the row is inserted, so the
+// wait on another transaction's claim of the same event and the rest of
+// the transaction are bounded by d whatever the session's own setting.
+// The claim's lock on its table is taken before any expression and is
+// not bounded by it. ok is false when sql is not a lean claim.
+func LeanClaimWithLockTimeout(sql string, d time.Duration) (string, bool) {
+	i := strings.Index(sql, leanClaimWhere+claimMarkerSQL)
+	if i < 0 {
+		return "", false
+	}
+	i += len(leanClaimWhere)
+	return sql[:i] + "set_config('lock_timeout', '" + strconv.FormatInt(d.Milliseconds(), 10) + "ms', true) IS NOT NULL AND " + sql[i:], true
 }
 
 // claimMarkerSQL marks the claim's transaction: default_transaction_read_only
