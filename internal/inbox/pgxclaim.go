@@ -7,6 +7,7 @@ import (
 	"errors"
 	"strconv"
 	"time"
+	"unsafe"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -95,6 +96,10 @@ type connClaim struct {
 	// backstops are this connection's lean claims with the lock timeout
 	// in their WHERE (withLockBackstop).
 	backstops []backstop
+	// plain are the last handler statements sessionChanged found not to
+	// name a session setting, by identity; plainNext is the next to replace.
+	plain     [4]sqlText
+	plainNext uint8
 	vals      [5][]byte
 	formats   [5]int16
 	text      [2][]byte // consumer, event name
@@ -281,10 +286,34 @@ type backstop struct {
 // otherwise stay the session's value under that connection's later
 // claims. Statements hidden in a function the handler calls are not seen
 // (Config.LockTimeout says so).
+//
+// A statement found not to name them is remembered by its text's address
+// and length (plain): a handler sends the same constant strings on every
+// attempt, and a Go string's bytes never change, so each is scanned once
+// per connection instead of once per execution (about 1k client
+// instructions a statement, issue 25).
 func (st *connClaim) sessionChanged(sql string) {
-	if st.lockMs != 0 && mentionsSessionSetting(sql) {
-		st.lockMs = 0
+	if st.lockMs == 0 || len(sql) == 0 {
+		return
 	}
+	k := sqlText{unsafe.StringData(sql), len(sql)}
+	for _, p := range st.plain {
+		if p == k {
+			return
+		}
+	}
+	if mentionsSessionSetting(sql) {
+		st.lockMs = 0
+		return
+	}
+	st.plain[st.plainNext%uint8(len(st.plain))] = k
+	st.plainNext++
+}
+
+// sqlText is a string's identity: the address and length of its bytes.
+type sqlText struct {
+	p *byte
+	n int
 }
 
 // mentionsSessionSetting reports whether sql contains "lock_timeout",

@@ -1,6 +1,9 @@
 package inbox
 
-import "testing"
+import (
+	"strings"
+	"testing"
+)
 
 // A handler statement that may change the session's lock_timeout makes the
 // next claim on that connection set it again; the check folds case and
@@ -22,5 +25,34 @@ func TestHandlerStatementsThatMayChangeTheSessionLockTimeoutAreRecognised(t *tes
 		if got := mentionsSessionSetting(sql); got != want {
 			t.Errorf("mentionsSessionSetting(%q) = %v, want %v", sql, got, want)
 		}
+	}
+}
+
+func TestStatementsSeenPlainDoNotHideALaterSessionChange(t *testing.T) {
+	st := &connClaim{lockMs: 60}
+	insert := "INSERT INTO reservation (event_id) VALUES ($1)"
+	for i := 0; i < 10; i++ {
+		st.sessionChanged(insert)
+		st.sessionChanged("UPDATE stock SET reserved = reserved + 1")
+	}
+	if st.lockMs != 60 {
+		t.Fatalf("plain statements forgot the session's lock timeout: lockMs = %d", st.lockMs)
+	}
+	// The same length as a remembered statement, other bytes.
+	set := []byte(insert)
+	copy(set, "SET lock_timeout = 0;")
+	st.sessionChanged(string(set))
+	if st.lockMs != 0 {
+		t.Fatalf("a statement naming lock_timeout after remembered plain ones was not seen")
+	}
+	// Remembered statements are never scanned again, but a changed session
+	// is still found after more of them than the memory holds.
+	st.lockMs = 60
+	for i := 0; i < 2*len(st.plain); i++ {
+		st.sessionChanged(strings.Repeat(" ", i+1) + insert)
+	}
+	st.sessionChanged(insert + "; RESET ALL")
+	if st.lockMs != 0 {
+		t.Fatalf("RESET ALL after a full memory of plain statements was not seen")
 	}
 }
