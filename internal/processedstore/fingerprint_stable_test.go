@@ -10,9 +10,11 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 )
 
-// The fingerprint is what rows already store: version 1 is
-// 0x01 ‖ SHA-256(uvarint(len(name)) ‖ name ‖ payload), whatever the sizes
-// (the stack buffer of NewIdentity and its heap fallback give the same).
+// The fingerprint a claim stores is version 2: 0x02 ‖ the first 8 bytes
+// of SHA-256(uvarint(len(name)) ‖ name ‖ payload), whatever the sizes (the
+// stack buffer of NewIdentity and its heap fallback give the same); a row
+// of version 1 (0x01 ‖ the whole SHA-256, written by earlier releases) is
+// compared with the same bytes' whole hash.
 func TestFingerprintAlgorithmIsStable(t *testing.T) {
 	t.Parallel()
 	for _, c := range []struct{ name, payload string }{
@@ -29,6 +31,10 @@ func TestFingerprintAlgorithmIsStable(t *testing.T) {
 		want = append(want, byte(n))
 		sum := sha256.Sum256(append(append(want, c.name...), c.payload...))
 		got := processedstore.NewIdentity(c.name, []byte(c.payload))
-		require.Equal(t, append([]byte{1}, sum[:]...), got.Fingerprint, "name %d bytes, payload %d bytes", len(c.name), len(c.payload))
+		require.Equal(t, append([]byte{2}, sum[:8]...), got.Fingerprint, "name %d bytes, payload %d bytes", len(c.name), len(c.payload))
+		v1 := processedstore.StoredIdentity{Found: true, Fingerprint: append([]byte{1}, sum[:]...)}
+		require.Equal(t, processedstore.SameEvent, got.Verdict(v1), "a version-1 row of the same event")
+		other := processedstore.NewIdentity(c.name, []byte(c.payload+" "))
+		require.Equal(t, processedstore.OtherEvent, other.Verdict(v1), "a version-1 row of another payload")
 	}
 }

@@ -2,6 +2,7 @@ package processedstore_test
 
 import (
 	"context"
+	"crypto/sha256"
 	"strings"
 	"testing"
 
@@ -114,10 +115,47 @@ func TestIdentityFingerprint(t *testing.T) {
 	a := processedstore.NewIdentity("ab", []byte("c"))
 	b := processedstore.NewIdentity("a", []byte("bc"))
 	require.NotEqual(t, a.Fingerprint, b.Fingerprint)
-	require.Len(t, a.Fingerprint, 33)
+	require.Len(t, a.Fingerprint, 9)
 	require.Equal(t, processedstore.FingerprintVersion, a.Fingerprint[0])
 	require.Equal(t, a.Fingerprint, processedstore.NewIdentity("ab", []byte("c")).Fingerprint)
 	other := append([]byte{processedstore.FingerprintVersion + 1}, b.Fingerprint[1:]...)
 	require.Equal(t, processedstore.Unverified, a.Verdict(processedstore.StoredIdentity{Found: true, Fingerprint: other}),
 		"a fingerprint of another version is not compared")
+}
+
+// A row an earlier release claimed with a version-1 fingerprint (0x01 ‖ the
+// whole SHA-256) stays verified after the upgrade, on every database: the
+// same event is a duplicate, another payload under its id a conflict.
+func TestVersionOneFingerprintRowsAreStillVerified(t *testing.T) {
+	t.Parallel()
+	eachTarget(t, func(t *testing.T, tg target) {
+		ctx := context.Background()
+		s, err := processedstore.NewStore(processedstore.Config{Dialect: tg.dialect})
+		require.NoError(t, err)
+		require.NoError(t, s.Migrate(ctx, tg.db))
+
+		payload := []byte(`{"order_id":1}`)
+		sum := sha256.Sum256(append([]byte{byte(len("order.placed"))}, append([]byte("order.placed"), payload...)...))
+		v1 := append([]byte{1}, sum[:]...)
+		old := uuid.Must(uuid.NewV7())
+		tx, end := tg.begin(t)
+		// The earlier release's claim: the same statement, its fingerprint.
+		query, args := s.ClaimIdentityQuery("stock", old, processedstore.Identity{EventName: "order.placed", Fingerprint: v1})
+		_, err = tx.Exec(ctx, query, args...)
+		require.NoError(t, err)
+		end(true)
+
+		tx, end = tg.begin(t)
+		defer end(false)
+		same := processedstore.NewIdentity("order.placed", payload)
+		ok, err := s.ClaimIdentity(ctx, tx, "stock", old, same)
+		require.NoError(t, err)
+		require.False(t, ok)
+		stored, err := s.StoredIdentity(ctx, tx, "stock", old)
+		require.NoError(t, err)
+		require.Equal(t, v1, stored.Fingerprint)
+		require.Equal(t, processedstore.SameEvent, same.Verdict(stored))
+		require.Equal(t, processedstore.OtherEvent, processedstore.NewIdentity("order.placed", []byte(`{"order_id":2}`)).Verdict(stored))
+		require.Equal(t, processedstore.OtherEvent, processedstore.NewIdentity("order.cancelled", payload).Verdict(stored))
+	})
 }
