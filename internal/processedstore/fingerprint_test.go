@@ -130,9 +130,7 @@ func TestVersionOneFingerprintRowsAreStillVerified(t *testing.T) {
 	t.Parallel()
 	eachTarget(t, func(t *testing.T, tg target) {
 		ctx := context.Background()
-		s, err := processedstore.NewStore(processedstore.Config{Dialect: tg.dialect})
-		require.NoError(t, err)
-		require.NoError(t, s.Migrate(ctx, tg.db))
+		s := tg.store(t)
 
 		payload := []byte(`{"order_id":1}`)
 		sum := sha256.Sum256(append([]byte{byte(len("order.placed"))}, append([]byte("order.placed"), payload...)...))
@@ -141,7 +139,7 @@ func TestVersionOneFingerprintRowsAreStillVerified(t *testing.T) {
 		tx, end := tg.begin(t)
 		// The earlier release's claim: the same statement, its fingerprint.
 		query, args := s.ClaimIdentityQuery("stock", old, processedstore.Identity{EventName: "order.placed", Fingerprint: v1})
-		_, err = tx.Exec(ctx, query, args...)
+		_, err := tx.Exec(ctx, query, args...)
 		require.NoError(t, err)
 		end(true)
 
