@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -211,6 +212,54 @@ type Idempotent struct {
 	// crashes are counted though the broker did not mark them redelivered
 	// (countsCrashes).
 	warmup atomic.Int64
+
+	// unrecorded are the attempts this process ended whose end could not
+	// be written (the database was away when EndAttempt ran), by
+	// (consumer, event id): the next start of the same event writes the
+	// end first (startAttempt), so an outage is never taken for a crash.
+	unrecorded unrecordedEnds
+}
+
+// unrecordedEnds is a set of (consumer, event id) whose attempt ended in
+// this process without its end written, of at most maxUnrecordedEnds: past
+// it an end is not remembered, and its event's next start may count it
+// (the bound before that is reached is this many events, each held through
+// an outage that began during one of its attempts).
+type unrecordedEnds struct {
+	mu  sync.Mutex
+	set map[crashKey]struct{}
+}
+
+type crashKey struct {
+	consumer string
+	id       uuid.UUID
+}
+
+const maxUnrecordedEnds = 4096
+
+func (u *unrecordedEnds) add(k crashKey) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.set == nil {
+		u.set = make(map[crashKey]struct{})
+	}
+	if len(u.set) < maxUnrecordedEnds {
+		u.set[k] = struct{}{}
+	}
+}
+
+// has reports whether k's end is still to be written.
+func (u *unrecordedEnds) has(k crashKey) bool {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	_, ok := u.set[k]
+	return ok
+}
+
+func (u *unrecordedEnds) remove(k crashKey) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	delete(u.set, k)
 }
 
 // crashWarmup is how many attempts after a consumer starts are counted as
@@ -454,16 +503,33 @@ func crashedAttempts(msg *message.Message, started int) int {
 	return crashed
 }
 
+// startAttempt writes the start of an attempt of (consumer, id) and
+// returns the attempts started and not ended, this one included. An end
+// this process could not write (endAttempt) is written first; while it
+// cannot be, the start is not written either (an error: the attempt runs
+// uncounted).
 func (m *Idempotent) startAttempt(ctx context.Context, consumer string, id uuid.UUID) (int, error) {
 	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
 	defer cancel()
+	k := crashKey{consumer, id}
+	if m.unrecorded.has(k) {
+		if err := m.cfg.Store.EndAttempt(c, m.cfg.CrashQuerier, consumer, id); err != nil {
+			return 0, err
+		}
+		m.unrecorded.remove(k)
+	}
 	return m.cfg.Store.StartAttempt(c, m.cfg.CrashQuerier, consumer, id)
 }
 
+// endAttempt writes the end of an attempt of (consumer, id); when the
+// database is away, it is remembered and written before the event's next
+// start (startAttempt): the process did not die in that attempt.
 func (m *Idempotent) endAttempt(ctx context.Context, consumer string, id uuid.UUID) {
 	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
 	defer cancel()
-	_ = m.cfg.Store.EndAttempt(c, m.cfg.CrashQuerier, consumer, id)
+	if err := m.cfg.Store.EndAttempt(c, m.cfg.CrashQuerier, consumer, id); err != nil {
+		m.unrecorded.add(crashKey{consumer, id})
+	}
 }
 
 // attempt runs one claimed attempt: begin+claim, the handler, the produced
