@@ -187,8 +187,12 @@ type ConsumerConfig struct {
 	// each crash came within a start's first 64 attempts. A delivery held
 	// through an outage ends its attempts normally and is never counted: an
 	// end the database was too far away to take is kept in the process and
-	// written before that event's next start. Defaults to DefaultMaxCrashes
-	// (3); negative: never.
+	// written before that event's next start. A counted delivery of an
+	// event already processed is a duplicate, never a crash loop: the
+	// statement that counts the attempt reads the event's row first and,
+	// when there is one, counts nothing, deletes a count left behind and
+	// skips the handler (one statement, no transaction). Defaults to
+	// DefaultMaxCrashes (3); negative: never.
 	MaxCrashes int
 
 	// Recorder receives one Observation per attempt (metrics). Defaults to

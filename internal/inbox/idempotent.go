@@ -428,9 +428,15 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		if !m.countsCrashes(msg) {
 			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields)
 		}
-		started, cerr := m.startAttempt(origCtx, consumer, eventID)
+		started, stored, cerr := m.startAttempt(origCtx, consumer, eventID)
 		if cerr != nil { // the database is unreachable: the attempt will say so
 			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields)
+		}
+		if stored.Found {
+			// A redelivery of a processed event: nothing was counted and
+			// no transaction is needed (its identity was read with the
+			// count's statement).
+			return nil, m.processedRedelivery(msg, consumer, handlerName, eventID, stored, start, fields)
 		}
 		// The count ends with the attempt on every path but the process's
 		// death: a panic unwinds through here too.
@@ -504,21 +510,39 @@ func crashedAttempts(msg *message.Message, started int) int {
 }
 
 // startAttempt writes the start of an attempt of (consumer, id) and
-// returns the attempts started and not ended, this one included. An end
+// returns the attempts started and not ended, this one included; or, when
+// the event is already processed, writes nothing and returns its stored
+// identity (Found). An end
 // this process could not write (endAttempt) is written first; while it
 // cannot be, the start is not written either (an error: the attempt runs
 // uncounted).
-func (m *Idempotent) startAttempt(ctx context.Context, consumer string, id uuid.UUID) (int, error) {
+func (m *Idempotent) startAttempt(ctx context.Context, consumer string, id uuid.UUID) (int, processedstore.StoredIdentity, error) {
 	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
 	defer cancel()
 	k := crashKey{consumer, id}
 	if m.unrecorded.has(k) {
 		if err := m.cfg.Store.EndAttempt(c, m.cfg.CrashQuerier, consumer, id); err != nil {
-			return 0, err
+			return 0, processedstore.StoredIdentity{}, err
 		}
 		m.unrecorded.remove(k)
 	}
-	return m.cfg.Store.StartAttempt(c, m.cfg.CrashQuerier, consumer, id)
+	return m.cfg.Store.StartAttemptUnlessProcessed(c, m.cfg.CrashQuerier, consumer, id)
+}
+
+// processedRedelivery ends the attempt of a redelivered message whose
+// event startAttempt found processed: a duplicate (nil: acked, the handler
+// not called), or, with payload verification, a conflict when the stored
+// fingerprint is another event's (permanent, reason "event_id_reused"), as
+// the claim's duplicate path decides (endDuplicate).
+func (m *Idempotent) processedRedelivery(msg *message.Message, consumer, handlerName string, eventID uuid.UUID,
+	stored processedstore.StoredIdentity, start time.Time, fields watermill.LogFields) error {
+	req := claimRequest{store: m.cfg.Store, consumer: consumer, eventID: eventID}
+	req.identity, req.verify = m.identityOf(msg)
+	if conflict, err := m.compareIdentity(req, stored, fields); conflict {
+		return m.finish(handlerName, OutcomeConflict, start, 0, fields, permanent("event_id_reused", err))
+	}
+	_ = m.finish(handlerName, OutcomeDuplicate, start, 0, fields, nil)
+	return nil
 }
 
 // endAttempt writes the end of an attempt of (consumer, id); when the

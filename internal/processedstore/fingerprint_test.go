@@ -157,3 +157,39 @@ func TestVersionOneFingerprintRowsAreStillVerified(t *testing.T) {
 		require.Equal(t, processedstore.OtherEvent, processedstore.NewIdentity("order.cancelled", payload).Verdict(stored))
 	})
 }
+
+// StartAttemptUnlessProcessed counts an attempt of an event not processed
+// yet, and for a processed one counts nothing, deletes a count left behind
+// and returns the stored identity, on every dialect and driver.
+func TestStartAttemptUnlessProcessedCountsOnlyEventsNotProcessed(t *testing.T) {
+	t.Parallel()
+	eachTarget(t, func(t *testing.T, tg target) {
+		ctx := context.Background()
+		s := tg.store(t)
+		id := uuid.Must(uuid.NewV7())
+		for want := 1; want <= 2; want++ {
+			n, stored, err := s.StartAttemptUnlessProcessed(ctx, tg.db, "stock", id)
+			require.NoError(t, err)
+			require.False(t, stored.Found)
+			require.Equal(t, want, n)
+		}
+		tx, end := tg.begin(t)
+		ok, err := s.ClaimIdentity(ctx, tx, "stock", id, processedstore.NewIdentity("order.placed", []byte(`{}`)))
+		require.NoError(t, err)
+		require.True(t, ok)
+		end(true)
+
+		n, stored, err := s.StartAttemptUnlessProcessed(ctx, tg.db, "stock", id)
+		require.NoError(t, err)
+		require.True(t, stored.Found)
+		require.Zero(t, n)
+		require.Equal(t, "order.placed", stored.EventName)
+		require.Equal(t, processedstore.SameEvent, processedstore.NewIdentity("order.placed", []byte(`{}`)).Verdict(stored))
+		// The count the two attempts left was deleted: counting again
+		// starts at 1.
+		n, err = s.StartAttempt(ctx, tg.db, "stock", id)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		require.NoError(t, s.EndAttempt(ctx, tg.db, "stock", id))
+	})
+}

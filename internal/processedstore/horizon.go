@@ -179,6 +179,49 @@ func (s *Store) StartAttempt(ctx context.Context, q sqldb.Querier, consumer stri
 	return n, err
 }
 
+// StartAttemptUnlessProcessed is StartAttempt for an event that may already
+// be processed: when (consumer, eventID) has a row in the table, nothing is
+// counted, a count an earlier attempt left (it died after its commit) is
+// deleted, and its stored identity is returned (Found): a redelivered
+// duplicate costs this one statement instead of a counted attempt, a claim
+// and the count's end. PostgreSQL reads the row and counts the attempt in
+// one autocommit statement (the row read and the count share a snapshot);
+// MySQL and SQLite read the row first, then count. started is 0 when Found.
+func (s *Store) StartAttemptUnlessProcessed(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) (started int, stored StoredIdentity, err error) {
+	read, args := s.StoredIdentityQuery(consumer, eventID)
+	if s.dialect != sqldb.PostgreSQL {
+		if stored, err = s.StoredIdentity(ctx, q, consumer, eventID); err != nil {
+			return 0, stored, err
+		}
+		if stored.Found {
+			return 0, stored, s.EndAttempt(ctx, q, consumer, eventID)
+		}
+		started, err = s.StartAttempt(ctx, q, consumer, eventID)
+		return started, stored, err
+	}
+	t := s.sideTable("_crash")
+	var (
+		n        *int32
+		found    bool
+		name, fp []byte
+	)
+	err = q.QueryRow(ctx, "WITH p AS ("+read+"), c AS (INSERT INTO "+t+" (consumer, event_id, started) "+
+		"SELECT $1, $2, 1 WHERE NOT EXISTS (SELECT FROM p) "+
+		"ON CONFLICT (consumer, event_id) DO UPDATE SET started = "+t+".started + 1 RETURNING started), "+
+		"d AS (DELETE FROM "+t+" WHERE consumer = $1 AND event_id = $2 AND EXISTS (SELECT FROM p)) "+
+		"SELECT (SELECT started FROM c), EXISTS (SELECT FROM p), (SELECT event_name FROM p), (SELECT fingerprint FROM p)",
+		args...).Scan(&n, &found, &name, &fp)
+	switch {
+	case err != nil:
+		return 0, StoredIdentity{}, err
+	case found:
+		return 0, StoredIdentity{Found: true, EventName: string(name), Fingerprint: fp}, nil
+	case n == nil:
+		return 0, StoredIdentity{}, fmt.Errorf("processed: count attempt %s/%s: no count returned", consumer, eventID)
+	}
+	return int(*n), StoredIdentity{}, nil
+}
+
 // EndAttempt forgets the started attempts of (consumer, eventID): the
 // attempt ended (committed, failed, or found a duplicate).
 func (s *Store) EndAttempt(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) error {

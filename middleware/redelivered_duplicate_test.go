@@ -1,0 +1,119 @@
+package middleware_test
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/internal/door"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
+)
+
+// poisonLog is a poison publisher that keeps the UUID of every message
+// dead-lettered through it, in order, as the poison layer publishes it
+// (before the handler returns).
+type poisonLog struct {
+	mu    sync.Mutex
+	uuids []string
+}
+
+func (p *poisonLog) Publish(_ string, msgs ...*message.Message) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, m := range msgs {
+		p.uuids = append(p.uuids, m.UUID)
+	}
+	return nil
+}
+
+func (p *poisonLog) Close() error { return nil }
+
+func (p *poisonLog) poisoned() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]string(nil), p.uuids...)
+}
+
+// A redelivery of an event already processed is acked without calling the
+// handler and counts no attempt; a count an earlier attempt left behind (the
+// process died after its commit, before the count's end) is deleted, and is
+// never taken for a crash loop: the effect was applied, so the message is a
+// duplicate, not poison.
+func TestRedeliveredProcessedEventIsADuplicateWhateverItsCrashCount(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	ctx := context.Background()
+	poison := &poisonLog{}
+	cfg := e.config("stock")
+	cfg.Poison.Publisher = poison
+	c, err := middleware.NewConsumer(cfg, nil)
+	require.NoError(t, err)
+	var calls atomic.Int32
+	h, err := door.Wrap(c, "reserve", func(msg *message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		tx, _ := middleware.PgxTxFromContext(msg.Context())
+		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID)
+		return nil, err
+	})
+	require.NoError(t, err)
+
+	msg := newEvent(t)
+	marshaler.SetRedelivered(msg, false)
+	marshaler.SetDeliveryCount(msg, 0)
+	_, err = h(msg)
+	require.NoError(t, err)
+	require.Equal(t, int32(1), calls.Load())
+
+	// Attempts that died after their commit left a count above the bound.
+	_, err = e.pool.Exec(ctx, `INSERT INTO processed_event_crash (consumer, event_id, started) VALUES ('stock', $1, 10)`, msg.UUID)
+	require.NoError(t, err)
+	again := newEvent(t)
+	again.UUID, again.Payload = msg.UUID, msg.Payload
+	marshaler.SetRedelivered(again, true)
+	_, err = h(again)
+	require.NoError(t, err, "acked")
+	require.Equal(t, int32(1), calls.Load(), "the handler is not called for a duplicate")
+	require.Equal(t, 1, e.effects(t))
+	var left int
+	require.NoError(t, e.pool.QueryRow(ctx, `SELECT count(*) FROM processed_event_crash`).Scan(&left))
+	require.Zero(t, left, "the count left behind is deleted, none is added")
+	require.Empty(t, poison.poisoned(), "a processed event is never dead-lettered as a crash loop")
+}
+
+// A redelivery that reuses a processed event's id for other content is a
+// conflict (reason event_id_reused), as on a first delivery: the stored
+// fingerprint is compared on the redelivery's path too.
+func TestRedeliveredEventWithAnotherPayloadIsAConflict(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	poison := &poisonLog{}
+	cfg := e.config("stock")
+	cfg.Poison.Publisher = poison
+	c, err := middleware.NewConsumer(cfg, nil)
+	require.NoError(t, err)
+	var calls atomic.Int32
+	h, err := door.Wrap(c, "reserve", func(*message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		return nil, nil
+	})
+	require.NoError(t, err)
+	msg := newEvent(t)
+	_, err = h(msg)
+	require.NoError(t, err)
+
+	other := newEvent(t)
+	other.UUID, other.Payload = msg.UUID, []byte(`{"order_id":"o-2"}`)
+	marshaler.SetRedelivered(other, true)
+	_, err = h(other)
+	require.NoError(t, err, "dead-lettered and acked")
+	require.Equal(t, int32(1), calls.Load())
+	require.Equal(t, []string{msg.UUID}, poison.poisoned(), "the conflicting redelivery is dead-lettered")
+	var left int
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_event_crash`).Scan(&left))
+	require.Zero(t, left)
+}
