@@ -141,6 +141,11 @@ func countChild(specJSON string) error {
 			marshaler.SetRedelivered(m, false)
 			marshaler.SetDeliveryCount(m, 0)
 		}
+		if s.Variant == vDupRedelivered {
+			// A redelivery as AMQP and JetStream mark it.
+			marshaler.SetRedelivered(m, true)
+			marshaler.SetDeliveryCount(m, 1)
+		}
 		m.SetContext(ctx)
 		msgs[i] = m
 	}
@@ -213,7 +218,13 @@ type CountSizes struct {
 
 // countVariants are the variants counted, the first the baseline.
 var countVariants = []string{vNone, vOurs, vDuplicate, "idem_no_lock_timeout", "idem_no_verify", "dup_no_lock_timeout_no_verify", vPlainTx,
-	"idem_crash_bound_marked", "idem_crash_bound_unmarked"}
+	"idem_crash_bound_marked", "idem_crash_bound_unmarked", vDupRedelivered}
+
+// vDupRedelivered is a duplicate as a broker redelivers it (redelivered
+// "true", delivery count 1) to a consumer with the crash bound NewConsumer
+// sets: the event's processed row is found by the crash count's statement,
+// and no transaction is begun.
+const vDupRedelivered = "dup_redelivered"
 
 // vPlainTx is the handler in a plain pgx transaction without the chain
 // (none has the chain's outer layers): what a router without this library
@@ -244,6 +255,7 @@ var countConfigs = map[string]func(*inbox.Config){
 	// the N2 − N1 difference is what follows them.
 	"idem_crash_bound_marked":   func(c *inbox.Config) { c.MaxCrashes = 3 },
 	"idem_crash_bound_unmarked": func(c *inbox.Config) { c.MaxCrashes = 3 },
+	vDupRedelivered:             func(c *inbox.Config) { c.MaxCrashes = 3 },
 }
 
 type countResult struct {
@@ -391,6 +403,7 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	ours, dup := got[vOurs], got[vDuplicate]
 	t.Notes = []string{
 		"plain_tx: the handler in pgx's own transaction, no chain (none has the chain's poison, retry and recoverer layers). idem_no_lock_timeout: Config.LockTimeout < 0 (no SET LOCAL); idem_no_verify: DisablePayloadVerification (no fingerprint, no identity read on a duplicate); dup_no_lock_timeout_no_verify: a duplicate with neither (BEGIN, claim, ROLLBACK).",
+		"dup_redelivered: a duplicate marked as a redelivery (redelivered, delivery count 1), crash bound on: one autocommit statement reads the processed row with the crash count, no transaction.",
 		"idem_crash_bound_marked / _unmarked: ours with the crash bound NewConsumer sets (MaxCrashes 3, counted on the pool), on first deliveries marked as such (AMQP, JetStream, Redis Streams with CountingClient: nothing written) or unmarked (Kafka: each child's first 64 attempts are counted, inside both runs, so they cancel out of the per-message figure).",
 		fmt.Sprintf("(I(%d) − I(%d)) ÷ %d per message: process start and connection cancel out; building the message is inside (same for all).", sz.N2, sz.N1, sz.N2-sz.N1),
 		"server: a scratch PostgreSQL (initdb, loopback, fsync off) run by this part under cachegrind, the child's backend only; WAL: pg_current_wal_insert_lsn diff; allocs: MemStats.Mallocs.",
@@ -430,6 +443,10 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 		res.set(v+"_wal_bytes_extra", r.wal-ours.wal)
 		res.set(v+"_allocs_extra", r.allocs-ours.allocs)
 	}
+	redelivered := got[vDupRedelivered]
+	res.set("client_instructions_per_duplicate_redelivered", redelivered.client)
+	res.set("server_instructions_per_duplicate_redelivered", redelivered.server)
+	res.set("duplicate_cpu_ratio_redelivered", (redelivered.client+redelivered.server)/(ours.client+ours.server))
 	floor := got["dup_no_lock_timeout_no_verify"]
 	res.set("duplicate_cpu_ratio_no_lock_timeout_no_verify", (floor.client+floor.server)/(ours.client+ours.server))
 	return nil

@@ -109,7 +109,9 @@
 // server_instructions_per_msg and _plain, server_instructions_per_claim
 // (ours − none on the server), client_instructions_per_claim and
 // wal_bytes_per_claim (ours − none), duplicate_cpu_ratio (client + server
-// instructions of a duplicate ÷ those of a new message), wal_bytes_per_msg,
+// instructions of a duplicate ÷ those of a new message) and
+// duplicate_cpu_ratio_redelivered (the same for a duplicate marked as a
+// redelivery, crash bound on), wal_bytes_per_msg,
 // allocs_per_msg_chain and _plain. Without valgrind (or in the tiny profile)
 // they are null. See counts.go.
 //
