@@ -121,7 +121,8 @@ type ConsumerConfig struct {
 	// AfterPoison are middlewares placed just inside the poison layer and
 	// outside the retries, outermost first: routers that take some
 	// permanent errors elsewhere before the poison topic sees them
-	// (operation.RouteUncertain). Defaults to none.
+	// (operation.RouteUncertain). Defaults to none; a nil entry is
+	// refused.
 	AfterPoison []message.HandlerMiddleware
 
 	// Outbox, when set (recommended), writes the messages a handler
@@ -356,7 +357,10 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 		key: registryKey{pool: poolIdentity(h), table: store.Table().String(), consumer: cfg.Consumer}}, nil
 }
 
-// Validate reports the first invalid field of c, naming it.
+// Validate reports the first invalid field of c, naming it: every value
+// NewConsumer refuses without reading the database. (NewConsumer also
+// fails on what only the database can tell: a missing table, a
+// ReplayHorizon other than the table's.)
 func (c ConsumerConfig) Validate() error {
 	if strings.TrimSpace(c.Consumer) == "" {
 		return fmt.Errorf("middleware: ConsumerConfig.Consumer %q: required, not blank (the claim key's consumer name, shared by competing workers)", c.Consumer)
@@ -368,14 +372,49 @@ func (c ConsumerConfig) Validate() error {
 	if c.JoinSQLSubscriber && h.Dialect != sqldb.PostgreSQL {
 		return fmt.Errorf("middleware: ConsumerConfig.JoinSQLSubscriber: PostgreSQL only, not %s", h.Dialect)
 	}
+	// The table's name and layout, as the store NewConsumer builds checks
+	// them: each refusal named by the field to change.
+	if err := (processedstore.Config{Table: c.Table, Dialect: h.Dialect}).Validate(); err != nil {
+		return fmt.Errorf("middleware: ConsumerConfig.Table: %w", err)
+	}
+	if err := (processedstore.Config{Dialect: h.Dialect, Layout: c.Layout}).Validate(); err != nil {
+		return fmt.Errorf("middleware: ConsumerConfig.Layout: %w", err)
+	}
+	if err := (processedstore.Config{Table: c.Table, Dialect: h.Dialect, Layout: c.Layout}).Validate(); err != nil {
+		return fmt.Errorf("middleware: ConsumerConfig.Table (with its Layout): %w", err)
+	}
 	if c.ReplayHorizon < 0 {
 		return fmt.Errorf("middleware: ConsumerConfig.ReplayHorizon %s: must be ≥ 0", c.ReplayHorizon)
+	}
+	if c.MaxFutureSkew < 0 {
+		return fmt.Errorf("middleware: ConsumerConfig.MaxFutureSkew %s: must be ≥ 0", c.MaxFutureSkew)
+	}
+	if c.LockTimeout > 0 && c.LockTimeout < time.Millisecond {
+		return fmt.Errorf("middleware: ConsumerConfig.LockTimeout %s: at least 1ms (negative leaves the session's lock_timeout untouched)", c.LockTimeout)
 	}
 	if c.Poison.Publisher == nil {
 		return errors.New("middleware: ConsumerConfig.Poison.Publisher is required")
 	}
 	if strings.TrimSpace(c.Poison.Topic) == "" {
 		return errors.New("middleware: ConsumerConfig.Poison.Topic is required")
+	}
+	if c.Poison.MaxHeaderBytes != 0 && c.Poison.MaxHeaderBytes < 64 {
+		return fmt.Errorf("middleware: ConsumerConfig.Poison.MaxHeaderBytes %d: at least 64", c.Poison.MaxHeaderBytes)
+	}
+	for i, mw := range c.AfterPoison {
+		if mw == nil {
+			return fmt.Errorf("middleware: ConsumerConfig.AfterPoison[%d] is nil", i)
+		}
+	}
+	switch r := c.Retry; {
+	case r.MaxRetries < 0:
+		return fmt.Errorf("middleware: ConsumerConfig.Retry.MaxRetries %d: must be ≥ 0", r.MaxRetries)
+	case r.Multiplier != 0 && !(r.Multiplier >= 1):
+		return fmt.Errorf("middleware: ConsumerConfig.Retry.Multiplier %v: must be ≥ 1", r.Multiplier)
+	case r.InitialInterval < 0:
+		return fmt.Errorf("middleware: ConsumerConfig.Retry.InitialInterval %s: must be ≥ 0", r.InitialInterval)
+	case r.MaxInterval < 0:
+		return fmt.Errorf("middleware: ConsumerConfig.Retry.MaxInterval %s: must be ≥ 0", r.MaxInterval)
 	}
 	return nil
 }
