@@ -422,9 +422,11 @@ func (c ConsumerConfig) Validate() error {
 // AddConsumerHandler adds a handler that produces no messages to r, as
 // Watermill's Router.AddConsumerHandler does, with the consumer's whole
 // chain around h. It fails with ErrAttached on a Consumer that already
-// serves a handler, and with ErrSharedConsumer when another Consumer of
-// the same name, pool and table serves a handler of another name in this
-// process.
+// serves a handler, with ErrSharedConsumer when another Consumer of the
+// same name, pool and table serves a handler of another name in this
+// process, and when subscribeTopic is the consumer's own poison topic
+// (ConsumerConfig.Poison.Topic): a handler must not consume its own dead
+// letters.
 func (c *Consumer) AddConsumerHandler(r *message.Router, handlerName, subscribeTopic string,
 	sub message.Subscriber, h message.NoPublishHandlerFunc) (*message.Handler, error) {
 	if h == nil {
@@ -452,6 +454,14 @@ func (c *Consumer) AddHandler(r *message.Router, handlerName, subscribeTopic str
 		return nil, errors.New("middleware: AddHandler: nil handler")
 	case handlerName == "":
 		return nil, errors.New("middleware: AddHandler: empty handler name")
+	case subscribeTopic == c.cfg.Poison.Topic:
+		// Its poisoned messages would come back to it. The chain never
+		// publishes to the topic it consumes, so it would hold each
+		// message that fails there (retried in place, nacked after
+		// MaxHold, redelivered) for ever, the messages behind it stalled.
+		return nil, fmt.Errorf("middleware: AddHandler: handler %q subscribes to %q, consumer %q's poison topic "+
+			"(ConsumerConfig.Poison.Topic): it would receive its own dead letters; consume the poison topic with a "+
+			"handler outside the consumer, or give the consumer another poison topic", handlerName, subscribeTopic, c.cfg.Consumer)
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
