@@ -97,9 +97,13 @@ type ConsumerConfig struct {
 	// database clock on the event's own time (its UUIDv7 timestamp, else
 	// occurred_at), so no clock skew lets a purged event apply twice. Choose
 	// it ≥ the longest outbox replay window + the longest time a message may
-	// wait in a queue or dead-letter queue + a margin. It must equal the
-	// horizon of the table's purger (processed.PurgerConfig.ReplayHorizon).
-	// 0 (the default) refuses nothing, and no purger may run on the table.
+	// wait in a queue or dead-letter queue + a margin. The horizon lives
+	// with the table (processed.ReplayHorizon, processed.SetReplayHorizon),
+	// and the table's processed.Purger purges by it: NewConsumer records
+	// this value when the table keeps none and refuses another one than
+	// the table's (processed.ErrHorizonMismatch). 0 (the default) adopts
+	// the table's horizon; a table that keeps none refuses nothing and is
+	// never purged.
 	ReplayHorizon time.Duration
 
 	// MaxFutureSkew bounds how far ahead of the database clock an event may
