@@ -83,9 +83,14 @@ func DeliverTwice(t TB, s Subject, msg *message.Message) Report {
 // several consumers, or a redelivery racing the first delivery) and checks
 // through t that every delivery returned nil, that the handler ran once and
 // that Effects equals WantEffects. The copies that lose the race wait on the
-// claim's primary key until the winner commits, then skip: a Config.LockTimeout
-// shorter than the handler would make them fail with the transient
-// middleware.ErrInFlight instead, which is reported.
+// claim's primary key until the winner commits, then skip as duplicates. A
+// copy whose wait outlasts middleware.ConsumerConfig.LockTimeout (a handler
+// slower than it) fails that attempt with the transient
+// middleware.ErrInFlight, and the consumer's chain holds the copy as it
+// holds a router's delivery: the attempt is re-run in place, with the retry
+// backoff, and skips once the winner committed, so nothing is reported. Only
+// a copy still held after ConsumerConfig.Retry.MaxHold, or when
+// Subject.Timeout ends, returns its error, which is reported.
 func DeliverConcurrently(t TB, s Subject, msg *message.Message, n int) Report {
 	t.Helper()
 	if n < 2 {

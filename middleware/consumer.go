@@ -143,8 +143,12 @@ type ConsumerConfig struct {
 
 	// LockTimeout bounds the wait on a claim held by another, uncommitted
 	// transaction (two deliveries of one event at once) and on the claim
-	// table's lock; when it expires the attempt fails with ErrInFlight
-	// (transient: retried later). On PostgreSQL it is lock_timeout for the
+	// table's lock; when it expires the attempt fails with ErrInFlight,
+	// transient: the consumer holds the delivery and re-runs the attempt in
+	// place, with the retry backoff, until the other transaction has ended
+	// (committed: the delivery skips as a duplicate; rolled back: it is
+	// processed) or Retry.MaxHold passed (the router then nacks it); never
+	// poisoned. On PostgreSQL it is lock_timeout for the
 	// whole attempt, so a handler statement that waits longer on a lock
 	// also fails, transiently (SQLSTATE 55P03). With idempotency.Pgx over a
 	// direct connection it is the session's lock_timeout, set once per
