@@ -10,6 +10,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/watermill-idempotency/idempotency/internal/door"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
@@ -59,6 +61,10 @@ type Report struct {
 	// Errors holds the non-nil results of deliveries, in no particular order
 	// (for a router: the deliveries it would have nacked).
 	Errors []error
+	// Poisoned holds the reasons of the deliveries the consumer's chain
+	// poisoned (published to the poison topic and acked: their result was
+	// nil), in no particular order.
+	Poisoned []string
 	// Effects is what Subject.Effects returned after the deliveries (-1 when
 	// it failed).
 	Effects int
@@ -72,20 +78,31 @@ func NoPublish(h message.NoPublishHandlerFunc) message.HandlerFunc {
 
 // DeliverTwice delivers msg, then a copy of it again (a broker redelivery
 // after a lost ack), and checks through t that both deliveries returned nil
-// (the duplicate is acknowledged, not failed), that the handler ran once and
-// that Effects equals WantEffects.
+// (the duplicate is acknowledged, not failed) and none was poisoned, that
+// the handler ran once and that Effects equals WantEffects.
 func DeliverTwice(t TB, s Subject, msg *message.Message) Report {
 	t.Helper()
 	return run(t, "DeliverTwice", s, msg, 2, false)
 }
 
 // DeliverConcurrently delivers n copies of msg at the same moment (n ≥ 2:
-// several consumers, or a redelivery racing the first delivery) and checks
-// through t that every delivery returned nil, that the handler ran once and
-// that Effects equals WantEffects. The copies that lose the race wait on the
-// claim's primary key until the winner commits, then skip: a Config.LockTimeout
-// shorter than the handler would make them fail with the transient
-// middleware.ErrInFlight instead, which is reported.
+// several consumers each receiving it) and checks through t that every
+// delivery returned nil and none was poisoned (each was applied or skipped
+// as a duplicate), that the handler ran once and that Effects equals
+// WantEffects. Each copy is marked as a first delivery (redelivered false,
+// delivery count 0, as a transport that marks redeliveries marks one), so
+// that the crash bound (ConsumerConfig.MaxCrashes) does not count the
+// copies still waiting on the winner's claim as attempts that died.
+//
+// The copies that lose the race wait on the claim's primary key until the
+// winner commits, then skip as duplicates. A copy whose wait outlasts
+// middleware.ConsumerConfig.LockTimeout (a handler slower than it) fails
+// that attempt with the transient middleware.ErrInFlight, and the
+// consumer's chain holds the copy as it holds a router's delivery: the
+// attempt is re-run in place, with the retry backoff, and skips once the
+// winner committed, so nothing is reported. Only a copy still held after
+// ConsumerConfig.Retry.MaxHold, or when Subject.Timeout ends, returns its
+// error, which is reported.
 func DeliverConcurrently(t TB, s Subject, msg *message.Message, n int) Report {
 	t.Helper()
 	if n < 2 {
@@ -134,11 +151,25 @@ func run(t TB, name string, s Subject, msg *message.Message, n int, concurrent b
 	}
 
 	var (
-		mu   sync.Mutex
-		errs []error
+		mu       sync.Mutex
+		errs     []error
+		poisoned []string
 	)
+	ctx = inbox.WithPoisonNotice(ctx, func(reason string) {
+		mu.Lock()
+		poisoned = append(poisoned, reason)
+		mu.Unlock()
+	})
 	deliver := func() {
 		c := msg.Copy()
+		if concurrent {
+			// Copies received at once by several consumers: first
+			// deliveries, not redeliveries whose attempts the crash bound
+			// counts (the ones waiting on the winner's claim would pass
+			// MaxCrashes and be dead-lettered as crash_loop).
+			marshaler.SetRedelivered(c, false)
+			marshaler.SetDeliveryCount(c, 0)
+		}
 		c.SetContext(ctx)
 		if err := safeCall(h, c); err != nil {
 			mu.Lock()
@@ -165,9 +196,13 @@ func run(t TB, name string, s Subject, msg *message.Message, n int, concurrent b
 		}
 	}
 
-	r := Report{Deliveries: n, Calls: int(calls.Load()), Errors: errs, Effects: -1}
+	r := Report{Deliveries: n, Calls: int(calls.Load()), Errors: errs, Poisoned: poisoned, Effects: -1}
 	for _, err := range errs {
 		t.Errorf("idempotencytest.%s: a delivery of %s failed: %v", name, msg.UUID, err)
+	}
+	for _, reason := range poisoned {
+		t.Errorf("idempotencytest.%s: a delivery of %s was poisoned (dead-lettered) instead of applied or skipped as a duplicate: %s",
+			name, msg.UUID, reason)
 	}
 	if r.Calls != 1 {
 		t.Errorf("idempotencytest.%s: handler entered %d times for %d deliveries of %s, want 1", name, r.Calls, n, msg.UUID)

@@ -97,9 +97,13 @@ type ConsumerConfig struct {
 	// database clock on the event's own time (its UUIDv7 timestamp, else
 	// occurred_at), so no clock skew lets a purged event apply twice. Choose
 	// it ≥ the longest outbox replay window + the longest time a message may
-	// wait in a queue or dead-letter queue + a margin. It must equal the
-	// horizon of the table's purger (processed.PurgerConfig.ReplayHorizon).
-	// 0 (the default) refuses nothing, and no purger may run on the table.
+	// wait in a queue or dead-letter queue + a margin. The horizon lives
+	// with the table (processed.ReplayHorizon, processed.SetReplayHorizon),
+	// and the table's processed.Purger purges by it: NewConsumer records
+	// this value when the table keeps none and refuses another one than
+	// the table's (processed.ErrHorizonMismatch). 0 (the default) adopts
+	// the table's horizon; a table that keeps none refuses nothing and is
+	// never purged.
 	ReplayHorizon time.Duration
 
 	// MaxFutureSkew bounds how far ahead of the database clock an event may
@@ -121,7 +125,8 @@ type ConsumerConfig struct {
 	// AfterPoison are middlewares placed just inside the poison layer and
 	// outside the retries, outermost first: routers that take some
 	// permanent errors elsewhere before the poison topic sees them
-	// (operation.RouteUncertain). Defaults to none.
+	// (operation.RouteUncertain). Defaults to none; a nil entry is
+	// refused.
 	AfterPoison []message.HandlerMiddleware
 
 	// Outbox, when set (recommended), writes the messages a handler
@@ -138,8 +143,12 @@ type ConsumerConfig struct {
 
 	// LockTimeout bounds the wait on a claim held by another, uncommitted
 	// transaction (two deliveries of one event at once) and on the claim
-	// table's lock; when it expires the attempt fails with ErrInFlight
-	// (transient: retried later). On PostgreSQL it is lock_timeout for the
+	// table's lock; when it expires the attempt fails with ErrInFlight,
+	// transient: the consumer holds the delivery and re-runs the attempt in
+	// place, with the retry backoff, until the other transaction has ended
+	// (committed: the delivery skips as a duplicate; rolled back: it is
+	// processed) or Retry.MaxHold passed (the router then nacks it); never
+	// poisoned. On PostgreSQL it is lock_timeout for the
 	// whole attempt, so a handler statement that waits longer on a lock
 	// also fails, transiently (SQLSTATE 55P03). With idempotency.Pgx over a
 	// direct connection it is the session's lock_timeout, set once per
@@ -360,7 +369,10 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 		key: registryKey{pool: poolIdentity(h), table: store.Table().String(), consumer: cfg.Consumer}}, nil
 }
 
-// Validate reports the first invalid field of c, naming it.
+// Validate reports the first invalid field of c, naming it: every value
+// NewConsumer refuses without reading the database. (NewConsumer also
+// fails on what only the database can tell: a missing table, a
+// ReplayHorizon other than the table's.)
 func (c ConsumerConfig) Validate() error {
 	if strings.TrimSpace(c.Consumer) == "" {
 		return fmt.Errorf("middleware: ConsumerConfig.Consumer %q: required, not blank (the claim key's consumer name, shared by competing workers)", c.Consumer)
@@ -372,8 +384,25 @@ func (c ConsumerConfig) Validate() error {
 	if c.JoinSQLSubscriber && h.Dialect != sqldb.PostgreSQL {
 		return fmt.Errorf("middleware: ConsumerConfig.JoinSQLSubscriber: PostgreSQL only, not %s", h.Dialect)
 	}
+	// The table's name and layout, as the store NewConsumer builds checks
+	// them: each refusal named by the field to change.
+	if err := (processedstore.Config{Table: c.Table, Dialect: h.Dialect}).Validate(); err != nil {
+		return fmt.Errorf("middleware: ConsumerConfig.Table: %w", err)
+	}
+	if err := (processedstore.Config{Dialect: h.Dialect, Layout: c.Layout}).Validate(); err != nil {
+		return fmt.Errorf("middleware: ConsumerConfig.Layout: %w", err)
+	}
+	if err := (processedstore.Config{Table: c.Table, Dialect: h.Dialect, Layout: c.Layout}).Validate(); err != nil {
+		return fmt.Errorf("middleware: ConsumerConfig.Table (with its Layout): %w", err)
+	}
 	if c.ReplayHorizon < 0 {
 		return fmt.Errorf("middleware: ConsumerConfig.ReplayHorizon %s: must be ≥ 0", c.ReplayHorizon)
+	}
+	if c.MaxFutureSkew < 0 {
+		return fmt.Errorf("middleware: ConsumerConfig.MaxFutureSkew %s: must be ≥ 0", c.MaxFutureSkew)
+	}
+	if c.LockTimeout > 0 && c.LockTimeout < time.Millisecond {
+		return fmt.Errorf("middleware: ConsumerConfig.LockTimeout %s: at least 1ms (negative leaves the session's lock_timeout untouched)", c.LockTimeout)
 	}
 	if c.Poison.Publisher == nil {
 		return errors.New("middleware: ConsumerConfig.Poison.Publisher is required")
@@ -381,15 +410,35 @@ func (c ConsumerConfig) Validate() error {
 	if strings.TrimSpace(c.Poison.Topic) == "" {
 		return errors.New("middleware: ConsumerConfig.Poison.Topic is required")
 	}
+	if c.Poison.MaxHeaderBytes != 0 && c.Poison.MaxHeaderBytes < 64 {
+		return fmt.Errorf("middleware: ConsumerConfig.Poison.MaxHeaderBytes %d: at least 64", c.Poison.MaxHeaderBytes)
+	}
+	for i, mw := range c.AfterPoison {
+		if mw == nil {
+			return fmt.Errorf("middleware: ConsumerConfig.AfterPoison[%d] is nil", i)
+		}
+	}
+	switch r := c.Retry; {
+	case r.MaxRetries < 0:
+		return fmt.Errorf("middleware: ConsumerConfig.Retry.MaxRetries %d: must be ≥ 0", r.MaxRetries)
+	case r.Multiplier != 0 && !(r.Multiplier >= 1):
+		return fmt.Errorf("middleware: ConsumerConfig.Retry.Multiplier %v: must be ≥ 1", r.Multiplier)
+	case r.InitialInterval < 0:
+		return fmt.Errorf("middleware: ConsumerConfig.Retry.InitialInterval %s: must be ≥ 0", r.InitialInterval)
+	case r.MaxInterval < 0:
+		return fmt.Errorf("middleware: ConsumerConfig.Retry.MaxInterval %s: must be ≥ 0", r.MaxInterval)
+	}
 	return nil
 }
 
 // AddConsumerHandler adds a handler that produces no messages to r, as
 // Watermill's Router.AddConsumerHandler does, with the consumer's whole
 // chain around h. It fails with ErrAttached on a Consumer that already
-// serves a handler, and with ErrSharedConsumer when another Consumer of
-// the same name, pool and table serves a handler of another name in this
-// process.
+// serves a handler, with ErrSharedConsumer when another Consumer of the
+// same name, pool and table serves a handler of another name in this
+// process, and when subscribeTopic is the consumer's own poison topic
+// (ConsumerConfig.Poison.Topic): a handler must not consume its own dead
+// letters.
 func (c *Consumer) AddConsumerHandler(r *message.Router, handlerName, subscribeTopic string,
 	sub message.Subscriber, h message.NoPublishHandlerFunc) (*message.Handler, error) {
 	if h == nil {
@@ -417,6 +466,14 @@ func (c *Consumer) AddHandler(r *message.Router, handlerName, subscribeTopic str
 		return nil, errors.New("middleware: AddHandler: nil handler")
 	case handlerName == "":
 		return nil, errors.New("middleware: AddHandler: empty handler name")
+	case subscribeTopic == c.cfg.Poison.Topic:
+		// Its poisoned messages would come back to it. The chain never
+		// publishes to the topic it consumes, so it would hold each
+		// message that fails there (retried in place, nacked after
+		// MaxHold, redelivered) for ever, the messages behind it stalled.
+		return nil, fmt.Errorf("middleware: AddHandler: handler %q subscribes to %q, consumer %q's poison topic "+
+			"(ConsumerConfig.Poison.Topic): it would receive its own dead letters; consume the poison topic with a "+
+			"handler outside the consumer, or give the consumer another poison topic", handlerName, subscribeTopic, c.cfg.Consumer)
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()

@@ -63,7 +63,11 @@ func runCrashingConsumer() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	_, err = h(crashingEvent(os.Getenv("CHILD_EVENT"), os.Getenv("CHILD_REDELIVERED") == "true"))
+	msg := crashingEvent(os.Getenv("CHILD_EVENT"), os.Getenv("CHILD_REDELIVERED") == "true")
+	if os.Getenv("CHILD_MARKED") == "true" { // a first delivery marked as one, as AMQP marks it
+		marshaler.SetRedelivered(msg, os.Getenv("CHILD_REDELIVERED") == "true")
+	}
+	_, err = h(msg)
 	fmt.Fprintln(os.Stderr, "the handler returned:", err)
 	return 3
 }

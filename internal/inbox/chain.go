@@ -466,6 +466,9 @@ func (p *holdPoison) poison(msg *message.Message, ctx context.Context, cause err
 		if err == nil {
 			p.logger.Error("Message poisoned", cause, watermill.LogFields{"message_uuid": msg.UUID,
 				"poison_topic": p.cfg.PoisonTopic, "class": class.String()})
+			if notice, ok := ctx.Value(poisonNoticeKey{}).(func(string)); ok {
+				notice(reason)
+			}
 			return nil
 		}
 		p.logger.Error("Poison publish failed: delivery held, retrying", err, watermill.LogFields{
@@ -563,6 +566,17 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 	case <-t.C:
 		return true
 	}
+}
+
+type poisonNoticeKey struct{}
+
+// WithPoisonNotice returns ctx carrying notice, which the chain calls with
+// the reason once it has poisoned a message whose context is ctx (the
+// publish returned nil; the delivery is then acked): the library's test
+// helpers (idempotencytest) tell a poisoned delivery from an applied or
+// skipped one, both of which return nil.
+func WithPoisonNotice(ctx context.Context, notice func(reason string)) context.Context {
+	return context.WithValue(ctx, poisonNoticeKey{}, notice)
 }
 
 // poisonHooks are the steps inner middlewares registered with OnPoison for
