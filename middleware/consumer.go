@@ -14,6 +14,7 @@ import (
 	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/door"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/outboxdb"
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/outbox"
@@ -134,7 +135,16 @@ type ConsumerConfig struct {
 	// this outbox in the attempt's transaction; its relay publishes them
 	// after the commit. Without it, returned messages go back to the
 	// router, which publishes them after the commit: a crash in between
-	// loses them. It must be on the same database as DB.
+	// loses them. Build it on DB's handle (outbox.Config.DB): its rows are
+	// written, in its SQL, with each attempt's transaction on DB, and its
+	// relay reads them through its own handle. NewConsumer and Validate
+	// refuse an outbox built for another kind of database than DB (another
+	// dialect): DB's transactions cannot run its SQL, and every event
+	// whose handler produces a message would fail and be dead-lettered.
+	// Another handle of the same database and dialect (a pool of its own
+	// for the relay) is accepted; the consumer cannot tell it from one of
+	// another database or schema, where its relay would never read the
+	// rows the consumer writes into DB's.
 	Outbox *outbox.Outbox
 
 	// OutboxTopic is the destination topic of returned messages written to
@@ -427,6 +437,17 @@ func (c ConsumerConfig) Validate() error {
 		return fmt.Errorf("middleware: ConsumerConfig.Retry.InitialInterval %s: must be ≥ 0", r.InitialInterval)
 	case r.MaxInterval < 0:
 		return fmt.Errorf("middleware: ConsumerConfig.Retry.MaxInterval %s: must be ≥ 0", r.MaxInterval)
+	}
+	if c.Outbox != nil {
+		oh := outboxdb.HandleOf(c.Outbox)
+		if oh == nil {
+			return errors.New("middleware: ConsumerConfig.Outbox: not built by outbox.New")
+		}
+		if oh.Dialect != h.Dialect {
+			return fmt.Errorf("middleware: ConsumerConfig.Outbox: an outbox for %s, but DB is %s: its rows are written "+
+				"in each attempt's transaction on DB, which cannot run %s SQL; build the outbox on DB (outbox.Config.DB)",
+				oh.Dialect, h.Dialect, oh.Dialect)
+		}
 	}
 	return nil
 }

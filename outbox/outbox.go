@@ -109,6 +109,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/watermill-idempotency/idempotency/internal/outboxdb"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 )
@@ -184,6 +185,15 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 		return nil, err
 	}
 	return &Outbox{cfg: cfg, db: h, dialect: h.Dialect, logger: logger, q: newQueries(h.Dialect, names), now: time.Now}, nil
+}
+
+func init() {
+	outboxdb.HandleOf = func(v any) *sqldb.Handle {
+		if o, ok := v.(*Outbox); ok && o != nil {
+			return o.db
+		}
+		return nil
+	}
 }
 
 // Table is the outbox table's name as configured (unquoted).
