@@ -12,6 +12,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/door"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // poisonLog is a poison publisher that keeps the UUID of every message
@@ -116,4 +117,57 @@ func TestRedeliveredEventWithAnotherPayloadIsAConflict(t *testing.T) {
 	var left int
 	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_event_crash`).Scan(&left))
 	require.Zero(t, left)
+}
+
+// An event processed before the table moved to the partitioned layout
+// (processed.MigrateToPartitioned) has its row in <table>_legacy, which only
+// the claim consults: a redelivery of it whose attempts left a count above
+// the bound is still a duplicate, found by the claim before the crash bound
+// dead-letters anything, and the count is deleted.
+func TestRedeliveredEventProcessedBeforeThePartitionSwitchIsADuplicateWhateverItsCrashCount(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	ctx := context.Background()
+	poison := &poisonLog{}
+	cfg := e.config("stock")
+	cfg.Poison.Publisher = poison
+	var calls atomic.Int32
+	handler := func(msg *message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		tx, _ := middleware.PgxTxFromContext(msg.Context())
+		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID)
+		return nil, err
+	}
+	plain, err := middleware.NewConsumer(cfg, nil)
+	require.NoError(t, err)
+	h, err := door.Wrap(plain, "reserve", handler)
+	require.NoError(t, err)
+	msg := newEvent(t)
+	_, err = h(msg)
+	require.NoError(t, err)
+	require.Equal(t, int32(1), calls.Load())
+
+	require.NoError(t, processed.MigrateToPartitioned(ctx, e.db, processed.Config{}))
+	cfg.Layout = processed.LayoutPartitioned
+	part, err := middleware.NewConsumer(cfg, nil)
+	require.NoError(t, err)
+	h, err = door.Wrap(part, "reserve", handler)
+	require.NoError(t, err)
+	var legacy int
+	require.NoError(t, e.pool.QueryRow(ctx, `SELECT count(*) FROM processed_event_legacy WHERE event_id = $1`, msg.UUID).Scan(&legacy))
+	require.Equal(t, 1, legacy, "the processed row is in the legacy table")
+
+	_, err = e.pool.Exec(ctx, `INSERT INTO processed_event_crash (consumer, event_id, started) VALUES ('stock', $1, 10)`, msg.UUID)
+	require.NoError(t, err)
+	again := newEvent(t)
+	again.UUID, again.Payload = msg.UUID, msg.Payload
+	marshaler.SetRedelivered(again, true)
+	_, err = h(again)
+	require.NoError(t, err, "acked")
+	require.Equal(t, int32(1), calls.Load(), "the handler is not called for a duplicate")
+	require.Equal(t, 1, e.effects(t))
+	require.Empty(t, poison.poisoned(), "a processed event is never dead-lettered as a crash loop")
+	var left int
+	require.NoError(t, e.pool.QueryRow(ctx, `SELECT count(*) FROM processed_event_crash`).Scan(&left))
+	require.Zero(t, left, "the count left behind is deleted")
 }

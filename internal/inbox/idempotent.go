@@ -443,11 +443,38 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		defer m.endAttempt(origCtx, consumer, eventID)
 		if crashed := crashedAttempts(msg, started); crashed >= m.cfg.MaxCrashes {
 			setField(fields, "crashed_attempts", crashed)
-			return reject(OutcomeRejected, "crash_loop", fmt.Errorf("%w: %d attempts of this message started and never ended "+
-				"(the process died in them: out of memory, a fatal error, a liveness probe); at most %d", ErrCrashLoop, crashed, m.cfg.MaxCrashes))
+			return nil, m.overCrashBound(msg, origCtx, consumer, handlerName, eventID, start, fields, crashed)
 		}
 		return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields)
 	}
+}
+
+// overCrashBound ends an attempt whose earlier attempts died at least
+// MaxCrashes times. The claim runs first, without the handler: an event
+// processed already (its row where only the claim looks, such as the legacy
+// table of processed.MigrateToPartitioned) is a duplicate, or a conflict,
+// as on any other path, never a crash loop. Otherwise the claim is rolled
+// back and the message rejected as permanent (reason "crash_loop",
+// ErrCrashLoop). A claim that fails (the database went away) fails the
+// attempt: it is retried, never dead-lettered on an error.
+func (m *Idempotent) overCrashBound(msg *message.Message, origCtx context.Context, consumer, handlerName string,
+	eventID uuid.UUID, start time.Time, fields watermill.LogFields, crashed int) error {
+	eventAt, _ := eventTime(msg, eventID)
+	req := claimRequest{store: m.cfg.Store, consumer: consumer, eventID: eventID, eventAt: eventAt, lockTimeout: m.lockTimeout}
+	req.identity, req.verify = m.identityOf(msg)
+	tx, claimed, err := m.cfg.Beginner.beginClaim(origCtx, req)
+	claimDur := time.Since(start)
+	if err != nil {
+		err = fmt.Errorf("idempotency: begin and claim %s/%s: %w", consumer, eventID, claimError(err, m.cfg.Classifier))
+		return m.finish(handlerName, OutcomeFailed, start, claimDur, fields, err)
+	}
+	defer tx.release()
+	if !claimed {
+		return m.unclaimed(origCtx, tx, req, handlerName, start, claimDur, fields)
+	}
+	_ = rollback(origCtx, tx)
+	return m.finish(handlerName, OutcomeRejected, start, claimDur, fields, permanent("crash_loop", fmt.Errorf("%w: %d attempts of this message started "+
+		"and never ended (the process died in them: out of memory, a fatal error, a liveness probe); at most %d", ErrCrashLoop, crashed, m.cfg.MaxCrashes)))
 }
 
 // wiredTwice is the error of an attempt nested in an attempt of the same
