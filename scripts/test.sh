@@ -10,12 +10,16 @@
 # IDEMPOTENCY_FULL_TEST makes a missing driver or store fail instead of skip.
 #
 # Arguments are passed to every `go test` (e.g. -run TestX). GOTEST_P sets
-# -p (packages tested at once; default 2, the machine's cores).
+# -p (packages tested at once; default 2, the machine's cores);
+# GOTEST_PARALLEL sets -parallel (t.Parallel tests run at once in a package;
+# default 4: most of them wait on a server, a broker or a fault's timer, not
+# on a core).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/local/go/bin"
 export IDEMPOTENCY_FULL_TEST=1
 p=${GOTEST_P:-2}
+par=${GOTEST_PARALLEL:-4}
 
 bash scripts/services.sh
 files=$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')
@@ -30,7 +34,7 @@ for m in $(bash scripts/modules.sh); do
   start=$SECONDS
   flags=()
   [ "$m" = . ] && flags=(-overlay "$overlay")
-  (cd "$m" && go vet "${flags[@]}" ./... && go test "${flags[@]}" -race -count=1 -p "$p" -timeout 9m "$@" ./...) || status=1
+  (cd "$m" && go vet "${flags[@]}" ./... && go test "${flags[@]}" -race -count=1 -p "$p" -parallel "$par" -timeout 9m "$@" ./...) || status=1
   echo "=== module $m: $((SECONDS - start)) s"
 done
 
