@@ -593,22 +593,21 @@ func parseEventID(s string) (uuid.UUID, string, error) {
 		return uuid.Nil, fmt.Sprintf("not a UUID (%d characters)", len(s)), nil
 	}
 	var id uuid.UUID
-	hyphens := len(s) == canonicalLen
-	j := 0
-	for i := 0; i < len(id); i++ {
-		if hyphens && (i == 4 || i == 6 || i == 8 || i == 10) {
+	at := &plainHexAt
+	if len(s) == canonicalLen {
+		for _, j := range [...]int{8, 13, 18, 23} {
 			if s[j] != '-' {
 				return uuid.Nil, "not a UUID (hyphen expected at position " + fmt.Sprint(j+1) + ")", nil
 			}
-			j++
 		}
-		hi, ok1 := fromHex(s[j])
-		lo, ok2 := fromHex(s[j+1])
-		if !ok1 || !ok2 {
+		at = &canonicalHexAt
+	}
+	for i, j := range at {
+		hi, lo := hexValue[s[j]], hexValue[s[j+1]]
+		if hi == 0xff || lo == 0xff {
 			return uuid.Nil, "not a UUID (not a hex digit)", nil
 		}
 		id[i] = hi<<4 | lo
-		j += 2
 	}
 	if id == uuid.Nil {
 		return uuid.Nil, ErrNilEventID.Error(), ErrNilEventID
@@ -617,13 +616,28 @@ func parseEventID(s string) (uuid.UUID, string, error) {
 }
 
 func fromHex(c byte) (byte, bool) {
-	switch {
-	case '0' <= c && c <= '9':
-		return c - '0', true
-	case 'a' <= c && c <= 'f':
-		return c - 'a' + 10, true
-	case 'A' <= c && c <= 'F':
-		return c - 'A' + 10, true
-	}
-	return 0, false
+	v := hexValue[c]
+	return v, v != 0xff
 }
+
+// canonicalHexAt and plainHexAt are where each byte's two digits start in
+// the hyphenated (8-4-4-4-12) and the 32-digit forms.
+var (
+	canonicalHexAt = [16]int{0, 2, 4, 6, 9, 11, 14, 16, 19, 21, 24, 26, 28, 30, 32, 34}
+	plainHexAt     = [16]int{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}
+)
+
+// hexValue maps a hexadecimal digit (either case) to its value and every
+// other byte to 0xff.
+var hexValue = func() (t [256]byte) {
+	for i := range t {
+		t[i] = 0xff
+	}
+	for c := byte('0'); c <= '9'; c++ {
+		t[c] = c - '0'
+	}
+	for c := byte('a'); c <= 'f'; c++ {
+		t[c], t[c-'a'+'A'] = c-'a'+10, c-'a'+10
+	}
+	return t
+}()
