@@ -117,12 +117,7 @@ func testCrashLoop(t *testing.T, redelivered bool) {
 	c, err := middleware.NewConsumer(e.config("stock"), nil)
 	require.NoError(t, err)
 	var calls atomic.Int32
-	h, err := door.Wrap(c, "reserve", func(msg *message.Message) ([]*message.Message, error) {
-		calls.Add(1)
-		tx, _ := middleware.PgxTxFromContext(msg.Context())
-		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID)
-		return nil, err
-	})
+	h, err := door.Wrap(c, "reserve", effectHandler(&calls))
 	require.NoError(t, err)
 	poisoned, err := e.pubsub.Subscribe(context.Background(), "poison")
 	require.NoError(t, err)
@@ -198,10 +193,7 @@ func TestConsumerCrashCountIsBoundedByTheBrokersDeliveryCount(t *testing.T) {
 	c, err := middleware.NewConsumer(e.config("stock"), nil)
 	require.NoError(t, err)
 	var calls atomic.Int32
-	h, err := door.Wrap(c, "reserve", func(*message.Message) ([]*message.Message, error) {
-		calls.Add(1)
-		return nil, nil
-	})
+	h, err := door.Wrap(c, "reserve", countingHandler(&calls))
 	require.NoError(t, err)
 	marshaler.SetRedelivered(msg, true)
 	marshaler.SetDeliveryCount(msg, 1)

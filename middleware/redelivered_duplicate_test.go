@@ -48,19 +48,9 @@ func (p *poisonLog) poisoned() []string {
 func TestRedeliveredProcessedEventIsADuplicateWhateverItsCrashCount(t *testing.T) {
 	t.Parallel()
 	e := newConsumerEnv(t)
-	ctx := context.Background()
-	poison := &poisonLog{}
-	cfg := e.config("stock")
-	cfg.Poison.Publisher = poison
-	c, err := middleware.NewConsumer(cfg, nil)
-	require.NoError(t, err)
+	c, poison := consumerWithPoisonLog(t, e)
 	var calls atomic.Int32
-	h, err := door.Wrap(c, "reserve", func(msg *message.Message) ([]*message.Message, error) {
-		calls.Add(1)
-		tx, _ := middleware.PgxTxFromContext(msg.Context())
-		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID)
-		return nil, err
-	})
+	h, err := door.Wrap(c, "reserve", effectHandler(&calls))
 	require.NoError(t, err)
 
 	msg := newEvent(t)
@@ -71,19 +61,59 @@ func TestRedeliveredProcessedEventIsADuplicateWhateverItsCrashCount(t *testing.T
 	require.Equal(t, int32(1), calls.Load())
 
 	// Attempts that died after their commit left a count above the bound.
-	_, err = e.pool.Exec(ctx, `INSERT INTO processed_event_crash (consumer, event_id, started) VALUES ('stock', $1, 10)`, msg.UUID)
+	redeliverOverTheCrashBound(t, e, h, msg, poison)
+	require.Equal(t, int32(1), calls.Load(), "the handler is not called for a duplicate")
+}
+
+// consumerWithPoisonLog is the env's "stock" consumer, dead-lettering
+// through a poisonLog.
+func consumerWithPoisonLog(t *testing.T, e consumerEnv) (*middleware.Consumer, *poisonLog) {
+	t.Helper()
+	poison := &poisonLog{}
+	cfg := e.config("stock")
+	cfg.Poison.Publisher = poison
+	c, err := middleware.NewConsumer(cfg, nil)
+	require.NoError(t, err)
+	return c, poison
+}
+
+// countingHandler is a handler that counts its calls and does nothing else.
+func countingHandler(calls *atomic.Int32) message.HandlerFunc {
+	return func(*message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		return nil, nil
+	}
+}
+
+// effectHandler is a handler that counts its calls and writes one effect
+// row in the attempt's transaction.
+func effectHandler(calls *atomic.Int32) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		tx, _ := middleware.PgxTxFromContext(msg.Context())
+		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID)
+		return nil, err
+	}
+}
+
+// redeliverOverTheCrashBound redelivers processed (its one effect applied)
+// through h with a crash count of 10 left behind, and checks it is acked as
+// a duplicate: no second effect, no dead letter, no count left.
+func redeliverOverTheCrashBound(t *testing.T, e consumerEnv, h message.HandlerFunc, processed *message.Message, poison *poisonLog) {
+	t.Helper()
+	ctx := context.Background()
+	_, err := e.pool.Exec(ctx, `INSERT INTO processed_event_crash (consumer, event_id, started) VALUES ('stock', $1, 10)`, processed.UUID)
 	require.NoError(t, err)
 	again := newEvent(t)
-	again.UUID, again.Payload = msg.UUID, msg.Payload
+	again.UUID, again.Payload = processed.UUID, processed.Payload
 	marshaler.SetRedelivered(again, true)
 	_, err = h(again)
 	require.NoError(t, err, "acked")
-	require.Equal(t, int32(1), calls.Load(), "the handler is not called for a duplicate")
-	require.Equal(t, 1, e.effects(t))
+	require.Equal(t, 1, e.effects(t), "no second effect")
+	require.Empty(t, poison.poisoned(), "a processed event is never dead-lettered as a crash loop")
 	var left int
 	require.NoError(t, e.pool.QueryRow(ctx, `SELECT count(*) FROM processed_event_crash`).Scan(&left))
 	require.Zero(t, left, "the count left behind is deleted, none is added")
-	require.Empty(t, poison.poisoned(), "a processed event is never dead-lettered as a crash loop")
 }
 
 // A redelivery that reuses a processed event's id for other content is a
@@ -92,16 +122,9 @@ func TestRedeliveredProcessedEventIsADuplicateWhateverItsCrashCount(t *testing.T
 func TestRedeliveredEventWithAnotherPayloadIsAConflict(t *testing.T) {
 	t.Parallel()
 	e := newConsumerEnv(t)
-	poison := &poisonLog{}
-	cfg := e.config("stock")
-	cfg.Poison.Publisher = poison
-	c, err := middleware.NewConsumer(cfg, nil)
-	require.NoError(t, err)
+	c, poison := consumerWithPoisonLog(t, e)
 	var calls atomic.Int32
-	h, err := door.Wrap(c, "reserve", func(*message.Message) ([]*message.Message, error) {
-		calls.Add(1)
-		return nil, nil
-	})
+	h, err := door.Wrap(c, "reserve", countingHandler(&calls))
 	require.NoError(t, err)
 	msg := newEvent(t)
 	_, err = h(msg)
@@ -132,12 +155,7 @@ func TestRedeliveredEventProcessedBeforeThePartitionSwitchIsADuplicateWhateverIt
 	cfg := e.config("stock")
 	cfg.Poison.Publisher = poison
 	var calls atomic.Int32
-	handler := func(msg *message.Message) ([]*message.Message, error) {
-		calls.Add(1)
-		tx, _ := middleware.PgxTxFromContext(msg.Context())
-		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID)
-		return nil, err
-	}
+	handler := effectHandler(&calls)
 	plain, err := middleware.NewConsumer(cfg, nil)
 	require.NoError(t, err)
 	h, err := door.Wrap(plain, "reserve", handler)
@@ -157,17 +175,6 @@ func TestRedeliveredEventProcessedBeforeThePartitionSwitchIsADuplicateWhateverIt
 	require.NoError(t, e.pool.QueryRow(ctx, `SELECT count(*) FROM processed_event_legacy WHERE event_id = $1`, msg.UUID).Scan(&legacy))
 	require.Equal(t, 1, legacy, "the processed row is in the legacy table")
 
-	_, err = e.pool.Exec(ctx, `INSERT INTO processed_event_crash (consumer, event_id, started) VALUES ('stock', $1, 10)`, msg.UUID)
-	require.NoError(t, err)
-	again := newEvent(t)
-	again.UUID, again.Payload = msg.UUID, msg.Payload
-	marshaler.SetRedelivered(again, true)
-	_, err = h(again)
-	require.NoError(t, err, "acked")
+	redeliverOverTheCrashBound(t, e, h, msg, poison)
 	require.Equal(t, int32(1), calls.Load(), "the handler is not called for a duplicate")
-	require.Equal(t, 1, e.effects(t))
-	require.Empty(t, poison.poisoned(), "a processed event is never dead-lettered as a crash loop")
-	var left int
-	require.NoError(t, e.pool.QueryRow(ctx, `SELECT count(*) FROM processed_event_crash`).Scan(&left))
-	require.Zero(t, left, "the count left behind is deleted")
 }
