@@ -108,3 +108,26 @@ func TestConfirmedPublisherConfigValidate(t *testing.T) {
 	_, err = amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{URL: "amqp://x", ConfirmTimeout: -1}, nil)
 	require.True(t, strings.Contains(err.Error(), "ConfirmTimeout"))
 }
+
+// A publish the broker refuses by closing the channel (an exchange that does
+// not exist: 404 NOT_FOUND, e.g. the relay started before any consumer
+// declared the events exchange, or a misspelt ConfirmedPublisherConfig.Exchange)
+// fails with the broker's reason, not a bare "channel closed"; and the
+// error does not call a publisher that is also the outbox relay's a poison
+// publisher. It stays ErrNotConfirmed (the relay keeps the row).
+func TestConfirmedPublisherReportsTheBrokersReasonForAMissingExchange(t *testing.T) {
+	t.Parallel()
+	missing := testenv.UniqueName("no_such_exchange")
+	p, err := amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{URL: testenv.AMQPURL(), Exchange: missing}, nil)
+	require.NoError(t, err)
+	defer p.Close()
+
+	err = p.Publish("order.placed", poisonMsg(t))
+	require.Error(t, err)
+	require.ErrorIs(t, err, amqp.ErrNotConfirmed, "the row stays in the outbox")
+	var amqpErr *amqp091.Error
+	require.True(t, errors.As(err, &amqpErr), "the broker's reason is lost: %v", err)
+	require.Equal(t, amqp091.NotFound, amqpErr.Code)
+	require.Contains(t, err.Error(), missing)
+	require.NotContains(t, err.Error(), "poison", "the relay's publisher is no poison publisher")
+}
