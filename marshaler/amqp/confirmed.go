@@ -97,6 +97,7 @@ type ConfirmedPublisher struct {
 	conn    *amqp091.Connection
 	ch      *amqp091.Channel
 	returns chan amqp091.Return
+	closes  chan *amqp091.Error // the broker's reason when it closes the channel
 	closed  bool
 }
 
@@ -130,12 +131,12 @@ func (p *ConfirmedPublisher) Publish(topic string, msgs ...*message.Message) err
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
-		return errors.New("amqp: poison publisher closed")
+		return errors.New("amqp: confirmed publisher closed")
 	}
 	for _, msg := range msgs {
 		if err := p.publishOne(topic, msg); err != nil {
 			p.reset()
-			return fmt.Errorf("amqp: poison publish of %s to %q: %w", msg.UUID, topic, err)
+			return fmt.Errorf("amqp: publish of %s to %q (exchange %q): %w", msg.UUID, topic, p.cfg.Exchange, err)
 		}
 	}
 	return nil
@@ -165,15 +166,33 @@ func (p *ConfirmedPublisher) publishOne(topic string, msg *message.Message) erro
 	select {
 	case r, ok := <-p.returns:
 		if !ok {
-			return fmt.Errorf("%w: channel closed", ErrNotConfirmed)
+			return p.channelClosed()
 		}
 		return fmt.Errorf("%w: %d %s (exchange %q, routing key %q)", ErrUnroutable, r.ReplyCode, r.ReplyText, r.Exchange, r.RoutingKey)
 	default:
 	}
 	if !acked {
+		if p.ch.IsClosed() {
+			return p.channelClosed()
+		}
 		return ErrNotConfirmed
 	}
 	return nil
+}
+
+// channelClosed is the error of a publish whose channel closed before it
+// was confirmed: ErrNotConfirmed, with the broker's reason when the broker
+// closed it (a channel exception: 404 NOT_FOUND for an exchange that does
+// not exist, 403 ACCESS_REFUSED), so that a misconfiguration is named.
+func (p *ConfirmedPublisher) channelClosed() error {
+	select {
+	case e, ok := <-p.closes:
+		if ok && e != nil {
+			return fmt.Errorf("%w: channel closed by the broker: %w", ErrNotConfirmed, e)
+		}
+	default:
+	}
+	return fmt.Errorf("%w: channel closed", ErrNotConfirmed)
 }
 
 // open (re)connects and opens a confirm-mode channel.
@@ -198,6 +217,7 @@ func (p *ConfirmedPublisher) open() error {
 	// One publish in flight at a time, so one return at most between two
 	// confirms; a larger buffer only guards against a stray one.
 	p.returns = ch.NotifyReturn(make(chan amqp091.Return, 8))
+	p.closes = ch.NotifyClose(make(chan *amqp091.Error, 1))
 	p.conn, p.ch = conn, ch
 	return nil
 }
@@ -206,7 +226,7 @@ func (p *ConfirmedPublisher) reset() {
 	if p.conn != nil {
 		_ = p.conn.Close()
 	}
-	p.conn, p.ch, p.returns = nil, nil, nil
+	p.conn, p.ch, p.returns, p.closes = nil, nil, nil, nil
 }
 
 // Close closes the connection; later publishes fail.
