@@ -50,7 +50,7 @@ type sqlSubscriberBeginner struct{}
 func (sqlSubscriberBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx, bool, error) {
 	tx, ok := wsql.TxFromContext(ctx)
 	if !ok {
-		return nil, false, &ConfigurationError{Hint: "consume from watermill-sql's Subscriber, or use NewPgxBeginner/NewStdBeginner", Err: ErrNoSubscriberTx}
+		return nil, false, &ConfigurationError{Hint: "consume from watermill-sql's Subscriber, or unset ConsumerConfig.JoinSQLSubscriber to begin each attempt's transaction on ConsumerConfig.DB", Err: ErrNoSubscriberTx}
 	}
 	a := &savepointTx{tx: tx, q: wsqlQuerier{tx}, claim: c}
 	if _, err := tx.ExecContext(ctx, "SAVEPOINT "+savepointName); err != nil {
