@@ -299,7 +299,10 @@ const startupTimeout = 10 * time.Second
 // 10 s): it records cfg.ReplayHorizon when the table keeps none, adopts
 // the table's when cfg.ReplayHorizon is 0, and fails with
 // processed.ErrHorizonMismatch when they differ; the table must exist
-// (processed.Migrate). A nil logger is watermill.NopLogger.
+// (processed.Migrate). On MySQL it also refuses a DB whose DSN counts found
+// rows (clientFoundRows=true: the claim would read a duplicate as new),
+// with the error processed.Migrate returns for it. A nil logger is
+// watermill.NopLogger.
 func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer, error) {
 	if logger == nil {
 		logger = watermill.NopLogger{}
@@ -340,6 +343,15 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 	}
 	ctx, cancel = context.WithTimeout(context.Background(), startupTimeout)
 	err = store.CheckLean(ctx, h.Querier())
+	cancel()
+	if err != nil {
+		return nil, fmt.Errorf("middleware: ConsumerConfig.DB: %w", err)
+	}
+	// On MySQL the claim reads a duplicate from rows affected: refuse a
+	// DSN that counts found rows (clientFoundRows=true), whatever DSN the
+	// migration ran on.
+	ctx, cancel = context.WithTimeout(context.Background(), startupTimeout)
+	err = store.CheckChangedRows(ctx, h.Std)
 	cancel()
 	if err != nil {
 		return nil, fmt.Errorf("middleware: ConsumerConfig.DB: %w", err)

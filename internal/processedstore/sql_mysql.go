@@ -1,9 +1,14 @@
 package processedstore
 
 import (
+	"context"
+	"database/sql"
+	"fmt"
 	"time"
 
 	"github.com/google/uuid"
+
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // mysqlSQL is every MySQL/MariaDB statement of the store; %[1]s is the quoted
@@ -45,4 +50,35 @@ ON DUPLICATE KEY UPDATE consumer = consumer`,
 	tryLock: `SELECT GET_LOCK(SHA1(CONCAT('idempotency-purge:', DATABASE(), '.', ?)), 0)`,
 	unlock:  `SELECT RELEASE_LOCK(SHA1(CONCAT('idempotency-purge:', DATABASE(), '.', ?)))`,
 	eventID: func(id uuid.UUID) any { b := id; return b[:] },
+}
+
+// CheckChangedRows verifies, on MySQL, that db counts changed rows (the
+// driver's default), not found rows (go-sql-driver/mysql's
+// clientFoundRows=true): the claim tells a duplicate by rows affected 0,
+// which found rows report as 1, a claim, so the effect would be applied
+// again. Migrate checks its own connection; this checks the consumer's,
+// which may have another DSN (or a schema made by a migration tool). It
+// runs the claim of a key no consumer can have (the blank consumer name,
+// the nil id) twice in a transaction it rolls back: nothing is stored.
+// nil on the other dialects.
+func (s *Store) CheckChangedRows(ctx context.Context, db *sql.DB) error {
+	if s.dialect != sqldb.MySQL || db == nil {
+		return nil
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("processed: check the changed-rows count on %s: %w", s.table, err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	query, args := s.ClaimQuery("", uuid.Nil)
+	for i := 0; i < 2; i++ {
+		res, err := tx.ExecContext(ctx, query, args...)
+		if err != nil {
+			return fmt.Errorf("processed: check the changed-rows count on %s: %w", s.table, err)
+		}
+		if n, err := res.RowsAffected(); err == nil && i == 1 && n != 0 {
+			return sqldb.ErrMySQLFoundRows
+		}
+	}
+	return nil
 }

@@ -259,8 +259,9 @@ func lockKey(name string) int64 {
 // counts found rows rather than changed rows (go-sql-driver/mysql's
 // clientFoundRows=true). The library's MySQL claims and upserts read their
 // outcome from rows affected: with found rows a duplicate claim would read as
-// a new one and apply the effect again. Use the same DSN for Migrate as for
-// the consumers, so that this check covers them.
+// a new one and apply the effect again. middleware.NewConsumer checks its
+// own DB the same way (processedstore.Store.CheckChangedRows), whatever DSN
+// the migration ran on.
 var ErrMySQLFoundRows = errors.New("the MySQL connection reports found rows, not changed rows (remove clientFoundRows=true from the DSN)")
 
 func migrationsTable(d Dialect, table string) string {
