@@ -25,7 +25,7 @@ type Dialect = sqldb.Dialect
 const (
 	// PostgreSQL 13 or later (pgx v5, or database/sql with pgx's stdlib).
 	PostgreSQL = sqldb.PostgreSQL
-	// MySQL 8.0.13+ or MariaDB 10.11+ (database/sql with
+	// MySQL 8.0.16+ or MariaDB 10.11+ (database/sql with
 	// go-sql-driver/mysql, DSN with parseTime=true).
 	MySQL = sqldb.MySQL
 	// SQLite 3.35+ (database/sql, e.g. modernc.org/sqlite).
