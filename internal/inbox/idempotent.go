@@ -439,11 +439,19 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 			return nil, m.processedRedelivery(msg, consumer, handlerName, eventID, stored, start, fields)
 		}
 		// The count ends with the attempt on every path but the process's
-		// death: a panic unwinds through here too.
-		defer m.endAttempt(origCtx, consumer, eventID)
+		// death (a panic unwinds through here too), and a claim over the
+		// crash bound that failed (overCrashBound): its retry must still
+		// find the message over the bound.
+		keep := false
+		defer func() {
+			if !keep {
+				m.endAttempt(origCtx, consumer, eventID)
+			}
+		}()
 		if crashed := crashedAttempts(msg, started); crashed >= m.cfg.MaxCrashes {
 			setField(fields, "crashed_attempts", crashed)
-			return nil, m.overCrashBound(msg, origCtx, consumer, handlerName, eventID, start, fields, crashed)
+			keep, err = m.overCrashBound(msg, origCtx, consumer, handlerName, eventID, start, fields, crashed)
+			return nil, err
 		}
 		return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields)
 	}
@@ -455,25 +463,32 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 // table of processed.MigrateToPartitioned) is a duplicate, or a conflict,
 // as on any other path, never a crash loop. Otherwise the claim is rolled
 // back and the message rejected as permanent (reason "crash_loop",
-// ErrCrashLoop). A claim that fails (the database went away) fails the
-// attempt: it is retried, never dead-lettered on an error.
+// ErrCrashLoop). A claim that fails (the database went away, or the lock
+// timeout ran out on a claim another copy holds) fails the attempt: it is
+// retried, never dead-lettered on an error, and keep is set (so too when
+// the statements after a claim that inserted nothing fail): the count is
+// not ended, so the crashes counted stay counted and the retry is over the
+// bound too (ending it forgot them, and the retry ran the handler of a
+// message that kept killing the process).
 func (m *Idempotent) overCrashBound(msg *message.Message, origCtx context.Context, consumer, handlerName string,
-	eventID uuid.UUID, start time.Time, fields watermill.LogFields, crashed int) error {
+	eventID uuid.UUID, start time.Time, fields watermill.LogFields, crashed int) (keep bool, _ error) {
 	eventAt, _ := eventTime(msg, eventID)
 	req := claimRequest{store: m.cfg.Store, consumer: consumer, eventID: eventID, eventAt: eventAt, lockTimeout: m.lockTimeout}
 	req.identity, req.verify = m.identityOf(msg)
 	tx, claimed, err := m.cfg.Beginner.beginClaim(origCtx, req)
 	claimDur := time.Since(start)
 	if err != nil {
-		err = fmt.Errorf("idempotency: begin and claim %s/%s: %w", consumer, eventID, claimError(err, m.cfg.Classifier))
-		return m.finish(handlerName, OutcomeFailed, start, claimDur, fields, err)
+		err = m.finish(handlerName, OutcomeFailed, start, claimDur, fields,
+			fmt.Errorf("idempotency: begin and claim %s/%s: %w", consumer, eventID, claimError(err, m.cfg.Classifier)))
+		return !IsPermanent(err), err
 	}
 	defer tx.release()
 	if !claimed {
-		return m.unclaimed(origCtx, tx, req, handlerName, start, claimDur, fields)
+		err := m.unclaimed(origCtx, tx, req, handlerName, start, claimDur, fields)
+		return err != nil && !IsPermanent(err), err // a read after the claim failed: retried
 	}
 	_ = rollback(origCtx, tx)
-	return m.finish(handlerName, OutcomeRejected, start, claimDur, fields, permanent("crash_loop", fmt.Errorf("%w: %d attempts of this message started "+
+	return false, m.finish(handlerName, OutcomeRejected, start, claimDur, fields, permanent("crash_loop", fmt.Errorf("%w: %d attempts of this message started "+
 		"and never ended (the process died in them: out of memory, a fatal error, a liveness probe); at most %d", ErrCrashLoop, crashed, m.cfg.MaxCrashes)))
 }
 

@@ -1,0 +1,56 @@
+package middleware_test
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/internal/door"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
+)
+
+// A redelivery over the crash bound whose claim fails (here: it waits out
+// the lock timeout on a claim another copy holds, and that copy's process
+// then dies) is retried as a redelivery over the bound: the failed claim
+// ends no crash, so the crashes counted before it are kept, and the retry
+// dead-letters the message as a crash loop once its claim gets through.
+// The handler of a message that kept killing the process never runs again.
+func TestRedeliveryOverTheCrashBoundWhoseClaimFailsKeepsItsCrashCount(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	ctx := context.Background()
+	poison := &poisonLog{}
+	cfg := e.config("stock")
+	cfg.Poison.Publisher = poison
+	cfg.LockTimeout = 50 * time.Millisecond
+	c, err := middleware.NewConsumer(cfg, nil)
+	require.NoError(t, err)
+	var calls atomic.Int32
+	h, err := door.Wrap(c, "reserve", countingHandler(&calls))
+	require.NoError(t, err)
+
+	msg := newEvent(t)
+	_, err = e.pool.Exec(ctx, `INSERT INTO processed_event_crash (consumer, event_id, started) VALUES ('stock', $1, 10)`, msg.UUID)
+	require.NoError(t, err)
+	// Another copy holds the claim, in a handler that is about to kill
+	// its process: its transaction ends without a commit.
+	holder, err := e.pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = holder.Exec(ctx, `INSERT INTO processed_event (consumer, event_id) VALUES ('stock', $1)`, msg.UUID)
+	require.NoError(t, err)
+	var die sync.Once
+	rollback := func() { die.Do(func() { _ = holder.Rollback(ctx) }) }
+	time.AfterFunc(300*time.Millisecond, rollback)
+	t.Cleanup(rollback) // before the schema is dropped
+
+	marshaler.SetRedelivered(msg, true)
+	_, err = h(msg)
+	require.NoError(t, err, "dead-lettered and acked")
+	require.Zero(t, calls.Load(), "the handler of a message over the crash bound never runs")
+	require.Equal(t, []string{msg.UUID}, poison.poisoned(), "dead-lettered as a crash loop")
+}
