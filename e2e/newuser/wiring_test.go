@@ -106,23 +106,36 @@ func TestHandlerTableMissing(t *testing.T) {
 }
 
 // subCfg.Marshaler = idamqp.Marshaler{} forgotten (watermill-amqp's default
-// marshaler): the README says "a message with no UUID is refused with a
-// hint to configure the envelope marshaler". Each event is refused loudly
-// (dead-lettered once, never applied, never looping) with that hint.
+// marshaler): no message has a UUID, so every one would be refused. It is a
+// configuration error: each delivery is held with an ERROR hint naming the
+// envelope marshaler (never dead-lettered, never applied) until the
+// consumer runs with the adapter, which then applies the event once.
 func TestEnvelopeMarshalerForgotten(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	e.start(e.n, wiring{subscriber: func(c *amqp.Config) { c.Marshaler = amqp.DefaultMarshaler{} }})
+	stop := e.start(e.n, wiring{
+		subscriber: func(c *amqp.Config) { c.Marshaler = amqp.DefaultMarshaler{} },
+		retry:      func(c *middleware.RetryConfig) { c.MaxHold = 2 * time.Second },
+	})
 	e.order("A", 1)
-	testenv.Eventually(t, 60*time.Second, "refused with a hint naming the marshaler", func(o *testenv.Observed) bool {
-		return o.Int("hints", len(e.logs.errors("marshaler"))) >= 1
+	testenv.Eventually(t, 60*time.Second, "held with a hint naming the marshaler", func(o *testenv.Observed) bool {
+		return o.Int("hints", len(e.logs.errors("marshaler"))) >= 2
 	})
-	testenv.Eventually(t, 60*time.Second, "dead-lettered once", func(o *testenv.Observed) bool {
-		dlq, _ := e.depth(e.n.DLQ)
-		return o.Int("dlq", dlq) == 1
-	})
+	if n, _ := e.depth(e.n.DLQ); n != 0 {
+		t.Fatalf("%d message(s) dead-lettered for a subscriber's marshaler", n)
+	}
 	if n := e.reservations("A"); n != 0 {
 		t.Fatalf("%d reservations without an event id", n)
 	}
 	t.Logf("hint: %s", e.logs.errors("marshaler")[0])
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	e.start(e.n, wiring{})
+	testenv.Eventually(t, 60*time.Second, "applied once with the adapter", func(o *testenv.Observed) bool {
+		return o.Int("A", e.reservations("A")) == 1
+	})
+	if n, _ := e.depth(e.n.DLQ); n != 0 {
+		t.Fatalf("%d message(s) dead-lettered", n)
+	}
 }

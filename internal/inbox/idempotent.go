@@ -418,6 +418,13 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		if perr != nil {
 			delete(fields, "event_id")
 			setField(fields, "transport_message_id", msg.UUID)
+			if msg.UUID == "" {
+				// No adapter decoded it (an adapter marks a body without an
+				// event_id Malformed): the subscriber's marshaler is not the
+				// transport's envelope adapter, and every message would be
+				// dead-lettered. Held until the wiring is fixed.
+				return nil, m.finish(handlerName, OutcomeFailed, start, 0, fields, invalidEventID(msg.UUID))
+			}
 			return reject(OutcomeRejected, "invalid_event_id", invalidEventID(msg.UUID))
 		}
 		if !m.quiet {

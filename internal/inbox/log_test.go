@@ -115,10 +115,11 @@ func TestRejectionLoggedAsErrorWithReason(t *testing.T) {
 	require.Equal(t, "amqp-message-id-17", l.fields["transport_message_id"])
 }
 
-// TestEmptyUUIDNamesTheMarshaler (C13): a message with no msg.UUID (Watermill's
-// default marshalers leave it empty) is rejected with an error that says to
-// configure the envelope marshaler, not `invalid event_id: ""`.
-func TestEmptyUUIDNamesTheMarshaler(t *testing.T) {
+// TestEmptyUUIDIsAConfigurationErrorNamingTheMarshaler (C13): a message with
+// no msg.UUID (Watermill's default marshalers leave it empty) fails with a
+// configuration error (held, never dead-lettered) that says to configure the
+// envelope marshaler, not `invalid event_id: ""`.
+func TestEmptyUUIDIsAConfigurationErrorNamingTheMarshaler(t *testing.T) {
 	t.Parallel()
 	logger := &captureLogger{}
 	m, err := inbox.NewIdempotent(inbox.Config{Beginner: inbox.NewSQLSubscriberBeginner(), Consumer: "stock"}, logger)
@@ -126,13 +127,30 @@ func TestEmptyUUIDNamesTheMarshaler(t *testing.T) {
 	h := m.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
 	_, err = h(newMsg(""))
 	require.ErrorIs(t, err, inbox.ErrInvalidEventID)
-	require.True(t, inbox.IsPermanent(err))
+	require.True(t, inbox.IsConfiguration(err), "held until the subscriber's marshaler is fixed, not dead-lettered: %v", err)
+	require.False(t, inbox.IsPermanent(err))
 	require.ErrorContains(t, err, "amqp.Marshaler")
 	require.NotContains(t, err.Error(), `""`)
 	logger.mu.Lock()
 	defer logger.mu.Unlock()
 	require.Len(t, logger.lines, 1)
 	require.Equal(t, "error", logger.lines[0].level)
+}
+
+// A message whose id is present but not a UUID (a producer's own message id)
+// is permanent: it is dead-lettered once, reason invalid_event_id.
+func TestMessageIDThatIsNotAUUIDIsPermanent(t *testing.T) {
+	t.Parallel()
+	logger := &captureLogger{}
+	m, err := inbox.NewIdempotent(inbox.Config{Beginner: inbox.NewSQLSubscriberBeginner(), Consumer: "stock"}, logger)
+	require.NoError(t, err)
+	h := m.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+	_, err = h(newMsg("order-42"))
+	require.ErrorIs(t, err, inbox.ErrInvalidEventID)
+	require.True(t, inbox.IsPermanent(err))
+	logger.mu.Lock()
+	defer logger.mu.Unlock()
+	require.Len(t, logger.lines, 1)
 	require.Equal(t, "invalid_event_id", logger.lines[0].fields["reason"])
 }
 

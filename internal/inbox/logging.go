@@ -11,15 +11,21 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// invalidEventID is the rejection of a msg.UUID that is not an event id. An
-// empty one almost always means the subscriber's marshaler is not the
-// envelope's: Watermill's default marshalers take msg.UUID from a transport
-// header and leave it "" when the producer set none.
+// invalidEventID is the rejection of a msg.UUID that is not an event id
+// (permanent: the message is dead-lettered). An empty one means no envelope
+// adapter decoded the message (an adapter marks a body without an event_id
+// Malformed instead): the subscriber's marshaler is not the envelope's
+// (Watermill's default marshalers take msg.UUID from a transport header and
+// leave it "" when the producer set none), so every message would be
+// dead-lettered; that is a ConfigurationError, held until the wiring is
+// fixed.
 func invalidEventID(id string) error {
 	if id == "" {
-		return fmt.Errorf("%w: the message has no UUID: the subscriber does not decode the JSON envelope; "+
-			"configure the envelope marshaler adapter of the transport as the subscriber's marshaler "+
-			"(watermill-amqp: Config.Marshaler = amqp.Marshaler{} of package marshaler/amqp)", ErrInvalidEventID)
+		return &ConfigurationError{
+			Hint: "configure the envelope marshaler adapter of the transport as the subscriber's marshaler " +
+				"(watermill-amqp: Config.Marshaler = amqp.Marshaler{} of package marshaler/amqp); the message is held until then",
+			Err: fmt.Errorf("%w: the message has no UUID: the subscriber does not decode the JSON envelope", ErrInvalidEventID),
+		}
 	}
 	return fmt.Errorf("%w: %q", ErrInvalidEventID, id)
 }
