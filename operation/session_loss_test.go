@@ -67,7 +67,7 @@ func TestIdleSessionTimeoutNeverCallsTwice(t *testing.T) {
 	notFound := func(context.Context, operation.Record) (operation.Result, error) {
 		return operation.Result{}, operation.ErrNotFound
 	}
-	res, err := first.Do(ctx, key, eur100, func(ctx context.Context, k string) (operation.Result, error) {
+	call := func(ctx context.Context, k string) (operation.Result, error) {
 		calls.Add(1)
 		eventually(t, "the idle session to end and its lock with it", func(o *testenv.Observed) bool {
 			return !o.Bool("held", lockHeld(t, admin, first, key))
@@ -83,7 +83,15 @@ func TestIdleSessionTimeoutNeverCallsTwice(t *testing.T) {
 			time.Sleep(operation.LeaseDuration() / 4)
 		}
 		return operation.Result{Reference: "first"}, nil
-	})
+	}
+	res, err := first.Do(ctx, key, eur100, call)
+	for i := 0; err != nil && calls.Load() == 0 && middleware.IsTransient(err) && i < 10; i++ {
+		// A pooled session that idled past the timeout before this Do
+		// (pgxpool pings only sessions idle over a second) fails its
+		// first statement (57P05, transient, nothing called): retried,
+		// as a consumer's hold retries it.
+		res, err = first.Do(ctx, key, eur100, call)
+	}
 	require.NoError(t, err)
 	require.Equal(t, "first", res.Reference)
 	require.EqualValues(t, 1, calls.Load(), "the provider is called by one worker only")
