@@ -52,6 +52,43 @@ import (
 // Without valgrind or the PostgreSQL binaries the part reports its keys as
 // null and says why.
 
+// Profiling knobs of the counts part, read from the environment (see
+// bench/doc.go, "Profiling the counts"):
+//   - countsToolEnv=callgrind runs the scratch server under callgrind
+//     instead of cachegrind, for inclusive costs per function
+//     (callgrind_annotate --inclusive=yes); the totals are the same count;
+//   - countsKeepEnv=1 keeps the scratch directory (the children's
+//     cachegrind files child_<variant>_<n>.cg, their reports .json with the
+//     backend's pid, the server's files cg/cg.<pid>) and logs its path;
+//   - countsVariantsEnv, a comma-separated list, counts only those variants
+//     (none is always counted, as the baseline); keys of the variants left
+//     out are then meaningless.
+const (
+	countsToolEnv     = "IDEMBENCH_COUNTS_TOOL"
+	countsKeepEnv     = "IDEMBENCH_COUNTS_KEEP"
+	countsVariantsEnv = "IDEMBENCH_COUNTS_VARIANTS"
+)
+
+// countedVariants returns countVariants, or the subset countsVariantsEnv
+// names (with none first).
+func countedVariants() []string {
+	only := os.Getenv(countsVariantsEnv)
+	if only == "" {
+		return countVariants
+	}
+	want := map[string]bool{vNone: true}
+	for _, v := range strings.Split(only, ",") {
+		want[strings.TrimSpace(v)] = true
+	}
+	var out []string
+	for _, v := range countVariants {
+		if want[v] {
+			out = append(out, v)
+		}
+	}
+	return out
+}
+
 // countChildEnv carries a child's countSpec (JSON); see RunCountChild.
 const countChildEnv = "IDEMBENCH_COUNT_CHILD"
 
@@ -293,7 +330,10 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 		return fmt.Errorf("bench: counts: scratch PostgreSQL: %w", err)
 	}
 	defer srv.stop()
-	fmt.Fprintf(e.log, "counts: scratch PostgreSQL under cachegrind on port %d\n", srv.port)
+	fmt.Fprintf(e.log, "counts: scratch PostgreSQL under %s on port %d\n", srv.tool, srv.port)
+	if os.Getenv(countsKeepEnv) != "" {
+		fmt.Fprintf(e.log, "counts: keeping %s\n", srv.dir)
+	}
 
 	setup, err := pgx.Connect(ctx, srv.url)
 	if err != nil {
@@ -373,7 +413,8 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 		return client, server, rep, nil
 	}
 	got := map[string]countResult{}
-	for _, v := range countVariants {
+	variants := countedVariants()
+	for _, v := range variants {
 		fmt.Fprintf(e.log, "counts: %s (%d and %d messages)\n", v, sz.N1, sz.N2)
 		c1, s1, _, err := run(v, sz.N1)
 		if err != nil {
@@ -395,7 +436,7 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 		Header: []string{"variant", "client kinstr", "server kinstr", "client+server", "× none", "WAL B", "allocs", "bytes"},
 	}
 	base := got[vNone]
-	for _, v := range countVariants {
+	for _, v := range variants {
 		r := got[v]
 		t.Rows = append(t.Rows, []string{v, k(r.client), k(r.server), k(r.client + r.server),
 			f3((r.client + r.server) / (base.client + base.server)), f0(r.wal), f1(r.allocs), f0(r.bytes)})
@@ -459,7 +500,8 @@ func tail(s string, n int) string {
 	return s
 }
 
-// cgSummary reads the instruction total of a cachegrind output file.
+// cgSummary reads the instruction total of a cachegrind or callgrind
+// output file (its "summary:" line).
 func cgSummary(path string) (int64, error) {
 	f, err := os.Open(path)
 	if err != nil {
@@ -479,6 +521,7 @@ func cgSummary(path string) (int64, error) {
 // scratch is the counts part's own PostgreSQL server.
 type scratch struct {
 	dir, url string
+	tool     string // cachegrind, or callgrind (countsToolEnv)
 	port     int
 	cmd      *exec.Cmd
 	exited   chan error
@@ -552,12 +595,18 @@ func startScratch(ctx context.Context, valgrind string) (*scratch, error) {
 		return nil, err
 	}
 	defer logf.Close()
-	s.cmd = exec.Command(valgrind, "--tool=cachegrind", "--cache-sim=no", "--trace-children=no",
-		"--cachegrind-out-file="+filepath.Join(dir, "cg", "cg.%p"),
+	s.tool = "cachegrind"
+	args := []string{"--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=" + filepath.Join(dir, "cg", "cg.%p")}
+	if os.Getenv(countsToolEnv) == "callgrind" {
+		s.tool = "callgrind"
+		args = []string{"--tool=callgrind", "--callgrind-out-file=" + filepath.Join(dir, "cg", "cg.%p")}
+	}
+	args = append(args, "--trace-children=no",
 		filepath.Join(bin, "postgres"), "-D", filepath.Join(dir, "data"),
 		"-c", "port="+strconv.Itoa(s.port), "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories=",
 		"-c", "fsync=off", "-c", "max_connections=20", "-c", "shared_buffers=64MB", "-c", "autovacuum=off",
 		"-c", "dynamic_shared_memory_type=posix", "-c", "max_parallel_workers_per_gather=0")
+	s.cmd = exec.Command(valgrind, args...)
 	s.cmd.Env, s.cmd.Dir, s.cmd.Stdout, s.cmd.Stderr = env, dir, logf, logf
 	s.cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred, Pdeathsig: syscall.SIGQUIT}
 	if err := s.cmd.Start(); err != nil {
@@ -601,7 +650,9 @@ func (s *scratch) stop() {
 			<-s.exited
 		}
 	}
-	_ = os.RemoveAll(s.dir)
+	if os.Getenv(countsKeepEnv) == "" {
+		_ = os.RemoveAll(s.dir)
+	}
 }
 
 // netListenLoopback returns a loopback TCP port nobody listened on a moment

@@ -115,6 +115,24 @@
 // allocs_per_msg_chain and _plain. Without valgrind (or in the tiny profile)
 // they are null. See counts.go.
 //
+// # Profiling the counts
+//
+// Three environment variables turn the counts part into a profiler; the
+// figures stay the same counts:
+//
+//	IDEMBENCH_COUNTS_TOOL=callgrind IDEMBENCH_COUNTS_KEEP=1 \
+//	IDEMBENCH_COUNTS_VARIANTS=idempotent \
+//	go run ./cmd/idembench -quick -parts counts -results /tmp/r.md
+//
+// IDEMBENCH_COUNTS_TOOL=callgrind runs the scratch server under callgrind,
+// so callgrind_annotate --inclusive=yes gives what each server function
+// costs with its callees. IDEMBENCH_COUNTS_KEEP keeps the scratch
+// directory and logs its path. Each child leaves child_<variant>_<n>.cg
+// (client) and child_<variant>_<n>.json, whose pid names its backend's file
+// cg/cg.<pid>. A function's cost per message is the difference between the
+// N2 and N1 files, divided by N2 − N1. IDEMBENCH_COUNTS_VARIANTS counts only
+// the variants it lists, plus none.
+//
 // # Targets
 //
 // After the tables the command prints issue 7's targets and issue 25's, each
