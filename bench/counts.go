@@ -191,6 +191,22 @@ func countChild(specJSON string) error {
 	if v == vPlainTx {
 		h = txMiddleware(pool)(handler(h1))
 	}
+	// q runs the child's own queries on the backend the loop uses.
+	var q interface {
+		QueryRow(context.Context, string, ...any) pgx.Row
+	} = pool
+	if isFloor(v) {
+		// A floor holds the pool's one connection for the whole run.
+		c, err := pool.Acquire(ctx)
+		if err != nil {
+			return err
+		}
+		defer c.Release()
+		if h, err = floorHandler(ctx, c.Conn(), v, handler(h1)); err != nil {
+			return err
+		}
+		q = c.Conn()
+	}
 	if mod, ok := countConfigs[v]; ok {
 		beginner, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
 		if err != nil {
@@ -214,7 +230,7 @@ func countChild(specJSON string) error {
 	var rep countReport
 	var lsn0 string
 	var writes0 int64
-	if err := pool.QueryRow(ctx, "SELECT pg_backend_pid(), pg_current_wal_insert_lsn()::text, (SELECT wal_write FROM pg_stat_wal)").Scan(&rep.PID, &lsn0, &writes0); err != nil {
+	if err := q.QueryRow(ctx, "SELECT pg_backend_pid(), pg_current_wal_insert_lsn()::text, (SELECT wal_write FROM pg_stat_wal)").Scan(&rep.PID, &lsn0, &writes0); err != nil {
 		return err
 	}
 	// The collector is off during the loop and collects once after it:
@@ -234,7 +250,7 @@ func countChild(specJSON string) error {
 	runtime.ReadMemStats(&b)
 	runtime.GC()
 	debug.SetGCPercent(gcPercent)
-	if err := pool.QueryRow(ctx, "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), $1::pg_lsn)::bigint, (SELECT wal_write FROM pg_stat_wal) - $2", lsn0, writes0).Scan(&rep.WAL, &rep.WALWrites); err != nil {
+	if err := q.QueryRow(ctx, "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), $1::pg_lsn)::bigint, (SELECT wal_write FROM pg_stat_wal) - $2", lsn0, writes0).Scan(&rep.WAL, &rep.WALWrites); err != nil {
 		return err
 	}
 	n := float64(s.N)
@@ -255,7 +271,8 @@ type CountSizes struct {
 
 // countVariants are the variants counted, the first the baseline.
 var countVariants = []string{vNone, vOurs, vDuplicate, "idem_no_lock_timeout", "idem_no_verify", "dup_no_lock_timeout_no_verify", vPlainTx,
-	"idem_crash_bound_marked", "idem_crash_bound_unmarked", vDupRedelivered}
+	"idem_crash_bound_marked", "idem_crash_bound_unmarked", vDupRedelivered,
+	vFloorNone, vFloorMechanism, vFloorMarked, vFloorLean, vFloorToday}
 
 // vDupRedelivered is a duplicate as a broker redelivers it (redelivered
 // "true", delivery count 1) to a consumer with the crash bound NewConsumer
@@ -340,13 +357,16 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 		return err
 	}
 	const schema = "counts"
-	if _, err := setup.Exec(ctx, "CREATE SCHEMA "+schema+"; SET search_path = "+schema+";"+handlerSchema); err != nil {
+	if _, err := setup.Exec(ctx, "CREATE SCHEMA "+schema+"; SET search_path = "+schema+";"+handlerSchema+floorSchema); err != nil {
 		setup.Close(ctx)
 		return err
 	}
 	store, err := processedstore.NewStore(processedstore.Config{Table: schema + ".processed_event", Horizon: time.Hour})
 	if err == nil {
 		err = store.Migrate(ctx, sqldb.Pgx(setup))
+	}
+	if err == nil {
+		_, err = setup.Exec(ctx, floorTodaySchema)
 	}
 	if err != nil {
 		setup.Close(ctx)
@@ -444,6 +464,8 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	ours, dup := got[vOurs], got[vDuplicate]
 	t.Notes = []string{
 		"plain_tx: the handler in pgx's own transaction, no chain (none has the chain's poison, retry and recoverer layers). idem_no_lock_timeout: Config.LockTimeout < 0 (no SET LOCAL); idem_no_verify: DisablePayloadVerification (no fingerprint, no identity read on a duplicate); dup_no_lock_timeout_no_verify: a duplicate with neither (BEGIN, claim, ROLLBACK).",
+		"floor_*: the claim's mechanism priced alone, on the same server in the same run (bench/floors.go): BEGIN and one prepared claim statement in a batch, the handler, COMMIT; floor_none sends BEGIN alone. floor_mechanism: uuid-only INSERT … ON CONFLICT DO NOTHING; floor_marked: the same with the commit guard's mark; floor_lean: issue 25's lean row (int2 consumer, uuid, fingerprint, no secondary index) with today's checks (lock timeout, mark, replay window); floor_today: the middleware's statement for a UUIDv7 event on a copy of today's table.",
+		fmt.Sprintf("server instructions per claim, floors (variant − floor_none): mechanism %s k, marked %s k, lean row with every check %s k, today's statement %s k.", k(got[vFloorMechanism].server-got[vFloorNone].server), k(got[vFloorMarked].server-got[vFloorNone].server), k(got[vFloorLean].server-got[vFloorNone].server), k(got[vFloorToday].server-got[vFloorNone].server)),
 		"dup_redelivered: a duplicate marked as a redelivery (redelivered, delivery count 1), crash bound on: one autocommit statement reads the processed row with the crash count, no transaction.",
 		"idem_crash_bound_marked / _unmarked: ours with the crash bound NewConsumer sets (MaxCrashes 3, counted on the pool), on first deliveries marked as such (AMQP, JetStream, Redis Streams with CountingClient: nothing written) or unmarked (Kafka: each child's first 64 attempts are counted, inside both runs, so they cancel out of the per-message figure).",
 		fmt.Sprintf("(I(%d) − I(%d)) ÷ %d per message: process start and connection cancel out; building the message is inside (same for all).", sz.N2, sz.N1, sz.N2-sz.N1),
@@ -488,6 +510,10 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	res.set("client_instructions_per_duplicate_redelivered", redelivered.client)
 	res.set("server_instructions_per_duplicate_redelivered", redelivered.server)
 	res.set("duplicate_cpu_ratio_redelivered", (redelivered.client+redelivered.server)/(ours.client+ours.server))
+	fnone := got[vFloorNone]
+	for _, v := range []string{vFloorMechanism, vFloorMarked, vFloorLean, vFloorToday} {
+		res.set("server_instructions_per_claim_"+v, got[v].server-fnone.server)
+	}
 	floor := got["dup_no_lock_timeout_no_verify"]
 	res.set("duplicate_cpu_ratio_no_lock_timeout_no_verify", (floor.client+floor.server)/(ours.client+ours.server))
 	return nil

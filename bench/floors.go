@@ -1,0 +1,141 @@
+package bench
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
+)
+
+// Floors of the counts part (issue 25): the claim's mechanism measured in
+// the same run as the middleware, so the server count per claim stands
+// beside what any claim of that shape costs. Each floor variant sends BEGIN
+// and its claim statement (both prepared once) in one batch, as the pgx
+// beginner does, runs the handler on the same connection and commits
+// through pgconn. vFloorNone sends BEGIN alone: a floor's server count per
+// claim is the variant's minus vFloorNone's. None has the chain's layers,
+// payload verification, a lock on a duplicate's row or a crash bound: they
+// price a statement, not a consumer.
+const (
+	vFloorNone      = "floor_none"
+	vFloorMechanism = "floor_mechanism" // uuid-only INSERT … ON CONFLICT DO NOTHING
+	vFloorMarked    = "floor_marked"    // the same, marking the transaction (the commit guard's mark)
+	vFloorLean      = "floor_lean"      // issue 25's lean row with every check of today's claim
+	vFloorToday     = "floor_today"     // today's claim statement on today's table
+)
+
+// floorTodaySchema copies the migrated processed_event (columns, defaults,
+// indexes, migration 0007's nullable event_at) for vFloorToday.
+const floorTodaySchema = `CREATE TABLE floor_today (LIKE processed_event INCLUDING ALL)`
+
+// floorSchema creates the floors' claim tables: floor_uuid, the event id
+// alone; floor_lean, issue 25's proposal: a small-integer consumer key, the
+// UUIDv7 event id, the fingerprint, no secondary index.
+const floorSchema = `
+CREATE TABLE floor_uuid (event_id uuid PRIMARY KEY);
+CREATE TABLE floor_lean (consumer int2 NOT NULL, event_id uuid NOT NULL, fingerprint bytea NOT NULL, PRIMARY KEY (consumer, event_id));
+`
+
+// floorClaims are the floors' claim statements. floor_lean's checks are
+// today's (postgresLeanClaim with LeanClaimWithLockTimeout): the lock
+// timeout for the transaction, the commit guard's mark and the replay
+// window on the database clock (1 h horizon, 5 min skew).
+var floorClaims = map[string]string{
+	vFloorMechanism: `INSERT INTO floor_uuid (event_id) VALUES ($1) ON CONFLICT DO NOTHING`,
+	vFloorMarked:    `INSERT INTO floor_uuid (event_id) SELECT $1 WHERE set_config('default_transaction_read_only', 'on', true) IS NOT NULL ON CONFLICT DO NOTHING`,
+	vFloorLean: `INSERT INTO floor_lean (consumer, event_id, fingerprint) SELECT $1, $2, $3
+WHERE set_config('lock_timeout', '5000ms', true) IS NOT NULL AND set_config('default_transaction_read_only', 'on', true) IS NOT NULL
+  AND $4::timestamptz BETWEEN now() - interval '3600000000 microseconds' AND now() + interval '300000000 microseconds'
+ON CONFLICT DO NOTHING`,
+	// The statement the middleware sends for a UUIDv7 event with payload
+	// verification (postgresLeanClaim with LeanClaimWithLockTimeout).
+	vFloorToday: `INSERT INTO floor_today (consumer, event_id, event_name, fingerprint)
+SELECT $1, $2, $5, $3
+WHERE set_config('lock_timeout', '5000ms', true) IS NOT NULL AND set_config('default_transaction_read_only', 'on', true) IS NOT NULL
+  AND ($4::timestamptz BETWEEN now() - interval '3600000000 microseconds' AND now() + interval '300000000 microseconds')
+ON CONFLICT DO NOTHING`,
+}
+
+// isFloor reports whether v is a floor variant.
+func isFloor(v string) bool { return v == vFloorNone || floorClaims[v] != "" }
+
+// floorTx is the handler's transaction in a floor variant: Exec on the
+// connection the batch began; the bench handler calls nothing else.
+type floorTx struct {
+	pgx.Tx
+	conn *pgx.Conn
+}
+
+func (t floorTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	return t.conn.Exec(ctx, sql, args...)
+}
+
+// pgEpoch is PostgreSQL's binary timestamp origin.
+var pgEpoch = time.Date(2000, 1, 1, 0, 0, 0, 0, time.UTC)
+
+// floorHandler returns h behind the floor variant v on conn.
+func floorHandler(ctx context.Context, conn *pgx.Conn, v string, h message.HandlerFunc) (message.HandlerFunc, error) {
+	pc := conn.PgConn()
+	if _, err := pc.Prepare(ctx, "floor_begin", "begin", nil); err != nil {
+		return nil, err
+	}
+	claim := floorClaims[v]
+	if claim != "" {
+		if _, err := pc.Prepare(ctx, "floor_claim", claim, nil); err != nil {
+			return nil, err
+		}
+	}
+	formats := []int16{1, 1, 1, 1, 1}
+	consumer := binary.BigEndian.AppendUint16(nil, 1)
+	if v == vFloorToday {
+		consumer = []byte(consumerName)
+	}
+	return func(msg *message.Message) ([]*message.Message, error) {
+		mctx := msg.Context()
+		id, err := uuid.Parse(msg.UUID)
+		if err != nil {
+			return nil, err
+		}
+		batch := &pgconn.Batch{}
+		batch.ExecPrepared("floor_begin", nil, nil, nil)
+		switch v {
+		case vFloorMechanism, vFloorMarked:
+			batch.ExecPrepared("floor_claim", [][]byte{id[:]}, formats[:1], nil)
+		case vFloorLean, vFloorToday:
+			at, _ := processedstore.EventTime(id, time.Now())
+			fp := processedstore.NewIdentity(eventName, msg.Payload).Fingerprint
+			us := binary.BigEndian.AppendUint64(nil, uint64(at.Sub(pgEpoch).Microseconds()))
+			params := [][]byte{consumer, id[:], fp, us}
+			if v == vFloorToday {
+				params = append(params, []byte(eventName))
+			}
+			batch.ExecPrepared("floor_claim", params, formats[:len(params)], nil)
+		}
+		results, err := pc.ExecBatch(mctx, batch).ReadAll()
+		if err != nil {
+			return nil, err
+		}
+		if claim != "" && results[1].CommandTag.RowsAffected() != 1 {
+			_, _ = pc.Exec(mctx, "rollback").ReadAll()
+			return nil, fmt.Errorf("bench: %s: event %s claimed already", v, id)
+		}
+		msg.SetContext(context.WithValue(mctx, benchTxKey{}, pgx.Tx(floorTx{conn: conn})))
+		defer msg.SetContext(mctx)
+		out, err := h(msg)
+		if err != nil {
+			_, _ = pc.Exec(mctx, "rollback").ReadAll()
+			return nil, err
+		}
+		if _, err := pc.Exec(mctx, "commit").ReadAll(); err != nil {
+			return nil, err
+		}
+		return out, nil
+	}, nil
+}
