@@ -113,3 +113,25 @@ func TestCrashLoopWhosePoisonPublishFailsIsStillOverTheBoundWhenRedelivered(t *t
 	require.Zero(t, calls.Load(), "the handler of a message over the crash bound never runs")
 	require.Equal(t, []string{msg.UUID}, poison.poisoned(), "dead-lettered as a crash loop")
 }
+
+// A consumer whose table lacks <table>_crash (migrated by a release before
+// processed migration 0006, or by a tool that skipped it) would count no
+// attempt: every start fails, each redelivery runs uncounted with nothing
+// logged, and a message that kills the process is never dead-lettered
+// (MaxCrashes is on by default). NewConsumer refuses it, as it refuses a
+// missing table, naming processed.Migrate.
+func TestConsumerRefusesATableWithoutItsCrashCountTable(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	_, err := e.pool.Exec(context.Background(), `DROP TABLE processed_event_crash`)
+	require.NoError(t, err)
+	_, err = middleware.NewConsumer(e.config("stock"), nil)
+	require.Error(t, err, "the crash bound (MaxCrashes, on by default) cannot count on this table")
+	require.ErrorContains(t, err, "processed_event_crash")
+	require.ErrorContains(t, err, "Migrate")
+
+	cfg := e.config("stock")
+	cfg.MaxCrashes = -1 // no bound: nothing to count
+	_, err = middleware.NewConsumer(cfg, nil)
+	require.NoError(t, err)
+}
