@@ -356,6 +356,16 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 	if err != nil {
 		return nil, fmt.Errorf("middleware: ConsumerConfig.DB: %w", err)
 	}
+	if maxCrashes(cfg.MaxCrashes) > 0 {
+		// The crash bound counts in <table>_crash: without it every count
+		// fails and each attempt runs uncounted, silently.
+		ctx, cancel = context.WithTimeout(context.Background(), startupTimeout)
+		err = store.CheckCrashTable(ctx, h.Querier())
+		cancel()
+		if err != nil {
+			return nil, fmt.Errorf("middleware: ConsumerConfig.MaxCrashes: %w", err)
+		}
+	}
 	var beginner inbox.TxBeginner
 	switch {
 	case cfg.JoinSQLSubscriber:

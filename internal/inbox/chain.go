@@ -392,7 +392,11 @@ func (p *holdPoison) hold(h message.HandlerFunc, msg *message.Message, inner *ch
 			if !p.poisonLoop(msg, orig) {
 				herr := hooks.run(orig)
 				if herr == nil {
-					return nil, p.poison(msg, orig, err, class, start, wait)
+					if perr := p.poison(msg, orig, err, class, start, wait); perr != nil {
+						return nil, perr
+					}
+					hooks.runPoisoned(orig)
+					return nil, nil
 				}
 				p.logger.Error("A step before poisoning failed (OnPoison): delivery held, not poisoned", herr, fields.Add(watermill.LogFields{"error": err}))
 			} else if msg.Metadata.Get(wmw.ReasonForPoisonedKey) == "" {
@@ -580,11 +584,48 @@ func WithPoisonNotice(ctx context.Context, notice func(reason string)) context.C
 }
 
 // poisonHooks are the steps inner middlewares registered with OnPoison for
-// one delivery.
+// one delivery, and those registered with onPoisoned.
 type poisonHooks struct {
 	mu    sync.Mutex
 	keys  []any
 	steps map[any]func(context.Context) error
+	// poisoned are onPoisoned's steps, run once the poison publish
+	// returned nil.
+	poisoned map[any]func(context.Context)
+}
+
+// onPoisoned registers, for the message whose context is ctx, a step the
+// chain runs once it has poisoned that message (the publish returned nil:
+// the delivery is then acked), with the message's own context; never when
+// the delivery is given back to the broker instead (a publish that failed
+// until MaxHold, a shutdown). key identifies the registrant, as for
+// OnPoison. It returns false, registering nothing, when ctx is not inside
+// the chain.
+func onPoisoned(ctx context.Context, key any, step func(context.Context)) bool {
+	h, ok := ctx.Value(poisonHooksKey{}).(*poisonHooks)
+	if !ok || step == nil {
+		return false
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.poisoned == nil {
+		h.poisoned = map[any]func(context.Context){}
+	}
+	h.poisoned[key] = step
+	return true
+}
+
+// runPoisoned runs the onPoisoned steps.
+func (h *poisonHooks) runPoisoned(ctx context.Context) {
+	h.mu.Lock()
+	steps := make([]func(context.Context), 0, len(h.poisoned))
+	for _, step := range h.poisoned {
+		steps = append(steps, step)
+	}
+	h.mu.Unlock()
+	for _, step := range steps {
+		step(context.WithoutCancel(ctx))
+	}
 }
 
 type poisonHooksKey struct{}

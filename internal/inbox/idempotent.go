@@ -476,7 +476,10 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 // the statements after a claim that inserted nothing fail): the count is
 // not ended, so the crashes counted stay counted and the retry is over the
 // bound too (ending it forgot them, and the retry ran the handler of a
-// message that kept killing the process).
+// message that kept killing the process). A crash-loop rejection keeps the
+// count too, inside the chain, until the chain has dead-lettered the
+// message (onPoisoned): a delivery given back to the broker instead (the
+// poison publish failed until MaxHold) is still over the bound.
 func (m *Idempotent) overCrashBound(msg *message.Message, origCtx context.Context, consumer, handlerName string,
 	eventID uuid.UUID, start time.Time, fields watermill.LogFields, crashed int) (keep bool, _ error) {
 	eventAt, _ := eventTime(msg, eventID)
@@ -495,7 +498,12 @@ func (m *Idempotent) overCrashBound(msg *message.Message, origCtx context.Contex
 		return err != nil && !IsPermanent(err), err // a read after the claim failed: retried
 	}
 	_ = rollback(origCtx, tx)
-	return false, m.finish(handlerName, OutcomeRejected, start, claimDur, fields, permanent("crash_loop", fmt.Errorf("%w: %d attempts of this message started "+
+	// Rejected as a crash loop: the count ends once the message is
+	// dead-lettered, not before. A poison publish that fails until MaxHold
+	// (or a shutdown) gives the delivery back to the broker, and its next
+	// delivery must still be over the bound instead of running the handler.
+	keep = onPoisoned(origCtx, crashKey{consumer, eventID}, func(ctx context.Context) { m.endAttempt(ctx, consumer, eventID) })
+	return keep, m.finish(handlerName, OutcomeRejected, start, claimDur, fields, permanent("crash_loop", fmt.Errorf("%w: %d attempts of this message started "+
 		"and never ended (the process died in them: out of memory, a fatal error, a liveness probe); at most %d", ErrCrashLoop, crashed, m.cfg.MaxCrashes)))
 }
 

@@ -160,6 +160,20 @@ func (s *Store) sideTable(suffix string) string {
 	return name
 }
 
+// CheckCrashTable reads nothing from the table's crash count table
+// (<table>_crash, processed migration 0006; 0004 of the partitioned
+// layout) and returns an error naming it, and the migration, when it
+// cannot be read: a consumer with a crash bound would count no attempt.
+func (s *Store) CheckCrashTable(ctx context.Context, q sqldb.Querier) error {
+	t := s.sideTable("_crash")
+	var one int
+	err := q.QueryRow(ctx, "SELECT 1 FROM "+t+" WHERE 1 = 0").Scan(&one)
+	if err == nil || errors.Is(err, sqldb.ErrNoRows) {
+		return nil
+	}
+	return fmt.Errorf("processed: the crash count table %s cannot be read (run processed.Migrate: migration 0006 creates it): %w", t, err)
+}
+
 // StartAttempt counts, in autocommit on q, one more started attempt of
 // (consumer, eventID) and returns the count, this one included.
 func (s *Store) StartAttempt(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) (int, error) {
