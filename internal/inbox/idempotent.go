@@ -214,9 +214,10 @@ type Idempotent struct {
 	warmup atomic.Int64
 
 	// unrecorded are the attempts this process ended whose end could not
-	// be written (the database was away when EndAttempt ran), by
-	// (consumer, event id): the next start of the same event writes the
-	// end first (startAttempt), so an outage is never taken for a crash.
+	// be written (the database was away when EndAttempt ran), or whose
+	// start failed but may have been written, by (consumer, event id): the
+	// next start of the same event writes the end first (startAttempt), so
+	// an outage is never taken for a crash.
 	unrecorded unrecordedEnds
 }
 
@@ -436,7 +437,17 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields)
 		}
 		started, stored, cerr := m.startAttempt(origCtx, consumer, eventID)
-		if cerr != nil { // the database is unreachable: the attempt will say so
+		if cerr != nil {
+			// The database is unreachable: the attempt runs uncounted and
+			// will say so. The start may have been written all the same
+			// (it committed and its answer was lost on a breaking
+			// connection), so its end is owed: written when the attempt
+			// ends, or else before the event's next start. Otherwise each
+			// such start of a delivery held through a flapping database
+			// stayed counted as a crash, and the event was dead-lettered
+			// as a crash loop.
+			m.unrecorded.add(crashKey{consumer, eventID})
+			defer m.endAttempt(origCtx, consumer, eventID)
 			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields)
 		}
 		if stored.Found {
@@ -608,9 +619,12 @@ func (m *Idempotent) processedRedelivery(msg *message.Message, consumer, handler
 func (m *Idempotent) endAttempt(ctx context.Context, consumer string, id uuid.UUID) {
 	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
 	defer cancel()
+	k := crashKey{consumer, id}
 	if err := m.cfg.Store.EndAttempt(c, m.cfg.CrashQuerier, consumer, id); err != nil {
-		m.unrecorded.add(crashKey{consumer, id})
+		m.unrecorded.add(k)
+		return
 	}
+	m.unrecorded.remove(k)
 }
 
 // attempt runs one claimed attempt: begin+claim, the handler, the produced
