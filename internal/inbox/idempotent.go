@@ -687,7 +687,7 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	}
 	msg.SetContext(sqldb.ContextWithTx(origCtx, state)) // the attempt's one context value
 
-	produced, err := h(msg)
+	produced, err := h(handlerMessage(msg))
 	if err == nil {
 		// A refusal of PublisherFromContext fails the attempt even when
 		// the handler ignored the error it returned.
@@ -900,4 +900,18 @@ func (m *Idempotent) log(o Outcome, total time.Duration, fields watermill.LogFie
 		m.logger.Info("Event not processed, will be retried", f.Add(watermill.LogFields{"error": err}))
 	}
 	return err
+}
+
+// handlerMessage is the delivery msg as the handler sees it: the same id,
+// payload, metadata (the same map) and context, but its own Ack and Nack,
+// which reach nobody. The chain acks the delivery after the commit, or
+// gives it back; a handler's msg.Ack() (a plain subscriber loop's idiom)
+// acked it before the commit, and when the attempt then failed the event
+// was lost: the broker had it acked, the subscriber ended the message's
+// context, and the chain's retry and dead-lettering never ran.
+func handlerMessage(msg *message.Message) *message.Message {
+	hm := message.NewMessage(msg.UUID, msg.Payload)
+	hm.Metadata = msg.Metadata
+	hm.SetContext(msg.Context())
+	return hm
 }
