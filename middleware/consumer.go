@@ -148,7 +148,8 @@ type ConsumerConfig struct {
 	Outbox *outbox.Outbox
 
 	// OutboxTopic is the destination topic of returned messages written to
-	// the outbox. Defaults to the handler's publish topic.
+	// the outbox. Defaults to the handler's publish topic. Only with Outbox:
+	// NewConsumer and Validate refuse it without one (it would be ignored).
 	OutboxTopic string
 
 	// LockTimeout bounds the wait on a claim held by another, uncommitted
@@ -459,6 +460,15 @@ func (c ConsumerConfig) Validate() error {
 		return fmt.Errorf("middleware: ConsumerConfig.Retry.InitialInterval %s: must be ≥ 0", r.InitialInterval)
 	case r.MaxInterval < 0:
 		return fmt.Errorf("middleware: ConsumerConfig.Retry.MaxInterval %s: must be ≥ 0", r.MaxInterval)
+	}
+	if c.Outbox == nil && c.OutboxTopic != "" {
+		// Without an outbox the router publishes the returned messages to
+		// the handler's publish topic after the commit: OutboxTopic would
+		// be ignored, and the messages exposed to the loss window the
+		// outbox closes.
+		return fmt.Errorf("middleware: ConsumerConfig.OutboxTopic %q: needs ConsumerConfig.Outbox (without an outbox, "+
+			"returned messages are published by the router to the handler's publish topic after the commit); "+
+			"set Outbox, or leave OutboxTopic empty", c.OutboxTopic)
 	}
 	if c.Outbox != nil {
 		oh := outboxdb.HandleOf(c.Outbox)
