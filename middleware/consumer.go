@@ -103,8 +103,12 @@ type ConsumerConfig struct {
 	// and the table's processed.Purger purges by it: NewConsumer records
 	// this value when the table keeps none and refuses another one than
 	// the table's (processed.ErrHorizonMismatch). 0 (the default) adopts
-	// the table's horizon; a table that keeps none refuses nothing and is
-	// never purged.
+	// the table's horizon and records none: on a table that keeps none
+	// the consumer refuses nothing (no replay window, MaxFutureSkew
+	// unused) and the table is never purged, until a consumer with a
+	// horizon (or processed.SetReplayHorizon) records one; the purge then
+	// waits processed.HorizonChangeGrace before using it, so restart the
+	// consumers started at 0 within it to adopt it.
 	ReplayHorizon time.Duration
 
 	// MaxFutureSkew bounds how far ahead of the database clock an event may
@@ -148,7 +152,8 @@ type ConsumerConfig struct {
 	Outbox *outbox.Outbox
 
 	// OutboxTopic is the destination topic of returned messages written to
-	// the outbox. Defaults to the handler's publish topic.
+	// the outbox. Defaults to the handler's publish topic. Only with Outbox:
+	// NewConsumer and Validate refuse it without one (it would be ignored).
 	OutboxTopic string
 
 	// LockTimeout bounds the wait on a claim held by another, uncommitted
@@ -295,10 +300,11 @@ type Consumer struct {
 const startupTimeout = 10 * time.Second
 
 // NewConsumer validates cfg (on a copy, with defaults) and returns the
-// consumer. It reads the table's replay horizon (one statement, at most
-// 10 s): it records cfg.ReplayHorizon when the table keeps none, adopts
-// the table's when cfg.ReplayHorizon is 0, and fails with
-// processed.ErrHorizonMismatch when they differ; the table must exist
+// consumer. It reads the table's replay horizon (at most 10 s): it
+// records cfg.ReplayHorizon when the table keeps none, adopts the table's
+// when cfg.ReplayHorizon is 0 (none when the table keeps none: nothing is
+// recorded), and fails with processed.ErrHorizonMismatch when they
+// differ; the table must exist
 // (processed.Migrate). On MySQL it also refuses a DB whose DSN counts found
 // rows (clientFoundRows=true: the claim would read a duplicate as new),
 // with the error processed.Migrate returns for it. A nil logger is
@@ -325,8 +331,10 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 	if err != nil {
 		return nil, fmt.Errorf("middleware: ConsumerConfig: %w", err)
 	}
-	// The horizon lives with the table: recorded by the first consumer,
-	// verified by every later one (ErrHorizonMismatch), adopted when unset.
+	// The horizon lives with the table: recorded by the first consumer
+	// configured with one, verified by every later one
+	// (ErrHorizonMismatch), adopted when unset (none while the table
+	// keeps none).
 	ctx, cancel = context.WithTimeout(context.Background(), startupTimeout)
 	horizon, err := table.AdoptHorizon(ctx, h.Querier(), cfg.ReplayHorizon, time.Now())
 	cancel()
@@ -459,6 +467,15 @@ func (c ConsumerConfig) Validate() error {
 		return fmt.Errorf("middleware: ConsumerConfig.Retry.InitialInterval %s: must be ≥ 0", r.InitialInterval)
 	case r.MaxInterval < 0:
 		return fmt.Errorf("middleware: ConsumerConfig.Retry.MaxInterval %s: must be ≥ 0", r.MaxInterval)
+	}
+	if c.Outbox == nil && c.OutboxTopic != "" {
+		// Without an outbox the router publishes the returned messages to
+		// the handler's publish topic after the commit: OutboxTopic would
+		// be ignored, and the messages exposed to the loss window the
+		// outbox closes.
+		return fmt.Errorf("middleware: ConsumerConfig.OutboxTopic %q: needs ConsumerConfig.Outbox (without an outbox, "+
+			"returned messages are published by the router to the handler's publish topic after the commit); "+
+			"set Outbox, or leave OutboxTopic empty", c.OutboxTopic)
 	}
 	if c.Outbox != nil {
 		oh := outboxdb.HandleOf(c.Outbox)

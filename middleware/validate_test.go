@@ -43,6 +43,7 @@ func TestConsumerConfigValidateNamesEveryFieldNewConsumerRefuses(t *testing.T) {
 		{"nil after-poison middleware", "AfterPoison", func(c *middleware.ConsumerConfig) {
 			c.AfterPoison = []message.HandlerMiddleware{func(h message.HandlerFunc) message.HandlerFunc { return h }, nil}
 		}},
+		{"outbox topic without an outbox", "OutboxTopic", func(c *middleware.ConsumerConfig) { c.OutboxTopic = "shipping.requested" }},
 		{"negative retries", "Retry.MaxRetries", func(c *middleware.ConsumerConfig) { c.Retry.MaxRetries = -1 }},
 		{"multiplier below 1", "Retry.Multiplier", func(c *middleware.ConsumerConfig) { c.Retry.Multiplier = 0.5 }},
 		{"negative initial interval", "Retry.InitialInterval", func(c *middleware.ConsumerConfig) { c.Retry.InitialInterval = -time.Second }},

@@ -26,8 +26,10 @@ const (
 	// DefaultPurgeBatchSize is PurgerConfig.BatchSize's default.
 	DefaultPurgeBatchSize = processedstore.DefaultPurgeBatchSize
 	// HorizonChangeGrace is how long after SetReplayHorizon shortened a
-	// table's horizon the purge keeps the longer, previous one: restart the
-	// table's consumers with the new value within it.
+	// table's horizon the purge keeps the longer, previous one, and how
+	// long after a horizon was recorded on a table that kept none (by a
+	// consumer or SetReplayHorizon) it purges nothing: restart the table's
+	// consumers with the new value within it.
 	HorizonChangeGrace = processedstore.HorizonChangeGrace
 )
 
@@ -120,12 +122,14 @@ func ReplayHorizon(ctx context.Context, db idempotency.DB, table string) (time.D
 	return cur, err
 }
 
-// SetReplayHorizon changes the horizon the table keeps. Consumers verify it
-// when they start (a consumer configured with another value is refused with
-// ErrHorizonMismatch), so restart them with the new value. A longer horizon
-// purges less at once; a shorter one is used by the purge only after
-// HorizonChangeGrace, so a consumer still running with the old value never
-// accepts an event whose record was purged.
+// SetReplayHorizon changes the horizon the table keeps (0: none, nothing
+// refused or purged). Consumers verify it when they start (a consumer
+// configured with another value is refused with ErrHorizonMismatch), so
+// restart them with the new value. A longer horizon purges less at once,
+// and 0 purges nothing at once; a shorter one is used by the purge only
+// after HorizonChangeGrace, and so is one set on a table that kept none
+// (0) that a consumer started on, so a consumer still running with the old
+// value (or with none) never accepts an event whose record was purged.
 func SetReplayHorizon(ctx context.Context, db idempotency.DB, table string, d time.Duration) error {
 	s, h, err := Config{Table: table}.store(db)
 	if err != nil {

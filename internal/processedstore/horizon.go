@@ -56,36 +56,69 @@ func (s *Store) TableHorizon(ctx context.Context, q sqldb.Querier) (cur, prev ti
 // PurgeHorizon is the horizon a purge at now uses: the table's, or the
 // longer of the previous and the current one within HorizonChangeGrace of
 // a change. ok is false when the table keeps none (or 0): nothing may be
-// purged.
+// purged; and within HorizonChangeGrace of a horizon recorded on a table
+// that kept none (previous 0): a consumer started then (ReplayHorizon 0)
+// refuses nothing until restarted, as if its horizon were infinite.
 func (s *Store) PurgeHorizon(ctx context.Context, q sqldb.Querier, now time.Time) (time.Duration, bool, error) {
 	cur, prev, changed, ok, err := s.TableHorizon(ctx, q)
-	if err != nil || !ok {
+	if err != nil || !ok || cur == 0 {
+		// None, or changed to none: consumers started since refuse
+		// nothing, so nothing is purged, grace or not.
 		return 0, false, err
 	}
-	if now.Sub(changed) < HorizonChangeGrace && prev > cur {
-		cur = prev
+	if now.Sub(changed) < HorizonChangeGrace {
+		if prev == 0 {
+			return 0, false, nil
+		}
+		if prev > cur {
+			cur = prev
+		}
 	}
 	return cur, cur > 0, nil
 }
 
-// AdoptHorizon records d as the table's horizon when it keeps none, and
-// returns the horizon it keeps. With d > 0 a different recorded horizon is
-// ErrHorizonMismatch; d == 0 adopts the recorded one.
-func (s *Store) AdoptHorizon(ctx context.Context, q sqldb.Querier, d time.Duration, now time.Time) (time.Duration, error) {
+// insertHorizon is the statement that records a horizon ($1), previous
+// ($2) and change time ($3) on a table with no horizon row; it does
+// nothing (0 rows) when the row exists.
+func (s *Store) insertHorizon() string {
 	insert := "INSERT INTO " + s.horizonTable() + " (id, horizon_us, previous_us, changed_us) VALUES (1, " +
 		s.ph(1) + ", " + s.ph(2) + ", " + s.ph(3) + ")"
 	if s.dialect == sqldb.MySQL {
-		insert = strings.Replace(insert, "INSERT INTO", "INSERT IGNORE INTO", 1)
-	} else {
-		insert += " ON CONFLICT (id) DO NOTHING"
+		return strings.Replace(insert, "INSERT INTO", "INSERT IGNORE INTO", 1)
 	}
+	return insert + " ON CONFLICT (id) DO NOTHING"
+}
+
+// AdoptHorizon returns the horizon the table keeps (0: none), recording d
+// when d > 0 and the table keeps none. With d > 0 a different recorded
+// horizon is ErrHorizonMismatch; d == 0 adopts the recorded one and
+// records none: on a table that keeps none it returns 0 (the claim
+// refuses nothing) and leaves the table keeping none, writing a row of 0
+// when there is no row, so that a later recording knows a consumer may
+// run without a replay window. A horizon recorded over a row of 0 keeps
+// previous 0, and PurgeHorizon purges nothing for HorizonChangeGrace; one
+// recorded on a table with no row (no consumer started on it) is used at
+// once.
+func (s *Store) AdoptHorizon(ctx context.Context, q sqldb.Querier, d time.Duration, now time.Time) (time.Duration, error) {
 	us := d.Microseconds()
-	if _, err := q.Exec(ctx, insert, us, us, now.UnixMicro()); err != nil {
+	if _, err := q.Exec(ctx, s.insertHorizon(), us, us, now.UnixMicro()); err != nil {
 		return 0, fmt.Errorf("processed: record the replay horizon of %s (run processed.Migrate): %w", s.table, err)
 	}
 	cur, _, _, _, err := s.TableHorizon(ctx, q)
 	if err != nil {
 		return 0, err
+	}
+	if d > 0 && cur == 0 {
+		// The table keeps none: record d, from none. Of two consumers
+		// recording at once one wins, the other is compared with it.
+		_, err := q.Exec(ctx, "UPDATE "+s.horizonTable()+" SET horizon_us = "+s.ph(1)+", previous_us = 0, changed_us = "+
+			s.ph(2)+" WHERE id = 1 AND horizon_us = 0", us, now.UnixMicro())
+		if err != nil {
+			return 0, fmt.Errorf("processed: record the replay horizon of %s: %w", s.table, err)
+		}
+		if cur, _, _, _, err = s.TableHorizon(ctx, q); err != nil {
+			return 0, err
+		}
 	}
 	if d > 0 && cur != d {
 		return cur, fmt.Errorf("%w: table %s keeps %s, configured %s: every consumer and purger of a table shares "+
@@ -96,16 +129,22 @@ func (s *Store) AdoptHorizon(ctx context.Context, q sqldb.Querier, d time.Durati
 }
 
 // SetHorizon changes the table's horizon to d (≥ 0), keeping the previous
-// value for the purge's grace (HorizonChangeGrace).
+// value for the purge's grace (HorizonChangeGrace; from 0, none, the purge
+// waits it out). On a table with no horizon row it records d at once.
 func (s *Store) SetHorizon(ctx context.Context, q sqldb.Querier, d time.Duration, now time.Time) error {
 	if d < 0 {
 		return fmt.Errorf("processed: replay horizon %s: must be ≥ 0", d)
 	}
-	if _, err := s.AdoptHorizon(ctx, q, 0, now); err != nil {
-		return err
+	us := d.Microseconds()
+	n, err := q.Exec(ctx, s.insertHorizon(), us, us, now.UnixMicro())
+	if err != nil {
+		return fmt.Errorf("processed: record the replay horizon of %s (run processed.Migrate): %w", s.table, err)
 	}
-	_, err := q.Exec(ctx, "UPDATE "+s.horizonTable()+" SET previous_us = horizon_us, horizon_us = "+s.ph(1)+
-		", changed_us = "+s.ph(2)+" WHERE id = 1", d.Microseconds(), now.UnixMicro())
+	if n == 1 {
+		return nil
+	}
+	_, err = q.Exec(ctx, "UPDATE "+s.horizonTable()+" SET previous_us = horizon_us, horizon_us = "+s.ph(1)+
+		", changed_us = "+s.ph(2)+" WHERE id = 1", us, now.UnixMicro())
 	if err != nil {
 		return fmt.Errorf("processed: set the replay horizon of %s: %w", s.table, err)
 	}

@@ -148,7 +148,8 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 			return 0, false, err
 		}
 		if !ok {
-			p.logger.Info("Processed events not purged: the table keeps no replay horizon", watermill.LogFields{"table": p.store.table.String()})
+			p.logger.Info("Processed events not purged: the table keeps no replay horizon, or recorded one within "+
+				"HorizonChangeGrace of keeping none", watermill.LogFields{"table": p.store.table.String()})
 			return 0, false, nil
 		}
 		if h < p.cfg.MinHorizon {
