@@ -34,13 +34,17 @@ const (
 	// headerPoisonedAt is the failure time our chain stamps (RFC 3339);
 	// Watermill's PoisonQueue stamps none.
 	headerPoisonedAt = inbox.MetadataPoisonedAt
+	// headerOriginQueue is the queue the message was consumed from, set by
+	// the poison publishers of marshaler/amqp's DeadLetterConfig (from the
+	// subscriber's queue name for topic_poisoned).
+	headerOriginQueue = "idempotency_origin_queue"
 )
 
 // poisonHeader reports whether a header belongs to the failure, not to the
 // message: a redriven copy goes without it.
 func poisonHeader(k string) bool {
 	switch k {
-	case headerReason, headerTopic, headerHandler, headerSubscriber, headerPoisonedAt, headerPoisonClass, headerReasonBytes,
+	case headerReason, headerTopic, headerHandler, headerSubscriber, headerPoisonedAt, headerPoisonClass, headerReasonBytes, headerOriginQueue,
 		inbox.MetadataAttempt, "x-death", "x-delivery-count",
 		marshaler.MetadataRedelivered, marshaler.MetadataDeliveryCount:
 		return true
@@ -76,6 +80,63 @@ func queueDepth(conn *amqp091.Connection, queue string) (int, error) {
 	return q.Messages, nil
 }
 
+// queueChecks asks the broker whether a queue exists, once per name.
+type queueChecks struct {
+	conn *amqp091.Connection
+	seen map[string]error
+}
+
+func newQueueChecks(conn *amqp091.Connection) *queueChecks {
+	return &queueChecks{conn: conn, seen: map[string]error{}}
+}
+
+// exists returns nil when queue exists, else queueDepth's error.
+func (q *queueChecks) exists(queue string) error {
+	if err, ok := q.seen[queue]; ok {
+		return err
+	}
+	_, err := queueDepth(q.conn, queue)
+	q.seen[queue] = err
+	return err
+}
+
+// resolveOrigin sets dl.Origin, when no header names the origin queue, to
+// topic_poisoned if a queue of that name exists: the topic is the queue in
+// the queue layout (amqp.NewDurableQueueConfig) only; elsewhere it is a
+// routing key or an exchange, and the origin stays unknown. It fails only
+// when the broker does.
+func (q *queueChecks) resolveOrigin(dl *deadLetter) error {
+	if dl.Origin != "" || dl.Topic == "" {
+		return nil
+	}
+	err := q.exists(dl.Topic)
+	if err == nil {
+		dl.Origin = dl.Topic
+		return nil
+	}
+	if codeOf(err) == exitNotFound {
+		return nil
+	}
+	return err
+}
+
+// originText is dl's origin as list and show print it: the queue, or "?"
+// with topic_poisoned when that is not a queue.
+func originText(dl deadLetter) string {
+	if dl.Origin == "" && dl.Topic != "" {
+		return fmt.Sprintf("? (topic %s)", dl.Topic)
+	}
+	return dash(dl.Origin)
+}
+
+// noOrigin says why dl has no origin queue, and what to pass instead.
+func noOrigin(dl deadLetter) string {
+	if dl.Topic == "" {
+		return "no origin queue in its headers (use --to QUEUE)"
+	}
+	return fmt.Sprintf("origin unknown: topic_poisoned %q is no queue (a routing key or exchange); use --to QUEUE, the consumer's queue", dl.Topic)
+}
+
 // deadLetter is what idem tells about one dead-lettered delivery.
 type deadLetter struct {
 	Position     int               `json:"position"` // 1 = head of the queue when browsed
@@ -88,7 +149,8 @@ type deadLetter struct {
 	Attempts     int               `json:"attempts"` // 0: unknown
 	FirstFailure *jsonTime         `json:"first_failure,omitempty"`
 	LastFailure  *jsonTime         `json:"last_failure,omitempty"`
-	Origin       string            `json:"origin_queue"` // where a redrive sends it by default
+	Origin       string            `json:"origin_queue"`    // where a redrive sends it by default; "" when unknown
+	Topic        string            `json:"topic,omitempty"` // topic_poisoned: the Watermill topic it was consumed from
 	Handler      string            `json:"handler,omitempty"`
 	Redelivered  bool              `json:"redelivered"`
 	Bytes        int               `json:"bytes"`
@@ -165,10 +227,13 @@ func describe(d amqp091.Delivery, pos int) deadLetter {
 			dl.FirstFailure = &t
 		}
 	}
-	dl.Origin = h("x-first-death-queue")
+	// The queue a header names; topic_poisoned only once checked
+	// (queueChecks.resolveOrigin).
+	dl.Origin = h(headerOriginQueue)
 	if dl.Origin == "" {
-		dl.Origin = h(headerTopic)
+		dl.Origin = h("x-first-death-queue")
 	}
+	dl.Topic = h(headerTopic)
 	dl.Handler = h(headerHandler)
 	return dl
 }

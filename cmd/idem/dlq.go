@@ -57,8 +57,13 @@ func runDLQList(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	out := dlqList{Queue: queue, Depth: depth, Messages: []deadLetter{}}
+	queues := newQueueChecks(conn)
 	if _, err := browse(ctx, conn, queue, *limit, func(_ *browseChan, d amqp091.Delivery, pos int) error {
-		out.Messages = append(out.Messages, describe(d, pos))
+		dl := describe(d, pos)
+		if err := queues.resolveOrigin(&dl); err != nil {
+			return err
+		}
+		out.Messages = append(out.Messages, dl)
 		return nil
 	}, nil); err != nil {
 		return err
@@ -71,7 +76,7 @@ func runDLQList(ctx context.Context, e *env, args []string) error {
 	rows := make([][]string, 0, len(out.Messages))
 	for _, m := range out.Messages {
 		rows = append(rows, []string{strconv.Itoa(m.Position), dash(m.EventID), dash(m.EventName), attemptsText(m.Attempts),
-			tsPtr(m.FirstFailure), tsPtr(m.LastFailure), dash(m.Origin), truncate(dash(m.Reason), 60)})
+			tsPtr(m.FirstFailure), tsPtr(m.LastFailure), originText(m), truncate(dash(m.Reason), 60)})
 	}
 	table(e.stdout, []string{"#", "EVENT_ID", "EVENT_NAME", "ATTEMPTS", "FIRST_FAILURE", "LAST_FAILURE", "ORIGIN", "REASON"}, rows)
 	return nil
@@ -109,10 +114,14 @@ func runDLQShow(ctx context.Context, e *env, args []string) error {
 	defer conn.Close()
 	queue := pos[0]
 	var found []deadLetter
+	queues := newQueueChecks(conn)
 	if _, err := browse(ctx, conn, queue, 0, func(_ *browseChan, d amqp091.Delivery, pos int) error {
 		dl := describe(d, pos)
 		if dl.EventID != id.String() {
 			return nil
+		}
+		if err := queues.resolveOrigin(&dl); err != nil {
+			return err
 		}
 		dl.Headers = map[string]string{}
 		for k, v := range d.Headers {
@@ -144,7 +153,7 @@ func runDLQShow(ctx context.Context, e *env, args []string) error {
 			{"queue", queue}, {"position", strconv.Itoa(m.Position)}, {"event_id", m.EventID}, {"event_name", dash(m.EventName)},
 			{"occurred_at", tsPtr(m.OccurredAt)}, {"reason", dash(oneLine(m.Reason))}, {"attempts", attemptsText(m.Attempts)},
 			{"first_failure", tsPtr(m.FirstFailure)}, {"last_failure", tsPtr(m.LastFailure)},
-			{"origin_queue", dash(m.Origin)}, {"handler", dash(m.Handler)}, {"malformed", strconv.FormatBool(m.Malformed)},
+			{"origin_queue", originText(m)}, {"handler", dash(m.Handler)}, {"malformed", strconv.FormatBool(m.Malformed)},
 			{"bytes", strconv.Itoa(m.Bytes)},
 		}
 		keys := make([]string, 0, len(m.Headers))
@@ -204,7 +213,7 @@ func runDLQRedrive(ctx context.Context, e *env, args []string) error {
 	fs.Var(&ids, "event-id", "redrive the message(s) with this event id (repeatable; any UUID text form)")
 	all := fs.Bool("all", false, "redrive every message of the queue")
 	dryRun := fs.Bool("dry-run", false, "only say what would be redriven and where; change nothing")
-	to := fs.String("to", "", "target queue (default: each message's origin, x-first-death-queue or topic_poisoned)")
+	to := fs.String("to", "", "target queue (default: each message's origin queue: idempotency_origin_queue, x-first-death-queue, or topic_poisoned if a queue has that name)")
 	exchange := fs.String("exchange", "", "publish to this exchange with --to as routing key, instead of the default exchange (queue --to)")
 	progress := fs.Int("progress", defaultProgress, "print progress on stderr every N messages moved (0: never)")
 	window := fs.Int("window", defaultWindow, "copies in flight awaiting the broker's confirm before their dead letters are acked")
@@ -264,7 +273,7 @@ func runDLQRedrive(ctx context.Context, e *env, args []string) error {
 		}
 	}
 
-	r := &redriver{e: e, conn: conn, exchange: *exchange, checked: map[string]error{}, window: *window}
+	r := &redriver{e: e, conn: conn, exchange: *exchange, queues: newQueueChecks(conn), window: *window}
 	if !*dryRun {
 		if err := r.open(); err != nil {
 			return err
@@ -272,6 +281,7 @@ func runDLQRedrive(ctx context.Context, e *env, args []string) error {
 		defer r.pch.Close()
 	}
 	rep := redriveReport{Queue: queue, DryRun: *dryRun, Items: []redriveItem{}}
+	unknown := 0 // of rep.Left: origin queue unknown or missing
 	start := time.Now()
 	// Each selected dead letter is published (mandatory, confirmed) and
 	// acked only once the broker confirmed its copy; up to --window copies
@@ -304,20 +314,31 @@ func runDLQRedrive(ctx context.Context, e *env, args []string) error {
 			return nil
 		}
 		item := redriveItem{EventID: dl.EventID, EventName: dl.EventName, To: *to}
+		var err error
 		if item.To == "" {
+			err = r.queues.resolveOrigin(&dl)
 			item.To = dl.Origin
 		}
 		rep.Items = append(rep.Items, item)
 		it := &rep.Items[len(rep.Items)-1]
-		if item.To == "" {
-			it.Result = "left: no origin queue in its headers (use --to)"
+		switch {
+		case err != nil:
+			it.Result = "left: " + err.Error()
 			rep.Left++
+			return nil
+		case item.To == "":
+			it.Result = "left: " + noOrigin(dl)
+			rep.Left++
+			unknown++
 			return nil
 		}
 		if *exchange == "" {
-			if err := r.check(item.To); err != nil {
+			if err := r.queues.exists(item.To); err != nil {
 				it.Result = "left: " + err.Error()
 				rep.Left++
+				if codeOf(err) == exitNotFound {
+					unknown++
+				}
 				return nil
 			}
 		}
@@ -346,6 +367,9 @@ func runDLQRedrive(ctx context.Context, e *env, args []string) error {
 	}
 	if err != nil {
 		return fmt.Errorf("redrive stopped after %d moved: %w", rep.Redriven, err)
+	}
+	if rep.Left > 0 && rep.Left == unknown {
+		return notFoundErr("%d selected message(s) left in %q: origin queue unknown or missing (see the result column; use --to QUEUE)", rep.Left, queue)
 	}
 	if rep.Left > 0 {
 		return failedErr("%d selected message(s) left in %q (see the result column)", rep.Left, queue)
@@ -391,7 +415,7 @@ type redriver struct {
 	pch      *amqp091.Channel
 	returns  chan amqp091.Return
 	returned map[string]int // MessageId → returns not yet matched
-	checked  map[string]error
+	queues   *queueChecks
 	pending  []pendingCopy
 }
 
@@ -419,16 +443,6 @@ func (r *redriver) open() error {
 	r.returns = ch.NotifyReturn(make(chan amqp091.Return, 2*r.window+1))
 	r.returned = map[string]int{}
 	return nil
-}
-
-// check reports whether the target queue exists, once per queue.
-func (r *redriver) check(queue string) error {
-	if err, ok := r.checked[queue]; ok {
-		return err
-	}
-	_, err := queueDepth(r.conn, queue)
-	r.checked[queue] = err
-	return err
 }
 
 // publish sends a copy of d: the body byte for byte, the properties, and the

@@ -483,6 +483,94 @@ func TestDLQBrokerDeadLettered(t *testing.T) {
 	}
 }
 
+// TestDLQOriginUnknown: a dead letter whose topic_poisoned is no queue (a
+// routing key of a topic exchange) and that names no origin queue (poisoned
+// before idempotency_origin_queue, or by another publisher) has no origin:
+// list says so, a redrive without --to leaves it (exit 2, naming --to) and
+// moves the one whose origin queue is named; with --to it goes there, without
+// the poison headers.
+func TestDLQOriginUnknown(t *testing.T) {
+	t.Parallel()
+	conn, err := amqp091.Dial(testenv.AMQPURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	q, dlq := testenv.UniqueName("idem_oq"), testenv.UniqueName("idem_odlq")
+	for _, name := range []string{q, dlq} {
+		if _, err := ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		_, _ = ch.QueueDelete(q, false, false, false)
+		_, _ = ch.QueueDelete(dlq, false, false, false)
+	})
+	deadLetter := func(origin string) string {
+		msg, err := marshaler.NewMessage("order.placed", map[string]int{"order": 7})
+		if err != nil {
+			t.Fatal(err)
+		}
+		pub, err := idemamqp.Marshaler{}.Marshal(msg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pub.Headers[headerTopic] = "order.placed"
+		pub.Headers[headerReason] = "stock: unknown product sku-42"
+		if origin != "" {
+			pub.Headers[headerOriginQueue] = origin
+		}
+		if err := ch.Publish("", dlq, false, false, pub); err != nil {
+			t.Fatal(err)
+		}
+		return msg.UUID
+	}
+	unknown, named := deadLetter(""), deadLetter(q)
+	c := &shop{t: t, conn: conn}
+	eventually(t, "the dead letters", func() bool { return c.depth(dlq) == 2 })
+
+	r := idem(t, "public", "dlq", "list", dlq, "--json")
+	wantCode(t, r, exitOK)
+	ms := decode[dlqList](t, r).Messages
+	if ms[0].EventID != unknown || ms[0].Origin != "" || ms[0].Topic != "order.placed" || ms[1].EventID != named || ms[1].Origin != q {
+		t.Fatalf("listed: %+v", ms)
+	}
+	r = idem(t, "public", "dlq", "list", dlq)
+	wantCode(t, r, exitOK)
+	if !strings.Contains(r.stdout, "? (topic order.placed)") {
+		t.Fatalf("list: %s", r.stdout)
+	}
+
+	r = idem(t, "public", "dlq", "redrive", dlq, "--all")
+	wantCode(t, r, exitNotFound)
+	if !strings.Contains(r.stdout, `topic_poisoned "order.placed" is no queue`) || !strings.Contains(r.stdout, "--to QUEUE") ||
+		strings.Count(strings.TrimSpace(r.stderr), "\n") != 0 {
+		t.Fatalf("redrive without --to: %s / %s", r.stdout, r.stderr)
+	}
+	eventually(t, "one moved, one left", func() bool { return c.depth(dlq) == 1 && c.depth(q) == 1 })
+
+	wantCode(t, idem(t, "public", "dlq", "redrive", dlq, "--all", "--to", q), exitOK)
+	eventually(t, "the second moved", func() bool { return c.depth(dlq) == 0 && c.depth(q) == 2 })
+	for _, id := range []string{named, unknown} {
+		back, ok, err := ch.Get(q, true)
+		if err != nil || !ok {
+			t.Fatalf("get: %v %v", ok, err)
+		}
+		if back.MessageId != id {
+			t.Fatalf("copy %s, want %s", back.MessageId, id)
+		}
+		for _, k := range []string{headerTopic, headerReason, headerOriginQueue} {
+			if _, ok := back.Headers[k]; ok {
+				t.Fatalf("copy kept poison header %s", k)
+			}
+		}
+	}
+}
+
 // TestDLQMalformed: a delivery that is not an envelope reaches the DLQ
 // verbatim (the marshaler flags it, the chain poisons it); list shows it as
 // malformed with the decoder's reason, show --payload gives the raw body.

@@ -6,11 +6,25 @@ import (
 	"maps"
 
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 )
 
 // QueueTypeQuorum is the x-queue-type of a quorum queue.
 const QueueTypeQuorum = "quorum"
+
+// headerOriginQueue is the header the poison publishers of a
+// DeadLetterConfig (PoisonPublisherConfig, PublisherConfig) set on each
+// poisoned message: the queue its consumer read it from,
+// Subscriber.Queue.GenerateName of its topic_poisoned; `idem dlq redrive`
+// sends the message back there. topic_poisoned alone names that queue only
+// in the queue layout: with amqp.NewDurableTopicConfig it is a routing key,
+// with amqp.NewDurablePubSubConfig an exchange.
+const headerOriginQueue = "idempotency_origin_queue"
+
+// poisonedTopicKey is Watermill's PoisonedTopicKey ("topic_poisoned",
+// message/router/middleware), which the chain sets too.
+const poisonedTopicKey = "topic_poisoned"
 
 // DeadLetterConfig configures DeclareDeadLetter: where poisoned messages
 // (middleware.PoisonConfig.Publisher / Topic) of a
@@ -168,22 +182,61 @@ func (c DeadLetterConfig) PoisonTopic() string {
 
 // ConfirmedPublisherConfig is the configuration of this package's confirmed,
 // mandatory ConfirmedPublisher (NewConfirmedPublisher) for the dead-letter
-// topology: Subscriber's URL and marshaler, the exchange ExchangeName(). Give
-// the chain PoisonTopic() as its topic. Unlike watermill-amqp's Publisher,
-// it reports a message the broker could not route (ErrUnroutable).
+// topology: Subscriber's URL and marshaler (adding the header
+// idempotency_origin_queue: the queue the message was consumed from), the
+// exchange ExchangeName(). Give the chain PoisonTopic() as its topic. Unlike
+// watermill-amqp's Publisher, it reports a message the broker could not
+// route (ErrUnroutable).
 func (c DeadLetterConfig) PoisonPublisherConfig() ConfirmedPublisherConfig {
 	return ConfirmedPublisherConfig{
 		URL:       c.Subscriber.Connection.AmqpURI,
 		Exchange:  c.ExchangeName(),
-		Marshaler: c.Subscriber.Marshaler,
+		Marshaler: c.originMarshaler(),
 	}
+}
+
+// originMarshaler is Subscriber.Marshaler adding headerOriginQueue, or
+// Subscriber.Marshaler itself when there is no queue name to derive.
+func (c DeadLetterConfig) originMarshaler() wamqp.Marshaler {
+	if c.Subscriber.Marshaler == nil || c.Subscriber.Queue.GenerateName == nil {
+		return c.Subscriber.Marshaler
+	}
+	return originMarshaler{Marshaler: c.Subscriber.Marshaler, queue: c.Subscriber.Queue.GenerateName}
+}
+
+// originMarshaler sets headerOriginQueue on its Marshaler's publishings:
+// queue(topic_poisoned), or no such header when the message has no
+// topic_poisoned (one copied from the message's own metadata is dropped).
+type originMarshaler struct {
+	wamqp.Marshaler
+	queue wamqp.QueueNameGenerator
+}
+
+func (m originMarshaler) Marshal(msg *message.Message) (amqp091.Publishing, error) {
+	pub, err := m.Marshaler.Marshal(msg)
+	if err != nil {
+		return pub, err
+	}
+	delete(pub.Headers, headerOriginQueue)
+	topic := msg.Metadata.Get(poisonedTopicKey)
+	if topic == "" {
+		return pub, nil
+	}
+	if q := m.queue(topic); q != "" {
+		if pub.Headers == nil {
+			pub.Headers = amqp091.Table{}
+		}
+		pub.Headers[headerOriginQueue] = q
+	}
+	return pub, nil
 }
 
 // PublisherConfig is the watermill-amqp configuration of a poison
 // publisher, for users of watermill-amqp's Publisher (ConfirmedPublisherConfig
 // is the safer choice: watermill-amqp never reads basic.return): Subscriber's connection and marshaler; the default exchange
 // with routing key QueueName() (queue layout), or the fanout exchange Topic
-// (exchange layouts), whatever topic the message is published to; with
+// (exchange layouts), whatever topic the message is published to; the
+// marshaler Subscriber's, adding idempotency_origin_queue; with
 // publisher confirms (Publish returns after the broker holds the copy, so
 // the poisoned delivery is acked only then). It declares no queue: call
 // Declare (or DeclareDeadLetter) first, or the broker drops the messages.
@@ -196,7 +249,7 @@ func (c DeadLetterConfig) PublisherConfig() wamqp.Config {
 	}
 	return wamqp.Config{
 		Connection: c.Subscriber.Connection,
-		Marshaler:  c.Subscriber.Marshaler,
+		Marshaler:  c.originMarshaler(),
 		Exchange: wamqp.ExchangeConfig{
 			GenerateName: wamqp.GenerateExchangeNameConstant(exchange),
 			Type:         exchangeType,

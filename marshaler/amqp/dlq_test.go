@@ -250,6 +250,9 @@ func TestDeclareDeadLetter(t *testing.T) {
 				require.True(t, got)
 				require.Equal(t, bad, d.MessageId)
 				require.NotEmpty(t, d.Headers[wmw.ReasonForPoisonedKey])
+				// Where `idem dlq redrive` sends it back: the consumer's
+				// queue, which topic_poisoned names only in the queue layout.
+				require.Equal(t, r.queue, d.Headers["idempotency_origin_queue"])
 			})
 		}
 	}
@@ -278,6 +281,31 @@ func TestDeadLetter_naiveTopicLayoutLoops(t *testing.T) {
 		return o.Int("calls(bad)", r.callsOf(bad)) >= 3
 	})
 	require.NoError(t, r.router.Close()) // stop the loop
+}
+
+// The poison publishers name the consumer's queue in
+// idempotency_origin_queue, from topic_poisoned (here a routing key of the
+// topic layout); a message without topic_poisoned gets none, and a value
+// copied from its own metadata is dropped.
+func TestDeadLetterConfigOriginQueue(t *testing.T) {
+	t.Parallel()
+	sub := wamqp.NewDurableTopicConfig(testenv.AMQPURL(), "events", "stock.events")
+	sub.Marshaler = idamqp.Marshaler{}
+	dl := idamqp.DeadLetterConfig{Subscriber: sub, Topic: "stock.events.dlq"}
+	for name, m := range map[string]interface {
+		Marshal(*message.Message) (amqp091.Publishing, error)
+	}{"PoisonPublisherConfig": dl.PoisonPublisherConfig().Marshaler, "PublisherConfig": dl.PublisherConfig().Marshaler} {
+		msg, err := marshaler.NewMessage("order.placed", map[string]int{"order": 1})
+		require.NoError(t, err)
+		msg.Metadata.Set("idempotency_origin_queue", "elsewhere")
+		pub, err := m.Marshal(msg)
+		require.NoError(t, err)
+		require.NotContains(t, pub.Headers, "idempotency_origin_queue", name)
+		msg.Metadata.Set(wmw.PoisonedTopicKey, "order.placed")
+		pub, err = m.Marshal(msg)
+		require.NoError(t, err)
+		require.Equal(t, "stock.events", pub.Headers["idempotency_origin_queue"], name)
+	}
 }
 
 func TestDeadLetterConfigValidate(t *testing.T) {
