@@ -129,7 +129,10 @@ func ReplayHorizon(ctx context.Context, db idempotency.DB, table string) (time.D
 // and 0 purges nothing at once; a shorter one is used by the purge only
 // after HorizonChangeGrace, and so is one set on a table that kept none
 // (0) that a consumer started on, so a consumer still running with the old
-// value (or with none) never accepts an event whose record was purged.
+// value (or with none) never accepts an event whose record was purged. A
+// change within HorizonChangeGrace of an earlier one keeps the longest
+// horizon in force since the earlier one (none included) for its own
+// grace; setting the horizon the table keeps changes nothing.
 func SetReplayHorizon(ctx context.Context, db idempotency.DB, table string, d time.Duration) error {
 	s, h, err := Config{Table: table}.store(db)
 	if err != nil {

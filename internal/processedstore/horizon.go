@@ -130,7 +130,12 @@ func (s *Store) AdoptHorizon(ctx context.Context, q sqldb.Querier, d time.Durati
 
 // SetHorizon changes the table's horizon to d (≥ 0), keeping the previous
 // value for the purge's grace (HorizonChangeGrace; from 0, none, the purge
-// waits it out). On a table with no horizon row it records d at once.
+// waits it out). Within the grace of an earlier change the previous value
+// kept is the longest in force since that change (0, none, is the
+// longest), so consumers started before it stay covered for the new
+// change's grace; d equal to the table's horizon changes nothing (nor
+// restarts the grace). On a table with no horizon row it records d at
+// once.
 func (s *Store) SetHorizon(ctx context.Context, q sqldb.Querier, d time.Duration, now time.Time) error {
 	if d < 0 {
 		return fmt.Errorf("processed: replay horizon %s: must be ≥ 0", d)
@@ -143,8 +148,12 @@ func (s *Store) SetHorizon(ctx context.Context, q sqldb.Querier, d time.Duration
 	if n == 1 {
 		return nil
 	}
-	_, err = q.Exec(ctx, "UPDATE "+s.horizonTable()+" SET previous_us = horizon_us, horizon_us = "+s.ph(1)+
-		", changed_us = "+s.ph(2)+" WHERE id = 1", us, now.UnixMicro())
+	// previous_us first: MySQL assigns left to right, each assignment
+	// seeing the columns set before it.
+	_, err = q.Exec(ctx, "UPDATE "+s.horizonTable()+" SET previous_us = CASE WHEN changed_us > "+s.ph(1)+
+		" THEN CASE WHEN previous_us = 0 OR horizon_us = 0 THEN 0 WHEN previous_us > horizon_us THEN previous_us"+
+		" ELSE horizon_us END ELSE horizon_us END, horizon_us = "+s.ph(2)+", changed_us = "+s.ph(3)+
+		" WHERE id = 1 AND horizon_us <> "+s.ph(4), now.Add(-HorizonChangeGrace).UnixMicro(), us, now.UnixMicro(), us)
 	if err != nil {
 		return fmt.Errorf("processed: set the replay horizon of %s: %w", s.table, err)
 	}
