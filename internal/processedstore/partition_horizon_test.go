@@ -1,0 +1,52 @@
+package processedstore_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+)
+
+// The purger of a partitioned table keeps creating the spans ahead while
+// it purges nothing: on a table that keeps no horizon (its consumers at 0)
+// and within HorizonChangeGrace of one recorded over none. Without it,
+// after the spans Migrate made, every claim of those hours lands in the
+// default partition (DELETE-purged), and their spans wait until its rows
+// expire.
+func TestPartitionsAreCreatedAheadWhileNothingIsPurged(t *testing.T) {
+	t.Parallel()
+	pool, _ := testenv.Pool(t)
+	ctx := context.Background()
+	s := partitionedStore(t, time.Hour, 0)
+	require.NoError(t, s.Migrate(ctx, sqldb.Pgx(pool)))
+	p, err := processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{FromTable: true}, nil)
+	require.NoError(t, err)
+	// As if the purger had not run for two spans: the span after next has
+	// no partition.
+	dropAhead := func() time.Time {
+		now := dbNow(t, pool)
+		ahead := now.UTC().Truncate(time.Hour).Add(2 * time.Hour)
+		_, err := pool.Exec(ctx, `DROP TABLE processed_event_p`+ahead.Format("200601021504"))
+		require.NoError(t, err)
+		return now
+	}
+
+	_, err = s.AdoptHorizon(ctx, sqldb.Pgx(pool), 0, time.Now())
+	require.NoError(t, err)
+	now := dropAhead()
+	_, _, err = p.PurgeNow(ctx)
+	require.NoError(t, err)
+	requireCovered(t, coverage(t, pool, "processed_event"), now, now.Add(3*time.Hour))
+
+	_, err = s.AdoptHorizon(ctx, sqldb.Pgx(pool), 2*time.Hour, time.Now())
+	require.NoError(t, err)
+	now = dropAhead()
+	_, _, err = p.PurgeNow(ctx)
+	require.NoError(t, err)
+	requireCovered(t, coverage(t, pool, "processed_event"), now, now.Add(3*time.Hour))
+}
