@@ -137,6 +137,8 @@ func NewPurger(store *Store, pool sqldb.Pool, cfg PurgerConfig, logger watermill
 // deleted (rows of dropped partitions are not counted).
 func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err error) {
 	horizon := p.cfg.Horizon
+	onPurge := p.cfg.OnPurge
+	createOnly := false // partitions ahead, nothing purged
 	if p.cfg.FromTable {
 		conn, err := p.pool.Acquire(ctx)
 		if err != nil {
@@ -150,9 +152,13 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 		if !ok {
 			p.logger.Info("Processed events not purged: the table keeps no replay horizon, or recorded one within "+
 				"HorizonChangeGrace of keeping none", watermill.LogFields{"table": p.store.table.String()})
-			return 0, false, nil
-		}
-		if h < p.cfg.MinHorizon {
+			if p.store.layout != LayoutPartitioned {
+				return 0, false, nil
+			}
+			// The spans ahead are still created: claims would land in
+			// the default partition once Migrate's are behind.
+			createOnly, onPurge, h = true, nil, 0
+		} else if h < p.cfg.MinHorizon {
 			return 0, false, fmt.Errorf("%w: the table %s keeps %s, PurgerConfig.MinHorizon is %s", ErrHorizonTooShort, p.store.table, h, p.cfg.MinHorizon)
 		}
 		horizon = h
@@ -175,6 +181,9 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 				return 0, err
 			}
 			p.logMaintenance(rep)
+		}
+		if createOnly {
+			return 0, nil
 		}
 		n, err := p.store.PurgeBatch(ctx, q, horizon, limit)
 		if err != nil || !legacy {
@@ -220,9 +229,12 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 				return nil
 			}
 		}
-		deleted, ran, err = purgeloop.DrainTx(ctx, p.pool, lock, first, batch, p.cfg.BatchSize, p.cfg.OnPurge)
+		deleted, ran, err = purgeloop.DrainTx(ctx, p.pool, lock, first, batch, p.cfg.BatchSize, onPurge)
 	} else {
-		deleted, ran, err = purgeloop.Drain(ctx, p.pool, p.lock, batch, p.cfg.BatchSize, p.cfg.OnPurge)
+		deleted, ran, err = purgeloop.Drain(ctx, p.pool, p.lock, batch, p.cfg.BatchSize, onPurge)
+	}
+	if createOnly {
+		ran = false // nothing purged: the table keeps no horizon in force
 	}
 	if err != nil {
 		return deleted, ran, fmt.Errorf("processed: purge: %w", err)
