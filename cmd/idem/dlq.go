@@ -213,7 +213,7 @@ func runDLQRedrive(ctx context.Context, e *env, args []string) error {
 	fs.Var(&ids, "event-id", "redrive the message(s) with this event id (repeatable; any UUID text form)")
 	all := fs.Bool("all", false, "redrive every message of the queue")
 	dryRun := fs.Bool("dry-run", false, "only say what would be redriven and where; change nothing")
-	to := fs.String("to", "", "target queue (default: each message's origin queue: idempotency_origin_queue, x-first-death-queue, or topic_poisoned if a queue has that name)")
+	to := fs.String("to", "", "target queue (default: each message's origin queue: idempotency_origin_queue, the queue RabbitMQ last dead-lettered it from (x-last-death-queue, x-death), or topic_poisoned if a queue has that name)")
 	exchange := fs.String("exchange", "", "publish to this exchange with --to as routing key, instead of the default exchange (queue --to)")
 	progress := fs.Int("progress", defaultProgress, "print progress on stderr every N messages moved (0: never)")
 	window := fs.Int("window", defaultWindow, "copies in flight awaiting the broker's confirm before their dead letters are acked")
