@@ -186,11 +186,11 @@ func describe(d amqp091.Delivery, pos int) deadLetter {
 		}
 		dl.payload = d.Body
 	}
+	deaths := xDeaths(d.Headers["x-death"])
+	lastQueue, lastReason := lastDeath(d.Headers, deaths)
 	dl.Reason, dl.Class = h(headerReason), h(headerPoisonClass)
-	if dl.Reason == "" {
-		if r := h("x-first-death-reason"); r != "" {
-			dl.Reason, dl.Class = "broker dead-lettered: "+r, r
-		}
+	if dl.Reason == "" && lastReason != "" {
+		dl.Reason, dl.Class = "broker dead-lettered: "+lastReason, lastReason
 	}
 	if dl.Reason == "" && dl.Malformed {
 		dl.Reason = "malformed: " + err.Error()
@@ -198,7 +198,6 @@ func describe(d amqp091.Delivery, pos int) deadLetter {
 	if n, err := strconv.Atoi(h(inbox.MetadataAttempt)); err == nil {
 		dl.Attempts = n
 	}
-	deaths := xDeaths(d.Headers["x-death"])
 	var deathCount int
 	for _, x := range deaths {
 		deathCount += x.count
@@ -231,7 +230,7 @@ func describe(d amqp091.Delivery, pos int) deadLetter {
 	// (queueChecks.resolveOrigin).
 	dl.Origin = h(headerOriginQueue)
 	if dl.Origin == "" {
-		dl.Origin = h("x-first-death-queue")
+		dl.Origin = lastQueue
 	}
 	dl.Topic = h(headerTopic)
 	dl.Handler = h(headerHandler)
@@ -260,12 +259,39 @@ func headerString(v any) string {
 }
 
 type death struct {
-	count int
-	time  time.Time
+	count  int
+	time   time.Time
+	queue  string
+	reason string
+}
+
+// lastDeath is the queue RabbitMQ last dead-lettered the message from, and
+// why: x-last-death-queue and x-last-death-reason (RabbitMQ 3.13 and
+// later), else x-death's first entry (the latest death comes first), else
+// x-first-death-queue and x-first-death-reason. A message dead-lettered
+// more than once (expired from a delay queue into the consumer's queue,
+// then rejected or over its delivery limit there) names its first queue in
+// x-first-death-queue: not the one it came to the dead-letter queue from.
+func lastDeath(headers amqp091.Table, deaths []death) (queue, reason string) {
+	h := func(k string) string {
+		v, ok := headers[k]
+		if !ok {
+			return ""
+		}
+		return headerString(v)
+	}
+	if q := h("x-last-death-queue"); q != "" {
+		return q, h("x-last-death-reason")
+	}
+	if len(deaths) > 0 && deaths[0].queue != "" {
+		return deaths[0].queue, deaths[0].reason
+	}
+	return h("x-first-death-queue"), h("x-first-death-reason")
 }
 
 // xDeaths reads RabbitMQ's x-death header: an array of tables with count
-// (long) and time (timestamp), one per (queue, reason).
+// (long), time (timestamp), queue and reason, one per (queue, reason), the
+// latest death first.
 func xDeaths(v any) []death {
 	arr, ok := v.([]any)
 	if !ok {
@@ -287,6 +313,8 @@ func xDeaths(v any) []death {
 		if ts, ok := t["time"].(time.Time); ok {
 			d.time = ts
 		}
+		d.queue, _ = t["queue"].(string)
+		d.reason, _ = t["reason"].(string)
 		out = append(out, d)
 	}
 	return out

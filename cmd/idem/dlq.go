@@ -213,7 +213,7 @@ func runDLQRedrive(ctx context.Context, e *env, args []string) error {
 	fs.Var(&ids, "event-id", "redrive the message(s) with this event id (repeatable; any UUID text form)")
 	all := fs.Bool("all", false, "redrive every message of the queue")
 	dryRun := fs.Bool("dry-run", false, "only say what would be redriven and where; change nothing")
-	to := fs.String("to", "", "target queue (default: each message's origin queue: idempotency_origin_queue, x-first-death-queue, or topic_poisoned if a queue has that name)")
+	to := fs.String("to", "", "target queue (default: each message's origin queue: idempotency_origin_queue, the queue RabbitMQ last dead-lettered it from (x-last-death-queue, x-death), or topic_poisoned if a queue has that name)")
 	exchange := fs.String("exchange", "", "publish to this exchange with --to as routing key, instead of the default exchange (queue --to)")
 	progress := fs.Int("progress", defaultProgress, "print progress on stderr every N messages moved (0: never)")
 	window := fs.Int("window", defaultWindow, "copies in flight awaiting the broker's confirm before their dead letters are acked")
@@ -473,37 +473,46 @@ func (r *redriver) publish(ctx context.Context, to string, d amqp091.Delivery, i
 	return nil
 }
 
-// flush waits for the confirm of every pending copy, in order, and acks
-// the dead letter of each confirmed and routed one on ch (the browsing
-// channel); done reports each outcome. A basic.return is dispatched before
-// the confirm of its publish, so once a confirm is in, the return of that
-// copy, if any, is in r.returns; returns are matched by MessageId (a
-// returned copy without one leaves every pending copy without one in the
-// queue: a later run moves it again, the claim absorbs the duplicate).
+// flush waits for the confirm of every pending copy, in order, and then
+// acks on ch (the browsing channel) the dead letter of each confirmed copy
+// that no return names; done reports each outcome. A basic.return is
+// dispatched before the confirm of its publish, so once every confirm of
+// the window is in, so is every return of the window's copies. Returns
+// carry no delivery tag: they are matched by MessageId, which several
+// copies may share (the same event dead-lettered twice; foreign messages
+// without one). Every confirmed copy whose MessageId a return names is
+// left, routed or not: its dead letter stays in the queue, a later run
+// moves it again and the claim absorbs the duplicate. Acking the first
+// such copy confirmed instead lost the message when the returned one was
+// another (the return of a copy answered at once arrives before the
+// confirm of one written to a queue).
 func (r *redriver) flush(ctx context.Context, ch *browseChan, done func(pendingCopy, error)) error {
 	pending := r.pending
 	r.pending = nil
 	var first error
-	for i, p := range pending {
-		if first != nil {
-			done(p, first)
-			continue
-		}
+	confirmed := 0
+	for _, p := range pending {
 		ok, err := p.dc.WaitContext(ctx)
-		switch {
-		case err != nil:
+		if err != nil {
 			first = failedErr("broker: confirm of publish to %q: %v", p.to, err)
-		case !ok:
-			first = failedErr("broker: publish to %q nacked", p.to)
+			break
 		}
-		if first != nil {
+		if !ok {
+			first = failedErr("broker: publish to %q nacked", p.to)
+			break
+		}
+		confirmed++
+	}
+	r.drainReturns()
+	returned := r.returned
+	r.returned = map[string]int{}
+	for i, p := range pending {
+		if i >= confirmed {
 			done(p, first)
 			continue
 		}
-		r.drainReturns()
-		if n := r.returned[p.msgID]; n > 0 {
-			r.returned[p.msgID] = n - 1
-			done(p, failedErr("broker: copy to %q returned unroutable", p.to))
+		if returned[p.msgID] > 0 {
+			done(p, failedErr("broker: copy to %q returned unroutable (or a copy with the same MessageId %q was)", p.to, p.msgID))
 			continue
 		}
 		crashpoint.Reached(crashAfterPublish)
@@ -511,11 +520,11 @@ func (r *redriver) flush(ctx context.Context, ch *browseChan, done func(pendingC
 			// The copy is on the target queue; the dead letter comes back
 			// when the channel closes: a second run redrives it again and
 			// the consumer's claim skips the duplicate.
-			first = failedErr("broker: ack: %v", err)
+			aerr := failedErr("broker: ack: %v", err)
 			for _, q := range pending[i:] {
-				done(q, first)
+				done(q, aerr)
 			}
-			return first
+			return aerr
 		}
 		done(p, nil)
 	}
