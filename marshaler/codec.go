@@ -8,6 +8,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+
+	"github.com/watermill-idempotency/idempotency/internal/wire"
 )
 
 // This file is the transport-neutral half of every adapter (marshaler/amqp,
@@ -131,13 +133,14 @@ func NewMalformed(body []byte, transportID, reason string) *message.Message {
 // ReservedKey reports whether key is metadata this package derives on
 // reception ([MetadataEventName], [MetadataOccurredAt], [MetadataMalformed],
 // [MetadataMalformedReason], [MetadataRedelivered], [MetadataDeliveryCount],
-// any [MetadataExtraPrefix] key). An adapter must not let an incoming header
+// any [MetadataExtraPrefix] key), and the envelope header [EncodeMessage]
+// adds ("idempotency_envelope"). An adapter must not let an incoming header
 // of that name set it: a sender could otherwise flag, unflag or rename a
 // message, or fake its delivery count. Keys are compared exactly.
 func ReservedKey(key string) bool {
 	switch key {
 	case MetadataEventName, MetadataOccurredAt, MetadataMalformed, MetadataMalformedReason,
-		MetadataRedelivered, MetadataDeliveryCount:
+		MetadataRedelivered, MetadataDeliveryCount, wire.EnvelopeHeader:
 		return true
 	}
 	return strings.HasPrefix(key, MetadataExtraPrefix)
@@ -164,7 +167,12 @@ func SetDeliveryCount(msg *message.Message, n int64) {
 //
 // For an ordinary message the body is the envelope of [ToEnvelope] written by
 // [Envelope.Encode], and the headers are the metadata except the
-// [MetadataExtraPrefix] keys (they are in the body). It returns an error when
+// [MetadataExtraPrefix] keys (they are in the body), plus the header
+// "idempotency_envelope: 1", which says the body is an envelope: an adapter
+// drops it on reception ([ReservedKey]); a subscriber that does not decode
+// the envelope (Watermill's default unmarshaler) keeps it, and the consumer
+// holds such a message as a configuration error instead of running the
+// handler on the envelope. It returns an error when
 // msg has no valid envelope (in particular no valid event id: nothing is ever
 // published without one) or the body exceeds maxSize.
 //
@@ -200,12 +208,13 @@ func EncodeMessage(msg *message.Message, maxSize int) (body []byte, headers map[
 	if len(body) > maxSize {
 		return nil, nil, fmt.Errorf("marshaler: envelope is %d bytes, over the limit of %d bytes", len(body), maxSize)
 	}
-	headers = make(map[string]string, len(msg.Metadata))
+	headers = make(map[string]string, len(msg.Metadata)+1)
 	for k, v := range msg.Metadata {
 		if !strings.HasPrefix(k, MetadataExtraPrefix) {
 			headers[k] = v
 		}
 	}
+	headers[wire.EnvelopeHeader] = "1"
 	return body, headers, nil
 }
 

@@ -18,6 +18,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/sqlitefile"
+	"github.com/watermill-idempotency/idempotency/internal/wire"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/outbox"
 )
@@ -414,6 +415,12 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 			delete(fields, "event_id")
 			setField(fields, "transport_message_id", msg.UUID)
 			return reject(OutcomeRejected, "malformed", fmt.Errorf("%w: %s", ErrMalformed, reason))
+		}
+		if _, undecoded := msg.Metadata[wire.EnvelopeHeader]; undecoded {
+			// Published by an adapter, received through Watermill's default
+			// unmarshaler: the payload is the envelope. Held until the
+			// wiring is fixed; the handler never sees it.
+			return nil, m.finish(handlerName, OutcomeFailed, start, 0, fields, undecodedEnvelope())
 		}
 		eventID, perr := marshaler.ParseEventID(msg.UUID) // the marshaler's strict forms, never uuid.Parse's lenient ones
 		if perr != nil {

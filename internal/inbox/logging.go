@@ -22,12 +22,30 @@ import (
 func invalidEventID(id string) error {
 	if id == "" {
 		return &ConfigurationError{
-			Hint: "configure the envelope marshaler adapter of the transport as the subscriber's marshaler " +
-				"(watermill-amqp: Config.Marshaler = amqp.Marshaler{} of package marshaler/amqp); the message is held until then",
-			Err: fmt.Errorf("%w: the message has no UUID: the subscriber does not decode the JSON envelope", ErrInvalidEventID),
+			Hint: adapterHint,
+			Err:  fmt.Errorf("%w: the message has no UUID: the subscriber does not decode the JSON envelope", ErrInvalidEventID),
 		}
 	}
 	return fmt.Errorf("%w: %q", ErrInvalidEventID, id)
+}
+
+// adapterHint says how to make the subscriber decode the envelope, per
+// transport.
+const adapterHint = "configure the envelope adapter of the transport as the subscriber's unmarshaler " +
+	"(watermill-amqp: Config.Marshaler = amqp.Marshaler{}; watermill-nats: SubscriberConfig.Unmarshaler = jetstream.Marshaler{} (pkg/jetstream: jetstream.Unmarshaler{}); " +
+	"watermill-kafka: SubscriberConfig.Unmarshaler = kafka.Marshaler{}; watermill-redisstream: SubscriberConfig.Unmarshaller = redisstream.Marshaler{}; " +
+	"packages marshaler/amqp, marshaler/jetstream, marshaler/kafka, marshaler/redisstream); the message is held until then"
+
+// undecodedEnvelope is the error of a message whose payload is still the
+// JSON envelope (its metadata holds wire.EnvelopeHeader, which every
+// adapter drops when it decodes): the subscriber's unmarshaler is
+// Watermill's default, and the handler would get the envelope as its
+// payload.
+func undecodedEnvelope() error {
+	return &ConfigurationError{
+		Hint: adapterHint,
+		Err:  fmt.Errorf("%w: the payload is the JSON envelope itself: the subscriber does not decode it", ErrInvalidEventID),
+	}
 }
 
 // commitError is the error of a COMMIT (or RELEASE SAVEPOINT) that did not

@@ -91,9 +91,20 @@ func TestDefaultUnmarshallerSubscriberNeverRunsTheHandlerOnTheEnvelope(t *testin
 		time.Sleep(20 * time.Millisecond)
 	}
 	mu.Lock()
-	defer mu.Unlock()
 	for _, p := range seen {
 		require.JSONEq(t, `{"order_id":42}`, p,
 			"the handler ran (and the claim committed) on a message whose payload is not the event's: the subscriber's default unmarshaller left the envelope undecoded")
 	}
+	mu.Unlock()
+	// Held, not dropped: delivered to the group and never acked, nothing
+	// claimed, nothing on the poison stream.
+	pending, err := client.XPending(ctx, stream, "stock").Result()
+	require.NoError(t, err)
+	require.EqualValues(t, 1, pending.Count, "the entry must have been delivered and stay unacked (held)")
+	var claimed int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE consumer = 'stock' AND event_id = $1`, ev.UUID).Scan(&claimed))
+	require.Zero(t, claimed, "the event must not be claimed while its payload is the envelope")
+	n, err := client.XLen(ctx, stream+".dlq").Result()
+	require.NoError(t, err)
+	require.Zero(t, n, "a wiring mistake must not dead-letter the event")
 }
