@@ -409,6 +409,10 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 		key: registryKey{pool: poolIdentity(h), table: store.Table().String(), consumer: cfg.Consumer}}, nil
 }
 
+// mysqlConsumerBytes is the width of the consumer column of the MySQL and
+// MariaDB tables (processed, handlers, crash counts): varbinary(255).
+const mysqlConsumerBytes = 255
+
 // Validate reports the first invalid field of c, naming it: every value
 // NewConsumer refuses without reading the database. (NewConsumer also
 // fails on what only the database can tell: a missing table, a
@@ -420,6 +424,12 @@ func (c ConsumerConfig) Validate() error {
 	h, err := sqldb.HandleOf(c.DB)
 	if err != nil {
 		return fmt.Errorf("middleware: ConsumerConfig.DB: %w", err)
+	}
+	if h.Dialect == sqldb.MySQL && len(c.Consumer) > mysqlConsumerBytes {
+		// Every claim would fail with 1406 (data too long), held as
+		// transient for ever.
+		return fmt.Errorf("middleware: ConsumerConfig.Consumer: %d bytes, over the %d bytes of the MySQL/MariaDB processed table's consumer column (varbinary(%d))",
+			len(c.Consumer), mysqlConsumerBytes, mysqlConsumerBytes)
 	}
 	if c.JoinSQLSubscriber && h.Dialect != sqldb.PostgreSQL {
 		return fmt.Errorf("middleware: ConsumerConfig.JoinSQLSubscriber: PostgreSQL only, not %s", h.Dialect)
