@@ -132,10 +132,11 @@ func ReplayHorizon(ctx context.Context, db idempotency.DB, table string) (time.D
 // value (or with none) never accepts an event whose record was purged. A
 // change within HorizonChangeGrace of an earlier one keeps the longest
 // horizon in force since the earlier one (none included) for its own
-// grace; setting the horizon the table keeps changes nothing. A longer
-// horizon (or 0) set after rows were purged lets consumers restarted with
-// it accept redeliveries of those events again (docs/retention.md): widen
-// it only when no delivery older than the old horizon can still arrive.
+// grace; setting the horizon the table keeps changes nothing. After a
+// longer horizon (or 0), a consumer restarted while rows the shorter one
+// purged are younger than the new horizon claims with the time since that
+// purge as its window, so it refuses their redeliveries as expired
+// (docs/retention.md).
 func SetReplayHorizon(ctx context.Context, db idempotency.DB, table string, d time.Duration) error {
 	s, h, err := Config{Table: table}.store(db)
 	if err != nil {

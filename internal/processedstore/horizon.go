@@ -98,7 +98,9 @@ func (s *Store) insertHorizon() string {
 // run without a replay window. A horizon recorded over a row of 0 keeps
 // previous 0, and PurgeHorizon purges nothing for HorizonChangeGrace; one
 // recorded on a table with no row (no consumer started on it) is used at
-// once.
+// once. The horizon returned is the claim's window: narrower than the
+// table's while rows a shorter horizon purged are younger than it (the
+// horizon was widened, or set to none, after a purge: purgedWindow).
 func (s *Store) AdoptHorizon(ctx context.Context, q sqldb.Querier, d time.Duration, now time.Time) (time.Duration, error) {
 	us := d.Microseconds()
 	if _, err := q.Exec(ctx, s.insertHorizon(), us, us, now.UnixMicro()); err != nil {
@@ -125,7 +127,7 @@ func (s *Store) AdoptHorizon(ctx context.Context, q sqldb.Querier, d time.Durati
 			"one horizon; change it with processed.SetReplayHorizon, then restart the consumers with the new value",
 			ErrHorizonMismatch, s.table, cur, d)
 	}
-	return cur, nil
+	return s.purgedWindow(ctx, q, cur)
 }
 
 // SetHorizon changes the table's horizon to d (≥ 0), keeping the previous
@@ -290,4 +292,85 @@ func (s *Store) EndAttempt(ctx context.Context, q sqldb.Querier, consumer string
 	_, err := q.Exec(ctx, "DELETE FROM "+s.sideTable("_crash")+" WHERE consumer = "+s.ph(1)+" AND event_id = "+s.ph(2),
 		consumer, s.sql.eventID(eventID))
 	return err
+}
+
+// purgeMarkID is the horizon table's row (beside row 1, the horizon) that
+// records how far the table may have been purged: its horizon_us is a time,
+// Unix microseconds on the clock the purge and the claim use (the
+// database's; SQLite's is the process's), before which rows may be gone.
+// Every purge raises it before it deletes (notePurge); a consumer starting
+// reads it (purgedWindow). Older releases read and write row 1 only.
+const purgeMarkID = 2
+
+// purgeMarkSlack is added to the mark: the purge's statements run after the
+// mark is written (on MySQL and SQLite in their own transactions, behind a
+// pooler's queue at worst), and their clock moves meanwhile. A consumer
+// started after a widening refuses events this much newer than needed.
+const purgeMarkSlack = 5 * time.Minute
+
+// nowMicrosSQL is the database clock as Unix microseconds, the basis of
+// the mark; "" on SQLite, where the process clock is used.
+func (s *Store) nowMicrosSQL() string {
+	switch s.dialect {
+	case sqldb.PostgreSQL:
+		return "(extract(epoch from now()) * 1000000)::bigint"
+	case sqldb.MySQL:
+		return "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
+	}
+	return ""
+}
+
+// notePurge raises the purge mark to now − h + purgeMarkSlack before a purge
+// at horizon h deletes or drops anything: rows dated before it may be gone.
+func (s *Store) notePurge(ctx context.Context, q sqldb.Querier, h time.Duration) error {
+	t := s.horizonTable()
+	var stmt string
+	var arg int64
+	switch s.dialect {
+	case sqldb.PostgreSQL:
+		stmt = "INSERT INTO " + t + " (id, horizon_us, previous_us, changed_us) VALUES (2, " + s.nowMicrosSQL() + " - $1, 0, 0) " +
+			"ON CONFLICT (id) DO UPDATE SET horizon_us = greatest(" + t + ".horizon_us, excluded.horizon_us)"
+		arg = (h - purgeMarkSlack).Microseconds()
+	case sqldb.MySQL:
+		stmt = "INSERT INTO " + t + " (id, horizon_us, previous_us, changed_us) VALUES (2, " + s.nowMicrosSQL() + " - ?, 0, 0) " +
+			"ON DUPLICATE KEY UPDATE horizon_us = GREATEST(horizon_us, VALUES(horizon_us))"
+		arg = (h - purgeMarkSlack).Microseconds()
+	default:
+		stmt = "INSERT INTO " + t + " (id, horizon_us, previous_us, changed_us) VALUES (2, ?, 0, 0) " +
+			"ON CONFLICT (id) DO UPDATE SET horizon_us = max(horizon_us, excluded.horizon_us)"
+		arg = time.Now().Add(purgeMarkSlack - h).UnixMicro()
+	}
+	if _, err := q.Exec(ctx, stmt, arg); err != nil {
+		return fmt.Errorf("processed: record how far %s is purged: %w", s.table, err)
+	}
+	return nil
+}
+
+// purgedWindow is the window a consumer starting now may accept without
+// a gap, for cur, the table's horizon (0: none): cur, unless the table was
+// purged further than cur allows (the horizon was widened, or set to none,
+// after a purge by a shorter one): then the time since the purge mark, so
+// a redelivery of an event whose row is gone is refused as expired. It is
+// fixed when the consumer starts; one started later, once the purged rows
+// are older than cur, gets cur.
+func (s *Store) purgedWindow(ctx context.Context, q sqldb.Querier, cur time.Duration) (time.Duration, error) {
+	var mark, now int64
+	var err error
+	if clock := s.nowMicrosSQL(); clock != "" {
+		err = q.QueryRow(ctx, "SELECT horizon_us, "+clock+" FROM "+s.horizonTable()+" WHERE id = "+s.ph(1), purgeMarkID).Scan(&mark, &now)
+	} else {
+		err = q.QueryRow(ctx, "SELECT horizon_us FROM "+s.horizonTable()+" WHERE id = "+s.ph(1), purgeMarkID).Scan(&mark)
+		now = time.Now().UnixMicro()
+	}
+	if errors.Is(err, sqldb.ErrNoRows) {
+		return cur, nil // never purged (or only by an older release)
+	}
+	if err != nil {
+		return 0, fmt.Errorf("processed: read how far %s is purged: %w", s.table, err)
+	}
+	since := max(time.Duration(now-mark)*time.Microsecond, time.Second)
+	if cur == 0 || since+purgeMarkSlack < cur {
+		return since, nil
+	}
+	return cur, nil
 }

@@ -41,3 +41,29 @@ func TestHorizonWidenedAfterAPurgeNeverAcceptsAPurgedEvent(t *testing.T) {
 		})
 	}
 }
+
+// The purge's mark narrows nothing while the horizon stays: a consumer
+// started after a purge by its own horizon keeps that horizon and accepts
+// an event just inside it; one started after a widening gets the time since
+// the mark (under the old horizon, over the slack), and keeps refusing
+// what the old horizon purged.
+func TestPurgeMarkNarrowsOnlyAWidenedHorizon(t *testing.T) {
+	t.Parallel()
+	eachTarget(t, func(t *testing.T, tg target) {
+		ctx := context.Background()
+		tg.store(t)
+		first := consumerStore(t, tg, 2*time.Hour)
+		require.False(t, claimCommitted(t, tg, first, v7At(time.Now().Add(-3*time.Hour))), "expired before any purge")
+		_, _, err := tablePurger(t, tg).PurgeNow(ctx)
+		require.NoError(t, err)
+
+		again := consumerStore(t, tg, 2*time.Hour)
+		require.Equal(t, 2*time.Hour, again.Horizon(), "a purge by the table's own horizon narrows nothing")
+		require.True(t, claimCommitted(t, tg, again, v7At(time.Now().Add(-2*time.Hour+time.Minute))), "inside the horizon: applied")
+
+		require.NoError(t, tgStore(t, tg).SetHorizon(ctx, tg.db, 6*time.Hour, time.Now()))
+		widened := consumerStore(t, tg, 6*time.Hour)
+		require.Less(t, widened.Horizon(), 2*time.Hour, "the rows the 2 h purge deleted stay refused")
+		require.Greater(t, widened.Horizon(), 2*time.Hour-10*time.Minute, "by the mark's slack at most")
+	})
+}

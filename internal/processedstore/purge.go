@@ -166,6 +166,15 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 	maintained := p.store.layout != LayoutPartitioned
 	legacy := false // an upgrade from the plain layout in progress
 	batch := func(ctx context.Context, q sqldb.Querier, limit int) (int64, error) {
+		// How far the table may be purged, raised before anything is
+		// deleted or dropped (on PostgreSQL in the batch's transaction): a
+		// consumer started after the horizon is widened refuses what this
+		// run deletes (Store.purgedWindow).
+		if !createOnly {
+			if err := p.store.notePurge(ctx, q, horizon); err != nil {
+				return 0, err
+			}
+		}
 		if !maintained { // once per run, under the lock
 			maintained = true
 			var err error
@@ -211,6 +220,11 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 		if !maintained {
 			maintained = true
 			first = func(ctx context.Context, q sqldb.Querier) error {
+				if !createOnly { // before the drops, as before each batch
+					if err := p.store.notePurge(ctx, q, horizon); err != nil {
+						return err
+					}
+				}
 				var err error
 				if legacy, err = p.store.legacyExists(ctx, q); err != nil {
 					return err
