@@ -23,15 +23,7 @@ import (
 // (from which it would be routed again, to every queue bound to its key).
 func TestDLQBrokerDeadLetteredTwiceGoesBackToTheQueueItLastDiedIn(t *testing.T) {
 	t.Parallel()
-	conn, err := amqp091.Dial(testenv.AMQPURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
+	conn, ch := amqpChannel(t)
 	delay, q, dlq := testenv.UniqueName("idem_ldelay"), testenv.UniqueName("idem_lq"), testenv.UniqueName("idem_ldlq")
 	if _, err := ch.QueueDeclare(dlq, true, false, false, false, nil); err != nil {
 		t.Fatal(err)

@@ -21,15 +21,7 @@ import (
 // message is lost.
 func TestDLQRedriveReturnedCopyWithoutMessageIDKeepsItsDeadLetter(t *testing.T) {
 	t.Parallel()
-	conn, err := amqp091.Dial(testenv.AMQPURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
+	conn, ch := amqpChannel(t)
 	dlq, target, exchange := testenv.UniqueName("idem_rdlq"), testenv.UniqueName("idem_rtarget"), testenv.UniqueName("idem_rhdr")
 	if _, err := ch.QueueDeclare(dlq, true, false, false, false, nil); err != nil {
 		t.Fatal(err)

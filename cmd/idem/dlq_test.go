@@ -401,15 +401,7 @@ func TestDLQRedriveKilled(t *testing.T) {
 // without --to sends it back to that queue without the x-death headers.
 func TestDLQBrokerDeadLettered(t *testing.T) {
 	t.Parallel()
-	conn, err := amqp091.Dial(testenv.AMQPURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
+	conn, ch := amqpChannel(t)
 	q, dlq := testenv.UniqueName("idem_bq"), testenv.UniqueName("idem_bdlq")
 	if _, err := ch.QueueDeclare(dlq, true, false, false, false, nil); err != nil {
 		t.Fatal(err)
@@ -491,15 +483,7 @@ func TestDLQBrokerDeadLettered(t *testing.T) {
 // the poison headers.
 func TestDLQOriginUnknown(t *testing.T) {
 	t.Parallel()
-	conn, err := amqp091.Dial(testenv.AMQPURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
+	conn, ch := amqpChannel(t)
 	q, dlq := testenv.UniqueName("idem_oq"), testenv.UniqueName("idem_odlq")
 	for _, name := range []string{q, dlq} {
 		if _, err := ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
@@ -608,4 +592,20 @@ func mustBeginner(b inbox.TxBeginner, err error) inbox.TxBeginner {
 		panic(err)
 	}
 	return b
+}
+
+// amqpChannel dials the broker and opens a channel; the connection closes
+// when the test ends.
+func amqpChannel(t *testing.T) (*amqp091.Connection, *amqp091.Channel) {
+	t.Helper()
+	conn, err := amqp091.Dial(testenv.AMQPURL())
+	if err != nil {
+		t.Fatalf("RabbitMQ at %s unreachable: %v", testenv.AMQPURL(), err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return conn, ch
 }
