@@ -42,8 +42,12 @@ func (s *Store) ph(n int) string {
 // TableHorizon reads the horizon the table keeps: the current value, the
 // previous one and when it changed. ok is false when none is recorded.
 func (s *Store) TableHorizon(ctx context.Context, q sqldb.Querier) (cur, prev time.Duration, changed time.Time, ok bool, err error) {
+	return s.tableHorizon(ctx, q, "")
+}
+
+func (s *Store) tableHorizon(ctx context.Context, q sqldb.Querier, lock string) (cur, prev time.Duration, changed time.Time, ok bool, err error) {
 	var c, p, at int64
-	err = q.QueryRow(ctx, "SELECT horizon_us, previous_us, changed_us FROM "+s.horizonTable()+" WHERE id = 1").Scan(&c, &p, &at)
+	err = q.QueryRow(ctx, "SELECT horizon_us, previous_us, changed_us FROM "+s.horizonTable()+" WHERE id = 1"+lock).Scan(&c, &p, &at)
 	if errors.Is(err, sqldb.ErrNoRows) {
 		return 0, 0, time.Time{}, false, nil
 	}
@@ -60,7 +64,23 @@ func (s *Store) TableHorizon(ctx context.Context, q sqldb.Querier) (cur, prev ti
 // that kept none (previous 0): a consumer started then (ReplayHorizon 0)
 // refuses nothing until restarted, as if its horizon were infinite.
 func (s *Store) PurgeHorizon(ctx context.Context, q sqldb.Querier, now time.Time) (time.Duration, bool, error) {
-	cur, prev, changed, ok, err := s.TableHorizon(ctx, q)
+	return s.purgeHorizon(ctx, q, now, "")
+}
+
+// purgeHorizonForUpdate is PurgeHorizon read by a purge after it wrote its
+// mark: on PostgreSQL it holds the horizon's row (FOR SHARE) until the
+// transaction ends, so a change of the horizon waits for the batch (its
+// mark and its deletes) to commit.
+func (s *Store) purgeHorizonForUpdate(ctx context.Context, q sqldb.Querier, now time.Time) (time.Duration, bool, error) {
+	lock := ""
+	if s.dialect == sqldb.PostgreSQL {
+		lock = " FOR SHARE"
+	}
+	return s.purgeHorizon(ctx, q, now, lock)
+}
+
+func (s *Store) purgeHorizon(ctx context.Context, q sqldb.Querier, now time.Time, lock string) (time.Duration, bool, error) {
+	cur, prev, changed, ok, err := s.tableHorizon(ctx, q, lock)
 	if err != nil || !ok || cur == 0 {
 		// None, or changed to none: consumers started since refuse
 		// nothing, so nothing is purged, grace or not.

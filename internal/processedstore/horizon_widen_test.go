@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // A horizon widened (longer, or 0: none) after the purge deleted rows by
@@ -65,5 +66,50 @@ func TestPurgeMarkNarrowsOnlyAWidenedHorizon(t *testing.T) {
 		widened := consumerStore(t, tg, 6*time.Hour)
 		require.Less(t, widened.Horizon(), 2*time.Hour, "the rows the 2 h purge deleted stay refused")
 		require.Greater(t, widened.Horizon(), 2*time.Hour-10*time.Minute, "by the mark's slack at most")
+	})
+}
+
+// A purge run that read the table's horizon before it was widened, and
+// deletes only after a consumer restarted with the wider one read the
+// purge mark: the consumer must still refuse what that run deletes.
+// (The purge stalls between reading the horizon and writing its mark: a
+// pool wait, a lock wait, a slow network; here another transaction holds
+// the mark's row.)
+func TestPurgeThatReadTheHorizonBeforeAWideningNeverLetsARestartedConsumerApplyAPurgedEvent(t *testing.T) {
+	t.Parallel()
+	eachTarget(t, func(t *testing.T, tg target) {
+		if tg.dialect == sqldb.SQLite {
+			t.Skip("one writer: the mark's row cannot be held apart from the horizon's")
+		}
+		ctx := context.Background()
+		tg.store(t)
+		short := consumerStore(t, tg, 2*time.Hour)
+		require.Equal(t, 2*time.Hour, short.Horizon())
+		id := v7At(time.Now().Add(-3 * time.Hour))
+		writer, err := processedstore.NewStore(processedstore.Config{Dialect: tg.dialect, Horizon: 4 * time.Hour})
+		require.NoError(t, err)
+		require.True(t, claimCommitted(t, tg, writer, id))
+
+		holder, release := tg.begin(t)
+		_, err = holder.Exec(ctx, "INSERT INTO processed_event_horizon (id, horizon_us, previous_us, changed_us) VALUES (2, 0, 0, 0)")
+		require.NoError(t, err)
+		done := make(chan error, 1)
+		go func() {
+			_, _, err := tablePurger(t, tg).PurgeNow(ctx)
+			done <- err
+		}()
+		time.Sleep(time.Second) // the run has read 2 h and waits to write its mark
+
+		require.NoError(t, tgStore(t, tg).SetHorizon(ctx, tg.db, 6*time.Hour, time.Now()))
+		restarted := consumerStore(t, tg, 6*time.Hour)
+		release(false)
+		require.NoError(t, <-done)
+
+		var left int
+		require.NoError(t, tg.db.QueryRow(ctx, "SELECT count(*) FROM processed_event").Scan(&left))
+		if left == 0 { // the run deleted the row: the consumer must refuse its redelivery
+			require.False(t, claimCommitted(t, tg, restarted, id),
+				"its row was purged by a run that read the 2 h horizon: the redelivery must be refused, not applied again")
+		}
 	})
 }

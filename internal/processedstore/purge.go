@@ -165,6 +165,29 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 	}
 	maintained := p.store.layout != LayoutPartitioned
 	legacy := false // an upgrade from the plain layout in progress
+	// recheck reads the table's horizon again once the mark is written:
+	// the run's horizon was read before, and a widening (or none) since
+	// then lets a consumer restarted with it read the mark before this
+	// run wrote it, and take the wider window. Read after the mark, the
+	// widening is seen (the run then deletes by it, or nothing); made
+	// after this read, it waits for the mark (on PostgreSQL the read
+	// holds row 1 FOR SHARE until the batch commits its mark and
+	// deletes; elsewhere the mark is committed before it).
+	recheck := func(ctx context.Context, q sqldb.Querier) error {
+		if !p.cfg.FromTable {
+			return nil
+		}
+		h, ok, err := p.store.purgeHorizonForUpdate(ctx, q, time.Now())
+		if err != nil {
+			return err
+		}
+		if !ok { // none now: nothing more is purged in this run
+			createOnly, onPurge, horizon = true, nil, 0
+			return nil
+		}
+		horizon = max(horizon, h)
+		return nil
+	}
 	batch := func(ctx context.Context, q sqldb.Querier, limit int) (int64, error) {
 		// How far the table may be purged, raised before anything is
 		// deleted or dropped (on PostgreSQL in the batch's transaction): a
@@ -172,6 +195,9 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 		// run deletes (Store.purgedWindow).
 		if !createOnly {
 			if err := p.store.notePurge(ctx, q, horizon); err != nil {
+				return 0, err
+			}
+			if err := recheck(ctx, q); err != nil {
 				return 0, err
 			}
 		}
@@ -222,6 +248,9 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 			first = func(ctx context.Context, q sqldb.Querier) error {
 				if !createOnly { // before the drops, as before each batch
 					if err := p.store.notePurge(ctx, q, horizon); err != nil {
+						return err
+					}
+					if err := recheck(ctx, q); err != nil {
 						return err
 					}
 				}
