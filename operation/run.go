@@ -413,8 +413,9 @@ func VerdictNotExecuted(reason string) Verdict {
 
 // Resolve records the verdict on a started or uncertain record: the manual
 // (or scripted) end of the reconciliation topic. It takes the key's lock
-// first, waiting as Do does (InProgressError when a live worker keeps it), so
-// it never moves a record under a live owner; the resolver becomes the
+// first, waiting as Do does (InProgressError when a live worker keeps it, or
+// when the owner's session is gone but its lease is live), so it never moves
+// a record under a live owner; the resolver becomes the
 // owner. A record already succeeded or failed is refused (ErrFinal), a
 // missing one too (ErrNoRecord). Resolve does not compare fingerprints: it
 // takes no parameters.
@@ -444,6 +445,16 @@ func (r *Runner) Resolve(ctx context.Context, key Key, v Verdict) error {
 	}
 	if rec.State == StateSucceeded || rec.State == StateFailed {
 		return fmt.Errorf("operation %s: resolve: state %s: %w", key, rec.State, ErrFinal)
+	}
+	if rec.State == StateStarted && rec.Owner != "" {
+		// The lock is ours, so the owner's session is gone, but an owner
+		// whose lease is live is still calling (see decide): moving its
+		// record would let the next Do call again under its running call.
+		if live, err := a.leaseLive(ctx, tx); err != nil {
+			return err
+		} else if live {
+			return &InProgressError{Key: key.String(), Err: errLeaseLive}
+		}
 	}
 	var owner, data any
 	if v.state != StateStarted {
