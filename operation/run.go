@@ -810,6 +810,16 @@ func (a *attempt) call(ctx context.Context, rec Record, call CallFunc) (Result, 
 		if err == nil {
 			a.r.logger.Error("Operation taken over before its call", ErrLostOwnership, a.fields)
 			err = ErrLostOwnership
+		} else {
+			// The fence failed (the session may be gone), the provider was
+			// not called: give the key back, on another connection if need
+			// be, so that the retry calls rather than finding a dead
+			// owner's started record and calling it uncertain.
+			a.dirty = true
+			ok, werr := a.write(ctx, StateStarted, a.r.sql.release, k, a.r.sql.owner(a.owner), "not called: "+err.Error())
+			if werr != nil || !ok {
+				a.r.logger.Info("Operation not called; key not released", a.fields.Add(watermill.LogFields{"err": errors.Join(err, werr)}))
+			}
 		}
 		return Result{}, &transientError{fmt.Errorf("operation %s: not called: %w", k, err)}
 	}
