@@ -53,20 +53,24 @@
 // RelayConfig.PublishTimeout (a broker that blocks the connection holds no
 // transaction open and shows as a stall: the oldest pending row's age in
 // the stats and the stall warning keep being reported), and a timeout, a
-// nack of a full queue (RelayConfig.BackPressure) or an outage never counts
-// against a row. A row whose own publish fails is retried with exponential backoff
+// nack of a full queue (RelayConfig.BackPressure), an unroutable row (no
+// queue bound to its topic yet: an error with an Unroutable() bool method,
+// marshaler/amqp.ErrUnroutable; the row stays, holding back its topic, and
+// is logged at WARN with its topic) or an outage never counts against a
+// row. A row whose own publish fails is retried with exponential backoff
 // (RelayConfig.RetryInterval doubling up to MaxBackoff) and, after
 // RelayConfig.MaxAttempts failed attempts while the broker takes its topic, moved to
 // the dead-letter table (<table>_dead, with the reason), counted
 // (Recorder.DeadLettered) and logged at ERROR with its row id, event_id and
 // reason; the relay goes on with the rest. Whose fault a failure is comes
-// from its origin, not its text: a round where some publish failed and the
-// broker took another row, or else the probe (RelayConfig.Probe: by default
-// a probe message published through the same publisher), shows the broker
-// up, so the failure is the row's (a marshaler that refuses it, a mandatory
-// publish nobody routes, a header the broker rejects). A round where
-// nothing went through, probe included, is an outage (connection refused,
-// every publish failing): no row is dead-lettered however long it lasts,
+// from its origin, not its text: a publish that failed and was followed in
+// its round by one the broker took (a later row, or else the probe:
+// RelayConfig.Probe, by default a probe message published through the same
+// publisher) shows the broker up, so the failure is the row's (a marshaler
+// that refuses it, a header the broker rejects). When nothing went through
+// after a failure, probe included, it is an outage (connection refused,
+// every publish failing, also from the middle of a round on): no row is
+// dead-lettered however long it lasts,
 // rows wait with capped backoff, and the relay backs off as a whole. So a
 // lone bad row with no other row behind it is dead-lettered after
 // MaxAttempts, and an outage never empties the outbox into the dead-letter

@@ -73,23 +73,31 @@ type RelayConfig struct {
 	//   - back-pressure (BackPressure: a nack of a full queue, a publish
 	//     that timed out, a connection the broker blocked) never counts: the
 	//     row waits with backoff per topic;
-	//   - an outage never counts: when nothing went through in a round,
-	//     probe included (connection refused, every publish failing), the
-	//     rows are left as they are, the relay backs off as a whole, and the
-	//     first round after the outage publishes them;
-	//   - any other failure counts when the broker took something in the
-	//     same round (another row, or else the Probe).
+	//   - an unroutable row (an error with an Unroutable() bool method
+	//     returning true: the mandatory publish of
+	//     marshaler/amqp.ConfirmedPublisher came back, ErrUnroutable, no
+	//     queue bound to its topic yet) never counts: the row stays, with
+	//     backoff per topic, holding back only its topic's later rows, and
+	//     each failure is logged at WARN (Error for a logger without Warn)
+	//     naming the topic, until a queue is bound to it;
+	//   - an outage never counts: when nothing went through after a failure
+	//     in its round, probe included (connection refused, every publish
+	//     failing, also when the outage began after the round's first
+	//     publishes), the rows are left as they are, the relay backs off as
+	//     a whole, and the first round after the outage publishes them;
+	//   - any other failure counts when the broker took something after it
+	//     in the same round (a later row, or else the Probe).
 	// So a lone row the broker refuses is dead-lettered after MaxAttempts
-	// (the probe shows the broker up), and neither an outage nor
-	// back-pressure of any length dead-letters anything. Defaults to
-	// DefaultMaxAttempts.
+	// (the probe shows the broker up), and neither an outage, back-pressure
+	// nor a topic with no queue, of any length, dead-letters anything.
+	// Defaults to DefaultMaxAttempts.
 	MaxAttempts int
 	// Probe reports whether the broker takes publishes at all (nil) or not
 	// (an error). The relay calls it in a round where publishes failed and
-	// none succeeded (at most once per round, so at most once per backoff
-	// interval during an outage); its answer decides whether those failures
-	// are the rows' (counted towards MaxAttempts' dead-lettering) or the
-	// broker's (nothing dead-lettered). A probe that fails while the broker
+	// none succeeded after them (at most once per round, so at most once
+	// per backoff interval during an outage); its answer decides whether
+	// those failures are the rows' (counted towards MaxAttempts'
+	// dead-lettering) or the broker's (nothing dead-lettered). A probe that fails while the broker
 	// is up (a wrong ProbeTopic) keeps every failing row waiting: the relay
 	// logs each failed probe at ERROR. Defaults to publishing probeMessage()
 	// to ProbeTopic through the destination publisher: the same connection,
@@ -411,12 +419,13 @@ type roundResult struct {
 type verdict int
 
 const (
-	unsent    verdict = iota // not tried this round (behind a failed row of its topic, or the round stopped)
-	sentOK                   // the broker has it: remove
-	rowFault                 // failed while the broker takes its topic: an attempt counts
-	pressured                // back-pressure (full queue, blocked connection, timeout): no attempt counts
-	brokerOut                // failed while the broker took nothing, probe included: untouched
-	permanent                // can never be published: dead-lettered at once
+	unsent     verdict = iota // not tried this round (behind a failed row of its topic, or the round stopped)
+	sentOK                    // the broker has it: remove
+	rowFault                  // failed while the broker takes its topic: an attempt counts
+	pressured                 // back-pressure (full queue, blocked connection, timeout): no attempt counts
+	unroutable                // no queue bound to its topic yet: no attempt counts, warned
+	brokerOut                 // failed while the broker took nothing after it, probe included: untouched
+	permanent                 // can never be published: dead-lettered at once
 )
 
 // round is one relay round in three steps, none of which holds a database
@@ -439,13 +448,15 @@ const (
 // dead-lettered.
 //
 // Who is at fault (see RelayConfig.MaxAttempts): a failure counts against
-// the row only when the broker accepts its topic: the failure is not
+// the row only when the broker accepts its topic: the failure is neither
 // back-pressure (BackPressure: a nack of a full queue, a blocked
-// connection, a publish that timed out) and the broker took something in
-// the same round (another row, or else the probe). Back-pressure delays the
-// row (backoff per topic) without counting; an outage (nothing went
-// through, probe included) leaves the rows as they are and the relay backs
-// off as a whole.
+// connection, a publish that timed out) nor unroutable (no queue bound to
+// the topic yet), and the broker took something after it in the same round
+// (a later row, or else the probe). Back-pressure and an unroutable row
+// delay the row (backoff per topic) without counting; an outage (nothing
+// went through after the failure, probe included, even when earlier rows
+// of the round did) leaves the rows as they are and the relay backs off as
+// a whole.
 func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 	if r.stuck != nil {
 		select {
@@ -471,7 +482,8 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 
 	verdicts := make([]verdict, len(rows))
 	blocked := map[string]bool{}
-	var sent, faults, stalled int
+	var sent, stalled int
+	lastSent := -1 // the last row of the round the broker took
 	for i := range rows {
 		row := &rows[i]
 		if blocked[row.topic] {
@@ -494,15 +506,17 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 		case row.err == nil:
 			verdicts[i] = sentOK
 			sent++
+			lastSent = i
 			delete(r.pressure, row.topic)
 			continue
 		case errors.Is(row.err, ErrBadMetadata) || (r.cfg.Permanent != nil && r.cfg.Permanent(row.err)):
 			verdicts[i] = permanent
 		case timedOut || r.isBackPressure(row.err):
 			verdicts[i] = pressured
+		case isUnroutable(row.err):
+			verdicts[i] = unroutable
 		default:
 			verdicts[i] = rowFault
-			faults++
 		}
 		res.failed++
 		if !r.cfg.Parallel {
@@ -514,9 +528,18 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 		}
 	}
 	res.published = sent
-	brokerUp := sent > 0
-	if faults > 0 && !brokerUp && stalled == 0 && ctx.Err() == nil {
-		// Nothing went through: the rows or the broker? Ask the probe.
+	// A failure the broker took something after is the row's. The others
+	// (all of them when nothing went through; those after the last success
+	// when the broker went away mid-round): the rows or the broker? Ask the
+	// probe.
+	faults := 0
+	for i, v := range verdicts {
+		if v == rowFault && i > lastSent {
+			faults++
+		}
+	}
+	brokerUp := false
+	if faults > 0 && stalled == 0 && ctx.Err() == nil {
 		perr, timedOut := r.bounded(ctx, r.cfg.Probe)
 		switch {
 		case ctx.Err() != nil:
@@ -531,7 +554,7 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 	}
 	if !brokerUp {
 		for i, v := range verdicts {
-			if v == rowFault {
+			if v == rowFault && i > lastSent {
 				verdicts[i] = brokerOut
 			}
 		}
@@ -549,7 +572,7 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 	bp, _ := r.cfg.Recorder.(BackPressureRecorder)
 	for i, v := range verdicts {
 		switch v {
-		case rowFault, permanent, pressured, brokerOut:
+		case rowFault, permanent, pressured, unroutable, brokerOut:
 			r.cfg.Recorder.PublishFailed(rows[i].topic)
 		}
 		if v == pressured && bp != nil {
@@ -679,8 +702,8 @@ func (r *Relay) settle(ctx context.Context, rows []pendingRow, verdicts []verdic
 			if isDead {
 				dead = append(dead, row)
 			}
-		case pressured:
-			if err := r.pressured(ctx, tx, row); err != nil {
+		case pressured, unroutable:
+			if err := r.pressured(ctx, tx, row, v == unroutable); err != nil {
 				return nil, err
 			}
 		}
@@ -692,14 +715,29 @@ func (r *Relay) settle(ctx context.Context, rows []pendingRow, verdicts []verdic
 	return dead, nil
 }
 
-// pressured delays row after a back-pressure failure, by the backoff of its
-// topic's consecutive back-pressure failures; its attempts do not change.
-func (r *Relay) pressured(ctx context.Context, tx wsql.Tx, row *pendingRow) error {
+// pressured delays row after a back-pressure or unroutable failure, by the
+// backoff of its topic's consecutive such failures; its attempts do not
+// change. An unroutable row is logged at WARN (Error for a logger without
+// Warn), naming its topic: a queue not bound yet, or a misspelt topic.
+func (r *Relay) pressured(ctx context.Context, tx wsql.Tx, row *pendingRow, noRoute bool) error {
 	n := r.pressure[row.topic]
 	r.pressure[row.topic] = n + 1
 	reason := truncate(row.err.Error())
 	if _, err := tx.ExecContext(ctx, r.o.q.at(r.o.q.pressure), r.backoff(n).Microseconds(), reason, row.id); err != nil {
 		return fmt.Errorf("delay row %d: %w", row.id, err)
+	}
+	if noRoute {
+		const msg = "outbox row unroutable: no queue is bound to its topic; it stays in the outbox, holding back its topic's later rows (not counted against the row), until a queue is bound to the topic (deploy its consumer, or fix a misspelt topic)"
+		fields := watermill.LogFields{
+			"row_id": row.id, "event_id": row.eventID, "topic": row.topic, "attempts": row.attempts, "error": reason,
+		}
+		if w, ok := r.o.logger.(warner); ok {
+			fields["outbox"] = r.o.cfg.Table
+			w.Warn(msg, fields)
+		} else {
+			r.logger.Error(msg, row.err, fields)
+		}
+		return nil
 	}
 	r.logger.Info("outbox row publish met back-pressure, will retry (not counted against the row)", watermill.LogFields{
 		"row_id": row.id, "event_id": row.eventID, "topic": row.topic, "attempts": row.attempts, "error": reason,
@@ -718,6 +756,14 @@ func (r *Relay) isBackPressure(err error) bool {
 		return true
 	}
 	return r.cfg.BackPressure != nil && r.cfg.BackPressure(err)
+}
+
+// isUnroutable reports whether a publish error says that no queue is bound
+// to the row's topic (an Unroutable() bool method returning true, e.g.
+// marshaler/amqp.ErrUnroutable).
+func isUnroutable(err error) bool {
+	var u interface{ Unroutable() bool }
+	return errors.As(err, &u) && u.Unroutable()
 }
 
 // bounded runs f (a publish) with a context that expires after

@@ -21,8 +21,20 @@ const DefaultConfirmTimeout = 10 * time.Second
 // ErrUnroutable: the broker returned a message (basic.return) because no
 // queue is bound for it (a dead-letter queue or a consumer's queue not
 // declared yet). The message was not stored: the chain keeps the original
-// and retries, the relay keeps the row.
-var ErrUnroutable = errors.New("amqp: message unroutable (no queue bound for it)")
+// and retries, the relay keeps the row. It has an Unroutable method
+// returning true, which outbox.Relay reads: a relay publishing through a
+// ConfirmedPublisher never counts it against a row nor dead-letters the
+// row; it keeps the row (holding back its topic's later rows) and warns.
+var ErrUnroutable error = unroutableError("amqp: message unroutable (no queue bound for it)")
+
+// unroutableError is an error that tells whoever retries it that no queue
+// is bound for the message yet.
+type unroutableError string
+
+func (e unroutableError) Error() string { return string(e) }
+
+// Unroutable reports true.
+func (unroutableError) Unroutable() bool { return true }
 
 // ErrNotConfirmed: the broker nacked a message (basic.nack: a queue at its
 // x-max-length with x-overflow reject-publish, an internal error), or the
