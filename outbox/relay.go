@@ -122,7 +122,12 @@ type RelayConfig struct {
 	// warning meanwhile. No database transaction is open during a publish.
 	// The relay lease (one relay at a time, Parallel false) lasts two
 	// PublishTimeouts: a standby takes over that long after the active
-	// relay's process died (at once after Close). Defaults to
+	// relay's process died (at once after Close). The lease's length also
+	// bounds each of the relay's database steps (a round's claim and settle
+	// transactions, the lease renewal, the housekeeping): a database that
+	// stops answering with its connection left open (a partition, a paused
+	// VM) fails the round at that deadline, logged at ERROR, and the relay
+	// retries with backoff; its rows stay pending. Defaults to
 	// DefaultPublishTimeout.
 	PublishTimeout time.Duration
 	// BackPressure, if set, classifies a publish error as back-pressure
@@ -154,8 +159,10 @@ type RelayConfig struct {
 	// DefaultStatsInterval.
 	StatsInterval time.Duration
 	// StalledAfter: when the oldest pending row is older, the relay logs a
-	// warning (Warn if the logger has one, else Error with ErrStalled).
-	// Defaults to DefaultStalledAfter.
+	// warning (Warn if the logger has one, else Error with ErrStalled). A
+	// database step of the relay that has not answered for StalledAfter is
+	// logged at ERROR with ErrDatabaseStalled, naming the step, before its
+	// deadline (PublishTimeout) fails it. Defaults to DefaultStalledAfter.
 	StalledAfter time.Duration
 	// Recorder receives the relay's metrics. Defaults to nopRecorder.
 	Recorder Recorder
@@ -218,6 +225,11 @@ func (c RelayConfig) Validate() error {
 // ErrStalled is logged (at ERROR, for loggers without Warn) when the oldest
 // pending row is older than RelayConfig.StalledAfter.
 var ErrStalled = errors.New("outbox: oldest pending row older than the stall threshold")
+
+// ErrDatabaseStalled is logged (at ERROR) when one of the relay's database
+// steps has not answered for RelayConfig.StalledAfter: the database hangs,
+// the relay can neither count nor remove its rows.
+var ErrDatabaseStalled = errors.New("outbox: the relay's database has not answered within the stall threshold")
 
 // ErrPublishTimeout is the reason of a publish (or probe) that did not
 // finish within RelayConfig.PublishTimeout: back-pressure, never counted
@@ -470,8 +482,11 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 			return res, nil
 		}
 	}
-	rows, err := r.claimRound(ctx)
-	if err != nil {
+	var rows []pendingRow
+	if err := r.database(ctx, "claim", func(ctx context.Context) (err error) {
+		rows, err = r.claimRound(ctx)
+		return err
+	}); err != nil {
 		return res, err
 	}
 	res.claimed = len(rows)
@@ -490,7 +505,12 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 			continue // behind a row of its topic that failed this round
 		}
 		if !r.cfg.Parallel && time.Since(r.leasedAt) > r.lease/3 {
-			if held, err := r.renew(ctx); err != nil || !held {
+			var held bool
+			err := r.database(ctx, "lease renewal", func(ctx context.Context) (err error) {
+				held, err = r.renew(ctx)
+				return err
+			})
+			if err != nil || !held {
 				if ctx.Err() == nil {
 					r.logger.Error("outbox relay: lease lost or not renewed, stopping the round", err, nil)
 				}
@@ -564,8 +584,11 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 		// The broker has these rows; a crash here republishes them.
 		crashpoint.Reached(crashpoint.OutboxAfterPublish)
 	}
-	dead, err := r.settle(ctx, rows, verdicts)
-	if err != nil {
+	var dead []*pendingRow
+	if err := r.database(ctx, "settle", func(ctx context.Context) (err error) {
+		dead, err = r.settle(ctx, rows, verdicts)
+		return err
+	}); err != nil {
 		return res, err
 	}
 	r.cfg.Recorder.Round(sent)
@@ -713,6 +736,29 @@ func (r *Relay) settle(ctx context.Context, rows []pendingRow, verdicts []verdic
 		return nil, fmt.Errorf("commit: %w", err)
 	}
 	return dead, nil
+}
+
+// database runs f, one of the relay's database steps (step names it), with
+// a context that expires after the lease's length (2 × PublishTimeout): a
+// database that stops answering fails the step instead of holding the
+// relay for as long as the kernel keeps the connection. If f has not
+// returned after StalledAfter, it logs ErrDatabaseStalled at ERROR, from
+// another goroutine (the relay's own is blocked in f).
+func (r *Relay) database(ctx context.Context, step string, f func(context.Context) error) error {
+	dctx, cancel := context.WithTimeout(ctx, r.lease)
+	defer cancel()
+	start := time.Now()
+	watch := time.AfterFunc(r.cfg.StalledAfter, func() {
+		r.logger.Error("outbox relay: the database is not answering", ErrDatabaseStalled, watermill.LogFields{
+			"step": step, "waited": time.Since(start).Round(time.Millisecond).String(), "deadline": r.lease.String(),
+		})
+	})
+	defer watch.Stop()
+	err := f(dctx)
+	if err != nil && ctx.Err() == nil && errors.Is(dctx.Err(), context.DeadlineExceeded) {
+		err = fmt.Errorf("%s: the database did not answer within %s: %w", step, r.lease, err)
+	}
+	return err
 }
 
 // pressured delays row after a back-pressure or unroutable failure, by the
@@ -1106,7 +1152,12 @@ type warner interface {
 // housekeeping reports pending rows, warns about a stalled outbox and
 // purges the archive. Errors are logged; the relay goes on.
 func (r *Relay) housekeeping(ctx context.Context) {
-	n, age, err := r.o.stats(ctx, r.db)
+	var n int
+	var age time.Duration
+	err := r.database(ctx, "stats", func(ctx context.Context) (err error) {
+		n, age, err = r.o.stats(ctx, r.db)
+		return err
+	})
 	if err != nil {
 		if ctx.Err() == nil {
 			r.logger.Error("outbox stats", err, nil)
@@ -1123,7 +1174,11 @@ func (r *Relay) housekeeping(ctx context.Context) {
 		}
 	}
 	if r.cfg.Retention > 0 {
-		if _, err := r.db.ExecContext(ctx, r.o.q.at(r.o.q.purge), r.cfg.Retention.Microseconds()); err != nil && ctx.Err() == nil {
+		err := r.database(ctx, "archive purge", func(ctx context.Context) error {
+			_, err := r.db.ExecContext(ctx, r.o.q.at(r.o.q.purge), r.cfg.Retention.Microseconds())
+			return err
+		})
+		if err != nil && ctx.Err() == nil {
 			r.logger.Error("outbox archive purge", err, nil)
 		}
 	}

@@ -131,3 +131,24 @@ func TestConfirmedPublisherReportsTheBrokersReasonForAMissingExchange(t *testing
 	require.Contains(t, err.Error(), missing)
 	require.NotContains(t, err.Error(), "poison", "the relay's publisher is no poison publisher")
 }
+
+// A message whose headers do not fit in one frame (RabbitMQ's frame_max,
+// 128 KiB) makes the broker close with 501 FRAME_ERROR at every attempt: it
+// is ErrRefused (the row's fault, dead-lettered by the relay), not
+// ErrNotConfirmed (back-pressure, retried for ever); and the publisher
+// reopens for the next message.
+func TestConfirmedPublisherRefusesHeadersLargerThanAFrame(t *testing.T) {
+	t.Parallel()
+	p, err := amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{URL: testenv.AMQPURL()}, nil)
+	require.NoError(t, err)
+	defer p.Close()
+
+	m := poisonMsg(t)
+	m.Metadata.Set("note", strings.Repeat("x", 256<<10))
+	err = p.Publish(testenv.UniqueName("framemax"), m)
+	require.ErrorIs(t, err, amqp.ErrRefused)
+	require.NotErrorIs(t, err, amqp.ErrNotConfirmed, "not back-pressure")
+	var amqpErr *amqp091.Error
+	require.True(t, errors.As(err, &amqpErr), "the broker's reason is lost: %v", err)
+	require.Equal(t, amqp091.FrameError, amqpErr.Code)
+}
