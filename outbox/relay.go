@@ -161,7 +161,7 @@ type RelayConfig struct {
 	// StalledAfter: when the oldest pending row is older, the relay logs a
 	// warning (Warn if the logger has one, else Error with ErrStalled). A
 	// database step of the relay that has not answered for StalledAfter is
-	// logged at ERROR with ErrDatabaseStalled, naming the step, before its
+	// logged at ERROR with errDatabaseStalled, naming the step, before its
 	// deadline (PublishTimeout) fails it. Defaults to DefaultStalledAfter.
 	StalledAfter time.Duration
 	// Recorder receives the relay's metrics. Defaults to nopRecorder.
@@ -226,10 +226,10 @@ func (c RelayConfig) Validate() error {
 // pending row is older than RelayConfig.StalledAfter.
 var ErrStalled = errors.New("outbox: oldest pending row older than the stall threshold")
 
-// ErrDatabaseStalled is logged (at ERROR) when one of the relay's database
+// errDatabaseStalled is logged (at ERROR) when one of the relay's database
 // steps has not answered for RelayConfig.StalledAfter: the database hangs,
 // the relay can neither count nor remove its rows.
-var ErrDatabaseStalled = errors.New("outbox: the relay's database has not answered within the stall threshold")
+var errDatabaseStalled = errors.New("outbox: the relay's database has not answered within the stall threshold")
 
 // ErrPublishTimeout is the reason of a publish (or probe) that did not
 // finish within RelayConfig.PublishTimeout: back-pressure, never counted
@@ -742,14 +742,14 @@ func (r *Relay) settle(ctx context.Context, rows []pendingRow, verdicts []verdic
 // a context that expires after the lease's length (2 × PublishTimeout): a
 // database that stops answering fails the step instead of holding the
 // relay for as long as the kernel keeps the connection. If f has not
-// returned after StalledAfter, it logs ErrDatabaseStalled at ERROR, from
+// returned after StalledAfter, it logs errDatabaseStalled at ERROR, from
 // another goroutine (the relay's own is blocked in f).
 func (r *Relay) database(ctx context.Context, step string, f func(context.Context) error) error {
 	dctx, cancel := context.WithTimeout(ctx, r.lease)
 	defer cancel()
 	start := time.Now()
 	watch := time.AfterFunc(r.cfg.StalledAfter, func() {
-		r.logger.Error("outbox relay: the database is not answering", ErrDatabaseStalled, watermill.LogFields{
+		r.logger.Error("outbox relay: the database is not answering", errDatabaseStalled, watermill.LogFields{
 			"step": step, "waited": time.Since(start).Round(time.Millisecond).String(), "deadline": r.lease.String(),
 		})
 	})

@@ -44,7 +44,7 @@ func (unroutableError) Unroutable() bool { return true }
 // counts it against a row).
 var ErrNotConfirmed error = backPressureError("amqp: message not confirmed by the broker")
 
-// ErrRefused: the broker closed the channel (or the connection) over the
+// errRefused: the broker closed the channel (or the connection) over the
 // message itself, a refusal that every attempt meets again: 501
 // FRAME_ERROR (headers larger than the negotiated frame_max, 128 KiB by
 // default on RabbitMQ) or 406 PRECONDITION_FAILED (a message over
@@ -52,7 +52,7 @@ var ErrNotConfirmed error = backPressureError("amqp: message not confirmed by th
 // ErrNotConfirmed it is not back-pressure: outbox.Relay counts it against
 // the row, which is dead-lettered after RelayConfig.MaxAttempts instead of
 // holding its topic back for good.
-var ErrRefused = errors.New("amqp: message refused by the broker")
+var errRefused = errors.New("amqp: message refused by the broker")
 
 // backPressureError is an error that tells whoever retries it that the
 // broker pushed back.
@@ -146,8 +146,9 @@ var _ message.Publisher = (*ConfirmedPublisher)(nil)
 
 // Publish publishes msgs to topic (the routing key), mandatory and
 // persistent as the marshaler sets it, and waits for each confirm. It
-// returns an error wrapping ErrUnroutable, ErrNotConfirmed, ErrRefused, a
-// connection or marshal error, or the context's error (msg.Context()); the
+// returns an error wrapping ErrUnroutable, ErrNotConfirmed, the broker's
+// refusal of the message itself (a channel closed with 501 FRAME_ERROR or
+// 406 PRECONDITION_FAILED: not back-pressure), a connection or marshal error, or the context's error (msg.Context()); the
 // channel is then reopened on the next call.
 func (p *ConfirmedPublisher) Publish(topic string, msgs ...*message.Message) error {
 	p.mu.Lock()
@@ -206,13 +207,13 @@ func (p *ConfirmedPublisher) publishOne(topic string, msg *message.Message) erro
 // was confirmed: ErrNotConfirmed, with the broker's reason when the broker
 // closed it (a channel exception: 404 NOT_FOUND for an exchange that does
 // not exist, 403 ACCESS_REFUSED), so that a misconfiguration is named; or
-// ErrRefused when that reason is the message's own (refusedByBroker).
+// errRefused when that reason is the message's own (refusedByBroker).
 func (p *ConfirmedPublisher) channelClosed() error {
 	select {
 	case e, ok := <-p.closes:
 		if ok && e != nil {
 			if refusedByBroker(e) {
-				return fmt.Errorf("%w: channel closed by the broker: %w", ErrRefused, e)
+				return fmt.Errorf("%w: channel closed by the broker: %w", errRefused, e)
 			}
 			return fmt.Errorf("%w: channel closed by the broker: %w", ErrNotConfirmed, e)
 		}
@@ -222,7 +223,7 @@ func (p *ConfirmedPublisher) channelClosed() error {
 }
 
 // refusedByBroker reports whether the broker closed the channel or the
-// connection because of the message published (ErrRefused): 501
+// connection because of the message published (errRefused): 501
 // FRAME_ERROR (a frame over frame_max: the message's headers) or 406
 // PRECONDITION_FAILED (a message over max_message_size). A publish-only
 // channel declares nothing, so these codes come from the message.
