@@ -86,7 +86,9 @@ func placeOrder(ctx context.Context, pool *pgxpool.Pool, ob *outbox.Outbox, id s
 // made once with ob.Migrate(ctx).
 func runRelay(ctx context.Context, ob *outbox.Outbox, amqpURL string, logger watermill.LoggerAdapter) error {
 	// Confirmed and mandatory: a row whose topic no queue is bound to yet
-	// stays in the outbox (watermill-amqp's publisher would drop it).
+	// stays in the outbox, holding back only its topic's later rows, never
+	// dead-lettered, logged at WARN with its topic until a queue is bound
+	// (watermill-amqp's publisher would drop it).
 	pub, err := idamqp.NewConfirmedPublisher(idamqp.ConfirmedPublisherConfig{URL: amqpURL, Exchange: "events"}, logger)
 	if err != nil {
 		return err
