@@ -2,9 +2,12 @@ package main
 
 import (
 	"context"
+	"database/sql"
+	"strings"
 	"time"
 
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 )
 
@@ -41,9 +44,9 @@ func runProcessedShow(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	defer db.Close()
-	store, err := processedstore.NewStore(processedstore.Config{Table: e.processedTable, Dialect: d})
+	store, err := e.processedStore(ctx, db, d)
 	if err != nil {
-		return usageErr("--processed-table: %v", err)
+		return err
 	}
 	q, qargs := store.LookupQuery(id, *consumer)
 	rows, err := db.QueryContext(ctx, q, qargs...)
@@ -103,4 +106,48 @@ func runProcessedShow(ctx context.Context, e *env, args []string) error {
 		return quietError{exitNotFound}
 	}
 	return nil
+}
+
+// processedStore is the store of --processed-table as the service
+// migrated it: with processedstore.LayoutPartitioned when, on PostgreSQL,
+// the table is partitioned and has the layout's side table <table>_other
+// (where the rows of ids other than UUIDv7 live), so the read-only
+// queries read that table too; a table the user partitioned himself is
+// the plain layout.
+func (e *env) processedStore(ctx context.Context, db *sql.DB, d sqldb.Dialect) (*processedstore.Store, error) {
+	cfg := processedstore.Config{Table: e.processedTable, Dialect: d}
+	plain, err := processedstore.NewStore(cfg)
+	if err != nil {
+		return nil, usageErr("--processed-table: %v", err)
+	}
+	if d != sqldb.PostgreSQL {
+		return plain, nil
+	}
+	id, err := sqldb.ParseIdent(e.processedTable)
+	if err != nil {
+		return nil, usageErr("--processed-table: %v", err)
+	}
+	other := id.Name() + "_other"
+	if schema, _, ok := strings.Cut(id.String(), "."); ok {
+		other = schema + "." + other
+	}
+	otherID, err := sqldb.ParseIdent(other)
+	if err != nil {
+		return plain, nil
+	}
+	var partitioned bool
+	err = db.QueryRowContext(ctx, `SELECT coalesce((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)
+		AND to_regclass($2) IS NOT NULL`, id.Quoted('"'), otherID.Quoted('"')).Scan(&partitioned)
+	if err != nil {
+		return nil, dbErr("processed table layout", e.processedTable, err)
+	}
+	if !partitioned {
+		return plain, nil
+	}
+	cfg.Layout = processedstore.LayoutPartitioned
+	store, err := processedstore.NewStore(cfg)
+	if err != nil {
+		return nil, usageErr("--processed-table: %v", err)
+	}
+	return store, nil
 }

@@ -52,9 +52,9 @@ func runPurge(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	defer db.Close()
-	store, err := processedstore.NewStore(processedstore.Config{Table: e.processedTable, Dialect: d})
+	store, err := e.processedStore(ctx, db, d)
 	if err != nil {
-		return usageErr("--processed-table: %v", err)
+		return err
 	}
 	q, qargs := store.PurgePreviewQuery(horizon)
 	var (

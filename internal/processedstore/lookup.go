@@ -16,9 +16,10 @@ import (
 // than Processed's yes/no (the operators' command): run it with the
 // driver's multi-row query (database/sql QueryContext, pgx Query).
 // processed_at scans as a time.Time on PostgreSQL and MySQL (parseTime=true,
-// UTC) and as ISO 8601 UTC text on SQLite.
+// UTC) and as ISO 8601 UTC text on SQLite. With LayoutPartitioned both
+// queries read the side table <table>_other too.
 func (s *Store) LookupQuery(eventID uuid.UUID, consumer string) (string, []any) {
-	q := s.table.Quoted(s.dialect.QuoteChar())
+	q := s.rowsSource()
 	p1, p2 := "?", "?"
 	if s.dialect == sqldb.PostgreSQL {
 		p1, p2 = "$1", "$2"
@@ -42,7 +43,7 @@ func (s *Store) LookupQuery(eventID uuid.UUID, consumer string) (string, []any) 
 // PurgeBatch's dialect stores them: time.Time on PostgreSQL and MySQL
 // (UTC), ISO 8601 UTC text on SQLite.
 func (s *Store) PurgePreviewQuery(horizon time.Duration) (string, []any) {
-	q := s.table.Quoted(s.dialect.QuoteChar())
+	q := s.rowsSource()
 	var now, cutoff string
 	var args []any
 	at := "event_at"
@@ -65,4 +66,16 @@ func (s *Store) PurgePreviewQuery(horizon time.Duration) (string, []any) {
     COALESCE(SUM(CASE WHEN %[4]s < %[3]s THEN 1 ELSE 0 END), 0),
     MIN(%[4]s)
 FROM %[1]s`, q, now, cutoff, at), args
+}
+
+// rowsSource is what the read-only tool queries read the rows from: the
+// table, and with LayoutPartitioned its side table <table>_other too, where
+// the rows of ids other than UUIDv7 live.
+func (s *Store) rowsSource() string {
+	q := s.table.Quoted(s.dialect.QuoteChar())
+	if s.layout != LayoutPartitioned {
+		return q
+	}
+	return "(SELECT consumer, event_id, processed_at, event_at FROM " + q +
+		" UNION ALL SELECT consumer, event_id, processed_at, event_at FROM " + s.sibling("other") + ") AS r"
 }
