@@ -11,8 +11,11 @@
 // Every attempt is counted, a redelivery and a retry too: attempts_total
 // counts attempts, not distinct messages. outcome is one of
 // middleware.Outcome: processed, duplicate, stale, obsolete, failed,
-// rejected, expired. handler_name is the Watermill router handler's name,
-// the label Watermill's own metrics (components/metrics,
+// rejected, expired, future, conflict, and stalled (a report that no
+// attempt finished for a minute, counted in attempts_total only, with
+// handler_name "<no handler>", not in attempt_duration_seconds).
+// handler_name is the Watermill router handler's name, the label
+// Watermill's own metrics (components/metrics,
 // handler_execution_time_seconds) use for it, "<no handler>" outside a
 // router; consumer is the claim's consumer name, which Watermill has no
 // label for. table is the purged table, one series per purger.
@@ -144,6 +147,11 @@ func (p *Prometheus) RecordOutcome(o middleware.Observation) {
 	p.attempts.WithLabelValues(o.Consumer, handler, outcome).Inc()
 	if o.Claim > 0 {
 		p.claim.WithLabelValues(o.Consumer, handler).Observe(o.Claim.Seconds())
+	}
+	if o.Outcome == middleware.OutcomeStalled {
+		// A report that no attempt finished, with the idle time as Total:
+		// counted, but no attempt's duration.
+		return
 	}
 	p.attemptTime.WithLabelValues(o.Consumer, handler, outcome).Observe(o.Total.Seconds())
 }
