@@ -33,6 +33,11 @@ const (
 // errInjected is the error FaultError injects.
 var errInjected = errors.New("idempotencytest: injected fault")
 
+// errPoisoned is what Explore's delivery returns when the consumer's chain
+// poisoned the message: the chain returns nil (acked) and the broker never
+// redelivers it.
+var errPoisoned = errors.New("poisoned (dead-lettered) instead of applied")
+
 // Divergence is a point where a failed attempt, once redelivered until it
 // succeeded, left other effects than the clean delivery.
 type Divergence struct {
@@ -48,7 +53,8 @@ type Divergence struct {
 	// Want what it returned after the clean delivery.
 	Effects, Want int
 	// Err is set when the message never succeeded (it was redelivered
-	// maxRedeliveries times) or Effects failed.
+	// maxRedeliveries times, or the consumer's chain poisoned it) or
+	// Effects failed.
 	Err error
 }
 
@@ -99,7 +105,9 @@ const maxRedeliveries = 5
 // message's event_id (msg.UUID): each copy has its own. Statement points
 // need a pgx DB (idempotency.Pgx); on database/sql only the commit points
 // are explored. The consumer's retries stand for redeliveries: keep
-// RetryConfig.MaxRetries ≥ 1.
+// RetryConfig.MaxRetries ≥ 1. The clean delivery must leave WantEffects
+// (default 1) and must not be poisoned; a delivery the chain poisons is
+// reported with its reason.
 func Explore(t TB, s Subject, msg *message.Message) ExploreReport {
 	t.Helper()
 	var rep ExploreReport
@@ -117,9 +125,26 @@ func Explore(t TB, s Subject, msg *message.Message) ExploreReport {
 		return rep
 	}
 	deliver := func(ctx context.Context, m *message.Message, f inbox.Faults) error {
+		var (
+			mu       sync.Mutex
+			poisoned []string
+		)
+		ctx = inbox.WithPoisonNotice(ctx, func(reason string) {
+			mu.Lock()
+			poisoned = append(poisoned, reason)
+			mu.Unlock()
+		})
 		c := m.Copy()
 		c.SetContext(inbox.WithFaults(ctx, f))
-		return safeCall(h, c)
+		if err := safeCall(h, c); err != nil {
+			return err
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if len(poisoned) > 0 {
+			return fmt.Errorf("%w: %s", errPoisoned, strings.Join(poisoned, "; "))
+		}
+		return nil
 	}
 
 	// The reference.
@@ -128,7 +153,11 @@ func Explore(t TB, s Subject, msg *message.Message) ExploreReport {
 	rec := &injector{}
 	ref := fresh(msg)
 	if err := deliver(ctx, ref, rec); err != nil {
-		t.Errorf("idempotencytest.Explore: the clean delivery failed: %v", err)
+		if errors.Is(err, errPoisoned) {
+			t.Errorf("idempotencytest.Explore: the clean delivery was %v", err)
+		} else {
+			t.Errorf("idempotencytest.Explore: the clean delivery failed: %v", err)
+		}
 		return rep
 	}
 	want, err := s.Effects(ctx, ref)
@@ -136,7 +165,11 @@ func Explore(t TB, s Subject, msg *message.Message) ExploreReport {
 		t.Errorf("idempotencytest.Explore: Effects after the clean delivery: %v", err)
 		return rep
 	}
-	if w := s.WantEffects; w != 0 && want != w {
+	w := s.WantEffects
+	if w == 0 {
+		w = 1
+	}
+	if want != w {
 		t.Errorf("idempotencytest.Explore: %d effects after the clean delivery, want %d", want, w)
 	}
 	rep.Statements = rec.seen
@@ -199,6 +232,11 @@ func diverged(ctx context.Context, s Subject, deliver func(context.Context, *mes
 	for i := 0; i < maxRedeliveries && !ok; i++ {
 		last = deliver(ctx, m, in)
 		ok = last == nil
+		if errors.Is(last, errPoisoned) {
+			// Acked: the broker would not redeliver it.
+			d.Err = last
+			return true
+		}
 	}
 	if !ok {
 		d.Err = fmt.Errorf("never succeeded in %d deliveries: %w", maxRedeliveries, last)

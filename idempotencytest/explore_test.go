@@ -2,6 +2,7 @@ package idempotencytest_test
 
 import (
 	"context"
+	"sync"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -107,4 +108,69 @@ func TestExploreNamesWhatIsMissing(t *testing.T) {
 	r := idempotencytest.Explore(tb, idempotencytest.Subject{}, newMsg())
 	require.Zero(t, r.Points)
 	require.Contains(t, tb.all(), "Subject.Consumer")
+}
+
+// A handler that commits the attempt's transaction through pgx (tx.Commit)
+// has its delivery poisoned by the chain ("handler_ended_tx"), which acks
+// it: the clean delivery returns nil but was dead-lettered, and Explore
+// reports it instead of comparing one poisoned delivery with another.
+func TestExploreReportsAHandlerThatCommitsTheTransactionThroughPgx(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	s := f.subject(f.consumer(t, "c"))
+	s.Handler = idempotencytest.NoPublish(func(msg *message.Message) error {
+		tx, _ := middleware.PgxTxFromContext(msg.Context())
+		if _, err := tx.Exec(msg.Context(), `INSERT INTO effect VALUES ($1)`, msg.UUID); err != nil {
+			return err
+		}
+		return tx.Commit(msg.Context()) // the mistake
+	})
+	tb := &fakeTB{}
+	idempotencytest.Explore(tb, s, newMsg())
+	require.Contains(t, tb.all(), "the clean delivery was poisoned")
+	require.Contains(t, tb.all(), "ended the attempt's transaction")
+}
+
+// WantEffects defaults to 1 for Explore as for the other helpers: an
+// Effects that counts nothing (the wrong table, the wrong key) makes the
+// clean delivery and every redelivery agree on 0, and Explore must not
+// pass on that.
+func TestExploreFailsWhenTheCleanDeliveryHasNoEffect(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	s := f.subject(f.consumer(t, "c"))
+	s.Handler = idempotencytest.NoPublish(func(msg *message.Message) error {
+		_, err := f.pool.Exec(msg.Context(), `INSERT INTO effect VALUES ($1)`, msg.UUID) // a write through the pool
+		return err
+	})
+	s.Effects = func(context.Context, *message.Message) (int, error) { return 0, nil } // counts nothing
+	tb := &fakeTB{}
+	idempotencytest.Explore(tb, s, newMsg())
+	require.Contains(t, tb.all(), "0 effects after the clean delivery, want 1")
+}
+
+// A handler that panics only when it is entered again for an event: every
+// point's redelivery is poisoned. Explore says so, not only that the
+// effect is missing.
+func TestExploreNamesAPoisonedRedelivery(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	s := f.subject(f.consumer(t, "c"))
+	var mu sync.Mutex
+	seen := map[string]bool{}
+	s.Handler = idempotencytest.NoPublish(func(msg *message.Message) error {
+		mu.Lock()
+		again := seen[msg.UUID]
+		seen[msg.UUID] = true
+		mu.Unlock()
+		if again {
+			panic("entered again") // the mistake
+		}
+		return f.handler(msg)
+	})
+	tb := &fakeTB{}
+	r := idempotencytest.Explore(tb, s, newMsg())
+	require.NotEmpty(t, r.Divergences)
+	require.ErrorContains(t, r.Divergences[0].Err, "poisoned")
+	require.Contains(t, tb.all(), "entered again")
 }
