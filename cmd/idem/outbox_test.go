@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 	_ "time/tzdata" // zones for the offsets test, whatever the machine has
@@ -231,6 +232,23 @@ func TestOutboxRedrive(t *testing.T) {
 	}
 	if id != ids[2] || attempts != 0 {
 		t.Fatalf("pending row %s with %d attempts, want %s with 0", id, attempts, ids[2])
+	}
+	// A typo beside a valid id changes nothing and says which is missing
+	// (as dlq redrive does); an id in another UUID text form is found.
+	missing := "0190f3a2-0000-7000-8000-000000000000"
+	r = idem(t, schema, "outbox", "redrive", "--event-id", ids[0], "--event-id", missing)
+	wantCode(t, r, exitNotFound)
+	if !strings.Contains(r.stderr, missing) {
+		t.Fatalf("the missing id is not named: %q", r.stderr)
+	}
+	if count("outbox_dead") != 2 || count("outbox") != 1 {
+		t.Fatal("a redrive with a missing id moved rows")
+	}
+	wantCode(t, idem(t, schema, "outbox", "redrive", "--event-id", "not-a-uuid"), exitUsage)
+	r = idem(t, schema, "outbox", "redrive", "--event-id", "{"+strings.ToUpper(ids[0])+"}", "--json")
+	wantCode(t, r, exitOK)
+	if rep := decode[outboxRedriveReport](t, r); rep.Moved != 1 {
+		t.Fatalf("by an upper-case, braced event id: %+v", rep)
 	}
 	wantCode(t, idem(t, schema, "outbox", "redrive", "--all"), exitOK)
 	if count("outbox_dead") != 0 || count("outbox") != 3 {
