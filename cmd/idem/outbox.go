@@ -11,6 +11,7 @@ import (
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/watermill-idempotency/idempotency"
@@ -198,6 +199,15 @@ func runOutboxRedrive(ctx context.Context, e *env, args []string) error {
 	if *all && (len(ids) > 0 || len(topics) > 0) {
 		return usageErr("--all selects every row: no --event-id or --topic with it")
 	}
+	// Ids in any UUID text form, matched in the canonical one the outbox
+	// stores.
+	for i, id := range ids {
+		u, err := uuid.Parse(id)
+		if err != nil {
+			return usageErr("--event-id %q: not a UUID", id)
+		}
+		ids[i] = u.String()
+	}
 	f := outbox.RedriveFilter{EventIDs: ids, Topics: topics, All: *all, DryRun: *dryRun}
 	if err := f.Validate(); err != nil {
 		return usageErr("give --event-id, --topic or --all")
@@ -214,6 +224,21 @@ func runOutboxRedrive(ctx context.Context, e *env, args []string) error {
 	ob, err := outbox.New(outbox.Config{Table: *table, DB: idempotency.SQL(db, d)}, nil)
 	if err != nil {
 		return usageErr("--outbox-table: %v", err)
+	}
+	// With --event-id, check first that every id is dead-lettered (under
+	// the --topic filter): a typo changes nothing, as for dlq redrive.
+	var missing []string
+	for _, id := range ids {
+		n, err := ob.Redrive(ctx, outbox.RedriveFilter{EventIDs: []string{id}, Topics: topics, DryRun: true})
+		if err != nil {
+			return dbErr("outbox redrive", *table+"_dead", err)
+		}
+		if n == 0 {
+			missing = append(missing, id)
+		}
+	}
+	if len(missing) > 0 {
+		return notFoundErr("not dead-lettered in %s_dead: %s (nothing moved)", *table, strings.Join(missing, ", "))
 	}
 	n, err := ob.Redrive(ctx, f)
 	if err != nil {
