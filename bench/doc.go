@@ -113,10 +113,10 @@
 // duplicate_cpu_ratio_redelivered (the same for a duplicate marked as a
 // redelivery, crash bound on), wal_bytes_per_msg,
 // allocs_per_msg_chain and _plain. server_instructions_per_claim_floor_mechanism,
-// _floor_marked, _floor_lean and _floor_today price claim statements alone
-// on the same server (bench/floors.go): the uuid-only mechanism, the same
-// with the commit guard's mark, issue 25's lean row with every check, and
-// today's statement. Without valgrind (or in the tiny profile) they are
+// _floor_checked, _floor_lean and _floor_today price claim statements alone
+// on the same server (bench/floors.go): the uuid-only mechanism, a table
+// per consumer (uuid, fingerprint) with every check, issue 25's lean row
+// with every check, and today's statement. Without valgrind (or in the tiny profile) they are
 // null. See counts.go.
 //
 // # Profiling the counts

@@ -26,7 +26,7 @@ import (
 const (
 	vFloorNone      = "floor_none"
 	vFloorMechanism = "floor_mechanism" // uuid-only INSERT … ON CONFLICT DO NOTHING
-	vFloorMarked    = "floor_marked"    // the same, marking the transaction (the commit guard's mark)
+	vFloorChecked   = "floor_checked"   // a table per consumer: uuid and fingerprint, with every check of today's claim
 	vFloorLean      = "floor_lean"      // issue 25's lean row with every check of today's claim
 	vFloorToday     = "floor_today"     // today's claim statement on today's table
 )
@@ -36,29 +36,35 @@ const (
 const floorTodaySchema = `CREATE TABLE floor_today (LIKE processed_event INCLUDING ALL)`
 
 // floorSchema creates the floors' claim tables: floor_uuid, the event id
-// alone; floor_lean, issue 25's proposal: a small-integer consumer key, the
-// UUIDv7 event id, the fingerprint, no secondary index.
+// alone; floor_checked, a table per consumer (issue 25's stretch): the
+// event id and the fingerprint; floor_lean, issue 25's proposal: a
+// small-integer consumer key, the UUIDv7 event id, the fingerprint, no
+// secondary index.
 const floorSchema = `
 CREATE TABLE floor_uuid (event_id uuid PRIMARY KEY);
+CREATE TABLE floor_checked (event_id uuid PRIMARY KEY, fingerprint bytea NOT NULL);
 CREATE TABLE floor_lean (consumer int2 NOT NULL, event_id uuid NOT NULL, fingerprint bytea NOT NULL, PRIMARY KEY (consumer, event_id));
 `
 
-// floorClaims are the floors' claim statements. floor_lean's checks are
-// today's (postgresLeanClaim with LeanClaimWithLockTimeout): the lock
-// timeout for the transaction, the commit guard's mark and the replay
-// window on the database clock (1 h horizon, 5 min skew).
+// floorClaims are the floors' claim statements. floor_checked's and
+// floor_lean's checks are today's (postgresLeanClaim with
+// LeanClaimWithLockTimeout): the lock timeout for the transaction and the
+// replay window on the database clock (1 h horizon, 5 min skew).
 var floorClaims = map[string]string{
 	vFloorMechanism: `INSERT INTO floor_uuid (event_id) VALUES ($1) ON CONFLICT DO NOTHING`,
-	vFloorMarked:    `INSERT INTO floor_uuid (event_id) SELECT $1 WHERE set_config('default_transaction_read_only', 'on', true) IS NOT NULL ON CONFLICT DO NOTHING`,
+	vFloorChecked: `INSERT INTO floor_checked (event_id, fingerprint) SELECT $1, $2
+WHERE set_config('lock_timeout', '5000ms', true) IS NOT NULL
+  AND ($3::timestamptz BETWEEN now() - interval '3600000000 microseconds' AND now() + interval '300000000 microseconds')
+ON CONFLICT DO NOTHING`,
 	vFloorLean: `INSERT INTO floor_lean (consumer, event_id, fingerprint) SELECT $1, $2, $3
-WHERE set_config('lock_timeout', '5000ms', true) IS NOT NULL AND set_config('default_transaction_read_only', 'on', true) IS NOT NULL
-  AND $4::timestamptz BETWEEN now() - interval '3600000000 microseconds' AND now() + interval '300000000 microseconds'
+WHERE set_config('lock_timeout', '5000ms', true) IS NOT NULL
+  AND ($4::timestamptz BETWEEN now() - interval '3600000000 microseconds' AND now() + interval '300000000 microseconds')
 ON CONFLICT DO NOTHING`,
 	// The statement the middleware sends for a UUIDv7 event with payload
 	// verification (postgresLeanClaim with LeanClaimWithLockTimeout).
 	vFloorToday: `INSERT INTO floor_today (consumer, event_id, event_name, fingerprint)
 SELECT $1, $2, $5, $3
-WHERE set_config('lock_timeout', '5000ms', true) IS NOT NULL AND set_config('default_transaction_read_only', 'on', true) IS NOT NULL
+WHERE set_config('lock_timeout', '5000ms', true) IS NOT NULL
   AND ($4::timestamptz BETWEEN now() - interval '3600000000 microseconds' AND now() + interval '300000000 microseconds')
 ON CONFLICT DO NOTHING`,
 }
@@ -106,13 +112,16 @@ func floorHandler(ctx context.Context, conn *pgx.Conn, v string, h message.Handl
 		batch := &pgconn.Batch{}
 		batch.ExecPrepared("floor_begin", nil, nil, nil)
 		switch v {
-		case vFloorMechanism, vFloorMarked:
+		case vFloorMechanism:
 			batch.ExecPrepared("floor_claim", [][]byte{id[:]}, formats[:1], nil)
-		case vFloorLean, vFloorToday:
+		case vFloorChecked, vFloorLean, vFloorToday:
 			at, _ := processedstore.EventTime(id, time.Now())
 			fp := processedstore.NewIdentity(eventName, msg.Payload).Fingerprint
 			us := binary.BigEndian.AppendUint64(nil, uint64(at.Sub(pgEpoch).Microseconds()))
 			params := [][]byte{consumer, id[:], fp, us}
+			if v == vFloorChecked {
+				params = params[1:]
+			}
 			if v == vFloorToday {
 				params = append(params, []byte(eventName))
 			}

@@ -199,14 +199,14 @@ var targets25 = []target{
 				return fmtVal(x), ok && !math.IsNaN(x)
 			}
 			mech, ok1 := get(vFloorMechanism)
-			marked, ok2 := get(vFloorMarked)
+			checked, ok2 := get(vFloorChecked)
 			lean, ok3 := get(vFloorLean)
 			today, ok4 := get(vFloorToday)
 			if !ok1 || !ok2 || !ok3 || !ok4 {
 				return "50.4k the mechanism alone (issue 25's figure: uuid-only INSERT … ON CONFLICT DO NOTHING sent with BEGIN)"
 			}
 			return "this run, the statement alone (bench/floors.go): " + mech + " the mechanism (uuid-only INSERT … ON CONFLICT DO NOTHING sent with BEGIN); " +
-				marked + " with the commit guard's mark (issue 27); " + lean + " issue 25's lean row (int2 consumer, no secondary index) with every check; " + today + " today's statement"
+				checked + " a table per consumer (uuid, fingerprint) with every check; " + lean + " issue 25's lean row (int2 consumer, no secondary index) with every check; " + today + " today's statement"
 		}},
 	{key: "client_instructions_per_claim", le: true, bound: 8000, what: "client instructions added by the claim (ours − no dedup: the same router layers, a plain pgx transaction)",
 		floor: func(r *Result) string {

@@ -171,7 +171,7 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 			if err != errFallback {
 				tx, claimed, err := b.claimed(ctx, conn, &c, claimed, err)
 				if ptx, ok := tx.(*pgxTx); ok {
-					ptx.prepared, ptx.tracer, ptx.pooled, ptx.marked = true, b.tracer, &b.pooled, claimed && p.Marked
+					ptx.prepared, ptx.tracer, ptx.pooled, ptx.pinned = true, b.tracer, &b.pooled, claimed && p.Pinned
 					ptx.session = connClaimOf(ptx.pc.PgConn())
 					if claimed && ptx.guard.sql != "" {
 						if err := b.prepareGuard(ctx, ptx.pc, ptx.guard.sql); err != nil {
@@ -218,7 +218,7 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 // attempt's commit is guarded (commitguard.go).
 func (b *pgxBeginner) claimed(ctx context.Context, conn *pgxpool.Conn, c *claimRequest, claimed bool, err error) (attemptTx, bool, error) {
 	tx := &pgxTx{conn: conn, pc: conn.Conn(), traced: b.traced}
-	tx.savepoints = &tx.spCount
+	tx.savepoints, tx.scan = &tx.spCount, &tx.scanV
 	if err != nil {
 		_ = tx.rollback(ctx)
 		tx.release()

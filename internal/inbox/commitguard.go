@@ -42,7 +42,6 @@ type commitGuard struct {
 	sql      string
 	consumer string
 	eventID  uuid.UUID
-	store    *processedstore.Store // the claim's, for the read after a marked COMMIT
 }
 
 // guardSchemas caches, per store, the schema its unqualified claim table
@@ -89,7 +88,7 @@ func (g *guardSchemas) guard(ctx context.Context, c *claimRequest, query func(ct
 	if !ok {
 		return commitGuard{}, nil
 	}
-	return commitGuard{sql: q, consumer: c.consumer, eventID: c.eventID, store: c.store}, nil
+	return commitGuard{sql: q, consumer: c.consumer, eventID: c.eventID}, nil
 }
 
 func (g commitGuard) args() []any {

@@ -96,10 +96,16 @@ type connClaim struct {
 	// backstops are this connection's lean claims with the lock timeout
 	// in their WHERE (withLockBackstop).
 	backstops []backstop
-	// plain are the last handler statements sessionChanged found not to
-	// name a session setting, by identity; plainNext is the next to replace.
+	// plain are the last handler statements handlerStatement found
+	// neither to name a session setting nor to possibly end the
+	// transaction, by identity; plainNext is the next to replace.
 	plain     [4]sqlText
 	plainNext uint8
+	// raw: a handler reached this connection's pgx.Conn (pgxTx.Conn) or
+	// prepared a statement that may end a transaction, so a query string
+	// may name a prepared statement the scan never saw: from then on every
+	// claimed attempt on it commits with the guard's statement.
+	raw bool
 	vals      [5][]byte
 	formats   [5]int16
 	text      [2][]byte // consumer, event name
@@ -201,7 +207,7 @@ func (st *connClaim) encode(p *processedstore.ClaimParams) [][]byte {
 func (st *connClaim) forget() { st.stmts, st.lockMs = st.stmts[:0], 0 }
 
 // sessionLock makes d the lock_timeout of conn's session, once per
-// connection (and again after forget or sessionChanged), and reports
+// connection (and again after forget or handlerStatement), and reports
 // whether it is: then the claim's batch carries no SET LOCAL (issue 25:
 // 12k server instructions an attempt) and the claim sets the same value
 // for its own transaction in its WHERE (withLockBackstop). It is not when
@@ -280,34 +286,40 @@ type backstop struct {
 	d         time.Duration
 }
 
-// sessionChanged forgets the session's lock timeout when sql may change
-// session settings (it names lock_timeout, RESET or set_config): a
+// handlerStatement records sql, a statement a handler sends through the
+// attempt's pgxTx, and reports whether it may end the transaction
+// (mayEndTx). It also forgets the session's lock timeout when sql may
+// change session settings (it names lock_timeout, RESET or set_config): a
 // handler's SET SESSION lock_timeout or RESET ALL, committed, would
 // otherwise stay the session's value under that connection's later
 // claims. Statements hidden in a function the handler calls are not seen
 // (Config.LockTimeout says so).
 //
-// A statement found not to name them is remembered by its text's address
-// and length (plain): a handler sends the same constant strings on every
+// A statement found to do neither is remembered by its text's address and
+// length (plain): a handler sends the same constant strings on every
 // attempt, and a Go string's bytes never change, so each is scanned once
 // per connection instead of once per execution (about 1k client
 // instructions a statement, issue 25).
-func (st *connClaim) sessionChanged(sql string) {
-	if st.lockMs == 0 || len(sql) == 0 {
-		return
+func (st *connClaim) handlerStatement(sql string) (mayEnd bool) {
+	if len(sql) == 0 {
+		return false
 	}
 	k := sqlText{unsafe.StringData(sql), len(sql)}
 	for _, p := range st.plain {
 		if p == k {
-			return
+			return false
 		}
 	}
+	mayEnd = mayEndTx(sql)
 	if mentionsSessionSetting(sql) {
 		st.lockMs = 0
-		return
+		return mayEnd
 	}
-	st.plain[st.plainNext%uint8(len(st.plain))] = k
-	st.plainNext++
+	if !mayEnd {
+		st.plain[st.plainNext%uint8(len(st.plain))] = k
+		st.plainNext++
+	}
+	return mayEnd
 }
 
 // sqlText is a string's identity: the address and length of its bytes.
@@ -439,8 +451,8 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *clai
 	}
 	for try := 0; ; try++ {
 		batchLock, claimSQL := lockSQL, p.SQL
-		if lockSQL != "" && p.Marked {
-			// Only the lean claim (Marked) carries the backstop, so only
+		if lockSQL != "" && p.Pinned {
+			// Only the lean claim (Pinned) carries the backstop, so only
 			// its lock timeout can be the session's.
 			if backstopped, ok := st.withLockBackstop(p.SQL, c.lockTimeout.d); ok {
 				set, err := st.sessionLock(ctx, conn, c.lockTimeout.d)

@@ -132,15 +132,8 @@ func TestPreparedClaimIsTaken(t *testing.T) {
 func TestPreparedClaimRecoversLostStatements(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	var inHandlerDeallocate, setsAppName atomic.Bool
+	var inHandlerDeallocate atomic.Bool
 	pool, h := preparedClaimSetup(t, pgx.QueryExecModeCacheStatement, 1, func(ctx context.Context, tx pgx.Tx) error {
-		if setsAppName.Load() {
-			// The claim's marker is gone: the commit guard's statement
-			// decides (pgxTx.claimOpen).
-			if _, err := tx.Exec(ctx, "SET LOCAL default_transaction_read_only = off"); err != nil {
-				return err
-			}
-		}
 		if inHandlerDeallocate.Load() {
 			// pgx's own reset: DEALLOCATE ALL, and pgx forgets its cache.
 			return tx.Conn().DeallocateAll(ctx)
@@ -167,22 +160,20 @@ func TestPreparedClaimRecoversLostStatements(t *testing.T) {
 	run(ids[1], `{"n":1}`)
 	run(ids[1], `{"n":1}`) // a duplicate
 
-	// A handler that deallocates every statement of its connection: while
-	// the claim's marker stands, COMMIT is sent alone and the attempt
-	// succeeds. When the guard's statement is needed too (the handler also
-	// undid the marker), the guard sent with COMMIT was dropped: that
-	// attempt fails once, transient (26000, nothing committed), and the
-	// connection sends the guard unnamed from then on, so the redelivery
-	// succeeds although the handler deallocates again (no loop).
+	// A handler that deallocates every statement of its connection
+	// (through tx.Conn: every claimed attempt on that connection is then
+	// committed with the guard's statement): the guard sent with COMMIT
+	// was dropped, so that attempt fails once, transient (26000, nothing
+	// committed), and the connection sends the guard unnamed from then on:
+	// the redeliveries succeed although the handler deallocates again (no
+	// loop).
 	inHandlerDeallocate.Store(true)
-	run(ids[4], `{"n":4}`)
-	setsAppName.Store(true)
-	_, err = h(preparedClaimMsg(t, ids[2], `{"n":2}`))
+	_, err = h(preparedClaimMsg(t, ids[4], `{"n":4}`))
 	require.Error(t, err)
 	require.True(t, inbox.IsTransient(err), "%v", err)
+	run(ids[4], `{"n":4}`)
 	run(ids[2], `{"n":2}`)
 	inHandlerDeallocate.Store(false)
-	setsAppName.Store(false)
 	run(ids[3], `{"n":3}`)
 	run(ids[2], `{"n":2}`) // a duplicate
 
@@ -394,55 +385,48 @@ func TestPreparedDuplicateReadAfterColumnTypeChange(t *testing.T) {
 	}
 }
 
-// The prepared claim marks its transaction (default_transaction_read_only
-// is on until it ends: processedstore.ClaimMarkerParam), so a handler that
-// leaves the transaction alone is committed with COMMIT alone: the commit
-// guard's statement is never executed (issue 25: it cost 61.7k server
-// instructions a message). When the marker is gone for a reason other
-// than an end of the transaction (the handler set the setting itself),
-// the guard's statement runs and the attempt commits, its effect applied
-// once. The transaction the handler runs in is read-write, and after
-// COMMIT the session's own default is back.
-func TestCommitGuardStatementRunsOnlyWhenTheClaimsMarkerIsGone(t *testing.T) {
+// After the prepared claim on a qualified table, a handler whose
+// statements cannot end the transaction (each starts with SELECT, INSERT,
+// …: txscan.go) is committed with COMMIT alone: the commit guard's
+// statement is never executed (issue 25: it cost 61.7k server
+// instructions a message). A statement the scan cannot prove (a semicolon
+// in a literal) makes that attempt's COMMIT guarded; a handler that
+// reached the connection itself (tx.Conn) makes every later attempt on
+// that connection guarded. Each effect is committed once either way.
+func TestCommitGuardStatementRunsOnlyWhenAHandlerStatementMayEndTheTransaction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	var undoesMarker atomic.Bool
-	var seen []string
+	var step atomic.Int32
 	var guardRuns []int
 	pool, h := preparedClaimSetup(t, pgx.QueryExecModeCacheStatement, 1, func(ctx context.Context, tx pgx.Tx) error {
-		var marker, readOnly string
 		var runs int
-		if err := tx.QueryRow(ctx, `SELECT current_setting('default_transaction_read_only'), current_setting('transaction_read_only'),
-  (SELECT coalesce(sum(generic_plans + custom_plans), 0) FROM pg_prepared_statements WHERE statement LIKE '%idempotency commit guard%')`,
-			pgx.QueryExecModeSimpleProtocol).Scan(&marker, &readOnly, &runs); err != nil {
+		if err := tx.QueryRow(ctx, `SELECT (SELECT coalesce(sum(generic_plans + custom_plans), 0) FROM pg_prepared_statements WHERE statement LIKE '%idempotency commit guard%')`,
+			pgx.QueryExecModeSimpleProtocol).Scan(&runs); err != nil {
 			return err
 		}
-		seen, guardRuns = append(seen, marker+" "+readOnly+" "+tx.Conn().PgConn().ParameterStatus("default_transaction_read_only")), append(guardRuns, runs)
-		if undoesMarker.Load() {
-			_, err := tx.Exec(ctx, "SET LOCAL default_transaction_read_only = off")
-			return err
+		guardRuns = append(guardRuns, runs)
+		switch step.Load() {
+		case 3:
+			var s string
+			return tx.QueryRow(ctx, `SELECT 'a;commit'`).Scan(&s)
+		case 5:
+			_ = tx.Conn()
 		}
 		return nil
 	})
-	ids := []uuid.UUID{uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())}
-	for i, id := range ids {
-		undoesMarker.Store(i >= 3)
-		_, err := h(preparedClaimMsg(t, id, `{"n":1}`))
+	for i := 0; i < 7; i++ {
+		step.Store(int32(i))
+		_, err := h(preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":1}`))
 		require.NoError(t, err)
-		require.Equal(t, "on off on", seen[i], "the marker (set, not in effect: the transaction is read-write), as the server reported it")
 	}
 	// Run counts as read in each handler, before its commit: the guard ran
-	// for neither of the first three (nor before the fourth), then once for
-	// the fourth.
-	require.Equal(t, []int{0, 0, 0, 0, 1}, guardRuns, "guard statement executions")
-	var effects int
+	// for none of the first three, once for the fourth (its literal holds
+	// a semicolon), not for the fifth, then for the sixth (tx.Conn) and
+	// every attempt after it on that connection.
+	require.Equal(t, []int{0, 0, 0, 0, 1, 1, 2}, guardRuns, "guard statement executions")
+	var effects, runs int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM effect`).Scan(&effects))
-	require.Equal(t, len(ids), effects, "each effect committed once")
-	c, err := pool.Acquire(ctx)
-	require.NoError(t, err)
-	defer c.Release()
-	var def string
-	require.NoError(t, c.QueryRow(ctx, `SELECT current_setting('default_transaction_read_only')`).Scan(&def))
-	require.Equal(t, "off", def, "the session's own default after COMMIT")
-	require.Equal(t, "off", c.Conn().PgConn().ParameterStatus("default_transaction_read_only"))
+	require.Equal(t, 7, effects, "each effect committed once")
+	require.NoError(t, pool.QueryRow(ctx, `SELECT coalesce(sum(generic_plans + custom_plans), 0) FROM pg_prepared_statements WHERE statement LIKE '%idempotency commit guard%'`, pgx.QueryExecModeSimpleProtocol).Scan(&runs))
+	require.Equal(t, 3, runs, "the seventh attempt, after tx.Conn on its connection, was guarded too")
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"errors"
-	"fmt"
 	"strconv"
 	"sync/atomic"
 
@@ -13,7 +12,6 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
@@ -68,12 +66,18 @@ type pgxTx struct {
 	pooled *atomic.Bool
 	// guard is the commit guard of a claimed attempt (commitguard.go).
 	guard commitGuard
-	// marked: the claim marked its transaction (processedstore.ClaimParams.Marked):
-	// the guard's statement is sent only when the marker is gone.
-	marked bool
+	// pinned: a prepared lean claim on a qualified table claimed the row
+	// (processedstore.ClaimParams.Pinned): the guard's statement is sent
+	// only when a handler statement may have ended the transaction
+	// (txscan.go).
+	pinned bool
+	// scan is the root's scanV, shared by its savepoints: whether a
+	// handler statement may have ended the transaction.
+	scan  *txScan
+	scanV txScan
 	// session is the connection's prepared-claim state (nil: not the
 	// prepared path): a handler statement that may change the session's
-	// lock_timeout makes the next claim set it again (sessionChanged).
+	// lock_timeout makes the next claim set it again (handlerStatement).
 	session *connClaim
 	// traced: the pool has a pgx tracer, which sees only what goes
 	// through pgx.Conn (endTx then sends through it).
@@ -98,56 +102,28 @@ func (tx *pgxTx) bind(ctx context.Context) context.Context {
 //     COMMIT in one batch fails and COMMIT does not commit
 //     (commitGuarded).
 //
-// Either way the attempt fails with errHandlerEndedBySQL. After a marked
-// claim (tx.marked) whose marker the server still reports (claimOpen), the
-// transaction is the claim's and COMMIT is sent alone.
+// Either way the attempt fails with errHandlerEndedBySQL. After a pinned
+// claim whose handler statements all kept the transaction (claimKept,
+// txscan.go), COMMIT is sent alone.
 func (tx *pgxTx) commit(ctx context.Context) error {
 	if !tx.closed && tx.savepoint == "" && tx.pc.PgConn().TxStatus() == 'I' {
 		tx.closed = true
 		return errHandlerEndedBySQL
 	}
-	if tx.closed || tx.savepoint != "" || tx.guard.sql == "" {
+	if tx.closed || tx.savepoint != "" || tx.guard.sql == "" || tx.claimKept() {
 		return tx.Commit(ctx)
 	}
-	if !tx.claimOpen() {
-		return tx.commitGuarded(ctx)
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return err
-	}
-	pc := tx.pc.PgConn()
-	if !processedstore.ClaimMarkerIs(pc.ParameterStatus(processedstore.ClaimMarkerParam)) {
-		return nil // the mark's undo was reported at COMMIT: it was the claim's transaction
-	}
-	// No undo reported: the session's own default is now the mark's value
-	// (a reload turned the server's default on while the transaction ran,
-	// or the handler set it for the session), so the mark proved nothing.
-	// The claim row tells whether this COMMIT was the claim's. A failed
-	// read leaves the outcome unknown: an error, never an ack.
-	found, err := tx.guard.store.Processed(ctx, sqldb.Pgx(tx.pc), tx.guard.consumer, tx.guard.eventID)
-	if err != nil {
-		return fmt.Errorf("middleware: read the claim after COMMIT: %w", err)
-	}
-	if !found {
-		return errHandlerEndedBySQL
-	}
-	return nil
+	return tx.commitGuarded(ctx)
 }
 
-// claimOpen reports, without a round trip, that the connection is still
-// inside the claim's transaction: the claim marked it and the server's
-// last ParameterStatus for the mark's setting is still the mark (any end of
-// the transaction undoes it, and the server reports that before its
-// ReadyForQuery; processedstore.ClaimMarkerIs). A transaction aborted by a
-// handler statement ('E') is not open: the guarded COMMIT reports it. When
-// the mark is not seen for another reason (a handler that set the setting
-// itself, a pooler that drops ParameterStatus), the guard's statement
-// decides, as without a mark. A handler that ends the transaction and sets
-// the mark again in its own (SET LOCAL default_transaction_read_only = on)
-// passes for the claim's: a known limit (docs/guarantees.md).
-func (tx *pgxTx) claimOpen() bool {
-	pc := tx.pc.PgConn()
-	return tx.marked && pc.TxStatus() == 'T' && processedstore.ClaimMarkerIs(pc.ParameterStatus(processedstore.ClaimMarkerParam))
+// claimKept reports, without a round trip, that the connection is still
+// inside the claim's transaction: the claim is pinned, no handler
+// statement could have ended the transaction (txscan.go), the handler
+// never reached the connection itself, and the last ReadyForQuery said
+// "in a transaction" ('T'; an aborted one, 'E', goes through the guarded
+// COMMIT, which reports it).
+func (tx *pgxTx) claimKept() bool {
+	return tx.pinned && !tx.scan.mayEnd && !tx.session.raw && tx.pc.PgConn().TxStatus() == 'T'
 }
 
 func (tx *pgxTx) rollback(ctx context.Context) error {
@@ -259,7 +235,7 @@ func (tx *pgxTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	if _, err := tx.pc.Exec(ctx, "savepoint "+name); err != nil {
 		return nil, err
 	}
-	return &pgxTx{pc: tx.pc, savepoint: name, savepoints: tx.savepoints, session: tx.session, traced: tx.traced}, nil
+	return &pgxTx{pc: tx.pc, savepoint: name, savepoints: tx.savepoints, session: tx.session, scan: tx.scan, traced: tx.traced}, nil
 }
 
 // Commit commits the transaction, or releases the savepoint.
@@ -333,16 +309,27 @@ func (tx *pgxTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 		return &closedBatchResults{}
 	}
 	for _, q := range b.QueuedQueries {
-		tx.sessionSQL(q.SQL)
+		tx.handlerSQL(q.SQL, q.Arguments)
 	}
 	return tx.pc.SendBatch(ctx, b)
 }
 
-// sessionSQL tells the connection's claim state about a handler
-// statement (connClaim.sessionChanged).
-func (tx *pgxTx) sessionSQL(sql string) {
-	if tx.session != nil {
-		tx.session.sessionChanged(sql)
+// txScan is what the handler's statements told about the attempt's
+// transaction (txscan.go).
+type txScan struct {
+	// mayEnd: a statement may have ended it, or pgx may have sent text
+	// the scan did not see.
+	mayEnd bool
+}
+
+// handlerSQL tells the connection's claim state about a handler
+// statement and its arguments (connClaim.handlerStatement, rewritesQuery).
+func (tx *pgxTx) handlerSQL(sql string, args []any) {
+	if tx.session == nil {
+		return
+	}
+	if tx.session.handlerStatement(sql) || rewritesQuery(args) {
+		tx.scan.mayEnd = true
 	}
 }
 
@@ -359,7 +346,11 @@ func (tx *pgxTx) Prepare(ctx context.Context, name, sql string) (*pgconn.Stateme
 	if tx.closed {
 		return nil, pgx.ErrTxClosed
 	}
-	tx.sessionSQL(sql)
+	tx.handlerSQL(sql, nil)
+	if tx.session != nil && mayEndTx(sql) {
+		// Its name may be sent as a query string on a later attempt.
+		tx.session.raw = true
+	}
 	return tx.pc.Prepare(ctx, name, sql)
 }
 
@@ -367,7 +358,7 @@ func (tx *pgxTx) Exec(ctx context.Context, sql string, arguments ...any) (pgconn
 	if tx.closed {
 		return pgconn.CommandTag{}, pgx.ErrTxClosed
 	}
-	tx.sessionSQL(sql)
+	tx.handlerSQL(sql, arguments)
 	return tx.pc.Exec(ctx, sql, arguments...)
 }
 
@@ -375,7 +366,7 @@ func (tx *pgxTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 	if tx.closed {
 		return nil, pgx.ErrTxClosed
 	}
-	tx.sessionSQL(sql)
+	tx.handlerSQL(sql, args)
 	return tx.pc.Query(ctx, sql, args...)
 }
 
@@ -383,12 +374,19 @@ func (tx *pgxTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row 
 	if tx.closed {
 		return errRow{err: pgx.ErrTxClosed}
 	}
-	tx.sessionSQL(sql)
+	tx.handlerSQL(sql, args)
 	return tx.pc.QueryRow(ctx, sql, args...)
 }
 
-// Conn returns the underlying connection.
-func (tx *pgxTx) Conn() *pgx.Conn { return tx.pc }
+// Conn returns the underlying connection. What the handler sends on it
+// is not scanned, so the attempt, and every later claimed attempt on this
+// connection, commits with the guard's statement (txscan.go).
+func (tx *pgxTx) Conn() *pgx.Conn {
+	if tx.session != nil {
+		tx.session.raw = true
+	}
+	return tx.pc
+}
 
 // errRow and closedBatchResults embed their (nil) pgx interface for the
 // same reason as pgxTx: a method a newer pgx adds is promoted, the build

@@ -32,8 +32,8 @@ func TestStatementsSeenPlainDoNotHideALaterSessionChange(t *testing.T) {
 	st := &connClaim{lockMs: 60}
 	insert := "INSERT INTO reservation (event_id) VALUES ($1)"
 	for i := 0; i < 10; i++ {
-		st.sessionChanged(insert)
-		st.sessionChanged("UPDATE stock SET reserved = reserved + 1")
+		st.handlerStatement(insert)
+		st.handlerStatement("UPDATE stock SET reserved = reserved + 1")
 	}
 	if st.lockMs != 60 {
 		t.Fatalf("plain statements forgot the session's lock timeout: lockMs = %d", st.lockMs)
@@ -41,7 +41,7 @@ func TestStatementsSeenPlainDoNotHideALaterSessionChange(t *testing.T) {
 	// The same length as a remembered statement, other bytes.
 	set := []byte(insert)
 	copy(set, "SET lock_timeout = 0;")
-	st.sessionChanged(string(set))
+	st.handlerStatement(string(set))
 	if st.lockMs != 0 {
 		t.Fatalf("a statement naming lock_timeout after remembered plain ones was not seen")
 	}
@@ -49,9 +49,9 @@ func TestStatementsSeenPlainDoNotHideALaterSessionChange(t *testing.T) {
 	// is still found after more of them than the memory holds.
 	st.lockMs = 60
 	for i := 0; i < 2*len(st.plain); i++ {
-		st.sessionChanged(strings.Repeat(" ", i+1) + insert)
+		st.handlerStatement(strings.Repeat(" ", i+1) + insert)
 	}
-	st.sessionChanged(insert + "; RESET ALL")
+	st.handlerStatement(insert + "; RESET ALL")
 	if st.lockMs != 0 {
 		t.Fatalf("RESET ALL after a full memory of plain statements was not seen")
 	}

@@ -335,12 +335,14 @@ func newIdentityStatements(d sqldb.Dialect, q string) identityStatements {
 // (bytea).
 //
 // On the plain layout SQL is the lean claim (postgresLeanClaim): a UUIDv7
-// row without event_at; on a schema-qualified table it also marks its
-// transaction (Marked, ClaimMarkerIs).
+// row without event_at.
 type ClaimParams struct {
 	SQL string
-	// Marked: SQL marks its transaction (ClaimMarkerIs).
-	Marked      bool
+	// Pinned: SQL is the lean claim on a schema-qualified table, which no
+	// search_path a handler sets can move: its commit may go without the
+	// commit guard's statement when every handler statement was seen to
+	// keep the transaction (the pgx beginner's scan).
+	Pinned      bool
 	Consumer    string
 	EventID     uuid.UUID
 	EventAt     time.Time
@@ -371,13 +373,13 @@ func (s *Store) ClaimParamsAt(consumer string, eventID uuid.UUID, at time.Time, 
 		if id != nil {
 			withID = 1
 		}
-		// Marked only on a schema-qualified table: an unqualified one
+		// Pinned only on a schema-qualified table: an unqualified one
 		// follows the search_path, which a handler's session-level SET
 		// may change under a later claim; the guard statement (which
 		// names the schema the table resolved to first) catches that
-		// claim's move, a mark would not. NewConsumer qualifies the
-		// table it finds.
-		p.SQL, p.Marked = s.lean[v7][withID], s.table.Qualified()
+		// claim's move, a scan of the handler's statements would not.
+		// NewConsumer qualifies the table it finds.
+		p.SQL, p.Pinned = s.lean[v7][withID], s.table.Qualified()
 	case id != nil && routed:
 		p.SQL = s.identity.claimOther
 	case id != nil:

@@ -138,58 +138,53 @@ func postgresLeanClaim(q string, v7, identity bool, horizon, skew time.Duration)
 			where = "$3::timestamptz IS NULL OR " + where
 		}
 	}
-	return fmt.Sprintf("INSERT INTO %s (%s)\nSELECT %s%s%s IS NOT NULL AND (%s)\nON CONFLICT DO NOTHING", q, cols, sel, leanClaimWhere, claimMarkerSQL, where)
+	return fmt.Sprintf("INSERT INTO %s (%s)\nSELECT %s%s%s)\nON CONFLICT DO NOTHING", q, cols, sel, leanClaimWhere, where)
 }
 
-// leanClaimWhere opens the lean claim's condition (postgresLeanClaim).
-const leanClaimWhere = "\nWHERE "
+// leanClaimWhere opens the lean claim's condition (postgresLeanClaim);
+// LeanClaimWithLockTimeout inserts its setting before the parenthesis.
+const leanClaimWhere = "\nWHERE ("
 
-// LeanClaimWithLockTimeout returns sql, a marked claim's statement
-// (ClaimParams.SQL with Marked: the lean claim), with lock_timeout also set
-// to d (whole milliseconds) for its transaction in its WHERE
-// (set_config, is_local), evaluated before the row is inserted, so the
-// wait on another transaction's claim of the same event and the rest of
-// the transaction are bounded by d whatever the session's own setting.
-// The claim's lock on its table is taken before any expression and is
-// not bounded by it. ok is false when sql is not a lean claim.
+// LeanClaimWithLockTimeout returns sql, a lean claim's statement
+// (postgresLeanClaim), with lock_timeout also set to d (whole
+// milliseconds) for its transaction in its WHERE, evaluated before the row
+// is inserted, so the wait on another transaction's claim of the same
+// event and the rest of the transaction are bounded by d whatever the
+// session's own setting. It is set (set_config, is_local) only when the
+// session's setting is not d already: the pgx beginner makes d the
+// session's setting, and a set_config makes PostgreSQL walk every setting
+// at the transaction's end (about 10k server instructions a claim, issue
+// 25); a CASE evaluates its arms in order. The claim's lock on its table
+// is taken before any expression and is not bounded by it. ok is false
+// when sql is not a lean claim.
 func LeanClaimWithLockTimeout(sql string, d time.Duration) (string, bool) {
-	i := strings.Index(sql, leanClaimWhere+claimMarkerSQL)
+	i := strings.Index(sql, leanClaimWhere)
 	if i < 0 {
 		return "", false
 	}
-	i += len(leanClaimWhere)
-	return sql[:i] + "set_config('lock_timeout', '" + strconv.FormatInt(d.Milliseconds(), 10) + "ms', true) IS NOT NULL AND " + sql[i:], true
+	i += len(leanClaimWhere) - 1
+	ms := d.Milliseconds()
+	return sql[:i] + "CASE WHEN current_setting('lock_timeout') = '" + millisText(ms) + "' THEN true ELSE set_config('lock_timeout', '" +
+		strconv.FormatInt(ms, 10) + "ms', true) IS NOT NULL END AND " + sql[i:], true
 }
 
-// claimMarkerSQL marks the claim's transaction: default_transaction_read_only
-// is "on" until the transaction ends (set_config with is_local, undone by
-// COMMIT or ROLLBACK). It changes nothing in the transaction itself, which
-// began read-write (the setting applies to transactions that begin later; a
-// session whose default is already on cannot claim at all). Since
-// PostgreSQL 14 it is a GUC_REPORT setting: the server sends its new value
-// in a ParameterStatus message before the statement's ReadyForQuery, and
-// its old value when the transaction ends, also when a handler's ROLLBACK,
-// COMMIT or … AND CHAIN ends it and BEGIN opens another (PostgreSQL
-// protocol, "Asynchronous Operations"; PgBouncer 1.18 and 1.24 forward both
-// in session and transaction pooling, TestCommitGuardBehindPoolers). So the
-// client knows, with no statement of its own, that the claim's transaction
-// is still open (ClaimMarkerIs): the commit guard's statement is sent only
-// when it is not (issue 25: the guard cost 61.7k server instructions a
-// message, the mark 15k). A reload that turns the server's default on
-// while the transaction runs makes the undo unreported: the client then
-// checks the claim after COMMIT (pgxTx.commit). application_name naming
-// the event would be a mark no undo can equal, but it costs 5k more and
-// hides the pool's application_name from pg_stat_activity and from
-// log_line_prefix's %a while every handler runs.
-const claimMarkerSQL = `set_config('default_transaction_read_only', 'on', true)`
-
-// ClaimMarkerParam is the ParameterStatus a marked claim
-// (ClaimParams.Marked) sets for its transaction (ClaimMarkerIs).
-const ClaimMarkerParam = "default_transaction_read_only"
-
-// ClaimMarkerIs reports whether v, a connection's ClaimMarkerParam as the
-// server last reported it, is the mark a claim sets.
-func ClaimMarkerIs(v string) bool { return v == "on" }
+// millisText is ms as PostgreSQL shows a setting in milliseconds
+// (current_setting): in the largest of d, h, min, s and ms that divides
+// it, "0" for 0.
+func millisText(ms int64) string {
+	if ms == 0 {
+		return "0"
+	}
+	for _, u := range [...]struct {
+		n    int64
+		name string
+	}{{86400000, "d"}, {3600000, "h"}, {60000, "min"}, {1000, "s"}, {1, "ms"}} {
+		if ms%u.n == 0 {
+			return strconv.FormatInt(ms/u.n, 10) + u.name
+		}
+	}
+	return ""
+}
 
 // v7TimeSQL is the SQL of the UUIDv7 time of the uuid expression id: its
 // first 48 bits as Unix milliseconds (RFC 9562 §5.7), a timestamptz. It is
@@ -230,8 +225,8 @@ WHERE a.attrelid = to_regclass($1) AND a.attname = 'event_at' AND NOT a.attisdro
 // the schema's name is not a valid identifier (ParseIdent). NewConsumer
 // uses it once, so that a handler's session-level SET search_path left on
 // a pooled connection never moves a later claim, verdict or read to
-// another schema's table; only on a qualified table does the claim mark
-// its transaction (ClaimParams.Marked).
+// another schema's table; only a claim on a qualified table may commit
+// without the commit guard's statement (ClaimParams.Pinned).
 func QualifiedTable(ctx context.Context, q sqldb.Querier, d sqldb.Dialect, table string) (string, error) {
 	if table == "" {
 		table = DefaultTable

@@ -1,0 +1,229 @@
+package inbox_test
+
+// The scan of the handler's statements (txscan.go) lets COMMIT go without
+// the commit guard's statement: these tests try to fool it, by every route
+// a handler has to the connection, and to move a claim out of the guard's
+// sight by search_path.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/internal/processedstore"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+)
+
+// permanentReason is err's PermanentError reason, or "" (with err's
+// text) when err is not one.
+func permanentReason(err error) string {
+	var p *inbox.PermanentError
+	if errors.As(err, &p) {
+		return p.Reason
+	}
+	return fmt.Sprintf("not permanent: %v", err)
+}
+
+// An unqualified claim table (no mark: only a qualified one is marked)
+// whose consumer got its first message before the table existed (started
+// before processed.Migrate: that claim fails with 42P01 and is retried):
+// the guard's schema is not resolved while the table is missing, so once
+// it exists the guard names the schema it was created in, and a claim that
+// a handler's session-level SET search_path moved to another schema's
+// same-named table is caught (handler_ended_tx): never applied twice.
+func TestClaimMovedBySearchPathIsCaughtWhenTheTableCameAfterTheConsumer(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	admin, schema := testenv.Pool(t)
+	other := testenv.Schema(t) // another tenant's schema, with a table of the same name
+	// The other schema (another tenant, another service) has its own table.
+	m1, err := processedstore.NewStore(processedstore.Config{})
+	require.NoError(t, err)
+	require.NoError(t, m1.Migrate(ctx, sqldb.Pgx(testenv.PoolOn(t, other, 1))))
+	_, err = admin.Exec(ctx, `CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL, note text)`)
+	require.NoError(t, err)
+
+	store, err := processedstore.NewStore(processedstore.Config{})
+	require.NoError(t, err)
+	pool := testenv.PoolOn(t, schema, 1) // one connection: the redelivery runs where the SET stayed
+	b, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
+	require.NoError(t, err)
+	idem, err := inbox.NewIdempotent(inbox.Config{Beginner: b, Store: store, Consumer: "stock"}, watermill.NopLogger{})
+	require.NoError(t, err)
+	h := idem.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		q, _ := inbox.QuerierFromContext(msg.Context())
+		if _, err := q.Exec(msg.Context(), `INSERT INTO `+schema+`.effect (event_id, note) VALUES ($1, 'x')`, msg.UUID); err != nil {
+			return nil, err
+		}
+		_, err := q.Exec(msg.Context(), `SET search_path = `+other)
+		return nil, err
+	})
+
+	// The first message arrives before the table is migrated: retried later.
+	_, err = h(newMsg(uuid.Must(uuid.NewV7()).String()))
+	require.Error(t, err, "no table yet")
+	m2, err := processedstore.NewStore(processedstore.Config{})
+	require.NoError(t, err)
+	require.NoError(t, m2.Migrate(ctx, sqldb.Pgx(admin)))
+
+	id := uuid.Must(uuid.NewV7()).String()
+	_, err = h(newMsg(id))
+	require.NoError(t, err)
+	_, err2 := h(newMsg(id)) // the redelivery, on the connection the SET stayed on
+	var effects, moved int
+	require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.effect WHERE event_id = $1`, id).Scan(&effects))
+	require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM `+other+`.processed_event`).Scan(&moved))
+	assert.Zero(t, moved, "no claim committed in the other schema's table")
+	assert.Equal(t, 1, effects, "the effect is applied once (redelivery: err=%v)", err2)
+}
+
+// A handler on the prepared claim over a qualified table (where COMMIT
+// goes alone when every handler statement keeps the transaction) that
+// ends the transaction and writes on in a new one by a route the text of
+// one Exec does not show is still poisoned once (handler_ended_tx), what
+// it wrote after its own BEGIN is not committed, and a redelivery applies
+// its effect once: several statements in one simple-protocol query, a
+// comment before COMMIT, a pgx.Batch, the connection itself (tx.Conn), a
+// statement prepared under a name that reads as SELECT (in the same
+// attempt, and in an earlier attempt on the same connection), and a query
+// rewriter.
+func TestHandlerEndingTheTransactionByAnyRouteIsCaughtWithoutTheGuardOnEveryCommit(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	admin, schema := testenv.Pool(t)
+	store, err := processedstore.NewStore(processedstore.Config{Table: schema + ".processed_event", Horizon: time.Hour})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(admin)))
+	effect := schema + ".effect"
+	_, err = admin.Exec(ctx, `CREATE TABLE `+effect+` (event_id uuid NOT NULL, part text NOT NULL)`)
+	require.NoError(t, err)
+	count := func(id, part string) (n int) {
+		require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM `+effect+` WHERE event_id = $1 AND part = $2`, id, part).Scan(&n))
+		return n
+	}
+	insert := `INSERT INTO ` + effect + ` (event_id, part) VALUES ($1, $2)`
+	routes := []struct {
+		name string
+		// earlier runs in a first attempt on the same connection, which
+		// commits; end ends the second attempt's transaction and begins
+		// another.
+		earlier func(ctx context.Context, tx pgx.Tx) error
+		end     func(ctx context.Context, tx pgx.Tx) error
+	}{
+		{"one-query-string", nil, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "SELECT 1; COMMIT; BEGIN", pgx.QueryExecModeSimpleProtocol)
+			return err
+		}},
+		{"comment-first", nil, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "/* done */ COMMIT AND CHAIN")
+			return err
+		}},
+		{"batch", nil, func(ctx context.Context, tx pgx.Tx) error {
+			b := &pgx.Batch{}
+			b.Queue("SELECT 1")
+			b.Queue("COMMIT")
+			b.Queue("BEGIN")
+			return tx.SendBatch(ctx, b).Close()
+		}},
+		{"conn", nil, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Conn().Exec(ctx, "ROLLBACK AND CHAIN")
+			return err
+		}},
+		{"prepared-as-select", nil, func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := tx.Prepare(ctx, "select 1", "COMMIT AND CHAIN"); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, "select 1")
+			return err
+		}},
+		{"prepared-by-an-earlier-attempt", func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Prepare(ctx, "select 2", "COMMIT AND CHAIN")
+			return err
+		}, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "select 2")
+			return err
+		}},
+		{"query-rewriter", nil, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "SELECT 1", chainRewriter{})
+			return err
+		}},
+	}
+	for _, r := range routes {
+		t.Run(r.name, func(t *testing.T) {
+			pool := testenv.PoolOn(t, schema, 1) // one connection: the earlier attempt's statements stay on it
+			b, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
+			require.NoError(t, err)
+			idem, err := inbox.NewIdempotent(inbox.Config{Beginner: b, Store: store, Consumer: "stock"}, watermill.NopLogger{})
+			require.NoError(t, err)
+			poison := &capture{msgs: make(chan *message.Message, 4)}
+			var step func(ctx context.Context, tx pgx.Tx) error
+			calls := 0
+			h := chained(t, idem, poison, nil, func(msg *message.Message) ([]*message.Message, error) {
+				calls++
+				ctx := msg.Context()
+				tx, _ := inbox.PgxTxFromContext(ctx)
+				if _, err := tx.Exec(ctx, insert, msg.UUID, "before"); err != nil {
+					return nil, err
+				}
+				if step == nil {
+					return nil, nil
+				}
+				if err := step(ctx, tx); err != nil {
+					return nil, err
+				}
+				_, err := tx.Exec(ctx, insert, msg.UUID, "after")
+				return nil, err
+			})
+			if r.earlier != nil {
+				step = func(ctx context.Context, tx pgx.Tx) error {
+					if err := r.earlier(ctx, tx); err != nil {
+						return err
+					}
+					step = nil
+					return nil
+				}
+				first := uuid.Must(uuid.NewV7()).String()
+				_, err := h(newMsg(first))
+				require.NoError(t, err)
+				require.Empty(t, poison.msgs, "the earlier attempt ended nothing")
+				require.Equal(t, 1, count(first, "after"))
+			}
+			step = r.end
+			calls = 0
+			id := uuid.Must(uuid.NewV7()).String()
+			_, err = h(newMsg(id))
+			require.NoError(t, err, "acked once poisoned")
+			require.Equal(t, 1, calls, "permanent: poisoned at once, never retried")
+			require.Len(t, poison.msgs, 1, "poisoned once")
+			p := <-poison.msgs
+			require.Equal(t, "permanent", p.Metadata.Get(inbox.MetadataPoisonClass))
+			require.Zero(t, count(id, "after"), "what the handler wrote after its own BEGIN is not committed")
+			step = nil
+			for range 2 {
+				_, err = h(newMsg(id))
+				require.NoError(t, err)
+			}
+			require.Equal(t, 1, count(id, "before"), "the effect is applied once")
+			require.Empty(t, poison.msgs)
+		})
+	}
+}
+
+// chainRewriter is a handler's own pgx.QueryRewriter: pgx sends what it
+// returns.
+type chainRewriter struct{}
+
+func (chainRewriter) RewriteQuery(ctx context.Context, conn *pgx.Conn, sql string, args []any) (string, []any, error) {
+	return "COMMIT AND CHAIN", nil, nil
+}
