@@ -105,12 +105,12 @@ type connClaim struct {
 	// prepared a statement that may end a transaction, so a query string
 	// may name a prepared statement the scan never saw: from then on every
 	// claimed attempt on it commits with the guard's statement.
-	raw bool
-	vals      [5][]byte
-	formats   [5]int16
-	text      [2][]byte // consumer, event name
-	uuid      [16]byte
-	ts        [8]byte
+	raw     bool
+	vals    [5][]byte
+	formats [5]int16
+	text    [2][]byte // consumer, event name
+	uuid    [16]byte
+	ts      [8]byte
 }
 
 func connClaimOf(pc *pgconn.PgConn) *connClaim {
