@@ -100,27 +100,7 @@ func TestClaimMovedBySearchPathIsCaughtWhenTheTableCameAfterTheConsumer(t *testi
 // rewriter.
 func TestHandlerEndingTheTransactionByAnyRouteIsCaughtWithoutTheGuardOnEveryCommit(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	admin, schema := testenv.Pool(t)
-	store, err := processedstore.NewStore(processedstore.Config{Table: schema + ".processed_event", Horizon: time.Hour})
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(admin)))
-	effect := schema + ".effect"
-	_, err = admin.Exec(ctx, `CREATE TABLE `+effect+` (event_id uuid NOT NULL, part text NOT NULL)`)
-	require.NoError(t, err)
-	count := func(id, part string) (n int) {
-		require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM `+effect+` WHERE event_id = $1 AND part = $2`, id, part).Scan(&n))
-		return n
-	}
-	insert := `INSERT INTO ` + effect + ` (event_id, part) VALUES ($1, $2)`
-	routes := []struct {
-		name string
-		// earlier runs in a first attempt on the same connection, which
-		// commits; end ends the second attempt's transaction and begins
-		// another.
-		earlier func(ctx context.Context, tx pgx.Tx) error
-		end     func(ctx context.Context, tx pgx.Tx) error
-	}{
+	endingRoutesAreCaught(t, []endingRoute{
 		{"one-query-string", nil, func(ctx context.Context, tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, "SELECT 1; COMMIT; BEGIN", pgx.QueryExecModeSimpleProtocol)
 			return err
@@ -158,7 +138,39 @@ func TestHandlerEndingTheTransactionByAnyRouteIsCaughtWithoutTheGuardOnEveryComm
 			_, err := tx.Exec(ctx, "SELECT 1", chainRewriter{})
 			return err
 		}},
+	})
+}
+
+// endingRoute is a way for a handler to end the attempt's transaction and
+// begin another.
+type endingRoute struct {
+	name string
+	// earlier runs in a first attempt on the same connection, which
+	// commits; end ends the second attempt's transaction and begins
+	// another.
+	earlier func(ctx context.Context, tx pgx.Tx) error
+	end     func(ctx context.Context, tx pgx.Tx) error
+}
+
+// endingRoutesAreCaught checks, for each route, on the prepared claim over
+// a qualified table, that the attempt whose handler took it is poisoned
+// once (handler_ended_tx), that what the handler wrote after it is not
+// committed, and that a redelivery applies the effect once.
+func endingRoutesAreCaught(t *testing.T, routes []endingRoute) {
+	t.Helper()
+	ctx := context.Background()
+	admin, schema := testenv.Pool(t)
+	store, err := processedstore.NewStore(processedstore.Config{Table: schema + ".processed_event", Horizon: time.Hour})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx, sqldb.Pgx(admin)))
+	effect := schema + ".effect"
+	_, err = admin.Exec(ctx, `CREATE TABLE `+effect+` (event_id uuid NOT NULL, part text NOT NULL)`)
+	require.NoError(t, err)
+	count := func(id, part string) (n int) {
+		require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM `+effect+` WHERE event_id = $1 AND part = $2`, id, part).Scan(&n))
+		return n
 	}
+	insert := `INSERT INTO ` + effect + ` (event_id, part) VALUES ($1, $2)`
 	for _, r := range routes {
 		t.Run(r.name, func(t *testing.T) {
 			pool := testenv.PoolOn(t, schema, 1) // one connection: the earlier attempt's statements stay on it
@@ -218,6 +230,37 @@ func TestHandlerEndingTheTransactionByAnyRouteIsCaughtWithoutTheGuardOnEveryComm
 			require.Empty(t, poison.msgs)
 		})
 	}
+}
+
+// A handler that passes pgx.QueryExecModeSimpleProtocol with arguments
+// has pgx send text the scan never saw: pgx's sanitizer writes each
+// argument as a quoted literal into the query string, without knowing
+// dollar quotes, so an argument inside one ends it and what follows is
+// statements of their own (COMMIT AND CHAIN, ROLLBACK and BEGIN), in one
+// simple-protocol query. The attempt is still poisoned once, nothing
+// written after is committed and the effect is applied once: by Exec,
+// QueryRow, and with pgx.NamedArgs.
+func TestHandlerEndingTheTransactionThroughASimpleProtocolArgumentIsCaught(t *testing.T) {
+	t.Parallel()
+	const chain = "$q$; COMMIT AND CHAIN; SELECT $q$"
+	endingRoutesAreCaught(t, []endingRoute{
+		{"exec", nil, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "SELECT $q$ $1 $q$", pgx.QueryExecModeSimpleProtocol, chain)
+			return err
+		}},
+		{"rollback-and-begin", nil, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "SELECT $q$ $1 $q$", pgx.QueryExecModeSimpleProtocol, "$q$; ROLLBACK; BEGIN; SELECT $q$")
+			return err
+		}},
+		{"query-row", nil, func(ctx context.Context, tx pgx.Tx) error {
+			var s string
+			return tx.QueryRow(ctx, "SELECT $q$ $1 $q$", pgx.QueryExecModeSimpleProtocol, chain).Scan(&s)
+		}},
+		{"named-args", nil, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "SELECT $q$ @v $q$", pgx.QueryExecModeSimpleProtocol, pgx.NamedArgs{"v": chain})
+			return err
+		}},
+	})
 }
 
 // chainRewriter is a handler's own pgx.QueryRewriter: pgx sends what it

@@ -323,12 +323,13 @@ type txScan struct {
 }
 
 // handlerSQL tells the connection's claim state about a handler
-// statement and its arguments (connClaim.handlerStatement, rewritesQuery).
+// statement and its arguments (connClaim.handlerStatement, rewritesQuery,
+// sanitizesArguments).
 func (tx *pgxTx) handlerSQL(sql string, args []any) {
 	if tx.session == nil {
 		return
 	}
-	if tx.session.handlerStatement(sql) || rewritesQuery(args) {
+	if tx.session.handlerStatement(sql) || rewritesQuery(args) || sanitizesArguments(args) {
 		tx.scan.mayEnd = true
 	}
 }

@@ -145,3 +145,23 @@ func rewritesQuery(args []any) bool {
 	}
 	return false
 }
+
+// sanitizesArguments reports whether args select pgx's simple protocol
+// (pgx.QueryExecModeSimpleProtocol) and hold arguments: pgx then writes
+// each argument, as a literal, into the query string it sends, by a lexer
+// of its own that knows no dollar quotes, so an argument placed inside
+// one ($q$ $1 $q$) ends it and its text reads as statements (COMMIT AND
+// CHAIN) the scan never saw. Without arguments pgx sends the text as is.
+func sanitizesArguments(args []any) bool {
+	simple, values := false, false
+	for _, a := range args {
+		switch a := a.(type) {
+		case pgx.QueryExecMode:
+			simple = simple || a == pgx.QueryExecModeSimpleProtocol
+		case pgx.QueryResultFormats, pgx.QueryResultFormatsByOID:
+		default:
+			values = true
+		}
+	}
+	return simple && values
+}

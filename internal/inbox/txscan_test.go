@@ -59,6 +59,17 @@ func TestTxScanDistrustsQueryRewritersButNamedArgs(t *testing.T) {
 	}
 }
 
+// pgx's simple protocol writes the arguments into the text it sends; with
+// no arguments it sends the text as is.
+func TestTxScanDistrustsSimpleProtocolArguments(t *testing.T) {
+	if sanitizesArguments(nil) || sanitizesArguments([]any{pgx.QueryExecModeSimpleProtocol}) || sanitizesArguments([]any{1, "x"}) || sanitizesArguments([]any{pgx.QueryExecModeExec, "x"}) {
+		t.Fatal("text sent as is taken for sanitized")
+	}
+	if !sanitizesArguments([]any{pgx.QueryExecModeSimpleProtocol, "x"}) || !sanitizesArguments([]any{pgx.QueryExecModeSimpleProtocol, pgx.NamedArgs{"a": "x"}}) || !sanitizesArguments([]any{pgx.QueryResultFormats{1}, pgx.QueryExecModeSimpleProtocol, 1}) {
+		t.Fatal("arguments the simple protocol writes into the text were trusted")
+	}
+}
+
 type rewriter struct{}
 
 func (rewriter) RewriteQuery(ctx context.Context, conn *pgx.Conn, sql string, args []any) (string, []any, error) {
