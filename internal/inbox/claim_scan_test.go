@@ -263,6 +263,74 @@ func TestHandlerEndingTheTransactionThroughASimpleProtocolArgumentIsCaught(t *te
 	})
 }
 
+// pgx.Rows has Conn: a handler that reads rows reaches the connection
+// without pgx.Tx.Conn, and what it sends there is not scanned. It is
+// still caught, whether the rows came from Query, from a batch's results
+// or to a batch's callback, and whether it ends the transaction at once
+// or prepares, in an earlier attempt on the same connection, a statement
+// whose name reads as SELECT.
+func TestHandlerReachingTheConnectionThroughRowsIsCaught(t *testing.T) {
+	t.Parallel()
+	rowsConn := func(ctx context.Context, tx pgx.Tx) (*pgx.Conn, error) {
+		rows, err := tx.Query(ctx, "SELECT 1")
+		if err != nil {
+			return nil, err
+		}
+		rows.Close()
+		return rows.Conn(), rows.Err()
+	}
+	endingRoutesAreCaught(t, []endingRoute{
+		{"query", nil, func(ctx context.Context, tx pgx.Tx) error {
+			c, err := rowsConn(ctx, tx)
+			if err != nil {
+				return err
+			}
+			_, err = c.Exec(ctx, "COMMIT AND CHAIN")
+			return err
+		}},
+		{"batch-results", nil, func(ctx context.Context, tx pgx.Tx) error {
+			b := &pgx.Batch{}
+			b.Queue("SELECT 1")
+			br := tx.SendBatch(ctx, b)
+			rows, err := br.Query()
+			if err != nil {
+				return err
+			}
+			rows.Close()
+			c := rows.Conn()
+			if err := br.Close(); err != nil {
+				return err
+			}
+			_, err = c.Exec(ctx, "COMMIT AND CHAIN")
+			return err
+		}},
+		{"batch-callback", nil, func(ctx context.Context, tx pgx.Tx) error {
+			var c *pgx.Conn
+			b := &pgx.Batch{}
+			b.Queue("SELECT 1").Query(func(rows pgx.Rows) error {
+				c = rows.Conn()
+				return nil
+			})
+			if err := tx.SendBatch(ctx, b).Close(); err != nil {
+				return err
+			}
+			_, err := c.Exec(ctx, "COMMIT AND CHAIN")
+			return err
+		}},
+		{"prepared-by-an-earlier-attempt", func(ctx context.Context, tx pgx.Tx) error {
+			c, err := rowsConn(ctx, tx)
+			if err != nil {
+				return err
+			}
+			_, err = c.Prepare(ctx, "select 3", "COMMIT AND CHAIN")
+			return err
+		}, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "select 3")
+			return err
+		}},
+	})
+}
+
 // chainRewriter is a handler's own pgx.QueryRewriter: pgx sends what it
 // returns.
 type chainRewriter struct{}

@@ -310,8 +310,46 @@ func (tx *pgxTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	}
 	for _, q := range b.QueuedQueries {
 		tx.handlerSQL(q.SQL, q.Arguments)
+		if fn := q.Fn; fn != nil && tx.session != nil {
+			// A callback's rows reach the connection too (rowsConn).
+			s := tx.session
+			q.Fn = func(br pgx.BatchResults) error { return fn(batchConn{br, s}) }
+		}
 	}
-	return tx.pc.SendBatch(ctx, b)
+	br := tx.pc.SendBatch(ctx, b)
+	if tx.session != nil {
+		br = batchConn{br, tx.session}
+	}
+	return br
+}
+
+// rowsConn is a handler's pgx.Rows on the prepared path: pgx.Rows.Conn
+// returns the connection as pgxTx.Conn does, so it taints the connection
+// the same way (connClaim.raw): what the handler sends there is not
+// scanned.
+type rowsConn struct {
+	pgx.Rows
+	session *connClaim
+}
+
+func (r *rowsConn) Conn() *pgx.Conn {
+	r.session.raw = true
+	return r.Rows.Conn()
+}
+
+// batchConn is a handler's pgx.BatchResults on the prepared path: the
+// rows it returns are rowsConn.
+type batchConn struct {
+	pgx.BatchResults
+	session *connClaim
+}
+
+func (b batchConn) Query() (pgx.Rows, error) {
+	rows, err := b.BatchResults.Query()
+	if rows != nil {
+		rows = &rowsConn{rows, b.session}
+	}
+	return rows, err
 }
 
 // txScan is what the handler's statements told about the attempt's
@@ -368,7 +406,11 @@ func (tx *pgxTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 		return nil, pgx.ErrTxClosed
 	}
 	tx.handlerSQL(sql, args)
-	return tx.pc.Query(ctx, sql, args...)
+	rows, err := tx.pc.Query(ctx, sql, args...)
+	if tx.session != nil && rows != nil {
+		rows = &rowsConn{rows, tx.session}
+	}
+	return rows, err
 }
 
 func (tx *pgxTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
@@ -381,7 +423,8 @@ func (tx *pgxTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row 
 
 // Conn returns the underlying connection. What the handler sends on it
 // is not scanned, so the attempt, and every later claimed attempt on this
-// connection, commits with the guard's statement (txscan.go).
+// connection, commits with the guard's statement (txscan.go). So does
+// the Conn of rows from Query or SendBatch (rowsConn).
 func (tx *pgxTx) Conn() *pgx.Conn {
 	if tx.session != nil {
 		tx.session.raw = true
