@@ -331,6 +331,41 @@ func TestHandlerReachingTheConnectionThroughRowsIsCaught(t *testing.T) {
 	})
 }
 
+// A query rewriter is given the connection (pgx.QueryRewriter's conn): a
+// handler's own rewriter reaches it as tx.Conn does. One that prepares,
+// in an earlier attempt on the same connection, a statement whose name
+// reads as SELECT, by Exec or in a batch, is caught when a later
+// attempt's plain-looking statement runs it.
+func TestQueryRewriterReachingTheConnectionIsCaughtInLaterAttempts(t *testing.T) {
+	t.Parallel()
+	endingRoutesAreCaught(t, []endingRoute{
+		{"exec", func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "SELECT 1", preparingRewriter{name: "select 4"})
+			return err
+		}, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "select 4")
+			return err
+		}},
+		{"batch", func(ctx context.Context, tx pgx.Tx) error {
+			b := &pgx.Batch{}
+			b.Queue("SELECT 1", preparingRewriter{name: "select 5"})
+			return tx.SendBatch(ctx, b).Close()
+		}, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "select 5")
+			return err
+		}},
+	})
+}
+
+// preparingRewriter prepares COMMIT AND CHAIN under name on the
+// connection it is given and leaves the query as it is.
+type preparingRewriter struct{ name string }
+
+func (r preparingRewriter) RewriteQuery(ctx context.Context, conn *pgx.Conn, sql string, args []any) (string, []any, error) {
+	_, err := conn.Prepare(ctx, r.name, "COMMIT AND CHAIN")
+	return sql, args, err
+}
+
 // chainRewriter is a handler's own pgx.QueryRewriter: pgx sends what it
 // returns.
 type chainRewriter struct{}

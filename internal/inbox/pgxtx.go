@@ -367,7 +367,12 @@ func (tx *pgxTx) handlerSQL(sql string, args []any) {
 	if tx.session == nil {
 		return
 	}
-	if tx.session.handlerStatement(sql) || rewritesQuery(args) || sanitizesArguments(args) {
+	if rewritesQuery(args) {
+		// pgx hands the rewriter the connection: what it sends or
+		// prepares there is not scanned, as after tx.Conn.
+		tx.session.raw = true
+	}
+	if tx.session.handlerStatement(sql) || sanitizesArguments(args) {
 		tx.scan.mayEnd = true
 	}
 }
