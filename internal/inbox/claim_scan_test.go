@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -16,6 +17,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -373,3 +375,81 @@ type chainRewriter struct{}
 func (chainRewriter) RewriteQuery(ctx context.Context, conn *pgx.Conn, sql string, args []any) (string, []any, error) {
 	return "COMMIT AND CHAIN", nil, nil
 }
+
+// pgx runs a prepared statement named by a query string in its place,
+// also the "commit" and "rollback" pgx itself or this library sends
+// through pgx.Conn (with a tracer on the pool, COMMIT goes through it).
+// A handler that prepares a harmless statement under the name "commit"
+// (its SQL keeps the transaction, so COMMIT still goes alone) makes that
+// COMMIT run it instead: the attempt must then not be acked while its
+// claim and its effects are rolled back with the connection; an attempt
+// acked has its effect committed, once. With and without a tracer, on
+// the pinned claim (COMMIT alone) and on an unqualified table (the guard
+// statement with COMMIT).
+func TestStatementPreparedAsCommitNeverAcksAnUncommittedAttempt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	admin, schema := testenv.Pool(t)
+	for _, c := range []struct {
+		name      string
+		traced    bool
+		qualified bool
+	}{{"traced-pinned", true, true}, {"traced-guarded", true, false}, {"untraced-pinned", false, true}, {"untraced-guarded", false, false}} {
+		t.Run(c.name, func(t *testing.T) {
+			table := "processed_" + strings.ReplaceAll(c.name, "-", "_")
+			effect := schema + ".effect_" + strings.ReplaceAll(c.name, "-", "_")
+			if c.qualified {
+				table = schema + "." + table
+			}
+			store, err := processedstore.NewStore(processedstore.Config{Table: table, Horizon: time.Hour})
+			require.NoError(t, err)
+			require.NoError(t, store.Migrate(ctx, sqldb.Pgx(admin)))
+			_, err = admin.Exec(ctx, `CREATE TABLE `+effect+` (event_id uuid NOT NULL)`)
+			require.NoError(t, err)
+			cfg := testenv.PoolConfig(t, testenv.PostgresURL(), schema, 1)
+			if c.traced {
+				cfg.ConnConfig.Tracer = nopTracer{}
+			}
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			b, err := inbox.NewPgxBeginner(pool, inbox.PgxBeginnerConfig{})
+			require.NoError(t, err)
+			idem, err := inbox.NewIdempotent(inbox.Config{Beginner: b, Store: store, Consumer: "stock"}, watermill.NopLogger{})
+			require.NoError(t, err)
+			poison := &capture{msgs: make(chan *message.Message, 8)}
+			h := chained(t, idem, poison, nil, func(msg *message.Message) ([]*message.Message, error) {
+				ctx := msg.Context()
+				tx, _ := inbox.PgxTxFromContext(ctx)
+				if _, err := tx.Exec(ctx, `INSERT INTO `+effect+` (event_id) VALUES ($1)`, msg.UUID); err != nil {
+					return nil, err
+				}
+				_, err := tx.Prepare(ctx, "commit", "SELECT 1")
+				return nil, err
+			})
+			id := uuid.Must(uuid.NewV7()).String()
+			acked := false
+			for range 3 {
+				if _, err := h(newMsg(id)); err == nil {
+					acked = true
+					break
+				}
+			}
+			var n int
+			require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM `+effect+` WHERE event_id = $1`, id).Scan(&n))
+			if acked && len(poison.msgs) == 0 {
+				assert.Equal(t, 1, n, "acked: the effect is committed once")
+			} else {
+				assert.LessOrEqual(t, n, 1, "never applied twice")
+			}
+		})
+	}
+}
+
+// nopTracer is a pool's pgx tracer that does nothing.
+type nopTracer struct{}
+
+func (nopTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+func (nopTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"strconv"
 	"sync/atomic"
 
@@ -256,10 +257,23 @@ func (tx *pgxTx) Commit(ctx context.Context) error {
 		}
 		return err
 	}
-	if tag.String() == "ROLLBACK" {
+	switch tag.String() {
+	case "COMMIT":
+		return nil
+	case "ROLLBACK":
 		return pgx.ErrTxCommitRollback
 	}
-	return nil
+	return errNotCommitted(ctx, tx, tag)
+}
+
+// errNotCommitted is the error of a COMMIT answered by another statement's
+// tag: pgx.Conn runs a statement prepared under the name "commit" (a
+// handler's Prepare) in its place, and the transaction stays open. The
+// connection is closed, so the server rolls it back, and the attempt
+// fails: it is never acked uncommitted.
+func errNotCommitted(ctx context.Context, tx *pgxTx, tag pgconn.CommandTag) error {
+	_ = tx.pc.Close(context.WithoutCancel(ctx))
+	return fmt.Errorf("middleware: COMMIT answered %q: a statement prepared under the name \"commit\" ran instead; the transaction was rolled back", tag.String())
 }
 
 // Rollback rolls the transaction back, or rolls back to the savepoint. A
