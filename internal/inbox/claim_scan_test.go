@@ -236,8 +236,9 @@ func endingRoutesAreCaught(t *testing.T, routes []endingRoute) {
 
 // A handler that passes pgx.QueryExecModeSimpleProtocol with arguments
 // has pgx send text the scan never saw: pgx's sanitizer writes each
-// argument as a quoted literal into the query string, without knowing
-// dollar quotes, so an argument inside one ends it and what follows is
+// argument as a quoted literal into the query string, by a lexer that
+// knows no dollar quotes and takes any e' for the start of an E string, so an
+// argument PostgreSQL reads inside a string ends it and what follows is
 // statements of their own (COMMIT AND CHAIN, ROLLBACK and BEGIN), in one
 // simple-protocol query. The attempt is still poisoned once, nothing
 // written after is committed and the effect is applied once: by Exec,
@@ -260,6 +261,14 @@ func TestHandlerEndingTheTransactionThroughASimpleProtocolArgumentIsCaught(t *te
 		}},
 		{"named-args", nil, func(ctx context.Context, tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, "SELECT $q$ @v $q$", pgx.QueryExecModeSimpleProtocol, pgx.NamedArgs{"v": chain})
+			return err
+		}},
+		{"e-quote-after-an-identifier", nil, func(ctx context.Context, tx pgx.Tx) error {
+			// pgx reads name'\' as E'\' (an escaped quote: the string
+			// goes on), PostgreSQL as the type name and the string '\';
+			// the newline continues it, so PostgreSQL reads $1 inside a
+			// string, pgx outside, and the argument's quote ends it.
+			_, err := tx.Exec(ctx, "SELECT name'\\'\n' $1 '", pgx.QueryExecModeSimpleProtocol, "; COMMIT AND CHAIN; SELECT ")
 			return err
 		}},
 	})

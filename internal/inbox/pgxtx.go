@@ -386,7 +386,7 @@ func (tx *pgxTx) handlerSQL(sql string, args []any) {
 		// prepares there is not scanned, as after tx.Conn.
 		tx.session.raw = true
 	}
-	if tx.session.handlerStatement(sql) || sanitizesArguments(args) {
+	if tx.session.handlerStatement(sql) || sanitizesArguments(sql, args) {
 		tx.scan.mayEnd = true
 	}
 }
