@@ -173,6 +173,9 @@ func (tx *pgxTx) commitGuarded(ctx context.Context) error {
 		// ROLLBACK.
 		err = pgx.ErrTxCommitRollback
 	}
+	if err == nil && tag.String() != "COMMIT" {
+		return errNotCommitted(ctx, tx, tag)
+	}
 	if err != nil && !tx.pc.IsClosed() {
 		err = tx.endAfterBatch(ctx, err)
 	}

@@ -101,10 +101,12 @@ type connClaim struct {
 	// transaction, by identity; plainNext is the next to replace.
 	plain     [4]sqlText
 	plainNext uint8
-	// raw: a handler reached this connection's pgx.Conn (pgxTx.Conn) or
-	// prepared a statement that may end a transaction, so a query string
-	// may name a prepared statement the scan never saw: from then on every
-	// claimed attempt on it commits with the guard's statement.
+	// raw: a handler reached this connection's pgx.Conn (pgxTx.Conn, the
+	// Conn of rows it read, a query rewriter of its own, which pgx hands
+	// the connection) or prepared a statement that may end a transaction,
+	// so a query string may name a prepared statement the scan never saw:
+	// from then on every claimed attempt on it commits with the guard's
+	// statement.
 	raw     bool
 	vals    [5][]byte
 	formats [5]int16

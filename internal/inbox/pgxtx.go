@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"strconv"
 	"sync/atomic"
 
@@ -256,10 +257,23 @@ func (tx *pgxTx) Commit(ctx context.Context) error {
 		}
 		return err
 	}
-	if tag.String() == "ROLLBACK" {
+	switch tag.String() {
+	case "COMMIT":
+		return nil
+	case "ROLLBACK":
 		return pgx.ErrTxCommitRollback
 	}
-	return nil
+	return errNotCommitted(ctx, tx, tag)
+}
+
+// errNotCommitted is the error of a COMMIT answered by another statement's
+// tag: pgx.Conn runs a statement prepared under the name "commit" (a
+// handler's Prepare) in its place, and the transaction stays open. The
+// connection is closed, so the server rolls it back, and the attempt
+// fails: it is never acked uncommitted.
+func errNotCommitted(ctx context.Context, tx *pgxTx, tag pgconn.CommandTag) error {
+	_ = tx.pc.Close(context.WithoutCancel(ctx))
+	return fmt.Errorf("middleware: COMMIT answered %q: a statement prepared under the name \"commit\" ran instead; the transaction was rolled back", tag.String())
 }
 
 // Rollback rolls the transaction back, or rolls back to the savepoint. A
@@ -310,8 +324,46 @@ func (tx *pgxTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	}
 	for _, q := range b.QueuedQueries {
 		tx.handlerSQL(q.SQL, q.Arguments)
+		if fn := q.Fn; fn != nil && tx.session != nil {
+			// A callback's rows reach the connection too (rowsConn).
+			s := tx.session
+			q.Fn = func(br pgx.BatchResults) error { return fn(batchConn{br, s}) }
+		}
 	}
-	return tx.pc.SendBatch(ctx, b)
+	br := tx.pc.SendBatch(ctx, b)
+	if tx.session != nil {
+		br = batchConn{br, tx.session}
+	}
+	return br
+}
+
+// rowsConn is a handler's pgx.Rows on the prepared path: pgx.Rows.Conn
+// returns the connection as pgxTx.Conn does, so it taints the connection
+// the same way (connClaim.raw): what the handler sends there is not
+// scanned.
+type rowsConn struct {
+	pgx.Rows
+	session *connClaim
+}
+
+func (r *rowsConn) Conn() *pgx.Conn {
+	r.session.raw = true
+	return r.Rows.Conn()
+}
+
+// batchConn is a handler's pgx.BatchResults on the prepared path: the
+// rows it returns are rowsConn.
+type batchConn struct {
+	pgx.BatchResults
+	session *connClaim
+}
+
+func (b batchConn) Query() (pgx.Rows, error) {
+	rows, err := b.BatchResults.Query()
+	if rows != nil {
+		rows = &rowsConn{rows, b.session}
+	}
+	return rows, err
 }
 
 // txScan is what the handler's statements told about the attempt's
@@ -323,12 +375,18 @@ type txScan struct {
 }
 
 // handlerSQL tells the connection's claim state about a handler
-// statement and its arguments (connClaim.handlerStatement, rewritesQuery).
+// statement and its arguments (connClaim.handlerStatement, rewritesQuery,
+// sanitizesArguments).
 func (tx *pgxTx) handlerSQL(sql string, args []any) {
 	if tx.session == nil {
 		return
 	}
-	if tx.session.handlerStatement(sql) || rewritesQuery(args) {
+	if rewritesQuery(args) {
+		// pgx hands the rewriter the connection: what it sends or
+		// prepares there is not scanned, as after tx.Conn.
+		tx.session.raw = true
+	}
+	if tx.session.handlerStatement(sql) || sanitizesArguments(sql, args) {
 		tx.scan.mayEnd = true
 	}
 }
@@ -367,7 +425,11 @@ func (tx *pgxTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 		return nil, pgx.ErrTxClosed
 	}
 	tx.handlerSQL(sql, args)
-	return tx.pc.Query(ctx, sql, args...)
+	rows, err := tx.pc.Query(ctx, sql, args...)
+	if tx.session != nil && rows != nil {
+		rows = &rowsConn{rows, tx.session}
+	}
+	return rows, err
 }
 
 func (tx *pgxTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
@@ -380,7 +442,8 @@ func (tx *pgxTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row 
 
 // Conn returns the underlying connection. What the handler sends on it
 // is not scanned, so the attempt, and every later claimed attempt on this
-// connection, commits with the guard's statement (txscan.go).
+// connection, commits with the guard's statement (txscan.go). So does
+// the Conn of rows from Query or SendBatch (rowsConn).
 func (tx *pgxTx) Conn() *pgx.Conn {
 	if tx.session != nil {
 		tx.session.raw = true

@@ -145,3 +145,44 @@ func rewritesQuery(args []any) bool {
 	}
 	return false
 }
+
+// sanitizesArguments reports whether pgx may send, for sql with args,
+// text the scan did not see: args select pgx's simple protocol
+// (pgx.QueryExecModeSimpleProtocol) and hold arguments, which pgx writes
+// as quoted literals into the query string, where its lexer and
+// PostgreSQL's may disagree on what is inside a string. They disagree
+// only on a dollar quote ($tag$ or $$: pgx knows none, so $q$ $1 $q$ puts
+// the argument's quote inside it, ending it) and on a backslash (pgx takes
+// any e' for the start of an E string, also after an identifier: name'\' is
+// PostgreSQL's string '\' but, to pgx, a string that goes on; and skips
+// the character after a backslash in a -- comment). So the scan's text
+// stands for the text sent unless, with arguments in the simple protocol,
+// sql holds a backslash or a '$' that a digit does not follow. pgx
+// refuses the simple protocol unless standard_conforming_strings is on
+// and client_encoding UTF8, and writes a space around each argument.
+func sanitizesArguments(sql string, args []any) bool {
+	simple, values := false, false
+	for _, a := range args {
+		switch a := a.(type) {
+		case pgx.QueryExecMode:
+			simple = simple || a == pgx.QueryExecModeSimpleProtocol
+		case pgx.QueryResultFormats, pgx.QueryResultFormatsByOID:
+		default:
+			values = true
+		}
+	}
+	if !simple || !values {
+		return false
+	}
+	for i := 0; i < len(sql); i++ {
+		switch sql[i] {
+		case '\\':
+			return true
+		case '$':
+			if i+1 == len(sql) || sql[i+1] < '0' || sql[i+1] > '9' {
+				return true
+			}
+		}
+	}
+	return false
+}

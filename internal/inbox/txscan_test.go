@@ -59,6 +59,43 @@ func TestTxScanDistrustsQueryRewritersButNamedArgs(t *testing.T) {
 	}
 }
 
+// pgx's simple protocol writes the arguments into the text it sends, by
+// a lexer that differs from PostgreSQL's only on dollar quotes and
+// backslashes; with no arguments it sends the text as is.
+func TestTxScanDistrustsSimpleProtocolArgumentsNearDollarQuotesOrBackslashes(t *testing.T) {
+	simple := pgx.QueryExecModeSimpleProtocol
+	for _, c := range []struct {
+		sql  string
+		args []any
+	}{
+		{"SELECT $q$ $1 $q$", []any{simple, "x"}},
+		{"SELECT $$ $1 $$", []any{simple, "x"}},
+		{"SELECT 1 $", []any{simple, "x"}},
+		{"SELECT name'\\'\n' $1 '", []any{simple, "x"}},
+		{"SELECT 1 -- \\\n, $1", []any{simple, "x"}},
+		{"SELECT $q$ @v $q$", []any{simple, pgx.NamedArgs{"v": "x"}}},
+		{"SELECT $a$ $1 $a$", []any{pgx.QueryResultFormats{1}, simple, 1}},
+	} {
+		if !sanitizesArguments(c.sql, c.args) {
+			t.Errorf("sanitizesArguments(%q, %v) = false", c.sql, c.args)
+		}
+	}
+	for _, c := range []struct {
+		sql  string
+		args []any
+	}{
+		{"SELECT $q$ $1 $q$", nil},
+		{"SELECT $q$;$q$", []any{simple}},
+		{"SELECT $q$ $1 $q$", []any{pgx.QueryExecModeExec, "x"}},
+		{"SELECT $q$ $1 $q$", []any{"x"}},
+		{"INSERT INTO t VALUES ($1, $2, 'a''b', E'c')", []any{simple, 1, "x"}},
+	} {
+		if sanitizesArguments(c.sql, c.args) {
+			t.Errorf("sanitizesArguments(%q, %v) = true", c.sql, c.args)
+		}
+	}
+}
+
 type rewriter struct{}
 
 func (rewriter) RewriteQuery(ctx context.Context, conn *pgx.Conn, sql string, args []any) (string, []any, error) {
