@@ -70,9 +70,9 @@ func preparedClaimSetupLock(t *testing.T, mode pgx.QueryExecMode, maxConns int32
 			}
 		}
 		// pgx's own statement cache is not the subject: the effect is
-		// written in the simple protocol.
+		// written as an unnamed statement.
 		tx, _ := inbox.PgxTxFromContext(msg.Context())
-		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id, note) VALUES ($1, $2)`, pgx.QueryExecModeSimpleProtocol, msg.UUID, "x")
+		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id, note) VALUES ($1, $2)`, pgx.QueryExecModeExec, msg.UUID, "x")
 		return nil, err
 	})
 }

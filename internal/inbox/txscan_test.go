@@ -60,9 +60,10 @@ func TestTxScanDistrustsQueryRewritersButNamedArgs(t *testing.T) {
 }
 
 // pgx's simple protocol writes the arguments into the text it sends, by
-// a lexer that differs from PostgreSQL's only on dollar quotes and
-// backslashes; with no arguments it sends the text as is.
-func TestTxScanDistrustsSimpleProtocolArgumentsNearDollarQuotesOrBackslashes(t *testing.T) {
+// a lexer of its own (it differs from PostgreSQL's on dollar quotes and
+// backslashes): every call with arguments in it is distrusted; with no
+// arguments, or in the extended protocol, the text is sent as is.
+func TestTxScanDistrustsEverySimpleProtocolCallWithArguments(t *testing.T) {
 	simple := pgx.QueryExecModeSimpleProtocol
 	for _, c := range []struct {
 		sql  string
@@ -75,6 +76,7 @@ func TestTxScanDistrustsSimpleProtocolArgumentsNearDollarQuotesOrBackslashes(t *
 		{"SELECT 1 -- \\\n, $1", []any{simple, "x"}},
 		{"SELECT $q$ @v $q$", []any{simple, pgx.NamedArgs{"v": "x"}}},
 		{"SELECT $a$ $1 $a$", []any{pgx.QueryResultFormats{1}, simple, 1}},
+		{"INSERT INTO t VALUES ($1, $2, 'a''b', E'c')", []any{simple, 1, "x"}},
 	} {
 		if !sanitizesArguments(c.sql, c.args) {
 			t.Errorf("sanitizesArguments(%q, %v) = false", c.sql, c.args)
@@ -88,7 +90,6 @@ func TestTxScanDistrustsSimpleProtocolArgumentsNearDollarQuotesOrBackslashes(t *
 		{"SELECT $q$;$q$", []any{simple}},
 		{"SELECT $q$ $1 $q$", []any{pgx.QueryExecModeExec, "x"}},
 		{"SELECT $q$ $1 $q$", []any{"x"}},
-		{"INSERT INTO t VALUES ($1, $2, 'a''b', E'c')", []any{simple, 1, "x"}},
 	} {
 		if sanitizesArguments(c.sql, c.args) {
 			t.Errorf("sanitizesArguments(%q, %v) = true", c.sql, c.args)
