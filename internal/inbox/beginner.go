@@ -172,7 +172,6 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 				tx, claimed, err := b.claimed(ctx, conn, &c, claimed, err)
 				if ptx, ok := tx.(*pgxTx); ok {
 					ptx.prepared, ptx.tracer, ptx.pooled, ptx.pinned = true, b.tracer, &b.pooled, claimed && p.Pinned
-					ptx.session = connClaimOf(ptx.pc.PgConn())
 					if claimed && ptx.guard.sql != "" {
 						if err := b.prepareGuard(ctx, ptx.pc, ptx.guard.sql); err != nil {
 							_ = ptx.rollback(ctx)
@@ -218,7 +217,11 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 // attempt's commit is guarded (commitguard.go).
 func (b *pgxBeginner) claimed(ctx context.Context, conn *pgxpool.Conn, c *claimRequest, claimed bool, err error) (attemptTx, bool, error) {
 	tx := &pgxTx{conn: conn, pc: conn.Conn(), traced: b.traced}
-	tx.savepoints, tx.scan = &tx.spCount, &tx.scanV
+	// Every attempt's handler is scanned on its connection's state, also
+	// where the claim was not prepared: what it leaves on the connection
+	// (tx.Conn, a statement prepared from unproven SQL) reaches a later
+	// pinned attempt there.
+	tx.savepoints, tx.scan, tx.session = &tx.spCount, &tx.scanV, connClaimOf(conn.Conn().PgConn())
 	if err != nil {
 		_ = tx.rollback(ctx)
 		tx.release()

@@ -76,9 +76,10 @@ type pgxTx struct {
 	// handler statement may have ended the transaction.
 	scan  *txScan
 	scanV txScan
-	// session is the connection's prepared-claim state (nil: not the
-	// prepared path): a handler statement that may change the session's
-	// lock_timeout makes the next claim set it again (handlerStatement).
+	// session is the connection's claim state (pgxclaim.go): a handler
+	// statement that may change the session's lock_timeout makes the next
+	// prepared claim set it again, and what the handler does on the
+	// connection itself marks it raw (handlerStatement).
 	session *connClaim
 	// traced: the pool has a pgx tracer, which sees only what goes
 	// through pgx.Conn (endTx then sends through it).
