@@ -236,17 +236,22 @@ func endingRoutesAreCaught(t *testing.T, routes []endingRoute) {
 
 // A handler that passes pgx.QueryExecModeSimpleProtocol with arguments
 // has pgx send text the scan never saw: pgx's sanitizer writes each
-// argument as a quoted literal into the query string, by a lexer that
-// knows no dollar quotes and takes any e' for the start of an E string, so an
-// argument PostgreSQL reads inside a string ends it and what follows is
-// statements of their own (COMMIT AND CHAIN, ROLLBACK and BEGIN), in one
-// simple-protocol query. The attempt is still poisoned once, nothing
-// written after is committed and the effect is applied once: by Exec,
-// QueryRow, and with pgx.NamedArgs.
+// argument as a quoted literal into the query string, by a lexer of its
+// own. Where it misreads a string (pgx v5.8 knew no dollar quotes; it
+// takes name'\' for an E string), an argument PostgreSQL reads inside a
+// string ends it, and what follows runs as statements of their own. Each
+// route is first tried in a plain transaction with the pgx this test is
+// built with: one that ends the transaction there is, in an attempt,
+// poisoned once, with nothing written after it committed and the effect
+// applied once; one that does not is harmless with this pgx (newer
+// releases read dollar quotes), and the rule that sends the guard for
+// every such call is checked by
+// TestCommitGuardStatementRunsOnlyWhenAHandlerStatementMayEndTheTransaction.
 func TestHandlerEndingTheTransactionThroughASimpleProtocolArgumentIsCaught(t *testing.T) {
 	t.Parallel()
 	const chain = "$q$; COMMIT AND CHAIN; SELECT $q$"
-	endingRoutesAreCaught(t, []endingRoute{
+	const eChain = "; COMMIT AND CHAIN; SELECT "
+	routes := []endingRoute{
 		{"exec", nil, func(ctx context.Context, tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, "SELECT $q$ $1 $q$", pgx.QueryExecModeSimpleProtocol, chain)
 			return err
@@ -268,10 +273,32 @@ func TestHandlerEndingTheTransactionThroughASimpleProtocolArgumentIsCaught(t *te
 			// goes on), PostgreSQL as the type name and the string '\';
 			// the newline continues it, so PostgreSQL reads $1 inside a
 			// string, pgx outside, and the argument's quote ends it.
-			_, err := tx.Exec(ctx, "SELECT name'\\'\n' $1 '", pgx.QueryExecModeSimpleProtocol, "; COMMIT AND CHAIN; SELECT ")
+			_, err := tx.Exec(ctx, "SELECT name'\\'\n' $1 '", pgx.QueryExecModeSimpleProtocol, eChain)
 			return err
 		}},
-	})
+	}
+	ctx := context.Background()
+	probe, _ := testenv.Pool(t)
+	var ending []endingRoute
+	for _, r := range routes {
+		tx, err := probe.Begin(ctx)
+		require.NoError(t, err)
+		var before, after int64
+		require.NoError(t, tx.QueryRow(ctx, `SELECT txid_current()`).Scan(&before))
+		routeErr := r.end(ctx, tx)
+		if routeErr == nil {
+			require.NoError(t, tx.QueryRow(ctx, `SELECT txid_current()`).Scan(&after))
+		}
+		require.NoError(t, tx.Rollback(ctx))
+		if routeErr == nil && after != before {
+			ending = append(ending, r)
+			continue
+		}
+		t.Logf("%s: this pgx keeps the argument inside the string (%v): harmless here", r.name, routeErr)
+	}
+	if len(ending) > 0 {
+		endingRoutesAreCaught(t, ending)
+	}
 }
 
 // pgx.Rows has Conn: a handler that reads rows reaches the connection

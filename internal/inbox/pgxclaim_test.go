@@ -390,7 +390,8 @@ func TestPreparedDuplicateReadAfterColumnTypeChange(t *testing.T) {
 // …: txscan.go) is committed with COMMIT alone: the commit guard's
 // statement is never executed (issue 25: it cost 61.7k server
 // instructions a message). A statement the scan cannot prove (a semicolon
-// in a literal) makes that attempt's COMMIT guarded; a handler that
+// in a literal, an argument in the simple protocol) makes that attempt's
+// COMMIT guarded; a handler that
 // reached the connection itself (tx.Conn) makes every later attempt on
 // that connection guarded. Each effect is committed once either way.
 func TestCommitGuardStatementRunsOnlyWhenAHandlerStatementMayEndTheTransaction(t *testing.T) {
@@ -409,24 +410,29 @@ func TestCommitGuardStatementRunsOnlyWhenAHandlerStatementMayEndTheTransaction(t
 		case 3:
 			var s string
 			return tx.QueryRow(ctx, `SELECT 'a;commit'`).Scan(&s)
-		case 5:
+		case 4:
+			// pgx writes the argument into the text it sends.
+			var s string
+			return tx.QueryRow(ctx, `SELECT $1::text`, pgx.QueryExecModeSimpleProtocol, "x").Scan(&s)
+		case 6:
 			_ = tx.Conn()
 		}
 		return nil
 	})
-	for i := 0; i < 7; i++ {
+	for i := 0; i < 8; i++ {
 		step.Store(int32(i))
 		_, err := h(preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":1}`))
 		require.NoError(t, err)
 	}
 	// Run counts as read in each handler, before its commit: the guard ran
 	// for none of the first three, once for the fourth (its literal holds
-	// a semicolon), not for the fifth, then for the sixth (tx.Conn) and
+	// a semicolon), once for the fifth (an argument in the simple
+	// protocol), not for the sixth, then for the seventh (tx.Conn) and
 	// every attempt after it on that connection.
-	require.Equal(t, []int{0, 0, 0, 0, 1, 1, 2}, guardRuns, "guard statement executions")
+	require.Equal(t, []int{0, 0, 0, 0, 1, 2, 2, 3}, guardRuns, "guard statement executions")
 	var effects, runs int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM effect`).Scan(&effects))
-	require.Equal(t, 7, effects, "each effect committed once")
+	require.Equal(t, 8, effects, "each effect committed once")
 	require.NoError(t, pool.QueryRow(ctx, `SELECT coalesce(sum(generic_plans + custom_plans), 0) FROM pg_prepared_statements WHERE statement LIKE '%idempotency commit guard%'`, pgx.QueryExecModeSimpleProtocol).Scan(&runs))
-	require.Equal(t, 3, runs, "the seventh attempt, after tx.Conn on its connection, was guarded too")
+	require.Equal(t, 4, runs, "the eighth attempt, after tx.Conn on its connection, was guarded too")
 }
