@@ -325,20 +325,16 @@ func (tx *pgxTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	}
 	for _, q := range b.QueuedQueries {
 		tx.handlerSQL(q.SQL, q.Arguments)
-		if fn := q.Fn; fn != nil && tx.session != nil {
+		if fn := q.Fn; fn != nil {
 			// A callback's rows reach the connection too (rowsConn).
 			s := tx.session
 			q.Fn = func(br pgx.BatchResults) error { return fn(batchConn{br, s}) }
 		}
 	}
-	br := tx.pc.SendBatch(ctx, b)
-	if tx.session != nil {
-		br = batchConn{br, tx.session}
-	}
-	return br
+	return batchConn{tx.pc.SendBatch(ctx, b), tx.session}
 }
 
-// rowsConn is a handler's pgx.Rows on the prepared path: pgx.Rows.Conn
+// rowsConn is a handler's pgx.Rows: pgx.Rows.Conn
 // returns the connection as pgxTx.Conn does, so it taints the connection
 // the same way (connClaim.raw): what the handler sends there is not
 // scanned.
@@ -352,8 +348,8 @@ func (r *rowsConn) Conn() *pgx.Conn {
 	return r.Rows.Conn()
 }
 
-// batchConn is a handler's pgx.BatchResults on the prepared path: the
-// rows it returns are rowsConn.
+// batchConn is a handler's pgx.BatchResults: the rows it returns are
+// rowsConn.
 type batchConn struct {
 	pgx.BatchResults
 	session *connClaim
@@ -377,11 +373,8 @@ type txScan struct {
 
 // handlerSQL tells the connection's claim state about a handler
 // statement and its arguments (connClaim.handlerStatement, rewritesQuery,
-// sanitizesArguments).
-func (tx *pgxTx) handlerSQL(sql string, args []any) {
-	if tx.session == nil {
-		return
-	}
+// sanitizesArguments) and reports whether it may end the transaction.
+func (tx *pgxTx) handlerSQL(sql string, args []any) bool {
 	if rewritesQuery(args) {
 		// pgx hands the rewriter the connection: what it sends or
 		// prepares there is not scanned, as after tx.Conn.
@@ -389,7 +382,9 @@ func (tx *pgxTx) handlerSQL(sql string, args []any) {
 	}
 	if tx.session.handlerStatement(sql) || sanitizesArguments(sql, args) {
 		tx.scan.mayEnd = true
+		return true
 	}
+	return false
 }
 
 // LargeObjects: see the type's documentation.
@@ -405,8 +400,7 @@ func (tx *pgxTx) Prepare(ctx context.Context, name, sql string) (*pgconn.Stateme
 	if tx.closed {
 		return nil, pgx.ErrTxClosed
 	}
-	tx.handlerSQL(sql, nil)
-	if tx.session != nil && mayEndTx(sql) {
+	if tx.handlerSQL(sql, nil) {
 		// Its name may be sent as a query string on a later attempt.
 		tx.session.raw = true
 	}
@@ -427,7 +421,7 @@ func (tx *pgxTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 	}
 	tx.handlerSQL(sql, args)
 	rows, err := tx.pc.Query(ctx, sql, args...)
-	if tx.session != nil && rows != nil {
+	if rows != nil {
 		rows = &rowsConn{rows, tx.session}
 	}
 	return rows, err
@@ -446,9 +440,7 @@ func (tx *pgxTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row 
 // connection, commits with the guard's statement (txscan.go). So does
 // the Conn of rows from Query or SendBatch (rowsConn).
 func (tx *pgxTx) Conn() *pgx.Conn {
-	if tx.session != nil {
-		tx.session.raw = true
-	}
+	tx.session.raw = true
 	return tx.pc
 }
 

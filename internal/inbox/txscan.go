@@ -1,6 +1,10 @@
 package inbox
 
-import "github.com/jackc/pgx/v5"
+import (
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+)
 
 // Which handler statements keep the claim's transaction (issue 25). The
 // commit guard (commitguard.go) catches a handler that ends the attempt's
@@ -40,18 +44,15 @@ var keepsTxKeywords = [...]string{
 // at every semicolon) is empty or starts, after ASCII white space, with a
 // keyword of keepsTxKeywords or with ROLLBACK TO.
 func mayEndTx(sql string) bool {
-	for start := 0; ; {
-		end := start
-		for end < len(sql) && sql[end] != ';' {
-			end++
-		}
-		if !keepsTx(sql[start:end]) {
+	for {
+		stmt, rest, more := strings.Cut(sql, ";")
+		if !keepsTx(stmt) {
 			return true
 		}
-		if end == len(sql) {
+		if !more {
 			return false
 		}
-		start = end + 1
+		sql = rest
 	}
 }
 
@@ -66,35 +67,21 @@ func keepsTx(stmt string) bool {
 	if word == "" {
 		return false
 	}
-	if foldIs(word, "rollback") {
+	if strings.EqualFold(word, "rollback") {
 		// ROLLBACK TO [SAVEPOINT] name undoes a savepoint's work only.
 		k := skipSpace(stmt, j)
 		if k == j {
 			return false
 		}
 		next, _ := keyword(stmt, k)
-		return foldIs(next, "to")
+		return strings.EqualFold(next, "to")
 	}
 	for _, kw := range keepsTxKeywords {
-		if foldIs(word, kw) {
+		if strings.EqualFold(word, kw) {
 			return true
 		}
 	}
 	return false
-}
-
-// foldIs reports whether word, ASCII letters, is kw (lower case) without
-// regard to case.
-func foldIs(word, kw string) bool {
-	if len(word) != len(kw) {
-		return false
-	}
-	for i := 0; i < len(word); i++ {
-		if word[i]|0x20 != kw[i] {
-			return false
-		}
-	}
-	return true
 }
 
 // skipSpace returns the index of the first byte of s at or after i that is
