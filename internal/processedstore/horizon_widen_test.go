@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
@@ -22,14 +23,7 @@ func TestHorizonWidenedAfterAPurgeNeverAcceptsAPurgedEvent(t *testing.T) {
 			t.Parallel()
 			eachTarget(t, func(t *testing.T, tg target) {
 				ctx := context.Background()
-				tg.store(t)
-				short := consumerStore(t, tg, 2*time.Hour)
-				require.Equal(t, 2*time.Hour, short.Horizon())
-				// The row a consumer at 2 h wrote when the event was fresh.
-				id := v7At(time.Now().Add(-3 * time.Hour))
-				writer, err := processedstore.NewStore(processedstore.Config{Dialect: tg.dialect, Horizon: 4 * time.Hour})
-				require.NoError(t, err)
-				require.True(t, claimCommitted(t, tg, writer, id))
+				short, id := rowOlderThanTheHorizon(t, tg)
 				require.False(t, claimCommitted(t, tg, short, id), "expired for the 2 h consumer")
 				n, _, err := tablePurger(t, tg).PurgeNow(ctx)
 				require.NoError(t, err)
@@ -42,6 +36,22 @@ func TestHorizonWidenedAfterAPurgeNeverAcceptsAPurgedEvent(t *testing.T) {
 			})
 		})
 	}
+}
+
+// rowOlderThanTheHorizon makes tg's table keep a horizon of 2 h (short,
+// a consumer's store at 2 h) and holds the row of id, an event 3 h old
+// that a consumer with a 4 h window claimed when it was fresh: the row
+// the next purge deletes.
+func rowOlderThanTheHorizon(t *testing.T, tg target) (short *processedstore.Store, id uuid.UUID) {
+	t.Helper()
+	tg.store(t)
+	short = consumerStore(t, tg, 2*time.Hour)
+	require.Equal(t, 2*time.Hour, short.Horizon())
+	id = v7At(time.Now().Add(-3 * time.Hour))
+	writer, err := processedstore.NewStore(processedstore.Config{Dialect: tg.dialect, Horizon: 4 * time.Hour})
+	require.NoError(t, err)
+	require.True(t, claimCommitted(t, tg, writer, id))
+	return short, id
 }
 
 // The purge's mark narrows nothing while the horizon stays: a consumer
@@ -80,13 +90,7 @@ func TestPurgeThatReadTheHorizonBeforeAWideningNeverLetsARestartedConsumerApplyA
 	t.Parallel()
 	eachTarget(t, func(t *testing.T, tg target) {
 		ctx := context.Background()
-		tg.store(t)
-		short := consumerStore(t, tg, 2*time.Hour)
-		require.Equal(t, 2*time.Hour, short.Horizon())
-		id := v7At(time.Now().Add(-3 * time.Hour))
-		writer, err := processedstore.NewStore(processedstore.Config{Dialect: tg.dialect, Horizon: 4 * time.Hour})
-		require.NoError(t, err)
-		require.True(t, claimCommitted(t, tg, writer, id))
+		_, id := rowOlderThanTheHorizon(t, tg)
 
 		var restarted *processedstore.Store
 		if tg.dialect == sqldb.SQLite {
@@ -99,7 +103,7 @@ func TestPurgeThatReadTheHorizonBeforeAWideningNeverLetsARestartedConsumerApplyA
 			restarted = consumerStore(t, tg, 6*time.Hour)
 		} else {
 			holder, release := tg.begin(t)
-			_, err = holder.Exec(ctx, "INSERT INTO processed_event_horizon (id, horizon_us, previous_us, changed_us) VALUES (2, 0, 0, 0)")
+			_, err := holder.Exec(ctx, "INSERT INTO processed_event_horizon (id, horizon_us, previous_us, changed_us) VALUES (2, 0, 0, 0)")
 			require.NoError(t, err)
 			done := make(chan error, 1)
 			go func() {
