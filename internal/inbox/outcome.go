@@ -61,10 +61,14 @@ type attemptState struct {
 	// refused is the first refusal of PublisherFromContext (an invalid
 	// message): it fails the attempt even if the handler ignored it.
 	refused error
+
+	// ctx is the handler's context: the attempt's own context carrying
+	// the state under sqldb's key, in the state's allocation.
+	ctx sqldb.TxContext
 }
 
 // The attempt's state is the one value the middleware puts in the
-// handler's context, under sqldb's key (sqldb.ContextWithTx): it is the
+// handler's context, under sqldb's key (sqldb.TxContext): it is the
 // transaction as a sqldb.Querier (QuerierFromContext, library helpers) and
 // carries the driver's own transaction (PgxTxFromContext,
 // SQLTxFromContext), the consumer, the outcome and the outbox publisher.

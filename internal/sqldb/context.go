@@ -16,6 +16,23 @@ func ContextWithTx(ctx context.Context, q Querier) context.Context {
 	return context.WithValue(ctx, txKey{}, q)
 }
 
+// TxContext is ContextWithTx as a value the caller places in memory it
+// already allocated (the middleware's attempt state): Context carrying Tx
+// under ContextWithTx's key, every other key and the deadline, Done and
+// Err from Context. Use a pointer to it as the context.
+type TxContext struct {
+	context.Context
+	Tx Querier
+}
+
+// Value returns Tx for TxFromContext's key and Context's value otherwise.
+func (c *TxContext) Value(key any) any {
+	if _, ok := key.(txKey); ok {
+		return c.Tx
+	}
+	return c.Context.Value(key)
+}
+
 // TxFromContext returns the transaction ContextWithTx put in ctx; ok is false
 // when there is none. It never panics.
 func TxFromContext(ctx context.Context) (q Querier, ok bool) {
