@@ -116,7 +116,7 @@ func floorHandler(ctx context.Context, conn *pgx.Conn, v string, h message.Handl
 			batch.ExecPrepared("floor_claim", [][]byte{id[:]}, formats[:1], nil)
 		case vFloorChecked, vFloorLean, vFloorToday:
 			at, _ := processedstore.EventTime(id, time.Now())
-			fp := processedstore.NewIdentity(eventName, msg.Payload).Fingerprint
+			fp := processedstore.NewIdentity(eventName, msg.Payload).FingerprintBytes()
 			us := binary.BigEndian.AppendUint64(nil, uint64(at.Sub(pgEpoch).Microseconds()))
 			params := [][]byte{consumer, id[:], fp, us}
 			if v == vFloorChecked {

@@ -44,7 +44,7 @@ func previousRelease(ctx context.Context, pool *pgxpool.Pool, id uuid.UUID, payl
 	}
 	at, _ := processedstore.EventTime(id, time.Now())
 	ident := processedstore.NewIdentity("order.placed", []byte(payload))
-	tag, err := tx.Exec(ctx, previousClaim, "stock", id, at, ident.EventName, ident.Fingerprint)
+	tag, err := tx.Exec(ctx, previousClaim, "stock", id, at, ident.EventName, ident.FingerprintBytes())
 	if err != nil {
 		return err
 	}

@@ -111,6 +111,7 @@ type connClaim struct {
 	vals    [5][]byte
 	formats [5]int16
 	text    [2][]byte // consumer, event name
+	fp      []byte    // the fingerprint
 	uuid    [16]byte
 	ts      [8]byte
 }
@@ -199,7 +200,10 @@ func (st *connClaim) encode(p *processedstore.ClaimParams) [][]byte {
 	}
 	st.text[1] = append(st.text[1][:0], p.EventName...)
 	st.vals[3] = st.text[1]
-	st.vals[4] = p.Fingerprint // nil: NULL, as pgx sends a nil []byte
+	st.vals[4] = nil // NULL, as pgx sends a nil []byte
+	if fp, ok := p.ID.AppendFingerprint(st.fp[:0]); ok {
+		st.fp, st.vals[4] = fp, fp
+	}
 	return st.vals[:5]
 }
 

@@ -251,7 +251,7 @@ func TestPreparedClaimStoresTheSameRow(t *testing.T) {
 	require.Equal(t, occurred[1].UTC().Truncate(time.Microsecond), got[1].At)
 	v7, _ := processedstore.EventTime(ids[2], time.Time{})
 	require.Equal(t, v7, got[2].At)
-	require.Equal(t, processedstore.NewIdentity("order.placed", []byte(`{"n":1}`)).Fingerprint, got[0].Fingerprint)
+	require.Equal(t, processedstore.NewIdentity("order.placed", []byte(`{"n":1}`)).FingerprintBytes(), got[0].Fingerprint)
 }
 
 // Config.LockTimeout holds for the whole attempt's transaction in every

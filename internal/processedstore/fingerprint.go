@@ -51,8 +51,9 @@ type Identity struct {
 	// EventName is the event's name as given (the stored copy is cut to
 	// MaxStoredEventName bytes).
 	EventName string
-	// Fingerprint is FingerprintVersion followed by the first 8 bytes of
-	// SHA-256(uvarint(len(name)) ‖ name ‖ payload).
+	// Fingerprint, when set, is the fingerprint as stored (a row's, of
+	// any version); NewIdentity leaves it nil and keeps the hash, so an
+	// identity costs no allocation (FingerprintBytes, AppendFingerprint).
 	Fingerprint []byte
 	// sum is the whole hash, for rows of version 1; summed: sum is set
 	// (NewIdentity).
@@ -76,11 +77,28 @@ func NewIdentity(eventName string, payload []byte) Identity {
 	buf = binary.AppendUvarint(buf, uint64(len(eventName)))
 	buf = append(buf, eventName...)
 	buf = append(buf, payload...)
-	id := Identity{EventName: eventName, sum: sha256.Sum256(buf), summed: true}
-	id.Fingerprint = make([]byte, fingerprintSize)
-	id.Fingerprint[0] = FingerprintVersion
-	copy(id.Fingerprint[1:], id.sum[:])
-	return id
+	return Identity{EventName: eventName, sum: sha256.Sum256(buf), summed: true}
+}
+
+// AppendFingerprint appends id's fingerprint to dst: Fingerprint when set,
+// else FingerprintVersion followed by the first 8 bytes of
+// SHA-256(uvarint(len(name)) ‖ name ‖ payload) (NewIdentity). ok is false,
+// and dst unchanged, for an identity with neither (stored as NULL).
+func (id *Identity) AppendFingerprint(dst []byte) (_ []byte, ok bool) {
+	switch {
+	case id.Fingerprint != nil:
+		return append(dst, id.Fingerprint...), true
+	case id.summed:
+		return append(append(dst, FingerprintVersion), id.sum[:fingerprintSize-1]...), true
+	}
+	return dst, false
+}
+
+// FingerprintBytes is id's fingerprint (AppendFingerprint) in a slice of
+// its own; nil when id has none.
+func (id Identity) FingerprintBytes() []byte {
+	fp, _ := id.AppendFingerprint(nil)
+	return fp
 }
 
 // storedName is the event name as the claim stores it.
@@ -132,13 +150,15 @@ const (
 // of the same bytes.
 func (id Identity) Verdict(stored StoredIdentity) Verdict {
 	fp := stored.Fingerprint
-	if !stored.Found || len(fp) == 0 || len(id.Fingerprint) == 0 {
+	var buf [fingerprintSize]byte
+	own, ok := id.AppendFingerprint(buf[:0])
+	if !stored.Found || len(fp) == 0 || !ok || len(own) == 0 {
 		return Unverified
 	}
 	var same bool
 	switch fp[0] {
 	case FingerprintVersion:
-		same = bytes.Equal(fp, id.Fingerprint)
+		same = bytes.Equal(fp, own)
 	case fingerprintV1:
 		if !id.summed {
 			return Unverified
@@ -169,12 +189,12 @@ func (s *Store) ClaimIdentityQueryAt(consumer string, eventID uuid.UUID, at time
 		// placeholders come last.
 		id7, t := s.sql.eventID(eventID), s.eventAtArg(eventID, at)
 		if s.routed(eventID) {
-			return s.identity.claimOther, []any{consumer, id7, t, id.storedName(), id.Fingerprint}
+			return s.identity.claimOther, []any{consumer, id7, t, id.storedName(), id.FingerprintBytes()}
 		}
-		return s.identity.claim, []any{consumer, id7, t, id.storedName(), id.Fingerprint}
+		return s.identity.claim, []any{consumer, id7, t, id.storedName(), id.FingerprintBytes()}
 	}
 	query, args := s.ClaimQueryAt(consumer, eventID, at)
-	return withIdentityColumns(query, args, id.storedName(), id.Fingerprint)
+	return withIdentityColumns(query, args, id.storedName(), id.FingerprintBytes())
 }
 
 // withIdentityColumns adds the event_name and fingerprint columns to one of
@@ -342,14 +362,16 @@ type ClaimParams struct {
 	// search_path a handler sets can move: its commit may go without the
 	// commit guard's statement when every handler statement was seen to
 	// keep the transaction (the pgx beginner's scan).
-	Pinned      bool
-	Consumer    string
-	EventID     uuid.UUID
-	EventAt     time.Time
-	HasEventAt  bool
-	Identity    bool
-	EventName   string
-	Fingerprint []byte
+	Pinned     bool
+	Consumer   string
+	EventID    uuid.UUID
+	EventAt    time.Time
+	HasEventAt bool
+	Identity   bool
+	EventName  string
+	// ID is the identity whose fingerprint the claim stores when Identity
+	// is set (Identity.AppendFingerprint).
+	ID Identity
 }
 
 // ClaimParamsAt returns the claim of (consumer, eventID) dated at (see
@@ -390,7 +412,7 @@ func (s *Store) ClaimParamsAt(consumer string, eventID uuid.UUID, at time.Time, 
 		p.SQL = s.claimSQL
 	}
 	if id != nil {
-		p.Identity, p.EventName, p.Fingerprint = true, id.storedName(), id.Fingerprint
+		p.Identity, p.EventName, p.ID = true, id.storedName(), *id
 	}
 	return p, true
 }

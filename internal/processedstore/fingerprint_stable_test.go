@@ -31,7 +31,7 @@ func TestFingerprintAlgorithmIsStable(t *testing.T) {
 		want = append(want, byte(n))
 		sum := sha256.Sum256(append(append(want, c.name...), c.payload...))
 		got := processedstore.NewIdentity(c.name, []byte(c.payload))
-		require.Equal(t, append([]byte{2}, sum[:8]...), got.Fingerprint, "name %d bytes, payload %d bytes", len(c.name), len(c.payload))
+		require.Equal(t, append([]byte{2}, sum[:8]...), got.FingerprintBytes(), "name %d bytes, payload %d bytes", len(c.name), len(c.payload))
 		v1 := processedstore.StoredIdentity{Found: true, Fingerprint: append([]byte{1}, sum[:]...)}
 		require.Equal(t, processedstore.SameEvent, got.Verdict(v1), "a version-1 row of the same event")
 		other := processedstore.NewIdentity(c.name, []byte(c.payload+" "))
