@@ -685,7 +685,8 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	}
 
 	crashpoint.Reached(crashpoint.AfterClaim)
-	state := &attemptState{consumer: consumer, outcome: OutcomeProcessed, outbox: m.cfg.Outbox, tx: tx}
+	state := stateOf(tx)
+	*state = attemptState{consumer: consumer, outcome: OutcomeProcessed, outbox: m.cfg.Outbox, tx: tx}
 	state.db = m.outside
 	state.q, state.ptx, state.stx = tx.parts()
 	faults := faultsFrom(origCtx)

@@ -67,6 +67,15 @@ type attemptState struct {
 	ctx sqldb.TxContext
 }
 
+// stateOf is the attempt's state for tx: in tx's own allocation where it
+// has room for it (the pgx beginner's transaction), else a new one.
+func stateOf(tx attemptTx) *attemptState {
+	if h, ok := tx.(interface{ stateSlot() *attemptState }); ok {
+		return h.stateSlot()
+	}
+	return new(attemptState)
+}
+
 // The attempt's state is the one value the middleware puts in the
 // handler's context, under sqldb's key (sqldb.TxContext): it is the
 // transaction as a sqldb.Querier (QuerierFromContext, library helpers) and

@@ -72,6 +72,9 @@ type pgxTx struct {
 	// only when a handler statement may have ended the transaction
 	// (txscan.go).
 	pinned bool
+	// state is the attempt's state when this is its root transaction
+	// (stateOf): one allocation for both.
+	state attemptState
 	// scan is the root's scanV, shared by its savepoints: whether a
 	// handler statement may have ended the transaction.
 	scan  *txScan
@@ -492,3 +495,6 @@ func resetStatements(ctx context.Context, tx attemptTx) {
 	defer cancel()
 	_ = p.pc.DeallocateAll(c)
 }
+
+// stateSlot is the attempt's state in the root transaction's allocation.
+func (tx *pgxTx) stateSlot() *attemptState { return &tx.state }
