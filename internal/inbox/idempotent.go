@@ -685,8 +685,8 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	}
 
 	crashpoint.Reached(crashpoint.AfterClaim)
-	state := stateOf(tx)
-	*state = attemptState{consumer: consumer, outcome: OutcomeProcessed, outbox: m.cfg.Outbox, tx: tx}
+	state := stateOf(tx) // zero
+	state.consumer, state.outcome, state.outbox, state.tx = consumer, OutcomeProcessed, m.cfg.Outbox, tx
 	state.db = m.outside
 	state.q, state.ptx, state.stx = tx.parts()
 	faults := faultsFrom(origCtx)
