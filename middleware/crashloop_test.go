@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency"
+	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
 	"github.com/watermill-idempotency/idempotency/internal/door"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
@@ -55,10 +56,23 @@ func runCrashingConsumer() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	h, err := door.Wrap(c, "reserve", func(*message.Message) ([]*message.Message, error) {
+	handler := func(*message.Message) ([]*message.Message, error) {
 		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		select {}
-	})
+	}
+	if at := os.Getenv("CHILD_KILL_AT"); at != "" {
+		// The handler applies its effect; the process dies at the named
+		// point instead.
+		crashpoint.Set(func(name string) {
+			if name == at {
+				_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+				select {}
+			}
+		})
+		var calls atomic.Int32
+		handler = effectHandler(&calls)
+	}
+	h, err := door.Wrap(c, "reserve", handler)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
@@ -143,6 +157,43 @@ func testCrashLoop(t *testing.T, redelivered bool) {
 	var left int
 	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_event_crash`).Scan(&left))
 	require.Zero(t, left, "every ended attempt forgets its count")
+}
+
+// A counted attempt (a redelivery) whose process dies right after its
+// commit, before the router acks, leaves no crash count: the count's end
+// is in the attempt's transaction and commits with the claim. Its next
+// redelivery is a duplicate, and nothing is counted for it.
+func TestRedeliveryKilledAfterItsCommitLeavesNoCrashCount(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	schema := schemaOf(t, e.pool)
+	event := newEvent(t).UUID
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), childEnv+"=1", "CHILD_SCHEMA="+schema, "CHILD_EVENT="+event,
+		"CHILD_REDELIVERED=true", "CHILD_KILL_AT="+crashpoint.AfterCommit)
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	require.ErrorAs(t, err, &exit, "%s", out)
+	ws := exit.Sys().(syscall.WaitStatus)
+	require.True(t, ws.Signaled() && ws.Signal() == syscall.SIGKILL, "the child must die by SIGKILL: %v %s", err, out)
+	require.Equal(t, 1, e.effects(t), "the attempt committed its effect")
+	crashCount := func() int {
+		var n int
+		require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_event_crash`).Scan(&n))
+		return n
+	}
+	require.Zero(t, crashCount(), "the count ended with the commit")
+
+	c, poison := consumerWithPoisonLog(t, e)
+	var calls atomic.Int32
+	h, err := door.Wrap(c, "reserve", effectHandler(&calls))
+	require.NoError(t, err)
+	_, err = h(crashingEvent(event, true))
+	require.NoError(t, err, "acked")
+	require.Zero(t, calls.Load(), "a duplicate")
+	require.Equal(t, 1, e.effects(t))
+	require.Empty(t, poison.poisoned())
+	require.Zero(t, crashCount(), "nothing counted for the duplicate")
 }
 
 // A first delivery on a transport that marks redeliveries (redelivered

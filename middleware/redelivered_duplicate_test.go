@@ -41,10 +41,10 @@ func (p *poisonLog) poisoned() []string {
 }
 
 // A redelivery of an event already processed is acked without calling the
-// handler and counts no attempt; a count an earlier attempt left behind (the
-// process died after its commit, before the count's end) is deleted, and is
-// never taken for a crash loop: the effect was applied, so the message is a
-// duplicate, not poison.
+// handler and counts no attempt; a count an earlier release left behind
+// (its process died after the commit, before the count's end, which it
+// wrote after the commit) is never taken for a crash loop: the effect was
+// applied, so the message is a duplicate, not poison.
 func TestRedeliveredProcessedEventIsADuplicateWhateverItsCrashCount(t *testing.T) {
 	t.Parallel()
 	e := newConsumerEnv(t)
@@ -98,7 +98,7 @@ func effectHandler(calls *atomic.Int32) message.HandlerFunc {
 
 // redeliverOverTheCrashBound redelivers processed (its one effect applied)
 // through h with a crash count of 10 left behind, and checks it is acked as
-// a duplicate: no second effect, no dead letter, no count left.
+// a duplicate: no second effect, no dead letter, no attempt counted.
 func redeliverOverTheCrashBound(t *testing.T, e consumerEnv, h message.HandlerFunc, processed *message.Message, poison *poisonLog) {
 	t.Helper()
 	ctx := context.Background()
@@ -112,8 +112,8 @@ func redeliverOverTheCrashBound(t *testing.T, e consumerEnv, h message.HandlerFu
 	require.Equal(t, 1, e.effects(t), "no second effect")
 	require.Empty(t, poison.poisoned(), "a processed event is never dead-lettered as a crash loop")
 	var left int
-	require.NoError(t, e.pool.QueryRow(ctx, `SELECT count(*) FROM processed_event_crash`).Scan(&left))
-	require.Zero(t, left, "the count left behind is deleted, none is added")
+	require.NoError(t, e.pool.QueryRow(ctx, `SELECT coalesce(max(started), 0) FROM processed_event_crash`).Scan(&left))
+	require.LessOrEqual(t, left, 10, "no attempt is counted")
 }
 
 // A redelivery that reuses a processed event's id for other content is a

@@ -441,7 +441,7 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		// The replay window is the claim's (the database clock, see
 		// retention.go): no expiry check runs here on the process clock.
 		if !m.countsCrashes(msg) {
-			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields)
+			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, nil)
 		}
 		started, stored, cerr := m.startAttempt(origCtx, consumer, eventID)
 		if cerr != nil {
@@ -455,7 +455,7 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 			// as a crash loop.
 			m.unrecorded.add(crashKey{consumer, eventID})
 			defer m.endAttempt(origCtx, consumer, eventID)
-			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields)
+			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, nil)
 		}
 		if stored.Found {
 			// A redelivery of a processed event: nothing was counted and
@@ -467,9 +467,11 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		// death (a panic unwinds through here too), and a claim over the
 		// crash bound that failed (overCrashBound): its retry must still
 		// find the message over the bound.
-		keep := false
+		// A processed attempt ends it in its own transaction (attempt),
+		// so a process that dies after the commit leaves no count.
+		keep, endedInTx := false, false
 		defer func() {
-			if !keep {
+			if !keep && !endedInTx {
 				m.endAttempt(origCtx, consumer, eventID)
 			}
 		}()
@@ -478,7 +480,7 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 			keep, err = m.overCrashBound(msg, origCtx, consumer, handlerName, eventID, start, fields, crashed)
 			return nil, err
 		}
-		return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields)
+		return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, &endedInTx)
 	}
 }
 
@@ -639,8 +641,13 @@ func (m *Idempotent) endAttempt(ctx context.Context, consumer string, id uuid.UU
 // cleanup, which rolls back whatever did not commit and releases the
 // connection, so a panic anywhere (handler, outbox write, schema adapter,
 // commit) leaves no transaction, no lock and no acquired connection behind.
+//
+// endCount, when not nil, asks the attempt to end its crash count in its
+// own transaction, just before the commit; it is set when that commit
+// succeeded (the count's end committed with the claim). Otherwise the
+// caller ends the count.
 func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCtx context.Context,
-	consumer, handlerName string, eventID uuid.UUID, start time.Time, fields watermill.LogFields) ([]*message.Message, error) {
+	consumer, handlerName string, eventID uuid.UUID, start time.Time, fields watermill.LogFields, endCount *bool) ([]*message.Message, error) {
 	eventAt, _ := eventTime(msg, eventID) // occurred_at for ids without a time
 	// Begin and claim: errors here come from the attempt's own connection.
 	req := claimRequest{
@@ -720,6 +727,15 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, err)
 	}
 
+	// The crash count's end, in the transaction: an error here (the
+	// transaction aborted by a handler statement) leaves the count to the
+	// caller, and the commit reports the abort.
+	countEnded := false
+	if endCount != nil {
+		q, args := m.cfg.Store.EndAttemptQuery(consumer, eventID)
+		_, dErr := state.Exec(origCtx, q, args...)
+		countEnded = dErr == nil
+	}
 	crashpoint.Reached(crashpoint.BeforeCommit)
 	// Commit: errors here come from the attempt's own connection, except
 	// ErrTxAborted (a handler statement failed and the handler went on).
@@ -729,6 +745,9 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, commitError(consumer, eventID, cErr, m.cfg.Classifier, origCtx.Err() != nil))
 	}
 	ended = true
+	if countEnded {
+		*endCount = true
+	}
 	crashpoint.Reached(crashpoint.AfterCommit)
 	_ = m.finish(handlerName, state.outcome, start, claimDur, fields, nil)
 	return produced, nil
