@@ -729,9 +729,12 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 
 	// The crash count's end, in the transaction: an error here (the
 	// transaction aborted by a handler statement) leaves the count to the
-	// caller, and the commit reports the abort.
+	// caller, and the commit reports the abort. Not inside watermill-sql's
+	// subscriber transaction: its commit (a savepoint's release) is not
+	// one, the subscriber's commit may still fail and take the count's end
+	// with it, and the row's lock would be held for the whole batch.
 	countEnded := false
-	if endCount != nil {
+	if _, joined := tx.(*savepointTx); endCount != nil && !joined {
 		q, args := m.cfg.Store.EndAttemptQuery(consumer, eventID)
 		_, dErr := state.Exec(origCtx, q, args...)
 		countEnded = dErr == nil
