@@ -941,10 +941,12 @@ func (m *Idempotent) log(o Outcome, total time.Duration, fields watermill.LogFie
 // was lost: the broker had it acked, the subscriber ended the message's
 // context, and the chain's retry and dead-lettering never ran.
 func handlerMessage(msg *message.Message) *message.Message {
-	// A Message built without NewMessage has no ack channels until it is
-	// acked or nacked (watermill's message.Message.Ack): one allocation
-	// instead of four. The metadata map is the delivery's own.
-	hm := &message.Message{UUID: msg.UUID, Metadata: msg.Metadata, Payload: msg.Payload}
+	// NewMessage, with its ack channels: a Message built without them
+	// returns nil from Acked and Nacked until acked, a channel a handler
+	// that took it first (to wait for a worker's ack) waits on forever.
+	// The metadata map is the delivery's own.
+	hm := message.NewMessage(msg.UUID, msg.Payload)
+	hm.Metadata = msg.Metadata
 	hm.SetContext(msg.Context())
 	return hm
 }
