@@ -729,9 +729,12 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 
 	// The crash count's end, in the transaction: an error here (the
 	// transaction aborted by a handler statement) leaves the count to the
-	// caller, and the commit reports the abort.
+	// caller, and the commit reports the abort. Not inside watermill-sql's
+	// subscriber transaction: its commit (a savepoint's release) is not
+	// one, the subscriber's commit may still fail and take the count's end
+	// with it, and the row's lock would be held for the whole batch.
 	countEnded := false
-	if endCount != nil {
+	if _, joined := tx.(*savepointTx); endCount != nil && !joined {
 		q, args := m.cfg.Store.EndAttemptQuery(consumer, eventID)
 		_, dErr := state.Exec(origCtx, q, args...)
 		countEnded = dErr == nil
@@ -938,10 +941,12 @@ func (m *Idempotent) log(o Outcome, total time.Duration, fields watermill.LogFie
 // was lost: the broker had it acked, the subscriber ended the message's
 // context, and the chain's retry and dead-lettering never ran.
 func handlerMessage(msg *message.Message) *message.Message {
-	// A Message built without NewMessage has no ack channels until it is
-	// acked or nacked (watermill's message.Message.Ack): one allocation
-	// instead of four. The metadata map is the delivery's own.
-	hm := &message.Message{UUID: msg.UUID, Metadata: msg.Metadata, Payload: msg.Payload}
+	// NewMessage, with its ack channels: a Message built without them
+	// returns nil from Acked and Nacked until acked, a channel a handler
+	// that took it first (to wait for a worker's ack) waits on forever.
+	// The metadata map is the delivery's own.
+	hm := message.NewMessage(msg.UUID, msg.Payload)
+	hm.Metadata = msg.Metadata
 	hm.SetContext(msg.Context())
 	return hm
 }
