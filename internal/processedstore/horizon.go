@@ -271,11 +271,14 @@ func (s *Store) StartAttempt(ctx context.Context, q sqldb.Querier, consumer stri
 // end. An event not processed yet is then counted (StartAttempt); if
 // another consumer processes it in between, its claim finds the row and
 // the attempt's end deletes the count. A processed attempt ends its count
-// in its own transaction (EndAttemptQuery), so a processed event has no
-// count to delete here; counts an earlier release left behind (its end
-// ran after the commit) go with the purge (Purge). Reading only costs the
-// server 55k instructions where one statement counting and deleting in
-// CTEs cost 140k (issue 25). started is 0 when Found.
+// in its own transaction (EndAttemptQuery; inside watermill-sql's
+// subscriber transaction, after it), so a processed event has no count to
+// delete here. A count an earlier release left behind (its end ran after
+// the commit) stays, never read while the event's row exists; a
+// redelivery after the row was purged is claimed before it could be taken
+// for a crash loop, and the claim refuses it as expired. Reading only
+// costs the server 55k instructions where one statement counting and
+// deleting in CTEs cost 140k (issue 25). started is 0 when Found.
 func (s *Store) StartAttemptUnlessProcessed(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) (started int, stored StoredIdentity, err error) {
 	if stored, err = s.StoredIdentity(ctx, q, consumer, eventID); err != nil || stored.Found {
 		return 0, stored, err
