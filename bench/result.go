@@ -228,7 +228,7 @@ var targets25 = []target{
 		}},
 	{key: "duplicate_cpu_ratio_redelivered", le: true, bound: 0.5, what: "a duplicate the broker marks as redelivered (AMQP, JetStream, Redis Streams with CountingClient), with the crash bound NewConsumer sets: instructions ÷ a new message's",
 		floor: func(*Result) string {
-			return "one autocommit statement: the processed row is read with the crash count's statement"
+			return "one read-only autocommit statement: the duplicate path's read of the processed row"
 		}},
 	{key: "claim_overhead_ratio", bound: 0.90, what: "claim, one-INSERT handler (rate ÷ no dedup, 4 workers)",
 		floor: func(r *Result) string {
