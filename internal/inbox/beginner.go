@@ -167,13 +167,14 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 			id = &c.identity
 		}
 		if p, ok := c.store.ClaimParamsAt(c.consumer, c.eventID, c.eventAt, id); ok {
-			claimed, err := b.claimPrepared(ctx, conn.Conn(), &c, &p)
+			st := connClaimOf(conn.Conn().PgConn())
+			claimed, err := b.claimPrepared(ctx, st, conn.Conn(), &c, &p)
 			if err != errFallback {
-				tx, claimed, err := b.claimed(ctx, conn, &c, claimed, err)
+				tx, claimed, err := b.claimed(ctx, st, conn, &c, claimed, err)
 				if ptx, ok := tx.(*pgxTx); ok {
 					ptx.prepared, ptx.tracer, ptx.pooled, ptx.pinned = true, b.tracer, &b.pooled, claimed && p.Pinned
 					if claimed && ptx.guard.sql != "" {
-						if err := b.prepareGuard(ctx, ptx.pc, ptx.guard.sql); err != nil {
+						if err := b.prepareGuard(ctx, st, ptx.pc, ptx.guard.sql); err != nil {
 							_ = ptx.rollback(ctx)
 							ptx.release()
 							return nil, false, err
@@ -209,19 +210,19 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 	if tagErr == nil {
 		tagErr = closeErr
 	}
-	return b.claimed(ctx, conn, &c, claimed, tagErr)
+	return b.claimed(ctx, connClaimOf(conn.Conn().PgConn()), conn, &c, claimed, tagErr)
 }
 
 // claimed is the attempt's transaction on conn after the claim's batch; on
 // err the transaction is rolled back and conn released. A claimed
 // attempt's commit is guarded (commitguard.go).
-func (b *pgxBeginner) claimed(ctx context.Context, conn *pgxpool.Conn, c *claimRequest, claimed bool, err error) (attemptTx, bool, error) {
+func (b *pgxBeginner) claimed(ctx context.Context, st *connClaim, conn *pgxpool.Conn, c *claimRequest, claimed bool, err error) (attemptTx, bool, error) {
 	tx := &pgxTx{conn: conn, pc: conn.Conn(), traced: b.traced}
 	// Every attempt's handler is scanned on its connection's state, also
 	// where the claim was not prepared: what it leaves on the connection
 	// (tx.Conn, a statement prepared from unproven SQL) reaches a later
 	// pinned attempt there.
-	tx.savepoints, tx.scan, tx.session = &tx.spCount, &tx.scanV, connClaimOf(conn.Conn().PgConn())
+	tx.savepoints, tx.scan, tx.session = &tx.spCount, &tx.scanV, st
 	if err != nil {
 		_ = tx.rollback(ctx)
 		tx.release()

@@ -100,13 +100,6 @@ func (g commitGuard) args() []any {
 // transaction's.
 func guardFailed(err error) bool { return sqlState(err) == processedstore.GuardFailed }
 
-// guardConnKey is the key, in pgconn.PgConn.CustomData, of a connection
-// whose named guard statement was lost or invalidated during a
-// transaction (26000, 0A000: a handler's DEALLOCATE, a changed table):
-// the guard is sent unnamed on that connection from then on, so that an
-// attempt that fails so once succeeds when retried.
-const guardConnKey = "github.com/watermill-idempotency/idempotency/middleware.commitGuardUnnamed"
-
 // prepareGuard prepares the guard and COMMIT on conn, once per
 // connection, when the beginner names its statements: inside the claimed
 // attempt's transaction, after the claim, whose lock on the claim table
@@ -115,15 +108,17 @@ const guardConnKey = "github.com/watermill-idempotency/idempotency/middleware.co
 // PREPARE aborts the transaction, so its error fails the attempt; 42P05
 // (a pooler sharing the server session) makes the beginner send its
 // statements unnamed from then on (the retry succeeds).
-func (b *pgxBeginner) prepareGuard(ctx context.Context, conn *pgx.Conn, guard string) error {
+func (b *pgxBeginner) prepareGuard(ctx context.Context, st *connClaim, conn *pgx.Conn, guard string) error {
 	pc := conn.PgConn()
-	if b.pooled.Load() || pc.CustomData()[guardConnKey] != nil {
+	if b.pooled.Load() || st.guardUnnamed || st.guardReady == guard {
 		return nil
 	}
-	st := connClaimOf(pc)
 	_, err := st.stmt(ctx, pc, guard, identityReadTypes)
 	if err == nil {
 		_, err = st.stmt(ctx, pc, "commit", nil)
+	}
+	if err == nil {
+		st.guardReady = guard
 	}
 	if err == errPooled {
 		b.pooled.Store(true)
@@ -192,7 +187,7 @@ func (tx *pgxTx) commitGuarded(ctx context.Context) error {
 // encoded as the claim's. It returns COMMIT's tag.
 func (tx *pgxTx) sendGuardPrepared(ctx context.Context) (pgconn.CommandTag, error) {
 	pc := tx.pc.PgConn()
-	st := connClaimOf(pc)
+	st := tx.session
 	st.text[0] = append(st.text[0][:0], tx.guard.consumer...)
 	st.vals[0] = st.text[0]
 	st.uuid = tx.guard.eventID
@@ -201,7 +196,7 @@ func (tx *pgxTx) sendGuardPrepared(ctx context.Context) (pgconn.CommandTag, erro
 	var batch pgconn.Batch
 	guard, okG := st.findStmt(tx.guard.sql)
 	commit, okC := st.findStmt("commit")
-	named := okG && okC && (tx.pooled == nil || !tx.pooled.Load()) && pc.CustomData()[guardConnKey] == nil
+	named := okG && okC && (tx.pooled == nil || !tx.pooled.Load()) && !st.guardUnnamed
 	if named {
 		batch.ExecPrepared(guard.name, vals, st.formats[:2], nil)
 		batch.ExecPrepared(commit.name, nil, nil, nil)
@@ -237,7 +232,7 @@ func (tx *pgxTx) sendGuardPrepared(ctx context.Context) (pgconn.CommandTag, erro
 		// succeeds; this one failed before COMMIT, nothing committed).
 		st.forgetStmt(tx.guard.sql)
 		st.forgetStmt("commit")
-		pc.CustomData()[guardConnKey] = true
+		st.guardUnnamed = true
 	}
 	if err == nil && results != 2 {
 		err = errors.New("middleware: commit guard: " + strconv.Itoa(results) + " results for 2 statements")

@@ -107,13 +107,21 @@ type connClaim struct {
 	// so a query string may name a prepared statement the scan never saw:
 	// from then on every claimed attempt on it commits with the guard's
 	// statement.
-	raw     bool
-	vals    [5][]byte
-	formats [5]int16
-	text    [2][]byte // consumer, event name
-	fp      []byte    // the fingerprint
-	uuid    [16]byte
-	ts      [8]byte
+	raw bool
+	// guardUnnamed: the connection's named guard statement was lost or
+	// invalidated during a transaction (26000, 0A000: a handler's
+	// DEALLOCATE, a changed table): the guard is sent unnamed on it from
+	// then on, so that an attempt that fails so once succeeds when retried.
+	guardUnnamed bool
+	// guardReady is the guard whose statement and COMMIT's are prepared
+	// on the connection (prepareGuard); forget and forgetStmt clear it.
+	guardReady string
+	vals       [5][]byte
+	formats    [5]int16
+	text       [2][]byte // consumer, event name
+	fp         []byte    // the fingerprint
+	uuid       [16]byte
+	ts         [8]byte
 }
 
 func connClaimOf(pc *pgconn.PgConn) *connClaim {
@@ -210,7 +218,7 @@ func (st *connClaim) encode(p *processedstore.ClaimParams) [][]byte {
 // forget drops the connection's statements (the server lost them).
 // It also forgets the session's lock timeout: what drops every statement
 // (DISCARD ALL, a pooler's reset) resets the session's settings too.
-func (st *connClaim) forget() { st.stmts, st.lockMs = st.stmts[:0], 0 }
+func (st *connClaim) forget() { st.stmts, st.lockMs, st.guardReady = st.stmts[:0], 0, "" }
 
 // sessionLock makes d the lock_timeout of conn's session, once per
 // connection (and again after forget or handlerStatement), and reports
@@ -378,6 +386,7 @@ func hasFoldAt(s string, i int, word string) bool {
 
 // forgetStmt drops sql's statement alone.
 func (st *connClaim) forgetStmt(sql string) {
+	st.guardReady = ""
 	for i, s := range st.stmts {
 		if s.sql == sql {
 			st.stmts = append(st.stmts[:i], st.stmts[i+1:]...)
@@ -429,9 +438,8 @@ func sqlState(err error) string {
 // inserted its row. errFallback (nothing sent) asks for the pgx.Batch path.
 // On another error the transaction may be open or aborted: the caller rolls
 // back, as on the pgx.Batch path.
-func (b *pgxBeginner) claimPrepared(ctx context.Context, conn *pgx.Conn, c *claimRequest, p *processedstore.ClaimParams) (bool, error) {
+func (b *pgxBeginner) claimPrepared(ctx context.Context, st *connClaim, conn *pgx.Conn, c *claimRequest, p *processedstore.ClaimParams) (bool, error) {
 	pc := conn.PgConn()
-	st := connClaimOf(pc)
 	// The lock timeout is set before the claim, never only by a set_config
 	// inside it: the executor takes the claim's lock on the claim table
 	// before it evaluates any expression of the statement, so a setting in
@@ -610,7 +618,7 @@ var binaryResults = []int16{1, 1}
 // next duplicate prepares it again.
 func (tx *pgxTx) readAndRollbackPrepared(ctx context.Context, query string, key identityKey, name, fp *[]byte) (found bool, err error) {
 	pc := tx.pc.PgConn()
-	st := connClaimOf(pc)
+	st := tx.session
 	named := tx.pooled == nil || !tx.pooled.Load()
 	var read, rb preparedStmt
 	if named {
