@@ -593,7 +593,7 @@ func parseEventID(s string) (uuid.UUID, string, error) {
 		return uuid.Nil, fmt.Sprintf("not a UUID (%d characters)", len(s)), nil
 	}
 	var id uuid.UUID
-	at := &plainHexAt
+	var union byte
 	if len(s) == canonicalLen {
 		if s[8] != '-' || s[13] != '-' || s[18] != '-' || s[23] != '-' {
 			for _, j := range [...]int{8, 13, 18, 23} {
@@ -602,15 +602,11 @@ func parseEventID(s string) (uuid.UUID, string, error) {
 				}
 			}
 		}
-		at = &canonicalHexAt
-	}
-	// A digit's value is below 16 and anything else's 0xff: one test of
-	// the digits' union after the loop instead of two per byte.
-	var union byte
-	for i, j := range at {
-		hi, lo := hexValue[s[j]], hexValue[s[j+1]]
-		union |= hi | lo
-		id[i] = hi<<4 | lo
+		// The 8-4-4-4-12 groups, each a run of digits.
+		union = decodeHex(id[0:4], s[0:8]) | decodeHex(id[4:6], s[9:13]) | decodeHex(id[6:8], s[14:18]) |
+			decodeHex(id[8:10], s[19:23]) | decodeHex(id[10:16], s[24:36])
+	} else {
+		union = decodeHex(id[:], s)
 	}
 	if union > 0x0f {
 		return uuid.Nil, "not a UUID (not a hex digit)", nil
@@ -626,12 +622,19 @@ func fromHex(c byte) (byte, bool) {
 	return v, v != 0xff
 }
 
-// canonicalHexAt and plainHexAt are where each byte's two digits start in
-// the hyphenated (8-4-4-4-12) and the 32-digit forms.
-var (
-	canonicalHexAt = [16]int{0, 2, 4, 6, 9, 11, 14, 16, 19, 21, 24, 26, 28, 30, 32, 34}
-	plainHexAt     = [16]int{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}
-)
+// decodeHex decodes the pairs of digits of src into dst (len(src) is
+// 2 × len(dst)) and returns the union of the digits' values: a digit's
+// value is below 16 and anything else's 0xff (hexValue), so one test of
+// the union after the loop replaces two per byte.
+func decodeHex(dst []byte, src string) (union byte) {
+	src = src[:2*len(dst)]
+	for i := range dst {
+		hi, lo := hexValue[src[2*i]], hexValue[src[2*i+1]]
+		union |= hi | lo
+		dst[i] = hi<<4 | lo
+	}
+	return union
+}
 
 // hexValue maps a hexadecimal digit (either case) to its value and every
 // other byte to 0xff.
