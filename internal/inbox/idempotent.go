@@ -735,8 +735,15 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	// with it, and the row's lock would be held for the whole batch.
 	countEnded := false
 	if _, joined := tx.(*savepointTx); endCount != nil && !joined {
+		// On the transaction itself, not the handler's view of it (a
+		// fault-injecting wrapper counts and fails handler statements).
 		q, args := m.cfg.Store.EndAttemptQuery(consumer, eventID)
-		_, dErr := state.Exec(origCtx, q, args...)
+		var dErr error
+		if tq, ptx, _ := tx.parts(); tq != nil {
+			_, dErr = tq.Exec(origCtx, q, args...)
+		} else {
+			_, dErr = ptx.Exec(origCtx, q, args...)
+		}
 		countEnded = dErr == nil
 	}
 	crashpoint.Reached(crashpoint.BeforeCommit)
