@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -31,12 +32,21 @@ var ErrFaultConnLost = errors.New("idempotencytest: connection closed by fault i
 
 type faultsKey struct{}
 
+// faultsUsed is set by the process's first WithFaults: until then no
+// context carries faults, and an attempt does not walk its context's
+// chain to look for them.
+var faultsUsed atomic.Bool
+
 // WithFaults returns ctx carrying f for the attempts of the message.
 func WithFaults(ctx context.Context, f Faults) context.Context {
+	faultsUsed.Store(true)
 	return context.WithValue(ctx, faultsKey{}, f)
 }
 
 func faultsFrom(ctx context.Context) Faults {
+	if !faultsUsed.Load() {
+		return nil
+	}
 	f, _ := ctx.Value(faultsKey{}).(Faults)
 	return f
 }

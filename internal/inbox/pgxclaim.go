@@ -209,8 +209,9 @@ func (st *connClaim) encode(p *processedstore.ClaimParams) [][]byte {
 	st.text[1] = append(st.text[1][:0], p.EventName...)
 	st.vals[3] = st.text[1]
 	st.vals[4] = nil // NULL, as pgx sends a nil []byte
-	if fp, ok := p.ID.AppendFingerprint(st.fp[:0]); ok {
-		st.fp, st.vals[4] = fp, fp
+	if p.FingerprintLen > 0 {
+		st.fp = append(st.fp[:0], p.Fingerprint[:p.FingerprintLen]...)
+		st.vals[4] = st.fp
 	}
 	return st.vals[:5]
 }

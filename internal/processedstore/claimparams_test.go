@@ -56,7 +56,7 @@ func TestClaimParamsMatchClaimQuery(t *testing.T) {
 						want[2] = p.EventAt
 					}
 					if withID {
-						want = append(want, p.EventName, p.ID.FingerprintBytes())
+						want = append(want, p.EventName, p.Fingerprint[:p.FingerprintLen])
 						require.True(t, p.Identity)
 					}
 					require.Equal(t, want, args, "cfg %+v id v%d at %v identity %v", cfg, id.Version(), when, withID)

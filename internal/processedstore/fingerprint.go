@@ -406,9 +406,10 @@ type ClaimParams struct {
 	HasEventAt bool
 	Identity   bool
 	EventName  string
-	// ID is the identity whose fingerprint the claim stores when Identity
-	// is set (Identity.AppendFingerprint).
-	ID Identity
+	// Fingerprint[:FingerprintLen] is the fingerprint the claim stores
+	// when Identity is set (Identity.AppendFingerprint; length 0: NULL).
+	Fingerprint    [fingerprintSize]byte
+	FingerprintLen uint8
 }
 
 // ClaimParamsAt returns the claim of (consumer, eventID) dated at (see
@@ -449,7 +450,14 @@ func (s *Store) ClaimParamsAt(consumer string, eventID uuid.UUID, at time.Time, 
 		p.SQL = s.claimSQL
 	}
 	if id != nil {
-		p.Identity, p.EventName, p.ID = true, id.storedName(), *id
+		p.Identity, p.EventName = true, id.storedName()
+		fp, ok := id.AppendFingerprint(p.Fingerprint[:0])
+		if len(fp) > len(p.Fingerprint) {
+			return ClaimParams{}, false // a stored fingerprint of another size: not a claim's
+		}
+		if ok {
+			p.FingerprintLen = uint8(len(fp))
+		}
 	}
 	return p, true
 }
