@@ -176,6 +176,12 @@ func (p *ConfirmedPublisher) publishOne(topic string, msg *message.Message) erro
 	ctx, cancel := context.WithTimeout(msg.Context(), p.cfg.ConfirmTimeout)
 	defer cancel()
 	dc, err := p.ch.PublishWithDeferredConfirmWithContext(ctx, p.cfg.Exchange, topic, true, false, pub)
+	if errors.Is(err, amqp091.ErrClosed) {
+		// The broker closed the channel or the connection while the
+		// message was written (a frame over frame_max: 501 closes the
+		// connection at once): its reason, not amqp091's 504.
+		return p.channelClosed(ctx)
+	}
 	if err != nil {
 		return err
 	}
@@ -189,14 +195,14 @@ func (p *ConfirmedPublisher) publishOne(topic string, msg *message.Message) erro
 	select {
 	case r, ok := <-p.returns:
 		if !ok {
-			return p.channelClosed()
+			return p.channelClosed(ctx)
 		}
 		return fmt.Errorf("%w: %d %s (exchange %q, routing key %q)", ErrUnroutable, r.ReplyCode, r.ReplyText, r.Exchange, r.RoutingKey)
 	default:
 	}
 	if !acked {
 		if p.ch.IsClosed() {
-			return p.channelClosed()
+			return p.channelClosed(ctx)
 		}
 		return ErrNotConfirmed
 	}
@@ -207,8 +213,11 @@ func (p *ConfirmedPublisher) publishOne(topic string, msg *message.Message) erro
 // was confirmed: ErrNotConfirmed, with the broker's reason when the broker
 // closed it (a channel exception: 404 NOT_FOUND for an exchange that does
 // not exist, 403 ACCESS_REFUSED), so that a misconfiguration is named; or
-// errRefused when that reason is the message's own (refusedByBroker).
-func (p *ConfirmedPublisher) channelClosed() error {
+// errRefused when that reason is the message's own (refusedByBroker). It
+// waits for the channel's close notification (until ctx ends): amqp091
+// marks a channel closed before it delivers the reason, and closes the
+// notification channel once it did, so the wait is short.
+func (p *ConfirmedPublisher) channelClosed(ctx context.Context) error {
 	select {
 	case e, ok := <-p.closes:
 		if ok && e != nil {
@@ -217,7 +226,7 @@ func (p *ConfirmedPublisher) channelClosed() error {
 			}
 			return fmt.Errorf("%w: channel closed by the broker: %w", ErrNotConfirmed, e)
 		}
-	default:
+	case <-ctx.Done():
 	}
 	return fmt.Errorf("%w: channel closed", ErrNotConfirmed)
 }
