@@ -276,7 +276,7 @@ var countVariants = []string{vNone, vOurs, vDuplicate, "idem_no_lock_timeout", "
 
 // vDupRedelivered is a duplicate as a broker redelivers it (redelivered
 // "true", delivery count 1) to a consumer with the crash bound NewConsumer
-// sets: the event's processed row is found by the crash count's statement,
+// sets: the event's processed row is found by one read-only statement,
 // and no transaction is begun.
 const vDupRedelivered = "dup_redelivered"
 
@@ -466,7 +466,7 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 		"plain_tx: the handler in pgx's own transaction, no chain (none has the chain's poison, retry and recoverer layers). idem_no_lock_timeout: Config.LockTimeout < 0 (no SET LOCAL); idem_no_verify: DisablePayloadVerification (no fingerprint, no identity read on a duplicate); dup_no_lock_timeout_no_verify: a duplicate with neither (BEGIN, claim, ROLLBACK).",
 		"floor_*: the claim's mechanism priced alone, on the same server in the same run (bench/floors.go): BEGIN and one prepared claim statement in a batch, the handler, COMMIT; floor_none sends BEGIN alone. floor_mechanism: uuid-only INSERT … ON CONFLICT DO NOTHING; floor_checked: a table per consumer (uuid, fingerprint) with today's checks (lock timeout, replay window); floor_lean: issue 25's lean row (int2 consumer, uuid, fingerprint, no secondary index) with today's checks; floor_today: the middleware's statement for a UUIDv7 event on a copy of today's table.",
 		fmt.Sprintf("server instructions per claim, floors (variant − floor_none): mechanism %s k, a table per consumer with every check %s k, lean row with every check %s k, today's statement %s k.", k(got[vFloorMechanism].server-got[vFloorNone].server), k(got[vFloorChecked].server-got[vFloorNone].server), k(got[vFloorLean].server-got[vFloorNone].server), k(got[vFloorToday].server-got[vFloorNone].server)),
-		"dup_redelivered: a duplicate marked as a redelivery (redelivered, delivery count 1), crash bound on: one autocommit statement reads the processed row with the crash count, no transaction.",
+		"dup_redelivered: a duplicate marked as a redelivery (redelivered, delivery count 1), crash bound on: one read-only autocommit statement reads the processed row, nothing is counted, no transaction.",
 		"idem_crash_bound_marked / _unmarked: ours with the crash bound NewConsumer sets (MaxCrashes 3, counted on the pool), on first deliveries marked as such (AMQP, JetStream, Redis Streams with CountingClient: nothing written) or unmarked (Kafka: each child's first 64 attempts are counted, inside both runs, so they cancel out of the per-message figure).",
 		fmt.Sprintf("(I(%d) − I(%d)) ÷ %d per message: process start and connection cancel out; building the message is inside (same for all).", sz.N2, sz.N1, sz.N2-sz.N1),
 		"server: a scratch PostgreSQL (initdb, loopback, fsync off) run by this part under cachegrind, the child's backend only; WAL: pg_current_wal_insert_lsn diff; allocs: MemStats.Mallocs.",
