@@ -595,11 +595,9 @@ func parseEventID(s string) (uuid.UUID, string, error) {
 	var id uuid.UUID
 	var union byte
 	if len(s) == canonicalLen {
-		if s[8] != '-' || s[13] != '-' || s[18] != '-' || s[23] != '-' {
-			for _, j := range [...]int{8, 13, 18, 23} {
-				if s[j] != '-' {
-					return uuid.Nil, "not a UUID (hyphen expected at position " + fmt.Sprint(j+1) + ")", nil
-				}
+		for _, j := range [...]int{8, 13, 18, 23} {
+			if s[j] != '-' {
+				return uuid.Nil, "not a UUID (hyphen expected at position " + fmt.Sprint(j+1) + ")", nil
 			}
 		}
 		// The 8-4-4-4-12 groups, each a run of digits.

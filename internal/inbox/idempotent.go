@@ -737,14 +737,11 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	if _, joined := tx.(*savepointTx); endCount != nil && !joined {
 		// On the transaction itself, not the handler's view of it (a
 		// fault-injecting wrapper counts and fails handler statements).
-		q, args := m.cfg.Store.EndAttemptQuery(consumer, eventID)
-		var dErr error
-		if tq, ptx, _ := tx.parts(); tq != nil {
-			_, dErr = tq.Exec(origCtx, q, args...)
-		} else {
-			_, dErr = ptx.Exec(origCtx, q, args...)
+		q, ptx, _ := tx.parts()
+		if q == nil {
+			q = sqldb.Pgx(ptx)
 		}
-		countEnded = dErr == nil
+		countEnded = m.cfg.Store.EndAttempt(origCtx, q, consumer, eventID) == nil
 	}
 	crashpoint.Reached(crashpoint.BeforeCommit)
 	// Commit: errors here come from the attempt's own connection, except

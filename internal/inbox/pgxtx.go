@@ -375,15 +375,16 @@ type txScan struct {
 }
 
 // handlerSQL tells the connection's claim state about a handler
-// statement and its arguments (connClaim.handlerStatement, rewritesQuery,
-// sanitizesArguments) and reports whether it may end the transaction.
+// statement and its arguments (connClaim.handlerStatement, scanArgs) and
+// reports whether it may end the transaction.
 func (tx *pgxTx) handlerSQL(sql string, args []any) bool {
-	if rewritesQuery(args) {
+	rewrites, sanitizes := scanArgs(args)
+	if rewrites {
 		// pgx hands the rewriter the connection: what it sends or
 		// prepares there is not scanned, as after tx.Conn.
 		tx.session.raw = true
 	}
-	if tx.session.handlerStatement(sql) || sanitizesArguments(sql, args) {
+	if tx.session.handlerStatement(sql) || sanitizes {
 		tx.scan.mayEnd = true
 		return true
 	}

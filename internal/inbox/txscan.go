@@ -119,24 +119,12 @@ func keyword(s string, i int) (string, int) {
 	return s[i:j], j
 }
 
-// rewritesQuery reports whether args hold a pgx.QueryRewriter other than
-// pgx's named arguments (which only replace @name placeholders): pgx sends
-// what a rewriter returns, not the text the scan saw.
-func rewritesQuery(args []any) bool {
-	for _, a := range args {
-		switch a.(type) {
-		case pgx.NamedArgs, pgx.StrictNamedArgs:
-		case pgx.QueryRewriter:
-			return true
-		}
-	}
-	return false
-}
-
-// sanitizesArguments reports whether pgx may send, for sql with args,
-// text the scan did not see: args select pgx's simple protocol
-// (pgx.QueryExecModeSimpleProtocol) and hold arguments, which pgx writes
-// as quoted literals into the query string with a lexer of its own. Where
+// scanArgs reads a handler statement's arguments once. rewrites: they
+// hold a pgx.QueryRewriter other than pgx's named arguments (which only
+// replace @name placeholders), and pgx sends what the rewriter returns,
+// not the text the scan saw. sanitizes: they select pgx's simple protocol
+// (pgx.QueryExecModeSimpleProtocol) and hold values, which pgx writes as
+// quoted literals into the query string with a lexer of its own. Where
 // that lexer and PostgreSQL's disagree on what is inside a string, an
 // argument's text runs as SQL: a dollar quote ($q$ $1 $q$: pgx knows
 // none), a backslash after an identifier (name'\' is PostgreSQL's string
@@ -144,16 +132,20 @@ func rewritesQuery(args []any) bool {
 // negative number after a minus sign (CVE-2024-27289). The guard's
 // statement decides for every such call rather than for the cases known
 // today.
-func sanitizesArguments(sql string, args []any) bool {
+func scanArgs(args []any) (rewrites, sanitizes bool) {
 	simple, values := false, false
 	for _, a := range args {
 		switch a := a.(type) {
 		case pgx.QueryExecMode:
 			simple = simple || a == pgx.QueryExecModeSimpleProtocol
 		case pgx.QueryResultFormats, pgx.QueryResultFormatsByOID:
+		case pgx.NamedArgs, pgx.StrictNamedArgs: // before QueryRewriter: they are ones
+			values = true
+		case pgx.QueryRewriter:
+			rewrites, values = true, true
 		default:
 			values = true
 		}
 	}
-	return simple && values
+	return rewrites, simple && values
 }

@@ -84,9 +84,7 @@ func NewIdentity(eventName string, payload []byte) Identity {
 	// streamed, so no size allocates.
 	var stack [256]byte
 	if binary.MaxVarintLen64+len(eventName)+len(payload) <= len(stack) {
-		buf := binary.AppendUvarint(stack[:0], uint64(len(eventName)))
-		buf = append(buf, eventName...)
-		id.hash = xxhash.Sum64(append(buf, payload...))
+		id.hash = xxhash.Sum64(appendHashed(stack[:0], eventName, payload))
 		return id
 	}
 	var d xxhash.Digest
@@ -107,10 +105,15 @@ func (id *Identity) sha256() [sha256.Size]byte {
 	if need := binary.MaxVarintLen64 + len(id.EventName) + len(id.payload); need > len(stack) {
 		buf = make([]byte, 0, need)
 	}
-	buf = binary.AppendUvarint(buf, uint64(len(id.EventName)))
-	buf = append(buf, id.EventName...)
-	buf = append(buf, id.payload...)
-	return sha256.Sum256(buf)
+	return sha256.Sum256(appendHashed(buf, id.EventName, id.payload))
+}
+
+// appendHashed appends to dst the bytes every fingerprint version hashes:
+// uvarint(len(name)) ‖ name ‖ payload.
+func appendHashed(dst []byte, name string, payload []byte) []byte {
+	dst = binary.AppendUvarint(dst, uint64(len(name)))
+	dst = append(dst, name...)
+	return append(dst, payload...)
 }
 
 // AppendFingerprint appends id's fingerprint to dst: Fingerprint when set,

@@ -161,7 +161,7 @@ func TestVersionOneFingerprintRowsAreStillVerified(t *testing.T) {
 // StartAttemptUnlessProcessed counts an attempt of an event not processed
 // yet, and for a processed one counts nothing and returns the stored
 // identity, on every dialect and driver. A count ended in the claim's
-// transaction (EndAttemptQuery) is gone with its commit.
+// transaction (EndAttempt on it) is gone with its commit.
 func TestStartAttemptUnlessProcessedCountsOnlyEventsNotProcessed(t *testing.T) {
 	t.Parallel()
 	eachTarget(t, func(t *testing.T, tg target) {
@@ -178,9 +178,7 @@ func TestStartAttemptUnlessProcessedCountsOnlyEventsNotProcessed(t *testing.T) {
 		ok, err := s.ClaimIdentity(ctx, tx, "stock", id, processedstore.NewIdentity("order.placed", []byte(`{}`)))
 		require.NoError(t, err)
 		require.True(t, ok)
-		q, args := s.EndAttemptQuery("stock", id)
-		_, err = tx.Exec(ctx, q, args...)
-		require.NoError(t, err)
+		require.NoError(t, s.EndAttempt(ctx, tx, "stock", id))
 		end(true)
 
 		n, stored, err := s.StartAttemptUnlessProcessed(ctx, tg.db, "stock", id)

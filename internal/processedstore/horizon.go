@@ -271,7 +271,7 @@ func (s *Store) StartAttempt(ctx context.Context, q sqldb.Querier, consumer stri
 // end. An event not processed yet is then counted (StartAttempt); if
 // another consumer processes it in between, its claim finds the row and
 // the attempt's end deletes the count. A processed attempt ends its count
-// in its own transaction (EndAttemptQuery; inside watermill-sql's
+// in its own transaction (EndAttempt on it; inside watermill-sql's
 // subscriber transaction, after it), so a processed event has no count to
 // delete here. A count an earlier release left behind (its end ran after
 // the commit) stays, never read while the event's row exists; a
@@ -288,19 +288,13 @@ func (s *Store) StartAttemptUnlessProcessed(ctx context.Context, q sqldb.Querier
 }
 
 // EndAttempt forgets the started attempts of (consumer, eventID): the
-// attempt ended (committed, failed, or found a duplicate).
+// attempt ended (committed, failed, or found a duplicate). Run on the
+// attempt's own transaction, it commits with the claim and leaves no
+// count behind a process that dies after the commit.
 func (s *Store) EndAttempt(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) error {
-	query, args := s.EndAttemptQuery(consumer, eventID)
-	_, err := q.Exec(ctx, query, args...)
+	_, err := q.Exec(ctx, "DELETE FROM "+s.sideTable("_crash")+" WHERE consumer = "+s.ph(1)+" AND event_id = "+s.ph(2),
+		consumer, s.sql.eventID(eventID))
 	return err
-}
-
-// EndAttemptQuery is EndAttempt's statement and arguments, for a caller
-// that ends the count in the attempt's own transaction: committed with the
-// claim, it leaves no count behind a process that dies after the commit.
-func (s *Store) EndAttemptQuery(consumer string, eventID uuid.UUID) (string, []any) {
-	return "DELETE FROM " + s.sideTable("_crash") + " WHERE consumer = " + s.ph(1) + " AND event_id = " + s.ph(2),
-		[]any{consumer, s.sql.eventID(eventID)}
 }
 
 // purgeMarkID is the horizon table's row (beside row 1, the horizon) that
