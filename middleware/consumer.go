@@ -211,12 +211,14 @@ type ConsumerConfig struct {
 	// each crash came within a start's first 64 attempts. A delivery held
 	// through an outage ends its attempts normally and is never counted: an
 	// end the database was too far away to take is kept in the process and
-	// written before that event's next start. A counted delivery of an
-	// event already processed is a duplicate, never a crash loop: the
-	// statement that counts the attempt reads the event's row first and,
-	// when there is one, counts nothing, deletes a count left behind and
-	// skips the handler (one statement, no transaction). Defaults to
-	// DefaultMaxCrashes (3); negative: never.
+	// written before its next attempt of any event. A process stopped
+	// before the database is back cannot write it: that start stays
+	// counted, as a crash would (MaxCrashes such stops in a row, each in
+	// an outage that began during an attempt of the same event, dead-letter
+	// it). A counted delivery of an event already processed is a
+	// duplicate, never a crash loop: its row is read first (one read-only
+	// statement, no transaction), nothing is counted and the handler is
+	// skipped. Defaults to DefaultMaxCrashes (3); negative: never.
 	MaxCrashes int
 
 	// Recorder receives one Observation per attempt (metrics). Defaults to

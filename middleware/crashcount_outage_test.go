@@ -109,3 +109,83 @@ func TestRedeliveryHeldThroughRepeatedOutagesIsNotDeadLetteredAsCrashLoop(t *tes
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM effect`).Scan(&effects))
 	require.Equal(t, 1, effects, "the effect was not applied once")
 }
+
+// An end the database could not take is written by the process's next
+// attempt of any event (ConsumerConfig.MaxCrashes): a redelivered message
+// is held while the database is away under its handler, and the delivery
+// is given back (its message context ends, as at a shutdown or when the
+// hold runs out and the broker hands it to another replica) before the
+// database is back. The next attempt this process runs, of another event,
+// must write the owed end: otherwise the count stayed, and each replica
+// that held the event through an outage added a crash it never had.
+func TestEndOwedByADeliveryGivenBackIsWrittenByTheNextAttemptOfAnyEvent(t *testing.T) {
+	_, schema := testenv.Pool(t)
+	var away atomic.Bool
+	var refused atomic.Int32
+	var giveBack atomic.Pointer[context.CancelFunc]
+	cfg := testenv.PoolConfig(t, testenv.PostgresURL(), schema, 8)
+	cfg.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) {
+		if away.Load() {
+			if refused.Add(1) == 3 {
+				if c := giveBack.Load(); c != nil {
+					(*c)()
+				}
+			}
+			return false, errors.New("test: the database is unreachable")
+		}
+		return true, nil
+	}
+	ctx := context.Background()
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	db := idempotency.Pgx(pool)
+	require.NoError(t, processed.Migrate(ctx, db, processed.Config{}))
+	_, err = pool.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL)`)
+	require.NoError(t, err)
+
+	poison := &poisonRecorder{}
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+		Consumer: "stock", DB: db,
+		Poison: middleware.PoisonConfig{Publisher: poison, Topic: "poison"},
+		Retry:  middleware.RetryConfig{InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond},
+	}, nil)
+	require.NoError(t, err)
+	held := uuid.Must(uuid.NewV7()).String()
+	h, err := door.Wrap(c, "reserve", func(msg *message.Message) ([]*message.Message, error) {
+		tx, _ := middleware.PgxTxFromContext(msg.Context())
+		if msg.UUID == held {
+			away.Store(true)
+			_, err := tx.Exec(msg.Context(), `SELECT pg_terminate_backend(pg_backend_pid())`)
+			return nil, err
+		}
+		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID)
+		return nil, err
+	})
+	require.NoError(t, err)
+	started := func() int {
+		var n int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT coalesce(sum(started), 0) FROM processed_event_crash WHERE event_id = $1`, held).Scan(&n))
+		return n
+	}
+
+	msgCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	giveBack.Store(&cancel)
+	msg := message.NewMessage(held, []byte(`{}`))
+	msg.Metadata.Set(marshaler.MetadataEventName, "order.placed")
+	marshaler.SetRedelivered(msg, true)
+	msg.SetContext(msgCtx)
+	_, err = h(msg)
+	require.Error(t, err, "the delivery was not given back")
+	giveBack.Store(nil)
+	away.Store(false)
+	require.Equal(t, 1, started(), "the held attempt's start was not written, so this test checks nothing")
+
+	other := message.NewMessage(uuid.Must(uuid.NewV7()).String(), []byte(`{}`))
+	other.Metadata.Set(marshaler.MetadataEventName, "order.placed")
+	_, err = h(other)
+	require.NoError(t, err)
+	require.Zero(t, started(), "the end owed for the delivery given back was not written by the next attempt")
+	require.Empty(t, poison.reasons())
+}

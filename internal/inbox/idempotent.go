@@ -217,8 +217,9 @@ type Idempotent struct {
 	// unrecorded are the attempts this process ended whose end could not
 	// be written (the database was away when EndAttempt ran), or whose
 	// start failed but may have been written, by (consumer, event id): the
-	// next start of the same event writes the end first (startAttempt), so
-	// an outage is never taken for a crash.
+	// next attempt of any event writes them first (payOwedEnds), so an
+	// outage is never taken for a crash, even when the delivery it held
+	// went on to another process.
 	unrecorded unrecordedEnds
 }
 
@@ -230,6 +231,8 @@ type Idempotent struct {
 type unrecordedEnds struct {
 	mu  sync.Mutex
 	set map[crashKey]struct{}
+	// n is len(set), read without the lock by every attempt.
+	n atomic.Int32
 }
 
 type crashKey struct {
@@ -247,7 +250,19 @@ func (u *unrecordedEnds) add(k crashKey) {
 	}
 	if len(u.set) < maxUnrecordedEnds {
 		u.set[k] = struct{}{}
+		u.n.Store(int32(len(u.set)))
 	}
+}
+
+// keys returns the ends still to be written.
+func (u *unrecordedEnds) keys() []crashKey {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	ks := make([]crashKey, 0, len(u.set))
+	for k := range u.set {
+		ks = append(ks, k)
+	}
+	return ks
 }
 
 // has reports whether k's end is still to be written.
@@ -262,6 +277,7 @@ func (u *unrecordedEnds) remove(k crashKey) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	delete(u.set, k)
+	u.n.Store(int32(len(u.set)))
 }
 
 // crashWarmup is how many attempts after a consumer starts are counted as
@@ -437,6 +453,9 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		if !m.quiet {
 			fields["event_id"] = eventID.String()
+		}
+		if m.unrecorded.n.Load() > 0 {
+			m.payOwedEnds(origCtx)
 		}
 		// The replay window is the claim's (the database clock, see
 		// retention.go): no expiry check runs here on the process clock.
@@ -620,6 +639,23 @@ func (m *Idempotent) processedRedelivery(msg *message.Message, consumer, handler
 	}
 	_ = m.finish(handlerName, OutcomeDuplicate, start, 0, fields, nil)
 	return nil
+}
+
+// payOwedEnds writes the ends this process owes (unrecorded), stopping
+// at the first that fails (the database is still away). Each is a
+// DELETE of the event's count: one written after another process started
+// the event again resets that process's count too, so a crash there is
+// counted one attempt later, never earlier.
+func (m *Idempotent) payOwedEnds(ctx context.Context) {
+	for _, k := range m.unrecorded.keys() {
+		c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+		err := m.cfg.Store.EndAttempt(c, m.cfg.CrashQuerier, k.consumer, k.id)
+		cancel()
+		if err != nil {
+			return
+		}
+		m.unrecorded.remove(k)
+	}
 }
 
 // endAttempt writes the end of an attempt of (consumer, id); when the
