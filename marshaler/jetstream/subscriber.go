@@ -41,8 +41,10 @@ type SubscriberConfig struct {
 	// NatsOptions are passed to nats.Connect.
 	NatsOptions []nats.Option
 	// Stream is the JetStream stream the subscribed topic is stored in. It
-	// must exist (streams are provisioned by operators, not by consumers).
-	// Required.
+	// must exist (streams are provisioned by operators, not by consumers)
+	// with limits or work-queue retention: Subscribe refuses interest
+	// retention, under which a deleted durable takes its unacked messages
+	// with it. Required.
 	Stream string
 	// Durable names the durable consumer, also its deliver group: every
 	// process of one service uses the same name and shares the deliveries.
@@ -385,9 +387,19 @@ func (s *Subscriber) consumerConfig(topic, deliverSubject string) *nats.Consumer
 	}
 }
 
+// ensureConsumer returns the durable consumer, created when missing. A
+// stream with interest retention is refused: when its last consumer goes
+// away the server drops every message no consumer is interested in, so a
+// durable deleted under the subscriber would take its unacked deliveries
+// with it and the watch would recreate it with nothing to deliver. Limits
+// and work-queue streams keep a message until it ages out or is acked.
 func (s *Subscriber) ensureConsumer(topic string) (*nats.ConsumerInfo, error) {
-	if _, err := s.js.StreamInfo(s.cfg.Stream); err != nil {
+	si, err := s.js.StreamInfo(s.cfg.Stream)
+	if err != nil {
 		return nil, fmt.Errorf("jetstream: stream %q: %w", s.cfg.Stream, err)
+	}
+	if si.Config.Retention == nats.InterestPolicy {
+		return nil, fmt.Errorf("jetstream: stream %q has interest retention: a durable consumer deleted under the subscriber would take its unacked messages with it; use limits or work-queue retention", s.cfg.Stream)
 	}
 	ci, err := s.js.ConsumerInfo(s.cfg.Stream, s.cfg.Durable)
 	if errors.Is(err, nats.ErrConsumerNotFound) {
