@@ -196,8 +196,9 @@ type ConsumerConfig struct {
 	// is dead-lettered with reason "crash_loop" (ErrCrashLoop, permanent),
 	// so that it stops killing every consumer that receives it and the
 	// messages behind it are applied. Attempts are counted in the table's
-	// <table>_crash table, in autocommit (a write when an attempt starts, a
-	// delete when it ends), for redeliveries only on transports that mark
+	// <table>_crash table, in autocommit (one more when an attempt starts,
+	// one less when it ends; deleted when the event is processed or
+	// dead-lettered), for redeliveries only on transports that mark
 	// them (AMQP's redelivered flag, quorum queues' x-delivery-count,
 	// JetStream's NumDelivered, Redis Streams' pending delivery count), and
 	// for the first 64 attempts after the consumer is built on transports

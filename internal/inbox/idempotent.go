@@ -490,7 +490,15 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		// so a process that dies after the commit leaves no count.
 		keep, endedInTx := false, false
 		defer func() {
-			if !keep && !endedInTx {
+			switch {
+			case keep || endedInTx:
+			case err == nil:
+				// Processed (or a duplicate): the count's earlier
+				// starts do not matter any more. Here when the commit
+				// could not take it (watermill-sql's subscriber
+				// transaction).
+				m.forgetAttempts(origCtx, consumer, eventID)
+			default:
 				m.endAttempt(origCtx, consumer, eventID)
 			}
 		}()
@@ -541,7 +549,7 @@ func (m *Idempotent) overCrashBound(msg *message.Message, origCtx context.Contex
 	// dead-lettered, not before. A poison publish that fails until MaxHold
 	// (or a shutdown) gives the delivery back to the broker, and its next
 	// delivery must still be over the bound instead of running the handler.
-	keep = onPoisoned(origCtx, crashKey{consumer, eventID}, func(ctx context.Context) { m.endAttempt(ctx, consumer, eventID) })
+	keep = onPoisoned(origCtx, crashKey{consumer, eventID}, func(ctx context.Context) { m.forgetAttempts(ctx, consumer, eventID) })
 	return keep, m.finish(handlerName, OutcomeRejected, start, claimDur, fields, permanent("crash_loop", fmt.Errorf("%w: %d attempts of this message started "+
 		"and never ended (the process died in them: out of memory, a fatal error, a liveness probe); at most %d", ErrCrashLoop, crashed, m.cfg.MaxCrashes)))
 }
@@ -672,6 +680,15 @@ func (m *Idempotent) endAttempt(ctx context.Context, consumer string, id uuid.UU
 	m.unrecorded.remove(k)
 }
 
+// forgetAttempts deletes the count of (consumer, id) once the message was
+// dead-lettered as a crash loop: a redrive of it starts afresh. When the
+// database is away the count stays (the redrive is then over the bound).
+func (m *Idempotent) forgetAttempts(ctx context.Context, consumer string, id uuid.UUID) {
+	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+	defer cancel()
+	_ = m.cfg.Store.ForgetAttempts(c, m.cfg.CrashQuerier, consumer, id)
+}
+
 // attempt runs one claimed attempt: begin+claim, the handler, the produced
 // messages, commit. Every path after the claim ends in the single deferred
 // cleanup, which rolls back whatever did not commit and releases the
@@ -777,7 +794,7 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		if q == nil {
 			q = sqldb.Pgx(ptx)
 		}
-		countEnded = m.cfg.Store.EndAttempt(origCtx, q, consumer, eventID) == nil
+		countEnded = m.cfg.Store.ForgetAttempts(origCtx, q, consumer, eventID) == nil
 	}
 	crashpoint.Reached(crashpoint.BeforeCommit)
 	// Commit: errors here come from the attempt's own connection, except

@@ -161,7 +161,7 @@ func TestVersionOneFingerprintRowsAreStillVerified(t *testing.T) {
 // StartAttemptUnlessProcessed counts an attempt of an event not processed
 // yet, and for a processed one counts nothing and returns the stored
 // identity, on every dialect and driver. A count ended in the claim's
-// transaction (EndAttempt on it) is gone with its commit.
+// transaction (ForgetAttempts on it) is gone with its commit.
 func TestStartAttemptUnlessProcessedCountsOnlyEventsNotProcessed(t *testing.T) {
 	t.Parallel()
 	eachTarget(t, func(t *testing.T, tg target) {
@@ -178,7 +178,7 @@ func TestStartAttemptUnlessProcessedCountsOnlyEventsNotProcessed(t *testing.T) {
 		ok, err := s.ClaimIdentity(ctx, tx, "stock", id, processedstore.NewIdentity("order.placed", []byte(`{}`)))
 		require.NoError(t, err)
 		require.True(t, ok)
-		require.NoError(t, s.EndAttempt(ctx, tx, "stock", id))
+		require.NoError(t, s.ForgetAttempts(ctx, tx, "stock", id))
 		end(true)
 
 		n, stored, err := s.StartAttemptUnlessProcessed(ctx, tg.db, "stock", id)
@@ -193,5 +193,35 @@ func TestStartAttemptUnlessProcessedCountsOnlyEventsNotProcessed(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, 1, n)
 		require.NoError(t, s.EndAttempt(ctx, tg.db, "stock", id))
+	})
+}
+
+// EndAttempt ends one attempt, not every attempt counted: a copy of the
+// event that fails beside a hung attempt (its claim waits for the hung
+// one's) leaves the hung attempt's start counted, on every dialect and
+// driver; the count at zero is deleted, and counting again starts at 1.
+func TestEndAttemptEndsOneAttemptOnly(t *testing.T) {
+	t.Parallel()
+	eachTarget(t, func(t *testing.T, tg target) {
+		ctx := context.Background()
+		s := tg.store(t)
+		id := uuid.Must(uuid.NewV7())
+		for want := 1; want <= 3; want++ {
+			n, err := s.StartAttempt(ctx, tg.db, "stock", id)
+			require.NoError(t, err)
+			require.Equal(t, want, n)
+		}
+		require.NoError(t, s.EndAttempt(ctx, tg.db, "stock", id))
+		n, err := s.StartAttempt(ctx, tg.db, "stock", id)
+		require.NoError(t, err)
+		require.Equal(t, 3, n, "an attempt's end forgot the other attempts' starts")
+		for i := 0; i < 3; i++ {
+			require.NoError(t, s.EndAttempt(ctx, tg.db, "stock", id))
+		}
+		require.NoError(t, s.EndAttempt(ctx, tg.db, "stock", id), "an end without a count")
+		n, err = s.StartAttempt(ctx, tg.db, "stock", id)
+		require.NoError(t, err)
+		require.Equal(t, 1, n, "a count at zero was not deleted, or went below zero")
+		require.NoError(t, s.ForgetAttempts(ctx, tg.db, "stock", id))
 	})
 }

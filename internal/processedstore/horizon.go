@@ -287,11 +287,28 @@ func (s *Store) StartAttemptUnlessProcessed(ctx context.Context, q sqldb.Querier
 	return started, StoredIdentity{}, err
 }
 
-// EndAttempt forgets the started attempts of (consumer, eventID): the
-// attempt ended (committed, failed, or found a duplicate). Run on the
-// attempt's own transaction, it commits with the claim and leaves no
-// count behind a process that dies after the commit.
+// EndAttempt counts one started attempt of (consumer, eventID) as ended
+// (failed, refused, or found a duplicate), in autocommit on q: the count
+// goes down by one, and a count at zero is deleted. Only this attempt's
+// start goes: another copy of the event that failed beside an attempt
+// that hangs (a redelivery after the ack deadline, whose claim waits for
+// the hung one's) leaves the hung attempt's start counted, so a liveness
+// probe killing it again and again ends in a crash loop.
 func (s *Store) EndAttempt(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) error {
+	t, id := s.sideTable("_crash"), s.sql.eventID(eventID)
+	where := " WHERE consumer = " + s.ph(1) + " AND event_id = " + s.ph(2)
+	if _, err := q.Exec(ctx, "UPDATE "+t+" SET started = started - 1"+where+" AND started > 0", consumer, id); err != nil {
+		return err
+	}
+	_, err := q.Exec(ctx, "DELETE FROM "+t+where+" AND started <= 0", consumer, id)
+	return err
+}
+
+// ForgetAttempts deletes the count of (consumer, eventID): the event was
+// processed, or dead-lettered as a crash loop (a redrive starts afresh).
+// Run on the attempt's own transaction, it commits with the claim and
+// leaves no count behind a process that dies after the commit.
+func (s *Store) ForgetAttempts(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) error {
 	_, err := q.Exec(ctx, "DELETE FROM "+s.sideTable("_crash")+" WHERE consumer = "+s.ph(1)+" AND event_id = "+s.ph(2),
 		consumer, s.sql.eventID(eventID))
 	return err
