@@ -280,6 +280,47 @@ func (u *unrecordedEnds) remove(k crashKey) {
 	u.n.Store(int32(len(u.set)))
 }
 
+// countedTurns lets one counted attempt (countsCrashes) at a time run in
+// the process, whatever the consumer: a process that dies with several
+// counted attempts in flight counts a crash for each, and a healthy message
+// handled beside the one that kills the process would be dead-lettered
+// with it. First deliveries, which count nothing, run beside it.
+var countedTurns = make(chan struct{}, 1)
+
+// countedTurnWait bounds the wait for countedTurns: past it the attempt
+// runs beside the other counted one (logged), so a handler that waits for
+// another counted attempt of the same process never deadlocks; a crash
+// then counts both.
+var countedTurnWait = func() *atomic.Int64 {
+	var d atomic.Int64
+	d.Store(int64(time.Minute))
+	return &d
+}()
+
+// countedTurn waits for the process's counted attempt slot (countedTurns)
+// and returns its release. The message context ending first fails the
+// attempt as transient: the delivery is given back.
+func (m *Idempotent) countedTurn(ctx context.Context, fields watermill.LogFields) (release func(), err error) {
+	select {
+	case countedTurns <- struct{}{}:
+		return func() { <-countedTurns }, nil
+	default:
+	}
+	wait := time.Duration(countedTurnWait.Load())
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case countedTurns <- struct{}{}:
+		return func() { <-countedTurns }, nil
+	case <-t.C:
+		m.logger.Info("Counted attempt runs beside another one of this process (waited "+wait.String()+
+			"): a crash now counts both", fields)
+		return func() {}, nil
+	case <-ctx.Done():
+		return nil, &InfrastructureError{Op: "wait for the process's counted attempt", Err: ctx.Err()}
+	}
+}
+
 // crashWarmup is how many attempts after a consumer starts are counted as
 // possible crashes on transports that mark no redelivery (Kafka, Redis
 // Streams without CountingClient): a message that killed the process is
@@ -462,6 +503,11 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		if !m.countsCrashes(msg) {
 			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, nil)
 		}
+		release, werr := m.countedTurn(origCtx, fields)
+		if werr != nil {
+			return nil, m.finish(handlerName, OutcomeFailed, start, 0, fields, werr)
+		}
+		defer release()
 		started, stored, cerr := m.startAttempt(origCtx, consumer, eventID)
 		if cerr != nil {
 			// The database is unreachable: the attempt runs uncounted and
