@@ -19,7 +19,7 @@
 // the running service (jsm.go#101).
 //
 // Publishing: the outbox relay publishes with watermill-nats' publisher and
-// [Marshaler]; dead letters, redrives and replays with [CopyPublisher], which
+// [Marshaler]; dead letters, redrives and replays with [Publisher], which
 // gives each copy a Nats-Msg-Id of its own and reads the PubAck.
 //
 // Deduplication notes for JetStream:
