@@ -70,13 +70,15 @@ type RelayConfig struct {
 	// dead-letter table, counted (Recorder.DeadLettered) and logged at
 	// ERROR with its row id, event_id and reason, and the relay goes on.
 	// Failures are told apart by origin, not by the error's text:
-	//   - back-pressure (BackPressure: a nack of a full queue, a publish
+	//   - back-pressure (BackPressure: a nack of a full queue, a full
+	//     JetStream stream (marshaler/jetstream.Publisher), a publish
 	//     that timed out, a connection the broker blocked) never counts: the
 	//     row waits with backoff per topic;
 	//   - an unroutable row (an error with an Unroutable() bool method
 	//     returning true: the mandatory publish of
 	//     marshaler/amqp.ConfirmedPublisher came back, ErrUnroutable, no
-	//     queue bound to its topic yet) never counts: the row stays, with
+	//     queue bound to its topic yet; marshaler/jetstream.Publisher found
+	//     no stream for its subject) never counts: the row stays, with
 	//     backoff per topic, holding back only its topic's later rows, and
 	//     each failure is logged at WARN (Error for a logger without Warn)
 	//     naming the topic, until a queue is bound to it;
@@ -107,7 +109,8 @@ type RelayConfig struct {
 	// must accept a publish there while it is up: with a publisher that
 	// fails unroutable messages (mandatory publish, e.g.
 	// marshaler/amqp.ConfirmedPublisher) bind a queue to it (with a message
-	// TTL or length limit); plain watermill-amqp drops an unroutable probe
+	// TTL or length limit), with marshaler/jetstream.Publisher a stream
+	// (with MaxMsgs or MaxAge); plain watermill-amqp drops an unroutable probe
 	// and reports success, which is what is wanted. Defaults to
 	// DefaultProbeTopic. Ignored when Probe is set.
 	ProbeTopic string

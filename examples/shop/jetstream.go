@@ -139,6 +139,10 @@ func (t JetStreamTransport) maxAckPending() int {
 
 // Declare creates the events stream and, for each consumer, its durable
 // consumer and its dead-letter and reconciliation streams (file storage).
+// The events stream also takes the relay's probe: EventsPublisher publishes
+// the probe topic (outbox.probe) on Subject("outbox.probe"), and a probe
+// without a stream would be unroutable; a consumer whose bindings do not
+// name it acks and skips it.
 func (t JetStreamTransport) Declare(js nats.JetStreamContext, consumers ...Consumer) error {
 	if t.Prefix == "" {
 		return errors.New("shop: JetStreamTransport.Prefix is required")
@@ -175,11 +179,15 @@ func (t JetStreamTransport) Delete(js nats.JetStreamContext, consumers ...Consum
 	return err
 }
 
-func (t JetStreamTransport) publisher(logger watermill.LoggerAdapter) (*wmnats.Publisher, error) {
-	return wmnats.NewPublisher(wmnats.PublisherConfig{
-		URL: t.URL, Marshaler: jetstream.Marshaler{},
+// publisher is marshaler/jetstream's Publisher, for the relay, poison and
+// reconciliation alike: a Nats-Msg-Id per publish, the PubAck read, a full
+// stream reported as back-pressure and a subject without a stream as
+// unroutable.
+func (t JetStreamTransport) publisher(watermill.LoggerAdapter) (*jetstream.Publisher, error) {
+	return jetstream.NewPublisher(jetstream.PublisherConfig{
+		URL:         t.URL,
 		NatsOptions: []nats.Option{nats.MaxReconnects(-1), nats.ReconnectWait(100 * time.Millisecond)},
-	}, logger)
+	})
 }
 
 // Subscriber implements Transport: the workers of c's durable consumer. The

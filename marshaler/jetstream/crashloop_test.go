@@ -26,7 +26,7 @@ func crashLoopWiring(logger watermill.LoggerAdapter) (crashlooptest.Wiring, erro
 	if err != nil {
 		return crashlooptest.Wiring{}, err
 	}
-	poison, err := NewCopyPublisher(CopyPublisherConfig{URL: testenv.NATSURL()})
+	poison, err := NewPublisher(PublisherConfig{URL: testenv.NATSURL()})
 	if err != nil {
 		return crashlooptest.Wiring{}, err
 	}
@@ -48,7 +48,7 @@ func TestCrashLoopingEventIsDeadLetteredOnJetStream(t *testing.T) {
 		Marked: true,
 		Env:    []string{"CRASHLOOP_JS_STREAM=" + stream},
 		Publish: func(t testing.TB, msgs []*message.Message) {
-			pub, err := NewCopyPublisher(CopyPublisherConfig{URL: testenv.NATSURL()})
+			pub, err := NewPublisher(PublisherConfig{URL: testenv.NATSURL()})
 			require.NoError(t, err)
 			defer pub.Close()
 			require.NoError(t, pub.Publish(stream+".events", msgs...))

@@ -12,8 +12,8 @@ import (
 )
 
 // The envelope on NATS JetStream: Marshal sets the Nats-Msg-Id header from
-// the event id (JetStream's duplicate window then drops a relay's
-// republish), Unmarshal gives the event id back as msg.UUID, and a body that
+// the event id (JetStream's duplicate window then drops a republish through
+// watermill-nats' publisher; Publisher sets an id per publish), Unmarshal gives the event id back as msg.UUID, and a body that
 // is no envelope is flagged, never an error (watermill-nats would leave it
 // unacked, redelivered every AckWait forever).
 func Example() {

@@ -59,7 +59,7 @@ func hungChild() error {
 	if err != nil {
 		return err
 	}
-	poison, err := NewCopyPublisher(CopyPublisherConfig{URL: testenv.NATSURL()})
+	poison, err := NewPublisher(PublisherConfig{URL: testenv.NATSURL()})
 	if err != nil {
 		return err
 	}
@@ -112,7 +112,7 @@ func TestHungHandlerKilledByLivenessProbeIsDeadLetteredAsCrashLoop(t *testing.T)
 	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
 
 	e := newEvent(t)
-	pub, err := NewCopyPublisher(CopyPublisherConfig{URL: testenv.NATSURL()})
+	pub, err := NewPublisher(PublisherConfig{URL: testenv.NATSURL()})
 	require.NoError(t, err)
 	require.NoError(t, pub.Publish(stream+".events", e))
 	require.NoError(t, pub.Close())

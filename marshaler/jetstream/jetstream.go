@@ -18,19 +18,29 @@
 // and a watch that notices the durable consumer deleted or replaced under
 // the running service (jsm.go#101).
 //
-// Publishing: the outbox relay publishes with watermill-nats' publisher and
-// [Marshaler]; dead letters, redrives and replays with [CopyPublisher], which
-// gives each copy a Nats-Msg-Id of its own and reads the PubAck.
+// Publishing: [NewPublisher] is the publisher of everything on JetStream:
+// the outbox relay's destination, dead letters (the poison destination),
+// redrives and replays. [Publisher] gives each publish a Nats-Msg-Id of its
+// own (every message given is stored as a new one: a relay's republish is
+// not dropped by the duplicate window, the consumer's claim skips it),
+// reads the PubAck, and tells JetStream's refusals apart for the relay: a
+// full stream (DiscardNew), storage or memory exhausted and a missing
+// PubAck are back-pressure (never counted against a row); a subject no
+// stream takes is unroutable (the row waits for a stream). Bind a stream to
+// the relay's probe topic ("outbox.probe" by default): the probe publishes
+// through the same publisher.
 //
 // Deduplication notes for JetStream:
 //
 //   - JetStream drops a publish whose Nats-Msg-Id header it already saw in the
 //     stream's duplicate window (StreamConfig.Duplicates, default 2 minutes):
 //     the publish succeeds with PubAck.Duplicate set and nothing is stored.
-//     Marshal sets Nats-Msg-Id to "<event id>:<subject>", so an outbox relay
-//     republishing the same event within the window is dropped by the broker,
+//     Marshal sets Nats-Msg-Id to "<event id>:<subject>", so a producer
+//     publishing with watermill-nats' publisher and [Marshaler] has its
+//     republish of the same event within the window dropped by the broker,
 //     while the same event published to another subject of the same stream (a
-//     poison/dead-letter copy) is not. Past the window, a republish is stored
+//     poison/dead-letter copy) is not. [Publisher] replaces that id with one
+//     of its own for every publish. Past the window, a republish is stored
 //     again and the middleware's claim is what skips it: the window is an
 //     optimisation, never the guarantee.
 //   - watermill-nats' JetStreamConfig.TrackMsgId overrides that header with

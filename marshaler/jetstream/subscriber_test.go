@@ -62,8 +62,9 @@ func newEvent(t *testing.T) *message.Message {
 	return msg
 }
 
-// publish stores msg the way an ordinary producer (the outbox relay) does:
-// watermill-nats' publisher with Marshaler (Nats-Msg-Id "<event id>:<subject>").
+// publish stores msg the way a producer publishing with watermill-nats'
+// publisher and Marshaler does (Nats-Msg-Id "<event id>:<subject>"). The
+// outbox relay publishes with Publisher (a Nats-Msg-Id per publish).
 func publish(t *testing.T, url, topic string, msgs ...*message.Message) {
 	t.Helper()
 	pub, err := wmnats.NewPublisher(wmnats.PublisherConfig{URL: url, Marshaler: Marshaler{}}, watermill.NopLogger{})

@@ -1,0 +1,174 @@
+package jetstream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/nats-io/nats.go"
+
+	"github.com/watermill-idempotency/idempotency/marshaler"
+)
+
+// ErrDuplicate is returned by [Publisher.Publish] when JetStream answered a
+// publish with a PubAck marked Duplicate: nothing was stored.
+var ErrDuplicate = errors.New("jetstream: message dropped by the stream's duplicate window")
+
+// PublisherConfig configures [NewPublisher].
+type PublisherConfig struct {
+	// URL of the NATS server. Required.
+	URL string
+	// NatsOptions are passed to nats.Connect.
+	NatsOptions []nats.Option
+	// PublishOptions are passed to each JetStream publish (e.g.
+	// nats.ExpectStream). nats.MsgId is set by the publisher. With
+	// nats.AckWait among them the message's context is not passed to the
+	// publish (nats.go takes one or the other).
+	PublishOptions []nats.PubOpt
+	// Decoder's MaxSize bounds the published envelope (see [Marshaler]).
+	Decoder marshaler.Decoder
+}
+
+// Publisher is the publisher of everything that goes to JetStream: the
+// outbox relay's events, dead letters (the poison destination), DLQ
+// redrives and replays. Every publish gets a Nats-Msg-Id of its own (a
+// fresh UUIDv7), so every message given is stored as a new message:
+// [Marshaler]'s "<event id>:<subject>" would make JetStream drop a redrive,
+// a replay or a second dead letter of one event published within the
+// stream's duplicate window, with a PubAck that reports success
+// (nats-server#2921). A relay's republish of a row is stored too; the
+// consumer's claim skips it. It reads every PubAck and returns ErrDuplicate
+// when one says Duplicate. The body and the other headers are those of
+// [Marshaler]: a consumer still sees the event's id, and its claim still
+// skips a copy of an event it applied.
+//
+// Publish tells JetStream's refusals apart, for outbox.Relay and any other
+// caller that retries (the error wraps nats.go's, so errors.Is and
+// errors.As still reach it):
+//
+//   - back-pressure (the error has a BackPressure method returning true,
+//     the row is never counted against): a stream at its limits with
+//     DiscardNew ("maximum messages exceeded", "maximum bytes exceeded",
+//     "maximum messages per subject exceeded": API error 10077), the
+//     server out of storage (10047) or memory (10028), no PubAck in time
+//     (nats.ErrTimeout: a leader election, a slow server) and the message's
+//     context expired (context.DeadlineExceeded);
+//   - unroutable (the error has an Unroutable method returning true, the
+//     row waits for a stream): no stream takes the subject
+//     (nats.ErrNoStreamResponse, nats.ErrNoResponders);
+//   - anything else as nats.go returned it, e.g. a message larger than the
+//     stream's MaxMsgSize (10054): the message's fault.
+type Publisher struct {
+	nc    *nats.Conn
+	js    nats.JetStreamContext
+	cfg   PublisherConfig
+	newID func() string // the publish's Nats-Msg-Id; tests replace it
+}
+
+var _ message.Publisher = (*Publisher)(nil)
+
+// NewPublisher connects to cfg.URL.
+func NewPublisher(cfg PublisherConfig) (*Publisher, error) {
+	if cfg.URL == "" {
+		return nil, errors.New("jetstream: PublisherConfig.URL is required")
+	}
+	nc, err := nats.Connect(cfg.URL, cfg.NatsOptions...)
+	if err != nil {
+		return nil, fmt.Errorf("jetstream: connect: %w", err)
+	}
+	js, err := nc.JetStream()
+	if err != nil {
+		nc.Close()
+		return nil, fmt.Errorf("jetstream: %w", err)
+	}
+	return &Publisher{nc: nc, js: js, cfg: cfg, newID: func() string { return uuid.Must(uuid.NewV7()).String() }}, nil
+}
+
+// Publish stores each message in the stream of topic as a new message, in
+// order, and stops at the first failure: a publish error (classified as
+// the type doc says), or a PubAck marked Duplicate (ErrDuplicate). The
+// error names the subject, the message and its Nats-Msg-Id. A message
+// whose context (msg.Context()) can end bounds the wait for its PubAck;
+// otherwise the JetStream context's default wait (5s) does.
+func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
+	for _, msg := range msgs {
+		nm, err := Marshaler{Decoder: p.cfg.Decoder}.Marshal(topic, msg)
+		if err != nil {
+			return err
+		}
+		id := p.newID()
+		nm.Header.Set(nats.MsgIdHdr, id)
+		ack, err := p.publish(msg.Context(), nm)
+		if err != nil {
+			return fmt.Errorf("jetstream: publish of message %s (Nats-Msg-Id %s) to %q: %w", msg.UUID, id, topic, classify(err))
+		}
+		if ack.Duplicate {
+			return fmt.Errorf("%w: message %s (Nats-Msg-Id %s) to %q (stream %s, sequence %d)", ErrDuplicate, msg.UUID, id, topic, ack.Stream, ack.Sequence)
+		}
+	}
+	return nil
+}
+
+// publish publishes nm with ctx when ctx can end and PublishOptions set no
+// AckWait (nats.go refuses both, ErrContextAndTimeout, before sending).
+func (p *Publisher) publish(ctx context.Context, nm *nats.Msg) (*nats.PubAck, error) {
+	if ctx != nil && ctx.Done() != nil {
+		opts := append(p.cfg.PublishOptions[:len(p.cfg.PublishOptions):len(p.cfg.PublishOptions)], nats.Context(ctx))
+		ack, err := p.js.PublishMsg(nm, opts...)
+		if !errors.Is(err, nats.ErrContextAndTimeout) {
+			return ack, err
+		}
+	}
+	return p.js.PublishMsg(nm, p.cfg.PublishOptions...)
+}
+
+// Close closes the connection.
+func (p *Publisher) Close() error {
+	p.nc.Close()
+	return nil
+}
+
+// JetStream API error codes (nats-server's ErrorIdentifier) that are
+// back-pressure: the server cannot store the message now.
+const (
+	codeMemoryExceeded  nats.ErrorCode = 10028 // JSMemoryResourcesExceededErr: insufficient memory resources
+	codeStorageExceeded nats.ErrorCode = 10047 // JSStorageResourcesExceededErr: insufficient storage resources
+	codeStoreFailed     nats.ErrorCode = 10077 // JSStreamStoreFailedF: maximum messages/bytes/messages per subject exceeded (DiscardNew)
+)
+
+// classify wraps a publish error of nats.go's in backPressureError or
+// unroutableError when it is one (see [Publisher]); otherwise it returns
+// err.
+func classify(err error) error {
+	var api *nats.APIError
+	switch {
+	case errors.As(err, &api) && (api.ErrorCode == codeStoreFailed || api.ErrorCode == codeStorageExceeded || api.ErrorCode == codeMemoryExceeded),
+		errors.Is(err, nats.ErrTimeout), errors.Is(err, context.DeadlineExceeded):
+		return backPressureError{err}
+	case errors.Is(err, nats.ErrNoStreamResponse), errors.Is(err, nats.ErrNoResponders):
+		return unroutableError{err}
+	}
+	return err
+}
+
+// backPressureError is a publish error that is the server pushing back,
+// not the message's fault: outbox.Relay never counts it against a row.
+type backPressureError struct{ err error }
+
+func (e backPressureError) Error() string { return e.err.Error() }
+func (e backPressureError) Unwrap() error { return e.err }
+
+// BackPressure reports true.
+func (backPressureError) BackPressure() bool { return true }
+
+// unroutableError is a publish error that says no stream takes the
+// subject yet: outbox.Relay keeps the row until one does.
+type unroutableError struct{ err error }
+
+func (e unroutableError) Error() string { return e.err.Error() }
+func (e unroutableError) Unwrap() error { return e.err }
+
+// Unroutable reports true.
+func (unroutableError) Unroutable() bool { return true }

@@ -1,0 +1,230 @@
+package jetstream
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/outbox"
+)
+
+// relayRecorder counts what the relay reports.
+type relayRecorder struct {
+	mu                                 sync.Mutex
+	published, failed, pressured, dead int
+}
+
+func (r *relayRecorder) Round(n int) { r.mu.Lock(); r.published += n; r.mu.Unlock() }
+func (r *relayRecorder) PublishFailed(string) {
+	r.mu.Lock()
+	r.failed++
+	r.mu.Unlock()
+}
+func (r *relayRecorder) BackPressured(string)       { r.mu.Lock(); r.pressured++; r.mu.Unlock() }
+func (r *relayRecorder) DeadLettered(string)        { r.mu.Lock(); r.dead++; r.mu.Unlock() }
+func (r *relayRecorder) Pending(int, time.Duration) {}
+
+func (r *relayRecorder) counts() (published, failed, pressured, dead int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.published, r.failed, r.pressured, r.dead
+}
+
+// relayFixture is an outbox on a schema of its own, a JetStream context,
+// and a stream for the relay's probe.
+type relayFixture struct {
+	pool  *pgxpool.Pool
+	ob    *outbox.Outbox
+	js    nats.JetStreamContext
+	url   string
+	probe string // the probe topic, a subject of a stream
+}
+
+func newRelayFixture(t *testing.T) *relayFixture {
+	t.Helper()
+	url := natsURL(t)
+	_, js := testStream(t, url)
+	pool, _ := testenv.Pool(t)
+	ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(pool)}, watermill.NopLogger{})
+	require.NoError(t, err)
+	require.NoError(t, ob.Migrate(context.Background()))
+	// The default probe publishes through the relay's publisher: bind a
+	// stream to its topic, or a failing row always looks like an outage.
+	probe := newStream(t, js, nats.StreamConfig{MaxMsgs: 10}) + ".probe"
+	return &relayFixture{pool: pool, ob: ob, js: js, url: url, probe: probe}
+}
+
+// write commits a row for topic and returns its event id.
+func (f *relayFixture) write(t *testing.T, topic string) string {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := f.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	pub, err := f.ob.PgxPublisher(tx)
+	require.NoError(t, err)
+	msg, err := marshaler.NewMessage("order.placed", map[string]int{"order_id": 1})
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish(topic, msg))
+	require.NoError(t, tx.Commit(ctx))
+	return msg.UUID
+}
+
+// rows returns the outbox's pending and dead-lettered rows.
+func (f *relayFixture) rows(t *testing.T) (pending, dead int) {
+	t.Helper()
+	ctx := context.Background()
+	require.NoError(t, f.pool.QueryRow(ctx, "SELECT count(*) FROM outbox").Scan(&pending))
+	require.NoError(t, f.pool.QueryRow(ctx, "SELECT count(*) FROM outbox_dead").Scan(&dead))
+	return pending, dead
+}
+
+// run starts the relay publishing with NewPublisher until the test ends.
+func (f *relayFixture) run(t *testing.T, maxAttempts int) *relayRecorder {
+	t.Helper()
+	pub, err := NewPublisher(PublisherConfig{URL: f.url})
+	require.NoError(t, err)
+	rec := &relayRecorder{}
+	relay, err := f.ob.NewRelay(pub, outbox.RelayConfig{
+		MaxAttempts:   maxAttempts,
+		RetryInterval: 10 * time.Millisecond,
+		MaxBackoff:    50 * time.Millisecond,
+		PollInterval:  10 * time.Millisecond,
+		ProbeTopic:    f.probe,
+		Recorder:      rec,
+	})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = relay.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+		require.NoError(t, relay.Close())
+		require.NoError(t, pub.Close())
+	})
+	return rec
+}
+
+// stored returns the event id of the last message stored on subject ("" if none).
+func (f *relayFixture) stored(t *testing.T, subject string) string {
+	t.Helper()
+	m, err := f.js.GetLastMsg(streamOf(subject), subject)
+	if err != nil {
+		return ""
+	}
+	msg, _ := Marshaler{}.Unmarshal(&nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data})
+	return msg.UUID
+}
+
+// streamOf is the stream of a subject "<stream>.<...>" made by newStream.
+func streamOf(subject string) string {
+	for i := range subject {
+		if subject[i] == '.' {
+			return subject[:i]
+		}
+	}
+	return subject
+}
+
+const relayMaxAttempts = 3
+
+// TestRelayFullStreamIsBackPressureAndRowIsDeliveredOnceRoomIsMade: a
+// stream at its limit with DiscardNew refuses the relay's publish ("maximum
+// messages exceeded"), as a RabbitMQ queue at x-max-length with
+// reject-publish nacks it. Through NewPublisher that is back-pressure: the
+// row fails more than MaxAttempts times and is never dead-lettered, and it
+// goes out once the stream has room.
+func TestRelayFullStreamIsBackPressureAndRowIsDeliveredOnceRoomIsMade(t *testing.T) {
+	t.Parallel()
+	f := newRelayFixture(t)
+	full := newStream(t, f.js, nats.StreamConfig{MaxMsgs: 1, Discard: nats.DiscardNew})
+	_, err := f.js.Publish(full+".filler", []byte("{}")) // the stream is now at its limit
+	require.NoError(t, err)
+	subject := full + ".orders"
+	id := f.write(t, subject)
+
+	rec := f.run(t, relayMaxAttempts)
+	testenv.Eventually(t, 30*time.Second, "publishes refused by the full stream, past MaxAttempts", func(o *testenv.Observed) bool {
+		_, failed, pressured, dead := rec.counts()
+		o.Int("failed", failed)
+		o.Int("back-pressured", pressured)
+		return o.Int("dead", dead) > 0 || pressured > relayMaxAttempts+2
+	})
+	pending, dead := f.rows(t)
+	require.Zero(t, dead, "a full stream (back-pressure) dead-lettered the row")
+	require.Equal(t, 1, pending, "the row waits in the outbox for room in the stream")
+
+	require.NoError(t, f.js.PurgeStream(full)) // a consumer drained the stream
+	testenv.Eventually(t, 30*time.Second, "the row published once the stream has room", func(o *testenv.Observed) bool {
+		pending, _ := f.rows(t)
+		return o.Int("pending", pending) == 0 && o.Str("stored", f.stored(t, subject)) == id
+	})
+	_, dead = f.rows(t)
+	require.Zero(t, dead)
+	_, _, _, recDead := rec.counts()
+	require.Zero(t, recDead)
+}
+
+// TestRelayRowOfSubjectWithoutStreamWaitsForAStream: no stream takes the
+// row's subject yet (its consumer is not deployed): JetStream answers "no
+// responders", NewPublisher reports it unroutable, and the row waits, past
+// MaxAttempts, while the probe shows the broker up ("A topic with no queue
+// yet waits"); once a stream takes the subject, the row goes out.
+func TestRelayRowOfSubjectWithoutStreamWaitsForAStream(t *testing.T) {
+	t.Parallel()
+	f := newRelayFixture(t)
+	notYet := testStreamName() // its stream is not created yet
+	subject := notYet + ".orders"
+	id := f.write(t, subject)
+
+	rec := f.run(t, relayMaxAttempts)
+	testenv.Eventually(t, 60*time.Second, "publishes to a subject without a stream, past MaxAttempts", func(o *testenv.Observed) bool {
+		_, failed, _, dead := rec.counts()
+		return o.Int("dead", dead) > 0 || o.Int("failed", failed) > relayMaxAttempts+2
+	})
+	pending, dead := f.rows(t)
+	require.Zero(t, dead, "a subject with no stream yet dead-lettered the row")
+	require.Equal(t, 1, pending, "the row waits in the outbox for a stream")
+
+	_, err := f.js.AddStream(&nats.StreamConfig{Name: notYet, Subjects: []string{notYet + ".>"}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = f.js.DeleteStream(notYet) })
+	testenv.Eventually(t, 30*time.Second, "the row published once a stream takes its subject", func(o *testenv.Observed) bool {
+		pending, _ := f.rows(t)
+		return o.Int("pending", pending) == 0 && o.Str("stored", f.stored(t, subject)) == id
+	})
+	_, dead = f.rows(t)
+	require.Zero(t, dead)
+}
+
+// TestRelayDeadLettersRowTheStreamRefuses: a row larger than the stream's
+// MaxMsgSize is the row's fault (every attempt meets the limit again): with
+// the probe going through, it is dead-lettered after MaxAttempts.
+func TestRelayDeadLettersRowTheStreamRefuses(t *testing.T) {
+	t.Parallel()
+	f := newRelayFixture(t)
+	small := newStream(t, f.js, nats.StreamConfig{MaxMsgSize: 16})
+	f.write(t, small+".orders")
+
+	rec := f.run(t, relayMaxAttempts)
+	testenv.Eventually(t, 30*time.Second, "the row dead-lettered", func(o *testenv.Observed) bool {
+		_, dead := f.rows(t)
+		_, _, _, recorded := rec.counts() // recorded after the round's failures
+		return o.Int("dead", dead) == 1 && o.Int("recorded dead", recorded) == 1
+	})
+	pending, _ := f.rows(t)
+	require.Zero(t, pending)
+	_, failed, pressured, _ := rec.counts()
+	require.Equal(t, relayMaxAttempts, failed)
+	require.Zero(t, pressured)
+}
