@@ -198,9 +198,9 @@ type ConsumerConfig struct {
 	// messages behind it are applied. Attempts are counted in the table's
 	// <table>_crash table, in autocommit (one more when an attempt starts,
 	// one less when it ends; deleted when the event is processed or
-	// dead-lettered; one counted attempt at a time in the process, so that
-	// a crash counts the attempt that was running and not a healthy one
-	// beside it), for redeliveries only on transports that mark
+	// dead-lettered; one counted redelivery at a time in the process, so
+	// that a crash counts the attempt that was running and not a healthy
+	// one beside it), for redeliveries only on transports that mark
 	// them (AMQP's redelivered flag, quorum queues' x-delivery-count,
 	// JetStream's NumDelivered, Redis Streams' pending delivery count), and
 	// for the first 64 attempts after the consumer is built on transports

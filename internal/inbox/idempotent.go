@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
@@ -223,15 +224,14 @@ type Idempotent struct {
 	unrecorded unrecordedEnds
 }
 
-// unrecordedEnds is a set of (consumer, event id) whose attempt ended in
-// this process without its end written, of at most maxUnrecordedEnds: past
-// it an end is not remembered, and its event's next start may count it
-// (the bound before that is reached is this many events, each held through
-// an outage that began during one of its attempts).
+// unrecordedEnds are the ends of attempts this process ran whose end
+// could not be written, by (consumer, event id), with how many each: at
+// most maxUnrecordedEnds events (past it an end is not remembered, and its
+// event's count keeps that start, as a crash would).
 type unrecordedEnds struct {
-	mu  sync.Mutex
-	set map[crashKey]struct{}
-	// n is len(set), read without the lock by every attempt.
+	mu    sync.Mutex
+	count map[crashKey]int
+	// n is the number of ends owed, read without the lock by every attempt.
 	n atomic.Int32
 }
 
@@ -242,55 +242,60 @@ type crashKey struct {
 
 const maxUnrecordedEnds = 4096
 
+// add owes one more end of k.
 func (u *unrecordedEnds) add(k crashKey) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
-	if u.set == nil {
-		u.set = make(map[crashKey]struct{})
+	if u.count == nil {
+		u.count = make(map[crashKey]int)
 	}
-	if len(u.set) < maxUnrecordedEnds {
-		u.set[k] = struct{}{}
-		u.n.Store(int32(len(u.set)))
+	if u.count[k] > 0 || len(u.count) < maxUnrecordedEnds {
+		u.count[k]++
+		u.n.Add(1)
 	}
 }
 
-// keys returns the ends still to be written.
-func (u *unrecordedEnds) keys() []crashKey {
+// take removes one owed end, of k when only is set, and reports whether
+// there was one: the caller writes it, and adds it back when the write
+// fails. Two attempts never write the same owed end.
+func (u *unrecordedEnds) take(k crashKey, only bool) (crashKey, bool) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
-	ks := make([]crashKey, 0, len(u.set))
-	for k := range u.set {
-		ks = append(ks, k)
+	if !only {
+		for key := range u.count {
+			k = key
+			break
+		}
 	}
-	return ks
+	if u.count[k] == 0 {
+		return k, false
+	}
+	if u.count[k]--; u.count[k] == 0 {
+		delete(u.count, k)
+	}
+	u.n.Add(-1)
+	return k, true
 }
 
-// has reports whether k's end is still to be written.
-func (u *unrecordedEnds) has(k crashKey) bool {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	_, ok := u.set[k]
-	return ok
-}
-
-func (u *unrecordedEnds) remove(k crashKey) {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	delete(u.set, k)
-	u.n.Store(int32(len(u.set)))
-}
-
-// countedTurns lets one counted attempt (countsCrashes) at a time run in
-// the process, whatever the consumer: a process that dies with several
-// counted attempts in flight counts a crash for each, and a healthy message
-// handled beside the one that kills the process would be dead-lettered
-// with it. First deliveries, which count nothing, run beside it.
+// countedTurns lets one counted attempt of a redelivery the broker marks
+// (countsCrashes, markedRedelivery) at a time run in the process,
+// whatever the consumer: a process that dies with several counted attempts
+// in flight counts a crash for each, and a healthy message handled beside
+// the one that kills the process would be dead-lettered with it. First
+// deliveries, which count nothing, run beside it, and so do the warm-up
+// attempts of a transport that marks nothing (Kafka; GoChannel, whose
+// handlers may wait for each other through a blocking publish): there a
+// crash counts every one in flight. An attempt nested in another
+// consumer's attempt of the same delivery runs in its outer one's turn, and
+// one that joins watermill-sql's subscriber transaction takes none: that
+// transaction spans the attempts of its batch, and an attempt holding the
+// turn could wait for a lock it holds while it waits for the turn.
 var countedTurns = make(chan struct{}, 1)
 
 // countedTurnWait bounds the wait for countedTurns: past it the attempt
-// runs beside the other counted one (logged), so a handler that waits for
-// another counted attempt of the same process never deadlocks; a crash
-// then counts both.
+// runs beside the counted one (logged), so a handler that waits for another
+// counted attempt of the same process never deadlocks; a crash then counts
+// every counted attempt in flight.
 var countedTurnWait = func() *atomic.Int64 {
 	var d atomic.Int64
 	d.Store(int64(time.Minute))
@@ -314,7 +319,7 @@ func (m *Idempotent) countedTurn(ctx context.Context, fields watermill.LogFields
 		return func() { <-countedTurns }, nil
 	case <-t.C:
 		m.logger.Info("Counted attempt runs beside another one of this process (waited "+wait.String()+
-			"): a crash now counts both", fields)
+			"): a crash now counts every counted attempt in flight", fields)
 		return func() {}, nil
 	case <-ctx.Done():
 		return nil, &InfrastructureError{Op: "wait for the process's counted attempt", Err: ctx.Err()}
@@ -461,7 +466,11 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		reject := func(o Outcome, reason string, err error) ([]*message.Message, error) {
 			return nil, m.finish(handlerName, o, start, 0, fields, permanent(reason, err))
 		}
-		if outer, nested := stateFrom(origCtx); nested && outer.consumer == consumer {
+		if m.unrecorded.n.Load() > 0 {
+			m.payOwedEnds(origCtx)
+		}
+		outer, nested := stateFrom(origCtx)
+		if nested && outer.consumer == consumer {
 			// Wired twice (by hand, or a router-level chain plus a
 			// handler-level one): this claim would wait for the outer
 			// attempt's uncommitted claim of the same key, forever.
@@ -495,31 +504,30 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		if !m.quiet {
 			fields["event_id"] = eventID.String()
 		}
-		if m.unrecorded.n.Load() > 0 {
-			m.payOwedEnds(origCtx)
-		}
 		// The replay window is the claim's (the database clock, see
 		// retention.go): no expiry check runs here on the process clock.
 		if !m.countsCrashes(msg) {
 			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, nil)
 		}
-		release, werr := m.countedTurn(origCtx, fields)
-		if werr != nil {
-			return nil, m.finish(handlerName, OutcomeFailed, start, 0, fields, werr)
+		if _, joined := wsql.TxFromContext(origCtx); markedRedelivery(msg) && !nested && !joined {
+			release, werr := m.countedTurn(origCtx, fields)
+			if werr != nil {
+				return nil, m.finish(handlerName, OutcomeFailed, start, 0, fields, werr)
+			}
+			defer release()
 		}
-		defer release()
-		started, stored, cerr := m.startAttempt(origCtx, consumer, eventID)
+		started, stored, sent, cerr := m.startAttempt(origCtx, consumer, eventID)
 		if cerr != nil {
 			// The database is unreachable: the attempt runs uncounted and
-			// will say so. The start may have been written all the same
-			// (it committed and its answer was lost on a breaking
-			// connection), so its end is owed: written when the attempt
-			// ends, or else before the event's next start. Otherwise each
-			// such start of a delivery held through a flapping database
-			// stayed counted as a crash, and the event was dead-lettered
-			// as a crash loop.
-			m.unrecorded.add(crashKey{consumer, eventID})
-			defer m.endAttempt(origCtx, consumer, eventID)
+			// will say so. A start that was sent may have been written all
+			// the same (it committed and its answer was lost on a breaking
+			// connection), so it is ended with the attempt (and owed when
+			// that fails too). Otherwise each such start of a delivery held
+			// through a flapping database stayed counted as a crash, and
+			// the event was dead-lettered as a crash loop.
+			if sent {
+				defer m.endAttempt(origCtx, consumer, eventID)
+			}
 			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, nil)
 		}
 		if stored.Found {
@@ -545,7 +553,12 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 				// transaction).
 				m.forgetAttempts(origCtx, consumer, eventID)
 			default:
+				// Failed: one less. Dead-lettered by the chain
+				// afterwards (a permanent error, retries exhausted),
+				// the count is deleted, so that a redrive of it starts
+				// afresh.
 				m.endAttempt(origCtx, consumer, eventID)
+				onPoisoned(origCtx, crashKey{consumer, eventID}, func(ctx context.Context) { m.forgetAttempts(ctx, consumer, eventID) })
 			}
 		}()
 		if crashed := crashedAttempts(msg, started); crashed >= m.cfg.MaxCrashes {
@@ -640,6 +653,17 @@ func (m *Idempotent) countsCrashes(msg *message.Message) bool {
 	return m.warmup.Add(1) <= crashWarmup
 }
 
+// markedRedelivery reports whether msg's transport marks redeliveries
+// (the redelivered flag or a delivery count is present), so that its
+// counted attempts are redeliveries and take the process's turn
+// (countedTurns); the warm-up attempts of a transport that marks nothing
+// do not.
+func markedRedelivery(msg *message.Message) bool {
+	_, hasFlag := msg.Metadata[marshaler.MetadataRedelivered]
+	_, hasCount := marshaler.DeliveryCount(msg)
+	return hasFlag || hasCount
+}
+
 // crashedAttempts is how many earlier attempts of msg died: started, the
 // durable count of attempts begun and never ended (this one included), less
 // this one, and never more than the broker's count of earlier deliveries
@@ -666,17 +690,21 @@ func crashedAttempts(msg *message.Message, started int) int {
 // this process could not write (endAttempt) is written first; while it
 // cannot be, the start is not written either (an error: the attempt runs
 // uncounted).
-func (m *Idempotent) startAttempt(ctx context.Context, consumer string, id uuid.UUID) (int, processedstore.StoredIdentity, error) {
+func (m *Idempotent) startAttempt(ctx context.Context, consumer string, id uuid.UUID) (started int, stored processedstore.StoredIdentity, sent bool, err error) {
 	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
 	defer cancel()
 	k := crashKey{consumer, id}
-	if m.unrecorded.has(k) {
+	if _, owed := m.unrecorded.take(k, true); owed {
 		if err := m.cfg.Store.EndAttempt(c, m.cfg.CrashQuerier, consumer, id); err != nil {
-			return 0, processedstore.StoredIdentity{}, err
+			m.unrecorded.add(k)
+			return 0, stored, false, err
 		}
-		m.unrecorded.remove(k)
 	}
-	return m.cfg.Store.StartAttemptUnlessProcessed(c, m.cfg.CrashQuerier, consumer, id)
+	if stored, err = m.cfg.Store.StoredIdentity(c, m.cfg.CrashQuerier, consumer, id); err != nil || stored.Found {
+		return 0, stored, false, err
+	}
+	started, err = m.cfg.Store.StartAttempt(c, m.cfg.CrashQuerier, consumer, id)
+	return started, stored, true, err
 }
 
 // processedRedelivery ends the attempt of a redelivered message whose
@@ -695,20 +723,24 @@ func (m *Idempotent) processedRedelivery(msg *message.Message, consumer, handler
 	return nil
 }
 
-// payOwedEnds writes the ends this process owes (unrecorded), stopping
-// at the first that fails (the database is still away). Each is a
-// DELETE of the event's count: one written after another process started
-// the event again resets that process's count too, so a crash there is
-// counted one attempt later, never earlier.
+// payOwedEnds writes the ends this process owes (unrecorded), each once,
+// stopping at the first that fails (the database is still away). Each
+// takes one start off its event's count: where the start it ends was never
+// written (its answer lost before it was sent), it takes another
+// attempt's, and a crash is counted one attempt later, never earlier.
 func (m *Idempotent) payOwedEnds(ctx context.Context) {
-	for _, k := range m.unrecorded.keys() {
+	for {
+		k, ok := m.unrecorded.take(crashKey{}, false)
+		if !ok {
+			return
+		}
 		c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
 		err := m.cfg.Store.EndAttempt(c, m.cfg.CrashQuerier, k.consumer, k.id)
 		cancel()
 		if err != nil {
+			m.unrecorded.add(k)
 			return
 		}
-		m.unrecorded.remove(k)
 	}
 }
 
@@ -718,17 +750,15 @@ func (m *Idempotent) payOwedEnds(ctx context.Context) {
 func (m *Idempotent) endAttempt(ctx context.Context, consumer string, id uuid.UUID) {
 	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
 	defer cancel()
-	k := crashKey{consumer, id}
 	if err := m.cfg.Store.EndAttempt(c, m.cfg.CrashQuerier, consumer, id); err != nil {
-		m.unrecorded.add(k)
-		return
+		m.unrecorded.add(crashKey{consumer, id})
 	}
-	m.unrecorded.remove(k)
 }
 
-// forgetAttempts deletes the count of (consumer, id) once the message was
-// dead-lettered as a crash loop: a redrive of it starts afresh. When the
-// database is away the count stays (the redrive is then over the bound).
+// forgetAttempts deletes the count of (consumer, id) once the event was
+// processed, or the message dead-lettered: a redrive of it starts afresh.
+// When the database is away the count stays (a redrive then starts with
+// it).
 func (m *Idempotent) forgetAttempts(ctx context.Context, consumer string, id uuid.UUID) {
 	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
 	defer cancel()
