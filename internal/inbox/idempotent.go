@@ -755,6 +755,34 @@ func (m *Idempotent) endAttempt(ctx context.Context, consumer string, id uuid.UU
 	}
 }
 
+// ownContextEnded reports whether the attempt failed because the handler
+// bounded one of its statements with a context of its own that ended:
+// err (what the handler returned) is that context's error, or a statement
+// of the handler failed with its context ended (pgx), while the message
+// context is alive and the database answers on another connection. pgx
+// (and database/sql drivers) close the connection when they cancel a
+// statement, so the rollback or the commit fails too; without this the
+// attempt was an infrastructure failure (transient), held and redelivered
+// forever, where the handler's own deadline is ordinary (retried, then
+// poisoned; docs/consumer.md). A database that does not answer keeps it
+// transient: an outage is a wait.
+func (m *Idempotent) ownContextEnded(origCtx context.Context, err error, tx attemptTx) bool {
+	if origCtx.Err() != nil || m.outside == nil {
+		return false
+	}
+	own := err != nil && (errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled))
+	if p, ok := tx.(interface{ handlerCtxEnded() bool }); ok && !own {
+		own = p.handlerCtxEnded()
+	}
+	if !own {
+		return false
+	}
+	c, cancel := context.WithTimeout(context.WithoutCancel(origCtx), rollbackTimeout)
+	defer cancel()
+	var one int
+	return m.outside.QueryRow(c, "SELECT 1").Scan(&one) == nil
+}
+
 // forgetAttempts deletes the count of (consumer, id) once the event was
 // processed, or the message dead-lettered: a redrive of it starts afresh.
 // When the database is away the count stays (a redrive then starts with
@@ -848,7 +876,12 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		}
 	}
 	if err != nil {
-		err = attemptError(err, rollback(origCtx, tx), m.cfg.Classifier)
+		if rbErr := rollback(origCtx, tx); rbErr != nil && m.ownContextEnded(origCtx, err, tx) {
+			err = fmt.Errorf("%w (a statement the handler bounded with a context of its own was cancelled, and the attempt's connection closed with it; rollback: %v)",
+				classify(err, m.cfg.Classifier), rbErr)
+		} else {
+			err = attemptError(err, rbErr, m.cfg.Classifier)
+		}
 		if statementsLost(err) {
 			resetStatements(origCtx, tx)
 		}
@@ -878,6 +911,13 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	if cErr := tx.commit(origCtx); cErr != nil {
 		_ = rollback(origCtx, tx)
 		ended = true
+		if m.ownContextEnded(origCtx, nil, tx) {
+			// Ordinary: retried, then poisoned. Transient, it was held
+			// and redelivered forever, the same statement cancelled the
+			// same way each time.
+			return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, fmt.Errorf("idempotency: commit %s/%s: a statement the handler "+
+				"bounded with a context of its own was cancelled and the attempt's connection closed with it (the handler went on): %v", consumer, eventID, cErr))
+		}
 		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, commitError(consumer, eventID, cErr, m.cfg.Classifier, origCtx.Err() != nil))
 	}
 	ended = true

@@ -372,6 +372,22 @@ type txScan struct {
 	// mayEnd: a statement may have ended it, or pgx may have sent text
 	// the scan did not see.
 	mayEnd bool
+	// ownCtxEnded: a handler statement failed with its context ended (a
+	// deadline of the handler's own, unless the message context ended):
+	// pgx closes the connection when it cancels a statement.
+	ownCtxEnded bool
+}
+
+// handlerCtxEnded reports whether a statement of the handler (Exec,
+// Query) failed with its own context ended (txScan.ownCtxEnded).
+func (tx *pgxTx) handlerCtxEnded() bool { return tx.scan != nil && tx.scan.ownCtxEnded }
+
+// noteCtxEnded records a handler statement that failed with its context
+// ended.
+func (tx *pgxTx) noteCtxEnded(ctx context.Context, err error) {
+	if err != nil && ctx.Err() != nil && tx.scan != nil {
+		tx.scan.ownCtxEnded = true
+	}
 }
 
 // handlerSQL tells the connection's claim state about a handler
@@ -416,7 +432,9 @@ func (tx *pgxTx) Exec(ctx context.Context, sql string, arguments ...any) (pgconn
 		return pgconn.CommandTag{}, pgx.ErrTxClosed
 	}
 	tx.handlerSQL(sql, arguments)
-	return tx.pc.Exec(ctx, sql, arguments...)
+	tag, err := tx.pc.Exec(ctx, sql, arguments...)
+	tx.noteCtxEnded(ctx, err)
+	return tag, err
 }
 
 func (tx *pgxTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
@@ -425,6 +443,7 @@ func (tx *pgxTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 	}
 	tx.handlerSQL(sql, args)
 	rows, err := tx.pc.Query(ctx, sql, args...)
+	tx.noteCtxEnded(ctx, err)
 	if rows != nil {
 		rows = &rowsConn{rows, tx.session}
 	}
