@@ -172,3 +172,35 @@ func TestDeliverReturnsWhatTheRouterSees(t *testing.T) {
 	_, err = idempotencytest.Deliver(idempotencytest.Subject{}, newMsg())
 	require.ErrorContains(t, err, "Subject.Consumer")
 }
+
+type observations struct {
+	mu  sync.Mutex
+	obs []middleware.Observation
+}
+
+func (o *observations) RecordOutcome(ob middleware.Observation) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.obs = append(o.obs, ob)
+}
+
+// Subject.Consumer's doc: the helpers attach the consumer "to a handler
+// named "idempotencytest"": the attempts are observed (and logged, and
+// dead-lettered) under that name, as a router's context gives it, not an
+// empty one.
+func TestDeliverNamesTheHandlerIdempotencytest(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	rec := &observations{}
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+		Consumer: "named", DB: f.db, Recorder: rec,
+		Poison: middleware.PoisonConfig{Publisher: f.poison, Topic: "poison"},
+	}, nil)
+	require.NoError(t, err)
+	_, err = idempotencytest.Deliver(f.subject(c), newMsg())
+	require.NoError(t, err)
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	require.NotEmpty(t, rec.obs)
+	require.Equal(t, "idempotencytest", rec.obs[0].HandlerName)
+}

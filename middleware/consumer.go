@@ -623,7 +623,15 @@ func init() {
 				return nil, err
 			}
 		}
-		return c.chain(h), nil
+		chained := c.chain(h)
+		return func(msg *message.Message) ([]*message.Message, error) {
+			// Outside a router: the handler's name as a router gives it.
+			if orig := msg.Context(); message.HandlerNameFromCtx(orig) == "" {
+				msg.SetContext(inbox.WithHandlerName(orig, name))
+				defer msg.SetContext(orig)
+			}
+			return chained(msg)
+		}, nil
 	}
 }
 

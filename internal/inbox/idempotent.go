@@ -456,7 +456,7 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		origCtx := msg.Context()
 		consumer := m.cfg.Consumer
 		attempt := nextAttempt(msg)
-		handlerName := message.HandlerNameFromCtx(origCtx)
+		handlerName := handlerNameOf(origCtx)
 		// Log fields are built only for a logger that logs (a NopLogger
 		// gets none).
 		var fields watermill.LogFields

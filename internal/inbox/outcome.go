@@ -221,7 +221,8 @@ type Observation struct {
 	// Consumer is the claim's consumer name (Config.Consumer).
 	Consumer string
 	// HandlerName is the Watermill router handler's name
-	// (message.HandlerNameFromCtx); "" outside a router.
+	// (message.HandlerNameFromCtx); outside a router, the name the
+	// consumer was wired to ("idempotencytest" in package idempotencytest).
 	HandlerName string
 	Outcome     Outcome
 	// Claim is the time from the attempt's start to the claim's answer
