@@ -1,0 +1,127 @@
+package middleware_test
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency"
+	"github.com/watermill-idempotency/idempotency/internal/door"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
+)
+
+// docs/guarantees.md: "Database outages don't poison ... (the consumer's
+// own BEGIN, claim, COMMIT or ROLLBACK failing ...) is transient: the
+// consumer holds the delivery". Here the attempt's session is lost before
+// COMMIT (an operator's pg_terminate_backend, a failover) on every
+// attempt. Earlier in the attempt the handler skipped an optional
+// statement whose own budget had already run out: pgx sent nothing, the
+// connection stayed open, the transaction intact. That skipped statement
+// marks the attempt "own context ended" for the rest of it, so the lost
+// session's failed COMMIT is taken for the handler's deadline (ordinary)
+// because the pool answers SELECT 1: retried, then poisoned.
+func TestLostSessionAtCommitIsHeldAfterAHandlerSkippedAStatementOnAnExpiredContext(t *testing.T) {
+	pool, _ := testenv.Pool(t)
+	ctx := context.Background()
+	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
+	poison := &poisonRecorder{}
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+		Consumer: "deadline_lost_" + uuid.NewString()[:8], DB: idempotency.Pgx(pool),
+		Poison: middleware.PoisonConfig{Publisher: poison, Topic: "poison"},
+		Retry:  middleware.RetryConfig{InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond, MaxHold: 3 * time.Second},
+	}, nil)
+	require.NoError(t, err)
+	var calls atomic.Int32
+	handler, err := door.Wrap(c, "lost_session", func(msg *message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		tx, _ := middleware.PgxTxFromContext(msg.Context())
+		// A best-effort step under a budget that is already spent: pgx
+		// refuses it before sending anything (the connection stays open).
+		budget, cancel := context.WithCancel(msg.Context())
+		cancel()
+		_, _ = tx.Exec(budget, `SELECT 1`)
+		var pid int
+		if err := tx.QueryRow(msg.Context(), `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+			return nil, err
+		}
+		// The session is lost (pg_terminate_backend from elsewhere).
+		if _, err := pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid); err != nil {
+			return nil, err
+		}
+		for {
+			var n int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&n); err != nil {
+				return nil, err
+			}
+			if n == 0 {
+				break
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		return nil, nil
+	})
+	require.NoError(t, err)
+	msg := message.NewMessage(uuid.Must(uuid.NewV7()).String(), []byte(`{}`))
+	msg.Metadata.Set(marshaler.MetadataEventName, "order.placed")
+	_, err = handler(msg)
+	require.Empty(t, poison.reasons(), "a lost session at COMMIT poisoned the message (attempts: %d)", calls.Load())
+	require.Error(t, err, "held until MaxHold and given back")
+	require.True(t, middleware.IsTransient(err), "a lost session at COMMIT is transient: %v", err)
+}
+
+// docs/consumer.md: "A statement the handler bounds with a context of its
+// own ... that the deadline cancels is ordinary too, whether the handler
+// returns the error or goes on". pgx's QueryRow (and Query, whose error
+// comes with the rows) report the cancel only when the row is read, past
+// pgxTx.QueryRow/Query: a handler that goes on after it is held forever
+// (transient), never poisoned.
+func TestHandlersOwnDeadlineOnQueryRowIgnoredIsRetriedThenPoisoned(t *testing.T) {
+	pool, _ := testenv.Pool(t)
+	ctx := context.Background()
+	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
+	for _, mode := range []string{"queryrow", "query"} {
+		t.Run(mode, func(t *testing.T) {
+			poison := &poisonRecorder{}
+			c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+				Consumer: "deadline_qr_" + uuid.NewString()[:8], DB: idempotency.Pgx(pool),
+				Poison: middleware.PoisonConfig{Publisher: poison, Topic: "poison"},
+				Retry:  middleware.RetryConfig{InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond, MaxHold: 3 * time.Second},
+			}, nil)
+			require.NoError(t, err)
+			var calls atomic.Int32
+			handler, err := door.Wrap(c, "deadline_qr", func(msg *message.Message) ([]*message.Message, error) {
+				calls.Add(1)
+				tx, _ := middleware.PgxTxFromContext(msg.Context())
+				sctx, cancel := context.WithTimeout(msg.Context(), 50*time.Millisecond)
+				defer cancel()
+				var v string
+				if mode == "queryrow" {
+					_ = tx.QueryRow(sctx, `SELECT pg_sleep(1)::text`).Scan(&v) // best effort: the handler goes on
+				} else {
+					rows, err := tx.Query(sctx, `SELECT pg_sleep(1)::text`)
+					if err == nil {
+						for rows.Next() {
+						}
+						rows.Close()
+					}
+				}
+				return nil, nil
+			})
+			require.NoError(t, err)
+			msg := message.NewMessage(uuid.Must(uuid.NewV7()).String(), []byte(`{}`))
+			msg.Metadata.Set(marshaler.MetadataEventName, "order.placed")
+			_, err = handler(msg)
+			require.NoError(t, err, "the delivery was held and given back, not poisoned (attempts: %d)", calls.Load())
+			require.Len(t, poison.reasons(), 1, "not poisoned once")
+			require.Equal(t, int32(1+middleware.DefaultMaxRetries), calls.Load(), "not retried MaxRetries times")
+		})
+	}
+}
