@@ -755,39 +755,6 @@ func (m *Idempotent) endAttempt(ctx context.Context, consumer string, id uuid.UU
 	}
 }
 
-// closedByDeadline reports whether a pgx attempt's connection was closed
-// by a deadline of the handler's own cancelling a statement
-// (pgxTx.closedByDeadline), before the next statement is sent.
-func closedByDeadline(tx attemptTx) bool {
-	p, ok := tx.(interface{ closedByDeadline() bool })
-	return ok && p.closedByDeadline()
-}
-
-// ownContextEnded reports whether the attempt failed because the handler
-// bounded one of its statements with a context of its own that ended:
-// err (what the handler returned) is that context's error, or (closed,
-// pgx) the connection was found closed before the failing ROLLBACK or
-// COMMIT was sent, with the deadline of a handler statement's context
-// passed; while the message context is alive and the database answers on
-// another connection. pgx (and database/sql drivers) close the connection
-// when they cancel a statement, so the rollback or the commit fails too;
-// without this the attempt was an infrastructure failure (transient),
-// held and redelivered forever, where the handler's own deadline is
-// ordinary (retried, then poisoned; docs/consumer.md). A session lost
-// otherwise, or a database that does not answer, keeps it transient.
-func (m *Idempotent) ownContextEnded(origCtx context.Context, err error, closed bool) bool {
-	if origCtx.Err() != nil || m.outside == nil {
-		return false
-	}
-	if !closed && (err == nil || !(errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled))) {
-		return false
-	}
-	c, cancel := context.WithTimeout(context.WithoutCancel(origCtx), rollbackTimeout)
-	defer cancel()
-	var one int
-	return m.outside.QueryRow(c, "SELECT 1").Scan(&one) == nil
-}
-
 // forgetAttempts deletes the count of (consumer, id) once the event was
 // processed, or the message dead-lettered: a redrive of it starts afresh.
 // When the database is away the count stays (a redrive then starts with
@@ -881,13 +848,7 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		}
 	}
 	if err != nil {
-		closed := closedByDeadline(tx)
-		if rbErr := rollback(origCtx, tx); rbErr != nil && m.ownContextEnded(origCtx, err, closed) {
-			err = fmt.Errorf("%w (a statement the handler bounded with a context of its own was cancelled, and the attempt's connection closed with it; rollback: %v)",
-				classify(err, m.cfg.Classifier), rbErr)
-		} else {
-			err = attemptError(err, rbErr, m.cfg.Classifier)
-		}
+		err = attemptError(err, rollback(origCtx, tx), m.cfg.Classifier)
 		if statementsLost(err) {
 			resetStatements(origCtx, tx)
 		}
@@ -914,17 +875,9 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	crashpoint.Reached(crashpoint.BeforeCommit)
 	// Commit: errors here come from the attempt's own connection, except
 	// ErrTxAborted (a handler statement failed and the handler went on).
-	closed := closedByDeadline(tx)
 	if cErr := tx.commit(origCtx); cErr != nil {
 		_ = rollback(origCtx, tx)
 		ended = true
-		if m.ownContextEnded(origCtx, nil, closed) {
-			// Ordinary: retried, then poisoned. Transient, it was held
-			// and redelivered forever, the same statement cancelled the
-			// same way each time.
-			return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, fmt.Errorf("idempotency: commit %s/%s: a statement the handler "+
-				"bounded with a context of its own was cancelled and the attempt's connection closed with it (the handler went on): %v", consumer, eventID, cErr))
-		}
 		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, commitError(consumer, eventID, cErr, m.cfg.Classifier, origCtx.Err() != nil))
 	}
 	ended = true

@@ -319,7 +319,6 @@ func (tx *pgxTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnN
 	if tx.closed {
 		return 0, pgx.ErrTxClosed
 	}
-	tx.noteDeadline(ctx)
 	return tx.pc.CopyFrom(ctx, tableName, columnNames, rowSrc)
 }
 
@@ -327,7 +326,6 @@ func (tx *pgxTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	if tx.closed {
 		return &closedBatchResults{}
 	}
-	tx.noteDeadline(ctx)
 	for _, q := range b.QueuedQueries {
 		tx.handlerSQL(q.SQL, q.Arguments)
 		if fn := q.Fn; fn != nil {
@@ -374,36 +372,6 @@ type txScan struct {
 	// mayEnd: a statement may have ended it, or pgx may have sent text
 	// the scan did not see.
 	mayEnd bool
-	// deadlineCtx is the context with a deadline of a handler statement,
-	// alive when it was sent: the first whose deadline passed, else the
-	// last one. pgx closes the connection when a deadline cancels a
-	// statement.
-	deadlineCtx context.Context
-}
-
-// noteDeadline records the context of a handler statement that has a
-// deadline (txScan.deadlineCtx).
-func (tx *pgxTx) noteDeadline(ctx context.Context) {
-	if tx.scan == nil {
-		return
-	}
-	// A context done already is refused by pgx before anything is sent:
-	// the connection stays open.
-	if _, ok := ctx.Deadline(); ok && ctx.Err() == nil {
-		if d := tx.scan.deadlineCtx; d == nil || !errors.Is(d.Err(), context.DeadlineExceeded) {
-			tx.scan.deadlineCtx = ctx
-		}
-	}
-}
-
-// closedByDeadline reports whether the attempt's connection is closed
-// and the deadline of a context a handler statement was sent with has
-// passed: a statement pgx cancelled closed it (a session lost otherwise
-// is found closed only by the next statement, COMMIT or ROLLBACK). Asked
-// before that statement is sent.
-func (tx *pgxTx) closedByDeadline() bool {
-	return tx.pc != nil && tx.pc.IsClosed() && tx.scan != nil && tx.scan.deadlineCtx != nil &&
-		errors.Is(tx.scan.deadlineCtx.Err(), context.DeadlineExceeded)
 }
 
 // handlerSQL tells the connection's claim state about a handler
@@ -448,7 +416,6 @@ func (tx *pgxTx) Exec(ctx context.Context, sql string, arguments ...any) (pgconn
 		return pgconn.CommandTag{}, pgx.ErrTxClosed
 	}
 	tx.handlerSQL(sql, arguments)
-	tx.noteDeadline(ctx)
 	return tx.pc.Exec(ctx, sql, arguments...)
 }
 
@@ -457,7 +424,6 @@ func (tx *pgxTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 		return nil, pgx.ErrTxClosed
 	}
 	tx.handlerSQL(sql, args)
-	tx.noteDeadline(ctx)
 	rows, err := tx.pc.Query(ctx, sql, args...)
 	if rows != nil {
 		rows = &rowsConn{rows, tx.session}
@@ -470,7 +436,6 @@ func (tx *pgxTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row 
 		return errRow{err: pgx.ErrTxClosed}
 	}
 	tx.handlerSQL(sql, args)
-	tx.noteDeadline(ctx)
 	return tx.pc.QueryRow(ctx, sql, args...)
 }
 
