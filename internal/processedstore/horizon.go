@@ -322,6 +322,19 @@ func (s *Store) ForgetAttempts(ctx context.Context, q sqldb.Querier, consumer st
 // reads it (purgedWindow). Older releases read and write row 1 only.
 const purgeMarkID = 2
 
+// purgeClaimSlack is how much longer than its horizon the Purger keeps a
+// row: it deletes rows dated before now() − horizon − purgeClaimSlack
+// (PurgeBatch with the horizon plus it), and drops partitions wholly
+// older than that. A claim judges its window by
+// the time its statement started (on PostgreSQL its transaction's start:
+// a watermill-sql subscriber's batch transaction may be old), then may
+// wait for a row the purge is deleting, and inserts when that row is gone:
+// without the slack an event dated between the claim's cutoff and the
+// purge's later one had its row purged and was claimed, and applied, a
+// second time. A claim whose window check ran more than this before the
+// purge deleted its row is the residue (a transaction open that long).
+const purgeClaimSlack = 5 * time.Minute
+
 // purgeMarkSlack is added to the mark: the purge's statements run after the
 // mark is written (on MySQL and SQLite in their own transactions, behind a
 // pooler's queue at worst), and their clock moves meanwhile. A consumer

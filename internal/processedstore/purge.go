@@ -211,7 +211,7 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 			if p.cfg.FromTable { // the table's horizon is the claim's, by construction
 				maintain = p.store.maintain
 			}
-			rep, err := maintain(ctx, q, horizon, "")
+			rep, err := maintain(ctx, q, horizon+purgeClaimSlack, "")
 			if err != nil {
 				return 0, err
 			}
@@ -220,14 +220,14 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 		if createOnly {
 			return 0, nil
 		}
-		n, err := p.store.PurgeBatch(ctx, q, horizon, limit)
+		n, err := p.store.PurgeBatch(ctx, q, horizon+purgeClaimSlack, limit)
 		if err != nil || !legacy {
 			return n, err
 		}
 		// The legacy table of an upgrade (MigrateToPartitioned): its
 		// expired rows go by DELETE too; the run ends when both come back
 		// short.
-		m, err := p.store.purgeLegacyBatch(ctx, q, horizon, limit)
+		m, err := p.store.purgeLegacyBatch(ctx, q, horizon+purgeClaimSlack, limit)
 		return n + m, err // ≥ limit (one more batch) while either is full
 	}
 	if p.store.dialect == sqldb.PostgreSQL {
@@ -264,7 +264,7 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 				if p.cfg.FromTable { // the table's horizon is the claim's, by construction
 					maintain = p.store.maintain
 				}
-				rep, err := maintain(ctx, q, horizon, fmt.Sprintf("SELECT pg_advisory_xact_lock(%d); ", key))
+				rep, err := maintain(ctx, q, horizon+purgeClaimSlack, fmt.Sprintf("SELECT pg_advisory_xact_lock(%d); ", key))
 				if err != nil {
 					return err
 				}

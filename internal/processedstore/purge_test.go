@@ -61,7 +61,7 @@ func TestPurgeHorizonAnyTimeZone(t *testing.T) {
 			s := newStore(t, sqldb.Pgx(pool))
 			inside, outside := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
 			_, err := pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, event_at) VALUES
-				('c', $1, now() - interval '59 minutes'), ('c', $2, now() - interval '61 minutes')`, inside, outside)
+				('c', $1, now() - interval '59 minutes'), ('c', $2, now() - interval '66 minutes')`, inside, outside) // horizon 1 h, kept 5 min more (purgeClaimSlack)
 			require.NoError(t, err)
 
 			cmd := exec.Command(os.Args[0], "-test.run=^$")
