@@ -2,6 +2,7 @@ package versioned
 
 import (
 	"context"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"reflect"
@@ -273,7 +274,7 @@ func (u *Upsert) Apply(ctx context.Context, tx idempotency.Tx, key []any, versio
 			return 0, fmt.Errorf("%w: upsert into %s: key column %s is nil", ErrKeyMissing, u.table, u.keyCols[i])
 		}
 	}
-	if version == nil {
+	if isNil(version) {
 		return 0, fmt.Errorf("%w: upsert into %s", ErrVersionMissing, u.table)
 	}
 
@@ -340,15 +341,22 @@ func (u *Upsert) run(ctx context.Context, q sqldb.Querier, args []any) (Outcome,
 	}
 }
 
-// isNil reports whether v would be bound as SQL NULL by its nil-ness alone.
+// isNil reports whether v would be bound as SQL NULL: nil, a nil pointer,
+// slice, map or interface, or a driver.Valuer whose Value is nil
+// (sql.NullString{}, pgtype.Text{}) or fails.
 func isNil(v any) bool {
 	if v == nil {
 		return true
 	}
 	switch rv := reflect.ValueOf(v); rv.Kind() {
 	case reflect.Pointer, reflect.Slice, reflect.Map, reflect.Interface:
-		return rv.IsNil()
-	default:
-		return false
+		if rv.IsNil() {
+			return true
+		}
 	}
+	if vl, ok := v.(driver.Valuer); ok {
+		dv, err := vl.Value()
+		return err != nil || dv == nil
+	}
+	return false
 }

@@ -1,0 +1,37 @@
+package versioned_test
+
+import (
+	"context"
+	"database/sql"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/versioned"
+)
+
+// versioned/doc.go: "nil keys (ErrKeyMissing) are permanent too"; upsert.go:
+// "ErrKeyMissing ... a NULL key would never conflict with a unique
+// constraint and would add a row per event". A key that the driver binds as
+// NULL through driver.Valuer (sql.NullString{}, pgtype.Text{}) is not
+// refused: each Apply inserts a row, and a lower version is written after a
+// higher one.
+func TestUpsertRefusesAKeyBoundAsNULLByItsValuer(t *testing.T) {
+	t.Parallel()
+	pool, _ := testenv.Pool(t)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE copy_h7 (k text UNIQUE, version bigint, v text)`)
+	require.NoError(t, err)
+	up, err := versioned.NewUpsert(versioned.UpsertConfig{Table: "copy_h7", KeyColumns: []string{"k"}, VersionColumn: "version", ValueColumns: []string{"v"}})
+	require.NoError(t, err)
+
+	v2, v1 := int64(2), int64(1)
+	_, err2 := up.Apply(ctx, idempotency.PgxTx(pool), []any{sql.NullString{}}, &v2, []any{"new"})
+	out, err1 := up.Apply(ctx, idempotency.PgxTx(pool), []any{sql.NullString{}}, &v1, []any{"old"})
+	var rows int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM copy_h7`).Scan(&rows))
+	require.ErrorIs(t, err2, versioned.ErrKeyMissing, "a key bound as NULL must be refused before any SQL; got rows in table: %d, version 1 after version 2: %s", rows, out)
+	require.ErrorIs(t, err1, versioned.ErrKeyMissing, "version 1 after version 2 was %s", out)
+}
