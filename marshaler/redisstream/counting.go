@@ -40,8 +40,10 @@ const pendingLimit = 4096
 // (XREADGROUP ">") is marked as such, and an entry claimed from the pending
 // entries list (XCLAIM, watermill-redisstream's only redelivery: after a
 // consumer died or did not ack within MaxIdleTime) is marked redelivered,
-// with the times-delivered count XPENDING reported before the claim (the
-// claim is one more delivery). [Marshaler] maps the mark to
+// with the entry's earlier deliveries in its group: the times-delivered
+// count XPENDING reports for it right after the claim, less the claim (or,
+// when that read fails, the count the subscriber's own XPENDING listing
+// reported for that group before the claim). [Marshaler] maps the mark to
 // [marshaler.MetadataRedelivered] and [marshaler.MetadataDeliveryCount]; the
 // consumer then counts crashes from the first redelivery only
 // (middleware.ConsumerConfig.MaxCrashes) and a first delivery writes
@@ -57,10 +59,10 @@ func CountingClient(c redis.UniversalClient) redis.UniversalClient {
 type countingClient struct {
 	redis.UniversalClient
 	mu      sync.Mutex
-	pending map[string]int64 // stream + "\x00" + entry id → times delivered, from XPENDING
+	pending map[string]int64 // stream, group and entry id → times delivered, from XPENDING
 }
 
-func pendingKey(stream, id string) string { return stream + "\x00" + id }
+func pendingKey(stream, group, id string) string { return stream + "\x00" + group + "\x00" + id }
 
 func (c *countingClient) XPendingExt(ctx context.Context, a *redis.XPendingExtArgs) *redis.XPendingExtCmd {
 	cmd := c.UniversalClient.XPendingExt(ctx, a)
@@ -70,7 +72,7 @@ func (c *countingClient) XPendingExt(ctx context.Context, a *redis.XPendingExtAr
 			clear(c.pending)
 		}
 		for _, p := range cmd.Val() {
-			c.pending[pendingKey(a.Stream, p.ID)] = p.RetryCount
+			c.pending[pendingKey(a.Stream, a.Group, p.ID)] = p.RetryCount
 		}
 		c.mu.Unlock()
 	}
@@ -79,12 +81,24 @@ func (c *countingClient) XPendingExt(ctx context.Context, a *redis.XPendingExtAr
 
 func (c *countingClient) XClaim(ctx context.Context, a *redis.XClaimArgs) *redis.XMessageSliceCmd {
 	cmd := c.UniversalClient.XClaim(ctx, a)
+	// The count now, after the claim counted itself: another consumer
+	// may have claimed the entry since the listing.
+	now := make(map[string]int64, len(cmd.Val()))
+	for _, m := range cmd.Val() {
+		p, err := c.UniversalClient.XPendingExt(ctx, &redis.XPendingExtArgs{Stream: a.Stream, Group: a.Group, Start: m.ID, End: m.ID, Count: 1}).Result()
+		if err == nil && len(p) == 1 && p[0].ID == m.ID && p[0].RetryCount > 0 {
+			now[m.ID] = p[0].RetryCount - 1
+		}
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, id := range a.Messages {
-		k := pendingKey(a.Stream, id)
+		k := pendingKey(a.Stream, a.Group, id)
 		n, known := c.pending[k]
 		delete(c.pending, k)
+		if m, ok := now[id]; ok {
+			n, known = m, true
+		}
 		for _, m := range cmd.Val() {
 			if m.ID != id || m.Values == nil {
 				continue
