@@ -203,7 +203,8 @@ type ConsumerConfig struct {
 	// one beside it), for redeliveries only on transports that mark
 	// them (AMQP's redelivered flag, quorum queues' x-delivery-count,
 	// JetStream's NumDelivered, Redis Streams' pending delivery count), and
-	// for the first 64 attempts after the consumer is built on transports
+	// for the first 64 attempts of events not processed yet after the
+	// consumer is built on transports
 	// that mark none (Kafka: a message that killed the process is among the
 	// first a restarted consumer receives). A first delivery on a marking
 	// transport writes nothing. The broker's delivery count bounds the

@@ -212,7 +212,8 @@ type Idempotent struct {
 
 	// warmup counts the first attempts since the middleware was built whose
 	// crashes are counted though the broker did not mark them redelivered
-	// (countsCrashes).
+	// (countsCrashes), of events not processed yet: a re-read of events
+	// applied before the crash takes none.
 	warmup atomic.Int64
 
 	// unrecorded are the attempts this process ended whose end could not
@@ -517,6 +518,9 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 			defer release()
 		}
 		started, stored, sent, cerr := m.startAttempt(origCtx, consumer, eventID)
+		if !stored.Found && !markedRedelivery(msg) {
+			m.warmup.Add(1) // one of the warm-up attempts (countsCrashes)
+		}
 		if cerr != nil {
 			// The database is unreachable: the attempt runs uncounted and
 			// will say so. A start that was sent may have been written all
@@ -650,7 +654,10 @@ func (m *Idempotent) countsCrashes(msg *message.Message) bool {
 	if _, hasFlag := msg.Metadata[marshaler.MetadataRedelivered]; hasFlag || hasCount {
 		return marshaler.Redelivered(msg) || n > 0
 	}
-	return m.warmup.Add(1) <= crashWarmup
+	// Peeked, not taken: an attempt of an event already processed (a
+	// Kafka member re-reading what it applied since its last committed
+	// offset) gives it back below.
+	return m.warmup.Load() < crashWarmup
 }
 
 // markedRedelivery reports whether msg's transport marks redeliveries
