@@ -762,6 +762,57 @@ func (m *Idempotent) endAttempt(ctx context.Context, consumer string, id uuid.UU
 	}
 }
 
+// endedByHandler reports, for an attempt whose handler failed, before its
+// rollback, whether a statement of the handler ended the attempt's
+// transaction (COMMIT, ROLLBACK, END by SQL; MySQL's implicit commit by
+// DDL): the claim was committed with the effects before it, or the
+// statements after a ROLLBACK were autocommitted. pgx: the connection is
+// idle outside a transaction, or, after a statement that may end one
+// (txscan.go), the claim is visible outside the attempt; SQLite: the
+// claim's savepoint is gone (unless the handler's error is one SQLite may
+// roll the transaction back for: BUSY, IOERR, FULL, NOMEM); MySQL and
+// PostgreSQL through database/sql: the claim is visible outside the
+// attempt (an uncommitted claim is not, and no other attempt can commit
+// the key while this one holds it). The commit path checks the same with
+// the guard or the savepoint's release.
+func (m *Idempotent) endedByHandler(ctx context.Context, tx attemptTx, herr error, consumer string, id uuid.UUID) bool {
+	if ctx.Err() != nil {
+		return false
+	}
+	switch t := tx.(type) {
+	case *pgxTx:
+		if t.savepoint != "" || t.closed || t.pc.IsClosed() {
+			return false
+		}
+		if t.pc.PgConn().TxStatus() == 'I' {
+			return true
+		}
+		if !t.scan.mayEnd && !t.session.raw {
+			return false
+		}
+	case *stdTx:
+		if m.cfg.Store.Dialect() == sqldb.SQLite {
+			var c interface{ Code() int }
+			if errors.As(herr, &c) {
+				switch c.Code() & 0xff {
+				case 5, 7, 10, 13: // SQLITE_BUSY, NOMEM, IOERR, FULL
+					return false
+				}
+			}
+			return t.savepoint && errors.Is(releaseClaimSavepoint(ctx, t.tx), errHandlerEndedBySQL)
+		}
+	default:
+		return false
+	}
+	if m.outside == nil {
+		return false
+	}
+	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+	defer cancel()
+	done, err := m.cfg.Store.Processed(c, m.outside, consumer, id)
+	return err == nil && done
+}
+
 // forgetAttempts deletes the count of (consumer, id) once the event was
 // processed, or the message dead-lettered: a redrive of it starts afresh.
 // When the database is away the count stays (a redrive then starts with
@@ -855,6 +906,15 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		}
 	}
 	if err != nil {
+		if m.endedByHandler(origCtx, tx, err, consumer, eventID) {
+			// Retried, the claim the handler committed would ack the
+			// event as a duplicate without the rest of its effects (or
+			// the statements after its ROLLBACK, autocommitted, would
+			// be applied again).
+			_ = rollback(origCtx, tx)
+			ended = true
+			return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, handlerEndedTx(fmt.Errorf("%w (the handler then failed: %w)", errHandlerEndedBySQL, err)))
+		}
 		err = attemptError(err, rollback(origCtx, tx), m.cfg.Classifier)
 		if statementsLost(err) {
 			resetStatements(origCtx, tx)
