@@ -295,6 +295,7 @@ type Consumer struct {
 	store  *processedstore.Store
 	db     *sqldb.Handle
 	chain  message.HandlerMiddleware
+	idem   *inbox.Idempotent
 	key    registryKey
 	logger watermill.LoggerAdapter
 
@@ -411,7 +412,7 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 	if err != nil {
 		return nil, err
 	}
-	return &Consumer{cfg: cfg, chain: chain, logger: logger, store: store, db: h,
+	return &Consumer{cfg: cfg, chain: chain, idem: idem, logger: logger, store: store, db: h,
 		key: registryKey{pool: poolIdentity(h), table: store.Table().String(), consumer: cfg.Consumer}}, nil
 }
 
@@ -585,6 +586,7 @@ func (c *Consumer) attach(name string) error {
 		return err
 	}
 	c.handler = name
+	c.idem.SetHandlerName(name) // the name outside a router (idempotencytest)
 	c.reportSharedName(name)
 	return nil
 }
@@ -624,15 +626,7 @@ func init() {
 				return nil, err
 			}
 		}
-		chained := c.chain(h)
-		return func(msg *message.Message) ([]*message.Message, error) {
-			// Outside a router: the handler's name as a router gives it.
-			if orig := msg.Context(); message.HandlerNameFromCtx(orig) == "" {
-				msg.SetContext(inbox.WithHandlerName(orig, name))
-				defer msg.SetContext(orig)
-			}
-			return chained(msg)
-		}, nil
+		return c.chain(h), nil
 	}
 }
 

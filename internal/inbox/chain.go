@@ -387,7 +387,7 @@ func (p *holdPoison) hold(h message.HandlerFunc, msg *message.Message, inner *ch
 		}
 		class := ClassOf(err)
 		fields := watermill.LogFields{"message_uuid": msg.UUID, "topic": message.SubscribeTopicFromCtx(orig),
-			"handler": handlerNameOf(orig), "class": class.String(), "held": held}
+			"handler": p.cfg.Idempotent.handlerNameOf(orig), "class": class.String(), "held": held}
 		if class == ClassPermanent || class == ClassOrdinary {
 			if !p.poisonLoop(msg, orig) {
 				herr := hooks.run(orig)
@@ -456,7 +456,7 @@ func (p *holdPoison) poison(msg *message.Message, ctx context.Context, cause err
 	}
 	pm.Metadata.Set(wmw.ReasonForPoisonedKey, bound(reason, p.cfg.MaxHeaderBytes))
 	pm.Metadata.Set(wmw.PoisonedTopicKey, bound(message.SubscribeTopicFromCtx(ctx), p.cfg.MaxHeaderBytes))
-	pm.Metadata.Set(wmw.PoisonedHandlerKey, bound(handlerNameOf(ctx), p.cfg.MaxHeaderBytes))
+	pm.Metadata.Set(wmw.PoisonedHandlerKey, bound(p.cfg.Idempotent.handlerNameOf(ctx), p.cfg.MaxHeaderBytes))
 	pm.Metadata.Set(wmw.PoisonedSubscriberKey, bound(message.SubscriberNameFromCtx(ctx), p.cfg.MaxHeaderBytes))
 	pm.Metadata.Set(MetadataPoisonedAt, time.Now().UTC().Format(time.RFC3339Nano))
 	if class == ClassPermanent {
@@ -673,26 +673,4 @@ func (h *poisonHooks) run(ctx context.Context) error {
 		}
 	}
 	return nil
-}
-
-// handlerNameKey carries the name of the handler a chain was wired to
-// outside a router (WithHandlerName).
-type handlerNameKey struct{}
-
-// WithHandlerName returns ctx carrying name as the handler's name, for a
-// chain run outside Watermill's router (idempotencytest): its logs, its
-// observations and its dead letters name the handler as the router's
-// context does.
-func WithHandlerName(ctx context.Context, name string) context.Context {
-	return context.WithValue(ctx, handlerNameKey{}, name)
-}
-
-// handlerNameOf is the router's handler name in ctx, else the one
-// WithHandlerName set; "" when neither is there.
-func handlerNameOf(ctx context.Context) string {
-	if n := message.HandlerNameFromCtx(ctx); n != "" {
-		return n
-	}
-	n, _ := ctx.Value(handlerNameKey{}).(string)
-	return n
 }

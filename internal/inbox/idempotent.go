@@ -216,6 +216,10 @@ type Idempotent struct {
 	// applied before the crash takes none.
 	warmup atomic.Int64
 
+	// name is the handler the consumer was attached to (SetHandlerName),
+	// its name outside a router.
+	name atomic.Pointer[string]
+
 	// unrecorded are the attempts this process ended whose end could not
 	// be written (the database was away when EndAttempt ran), or whose
 	// start failed but may have been written, by (consumer, event id): the
@@ -276,6 +280,23 @@ func (u *unrecordedEnds) take(k crashKey, only bool) (crashKey, bool) {
 	}
 	u.n.Add(-1)
 	return k, true
+}
+
+// SetHandlerName records the name of the handler the consumer serves: the
+// attempts' handler name (logs, observations, dead letters) when the
+// message context has none from Watermill's router (idempotencytest).
+func (m *Idempotent) SetHandlerName(name string) { m.name.Store(&name) }
+
+// handlerNameOf is the router's handler name in ctx, else SetHandlerName's;
+// "" when neither is set.
+func (m *Idempotent) handlerNameOf(ctx context.Context) string {
+	if n := message.HandlerNameFromCtx(ctx); n != "" {
+		return n
+	}
+	if n := m.name.Load(); n != nil {
+		return *n
+	}
+	return ""
 }
 
 // countedTurns lets one counted attempt of a redelivery the broker marks
@@ -457,7 +478,7 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		origCtx := msg.Context()
 		consumer := m.cfg.Consumer
 		attempt := nextAttempt(msg)
-		handlerName := handlerNameOf(origCtx)
+		handlerName := m.handlerNameOf(origCtx)
 		// Log fields are built only for a logger that logs (a NopLogger
 		// gets none).
 		var fields watermill.LogFields
