@@ -272,7 +272,15 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 		if payload == nil {
 			payload = []byte{}
 		}
-		if _, err := p.tx.ExecContext(m.Context(), p.o.q.at(p.o.q.insert), m.UUID, topic, payload, string(md)); err != nil {
+		// The event id is stored in its canonical form (CheckEnvelope
+		// accepted any RFC 9562 text form): an operator's
+		// `idem outbox redrive --event-id` finds it whatever form the
+		// producer wrote.
+		id := m.UUID
+		if eid, err := marshaler.ParseEventID(id); err == nil {
+			id = eid.String()
+		}
+		if _, err := p.tx.ExecContext(m.Context(), p.o.q.at(p.o.q.insert), id, topic, payload, string(md)); err != nil {
 			return fmt.Errorf("outbox: publish %s: %w", m.UUID, err)
 		}
 	}

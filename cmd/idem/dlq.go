@@ -248,6 +248,13 @@ func runDLQRedrive(ctx context.Context, e *env, args []string) error {
 			return err
 		}
 	}
+	if *exchange != "" {
+		// A typo moves nothing: the broker would close the channel on
+		// the first publish to a missing exchange.
+		if err := exchangeExists(conn, *exchange); err != nil {
+			return err
+		}
+	}
 	want := map[string]bool{}
 	for _, id := range ids {
 		want[id] = true
@@ -534,7 +541,13 @@ func (r *redriver) flush(ctx context.Context, ch *browseChan, done func(pendingC
 func (r *redriver) drainReturns() {
 	for {
 		select {
-		case ret := <-r.returns:
+		case ret, ok := <-r.returns:
+			if !ok {
+				// The channel closed (the broker refused a publish, or
+				// went away): no more returns come, and the copies not
+				// confirmed are not acked.
+				return
+			}
 			r.returned[ret.MessageId]++
 		default:
 			return

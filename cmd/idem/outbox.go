@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
@@ -112,21 +111,11 @@ func runOutboxReplay(ctx context.Context, e *env, args []string) error {
 		if err != nil {
 			return err
 		}
-		cfg := wamqp.Config{
-			Connection: wamqp.ConnectionConfig{AmqpURI: e.amqpURL},
-			Marshaler:  idemamqp.Marshaler{},
-			Exchange: wamqp.ExchangeConfig{
-				GenerateName: wamqp.GenerateExchangeNameConstant(*exchange),
-				Type:         amqp091.ExchangeTopic,
-				Durable:      true,
-			},
-			Publish: wamqp.PublishConfig{
-				GenerateRoutingKey: func(topic string) string { return topic },
-				ConfirmDelivery:    true,
-			},
-			TopologyBuilder: &wamqp.DefaultTopologyBuilder{},
-		}
-		p, err := wamqp.NewPublisher(cfg, watermill.NopLogger{})
+		// Confirmed and mandatory: a copy no queue takes comes back
+		// unroutable (idemamqp.ErrUnroutable) and stops the replay,
+		// instead of being counted republished while the broker dropped
+		// it.
+		p, err := idemamqp.NewConfirmedPublisher(idemamqp.ConfirmedPublisherConfig{URL: e.amqpURL, Exchange: *exchange}, watermill.NopLogger{})
 		if err != nil {
 			return failedErr("broker: publisher: %v", err)
 		}
@@ -134,6 +123,9 @@ func runOutboxReplay(ctx context.Context, e *env, args []string) error {
 		pub = p
 	}
 	n, err := ob.Replay(ctx, wsql.BeginnerFromStdSQL(db), pub, f)
+	if errors.Is(err, idemamqp.ErrUnroutable) {
+		return notFoundErr("outbox replay: exchange %q routes a copy to no queue (%d republished before it, the rest not): %v", *exchange, n, err)
+	}
 	if err != nil {
 		return dbErr(fmt.Sprintf("outbox replay (%d published before the error)", n), *table+"_relayed", err)
 	}

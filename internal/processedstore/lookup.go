@@ -34,8 +34,8 @@ func (s *Store) LookupQuery(eventID uuid.UUID, consumer string) (string, []any) 
 }
 
 // PurgePreviewQuery returns a read-only query of one row: the database
-// clock now, the cutoff the purger uses with horizon (now minus horizon,
-// as PurgeBatch computes it), the rows of the table, the rows older than
+// clock now, the cutoff the purger uses with horizon (now minus horizon
+// minus purgeClaimSlack, as the Purger cuts), the rows of the table, the rows older than
 // the cutoff (those a purge run would delete now, locked rows aside), and
 // the oldest event_at (NULL when the table is empty): the purge deletes by
 // event time (event_at), on the database clock (SQLite: the process
@@ -43,6 +43,7 @@ func (s *Store) LookupQuery(eventID uuid.UUID, consumer string) (string, []any) 
 // PurgeBatch's dialect stores them: time.Time on PostgreSQL and MySQL
 // (UTC), ISO 8601 UTC text on SQLite.
 func (s *Store) PurgePreviewQuery(horizon time.Duration) (string, []any) {
+	horizon += purgeClaimSlack // as the Purger cuts (purgeClaimSlack)
 	q := s.rowsSource()
 	var now, cutoff string
 	var args []any
