@@ -74,14 +74,9 @@ func NewPublisher(cfg PublisherConfig) (*Publisher, error) {
 	if cfg.URL == "" {
 		return nil, errors.New("jetstream: PublisherConfig.URL is required")
 	}
-	nc, err := nats.Connect(cfg.URL, cfg.NatsOptions...)
+	nc, js, err := connect(cfg.URL, cfg.NatsOptions)
 	if err != nil {
-		return nil, fmt.Errorf("jetstream: connect: %w", err)
-	}
-	js, err := nc.JetStream()
-	if err != nil {
-		nc.Close()
-		return nil, fmt.Errorf("jetstream: %w", err)
+		return nil, err
 	}
 	return &Publisher{nc: nc, js: js, cfg: cfg, newID: func() string { return uuid.Must(uuid.NewV7()).String() }}, nil
 }
@@ -172,3 +167,17 @@ func (e unroutableError) Unwrap() error { return e.err }
 
 // Unroutable reports true.
 func (unroutableError) Unroutable() bool { return true }
+
+// connect opens a NATS connection to url and its JetStream context.
+func connect(url string, opts []nats.Option) (*nats.Conn, nats.JetStreamContext, error) {
+	nc, err := nats.Connect(url, opts...)
+	if err != nil {
+		return nil, nil, fmt.Errorf("jetstream: connect: %w", err)
+	}
+	js, err := nc.JetStream()
+	if err != nil {
+		nc.Close()
+		return nil, nil, fmt.Errorf("jetstream: %w", err)
+	}
+	return nc, js, nil
+}

@@ -200,14 +200,9 @@ func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (*Subsc
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	nc, err := nats.Connect(cfg.URL, cfg.NatsOptions...)
+	nc, js, err := connect(cfg.URL, cfg.NatsOptions)
 	if err != nil {
-		return nil, fmt.Errorf("jetstream: connect: %w", err)
-	}
-	js, err := nc.JetStream()
-	if err != nil {
-		nc.Close()
-		return nil, fmt.Errorf("jetstream: %w", err)
+		return nil, err
 	}
 	return &Subscriber{cfg: cfg, logger: logger, nc: nc, js: js, m: Marshaler{Decoder: cfg.Decoder}, done: make(chan struct{})}, nil
 }
