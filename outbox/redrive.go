@@ -7,13 +7,15 @@ import (
 	"strings"
 
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/marshaler"
 )
 
 // RedriveFilter selects dead-lettered rows (<table>_dead) for Redrive. The
 // conditions combine with AND; at least one of EventIDs, Topics or All is
 // required, so that an empty filter never moves everything by mistake.
 type RedriveFilter struct {
-	// EventIDs, when not empty, keeps only rows with one of these event ids.
+	// EventIDs, when not empty, keeps only rows with one of these event ids
+	// (any RFC 9562 text form).
 	EventIDs []string
 	// Topics, when not empty, keeps only rows for one of these destination
 	// topics.
@@ -62,8 +64,18 @@ func (o *Outbox) Redrive(ctx context.Context, f RedriveFilter) (int, error) {
 	var conds []string
 	var args []any
 	if len(f.EventIDs) > 0 {
-		conds = append(conds, `event_id IN (`+placeholders(o.dialect, len(args)+1, len(f.EventIDs))+`)`)
+		// Each id as given and in its canonical form: Publish stores
+		// the canonical form, rows of earlier releases the text the
+		// producer wrote.
+		ids := make([]string, 0, 2*len(f.EventIDs))
 		for _, id := range f.EventIDs {
+			ids = append(ids, id)
+			if eid, err := marshaler.ParseEventID(id); err == nil && eid.String() != id {
+				ids = append(ids, eid.String())
+			}
+		}
+		conds = append(conds, `event_id IN (`+placeholders(o.dialect, len(args)+1, len(ids))+`)`)
+		for _, id := range ids {
 			args = append(args, id)
 		}
 	}

@@ -785,17 +785,27 @@ func (m *Idempotent) endAttempt(ctx context.Context, consumer string, id uuid.UU
 
 // endedByHandler reports, for an attempt whose handler failed, before its
 // rollback, whether a statement of the handler ended the attempt's
-// transaction (COMMIT, ROLLBACK, END by SQL; MySQL's implicit commit by
-// DDL): the claim was committed with the effects before it, or the
-// statements after a ROLLBACK were autocommitted. pgx: the connection is
-// idle outside a transaction, or, after a statement that may end one
-// (txscan.go), the claim is visible outside the attempt; SQLite: the
-// claim's savepoint is gone (unless the handler's error is one SQLite may
-// roll the transaction back for: BUSY, IOERR, FULL, NOMEM); MySQL and
-// PostgreSQL through database/sql: the claim is visible outside the
-// attempt (an uncommitted claim is not, and no other attempt can commit
-// the key while this one holds it). The commit path checks the same with
-// the guard or the savepoint's release.
+// transaction: the claim was committed with the effects before it, or the
+// statements after a ROLLBACK were autocommitted, and a retry would skip
+// or repeat them. The commit path checks the same with the guard or the
+// savepoint's release.
+//   - pgx: the connection, still open, is idle outside a transaction
+//     (COMMIT or ROLLBACK); or, after a statement that may end one
+//     (txscan.go), the claim is visible outside the attempt (PostgreSQL
+//     keeps an open or aborted transaction's locks: no other attempt
+//     commits the key meanwhile).
+//   - PostgreSQL through database/sql: the guard statement, on the
+//     attempt's connection, finds the claim not the current
+//     transaction's (an aborted transaction, 25P02, or a broken
+//     connection is not that).
+//   - SQLite: the claim's savepoint is gone, unless the handler's error is
+//     one SQLite may roll the transaction back for (BUSY, NOMEM,
+//     INTERRUPT, IOERR, FULL; a context's end interrupts the statement).
+//   - MySQL: the claim's savepoint is gone on a connection that answers,
+//     the handler's error is not transient (a deadlock or a lock wait
+//     timeout, with mysqlerr.Classify, rolls the transaction back), and
+//     the claim is visible outside the attempt: an implicit commit (DDL)
+//     or a COMMIT. A ROLLBACK by SQL followed by an error is not seen.
 func (m *Idempotent) endedByHandler(ctx context.Context, tx attemptTx, herr error, consumer string, id uuid.UUID) bool {
 	if ctx.Err() != nil {
 		return false
@@ -811,20 +821,40 @@ func (m *Idempotent) endedByHandler(ctx context.Context, tx attemptTx, herr erro
 		if !t.scan.mayEnd && !t.session.raw {
 			return false
 		}
+		return m.claimVisible(ctx, consumer, id)
 	case *stdTx:
-		if m.cfg.Store.Dialect() == sqldb.SQLite {
+		switch {
+		case t.guard.sql != "":
+			var one int64
+			err := t.tx.QueryRowContext(ctx, t.guard.sql, t.guard.consumer, t.guard.eventID).Scan(&one)
+			return err != nil && guardFailed(err)
+		case !t.savepoint:
+			return false
+		case m.cfg.Store.Dialect() == sqldb.SQLite:
+			if errors.Is(herr, context.DeadlineExceeded) || errors.Is(herr, context.Canceled) {
+				return false
+			}
 			var c interface{ Code() int }
 			if errors.As(herr, &c) {
 				switch c.Code() & 0xff {
-				case 5, 7, 10, 13: // SQLITE_BUSY, NOMEM, IOERR, FULL
+				case 5, 7, 9, 10, 13: // SQLITE_BUSY, NOMEM, INTERRUPT, IOERR, FULL
 					return false
 				}
 			}
-			return t.savepoint && errors.Is(releaseClaimSavepoint(ctx, t.tx), errHandlerEndedBySQL)
+			return errors.Is(releaseClaimSavepoint(ctx, t.tx), errHandlerEndedBySQL)
+		default: // MySQL
+			if IsTransient(classify(herr, m.cfg.Classifier)) {
+				return false
+			}
+			return errors.Is(releaseClaimSavepoint(ctx, t.tx), errHandlerEndedBySQL) && m.claimVisible(ctx, consumer, id)
 		}
-	default:
-		return false
 	}
+	return false
+}
+
+// claimVisible reports whether (consumer, id)'s claim is committed: read
+// outside the attempt.
+func (m *Idempotent) claimVisible(ctx context.Context, consumer string, id uuid.UUID) bool {
 	if m.outside == nil {
 		return false
 	}
