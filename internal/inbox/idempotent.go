@@ -791,9 +791,9 @@ func (m *Idempotent) endAttempt(ctx context.Context, consumer string, id uuid.UU
 // savepoint's release.
 //   - pgx: the connection, still open, is idle outside a transaction
 //     (COMMIT or ROLLBACK); or, after a statement that may end one
-//     (txscan.go), the claim is visible outside the attempt (PostgreSQL
-//     keeps an open or aborted transaction's locks: no other attempt
-//     commits the key meanwhile).
+//     (txscan.go), the guard statement on the attempt's connection finds
+//     the claim not the current transaction's (an aborted transaction,
+//     25P02, or a dead connection is not that).
 //   - PostgreSQL through database/sql: the guard statement, on the
 //     attempt's connection, finds the claim not the current
 //     transaction's (an aborted transaction, 25P02, or a broken
@@ -818,10 +818,15 @@ func (m *Idempotent) endedByHandler(ctx context.Context, tx attemptTx, herr erro
 		if t.pc.PgConn().TxStatus() == 'I' {
 			return true
 		}
-		if !t.scan.mayEnd && !t.session.raw {
+		if (!t.scan.mayEnd && !t.session.raw) || t.guard.sql == "" {
 			return false
 		}
-		return m.claimVisible(ctx, consumer, id)
+		// On the attempt's own connection: a committed claim seen from
+		// outside proves nothing once a killed backend released its
+		// lock to another worker.
+		var one int64
+		err := t.pc.QueryRow(ctx, t.guard.sql, t.guard.args()...).Scan(&one)
+		return err != nil && guardFailed(err)
 	case *stdTx:
 		switch {
 		case t.guard.sql != "":

@@ -102,7 +102,9 @@ func TestSQLiteWindowAndPurgeAreExactToTheMicrosecond(t *testing.T) {
 
 	_, err = tg.DB.Exec(ctx, `DELETE FROM processed_event`)
 	require.NoError(t, err)
-	cutoff := clock.Add(-30 * time.Minute)
+	// The Purger's cutoff: the horizon plus its slack (PurgePreviewQuery
+	// shows it; PurgeBatch is given both).
+	cutoff := clock.Add(-30*time.Minute - processedstore.PurgeClaimSlack)
 	kept, deleted := map[string]uuid.UUID{}, map[string]uuid.UUID{}
 	for name, at := range map[string]time.Time{"1ms younger": cutoff.Add(time.Millisecond), "at the cutoff": cutoff} {
 		id, err := claim(at)
@@ -123,7 +125,7 @@ func TestSQLiteWindowAndPurgeAreExactToTheMicrosecond(t *testing.T) {
 	require.Equal(t, 4, rows)
 	require.Equal(t, 2, older, "the preview counts the rows older than the cutoff")
 
-	n, err := s.PurgeBatch(ctx, tg.DB, 30*time.Minute, 100)
+	n, err := s.PurgeBatch(ctx, tg.DB, 30*time.Minute+processedstore.PurgeClaimSlack, 100)
 	require.NoError(t, err)
 	require.EqualValues(t, 2, n)
 	for name, id := range kept {
