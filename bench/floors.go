@@ -54,18 +54,18 @@ var floorClaims = map[string]string{
 	vFloorMechanism: `INSERT INTO floor_uuid (event_id) VALUES ($1) ON CONFLICT DO NOTHING`,
 	vFloorChecked: `INSERT INTO floor_checked (event_id, fingerprint) SELECT $1, $2
 WHERE set_config('lock_timeout', '5000ms', true) IS NOT NULL
-  AND ($3::timestamptz BETWEEN now() - interval '3600000000 microseconds' AND now() + interval '300000000 microseconds')
+  AND ($3::timestamptz BETWEEN statement_timestamp() - interval '3600000000 microseconds' AND statement_timestamp() + interval '300000000 microseconds')
 ON CONFLICT DO NOTHING`,
 	vFloorLean: `INSERT INTO floor_lean (consumer, event_id, fingerprint) SELECT $1, $2, $3
 WHERE set_config('lock_timeout', '5000ms', true) IS NOT NULL
-  AND ($4::timestamptz BETWEEN now() - interval '3600000000 microseconds' AND now() + interval '300000000 microseconds')
+  AND ($4::timestamptz BETWEEN statement_timestamp() - interval '3600000000 microseconds' AND statement_timestamp() + interval '300000000 microseconds')
 ON CONFLICT DO NOTHING`,
 	// The statement the middleware sends for a UUIDv7 event with payload
 	// verification (postgresLeanClaim with LeanClaimWithLockTimeout).
 	vFloorToday: `INSERT INTO floor_today (consumer, event_id, event_name, fingerprint)
 SELECT $1, $2, $5, $3
 WHERE set_config('lock_timeout', '5000ms', true) IS NOT NULL
-  AND ($4::timestamptz BETWEEN now() - interval '3600000000 microseconds' AND now() + interval '300000000 microseconds')
+  AND ($4::timestamptz BETWEEN statement_timestamp() - interval '3600000000 microseconds' AND statement_timestamp() + interval '300000000 microseconds')
 ON CONFLICT DO NOTHING`,
 }
 

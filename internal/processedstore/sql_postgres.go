@@ -23,19 +23,23 @@ var postgresSQL = dialectSQL{
 	// (catching 23505 would leave it in state 25P02).
 	// $3 is the event's time (NULL: unknown, dated now()).
 	claim: `INSERT INTO %[1]s (consumer, event_id, event_at) VALUES ($1, $2, coalesce($3::timestamptz, now())) ON CONFLICT DO NOTHING`,
-	// The claim with the replay window: an event dated before now() minus
-	// the horizon or after now() plus the future skew (microseconds, from
-	// the store's config) inserts nothing. now() is the transaction's start
-	// on the server: the same clock and instant as the purge's cutoff and
-	// as Verdict's, which runs in the same transaction.
+	// The claim with the replay window: an event dated before the
+	// statement's start (statement_timestamp()) minus the horizon or after
+	// it plus the future skew (microseconds, from the store's config)
+	// inserts nothing. The statement's start, not the transaction's
+	// (now()): a claim in a transaction opened long before (watermill-sql's
+	// subscriber batch) is judged when it runs, on the same clock as the
+	// purge's cutoff, which the purger keeps 5 minutes older
+	// (purgeClaimSlack) for a claim that waits on a row being deleted.
+	// Verdict's later start judges a refusal the same way.
 	window: `INSERT INTO %[1]s (consumer, event_id, event_at)
 SELECT $1, $2, coalesce($3::timestamptz, now())
 WHERE $3::timestamptz IS NULL
-   OR $3::timestamptz BETWEEN now() - interval '%[2]d microseconds' AND now() + interval '%[3]d microseconds'
+   OR $3::timestamptz BETWEEN statement_timestamp() - interval '%[2]d microseconds' AND statement_timestamp() + interval '%[3]d microseconds'
 ON CONFLICT DO NOTHING`,
 	verdict: `SELECT EXISTS (SELECT 1 FROM %[1]s WHERE consumer = $1 AND event_id = $2),
-       $3::timestamptz < now() - interval '%[2]d microseconds',
-       to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`,
+       $3::timestamptz < statement_timestamp() - interval '%[2]d microseconds',
+       to_char(statement_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`,
 	eventAt: func(t time.Time) any { return t },
 	exists:  `SELECT EXISTS (SELECT 1 FROM %[1]s WHERE consumer = $1 AND event_id = $2)`,
 	// Deletes at most $2 rows dated (event_at) before the database clock minus $1
@@ -132,7 +136,7 @@ func postgresLeanClaim(q string, v7, identity bool, horizon, skew time.Duration)
 	// planner folds the condition to true).
 	where := "$3::timestamptz IS NULL OR true"
 	if horizon > 0 {
-		where = fmt.Sprintf("$3::timestamptz BETWEEN now() - interval '%d microseconds' AND now() + interval '%d microseconds'",
+		where = fmt.Sprintf("$3::timestamptz BETWEEN statement_timestamp() - interval '%d microseconds' AND statement_timestamp() + interval '%d microseconds'",
 			horizon.Microseconds(), skew.Microseconds())
 		if !v7 {
 			where = "$3::timestamptz IS NULL OR " + where
