@@ -47,6 +47,20 @@ func (p *poisonRecorder) reasons() []string {
 	return r
 }
 
+// poisoningConsumer is a pgx consumer named name on pool whose dead letters
+// go to poison, retried fast and held at most 3 s: a test sees within
+// seconds whether a delivery is poisoned, retried or given back.
+func poisoningConsumer(t *testing.T, pool *pgxpool.Pool, name string, poison *poisonRecorder) *middleware.Consumer {
+	t.Helper()
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+		Consumer: name, DB: idempotency.Pgx(pool),
+		Poison: middleware.PoisonConfig{Publisher: poison, Topic: "poison"},
+		Retry:  middleware.RetryConfig{InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond, MaxHold: 3 * time.Second},
+	}, nil)
+	require.NoError(t, err)
+	return c
+}
+
 // The docs promise that database outages neither poison nor dead-letter,
 // and (ConsumerConfig.MaxCrashes, docs/guarantees.md) that "a delivery held
 // through an outage ends its attempts normally and is never counted" as a

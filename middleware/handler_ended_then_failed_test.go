@@ -5,7 +5,6 @@ import (
 	"errors"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
@@ -36,12 +35,7 @@ func TestHandlerEndingTheTransactionThenFailingIsPoisonedOnce(t *testing.T) {
 	for _, end := range []string{"COMMIT", "ROLLBACK", "COMMIT; BEGIN"} {
 		t.Run(end, func(t *testing.T) {
 			poison := &poisonRecorder{}
-			c, err := middleware.NewConsumer(middleware.ConsumerConfig{
-				Consumer: "ended_" + uuid.NewString()[:8], DB: idempotency.Pgx(pool),
-				Poison: middleware.PoisonConfig{Publisher: poison, Topic: "poison"},
-				Retry:  middleware.RetryConfig{InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond, MaxHold: 3 * time.Second},
-			}, nil)
-			require.NoError(t, err)
+			c := poisoningConsumer(t, pool, "ended_"+uuid.NewString()[:8], poison)
 			var calls atomic.Int32
 			h, err := door.Wrap(c, "ended", func(msg *message.Message) ([]*message.Message, error) {
 				calls.Add(1)

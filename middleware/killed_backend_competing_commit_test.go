@@ -28,26 +28,19 @@ import (
 // pg_terminate_backend, a failover: PostgreSQL aborts the transaction and
 // releases the claim's lock), another worker of the same consumer
 // processes the event, and the handler then fails on something else. pgx
-// has not read from the dead connection yet (not closed, still 'T'), so
-// endedByHandler asks claimVisible, finds the other worker's commit and
-// poisons the delivery as if this handler had committed it.
+// has not read from the dead connection yet (not closed, still 'T'): the
+// other worker's commit, seen from outside, must not be taken for this
+// handler's (it was, when endedByHandler read the claim on another
+// connection); the guard on the attempt's own connection decides.
 func TestKilledBackendWithCompetingWorkerCommitIsNotHandlerEndedTx(t *testing.T) {
 	pool, _ := testenv.Pool(t)
 	ctx := context.Background()
 	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
-	consumer := "h11kill_" + uuid.NewString()[:8]
-	newConsumer := func(p *poisonRecorder) *middleware.Consumer {
-		c, err := middleware.NewConsumer(middleware.ConsumerConfig{
-			Consumer: consumer, DB: idempotency.Pgx(pool),
-			Poison: middleware.PoisonConfig{Publisher: p, Topic: "poison"},
-			Retry:  middleware.RetryConfig{InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond, MaxHold: 3 * time.Second},
-		}, nil)
-		require.NoError(t, err)
-		return c
-	}
+	consumer := "killedbk_" + uuid.NewString()[:8]
+	newConsumer := func(p *poisonRecorder) *middleware.Consumer { return poisoningConsumer(t, pool, consumer, p) }
 	poisonA, poisonB := &poisonRecorder{}, &poisonRecorder{}
 	var callsB atomic.Int32
-	hB, err := door.Wrap(newConsumer(poisonB), "h11", func(msg *message.Message) ([]*message.Message, error) {
+	hB, err := door.Wrap(newConsumer(poisonB), "killedbk", func(msg *message.Message) ([]*message.Message, error) {
 		callsB.Add(1)
 		return nil, nil
 	})
@@ -57,7 +50,7 @@ func TestKilledBackendWithCompetingWorkerCommitIsNotHandlerEndedTx(t *testing.T)
 	msg.Metadata.Set(marshaler.MetadataEventName, "order.placed")
 
 	var callsA atomic.Int32
-	hA, err := door.Wrap(newConsumer(poisonA), "h11", func(m *message.Message) ([]*message.Message, error) {
+	hA, err := door.Wrap(newConsumer(poisonA), "killedbk", func(m *message.Message) ([]*message.Message, error) {
 		callsA.Add(1)
 		tx, _ := middleware.PgxTxFromContext(m.Context())
 		var pid int32

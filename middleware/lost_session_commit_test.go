@@ -24,21 +24,15 @@ import (
 // COMMIT (an operator's pg_terminate_backend, a failover) on every
 // attempt. Earlier in the attempt the handler skipped an optional
 // statement whose own budget had already run out: pgx sent nothing, the
-// connection stayed open, the transaction intact. That skipped statement
-// marks the attempt "own context ended" for the rest of it, so the lost
-// session's failed COMMIT is taken for the handler's deadline (ordinary)
-// because the pool answers SELECT 1: retried, then poisoned.
+// connection stayed open, the transaction intact. The lost session's
+// failed COMMIT must still be the database's: held and given back, never
+// taken for the handler's own deadline and poisoned.
 func TestLostSessionAtCommitIsHeldAfterAHandlerSkippedAStatementOnAnExpiredContext(t *testing.T) {
 	pool, _ := testenv.Pool(t)
 	ctx := context.Background()
 	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
 	poison := &poisonRecorder{}
-	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
-		Consumer: "deadline_lost_" + uuid.NewString()[:8], DB: idempotency.Pgx(pool),
-		Poison: middleware.PoisonConfig{Publisher: poison, Topic: "poison"},
-		Retry:  middleware.RetryConfig{InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond, MaxHold: 3 * time.Second},
-	}, nil)
-	require.NoError(t, err)
+	c := poisoningConsumer(t, pool, "deadline_lost_"+uuid.NewString()[:8], poison)
 	var calls atomic.Int32
 	handler, err := door.Wrap(c, "lost_session", func(msg *message.Message) ([]*message.Message, error) {
 		calls.Add(1)

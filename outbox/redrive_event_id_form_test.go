@@ -16,10 +16,10 @@ import (
 )
 
 // RedriveFilter.EventIDs "keeps only rows with one of these event ids".
-// Since the outbox stores event ids canonical (5e5db01), a producer that
-// redrives its dead-lettered event by the id it published (msg.UUID, an
-// accepted upper-case form) finds nothing: Redrive compares the raw text
-// with the stored canonical one.
+// The outbox stores event ids canonical: a producer that redrives its
+// dead-lettered event by the id it published (msg.UUID, an accepted
+// upper-case form) must still find it (Redrive matches each id as given
+// and canonical).
 func TestRedriveByTheProducersEventIDFindsItsDeadRow(t *testing.T) {
 	t.Parallel()
 	tg := testenv.NewTarget(t, testenv.TargetPostgresPgx, 4)

@@ -15,9 +15,9 @@ import (
 // versioned/doc.go: "nil keys (ErrKeyMissing) are permanent too"; upsert.go:
 // "ErrKeyMissing ... a NULL key would never conflict with a unique
 // constraint and would add a row per event". A key that the driver binds as
-// NULL through driver.Valuer (sql.NullString{}, pgtype.Text{}) is not
-// refused: each Apply inserts a row, and a lower version is written after a
-// higher one.
+// NULL through driver.Valuer (sql.NullString{}, pgtype.Text{}) must be
+// refused too: bound as NULL, each Apply inserted a row, and a lower
+// version was written after a higher one.
 func TestUpsertRefusesAKeyBoundAsNULLByItsValuer(t *testing.T) {
 	t.Parallel()
 	pool, _ := testenv.Pool(t)

@@ -401,8 +401,7 @@ func (a *stdTx) bind(ctx context.Context) context.Context {
 func (a *stdTx) commit(ctx context.Context) error {
 	switch {
 	case a.guard.sql != "":
-		var one int64
-		if err := a.tx.QueryRowContext(ctx, a.guard.sql, a.guard.consumer, a.guard.eventID).Scan(&one); err != nil {
+		if err := a.runGuard(ctx); err != nil {
 			if errors.Is(err, sql.ErrTxDone) {
 				return err
 			}
@@ -421,6 +420,15 @@ func (a *stdTx) commit(ctx context.Context) error {
 	}
 	return a.tx.Commit()
 }
+
+// runGuard sends the commit guard's statement on the attempt's
+// transaction: it fails with processedstore.GuardFailed (guardFailed) when
+// the claim is not the current transaction's.
+func (a *stdTx) runGuard(ctx context.Context) error {
+	var one int64
+	return a.tx.QueryRowContext(ctx, a.guard.sql, a.guard.consumer, a.guard.eventID).Scan(&one)
+}
+
 func (a *stdTx) rollback(context.Context) error {
 	err := a.tx.Rollback()
 	if err == sql.ErrTxDone {

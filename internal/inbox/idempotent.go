@@ -531,7 +531,8 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		if !m.countsCrashes(msg) {
 			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, nil)
 		}
-		if _, joined := wsql.TxFromContext(origCtx); markedRedelivery(msg) && !nested && !joined {
+		marked := markedRedelivery(msg)
+		if _, joined := wsql.TxFromContext(origCtx); marked && !nested && !joined {
 			release, werr := m.countedTurn(origCtx, fields)
 			if werr != nil {
 				return nil, m.finish(handlerName, OutcomeFailed, start, 0, fields, werr)
@@ -539,7 +540,7 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 			defer release()
 		}
 		started, stored, sent, cerr := m.startAttempt(origCtx, consumer, eventID)
-		if !stored.Found && !markedRedelivery(msg) {
+		if !stored.Found && !marked {
 			m.warmup.Add(1) // one of the warm-up attempts (countsCrashes)
 		}
 		if cerr != nil {
@@ -671,8 +672,8 @@ func (m *Idempotent) countsCrashes(msg *message.Message) bool {
 	if m.cfg.MaxCrashes <= 0 || m.cfg.CrashQuerier == nil {
 		return false
 	}
-	n, hasCount := marshaler.DeliveryCount(msg)
-	if _, hasFlag := msg.Metadata[marshaler.MetadataRedelivered]; hasFlag || hasCount {
+	if markedRedelivery(msg) {
+		n, _ := marshaler.DeliveryCount(msg)
 		return marshaler.Redelivered(msg) || n > 0
 	}
 	// Peeked, not taken: an attempt of an event already processed (a
@@ -728,11 +729,7 @@ func (m *Idempotent) startAttempt(ctx context.Context, consumer string, id uuid.
 			return 0, stored, false, err
 		}
 	}
-	if stored, err = m.cfg.Store.StoredIdentity(c, m.cfg.CrashQuerier, consumer, id); err != nil || stored.Found {
-		return 0, stored, false, err
-	}
-	started, err = m.cfg.Store.StartAttempt(c, m.cfg.CrashQuerier, consumer, id)
-	return started, stored, true, err
+	return m.cfg.Store.StartAttemptUnlessProcessed(c, m.cfg.CrashQuerier, consumer, id)
 }
 
 // processedRedelivery ends the attempt of a redelivered message whose
@@ -773,8 +770,9 @@ func (m *Idempotent) payOwedEnds(ctx context.Context) {
 }
 
 // endAttempt writes the end of an attempt of (consumer, id); when the
-// database is away, it is remembered and written before the event's next
-// start (startAttempt): the process did not die in that attempt.
+// database is away, it is owed (unrecorded) and written before the
+// process's next attempt of any event (payOwedEnds): the process did not
+// die in that attempt.
 func (m *Idempotent) endAttempt(ctx context.Context, consumer string, id uuid.UUID) {
 	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
 	defer cancel()
@@ -830,8 +828,7 @@ func (m *Idempotent) endedByHandler(ctx context.Context, tx attemptTx, herr erro
 	case *stdTx:
 		switch {
 		case t.guard.sql != "":
-			var one int64
-			err := t.tx.QueryRowContext(ctx, t.guard.sql, t.guard.consumer, t.guard.eventID).Scan(&one)
+			err := t.runGuard(ctx)
 			return err != nil && guardFailed(err)
 		case !t.savepoint:
 			return false

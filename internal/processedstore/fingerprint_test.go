@@ -169,7 +169,8 @@ func TestStartAttemptUnlessProcessedCountsOnlyEventsNotProcessed(t *testing.T) {
 		s := tg.store(t)
 		id := uuid.Must(uuid.NewV7())
 		for want := 1; want <= 2; want++ {
-			n, stored, err := s.StartAttemptUnlessProcessed(ctx, tg.db, "stock", id)
+			n, stored, sent, err := s.StartAttemptUnlessProcessed(ctx, tg.db, "stock", id)
+			require.True(t, sent)
 			require.NoError(t, err)
 			require.False(t, stored.Found)
 			require.Equal(t, want, n)
@@ -181,7 +182,8 @@ func TestStartAttemptUnlessProcessedCountsOnlyEventsNotProcessed(t *testing.T) {
 		require.NoError(t, s.ForgetAttempts(ctx, tx, "stock", id))
 		end(true)
 
-		n, stored, err := s.StartAttemptUnlessProcessed(ctx, tg.db, "stock", id)
+		n, stored, sent, err := s.StartAttemptUnlessProcessed(ctx, tg.db, "stock", id)
+		require.False(t, sent)
 		require.NoError(t, err)
 		require.True(t, stored.Found)
 		require.Zero(t, n)

@@ -270,21 +270,23 @@ func (s *Store) StartAttempt(ctx context.Context, q sqldb.Querier, consumer stri
 // (StoredIdentity), instead of a counted attempt, a claim and the count's
 // end. An event not processed yet is then counted (StartAttempt); if
 // another consumer processes it in between, its claim finds the row and
-// the attempt's end deletes the count. A processed attempt ends its count
-// in its own transaction (EndAttempt on it; inside watermill-sql's
-// subscriber transaction, after it), so a processed event has no count to
-// delete here. A count an earlier release left behind (its end ran after
-// the commit) stays, never read while the event's row exists; a
-// redelivery after the row was purged is claimed before it could be taken
-// for a crash loop, and the claim refuses it as expired. Reading only
-// costs the server 55k instructions where one statement counting and
-// deleting in CTEs cost 140k (issue 25). started is 0 when Found.
-func (s *Store) StartAttemptUnlessProcessed(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) (started int, stored StoredIdentity, err error) {
+// the attempt's end takes its start off. A processed attempt deletes its
+// count in its own transaction (ForgetAttempts on it; inside
+// watermill-sql's subscriber transaction, after it). A count an earlier
+// release left behind (its end ran after the commit) stays, never read
+// while the event's row exists; a redelivery after the row was purged is
+// claimed before it could be taken for a crash loop, and the claim refuses
+// it as expired. Reading only costs the server 55k instructions where one
+// statement counting and deleting in CTEs cost 140k (issue 25). started is
+// 0 when Found. sent reports that StartAttempt was sent: only then may an
+// error hide a start that was written (its answer lost), whose end is
+// owed; a failed read wrote nothing.
+func (s *Store) StartAttemptUnlessProcessed(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) (started int, stored StoredIdentity, sent bool, err error) {
 	if stored, err = s.StoredIdentity(ctx, q, consumer, eventID); err != nil || stored.Found {
-		return 0, stored, err
+		return 0, stored, false, err
 	}
 	started, err = s.StartAttempt(ctx, q, consumer, eventID)
-	return started, StoredIdentity{}, err
+	return started, StoredIdentity{}, true, err
 }
 
 // EndAttempt counts one started attempt of (consumer, eventID) as ended

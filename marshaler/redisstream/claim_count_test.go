@@ -24,8 +24,8 @@ import (
 // subscribers' initial claims run; when their XPENDING/XCLAIM pairs
 // interleave (forced here through ShouldClaimPendingMessage, which runs
 // between them), each claim must still carry its own group's count
-// (transports.md: "claims (XCLAIM …) as redelivered with the count
-// XPENDING reported").
+// (transports.md: "claims (XCLAIM …) as redelivered with the entry's
+// earlier deliveries in its group").
 func TestCountingClientClaimCarriesItsOwnGroupsDeliveryCount(t *testing.T) {
 	ctx := context.Background()
 	raw := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
