@@ -272,7 +272,7 @@ type CountSizes struct {
 // countVariants are the variants counted, the first the baseline.
 var countVariants = []string{vNone, vOurs, vDuplicate, "idem_no_lock_timeout", "idem_no_verify", "dup_no_lock_timeout_no_verify", vPlainTx,
 	"idem_crash_bound_marked", "idem_crash_bound_unmarked", vDupRedelivered,
-	vFloorNone, vFloorMechanism, vFloorChecked, vFloorLean, vFloorToday}
+	vFloorNone, vFloorMechanism, vFloorChecked, vFloorLean, vFloorToday, vFloorCheckedSession, vFloorLeanSession, vFloorTodaySession}
 
 // vDupRedelivered is a duplicate as a broker redelivers it (redelivered
 // "true", delivery count 1) to a consumer with the crash bound NewConsumer
@@ -464,8 +464,11 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	ours, dup := got[vOurs], got[vDuplicate]
 	t.Notes = []string{
 		"plain_tx: the handler in pgx's own transaction, no chain (none has the chain's poison, retry and recoverer layers). idem_no_lock_timeout: Config.LockTimeout < 0 (no SET LOCAL); idem_no_verify: DisablePayloadVerification (no fingerprint, no identity read on a duplicate); dup_no_lock_timeout_no_verify: a duplicate with neither (BEGIN, claim, ROLLBACK).",
-		"floor_*: the claim's mechanism priced alone, on the same server in the same run (bench/floors.go): BEGIN and one prepared claim statement in a batch, the handler, COMMIT; floor_none sends BEGIN alone. floor_mechanism: uuid-only INSERT … ON CONFLICT DO NOTHING; floor_checked: a table per consumer (uuid, fingerprint) with today's checks (lock timeout, replay window); floor_lean: issue 25's lean row (int2 consumer, uuid, fingerprint, no secondary index) with today's checks; floor_today: the middleware's statement for a UUIDv7 event on a copy of today's table.",
-		fmt.Sprintf("server instructions per claim, floors (variant − floor_none): mechanism %s k, a table per consumer with every check %s k, lean row with every check %s k, today's statement %s k.", k(got[vFloorMechanism].server-got[vFloorNone].server), k(got[vFloorChecked].server-got[vFloorNone].server), k(got[vFloorLean].server-got[vFloorNone].server), k(got[vFloorToday].server-got[vFloorNone].server)),
+		"floor_*: the claim's mechanism priced alone, on the same server in the same run (bench/floors.go): BEGIN and one prepared claim statement in a batch, the handler, COMMIT; floor_none sends BEGIN alone. floor_mechanism: uuid-only INSERT … ON CONFLICT DO NOTHING; floor_checked: a table per consumer (uuid, fingerprint) with today's checks (the lock bound in the statement as the middleware sends it, the session's lock_timeout already equal to it; the replay window); floor_lean: issue 25's lean row (int2 consumer, uuid, fingerprint, no secondary index) with today's checks; floor_today: the middleware's statement for a UUIDv7 event on a copy of today's table; *_session: the same with the lock bound per session only (no backstop in the statement).",
+		fmt.Sprintf("server instructions per claim, floors (variant − floor_none): mechanism %s k; with every check (per session only): a table per consumer %s k (%s k), lean row %s k (%s k), today's statement %s k (%s k).", k(got[vFloorMechanism].server-got[vFloorNone].server),
+			k(got[vFloorChecked].server-got[vFloorNone].server), k(got[vFloorCheckedSession].server-got[vFloorNone].server),
+			k(got[vFloorLean].server-got[vFloorNone].server), k(got[vFloorLeanSession].server-got[vFloorNone].server),
+			k(got[vFloorToday].server-got[vFloorNone].server), k(got[vFloorTodaySession].server-got[vFloorNone].server)),
 		"dup_redelivered: a duplicate marked as a redelivery (redelivered, delivery count 1), crash bound on: one read-only autocommit statement reads the processed row, nothing is counted, no transaction.",
 		"idem_crash_bound_marked / _unmarked: ours with the crash bound NewConsumer sets (MaxCrashes 3, counted on the pool), on first deliveries marked as such (AMQP, JetStream, Redis Streams with CountingClient: nothing written) or unmarked (Kafka: each child's first 64 attempts are counted, inside both runs, so they cancel out of the per-message figure).",
 		fmt.Sprintf("(I(%d) − I(%d)) ÷ %d per message: process start and connection cancel out; building the message is inside (same for all).", sz.N2, sz.N1, sz.N2-sz.N1),
@@ -511,7 +514,7 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	res.set("server_instructions_per_duplicate_redelivered", redelivered.server)
 	res.set("duplicate_cpu_ratio_redelivered", (redelivered.client+redelivered.server)/(ours.client+ours.server))
 	fnone := got[vFloorNone]
-	for _, v := range []string{vFloorMechanism, vFloorChecked, vFloorLean, vFloorToday} {
+	for _, v := range []string{vFloorMechanism, vFloorChecked, vFloorLean, vFloorToday, vFloorCheckedSession, vFloorLeanSession, vFloorTodaySession} {
 		res.set("server_instructions_per_claim_"+v, got[v].server-fnone.server)
 	}
 	floor := got["dup_no_lock_timeout_no_verify"]

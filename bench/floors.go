@@ -19,7 +19,8 @@ import (
 // beside what any claim of that shape costs. Each floor variant sends BEGIN
 // and its claim statement (both prepared once) in one batch, as the pgx
 // beginner does, runs the handler on the same connection and commits
-// through pgconn. vFloorNone sends BEGIN alone: a floor's server count per
+// through pgconn; the connection's session lock_timeout is the floors'
+// (floorLockTimeout), as the pgx beginner keeps it. vFloorNone sends BEGIN alone: a floor's server count per
 // claim is the variant's minus vFloorNone's. None has the chain's layers,
 // payload verification, a lock on a duplicate's row or a crash bound: they
 // price a statement, not a consumer.
@@ -29,6 +30,11 @@ const (
 	vFloorChecked   = "floor_checked"   // a table per consumer: uuid and fingerprint, with every check of today's claim
 	vFloorLean      = "floor_lean"      // issue 25's lean row with every check of today's claim
 	vFloorToday     = "floor_today"     // today's claim statement on today's table
+	// The same rows with the lock bound per session only (issue 25's
+	// proposal): the window, no backstop in the statement.
+	vFloorCheckedSession = "floor_checked_session"
+	vFloorLeanSession    = "floor_lean_session"
+	vFloorTodaySession   = "floor_today_session"
 )
 
 // floorTodaySchema copies the migrated processed_event (columns, defaults,
@@ -46,27 +52,38 @@ CREATE TABLE floor_checked (event_id uuid PRIMARY KEY, fingerprint bytea NOT NUL
 CREATE TABLE floor_lean (consumer int2 NOT NULL, event_id uuid NOT NULL, fingerprint bytea NOT NULL, PRIMARY KEY (consumer, event_id));
 `
 
-// floorClaims are the floors' claim statements. floor_checked's and
-// floor_lean's checks are today's (postgresLeanClaim with
-// LeanClaimWithLockTimeout): the lock timeout for the transaction and the
-// replay window on the database clock (1 h horizon, 5 min skew).
+// floorLockTimeout is the floors' lock timeout, the session's setting on
+// the floors' connection as the pgx beginner keeps it (sessionLock).
+const floorLockTimeout = 5 * time.Second
+
+// floorClaim is a floor's claim: INSERT INTO table (cols) SELECT sel with
+// today's replay window on the database clock (1 h horizon, 5 min skew)
+// on the event time at parameter ts and, when backstop, today's lock
+// bound in the statement (processedstore.LeanClaimWithLockTimeout, the
+// same text the middleware sends).
+func floorClaim(table, cols, sel string, ts int, backstop bool) string {
+	q := fmt.Sprintf("INSERT INTO %s (%s)\nSELECT %s\nWHERE ($%d::timestamptz BETWEEN statement_timestamp() - interval '3600000000 microseconds' AND statement_timestamp() + interval '300000000 microseconds')\nON CONFLICT DO NOTHING",
+		table, cols, sel, ts)
+	if backstop {
+		var ok bool
+		if q, ok = processedstore.LeanClaimWithLockTimeout(q, floorLockTimeout); !ok {
+			panic("bench: floor claim without the lean claim's WHERE")
+		}
+	}
+	return q
+}
+
+// floorClaims are the floors' claim statements.
 var floorClaims = map[string]string{
-	vFloorMechanism: `INSERT INTO floor_uuid (event_id) VALUES ($1) ON CONFLICT DO NOTHING`,
-	vFloorChecked: `INSERT INTO floor_checked (event_id, fingerprint) SELECT $1, $2
-WHERE set_config('lock_timeout', '5000ms', true) IS NOT NULL
-  AND ($3::timestamptz BETWEEN statement_timestamp() - interval '3600000000 microseconds' AND statement_timestamp() + interval '300000000 microseconds')
-ON CONFLICT DO NOTHING`,
-	vFloorLean: `INSERT INTO floor_lean (consumer, event_id, fingerprint) SELECT $1, $2, $3
-WHERE set_config('lock_timeout', '5000ms', true) IS NOT NULL
-  AND ($4::timestamptz BETWEEN statement_timestamp() - interval '3600000000 microseconds' AND statement_timestamp() + interval '300000000 microseconds')
-ON CONFLICT DO NOTHING`,
+	vFloorMechanism:      `INSERT INTO floor_uuid (event_id) VALUES ($1) ON CONFLICT DO NOTHING`,
+	vFloorChecked:        floorClaim("floor_checked", "event_id, fingerprint", "$1, $2", 3, true),
+	vFloorCheckedSession: floorClaim("floor_checked", "event_id, fingerprint", "$1, $2", 3, false),
+	vFloorLean:           floorClaim("floor_lean", "consumer, event_id, fingerprint", "$1, $2, $3", 4, true),
+	vFloorLeanSession:    floorClaim("floor_lean", "consumer, event_id, fingerprint", "$1, $2, $3", 4, false),
 	// The statement the middleware sends for a UUIDv7 event with payload
 	// verification (postgresLeanClaim with LeanClaimWithLockTimeout).
-	vFloorToday: `INSERT INTO floor_today (consumer, event_id, event_name, fingerprint)
-SELECT $1, $2, $5, $3
-WHERE set_config('lock_timeout', '5000ms', true) IS NOT NULL
-  AND ($4::timestamptz BETWEEN statement_timestamp() - interval '3600000000 microseconds' AND statement_timestamp() + interval '300000000 microseconds')
-ON CONFLICT DO NOTHING`,
+	vFloorToday:        floorClaim("floor_today", "consumer, event_id, event_name, fingerprint", "$1, $2, $5, $3", 4, true),
+	vFloorTodaySession: floorClaim("floor_today", "consumer, event_id, event_name, fingerprint", "$1, $2, $5, $3", 4, false),
 }
 
 // isFloor reports whether v is a floor variant.
@@ -89,6 +106,9 @@ var pgEpoch = time.Date(2000, 1, 1, 0, 0, 0, 0, time.UTC)
 // floorHandler returns h behind the floor variant v on conn.
 func floorHandler(ctx context.Context, conn *pgx.Conn, v string, h message.HandlerFunc) (message.HandlerFunc, error) {
 	pc := conn.PgConn()
+	if _, err := conn.Exec(ctx, fmt.Sprintf("SET lock_timeout = '%dms'", floorLockTimeout.Milliseconds())); err != nil {
+		return nil, err
+	}
 	if _, err := pc.Prepare(ctx, "floor_begin", "begin", nil); err != nil {
 		return nil, err
 	}
@@ -100,7 +120,7 @@ func floorHandler(ctx context.Context, conn *pgx.Conn, v string, h message.Handl
 	}
 	formats := []int16{1, 1, 1, 1, 1}
 	consumer := binary.BigEndian.AppendUint16(nil, 1)
-	if v == vFloorToday {
+	if v == vFloorToday || v == vFloorTodaySession {
 		consumer = []byte(consumerName)
 	}
 	return func(msg *message.Message) ([]*message.Message, error) {
@@ -114,15 +134,16 @@ func floorHandler(ctx context.Context, conn *pgx.Conn, v string, h message.Handl
 		switch v {
 		case vFloorMechanism:
 			batch.ExecPrepared("floor_claim", [][]byte{id[:]}, formats[:1], nil)
-		case vFloorChecked, vFloorLean, vFloorToday:
+		case vFloorNone:
+		default:
 			at, _ := processedstore.EventTime(id, time.Now())
 			fp := processedstore.NewIdentity(eventName, msg.Payload).FingerprintBytes()
 			us := binary.BigEndian.AppendUint64(nil, uint64(at.Sub(pgEpoch).Microseconds()))
 			params := [][]byte{consumer, id[:], fp, us}
-			if v == vFloorChecked {
+			if v == vFloorChecked || v == vFloorCheckedSession {
 				params = params[1:]
 			}
-			if v == vFloorToday {
+			if v == vFloorToday || v == vFloorTodaySession {
 				params = append(params, []byte(eventName))
 			}
 			batch.ExecPrepared("floor_claim", params, formats[:len(params)], nil)

@@ -202,11 +202,15 @@ var targets25 = []target{
 			checked, ok2 := get(vFloorChecked)
 			lean, ok3 := get(vFloorLean)
 			today, ok4 := get(vFloorToday)
-			if !ok1 || !ok2 || !ok3 || !ok4 {
+			checkedS, ok5 := get(vFloorCheckedSession)
+			leanS, ok6 := get(vFloorLeanSession)
+			todayS, ok7 := get(vFloorTodaySession)
+			if !ok1 || !ok2 || !ok3 || !ok4 || !ok5 || !ok6 || !ok7 {
 				return "50.4k the mechanism alone (issue 25's figure: uuid-only INSERT … ON CONFLICT DO NOTHING sent with BEGIN)"
 			}
 			return "this run, the statement alone (bench/floors.go): " + mech + " the mechanism (uuid-only INSERT … ON CONFLICT DO NOTHING sent with BEGIN); " +
-				checked + " a table per consumer (uuid, fingerprint) with every check; " + lean + " issue 25's lean row (int2 consumer, no secondary index) with every check; " + today + " today's statement"
+				checked + " a table per consumer (uuid, fingerprint) with every check; " + lean + " issue 25's lean row (int2 consumer, no secondary index) with every check; " + today + " today's statement; with the lock bound per session only (no backstop in the statement): " +
+				checkedS + ", " + leanS + " and " + todayS + " for the same three"
 		}},
 	{key: "client_instructions_per_claim", le: true, bound: 8000, what: "client instructions added by the claim (ours − no dedup: the same router layers, a plain pgx transaction)",
 		floor: func(r *Result) string {
