@@ -171,7 +171,7 @@ type ConsumerConfig struct {
 	// pool's connections keep for other code too;
 	// behind a pooler (PgBouncer) and with SQL it is SET LOCAL, sent in the
 	// claim's round trip (docs/databases.md). Whole milliseconds, at least
-	// 1 ms. Defaults to DefaultLockTimeout (15 s); negative leaves the
+	// 1 ms, at most 2147483647 ms (PostgreSQL's lock_timeout range). Defaults to DefaultLockTimeout (15 s); negative leaves the
 	// session's lock_timeout untouched.
 	LockTimeout time.Duration
 
@@ -458,8 +458,8 @@ func (c ConsumerConfig) Validate() error {
 	if c.MaxFutureSkew < 0 {
 		return fmt.Errorf("middleware: ConsumerConfig.MaxFutureSkew %s: must be ≥ 0", c.MaxFutureSkew)
 	}
-	if c.LockTimeout > 0 && c.LockTimeout < time.Millisecond {
-		return fmt.Errorf("middleware: ConsumerConfig.LockTimeout %s: at least 1ms (negative leaves the session's lock_timeout untouched)", c.LockTimeout)
+	if err := inbox.CheckLockTimeout("ConsumerConfig.LockTimeout", c.LockTimeout); err != nil {
+		return err
 	}
 	if c.Poison.Publisher == nil {
 		return errors.New("middleware: ConsumerConfig.Poison.Publisher is required")

@@ -128,6 +128,10 @@ func NewPgxBeginner(pool *pgxpool.Pool, cfg PgxBeginnerConfig) (TxBeginner, erro
 	b := &pgxBeginner{pool: pool, pipeline: !cfg.DisablePipeline}
 	cc := pool.Config().ConnConfig
 	b.prepared = b.pipeline && cc.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
+	switch cc.DefaultQueryExecMode {
+	case pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeDescribeExec:
+		b.describesFirst = true
+	}
 	b.tracer, _ = cc.Tracer.(pgx.BatchTracer)
 	b.traced = cc.Tracer != nil
 	return b, nil
@@ -140,6 +144,9 @@ type pgxBeginner struct {
 	// so the claim's batch is sent with statements of its own prepared once
 	// per connection (pgxclaim.go); otherwise a pgx.Batch in the pool's mode.
 	prepared bool
+	// describesFirst: in the pool's exec mode pgx describes (or prepares)
+	// a pgx.Batch's statements before it executes any of them.
+	describesFirst bool
 	// tracer is the pool's pgx.BatchTracer, if any: the prepared claim's
 	// batch is traced as a pgx.Batch would be.
 	tracer pgx.BatchTracer
@@ -186,9 +193,25 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 		}
 	}
 	batch := &pgx.Batch{}
-	batch.Queue("begin")
-	if q, args, ok := c.lockTimeoutQuery(); ok {
-		batch.Queue(q, args...)
+	if q, args, ok := c.lockTimeoutQuery(); ok && b.describesFirst {
+		// pgx describes a batch's statements (Parse, Describe, Sync)
+		// before it runs the first: the claim's parse would wait for the
+		// claim table's lock outside the transaction, unbounded. BEGIN
+		// and the lock timeout go first, in a round trip of their own.
+		var err error
+		if len(args) == 0 {
+			_, err = conn.Exec(ctx, "begin; "+q, pgx.QueryExecModeSimpleProtocol)
+		} else if _, err = conn.Exec(ctx, "begin", pgx.QueryExecModeSimpleProtocol); err == nil {
+			_, err = conn.Exec(ctx, q, append([]any{pgx.QueryExecModeSimpleProtocol}, args...)...)
+		}
+		if err != nil {
+			return b.claimed(ctx, connClaimOf(conn.Conn().PgConn()), conn, &c, false, err)
+		}
+	} else {
+		batch.Queue("begin")
+		if ok {
+			batch.Queue(q, args...)
+		}
 	}
 	claimSQL, claimArgs := c.claimQuery()
 	batch.Queue(claimSQL, claimArgs...)

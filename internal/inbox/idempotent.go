@@ -28,6 +28,25 @@ import (
 // that holds the claim of the same event (Config.LockTimeout).
 const DefaultLockTimeout = 15 * time.Second
 
+// maxLockTimeout is the longest Config.LockTimeout: PostgreSQL's
+// lock_timeout is an int of milliseconds (2147483647 ms, about 24.8 days;
+// SQLite's busy timeout is the same int). A longer one would fail every
+// attempt on the setting itself (SQLSTATE 22023).
+const maxLockTimeout = 2147483647 * time.Millisecond
+
+// CheckLockTimeout reports what is wrong with d as a lock timeout (field
+// names the configuration field), or nil: below 1ms or above
+// maxLockTimeout; a negative d (the session's setting untouched) is fine.
+func CheckLockTimeout(field string, d time.Duration) error {
+	switch {
+	case d > 0 && d < time.Millisecond:
+		return fmt.Errorf("middleware: %s %s: at least 1ms (negative leaves the session's lock_timeout untouched)", field, d)
+	case d > maxLockTimeout:
+		return fmt.Errorf("middleware: %s %s: at most %dms, PostgreSQL's lock_timeout range (negative leaves the session's lock_timeout untouched)", field, d, maxLockTimeout.Milliseconds())
+	}
+	return nil
+}
+
 // rollbackTimeout bounds a rollback issued after the message context ended.
 const rollbackTimeout = 5 * time.Second
 
@@ -62,7 +81,8 @@ type Config struct {
 	// ErrInFlight and is retried later. It is PostgreSQL's lock_timeout for
 	// the whole attempt, so a handler statement that waits longer than it
 	// on a lock also fails, transiently (SQLSTATE 55P03). Defaults to
-	// DefaultLockTimeout (whole milliseconds; at least 1ms); a negative
+	// DefaultLockTimeout (whole milliseconds; at least 1ms, at most
+	// 2147483647ms, PostgreSQL's range); a negative
 	// value leaves the session's lock_timeout untouched.
 	//
 	// How it is set. With NewPgxBeginner on a pool in
@@ -192,8 +212,8 @@ func (c Config) Validate() error {
 	if c.ReplayHorizon < 0 {
 		return fmt.Errorf("middleware: Config.ReplayHorizon %s: must be ≥ 0", c.ReplayHorizon)
 	}
-	if c.LockTimeout > 0 && c.LockTimeout < time.Millisecond {
-		return fmt.Errorf("middleware: Config.LockTimeout %s: below 1ms", c.LockTimeout)
+	if err := CheckLockTimeout("Config.LockTimeout", c.LockTimeout); err != nil {
+		return err
 	}
 	return nil
 }

@@ -91,8 +91,14 @@ type connClaim struct {
 	lockMs int64
 	shared bool
 	// sessionOwn is the session's lock_timeout before sessionLock first
-	// set it (restoreSessionLock).
+	// set it (restoreSessionLock); changed: sessionLock set the session's
+	// setting and nobody put sessionOwn back since. lockMs is what the
+	// setting is known to be, so it is forgotten (0) when a handler may
+	// have changed it or the statements were lost, while changed and
+	// sessionOwn stay: the value to put back is still the one from before
+	// the first setting, never a value of ours read back.
 	sessionOwn string
+	changed    bool
 	// backstops are this connection's lean claims with the lock timeout
 	// in their WHERE (withLockBackstop).
 	backstops []backstop
@@ -141,6 +147,16 @@ func connClaimOf(pc *pgconn.PgConn) *connClaim {
 	st := &connClaim{formats: [5]int16{0, 1, 1, 0, 1}}
 	data[preparedClaimKey] = st
 	return st
+}
+
+// has reports whether sql's statement is prepared on the connection.
+func (st *connClaim) has(sql string) bool {
+	for _, s := range st.stmts {
+		if s.sql == sql {
+			return true
+		}
+	}
+	return false
 }
 
 // stmt returns sql's statement on pc, preparing it first when needed.
@@ -264,8 +280,8 @@ func (st *connClaim) sessionLock(ctx context.Context, conn *pgx.Conn, d time.Dur
 		st.shared = true
 		return false, nil
 	}
-	if st.lockMs == 0 {
-		st.sessionOwn = own
+	if !st.changed {
+		st.sessionOwn, st.changed = own, true
 	}
 	st.lockMs = ms
 	return true, nil
@@ -279,7 +295,7 @@ func (st *connClaim) restoreSessionLock(ctx context.Context, conn *pgx.Conn) err
 	if _, err := conn.Exec(ctx, "SELECT set_config('lock_timeout', $1, false)", pgx.QueryExecModeSimpleProtocol, st.sessionOwn); err != nil {
 		return err
 	}
-	st.lockMs = 0
+	st.lockMs, st.changed = 0, false
 	return nil
 }
 
@@ -487,12 +503,25 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, st *connClaim, conn *pg
 					batchLock, claimSQL = "", backstopped
 				}
 			}
-		} else if c.lockTimeout == nil && st.lockMs != 0 {
+		} else if c.lockTimeout == nil && st.changed {
 			// LockTimeout < 0 leaves the session's lock_timeout as it
 			// was before another consumer on this pool set it.
 			if err := st.restoreSessionLock(ctx, conn); err != nil {
 				return false, err
 			}
+		}
+		// Preparing the claim takes the claim table's lock (its parse
+		// analysis), outside any transaction: where the session's
+		// lock_timeout is not the consumer's, the statements are prepared
+		// inside a transaction that sets it, rolled back after (a
+		// prepared statement outlives its transaction). Only when one is
+		// missing: the first claim on a connection, or after a loss.
+		bounded := false
+		if batchLock != "" && (!st.has("begin") || !st.has(batchLock) || !st.has(claimSQL)) {
+			if _, err := pc.Exec(ctx, "begin; "+batchLock).ReadAll(); err != nil {
+				return false, err
+			}
+			bounded = true
 		}
 		begin, err := st.stmt(ctx, pc, "begin", nil)
 		var lock preparedStmt
@@ -502,6 +531,11 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, st *connClaim, conn *pg
 		var claim preparedStmt
 		if err == nil {
 			claim, err = st.stmt(ctx, pc, claimSQL, types)
+		}
+		if bounded {
+			if _, rerr := pc.Exec(ctx, "rollback").ReadAll(); rerr != nil {
+				return false, errors.Join(err, rerr)
+			}
 		}
 		if err == errPooled {
 			b.pooled.Store(true)
