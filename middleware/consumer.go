@@ -171,8 +171,9 @@ type ConsumerConfig struct {
 	// pool's connections keep for other code too;
 	// behind a pooler (PgBouncer) and with SQL it is SET LOCAL, sent in the
 	// claim's round trip (docs/databases.md). Whole milliseconds, at least
-	// 1 ms, at most 2147483647 ms (PostgreSQL's lock_timeout range). Defaults to DefaultLockTimeout (15 s); negative leaves the
-	// session's lock_timeout untouched.
+	// 1 ms, at most 2147483647 ms (PostgreSQL's lock_timeout range).
+	// Defaults to DefaultLockTimeout (15 s); negative leaves the session's
+	// lock_timeout untouched.
 	LockTimeout time.Duration
 
 	// DisablePayloadVerification turns off the comparison of a duplicate

@@ -102,8 +102,11 @@ type Config struct {
 	// a pooler (the server's process ID is not the one the connection was
 	// given at startup: PgBouncer in any pool mode) and in every other
 	// mode and driver it is SET LOCAL lock_timeout before the claim, in
-	// the claim's round trip: the session's own value is back after the
-	// attempt. Never a set_config inside the claim: the executor takes
+	// the claim's round trip (in pgx's describe modes, in a round trip
+	// before it: pgx describes the claim first, which takes its table's
+	// lock): the session's own value is back after the attempt. The
+	// consumer's prepared statements are prepared inside a transaction
+	// with it set. Never a set_config inside the claim: the executor takes
 	// the claim's table lock before it evaluates any expression.
 	LockTimeout time.Duration
 
