@@ -36,7 +36,7 @@ func runStock(ctx context.Context, pool *pgxpool.Pool, amqpURL string, logger wa
 	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
 		Consumer:      "stock", // the claim key's name, shared by every worker of this consumer
 		DB:            idempotency.Pgx(pool),
-		ReplayHorizon: 7 * 24 * time.Hour, // older events are refused; their rows may be purged
+		ReplayHorizon: 7 * 24 * time.Hour, // older events are refused; processed.Purger deletes their rows
 		Poison:        middleware.PoisonConfig{Publisher: poison, Topic: dl.PoisonTopic()},
 	}, logger)
 	if err != nil {
