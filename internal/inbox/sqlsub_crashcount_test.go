@@ -50,12 +50,15 @@ CREATE CONSTRAINT TRIGGER fail_first_commit AFTER INSERT ON effect
 	logger := watermill.NopLogger{}
 	topic := "orders"
 	sub, err := wsql.NewSubscriber(beginner, wsql.SubscriberConfig{
-		SchemaAdapter: wsql.DefaultPostgreSQLSchema{}, OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{}, InitializeSchema: true,
+		// The queue schema: the default one reads only below
+		// pg_snapshot_xmin and stalls behind any transaction another test
+		// holds open on the shared server (TestSQLSubscriberJoinDeliversBehindIdleTransaction).
+		SchemaAdapter: wsql.PostgreSQLQueueSchema{}, OffsetsAdapter: wsql.PostgreSQLQueueOffsetsAdapter{}, InitializeSchema: true,
 		PollInterval: 20 * time.Millisecond, ResendInterval: 10 * time.Millisecond,
 	}, logger)
 	require.NoError(t, err)
 	require.NoError(t, sub.SubscribeInitialize(topic))
-	pub, err := wsql.NewPublisher(beginner, wsql.PublisherConfig{SchemaAdapter: wsql.DefaultPostgreSQLSchema{}}, logger)
+	pub, err := wsql.NewPublisher(beginner, wsql.PublisherConfig{SchemaAdapter: wsql.PostgreSQLQueueSchema{}}, logger)
 	require.NoError(t, err)
 	m, err := marshaler.NewMessage("order.placed", map[string]int{"i": 1})
 	require.NoError(t, err)
