@@ -128,8 +128,19 @@ func (m Marshaler) Unmarshal(rec *sarama.ConsumerMessage) (msg *message.Message,
 	if in.TransportID == "" {
 		in.TransportID = recordID(rec)
 	}
-	return m.Decoder.DecodeDelivery(in), nil
+	msg = m.Decoder.DecodeDelivery(in)
+	// The consumer's first attempts after a start, whose crashes it counts
+	// (Kafka marks no redelivery), run one at a time in the process: the
+	// records of other partitions in flight beside a record that kills the
+	// process are then never counted as its crash (the middleware's
+	// metadataSerialWarmup).
+	msg.Metadata.Set(metadataSerialWarmup, "partitioned")
+	return msg, nil
 }
+
+// metadataSerialWarmup is the middleware's key (internal/inbox) for a
+// transport that runs partitions side by side and marks no redelivery.
+const metadataSerialWarmup = "idempotency_serial_warmup"
 
 func recordID(rec *sarama.ConsumerMessage) string {
 	return rec.Topic + "/" + strconv.FormatInt(int64(rec.Partition), 10) + "/" + strconv.FormatInt(rec.Offset, 10)

@@ -1,0 +1,157 @@
+package kfaketest
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/watermill-idempotency/idempotency"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/marshaler/kafka"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
+)
+
+// The crash loop as it happens in production: the poisoned record reaches a
+// member that has been running for a while and has applied new events (70
+// here, more than the 64-attempt warm-up), not only duplicates as in
+// TestCrashLoopOnKafkaBoundedWhenThePoisonReachesAWarmConsumer. Its first
+// crash is outside that member's warm-up and not counted, so at most
+// MaxCrashes+1 members die (docs/transports.md: "MaxCrashes+2 when it first
+// reached a consumer past its first 64 attempts").
+func TestCrashLoopOnKafkaBoundedWhenThePoisonFollowsNewEvents(t *testing.T) {
+	runKafkaCrashLoop(t, 1, 70, 0)
+}
+
+// The same under a steady producer on a topic with many partitions (256,
+// one member owning all of them): each restarted member receives the first
+// uncommitted record of every partition at once. The records in flight
+// beside the poisoned one when it kills the member are the first ones again
+// after the restart (their offsets were never committed), so they are in
+// flight at every crash. guarantees.md: the broker's count is not taken as
+// the crash count because that "dead-letters those innocent neighbours";
+// transports.md (Kafka): "Each event is applied once, the poison
+// dead-lettered once". Each child gets 512 new records published before it
+// starts.
+func TestCrashLoopOnKafkaDeadLettersOnlyThePoisonUnderLoadOnManyPartitions(t *testing.T) {
+	runKafkaCrashLoop(t, 256, 3, 512)
+}
+
+func runKafkaCrashLoop(t *testing.T, partitions int32, before, perChild int) {
+	ctx := context.Background()
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(partitions, crashLoopTopic), kfake.SeedTopics(1, crashLoopDLQ))
+	require.NoError(t, err)
+	t.Cleanup(c.Close)
+	brokers := c.ListenAddrs()
+
+	consumer, err := sarama.NewConsumer(brokers, crashLoopSaramaConfig())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = consumer.Close() })
+	dlq, err := consumer.ConsumePartition(crashLoopDLQ, 0, sarama.OffsetOldest)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = dlq.Close() })
+
+	pool, schema := testenv.Pool(t)
+	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
+	_, err = pool.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL)`)
+	require.NoError(t, err)
+
+	var msgs []*message.Message
+	pub, err := crashLoopPublisher(brokers, watermill.NopLogger{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pub.Close() })
+	publish := func(n int) {
+		var batch []*message.Message
+		for i := 0; i < n; i++ {
+			m, err := marshaler.NewMessage("order.placed", map[string]int{"n": len(msgs)})
+			require.NoError(t, err)
+			msgs = append(msgs, m)
+			batch = append(batch, m)
+		}
+		require.NoError(t, pub.Publish(crashLoopTopic, batch...))
+	}
+	publish(before + 1)
+	poison := msgs[before].UUID
+	publish(3)
+
+	var dead []string
+	collect := func() {
+		for {
+			select {
+			case rec := <-dlq.Messages():
+				m, err := kafka.Marshaler{}.Unmarshal(rec)
+				require.NoError(t, err)
+				dead = append(dead, m.UUID)
+			default:
+				return
+			}
+		}
+	}
+	allowed := middleware.DefaultMaxCrashes
+	if before > 64 {
+		allowed++ // the first crash came after the member's first 64 attempts
+	}
+	crashes := 0
+	for finished := false; !finished; {
+		if crashes > allowed+2 {
+			t.Fatalf("the poisoned record killed %d members and was not dead-lettered", crashes)
+		}
+		if perChild > 0 {
+			publish(perChild) // the producers do not stop while members crash
+		}
+		var out strings.Builder
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), "CRASHLOOP_CHILD=1", "CRASHLOOP_SCHEMA="+schema, "CRASHLOOP_POISON="+poison,
+			"CRASHLOOP_KAFKA_BROKERS="+strings.Join(brokers, ","))
+		cmd.Stdout, cmd.Stderr = &out, &out
+		require.NoError(t, cmd.Start())
+		exited := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(exited) }()
+		deadline := time.Now().Add(2 * time.Minute)
+	wait:
+		for {
+			select {
+			case <-exited:
+				ws := cmd.ProcessState.Sys().(syscall.WaitStatus)
+				if !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
+					t.Fatalf("child ended with %s; output:\n%s", cmd.ProcessState, out.String())
+				}
+				crashes++
+				break wait
+			case <-time.After(200 * time.Millisecond):
+				collect()
+				var applied int
+				require.NoError(t, pool.QueryRow(ctx, `SELECT count(DISTINCT event_id) FROM effect`).Scan(&applied))
+				// Done when every record is accounted for: applied or
+				// dead-lettered (the assertions below say which).
+				if len(dead) > 0 && applied+len(dead) >= len(msgs) {
+					_ = cmd.Process.Kill()
+					<-exited
+					finished = true
+					break wait
+				}
+				if time.Now().After(deadline) {
+					_ = cmd.Process.Kill()
+					<-exited
+					t.Fatalf("child %d neither crashed nor finished (%d applied); output:\n%s", crashes+1, applied, out.String())
+				}
+			}
+		}
+	}
+	collect()
+	t.Logf("%d crashes, %d dead letters", crashes, len(dead))
+	require.Equal(t, []string{poison}, dead, "only the poisoned record is dead-lettered; the others, which killed nothing, are applied")
+	t.Logf("dead-lettered after %d crashes", crashes)
+	require.LessOrEqual(t, crashes, allowed, "members killed by the poisoned record before its dead letter (%d allowed)", allowed)
+}
