@@ -6,9 +6,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
@@ -863,8 +865,17 @@ func (r *Relay) bounded(ctx context.Context, f func(context.Context) error) (err
 }
 
 func truncate(reason string) string {
+	// Valid UTF-8 without NUL always, cut at a rune's start: PostgreSQL (22021) and
+	// MariaDB in strict mode (1366) refuse a split character, and the
+	// settle transaction that writes the reason would roll back with the
+	// round's deletes, so its published rows went out again every round.
+	reason = strings.ReplaceAll(strings.ToValidUTF8(reason, "\uFFFD"), "\x00", "")
 	if len(reason) > maxReason {
-		return reason[:maxReason] + "… (truncated)"
+		cut := maxReason
+		for cut > 0 && !utf8.RuneStart(reason[cut]) {
+			cut--
+		}
+		return reason[:cut] + "… (truncated)"
 	}
 	return reason
 }

@@ -52,7 +52,8 @@ type PublisherConfig struct {
 //     the row is never counted against): a stream at its limits with
 //     DiscardNew ("maximum messages exceeded", "maximum bytes exceeded",
 //     "maximum messages per subject exceeded": API error 10077), the
-//     server out of storage (10047) or memory (10028), no PubAck in time
+//     server out of storage (10047, 10023) or memory (10028), the account
+//     over its JetStream quota (10002), no PubAck in time
 //     (nats.ErrTimeout: a leader election, a slow server) and the message's
 //     context expired (context.DeadlineExceeded);
 //   - unroutable (the error has an Unroutable method returning true, the
@@ -131,6 +132,8 @@ const (
 	codeMemoryExceeded  nats.ErrorCode = 10028 // JSMemoryResourcesExceededErr: insufficient memory resources
 	codeStorageExceeded nats.ErrorCode = 10047 // JSStorageResourcesExceededErr: insufficient storage resources
 	codeStoreFailed     nats.ErrorCode = 10077 // JSStreamStoreFailedF: maximum messages/bytes/messages per subject exceeded (DiscardNew)
+	codeAccountLimits   nats.ErrorCode = 10002 // JSAccountResourcesExceededErr: resource limits exceeded for account
+	codeInsufficient    nats.ErrorCode = 10023 // JSInsufficientResourcesErr: insufficient resources (the server's store full)
 )
 
 // classify wraps a publish error of nats.go's in backPressureError or
@@ -139,7 +142,8 @@ const (
 func classify(err error) error {
 	var api *nats.APIError
 	switch {
-	case errors.As(err, &api) && (api.ErrorCode == codeStoreFailed || api.ErrorCode == codeStorageExceeded || api.ErrorCode == codeMemoryExceeded),
+	case errors.As(err, &api) && (api.ErrorCode == codeStoreFailed || api.ErrorCode == codeStorageExceeded || api.ErrorCode == codeMemoryExceeded ||
+		api.ErrorCode == codeAccountLimits || api.ErrorCode == codeInsufficient),
 		errors.Is(err, nats.ErrTimeout), errors.Is(err, context.DeadlineExceeded):
 		return backPressureError{err}
 	case errors.Is(err, nats.ErrNoStreamResponse), errors.Is(err, nats.ErrNoResponders):
