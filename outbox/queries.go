@@ -136,10 +136,17 @@ func (q queries) deadLetter() string {
 
 // holdBack is the claim's exclusion of the rows behind a waiting row of
 // each topic, placeholders from position from: topic, head id per topic.
+// On MySQL the topic is compared as bytes (BINARY): the column's default
+// collation (utf8mb4_general_ci) ignores case and trailing spaces, so a
+// waiting row of "Orders" held back "orders", another routing key.
 func (q queries) holdBack(from, n int) string {
+	eq := ` AND NOT (topic = %s AND id > %s)`
+	if q.d == sqldb.MySQL {
+		eq = ` AND NOT (topic = BINARY %s AND id > %s)`
+	}
 	var b strings.Builder
 	for i := 0; i < n; i++ {
-		fmt.Fprintf(&b, ` AND NOT (topic = %s AND id > %s)`, placeholders(q.d, from+2*i, 1), placeholders(q.d, from+2*i+1, 1))
+		fmt.Fprintf(&b, eq, placeholders(q.d, from+2*i, 1), placeholders(q.d, from+2*i+1, 1))
 	}
 	return b.String()
 }
