@@ -93,7 +93,14 @@ func newQueries(d sqldb.Dialect, t tables) queries {
 	q.lockIDs = `SELECT id, event_id, topic, payload, metadata, attempts FROM ` + t.Table + ` WHERE id%s ORDER BY id FOR UPDATE SKIP LOCKED`
 	q.waiting = `SELECT id, topic FROM ` + t.Table + ` WHERE next_try_us > ` + now + ` ORDER BY id`
 	q.inFlight = `UPDATE ` + t.Table + ` SET next_try_us = ` + now + ` + ` + p(1) + ` WHERE id%s`
-	q.purge = `DELETE FROM ` + t.Archive + ` WHERE relayed_at_us < ` + now + ` - ` + p(1)
+	// At most $2 rows a statement (archivePurgeBatch): an unbounded DELETE
+	// of a large backlog outlasted the step's deadline on every try and
+	// never removed a row.
+	if d == sqldb.MySQL { // no LIMIT in an IN subquery
+		q.purge = `DELETE FROM ` + t.Archive + ` WHERE relayed_at_us < ` + now + ` - ` + p(1) + ` ORDER BY relayed_at_us LIMIT ` + p(2)
+	} else {
+		q.purge = `DELETE FROM ` + t.Archive + ` WHERE id IN (SELECT id FROM ` + t.Archive + ` WHERE relayed_at_us < ` + now + ` - ` + p(1) + ` LIMIT ` + p(2) + `)`
+	}
 	q.replay = `SELECT id, event_id, topic, payload, metadata, created_at_us FROM ` + t.Archive +
 		` WHERE created_at_us >= ` + p(1) + ` AND created_at_us < ` + p(2) + `%s ORDER BY id`
 	return q

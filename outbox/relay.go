@@ -1188,12 +1188,35 @@ func (r *Relay) housekeeping(ctx context.Context) {
 		}
 	}
 	if r.cfg.Retention > 0 {
-		err := r.database(ctx, "archive purge", func(ctx context.Context) error {
-			_, err := r.db.ExecContext(ctx, r.o.q.at(r.o.q.purge), r.cfg.Retention.Microseconds())
-			return err
-		})
-		if err != nil && ctx.Err() == nil {
-			r.logger.Error("outbox archive purge", err, nil)
+		// In batches, each within the step's deadline, at most
+		// archivePurgeBatches a round of housekeeping: a backlog goes
+		// over the next rounds, and delivery is never held long.
+		for i := 0; i < archivePurgeBatches; i++ {
+			var n int64
+			err := r.database(ctx, "archive purge", func(ctx context.Context) error {
+				res, err := r.db.ExecContext(ctx, r.o.q.at(r.o.q.purge), r.cfg.Retention.Microseconds(), archivePurgeBatch)
+				if err == nil {
+					n, err = res.RowsAffected()
+				}
+				return err
+			})
+			if err != nil {
+				if ctx.Err() == nil {
+					r.logger.Error("outbox archive purge", err, nil)
+				}
+				return
+			}
+			if n < archivePurgeBatch {
+				return
+			}
 		}
 	}
 }
+
+// archivePurgeBatch is the archived rows one purge statement deletes at
+// most; archivePurgeBatches the statements one round of housekeeping
+// (every StatsInterval) runs at most.
+const (
+	archivePurgeBatch   = 5000
+	archivePurgeBatches = 20
+)
