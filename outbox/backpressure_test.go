@@ -117,7 +117,11 @@ func testHangingPublish(t *testing.T, b *box) {
 	eventually(t, 10*time.Second, func() bool { return h.calls.Load() >= 1 }, "the publish started")
 	hung := time.Unix(0, h.first.Load())
 	var timedOutAt, stalledAt time.Duration
-	for time.Since(hung) < stalledAfter+time.Second {
+	// Bounds, not timings: each is seen, within a slack that only an
+	// unbounded wait exceeds (a loaded machine delays the log by more than
+	// a stats interval).
+	const slack = 5 * time.Second
+	for (timedOutAt == 0 || stalledAt == 0) && time.Since(hung) < stalledAfter+slack {
 		if activity != nil {
 			require.Zero(t, activity.openTx(t), "no transaction open while the publish hangs")
 		}
@@ -130,9 +134,9 @@ func testHangingPublish(t *testing.T, b *box) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	require.NotZero(t, timedOutAt, "the bound was hit and logged")
-	require.Less(t, timedOutAt, timeout+300*time.Millisecond, "within PublishTimeout of the publish's start")
+	require.Less(t, timedOutAt, timeout+slack, "within PublishTimeout of the publish's start")
 	require.NotZero(t, stalledAt, "stall warning")
-	require.Less(t, stalledAt, stalledAfter+300*time.Millisecond, "stall warning within StalledAfter (+ a stats interval) of the write")
+	require.Less(t, stalledAt, stalledAfter+slack, "stall warning within StalledAfter (+ a stats interval) of the write")
 	t.Logf("publish gave up after %s (PublishTimeout %s); stall logged %s after the write (StalledAfter %s)",
 		timedOutAt.Round(time.Millisecond), timeout, stalledAt.Round(time.Millisecond), stalledAfter)
 	require.Greater(t, rec.oldest.Load(), int64(stalledAfter), "the oldest pending age is reported meanwhile")
