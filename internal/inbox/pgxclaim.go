@@ -149,24 +149,28 @@ func connClaimOf(pc *pgconn.PgConn) *connClaim {
 	return st
 }
 
-// has reports whether sql's statement is prepared on the connection.
-func (st *connClaim) has(sql string) bool {
+// find returns sql's statement if it is prepared on the connection.
+func (st *connClaim) find(sql string) (preparedStmt, bool) {
 	for _, s := range st.stmts {
 		if s.sql == sql {
-			return true
+			return s, true
 		}
 	}
-	return false
+	return preparedStmt{}, false
+}
+
+// has reports whether sql's statement is prepared on the connection.
+func (st *connClaim) has(sql string) bool {
+	_, ok := st.find(sql)
+	return ok
 }
 
 // stmt returns sql's statement on pc, preparing it first when needed.
 // types, when not nil, are the parameter types the statement must have
 // (each entry: the accepted OIDs).
 func (st *connClaim) stmt(ctx context.Context, pc *pgconn.PgConn, sql string, types [][]uint32) (preparedStmt, error) {
-	for _, s := range st.stmts {
-		if s.sql == sql {
-			return s, nil
-		}
+	if s, ok := st.find(sql); ok {
+		return s, nil
 	}
 	s := preparedStmt{sql: sql, name: stmtName(sql)}
 	sd, err := pc.Prepare(ctx, s.name, sql, nil)
