@@ -34,6 +34,7 @@ type queries struct {
 	lockIDs   string // %s: inIDs; locks the candidates, skipping those locked
 	waiting   string // rows waiting for a retry, oldest first
 	inFlight  string // %s: inIDs; arg 1 the lease (µs): a Parallel relay's claimed rows, hidden from the others
+	rehide    string // as inFlight, for rows whose hiding still holds
 	purge     string
 	replay    string // %s: extra topic condition
 }
@@ -93,6 +94,7 @@ func newQueries(d sqldb.Dialect, t tables) queries {
 	q.lockIDs = `SELECT id, event_id, topic, payload, metadata, attempts FROM ` + t.Table + ` WHERE id%s ORDER BY id FOR UPDATE SKIP LOCKED`
 	q.waiting = `SELECT id, topic FROM ` + t.Table + ` WHERE next_try_us > ` + now + ` ORDER BY id`
 	q.inFlight = `UPDATE ` + t.Table + ` SET next_try_us = ` + now + ` + ` + p(1) + ` WHERE id%s`
+	q.rehide = `UPDATE ` + t.Table + ` SET next_try_us = ` + now + ` + ` + p(1) + ` WHERE next_try_us > ` + now + ` AND id%s`
 	// At most $2 rows a statement (archivePurgeBatch): an unbounded DELETE
 	// of a large backlog outlasted the step's deadline on every try and
 	// never removed a row.

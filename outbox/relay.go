@@ -149,8 +149,9 @@ type RelayConfig struct {
 	// dead-lettered at once. Classify by type or origin, not message text.
 	Permanent func(error) bool
 	// Parallel lets several relays of the outbox publish at once, each
-	// claiming a disjoint batch (SKIP LOCKED). It gives up order across
-	// batches: rows may reach the broker in any order. Default false: one
+	// claiming a disjoint batch (SKIP LOCKED) that stays hidden from the
+	// others until its round settles it (renewed as the lease is). It gives
+	// up order across batches: rows may reach the broker in any order. Default false: one
 	// relay publishes at a time (the lock row), the others stand by. Not
 	// supported on SQLite (one writer).
 	Parallel bool
@@ -260,7 +261,7 @@ type Relay struct {
 	// Owned by the Run goroutine.
 	owner     string         // this relay's lease token
 	lease     time.Duration  // the lease's length: 2 × PublishTimeout
-	leasedAt  time.Time      // last time the lease was taken or renewed
+	leasedAt  time.Time      // last time the lease (Parallel: the round's hiding) was taken or renewed
 	stuck     chan struct{}  // closed when an abandoned publish returns
 	pressure  map[string]int // consecutive back-pressure failures per topic
 	nextStats time.Time      // next housekeeping
@@ -509,18 +510,8 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 		if blocked[row.topic] {
 			continue // behind a row of its topic that failed this round
 		}
-		if !r.cfg.Parallel && time.Since(r.leasedAt) > r.lease/3 {
-			var held bool
-			err := r.database(ctx, "lease renewal", func(ctx context.Context) (err error) {
-				held, err = r.renew(ctx)
-				return err
-			})
-			if err != nil || !held {
-				if ctx.Err() == nil {
-					r.logger.Error("outbox relay: lease lost or not renewed, stopping the round", err, nil)
-				}
-				break
-			}
+		if !r.hold(ctx, rows) {
+			break
 		}
 		var timedOut bool
 		row.err, timedOut = r.bounded(ctx, func(pctx context.Context) error { return r.publish(pctx, row) })
@@ -564,7 +555,7 @@ func (r *Relay) round(ctx context.Context) (res roundResult, err error) {
 		}
 	}
 	brokerUp := false
-	if faults > 0 && stalled == 0 && ctx.Err() == nil {
+	if faults > 0 && stalled == 0 && ctx.Err() == nil && r.hold(ctx, rows) {
 		perr, timedOut := r.bounded(ctx, r.cfg.Probe)
 		switch {
 		case ctx.Err() != nil:
@@ -663,10 +654,62 @@ func (r *Relay) claimRound(ctx context.Context) (rows []pendingRow, err error) {
 	if err := tx.Commit(); err != nil {
 		return nil, fmt.Errorf("commit: %w", err)
 	}
-	if !r.cfg.Parallel {
+	r.leasedAt = time.Now()
+	return rows, nil
+}
+
+// hold keeps what a round stands on while it publishes: the relay lease
+// (default) or, with Parallel, the hiding of the round's rows from the
+// other relays (next_try_us, a lease's length ahead). It renews it once a
+// third of the lease has passed, before each publish and before the probe:
+// each of these is bounded by PublishTimeout, half the lease, so a round of
+// slow publishes never outlasts it and another relay never takes rows this
+// one is publishing or has published but not yet removed. It returns false,
+// logged at ERROR, when it could not renew it (the database failed, the
+// lease was taken, or a row's hiding had lapsed): the round stops and
+// settles what it did.
+func (r *Relay) hold(ctx context.Context, rows []pendingRow) bool {
+	if time.Since(r.leasedAt) <= r.lease/3 {
+		return true
+	}
+	var held bool
+	err := r.database(ctx, "lease renewal", func(ctx context.Context) (err error) {
+		if r.cfg.Parallel {
+			held, err = r.rehide(ctx, rows)
+		} else {
+			held, err = r.renew(ctx)
+		}
+		return err
+	})
+	if err != nil || !held {
+		if ctx.Err() == nil {
+			r.logger.Error("outbox relay: lease lost or not renewed, stopping the round", err, watermill.LogFields{"parallel": r.cfg.Parallel})
+		}
+		return false
+	}
+	return true
+}
+
+// rehide extends the hiding of a Parallel round's rows by a lease, only
+// while it still holds (next_try_us ahead of the database clock): true when
+// it held for every row.
+func (r *Relay) rehide(ctx context.Context, rows []pendingRow) (bool, error) {
+	args := []any{r.lease.Microseconds()}
+	for _, row := range rows {
+		args = append(args, row.id)
+	}
+	res, err := r.db.ExecContext(ctx, r.o.q.at(fmt.Sprintf(r.o.q.rehide, r.o.q.inIDs(2, len(rows)))), args...)
+	if err != nil {
+		return false, fmt.Errorf("hide claimed rows: %w", err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return false, fmt.Errorf("hide claimed rows: %w", err)
+	}
+	if n == int64(len(rows)) {
 		r.leasedAt = time.Now()
 	}
-	return rows, nil
+	return n == int64(len(rows)), nil
 }
 
 // settleTimeout bounds step 3 when the relay is closing (its context done):
