@@ -154,3 +154,44 @@ func TestConfirmedPublisherRefusesHeadersLargerThanAFrame(t *testing.T) {
 	require.True(t, errors.As(err, &amqpErr), "the broker's reason is lost: %v", err)
 	require.Equal(t, amqp091.FrameError, amqpErr.Code)
 }
+
+// A classic queue at x-max-length-bytes with x-overflow reject-publish
+// nacks a message that would take it past its limit. When it holds nothing
+// ready and still nacks the message, the message alone is over the limit:
+// it can never fit, and Publish says so (not ErrNotConfirmed, no
+// BackPressure method: the relay counts it against the row, naming the
+// queue). When the queue holds something, the nack is back-pressure
+// (ErrNotConfirmed), and the same message goes in once the queue drains.
+func TestConfirmedPublisherTellsAMessageThatCanNeverFitItsQueueFromAFullQueue(t *testing.T) {
+	t.Parallel()
+	ch, _ := declare(t)
+	q := testenv.UniqueName("limited")
+	_, err := ch.QueueDeclare(q, false, false, false, false, amqp091.Table{"x-max-length-bytes": int64(1024), "x-overflow": "reject-publish"})
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = ch.QueueDelete(q, false, false, false) })
+	p, err := amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{URL: testenv.AMQPURL()}, nil)
+	require.NoError(t, err)
+	defer p.Close()
+	var bp interface{ BackPressure() bool }
+
+	big, err := marshaler.NewMessage("order.placed", map[string]string{"note": strings.Repeat("x", 2048)})
+	require.NoError(t, err)
+	err = p.Publish(q, big)
+	require.Error(t, err)
+	require.NotErrorIs(t, err, amqp.ErrNotConfirmed, "a message its empty queue refuses is not back-pressure")
+	require.False(t, errors.As(err, &bp) && bp.BackPressure(), "not back-pressure: %v", err)
+	require.ErrorContains(t, err, q)
+
+	filler, err := marshaler.NewMessage("order.placed", map[string]string{"note": strings.Repeat("x", 800)}) // ~950 bytes: the queue is full for any other
+	require.NoError(t, err)
+	require.NoError(t, p.Publish(q, filler))
+	small := poisonMsg(t)
+	err = p.Publish(q, small)
+	require.ErrorIs(t, err, amqp.ErrNotConfirmed, "a queue that holds something and nacks is full: back-pressure")
+	require.True(t, errors.As(err, &bp) && bp.BackPressure())
+
+	_, ok, err := ch.Get(q, true) // the consumer drains the queue
+	require.NoError(t, err)
+	require.True(t, ok)
+	require.NoError(t, p.Publish(q, small), "it fits once the queue has room")
+}
