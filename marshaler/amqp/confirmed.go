@@ -37,18 +37,21 @@ func (e unroutableError) Error() string { return string(e) }
 func (unroutableError) Unroutable() bool { return true }
 
 // ErrNotConfirmed: the broker nacked a message (basic.nack: a queue at its
-// x-max-length with x-overflow reject-publish, an internal error), or the
-// channel closed before it confirmed it. It is back-pressure, not the
-// message's fault: it has a BackPressure method returning true, which
-// outbox.Relay reads (a relay publishing through a ConfirmedPublisher never
-// counts it against a row).
+// x-max-length or x-max-length-bytes with x-overflow reject-publish, an
+// internal error), or the channel closed before it confirmed it. It is
+// back-pressure, not the message's fault: it has a BackPressure method
+// returning true, which outbox.Relay reads (a relay publishing through a
+// ConfirmedPublisher never counts it against a row). A message that can
+// never fit its queue is not ErrNotConfirmed (see errRefused).
 var ErrNotConfirmed error = backPressureError("amqp: message not confirmed by the broker")
 
-// errRefused: the broker closed the channel (or the connection) over the
-// message itself, a refusal that every attempt meets again: 501
+// errRefused: the broker refused the message itself, a refusal that every
+// attempt meets again: it closed the channel (or the connection) with 501
 // FRAME_ERROR (headers larger than the negotiated frame_max, 128 KiB by
 // default on RabbitMQ) or 406 PRECONDITION_FAILED (a message over
-// max_message_size). It wraps the broker's *amqp091.Error. Unlike
+// max_message_size), wrapping the broker's *amqp091.Error; or, on the
+// default exchange, the topic's queue nacked it while holding no ready
+// message (a body over its x-max-length-bytes: see nacked). Unlike
 // ErrNotConfirmed it is not back-pressure: outbox.Relay counts it against
 // the row, which is dead-lettered after RelayConfig.MaxAttempts instead of
 // holding its topic back for good.
@@ -71,7 +74,11 @@ type ConfirmedPublisherConfig struct {
 
 	// Exchange is the exchange published to; the topic is the routing key.
 	// Defaults to "" (the default exchange: the topic names the queue, as
-	// watermill-amqp's NewDurableQueueConfig does).
+	// watermill-amqp's NewDurableQueueConfig does). Only there does the
+	// publisher know the queue, and so tell a message larger than its
+	// queue's x-max-length-bytes (never fits) from a full queue
+	// (back-pressure); through a named exchange every nack is
+	// back-pressure.
 	Exchange string
 
 	// Marshaler turns messages into publishings. Defaults to
@@ -147,9 +154,11 @@ var _ message.Publisher = (*ConfirmedPublisher)(nil)
 // Publish publishes msgs to topic (the routing key), mandatory and
 // persistent as the marshaler sets it, and waits for each confirm. It
 // returns an error wrapping ErrUnroutable, ErrNotConfirmed, the broker's
-// refusal of the message itself (a channel closed with 501 FRAME_ERROR or
-// 406 PRECONDITION_FAILED: not back-pressure), a connection or marshal error, or the context's error (msg.Context()); the
-// channel is then reopened on the next call.
+// refusal of the message itself (not back-pressure: a channel closed with
+// 501 FRAME_ERROR or 406 PRECONDITION_FAILED, or a nack by the topic's
+// queue while it held nothing, on the default exchange), a connection or
+// marshal error, or the context's error (msg.Context()); the channel is
+// then reopened on the next call.
 func (p *ConfirmedPublisher) Publish(topic string, msgs ...*message.Message) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -175,6 +184,21 @@ func (p *ConfirmedPublisher) publishOne(topic string, msg *message.Message) erro
 	}
 	ctx, cancel := context.WithTimeout(msg.Context(), p.cfg.ConfirmTimeout)
 	defer cancel()
+	if err := p.send(ctx, topic, pub); err != errNacked {
+		return err
+	}
+	return p.nacked(ctx, topic, pub)
+}
+
+// errNacked is send's report of a basic.nack on a channel still open;
+// publishOne turns it into ErrNotConfirmed or errRefused (nacked).
+var errNacked = errors.New("amqp: nacked")
+
+// send publishes pub to topic (mandatory) and waits for its confirm: nil
+// once the broker has confirmed and routed it, errNacked for a nack on a
+// channel still open, else the failure (ErrUnroutable, the channel's
+// close, the context's end).
+func (p *ConfirmedPublisher) send(ctx context.Context, topic string, pub amqp091.Publishing) error {
 	dc, err := p.ch.PublishWithDeferredConfirmWithContext(ctx, p.cfg.Exchange, topic, true, false, pub)
 	if errors.Is(err, amqp091.ErrClosed) {
 		// The broker closed the channel or the connection while the
@@ -204,9 +228,82 @@ func (p *ConfirmedPublisher) publishOne(topic string, msg *message.Message) erro
 		if p.ch.IsClosed() {
 			return p.channelClosed(ctx)
 		}
-		return ErrNotConfirmed
+		return errNacked
 	}
 	return nil
+}
+
+// nacked is the outcome of pub, which the broker nacked on an open
+// channel: ErrNotConfirmed (back-pressure: a queue at its limit with
+// x-overflow reject-publish waits for its consumer, however long that
+// takes), or errRefused when the message can never fit its queue.
+//
+// Why "the queue holds nothing" and not a time bound: a classic queue
+// counts only its ready messages against x-max-length and
+// x-max-length-bytes, and with reject-publish refuses a message that would
+// take it past them. So a queue that holds no ready message and refuses
+// the message refuses it for the message alone (a body over
+// x-max-length-bytes, or x-max-length 0): no consumer will ever make room
+// for it, and a relay that waits for room wedges its topic for good. A
+// queue that holds something may take it once drained, however long its
+// consumer is away: back-pressure. A time bound cannot tell the two
+// apart; it would dead-letter the rows of a long consumer outage. (A
+// quorum queue checks its limits before an enqueue: an empty one takes a
+// message of any size, so an oversized one never wedges it. A classic
+// queue that nacks every message while empty for another reason, an
+// internal error of its process, is judged the same way.)
+//
+// How: only on the default exchange (Exchange ""), which routes topic to
+// the queue named topic and to no other. An AMQP 0-9-1 client cannot list
+// the queues a named exchange routes to, so there every nack stays
+// back-pressure. The queue's ready count (a passive declare) is a snapshot:
+// a consumer may have drained a full queue between the nack and the look.
+// So an empty look is followed by a second publish, which such a queue
+// takes (success), and a second look; only a queue seen empty on both
+// sides of a second nack makes the message one that can never fit.
+// Whatever cannot be read (the declare fails, the context ends) leaves
+// the nack back-pressure. The relay counts errRefused against the row
+// like any refusal of the row's own (dead-lettered after
+// RelayConfig.MaxAttempts while its probe goes through), not at once: a
+// misjudged attempt would have to repeat MaxAttempts times to set a row
+// aside, and a limit raised meanwhile lets the row through.
+func (p *ConfirmedPublisher) nacked(ctx context.Context, topic string, pub amqp091.Publishing) error {
+	if p.cfg.Exchange != "" || !p.queueEmpty(ctx, topic) {
+		return ErrNotConfirmed
+	}
+	if err := p.send(ctx, topic, pub); err != errNacked {
+		return err // taken now that the queue has room, or another failure
+	}
+	if !p.queueEmpty(ctx, topic) {
+		return ErrNotConfirmed
+	}
+	return fmt.Errorf("%w: queue %q nacked it while it held no ready message, twice: the message is larger than the queue's x-max-length-bytes (x-overflow reject-publish) and can never fit", errRefused, topic)
+}
+
+// queueEmpty reports whether queue exists and holds no ready message, by a
+// passive declare on a channel of its own (a failed declare closes its
+// channel). False when the answer cannot be had before ctx ends; the
+// declare left behind ends when Publish, which failed, closes the
+// connection.
+func (p *ConfirmedPublisher) queueEmpty(ctx context.Context, queue string) bool {
+	conn := p.conn
+	empty := make(chan bool, 1)
+	go func() {
+		ch, err := conn.Channel()
+		if err != nil {
+			empty <- false
+			return
+		}
+		defer ch.Close()
+		q, err := ch.QueueDeclarePassive(queue, false, false, false, false, nil)
+		empty <- err == nil && q.Messages == 0
+	}()
+	select {
+	case e := <-empty:
+		return e
+	case <-ctx.Done():
+		return false
+	}
 }
 
 // channelClosed is the error of a publish whose channel closed before it
