@@ -93,9 +93,10 @@ func newStream(t *testing.T, js nats.JetStreamContext, cfg nats.StreamConfig) st
 }
 
 // TestPublisherFullStreamIsBackPressure: a stream at its limits with
-// DiscardNew refuses the publish with API error 10077, for each limit; the
-// error is back-pressure, still reaches the *nats.APIError and names the
-// subject and the message id.
+// DiscardNew refuses the publish with API error 10077, for each limit, of
+// a message that would fit it once it has room; the error is
+// back-pressure, still reaches the *nats.APIError and names the subject
+// and the message id.
 func TestPublisherFullStreamIsBackPressure(t *testing.T) {
 	t.Parallel()
 	url := natsURL(t)
@@ -105,13 +106,16 @@ func TestPublisherFullStreamIsBackPressure(t *testing.T) {
 	t.Cleanup(func() { _ = p.Close() })
 	for limit, cfg := range map[string]nats.StreamConfig{
 		"messages":             {MaxMsgs: 1, Discard: nats.DiscardNew},
-		"bytes":                {MaxBytes: 1, Discard: nats.DiscardNew},
+		"bytes":                {MaxBytes: 2048, Discard: nats.DiscardNew},
 		"messages per subject": {MaxMsgsPerSubject: 1, Discard: nats.DiscardNew, DiscardNewPerSubject: true},
 	} {
 		t.Run(limit, func(t *testing.T) {
 			stream := newStream(t, js, cfg)
 			subject := stream + ".orders"
-			if limit != "bytes" { // MaxBytes 1 takes nothing at all
+			if limit == "bytes" { // 1800 bytes stored: no event fits beside them
+				_, err := js.Publish(stream+".filler", make([]byte, 1800))
+				require.NoError(t, err)
+			} else {
 				require.NoError(t, p.Publish(subject, newEvent(t)))
 			}
 			event := newEvent(t)
@@ -178,6 +182,36 @@ func TestPublisherMessageLargerThanStreamMaxIsTheMessagesFault(t *testing.T) {
 	var api *nats.APIError
 	require.ErrorAs(t, err, &api)
 	require.Equal(t, nats.ErrorCode(10054), api.ErrorCode)
+}
+
+// TestPublisherMessageThatCanNeverFitTheStreamIsTheMessagesFault: a
+// stream with DiscardNew refuses a message whose headers and data alone
+// reach its MaxBytes (API error 10077, "maximum bytes exceeded", as for a
+// full stream), also when it holds nothing: no room made ever lets it in,
+// so the error is not back-pressure (the relay counts it against the row)
+// and it says why, naming the stream and its limit.
+func TestPublisherMessageThatCanNeverFitTheStreamIsTheMessagesFault(t *testing.T) {
+	t.Parallel()
+	url := natsURL(t)
+	_, js := testStream(t, url)
+	stream := newStream(t, js, nats.StreamConfig{MaxBytes: 1024, Discard: nats.DiscardNew})
+	p, err := NewPublisher(PublisherConfig{URL: url})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = p.Close() })
+	big, err := marshaler.NewMessage("order.placed", map[string]string{"note": strings.Repeat("x", 2048)})
+	require.NoError(t, err)
+	err = p.Publish(stream+".orders", big)
+	require.Error(t, err)
+	bp, unroutable := refusal(err)
+	require.False(t, bp, "a message larger than the stream's MaxBytes is not back-pressure: %v", err)
+	require.False(t, unroutable, "%v", err)
+	var api *nats.APIError
+	require.ErrorAs(t, err, &api)
+	require.Equal(t, codeStoreFailed, api.ErrorCode)
+	require.ErrorContains(t, err, stream)
+	require.ErrorContains(t, err, "MaxBytes 1024")
+
+	require.NoError(t, p.Publish(stream+".orders", newEvent(t)), "the stream takes a message that fits")
 }
 
 // TestClassifyRefusals: the errors nats.go's PublishMsg returns, by kind.

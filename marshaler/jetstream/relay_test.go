@@ -2,6 +2,7 @@ package jetstream
 
 import (
 	"context"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -66,13 +67,20 @@ func newRelayFixture(t *testing.T) *relayFixture {
 // write commits a row for topic and returns its event id.
 func (f *relayFixture) write(t *testing.T, topic string) string {
 	t.Helper()
+	return f.writePayload(t, topic, map[string]int{"order_id": 1})
+}
+
+// writePayload commits a row for topic with payload (as JSON) and returns
+// its event id.
+func (f *relayFixture) writePayload(t *testing.T, topic string, payload any) string {
+	t.Helper()
 	ctx := context.Background()
 	tx, err := f.pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()
 	pub, err := f.ob.PgxPublisher(tx)
 	require.NoError(t, err)
-	msg, err := marshaler.NewMessage("order.placed", map[string]int{"order_id": 1})
+	msg, err := marshaler.NewMessage("order.placed", payload)
 	require.NoError(t, err)
 	require.NoError(t, pub.Publish(topic, msg))
 	require.NoError(t, tx.Commit(ctx))
@@ -140,15 +148,27 @@ const relayMaxAttempts = 3
 
 // TestRelayFullStreamIsBackPressureAndRowIsDeliveredOnceRoomIsMade: a
 // stream at its limit with DiscardNew refuses the relay's publish ("maximum
-// messages exceeded"), as a RabbitMQ queue at x-max-length with
-// reject-publish nacks it. Through NewPublisher that is back-pressure: the
+// messages exceeded", "maximum bytes exceeded"), as a RabbitMQ queue at
+// x-max-length with reject-publish nacks it. The row would fit the stream
+// once it has room, so through NewPublisher that is back-pressure: the
 // row fails more than MaxAttempts times and is never dead-lettered, and it
 // goes out once the stream has room.
 func TestRelayFullStreamIsBackPressureAndRowIsDeliveredOnceRoomIsMade(t *testing.T) {
 	t.Parallel()
+	t.Run("MaxMsgs", func(t *testing.T) {
+		t.Parallel()
+		testRelayFullStream(t, nats.StreamConfig{MaxMsgs: 1, Discard: nats.DiscardNew}, []byte("{}"))
+	})
+	t.Run("MaxBytes", func(t *testing.T) { // 3900 of 4096 bytes stored: a row of ~400 does not fit beside them
+		t.Parallel()
+		testRelayFullStream(t, nats.StreamConfig{MaxBytes: 4096, Discard: nats.DiscardNew}, make([]byte, 3900))
+	})
+}
+
+func testRelayFullStream(t *testing.T, limits nats.StreamConfig, filler []byte) {
 	f := newRelayFixture(t)
-	full := newStream(t, f.js, nats.StreamConfig{MaxMsgs: 1, Discard: nats.DiscardNew})
-	_, err := f.js.Publish(full+".filler", []byte("{}")) // the stream is now at its limit
+	full := newStream(t, f.js, limits)
+	_, err := f.js.Publish(full+".filler", filler) // the stream is now at its limit
 	require.NoError(t, err)
 	subject := full + ".orders"
 	id := f.write(t, subject)
@@ -173,6 +193,40 @@ func TestRelayFullStreamIsBackPressureAndRowIsDeliveredOnceRoomIsMade(t *testing
 	require.Zero(t, dead)
 	_, _, _, recDead := rec.counts()
 	require.Zero(t, recDead)
+}
+
+// TestRelayRowLargerThanItsStreamCanEverHoldIsDeadLetteredAndItsSubjectGoesOn:
+// a row whose headers and data alone reach its stream's MaxBytes
+// (DiscardNew) is refused at every attempt ("maximum bytes exceeded", the
+// error of a full stream), also by the stream when it holds nothing: it
+// can never fit, so it is not back-pressure (producer.md: "A bad row does
+// not wedge it"). With the probe going through it is the row's fault:
+// dead-lettered after MaxAttempts, with the reason, and the row behind it
+// on its subject is published.
+func TestRelayRowLargerThanItsStreamCanEverHoldIsDeadLetteredAndItsSubjectGoesOn(t *testing.T) {
+	t.Parallel()
+	f := newRelayFixture(t)
+	limited := newStream(t, f.js, nats.StreamConfig{MaxBytes: 1024, Discard: nats.DiscardNew})
+	subject := limited + ".orders"
+	big := f.writePayload(t, subject, map[string]string{"note": strings.Repeat("x", 2048)})
+	next := f.write(t, subject)
+
+	rec := f.run(t, relayMaxAttempts)
+	testenv.Eventually(t, 20*time.Second, "the row that can never fit dead-lettered, the next one published", func(o *testenv.Observed) bool {
+		_, dead := f.rows(t)
+		_, failed, pressured, recorded := rec.counts()
+		o.Int("failed", failed)
+		o.Int("back-pressured", pressured)
+		return o.Int("dead", dead) == 1 && o.Int("recorded dead", recorded) == 1 && o.Str("stored", f.stored(t, subject)) == next
+	})
+	pending, _ := f.rows(t)
+	require.Zero(t, pending)
+	var id, reason string
+	var attempts int
+	require.NoError(t, f.pool.QueryRow(context.Background(), "SELECT event_id, attempts, reason FROM outbox_dead").Scan(&id, &attempts, &reason))
+	require.Equal(t, big, id)
+	require.Equal(t, relayMaxAttempts, attempts, "dead-lettered after MaxAttempts, as a row the stream refuses")
+	require.Contains(t, reason, limited, "the reason names the stream")
 }
 
 // TestRelayRowOfSubjectWithoutStreamWaitsForAStream: no stream takes the
