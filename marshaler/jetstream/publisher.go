@@ -1,9 +1,11 @@
 package jetstream
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
@@ -59,8 +61,12 @@ type PublisherConfig struct {
 //   - unroutable (the error has an Unroutable method returning true, the
 //     row waits for a stream): no stream takes the subject
 //     (nats.ErrNoStreamResponse, nats.ErrNoResponders);
-//   - anything else as nats.go returned it, e.g. a message larger than the
-//     stream's MaxMsgSize (10054): the message's fault.
+//   - anything else as nats.go returned it, the message's fault: a message
+//     larger than the stream's MaxMsgSize (10054), and a 10077 refusal of
+//     a message whose headers and data alone reach the MaxBytes of a
+//     stream with DiscardNew (the stream's configuration, read after the
+//     refusal, says so: the stream refuses it even empty, so it can never
+//     be stored; the error says so too).
 type Publisher struct {
 	nc    *nats.Conn
 	js    nats.JetStreamContext
@@ -98,7 +104,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 		nm.Header.Set(nats.MsgIdHdr, id)
 		ack, err := p.publish(msg.Context(), nm)
 		if err != nil {
-			return fmt.Errorf("jetstream: publish of message %s (Nats-Msg-Id %s) to %q: %w", msg.UUID, id, topic, classify(err))
+			return fmt.Errorf("jetstream: publish of message %s (Nats-Msg-Id %s) to %q: %w", msg.UUID, id, topic, p.refusal(msg.Context(), nm, err))
 		}
 		if ack.Duplicate {
 			return fmt.Errorf("%w: message %s (Nats-Msg-Id %s) to %q (stream %s, sequence %d)", ErrDuplicate, msg.UUID, id, topic, ack.Stream, ack.Sequence)
@@ -118,6 +124,67 @@ func (p *Publisher) publish(ctx context.Context, nm *nats.Msg) (*nats.PubAck, er
 		}
 	}
 	return p.js.PublishMsg(nm, p.cfg.PublishOptions...)
+}
+
+// refusal is classify(err) for nm's publish error, except for a message
+// that can never fit its stream (neverFits): err itself, saying so, which
+// is not back-pressure.
+func (p *Publisher) refusal(ctx context.Context, nm *nats.Msg, err error) error {
+	var api *nats.APIError
+	if errors.As(err, &api) && api.ErrorCode == codeStoreFailed {
+		if stream, size, maxBytes, ok := p.neverFits(ctx, nm); ok {
+			return fmt.Errorf("%w: %d bytes of headers and data reach stream %s's MaxBytes %d (DiscardNew): it can never be stored", err, size, stream, maxBytes)
+		}
+	}
+	return classify(err)
+}
+
+// neverFits reports whether nm, refused with 10077 (a stream limit with
+// DiscardNew), can never be stored in the stream of its subject: the
+// stream discards new messages at MaxBytes, and nm's headers and data
+// alone reach it.
+//
+// Why the stream's configuration, and not its contents or a time bound:
+// with DiscardNew the server refuses a message when the stream's stored
+// bytes plus the message's headers and data reach MaxBytes (nats-server's
+// file and memory stores), so a message whose headers and data alone
+// reach MaxBytes is refused by the stream when empty too: no consumer,
+// purge or age limit ever makes room for it, and a relay that waits for
+// room wedges its subject for good. Any other refusal of a full stream may
+// pass once room is made, however long its consumers are away: a time
+// bound would dead-letter the rows of a long outage. Read from the
+// configuration, the judgment races no consumer draining the stream.
+// Whatever cannot be read (the lookups fail, ctx ends) leaves the refusal
+// back-pressure. The relay counts the error against the row (dead-lettered
+// after RelayConfig.MaxAttempts while its probe goes through), so a
+// MaxBytes raised meanwhile lets the row through.
+func (p *Publisher) neverFits(ctx context.Context, nm *nats.Msg) (stream string, size int, maxBytes int64, ok bool) {
+	var opts []nats.JSOpt
+	if ctx != nil && ctx.Done() != nil {
+		opts = append(opts, nats.Context(ctx))
+	}
+	stream, err := p.js.StreamNameBySubject(nm.Subject, opts...)
+	if err != nil {
+		return "", 0, 0, false
+	}
+	info, err := p.js.StreamInfo(stream, opts...)
+	if err != nil {
+		return "", 0, 0, false
+	}
+	size = len(nm.Data) + headerSize(nm.Header)
+	cfg := info.Config
+	return stream, size, cfg.MaxBytes, cfg.Discard == nats.DiscardNew && cfg.MaxBytes > 0 && int64(size) >= cfg.MaxBytes
+}
+
+// headerSize is the size of h as nats.go sends it: "NATS/1.0\r\n", the
+// lines of http.Header.Write, "\r\n"; 0 when h is empty.
+func headerSize(h nats.Header) int {
+	if len(h) == 0 {
+		return 0
+	}
+	var b bytes.Buffer
+	_ = http.Header(h).Write(&b)
+	return len("NATS/1.0\r\n") + b.Len() + len("\r\n")
 }
 
 // Close closes the connection.

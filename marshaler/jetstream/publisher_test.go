@@ -212,6 +212,23 @@ func TestPublisherMessageThatCanNeverFitTheStreamIsTheMessagesFault(t *testing.T
 	require.ErrorContains(t, err, "MaxBytes 1024")
 
 	require.NoError(t, p.Publish(stream+".orders", newEvent(t)), "the stream takes a message that fits")
+
+	// At the boundary, as the server counts (headers as nats.go sends
+	// them): a MaxBytes of the message's size refuses it even empty, one
+	// byte more takes it.
+	p.newID = func() string { return "01a24436-1fc3-77f0-84e0-dbdf49f9a47e" }
+	event := newEvent(t)
+	nm, err := Marshaler{}.Marshal("x", event)
+	require.NoError(t, err)
+	nm.Header.Set(nats.MsgIdHdr, p.newID())
+	size := int64(len(nm.Data) + headerSize(nm.Header))
+	exact := newStream(t, js, nats.StreamConfig{MaxBytes: size, Discard: nats.DiscardNew})
+	err = p.Publish(exact+".orders", event)
+	bp, _ = refusal(err)
+	require.Error(t, err)
+	require.False(t, bp, "%d bytes never fit a MaxBytes of %d: %v", size, size, err)
+	roomy := newStream(t, js, nats.StreamConfig{MaxBytes: size + 1, Discard: nats.DiscardNew})
+	require.NoError(t, p.Publish(roomy+".orders", event))
 }
 
 // TestClassifyRefusals: the errors nats.go's PublishMsg returns, by kind.
