@@ -53,7 +53,10 @@
 // RelayConfig.PublishTimeout (a broker that blocks the connection holds no
 // transaction open and shows as a stall: the oldest pending row's age in
 // the stats and the stall warning keep being reported), and a timeout, a
-// nack of a full queue (RelayConfig.BackPressure), an unroutable row (no
+// nack of a full queue (RelayConfig.BackPressure; not a row its queue or
+// stream can never hold, which the publishers of marshaler/amqp on the
+// default exchange and marshaler/jetstream report as the row's own
+// failure, so that it is dead-lettered), an unroutable row (no
 // queue bound to its topic yet: an error with an Unroutable() bool method,
 // marshaler/amqp.ErrUnroutable; the row stays, holding back its topic, and
 // is logged at WARN with its topic) or an outage never counts against a

@@ -75,7 +75,11 @@ type RelayConfig struct {
 	//   - back-pressure (BackPressure: a nack of a full queue, a full
 	//     JetStream stream (marshaler/jetstream.Publisher), a publish
 	//     that timed out, a connection the broker blocked) never counts: the
-	//     row waits with backoff per topic;
+	//     row waits with backoff per topic. A row that can never fit is no
+	//     back-pressure: marshaler/amqp.ConfirmedPublisher (default
+	//     exchange) reports a nack by the topic's queue while it holds
+	//     nothing, marshaler/jetstream.Publisher a row that reaches its
+	//     stream's MaxBytes, as the row's failure (below);
 	//   - an unroutable row (an error with an Unroutable() bool method
 	//     returning true: the mandatory publish of
 	//     marshaler/amqp.ConfirmedPublisher came back, ErrUnroutable, no
@@ -142,7 +146,10 @@ type RelayConfig struct {
 	// that have a BackPressure() bool method returning true (the nack of
 	// marshaler/amqp.ConfirmedPublisher, ErrNotConfirmed), ErrPublishTimeout
 	// and context.DeadlineExceeded are back-pressure without it. Classify
-	// by type or origin, not message text.
+	// by type or origin, not message text. A nack alone does not tell a
+	// full queue from a row larger than the queue's x-max-length-bytes,
+	// which waits for good, holding its topic back; ConfirmedPublisher
+	// tells them apart on the default exchange.
 	BackPressure func(error) bool
 	// Permanent, if set, classifies a publish error as permanent (the row can
 	// never be published, e.g. the marshaler refuses it): the row is
