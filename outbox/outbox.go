@@ -336,7 +336,7 @@ func queryRow(ctx context.Context, db wsql.ContextExecutor, q string, args []any
 		return err
 	}
 	if !rows.Next() {
-		if err := rows.Close(); err != nil {
+		if err := closeRows(rows); err != nil {
 			return err
 		}
 		return sql.ErrNoRows
@@ -345,7 +345,21 @@ func queryRow(ctx context.Context, db wsql.ContextExecutor, q string, args []any
 		_ = rows.Close()
 		return err
 	}
-	return rows.Close()
+	return closeRows(rows)
+}
+
+// closeRows closes rows and returns the error that ended them, if any.
+// pgx reports a statement that failed on the server through its rows
+// (Rows.Err), and watermill-sql's pgx adapter returns nil from Close:
+// without Err a failed read would look like an empty result.
+func closeRows(rows wsql.Rows) error {
+	err := rows.Close()
+	if r, ok := rows.(interface{ Err() error }); ok {
+		if rerr := r.Err(); rerr != nil {
+			return rerr
+		}
+	}
+	return err
 }
 
 // tables are the quoted names of an outbox's tables.

@@ -125,7 +125,7 @@ func (o *Outbox) Redrive(ctx context.Context, f RedriveFilter) (int, error) {
 		}
 		ids = append(ids, id)
 	}
-	if err := rows.Close(); err != nil {
+	if err := closeRows(rows); err != nil {
 		return 0, fmt.Errorf("outbox: redrive: %w", err)
 	}
 	moved := len(ids)

@@ -956,7 +956,7 @@ func (r *Relay) waiting(ctx context.Context, tx wsql.Tx) ([]waitingHead, error) 
 			out = append(out, h)
 		}
 	}
-	if err := rows.Close(); err != nil {
+	if err := closeRows(rows); err != nil {
 		return nil, fmt.Errorf("waiting rows: %w", err)
 	}
 	return out, nil
@@ -1043,7 +1043,7 @@ func (r *Relay) claim(ctx context.Context, tx wsql.Tx, held []waitingHead) ([]pe
 		}
 		cands = append(cands, c)
 	}
-	if err := rows.Close(); err != nil {
+	if err := closeRows(rows); err != nil {
 		return nil, fmt.Errorf("claim: %w", err)
 	}
 	if len(cands) == 0 {
@@ -1092,7 +1092,7 @@ func (r *Relay) scanRows(rows wsql.Rows, err error) ([]pendingRow, error) {
 		}
 		out = append(out, p)
 	}
-	if err := rows.Close(); err != nil {
+	if err := closeRows(rows); err != nil {
 		return nil, fmt.Errorf("claim: %w", err)
 	}
 	return out, nil

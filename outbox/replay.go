@@ -82,7 +82,7 @@ func (o *Outbox) Replay(ctx context.Context, db wsql.ContextExecutor, dest messa
 		}
 		out = append(out, archived{topic, msg})
 	}
-	if err := rows.Close(); err != nil {
+	if err := closeRows(rows); err != nil {
 		return 0, fmt.Errorf("outbox: replay: %w", err)
 	}
 	if f.DryRun {
