@@ -169,6 +169,9 @@ type Outbox struct {
 	dialect sqldb.Dialect
 	logger  watermill.LoggerAdapter
 	q       queries
+	// mode is the pgx exec mode of the outbox's statements on a pgx
+	// handle (pgxMode), nil for the pool's default or database/sql.
+	mode any
 	// now is the process clock (time.Now). Nothing stored or compared
 	// reads it (the database clock does, queries.dbNow); tests skew it
 	// (export_test.go) to show that a wrong process clock changes nothing.
@@ -191,7 +194,11 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Outbox{cfg: cfg, db: h, dialect: h.Dialect, logger: logger, q: newQueries(h.Dialect, names), now: time.Now}, nil
+	o := &Outbox{cfg: cfg, db: h, dialect: h.Dialect, logger: logger, q: newQueries(h.Dialect, names), now: time.Now}
+	if h.Pgx != nil {
+		o.mode = pgxMode(h.Pgx)
+	}
+	return o, nil
 }
 
 func init() {
@@ -212,12 +219,18 @@ func (o *Outbox) Table() string { return o.cfg.Table }
 // destination topic with its UUID, payload and metadata; nothing leaves the
 // database before tx commits. A message that is not an event envelope is
 // refused before anything is written (ErrNotEnvelope). The tables must exist (Migrate). Close is a
-// no-op. Config.PublisherDecorators wrap the result.
+// no-op. Config.PublisherDecorators wrap the result. On a pgx transaction
+// (wsql.TxFromPgx) the insert prepares no named statement, whatever the
+// pool's exec mode, so it runs behind a transaction pooler too.
 func (o *Outbox) Publisher(tx wsql.ContextExecutor) (message.Publisher, error) {
 	if tx == nil {
 		return nil, errors.New("outbox: Publisher: nil transaction")
 	}
-	var pub message.Publisher = &txPublisher{o: o, tx: tx}
+	p := &txPublisher{o: o, tx: tx}
+	if onPgx(tx) {
+		p.mode = o.mode
+	}
+	var pub message.Publisher = p
 	for _, d := range o.cfg.PublisherDecorators {
 		var err error
 		if pub, err = d(pub); err != nil {
@@ -250,8 +263,9 @@ var ErrEmptyTopic = errors.New("outbox: empty destination topic")
 var ErrNotEnvelope = errors.New("outbox: message is not an event envelope")
 
 type txPublisher struct {
-	o  *Outbox
-	tx wsql.ContextExecutor
+	o    *Outbox
+	tx   wsql.ContextExecutor
+	mode any // the outbox's pgx exec mode on a pgx transaction (pgxMode)
 }
 
 func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
@@ -283,7 +297,12 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 		if eid, err := marshaler.ParseEventID(id); err == nil {
 			id = eid.String()
 		}
-		if _, err := p.tx.ExecContext(m.Context(), p.o.q.at(p.o.q.insert), id, topic, payload, string(md)); err != nil {
+		if p.mode != nil {
+			_, err = p.tx.ExecContext(m.Context(), p.o.q.at(p.o.q.insert), p.mode, id, topic, payload, string(md))
+		} else {
+			_, err = p.tx.ExecContext(m.Context(), p.o.q.at(p.o.q.insert), id, topic, payload, string(md))
+		}
+		if err != nil {
 			return fmt.Errorf("outbox: publish %s: %w", m.UUID, err)
 		}
 	}
@@ -308,10 +327,11 @@ func (o *Outbox) DeadLetters(ctx context.Context) (int, error) {
 	return n, nil
 }
 
-// beginner is the outbox's DB as watermill-sql sees it.
+// beginner is the outbox's DB as watermill-sql sees it; on pgx its
+// statements are sent in the outbox's exec mode (pgxMode).
 func (o *Outbox) beginner() wsql.Beginner {
 	if o.db.Pgx != nil {
-		return wsql.BeginnerFromPgx(o.db.Pgx)
+		return wsql.BeginnerFromPgx(modePool{o.db.Pgx, o.mode})
 	}
 	return wsql.BeginnerFromStdSQL(o.db.Std)
 }

@@ -58,6 +58,9 @@ func (o *Outbox) Replay(ctx context.Context, db wsql.ContextExecutor, dest messa
 			args = append(args, t)
 		}
 	}
+	if onPgx(db) {
+		args = withMode(o.mode, args)
+	}
 	rows, err := db.QueryContext(ctx, fmt.Sprintf(o.q.replay, cond), args...)
 	if err != nil {
 		return 0, fmt.Errorf("outbox: replay: %w", err)
