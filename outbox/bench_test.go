@@ -322,3 +322,71 @@ func BenchmarkRelayTableAtRest(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkProducerInsert: one Publish of one message through
+// Outbox.PgxPublisher on a pool in pgx's default exec mode
+// (cache_statement) and in exec. in_tx publishes into one open
+// transaction (the insert alone); tx_per_row commits each row in a
+// transaction of its own (what a producer writing one event pays).
+func BenchmarkProducerInsert(b *testing.B) {
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeExec} {
+		b.Run(mode.String(), func(b *testing.B) {
+			ctx := context.Background()
+			cfg := testenv.PoolConfig(b, testenv.PostgresURL(), testenv.Schema(b), 2)
+			cfg.ConnConfig.DefaultQueryExecMode = mode
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.Cleanup(pool.Close)
+			ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(pool), Table: "bench_outbox"}, nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := ob.Migrate(ctx); err != nil {
+				b.Fatal(err)
+			}
+			msgs := func(n int) []*message.Message {
+				ms := make([]*message.Message, n)
+				for i := range ms {
+					ms[i] = msg(newID())
+				}
+				return ms
+			}
+			b.Run("in_tx", func(b *testing.B) {
+				ms := msgs(b.N)
+				tx, err := pool.Begin(ctx)
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer func() { _ = tx.Rollback(ctx) }()
+				pub, err := ob.PgxPublisher(tx)
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					if err := pub.Publish("events", ms[i]); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+			b.Run("tx_per_row", func(b *testing.B) {
+				ms := msgs(b.N)
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+						pub, err := ob.PgxPublisher(tx)
+						if err != nil {
+							return err
+						}
+						return pub.Publish("events", ms[i])
+					})
+					if err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		})
+	}
+}
