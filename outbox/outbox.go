@@ -219,18 +219,16 @@ func (o *Outbox) Table() string { return o.cfg.Table }
 // destination topic with its UUID, payload and metadata; nothing leaves the
 // database before tx commits. A message that is not an event envelope is
 // refused before anything is written (ErrNotEnvelope). The tables must exist (Migrate). Close is a
-// no-op. Config.PublisherDecorators wrap the result. On a pgx transaction
-// (wsql.TxFromPgx) the insert prepares no named statement, whatever the
-// pool's exec mode, so it runs behind a transaction pooler too.
+// no-op. Config.PublisherDecorators wrap the result. The insert runs in
+// tx's own exec mode (on pgx, the pool's): behind a transaction pooler
+// that does not track prepared statements, a pool in pgx's default
+// QueryExecModeCacheStatement fails it (26000, 42P05) as it fails the
+// producer's own statements; the modes pgx advises there work (docs/databases.md).
 func (o *Outbox) Publisher(tx wsql.ContextExecutor) (message.Publisher, error) {
 	if tx == nil {
 		return nil, errors.New("outbox: Publisher: nil transaction")
 	}
-	p := &txPublisher{o: o, tx: tx}
-	if onPgx(tx) {
-		p.mode = o.mode
-	}
-	var pub message.Publisher = p
+	var pub message.Publisher = &txPublisher{o: o, tx: tx}
 	for _, d := range o.cfg.PublisherDecorators {
 		var err error
 		if pub, err = d(pub); err != nil {
@@ -263,9 +261,8 @@ var ErrEmptyTopic = errors.New("outbox: empty destination topic")
 var ErrNotEnvelope = errors.New("outbox: message is not an event envelope")
 
 type txPublisher struct {
-	o    *Outbox
-	tx   wsql.ContextExecutor
-	mode any // the outbox's pgx exec mode on a pgx transaction (pgxMode)
+	o  *Outbox
+	tx wsql.ContextExecutor
 }
 
 func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
@@ -297,12 +294,7 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 		if eid, err := marshaler.ParseEventID(id); err == nil {
 			id = eid.String()
 		}
-		if p.mode != nil {
-			_, err = p.tx.ExecContext(m.Context(), p.o.q.at(p.o.q.insert), p.mode, id, topic, payload, string(md))
-		} else {
-			_, err = p.tx.ExecContext(m.Context(), p.o.q.at(p.o.q.insert), id, topic, payload, string(md))
-		}
-		if err != nil {
+		if _, err := p.tx.ExecContext(m.Context(), p.o.q.at(p.o.q.insert), id, topic, payload, string(md)); err != nil {
 			return fmt.Errorf("outbox: publish %s: %w", m.UUID, err)
 		}
 	}

@@ -9,9 +9,11 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// pgxMode is the exec mode of the outbox's own statements on pool (the
-// producer's insert, and every statement of the relay, Pending,
-// DeadLetters, Redrive and Replay): pgx.QueryExecModeExec whatever the
+// pgxMode is the exec mode of the outbox's own statements on pool (every
+// statement of the relay, Pending, DeadLetters, Redrive and Replay; not the
+// producer's insert, which runs in the producer's transaction and mode,
+// where a prepared statement costs the server a quarter of a parsed one:
+// 73k against 290k instructions): pgx.QueryExecModeExec whatever the
 // pool's default, or nil (the pool's default) when that is
 // pgx.QueryExecModeSimpleProtocol. Both send a statement in one round
 // trip and leave no named statement on the server, so a transaction
