@@ -26,7 +26,7 @@ func (s *slowSink) Publish(topic string, msgs ...*message.Message) error {
 
 // Parallel relays hide their claimed rows from each other for a lease (two
 // PublishTimeouts). A round of slow publishes, each within PublishTimeout,
-// lasts several leases here (16 rows × 0.75 PublishTimeout); the hiding is
+// lasts longer than a lease here (16 rows × 0.15 PublishTimeout); the hiding is
 // renewed as the round goes, so the other relay never takes a row this one
 // is publishing or has published but not yet removed: each row reaches the
 // broker once.
@@ -37,7 +37,7 @@ func TestParallelRelaysPublishEachRowOnceWithASlowBroker(t *testing.T) {
 			return // Parallel is refused on SQLite (testOrder)
 		}
 		b := newBox(t, tg)
-		ids := make([]string, 24)
+		ids := make([]string, 40)
 		for i := range ids {
 			ids[i] = newID()
 		}
@@ -47,11 +47,15 @@ func TestParallelRelaysPublishEachRowOnceWithASlowBroker(t *testing.T) {
 		}
 		require.NoError(t, tx.Commit())
 
-		const timeout = 200 * time.Millisecond
-		s := &slowSink{delay: timeout * 3 / 4}
-		// One relay takes long rounds, the other short ones: the short one
-		// comes back for more while the long round is still publishing.
-		for _, batch := range []int{16, 4} {
+		// Each publish well within PublishTimeout (a slow broker, not a
+		// stalled one: the margin absorbs a loaded machine's delays); a
+		// long round (16 rows) outlasts the lease.
+		const timeout = time.Second
+		s := &slowSink{delay: 150 * time.Millisecond}
+		// One relay takes long rounds, the other rounds of one row: the
+		// short ones come back for more while the long round is still
+		// publishing, past its first lease.
+		for _, batch := range []int{16, 1} {
 			b.relay(t, s, outbox.RelayConfig{BatchSize: batch, Parallel: true, PublishTimeout: timeout})
 		}
 		eventually(t, 60*time.Second, func() bool { return b.pending(t) == 0 }, "parallel relays drain")
