@@ -4,7 +4,9 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 
@@ -48,7 +50,9 @@ const (
 // Result is what an operation's success leaves behind.
 type Result struct {
 	// Reference is the provider's identifier of the effect (a charge id, a
-	// message id); "" when it has none. Stored as text, NULL when "".
+	// message id); "" when it has none. Stored as text, NULL when "", in a
+	// form every database stores: a byte that is not UTF-8 becomes U+FFFD
+	// and a NUL is dropped. Do returns it as stored, on every path.
 	Reference string
 	// Data is opaque bytes the handler needs when the result is replayed
 	// (a provider response, a receipt); stored as is, nil when absent.
@@ -74,7 +78,7 @@ type Record struct {
 	// Result is the recorded result bytes (succeeded only), nil otherwise.
 	Result []byte
 	// Error is the text of the last rejection, timeout or transient error,
-	// "" if none.
+	// "" if none; stored as Result.Reference is (valid UTF-8, no NUL).
 	Error string
 	// Attempts counts the attempts that took the key (called or reconciled).
 	Attempts int
@@ -165,3 +169,16 @@ func (o *ownerScan) Scan(src any) error {
 
 // timeScan is the dialect-neutral timestamp scanner of the driver seam.
 type timeScan = sqldb.Time
+
+// storableText is s as every dialect's text columns store it: valid UTF-8
+// (a byte that is not becomes U+FFFD) without NUL. PostgreSQL (22021) and
+// MySQL/MariaDB in strict mode (1366) refuse anything else, and a refused
+// outcome write left the record started by its attempt: a charge that went
+// through became uncertain, and a reconcile finding the same reference was
+// refused again on every attempt.
+func storableText(s string) string {
+	if utf8.ValidString(s) && strings.IndexByte(s, 0) < 0 {
+		return s
+	}
+	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "")
+}

@@ -465,7 +465,7 @@ func (r *Runner) Resolve(ctx context.Context, key Key, v Verdict) error {
 	}
 	final := v.state == StateSucceeded || v.state == StateFailed
 	if _, err := tx.Exec(ctx, r.sql.resolve.sql, r.sql.resolve.args(key.String(), string(v.state), owner,
-		v.result.Reference, data, v.reason, final)...); err != nil {
+		storableText(v.result.Reference), data, storableText(v.reason), final)...); err != nil {
 		return fmt.Errorf("operation %s: resolve: %w", key, err)
 	}
 	if err := tx.commit(ctx); err != nil {
@@ -796,7 +796,7 @@ func (a *attempt) outcomeErr(what string, ok bool, err error) error {
 func (a *attempt) call(ctx context.Context, rec Record, call CallFunc) (Result, error) {
 	k := a.key.String()
 	if err := ctx.Err(); err != nil {
-		ok, werr := a.write(ctx, StateStarted, a.r.sql.release, k, a.r.sql.owner(a.owner), "not called: "+err.Error())
+		ok, werr := a.write(ctx, StateStarted, a.r.sql.release, k, a.r.sql.owner(a.owner), storableText("not called: "+err.Error()))
 		if oerr := a.outcomeErr("release", ok, werr); oerr != nil {
 			return Result{}, oerr
 		}
@@ -816,7 +816,7 @@ func (a *attempt) call(ctx context.Context, rec Record, call CallFunc) (Result, 
 			// be, so that the retry calls rather than finding a dead
 			// owner's started record and calling it uncertain.
 			a.dirty = true
-			ok, werr := a.write(ctx, StateStarted, a.r.sql.release, k, a.r.sql.owner(a.owner), "not called: "+err.Error())
+			ok, werr := a.write(ctx, StateStarted, a.r.sql.release, k, a.r.sql.owner(a.owner), storableText("not called: "+err.Error()))
 			if werr != nil || !ok {
 				a.r.logger.Info("Operation not called; key not released", a.fields.Add(watermill.LogFields{"err": errors.Join(err, werr)}))
 			}
@@ -825,6 +825,8 @@ func (a *attempt) call(ctx context.Context, rec Record, call CallFunc) (Result, 
 	}
 	res, err := a.callBeating(ctx, k, call)
 	crashpoint.Reached(crashAfterCall)
+	// What is recorded, and returned, is text every dialect stores.
+	res.Reference = storableText(res.Reference)
 	switch {
 	case err == nil:
 		ok, werr := a.write(ctx, StateSucceeded, a.r.sql.succeed, k, a.r.sql.owner(a.owner), res.Reference, res.Data)
@@ -834,15 +836,16 @@ func (a *attempt) call(ctx context.Context, rec Record, call CallFunc) (Result, 
 		res.Origin = OriginCall
 		return res, nil
 	case classOf(err) == classRejected:
-		ok, werr := a.write(ctx, StateFailed, a.r.sql.fail, k, a.r.sql.owner(a.owner), res.Reference, err.Error())
+		reason := storableText(err.Error())
+		ok, werr := a.write(ctx, StateFailed, a.r.sql.fail, k, a.r.sql.owner(a.owner), res.Reference, reason)
 		if oerr := a.outcomeErr("failed", ok, werr); oerr != nil {
 			// The rejection is known and final for this message; the record
 			// stays started and a later attempt will reconcile it.
 			a.r.logger.Info("Operation rejected; rejection not recorded", a.fields.Add(watermill.LogFields{"err": oerr}))
 		}
-		return Result{}, &FailedError{Key: k, Reason: err.Error(), Cause: err}
+		return Result{}, &FailedError{Key: k, Reason: reason, Cause: err}
 	case classOf(err) == classTransient:
-		ok, werr := a.write(ctx, StateStarted, a.r.sql.release, k, a.r.sql.owner(a.owner), err.Error())
+		ok, werr := a.write(ctx, StateStarted, a.r.sql.release, k, a.r.sql.owner(a.owner), storableText(err.Error()))
 		if oerr := a.outcomeErr("released", ok, werr); oerr != nil {
 			return Result{}, oerr
 		}
@@ -851,7 +854,7 @@ func (a *attempt) call(ctx context.Context, rec Record, call CallFunc) (Result, 
 		ref := res.Reference
 		wctx, cancel := a.detached(ctx)
 		defer cancel()
-		stored, werr := a.markUncertain(wctx, res.Reference, err.Error())
+		stored, werr := a.markUncertain(wctx, res.Reference, storableText(err.Error()))
 		if werr == nil {
 			ref = stored
 		} else {
@@ -892,6 +895,7 @@ func (a *attempt) markUncertain(ctx context.Context, reference, reason string) (
 func (a *attempt) reconcile(ctx context.Context, rec Record, call CallFunc) (Result, error) {
 	k := a.key.String()
 	res, err := a.opts.reconcile(ctx, rec)
+	res.Reference = storableText(res.Reference)
 	switch {
 	case err == nil:
 		ok, werr := a.write(ctx, StateSucceeded, a.r.sql.succeed, k, a.r.sql.owner(a.owner), res.Reference, res.Data)
@@ -910,11 +914,12 @@ func (a *attempt) reconcile(ctx context.Context, rec Record, call CallFunc) (Res
 		rec.State = StateStarted
 		return a.call(ctx, rec, call)
 	case classOf(err) == classRejected:
-		ok, werr := a.write(ctx, StateFailed, a.r.sql.fail, k, a.r.sql.owner(a.owner), res.Reference, err.Error())
+		reason := storableText(err.Error())
+		ok, werr := a.write(ctx, StateFailed, a.r.sql.fail, k, a.r.sql.owner(a.owner), res.Reference, reason)
 		if oerr := a.outcomeErr("failed", ok, werr); oerr != nil {
 			a.r.logger.Info("Operation reconciled as rejected; not recorded", a.fields.Add(watermill.LogFields{"err": oerr}))
 		}
-		return Result{}, &FailedError{Key: k, Reason: err.Error(), Cause: err}
+		return Result{}, &FailedError{Key: k, Reason: reason, Cause: err}
 	case ctx.Err() != nil:
 		// Shutting down: not a verdict on the operation.
 		return Result{}, &transientError{fmt.Errorf("operation %s: reconcile: %w", k, errors.Join(err, ctx.Err()))}
