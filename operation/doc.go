@@ -77,7 +77,9 @@
 //     user-level lock (GET_LOCK, also session-level, also surviving COMMIT)
 //     on MySQL, whose wait is in whole seconds (Config.Wait rounded up); on
 //     SQLite, which has no session locks, a lock of the process, per
-//     database file and key. SQLite's guarantee is therefore per process:
+//     database file, table and key (the table as SQLite identifies it:
+//     "operation", "main.operation" and "OPERATION" are one table, one
+//     lock). SQLite's guarantee is therefore per process:
 //     run one process per database file (the usual way to use SQLite). Two
 //     processes on one file do not see each other's locks, so both could
 //     call the provider for one key at once. A crashed process's locks go

@@ -20,7 +20,8 @@ const PgLockKey = pgLockKey
 // ProcessLockWaiters is the number of attempts of this process waiting for
 // k's lock (SQLite) on the database file and table.
 func ProcessLockWaiters(file, table string, k Key) int {
-	return processLockWaiters(processLockName(file, table, k.String()))
+	_, name := processLockTable(table)
+	return processLockWaiters(processLockName(file, name, k.String()))
 }
 
 // DialectOf is the runner's SQL dialect.

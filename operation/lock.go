@@ -5,10 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // keyLocker is a dialect's lock on one operation key. An attempt holds it
@@ -133,7 +136,8 @@ func (myLocker) unlock(ctx context.Context, c conn, k *lockKey) (bool, error) {
 }
 
 // processLocker: SQLite has no session locks, so the lock belongs to the
-// process: a channel per (database file, table, key). That makes the
+// process: a channel per (database file, table, key), the table named as
+// SQLite identifies it (processLockTable). That makes the
 // guarantee per process: two processes writing one SQLite file do not see
 // each other's locks (see the package doc). A crashed process's locks go
 // with it, as a crashed session's do.
@@ -180,13 +184,34 @@ func processLockName(file, table, key string) string {
 	return file + "\x00" + table + "\x00" + key
 }
 
+// processLockTable is the table of a Runner's configured Table ("name" or
+// "schema.name") as SQLite identifies it: the schema whose database file
+// holds it ("main" for an unqualified name, where the migrations create it
+// and SQLite finds it) and its name, both lower-cased (SQLite's names
+// ignore ASCII case). Every spelling of one table gives one lock: named
+// after the spelling, "operation" and "main.operation" (or "OPERATION")
+// were two locks on one table, and a Runner took a key another one was
+// calling with for a dead attempt's (SQLite has no lease) and called again.
+func processLockTable(table string) (schema, name string) {
+	table = strings.ToLower(table)
+	if s, n, ok := strings.Cut(table, "."); ok {
+		return s, n
+	}
+	return "main", table
+}
+
 func (processLocker) try(ctx context.Context, c conn, k *lockKey) (bool, error) {
 	if k.name == "" {
+		schema, table := processLockTable(k.table)
 		var file string
-		if err := c.QueryRow(ctx, `SELECT file FROM pragma_database_list WHERE name = 'main'`).Scan(&file); err != nil {
+		err := c.QueryRow(ctx, `SELECT file FROM pragma_database_list WHERE name = ?1 COLLATE NOCASE`, schema).Scan(&file)
+		if errors.Is(err, sqldb.ErrNoRows) {
+			err = fmt.Errorf("schema %q of table %s is not attached", schema, k.table)
+		}
+		if err != nil {
 			return false, err
 		}
-		k.name = processLockName(file, k.table, k.key)
+		k.name = processLockName(file, table, k.key)
 	}
 	l := acquireProcessLock(k.name)
 	select {

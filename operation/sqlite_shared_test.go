@@ -218,3 +218,59 @@ func mustStdBeginner(t *testing.T, db *sql.DB) inbox.TxBeginner {
 	require.NoError(t, err)
 	return b
 }
+
+// On SQLite the key's lock belongs to the process, per table and key: two
+// Runners of one process whose Table names the same table of one file in
+// another spelling ("main.operation", "OPERATION": SQLite's names ignore
+// case and an unqualified name is main's) share it. While one calls the
+// provider, the other gets InProgressError and calls nothing; the first
+// records its outcome. (The lock was named after the spelling: the other
+// Runner took the key, found it started by an attempt it took for dead
+// — SQLite has no lease — reconciled, found nothing yet and called again,
+// and the first attempt's success went unrecorded, ownership lost.)
+func TestSQLiteKeyLockIsPerTableWhateverItsSpelling(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "operations.db")
+	first, err := operation.NewRunner(operation.Config{DB: idempotency.SQL(openSQLite(t, path), idempotency.SQLite)}, nil)
+	require.NoError(t, err)
+	require.NoError(t, first.Migrate(ctx))
+	for _, table := range []string{"main.operation", "OPERATION", "Main.Operation"} {
+		t.Run(table, func(t *testing.T) {
+			other, err := operation.NewRunner(operation.Config{DB: idempotency.SQL(openSQLite(t, path), idempotency.SQLite), Table: table}, nil)
+			require.NoError(t, err)
+			k := operation.MustKey("charge", table)
+			var calls atomic.Int32
+			entered, release := make(chan struct{}), make(chan struct{})
+			done := make(chan error, 1)
+			go func() {
+				_, err := first.Do(ctx, k, eur100, func(context.Context, string) (operation.Result, error) {
+					calls.Add(1)
+					close(entered)
+					<-release
+					return operation.Result{Reference: "ch_1"}, nil
+				})
+				done <- err
+			}()
+			<-entered
+			notFound := func(context.Context, operation.Record) (operation.Result, error) {
+				return operation.Result{}, operation.ErrNotFound // the provider has not finished the first call
+			}
+			_, err = other.Do(ctx, k, eur100, func(context.Context, string) (operation.Result, error) {
+				calls.Add(1)
+				return operation.Result{Reference: "ch_2"}, nil
+			}, operation.WithReconcile(notFound), operation.WithWait(0))
+			close(release)
+			require.ErrorIs(t, err, operation.ErrInProgress)
+			require.NoError(t, <-done, "the first attempt records its outcome")
+			require.EqualValues(t, 1, calls.Load(), "one call per key")
+			res, err := other.Do(ctx, k, eur100, func(context.Context, string) (operation.Result, error) {
+				calls.Add(1)
+				return operation.Result{}, nil
+			})
+			require.NoError(t, err)
+			require.Equal(t, operation.OriginStored, res.Origin)
+			require.Equal(t, "ch_1", res.Reference)
+		})
+	}
+}
