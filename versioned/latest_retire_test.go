@@ -1,6 +1,7 @@
 package versioned_test
 
 import (
+	"context"
 	"errors"
 	"sync"
 	"testing"
@@ -128,4 +129,53 @@ func TestLatestFilterPoisonedLatestDoesNotFreezeFamily(t *testing.T) {
 			}
 		}
 	}
+}
+
+// A poisoned family message whose retirement cannot be written (here its
+// RetireDB has no retired table) is not poisoned: the delivery is held and
+// its attempt re-run, so that the family cannot freeze behind a message
+// dead-lettered without its retirement. It is given back, not acked, when
+// its context ends.
+func TestLatestFilterRetirementFailureHoldsInsteadOfPoisoning(t *testing.T) {
+	t.Parallel()
+	testenv.EachTarget(t, func(t *testing.T, tg testenv.Target) {
+		e := newLFEnvWith(t, "postgres", tg.Name)
+		fam := versioned.Family{Kind: "customer.status", ID: "c-1"}
+		m1 := lfSeqMsg(t, fam, 1)
+		require.NoError(t, e.publisher(&lfQueue{}).Publish("customer.status", m1))
+
+		elsewhere := testenv.NewTarget(t, tg.Name, 2) // no family tables there
+		filter, err := versioned.NewRecordedLatestFilter(versioned.LatestFilterConfig{
+			Families: e.families, Latest: e.latest, Consumer: "crm", RetireDB: elsewhere.Handle(),
+		}, e.counter, nil)
+		require.NoError(t, err)
+		idem, err := inbox.NewIdempotent(inbox.Config{Beginner: e.beginner, Store: e.processed, Consumer: "crm"}, watermill.NopLogger{})
+		require.NoError(t, err)
+		poison := &lfQueue{}
+		chain, err := inbox.NewChain(inbox.ChainConfig{
+			Idempotent: idem, PoisonPublisher: poison, PoisonTopic: "crm.poison",
+			MaxRetries: 1, InitialInterval: time.Millisecond, MaxInterval: time.Millisecond,
+		}, nil)
+		require.NoError(t, err)
+
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		calls := 0
+		var h message.HandlerFunc = filter.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			calls++
+			if calls == 3 {
+				cancel() // held and re-run: enough; the delivery's context ends
+			}
+			return nil, inbox.Permanent(errors.New("the handler cannot apply v1"))
+		})
+		for i := len(chain) - 1; i >= 0; i-- {
+			h = chain[i](h)
+		}
+		d := m1.Copy()
+		d.SetContext(ctx)
+		_, err = h(d)
+		require.Error(t, err, "given back to the broker, not acked")
+		require.Equal(t, 3, calls, "held and re-run after the retirement failed")
+		require.Zero(t, poison.len(), "never poisoned without its retirement")
+	})
 }
