@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -195,4 +196,43 @@ func TestFamilyPurgerStartStop(t *testing.T) {
 		require.NoError(t, p.Start(ctx), "can start again after Stop")
 		p.Stop()
 	})
+}
+
+// A family is idle when neither of its rows was written for longer than the
+// horizon: a newer message published (the latest record advanced) and
+// applied through the filter (the applied record moved) since makes its
+// rows young again, so the purger keeps them, on every target and for
+// each of the statements that move a record (the producer's advance, the
+// filter's verdict, RecordApplied). Left old, the applied row of a family
+// in use went, and an older message still queued was applied after it.
+func TestFamilyPurgeKeepsRowsMovedWithinTheHorizon(t *testing.T) {
+	t.Parallel()
+	for _, drv := range testenv.TargetNames {
+		t.Run(drv, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			e := newLFEnvWith(t, "postgres", drv)
+			fam := versioned.Family{Kind: "customer.status", ID: "1"}
+			pub := e.publisher(&lfQueue{})
+			h := e.chain("crm", e.stateHandler(func(*message.Message) {}))
+			m1, m2 := lfSeqMsg(t, fam, 1), lfSeqMsg(t, fam, 2)
+			require.NoError(t, pub.Publish("customer.status", m1))
+			require.NoError(t, deliver(h, m1))
+			other := versioned.Family{Kind: "customer.status", ID: "2"}
+			_, err := e.families.RecordApplied(ctx, e.db, "crm", other, versioned.SeqPosition(1, uuid.Must(uuid.NewV7())))
+			require.NoError(t, err)
+			idle(t, e.tg, "family_latest", 100, 120, 120)
+			idle(t, e.tg, "family_applied", 100, 120, 120)
+
+			require.NoError(t, pub.Publish("customer.status", m2))
+			require.NoError(t, deliver(h, m2))
+			_, err = e.families.RecordApplied(ctx, e.db, "crm", other, versioned.SeqPosition(2, uuid.Must(uuid.NewV7())))
+			require.NoError(t, err)
+			n, err := e.families.PurgeBatch(ctx, e.db, time.Hour, 100)
+			require.NoError(t, err)
+			require.Zero(t, n, "rows moved a moment ago are not idle")
+			require.Equal(t, 1, count(t, e.tg, "family_latest"))
+			require.Equal(t, 2, count(t, e.tg, "family_applied"))
+		})
+	}
 }
