@@ -3,7 +3,10 @@ package versioned
 import (
 	"context"
 	"errors"
+	"fmt"
+	"strings"
 	"sync/atomic"
+	"unicode/utf8"
 
 	"github.com/watermill-idempotency/idempotency"
 
@@ -130,8 +133,10 @@ type LatestFilterConfig struct {
 	// trip as the applied record).
 	LatestDB idempotency.DB
 
-	// Consumer names the consumer whose applied positions are recorded.
-	// Defaults to the consumer the idempotent middleware claimed with
+	// Consumer names the consumer whose applied positions are recorded:
+	// valid UTF-8 without NUL, at most MaxFamilyPartLen bytes (the family
+	// tables' consumer column is VARBINARY(255) on MySQL), as Validate
+	// checks. Defaults to the consumer the idempotent middleware claimed with
 	// (the consumer attaching the filter), else the Watermill handler name of
 	// the message's context. With none, every message with a family fails
 	// with the permanent ErrNoConsumer.
@@ -167,6 +172,17 @@ type LatestFilterConfig struct {
 func (c LatestFilterConfig) Validate() error {
 	if c.Families == nil {
 		return errors.New("versioned: LatestFilterConfig.Families is required (NewFamilyStore)")
+	}
+	// A name the family tables cannot hold failed every message of a family
+	// on one database only (MySQL 1406 over 255 bytes; PostgreSQL 22021
+	// for bytes that are not UTF-8 or NUL), and its retirement with it.
+	switch n := c.Consumer; {
+	case len(n) > MaxFamilyPartLen:
+		return fmt.Errorf("versioned: LatestFilterConfig.Consumer: %d bytes, over %d", len(n), MaxFamilyPartLen)
+	case !utf8.ValidString(n):
+		return errors.New("versioned: LatestFilterConfig.Consumer: not valid UTF-8")
+	case strings.IndexByte(n, 0) >= 0:
+		return errors.New("versioned: LatestFilterConfig.Consumer: contains a NUL byte")
 	}
 	return nil
 }
