@@ -156,8 +156,10 @@
 // applied the message filters as before.
 //
 // Retention: FamilyPurger deletes families idle for longer than a horizon
-// (both tables, bounded batches, one purger at a time under a lock: advisory
-// on PostgreSQL, GET_LOCK on MySQL, per process on SQLite; Start/Stop); redislatest.Store keys expire by themselves. Choose the horizon ≥
+// (its three tables: latest, applied, retired; bounded batches, one purger
+// at a time under a lock: advisory on PostgreSQL, GET_LOCK on MySQL, per
+// process on SQLite; Start/Stop); redislatest.Store keys expire by
+// themselves. Choose the horizon ≥
 // the idempotent middleware's ReplayHorizon and the longest queue wait (see
 // FamilyPurgerConfig).
 //

@@ -76,10 +76,10 @@ func (c FamilyPurgerConfig) Validate() error {
 	return c.settings().Validate("versioned: FamilyPurgerConfig", ErrFamilyHorizonTooShort)
 }
 
-// FamilyPurger deletes idle families' rows from a FamilyStore's two tables,
-// in bounded batches, on one dedicated connection that holds a lock for the
-// run: however many instances run one on the same tables, one works at a
-// time and the others skip that run. On PostgreSQL the lock is a
+// FamilyPurger deletes idle families' rows from a FamilyStore's tables
+// (latest, applied and retired), in bounded batches, on one dedicated
+// connection that holds a lock for the run: however many instances run one
+// on the same tables, one works at a time and the others skip that run. On PostgreSQL the lock is a
 // transaction-scoped advisory lock taken again by each batch's own
 // transaction (pg_try_advisory_xact_lock: no session state outlives a
 // transaction, so a pooler sharing server connections neither leaks it nor

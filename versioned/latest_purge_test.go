@@ -3,6 +3,7 @@ package versioned_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/versioned"
@@ -233,6 +235,53 @@ func TestFamilyPurgeKeepsRowsMovedWithinTheHorizon(t *testing.T) {
 			require.Zero(t, n, "rows moved a moment ago are not idle")
 			require.Equal(t, 1, count(t, e.tg, "family_latest"))
 			require.Equal(t, 2, count(t, e.tg, "family_applied"))
+		})
+	}
+}
+
+// The retired table (each consumer's poisoned newest message of a family)
+// is purged by the same horizon as the two others: a retired row idle for
+// longer goes, a younger one stays, and so does one that moved on to a
+// newer poisoned message since. It was never purged and grew by a row
+// per family and consumer that ever had a message poisoned.
+func TestFamilyPurgeRetiredRows(t *testing.T) {
+	t.Parallel()
+	for _, drv := range testenv.TargetNames {
+		t.Run(drv, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			e := newLFEnvWith(t, "postgres", drv)
+			pub := e.publisher(&lfQueue{})
+			idem, err := inbox.NewIdempotent(inbox.Config{Beginner: e.beginner, Store: e.processed, Consumer: "crm"}, nil)
+			require.NoError(t, err)
+			chain, err := inbox.NewChain(inbox.ChainConfig{
+				Idempotent: idem, PoisonPublisher: &lfQueue{}, PoisonTopic: "crm.poison",
+				MaxRetries: 1, InitialInterval: time.Millisecond, MaxInterval: time.Millisecond,
+			}, nil)
+			require.NoError(t, err)
+			var h message.HandlerFunc = e.filter("crm").Middleware(func(*message.Message) ([]*message.Message, error) {
+				return nil, inbox.Permanent(errors.New("cannot apply"))
+			})
+			for i := len(chain) - 1; i >= 0; i-- {
+				h = chain[i](h)
+			}
+			poisonSeq := func(id string, seq int64) {
+				m := lfSeqMsg(t, versioned.Family{Kind: "customer.status", ID: id}, seq)
+				require.NoError(t, pub.Publish("customer.status", m))
+				require.NoError(t, deliver(h, m), "poisoned, retired")
+			}
+			for _, id := range []string{"1", "2", "3"} {
+				poisonSeq(id, 1)
+			}
+			require.Equal(t, 3, count(t, e.tg, "family_applied_retired"))
+			// Families 1 and 2 retired 2 hours ago, family 3 59 minutes
+			// ago; family 2's retirement then moves on to a newer message.
+			idle(t, e.tg, "family_applied_retired", 3, 120, 59)
+			poisonSeq("2", 2)
+			n, err := e.families.PurgeBatch(ctx, e.db, time.Hour, 100)
+			require.NoError(t, err)
+			require.EqualValues(t, 1, n)
+			require.Equal(t, 2, e.count(`SELECT count(*) FROM family_applied_retired WHERE family_id IN ('2', '3')`))
 		})
 	}
 }

@@ -42,8 +42,8 @@ type familySQL struct {
 	// consumer, kind, id, order_key). See latest_retire.go.
 	retire, retired string
 
-	purgeLatest, purgeApplied string
-	purgeArgs                 func(horizon time.Duration, limit int64) []any
+	purgeLatest, purgeApplied, purgeRetired string
+	purgeArgs                               func(horizon time.Duration, limit int64) []any
 
 	eventID func(uuid.UUID) any
 	// lock is the purger's lock for one run, held by conn's session, or by
@@ -64,6 +64,7 @@ func familySQLFor(d sqldb.Dialect, latest, applied, retired sqldb.Ident) (family
 			retire: f(pgFamilyRetire), retired: f(pgFamilyRetired),
 			purgeLatest:  fmt.Sprintf(pgFamilyPurge, l, "family_kind, family_id"),
 			purgeApplied: fmt.Sprintf(pgFamilyPurge, a, "consumer, family_kind, family_id"),
+			purgeRetired: fmt.Sprintf(pgFamilyPurge, r, "consumer, family_kind, family_id"),
 			eventID:      func(id uuid.UUID) any { return pgtype.UUID{Bytes: id, Valid: true} },
 			lock:         pgFamilyLock,
 		}
@@ -79,8 +80,9 @@ func familySQLFor(d sqldb.Dialect, latest, applied, retired sqldb.Ident) (family
 			latest: f(myFamilyLatest), newer: f(myFamilyNewer),
 			retire: f(myFamilyRetire), retired: f(myFamilyRetired),
 			purgeLatest: fmt.Sprintf(myFamilyPurge, l), purgeApplied: fmt.Sprintf(myFamilyPurge, a),
-			eventID: func(id uuid.UUID) any { return id[:] },
-			lock:    myFamilyLock,
+			purgeRetired: fmt.Sprintf(myFamilyPurge, r),
+			eventID:      func(id uuid.UUID) any { return id[:] },
+			lock:         myFamilyLock,
 		}
 	case sqldb.SQLite:
 		s = familySQL{
@@ -99,6 +101,7 @@ func familySQLFor(d sqldb.Dialect, latest, applied, retired sqldb.Ident) (family
 			retire: f(liteFamilyRetire), retired: f(liteFamilyRetired),
 			purgeLatest:  fmt.Sprintf(liteFamilyPurge, l, "family_kind, family_id"),
 			purgeApplied: fmt.Sprintf(liteFamilyPurge, a, "consumer, family_kind, family_id"),
+			purgeRetired: fmt.Sprintf(liteFamilyPurge, r, "consumer, family_kind, family_id"),
 			purgeArgs: func(h time.Duration, limit int64) []any {
 				return []any{sqldb.SQLiteTime(time.Now().Add(-h.Truncate(time.Microsecond))), limit}
 			},

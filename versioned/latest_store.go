@@ -278,8 +278,10 @@ func (s *FamilyStore) check(ctx context.Context, q sqldb.Querier, consumer strin
 
 // purgeBatch deletes at most limit rows idle for longer than horizon (by the
 // database clock: updated_at < now() - horizon) from the latest table, then,
-// within what is left of limit, from the applied table, and returns how many
-// it deleted. Each table's DELETE is one statement (one short transaction on
+// within what is left of limit, from the applied table, then from the
+// retired table, and returns how many it deleted. A retired row was written
+// after the latest record naming its message, so it goes after it: once
+// idle, that latest record is gone or names a newer message. Each table's DELETE is one statement (one short transaction on
 // a pool); rows locked by a writer are skipped. horizon is truncated to whole
 // microseconds; limit must be > 0.
 func (s *FamilyStore) purgeBatch(ctx context.Context, q sqldb.Querier, horizon time.Duration, limit int) (int64, error) {
@@ -300,7 +302,14 @@ func (s *FamilyStore) purgeBatch(ctx context.Context, q sqldb.Querier, horizon t
 	if err != nil {
 		return n, fmt.Errorf("versioned: purge %s: %w", s.applied, err)
 	}
-	return n + m, nil
+	if n += m; n >= int64(limit) {
+		return n, nil
+	}
+	r, err := q.Exec(ctx, s.sql.purgeRetired, s.sql.purgeArgs(horizon, int64(limit)-n)...)
+	if err != nil {
+		return n, fmt.Errorf("versioned: purge %s: %w", s.retired, err)
+	}
+	return n + r, nil
 }
 
 func checkArgs(f Family, pos Position) error {
