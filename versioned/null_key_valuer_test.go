@@ -35,3 +35,28 @@ func TestUpsertRefusesAKeyBoundAsNULLByItsValuer(t *testing.T) {
 	require.ErrorIs(t, err2, versioned.ErrKeyMissing, "a key bound as NULL must be refused before any SQL; got rows in table: %d, version 1 after version 2: %s", rows, out)
 	require.ErrorIs(t, err1, versioned.ErrKeyMissing, "version 1 after version 2 was %s", out)
 }
+
+// A key the driver binds as NULL through a pointer to a nil pointer (pgx and
+// database/sql dereference pointers all the way down) is refused as well:
+// it passed the check, which looked at the outer pointer only, and each
+// Apply inserted a row under a NULL key.
+func TestUpsertRefusesAKeyBoundAsNULLThroughPointers(t *testing.T) {
+	t.Parallel()
+	testenv.EachTarget(t, func(t *testing.T, tg testenv.Target) {
+		ctx := context.Background()
+		tg.Exec(t, `CREATE TABLE copy_ptr (k varchar(64) UNIQUE, version bigint, v text)`)
+		up, err := versioned.NewUpsert(versioned.UpsertConfig{Table: "copy_ptr", KeyColumns: []string{"k"},
+			VersionColumn: "version", ValueColumns: []string{"v"}, Dialect: tg.Dialect})
+		require.NoError(t, err)
+		var none *string
+		var invalid *sql.NullString = &sql.NullString{}
+		for i, key := range []any{&none, &invalid} {
+			version := int64(i + 1)
+			_, err := up.Apply(ctx, testenv.AsTx(tg.DB), []any{key}, &version, []any{"x"})
+			require.ErrorIs(t, err, versioned.ErrKeyMissing, "key %d (%T)", i, key)
+		}
+		var rows int
+		require.NoError(t, tg.DB.QueryRow(ctx, `SELECT count(*) FROM copy_ptr`).Scan(&rows))
+		require.Zero(t, rows)
+	})
+}

@@ -181,10 +181,11 @@ var (
 	// ErrVersionMissing.
 	ErrArgCount error = &permanentArgError{"versioned: wrong number of arguments"}
 
-	// ErrKeyMissing is returned (wrapped) by Apply when a key argument is nil
-	// or a nil pointer, slice or map: a NULL key would never conflict with a
-	// unique constraint and would add a row per event. Permanent, like
-	// ErrVersionMissing.
+	// ErrKeyMissing is returned (wrapped) by Apply when a key argument would
+	// be bound as NULL: nil, a nil pointer, slice or map, a driver.Valuer
+	// whose value is nil, or a pointer to one of these. A NULL key would
+	// never conflict with a unique constraint and would add a row per event.
+	// Permanent, like ErrVersionMissing.
 	ErrKeyMissing error = &permanentArgError{"versioned: key value missing"}
 )
 
@@ -250,7 +251,7 @@ func NewUpsert(cfg UpsertConfig) (*Upsert, error) {
 // Errors:
 //   - version nil: ErrVersionMissing, before any SQL; nothing is written.
 //   - wrong number of key or value arguments: ErrArgCount, before any SQL.
-//   - a nil key argument: ErrKeyMissing, before any SQL.
+//   - a key argument bound as NULL: ErrKeyMissing, before any SQL.
 //   - database errors are wrapped with %w, so the driver's error stays
 //     reachable with errors.As (*pgconn.PgError by its SQLSTATE Code,
 //     *mysql.MySQLError by its Number, *sqlite.Error by its Code).
@@ -342,21 +343,33 @@ func (u *Upsert) run(ctx context.Context, q sqldb.Querier, args []any) (Outcome,
 }
 
 // isNil reports whether v would be bound as SQL NULL: nil, a nil pointer,
-// slice, map or interface, or a driver.Valuer whose Value is nil
-// (sql.NullString{}, pgtype.Text{}) or fails.
+// slice, map or interface, a driver.Valuer whose Value is nil
+// (sql.NullString{}, pgtype.Text{}) or fails, or a pointer to any of these
+// (the drivers dereference pointers all the way down: a **string holding a
+// nil *string is bound as NULL).
 func isNil(v any) bool {
-	if v == nil {
-		return true
-	}
-	switch rv := reflect.ValueOf(v); rv.Kind() {
-	case reflect.Pointer, reflect.Slice, reflect.Map, reflect.Interface:
-		if rv.IsNil() {
+	for depth := 0; ; depth++ {
+		if v == nil {
 			return true
 		}
+		rv := reflect.ValueOf(v)
+		switch rv.Kind() {
+		case reflect.Pointer, reflect.Slice, reflect.Map, reflect.Interface:
+			if rv.IsNil() {
+				return true
+			}
+		}
+		if vl, ok := v.(driver.Valuer); ok {
+			dv, err := vl.Value()
+			return err != nil || dv == nil
+		}
+		if rv.Kind() != reflect.Pointer || depth == maxKeyDepth {
+			return false
+		}
+		v = rv.Elem().Interface()
 	}
-	if vl, ok := v.(driver.Valuer); ok {
-		dv, err := vl.Value()
-		return err != nil || dv == nil
-	}
-	return false
 }
+
+// maxKeyDepth bounds isNil's walk through pointers (a pointer type may
+// point to itself).
+const maxKeyDepth = 32
