@@ -153,7 +153,11 @@
 // applied is applied, whichever latest store holds the records (SQL or
 // Redis). A newer message published later moves the latest record on, and
 // filtering resumes. Retirement is per consumer: another consumer that
-// applied the message filters as before.
+// applied the message filters as before. Not retired: a message
+// dead-lettered as a crash loop (reason crash_loop): the chain sets it
+// aside before the filter runs in that delivery, and the deliveries in
+// which the filter ran died with their process. Its family stays frozen at
+// that consumer until a newer message is published.
 //
 // Retention: FamilyPurger deletes families idle for longer than a horizon
 // (its three tables: latest, applied, retired; bounded batches, one purger

@@ -155,7 +155,9 @@ type LatestFilterConfig struct {
 	// its position is retired (on RetireDB, outside the failed
 	// transaction): a latest record naming it
 	// no longer makes older messages obsolete at this consumer, so a
-	// poisoned newest message never freezes its family. If the retirement
+	// poisoned newest message never freezes its family (except one
+	// dead-lettered as a crash loop, which the chain sets aside before the
+	// filter runs: see the package doc). If the retirement
 	// fails, the message is held and retried, not poisoned. Opted out, a
 	// poisoned newest message keeps every older message of its family
 	// obsolete at this consumer (the family frozen there) until a newer one
