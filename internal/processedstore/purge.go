@@ -188,6 +188,15 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 		horizon = max(horizon, h)
 		return nil
 	}
+	// dropHorizon is the age past which maintenance drops a partition:
+	// none (0: create only) while the run purges nothing, whose
+	// consumers may refuse nothing.
+	dropHorizon := func() time.Duration {
+		if createOnly {
+			return 0
+		}
+		return horizon + purgeClaimSlack
+	}
 	batch := func(ctx context.Context, q sqldb.Querier, limit int) (int64, error) {
 		// How far the table may be purged, raised before anything is
 		// deleted or dropped (on PostgreSQL in the batch's transaction): a
@@ -211,7 +220,7 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 			if p.cfg.FromTable { // the table's horizon is the claim's, by construction
 				maintain = p.store.maintain
 			}
-			rep, err := maintain(ctx, q, horizon+purgeClaimSlack, "")
+			rep, err := maintain(ctx, q, dropHorizon(), "")
 			if err != nil {
 				return 0, err
 			}
@@ -264,7 +273,7 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 				if p.cfg.FromTable { // the table's horizon is the claim's, by construction
 					maintain = p.store.maintain
 				}
-				rep, err := maintain(ctx, q, horizon+purgeClaimSlack, fmt.Sprintf("SELECT pg_advisory_xact_lock(%d); ", key))
+				rep, err := maintain(ctx, q, dropHorizon(), fmt.Sprintf("SELECT pg_advisory_xact_lock(%d); ", key))
 				if err != nil {
 					return err
 				}
