@@ -112,8 +112,9 @@ func runProcessedShow(ctx context.Context, e *env, args []string) error {
 // migrated it: with processedstore.LayoutPartitioned when, on PostgreSQL,
 // the table is partitioned and has the layout's side table <table>_other
 // (where the rows of ids other than UUIDv7 live), so the read-only
-// queries read that table too; a table the user partitioned himself is
-// the plain layout.
+// queries read that table too, and <table>_legacy while the upgrade from
+// the plain layout is not finished; a table the user partitioned himself
+// is the plain layout.
 func (e *env) processedStore(ctx context.Context, db *sql.DB, d sqldb.Dialect) (*processedstore.Store, error) {
 	cfg := processedstore.Config{Table: e.processedTable, Dialect: d}
 	plain, err := processedstore.NewStore(cfg)
@@ -148,6 +149,11 @@ func (e *env) processedStore(ctx context.Context, db *sql.DB, d sqldb.Dialect) (
 	store, err := processedstore.NewStore(cfg)
 	if err != nil {
 		return nil, usageErr("--processed-table: %v", err)
+	}
+	// The rows of an upgrade from the plain layout not finished: the
+	// claim still finds them there.
+	if err := store.ReadLegacy(ctx, sqldb.Std(db)); err != nil {
+		return nil, dbErr("processed table layout", e.processedTable, err)
 	}
 	return store, nil
 }

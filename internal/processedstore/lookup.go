@@ -1,9 +1,9 @@
 package processedstore
 
 import (
-	"time"
-
+	"context"
 	"fmt"
+	"time"
 
 	"github.com/google/uuid"
 
@@ -71,12 +71,31 @@ FROM %[1]s`, q, now, cutoff, at), args
 
 // rowsSource is what the read-only tool queries read the rows from: the
 // table, and with LayoutPartitioned its side table <table>_other too, where
-// the rows of ids other than UUIDv7 live.
+// the rows of ids other than UUIDv7 live, and <table>_legacy while an
+// upgrade from the plain layout is not finished (ReadLegacy found it).
 func (s *Store) rowsSource() string {
 	q := s.table.Quoted(s.dialect.QuoteChar())
 	if s.layout != LayoutPartitioned {
 		return q
 	}
-	return "(SELECT consumer, event_id, processed_at, event_at FROM " + q +
-		" UNION ALL SELECT consumer, event_id, processed_at, event_at FROM " + s.sibling("other") + ") AS r"
+	src := "(SELECT consumer, event_id, processed_at, event_at FROM " + q +
+		" UNION ALL SELECT consumer, event_id, processed_at, event_at FROM " + s.sibling("other")
+	if s.readLegacy {
+		src += " UNION ALL SELECT consumer, event_id, processed_at, event_at FROM " + s.sibling("legacy")
+	}
+	return src + ") AS r"
+}
+
+// ReadLegacy makes LookupQuery and PurgePreviewQuery read the legacy table
+// too when it exists (LayoutPartitioned, MigrateToPartitioned not
+// finished): its rows are the events processed before the upgrade, which
+// the claim still finds (a redelivery is a duplicate) and the Purger
+// deletes. The store must not be in use by other goroutines.
+func (s *Store) ReadLegacy(ctx context.Context, q sqldb.Querier) error {
+	if s.layout != LayoutPartitioned {
+		return nil
+	}
+	ok, err := s.legacyExists(ctx, q)
+	s.readLegacy = ok
+	return err
 }

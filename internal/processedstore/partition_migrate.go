@@ -108,8 +108,8 @@ var ErrLegacyNotEmpty = errors.New("processed: the legacy table still holds rows
 // current and next spans. Consumers configured either way may run during
 // the switch. Running it again after it succeeded does nothing (nil).
 //
-// Store.Processed and LookupQuery do not look in the legacy table (only the
-// claim does, through the trigger). Call FinishPartitionMigration once the
+// Store.Processed does not look in the legacy table (the claim does,
+// through the trigger; LookupQuery after ReadLegacy). Call FinishPartitionMigration once the
 // purger has emptied the legacy table and every consumer has run with
 // LayoutPartitioned for one horizon (see its doc).
 func (s *Store) MigrateToPartitioned(ctx context.Context, q sqldb.Querier) error {

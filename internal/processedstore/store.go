@@ -118,8 +118,10 @@ type Store struct {
 	skew    time.Duration
 	layout  Layout
 	span    time.Duration
-	other   *otherSQL        // LayoutPartitioned: the side table of non-v7 ids
-	now     func() time.Time // the process clock of SQLite statements; nil: time.Now (tests set it)
+	other   *otherSQL // LayoutPartitioned: the side table of non-v7 ids
+	// readLegacy: the tool queries read <table>_legacy too (ReadLegacy).
+	readLegacy bool
+	now        func() time.Time // the process clock of SQLite statements; nil: time.Now (tests set it)
 
 	claimSQL   string
 	existsSQL  string
