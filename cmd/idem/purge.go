@@ -8,41 +8,49 @@ import (
 	"time"
 
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // purgePreview is the JSON document of "purge --dry-run".
 type purgePreview struct {
-	Table      string    `json:"table"`
-	Horizon    string    `json:"horizon"`
-	DatabaseAt jsonTime  `json:"database_now"`
-	Cutoff     jsonTime  `json:"cutoff"` // rows with event_at < cutoff go
-	Rows       int64     `json:"rows"`
-	ToDelete   int64     `json:"to_delete"`
-	Batches    int64     `json:"batches"`
-	Oldest     *jsonTime `json:"oldest,omitempty"`
+	Table string `json:"table"`
+	// Purges: processed.Purger deletes from the table now (it keeps a
+	// replay horizon in force).
+	Purges bool `json:"purges"`
+	// TableHorizon is the horizon the table keeps ("" for none); Horizon
+	// the one counted by: the purger's (the longer previous one within
+	// HorizonChangeGrace of a shortening), or --horizon.
+	TableHorizon string    `json:"table_horizon"`
+	Horizon      string    `json:"horizon"`
+	DatabaseAt   jsonTime  `json:"database_now"`
+	Cutoff       jsonTime  `json:"cutoff"` // rows with event_at < cutoff go
+	Rows         int64     `json:"rows"`
+	ToDelete     int64     `json:"to_delete"`
+	Batches      int64     `json:"batches"`
+	Oldest       *jsonTime `json:"oldest,omitempty"`
 }
 
 func runPurge(ctx context.Context, e *env, args []string) error {
 	fs := e.flags()
-	dryRun := fs.Bool("dry-run", false, "required: only count (the purger itself runs in the service, processedstore.Purger)")
-	horizonFlag := fs.String("horizon", os.Getenv("IDEM_HORIZON"), "the purger's PurgerConfig.Horizon, e.g. 168h ($IDEM_HORIZON)")
+	dryRun := fs.Bool("dry-run", false, "required: only count (the purger itself runs in the service, processed.Purger)")
+	horizonFlag := fs.String("horizon", os.Getenv("IDEM_HORIZON"), "count by this horizon, e.g. 168h ($IDEM_HORIZON); default: the one the purger uses, kept by the table")
 	minHorizon := fs.Duration("min-horizon", processedstore.DefaultMinHorizon, "the purger's PurgerConfig.MinHorizon")
 	batch := fs.Int("batch-size", processedstore.DefaultPurgeBatchSize, "the purger's PurgerConfig.BatchSize (for the batch count)")
 	if _, err := e.parse(fs, args, 0, 0); err != nil {
 		return err
 	}
 	if !*dryRun {
-		return usageErr("purge runs only with --dry-run: the purger (processedstore.Purger) deletes, in the service")
+		return usageErr("purge runs only with --dry-run: the purger (processed.Purger) deletes, in the service")
 	}
-	if *horizonFlag == "" {
-		return usageErr("--horizon D is required (the purger's PurgerConfig.Horizon; or set $IDEM_HORIZON)")
-	}
-	horizon, err := time.ParseDuration(*horizonFlag)
-	if err != nil {
-		return usageErr("--horizon %q: %v", *horizonFlag, err)
-	}
-	if horizon < *minHorizon {
-		return usageErr("--horizon %s is below the minimum %s: the purger would refuse it (%v)", horizon, *minHorizon, processedstore.ErrHorizonTooShort)
+	var horizon time.Duration
+	if *horizonFlag != "" {
+		var err error
+		if horizon, err = time.ParseDuration(*horizonFlag); err != nil {
+			return usageErr("--horizon %q: %v", *horizonFlag, err)
+		}
+		if horizon < *minHorizon {
+			return usageErr("--horizon %s is below the minimum %s: the purger would refuse it (%v)", horizon, *minHorizon, processedstore.ErrHorizonTooShort)
+		}
 	}
 	if *batch <= 0 {
 		return usageErr("--batch-size %d: must be > 0", *batch)
@@ -56,15 +64,40 @@ func runPurge(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
+	// What processed.Purger purges by: the table's horizon, or nothing.
+	kept, _, _, _, err := store.TableHorizon(ctx, sqldb.Std(db))
+	if err != nil {
+		return dbErr("purge preview", e.processedTable, err)
+	}
+	purgerHorizon, purges, err := store.PurgeHorizon(ctx, sqldb.Std(db), time.Now())
+	if err != nil {
+		return dbErr("purge preview", e.processedTable, err)
+	}
+	if horizon == 0 && purges && purgerHorizon < *minHorizon {
+		return refusedErr("the table %s keeps a horizon of %s, below the minimum %s: the purger refuses it (%v)",
+			e.processedTable, purgerHorizon, *minHorizon, processedstore.ErrHorizonTooShort)
+	}
+	out := purgePreview{Table: e.processedTable, Purges: purges}
+	if kept > 0 {
+		out.TableHorizon = kept.String()
+	}
+	if horizon == 0 {
+		horizon = purgerHorizon
+	}
+	if horizon > 0 {
+		out.Horizon = horizon.String()
+	}
 	q, qargs := store.PurgePreviewQuery(horizon)
-	var (
-		now, cutoff, oldest timeScan
-		out                 = purgePreview{Table: e.processedTable, Horizon: horizon.String()}
-	)
+	var now, cutoff, oldest timeScan
 	if err := db.QueryRowContext(ctx, q, qargs...).Scan(&now, &cutoff, &out.Rows, &out.ToDelete, &oldest); err != nil {
 		return dbErr("purge preview", e.processedTable, err)
 	}
-	out.DatabaseAt, out.Cutoff = jsonTime(now.T), jsonTime(cutoff.T)
+	out.DatabaseAt = jsonTime(now.T)
+	if horizon > 0 {
+		out.Cutoff = jsonTime(cutoff.T)
+	} else {
+		out.ToDelete = 0 // counted by no horizon: the purger deletes nothing
+	}
 	out.Batches = (out.ToDelete + int64(*batch) - 1) / int64(*batch)
 	if !oldest.T.IsZero() {
 		t := jsonTime(oldest.T)
@@ -73,12 +106,19 @@ func runPurge(ctx context.Context, e *env, args []string) error {
 	if e.json {
 		return printJSON(e.stdout, out)
 	}
-	fields(e.stdout, [][2]string{
-		{"table", out.Table}, {"horizon", out.Horizon}, {"database now", ts(now.T)},
-		{"cutoff", ts(cutoff.T) + " (rows whose event time is before it would be deleted)"},
-		{"rows", strconv.FormatInt(out.Rows, 10)},
-		{"would delete", fmt.Sprintf("%d (in %d batch(es) of at most %d)", out.ToDelete, out.Batches, *batch)},
-		{"oldest", tsPtr(out.Oldest)},
-	})
+	purging := "yes"
+	if !purges {
+		purging = "no: the table keeps no replay horizon, or recorded one over none within " +
+			processedstore.HorizonChangeGrace.String() + " (processed.HorizonChangeGrace)"
+	}
+	kv := [][2]string{{"table", out.Table}, {"table horizon", dash(out.TableHorizon)}, {"purger runs", purging}}
+	if horizon > 0 {
+		kv = append(kv, [2]string{"horizon", out.Horizon}, [2]string{"database now", ts(now.T)},
+			[2]string{"cutoff", ts(cutoff.T) + " (rows whose event time is before it would be deleted)"})
+	}
+	kv = append(kv, [2]string{"rows", strconv.FormatInt(out.Rows, 10)},
+		[2]string{"would delete", fmt.Sprintf("%d (in %d batch(es) of at most %d)", out.ToDelete, out.Batches, *batch)},
+		[2]string{"oldest", tsPtr(out.Oldest)})
+	fields(e.stdout, kv)
 	return nil
 }
