@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
@@ -20,14 +21,19 @@ type purgePreview struct {
 	// TableHorizon is the horizon the table keeps ("" for none); Horizon
 	// the one counted by: the purger's (the longer previous one within
 	// HorizonChangeGrace of a shortening), or --horizon.
-	TableHorizon string    `json:"table_horizon"`
-	Horizon      string    `json:"horizon"`
-	DatabaseAt   jsonTime  `json:"database_now"`
-	Cutoff       jsonTime  `json:"cutoff"` // rows with event_at < cutoff go
-	Rows         int64     `json:"rows"`
-	ToDelete     int64     `json:"to_delete"`
-	Batches      int64     `json:"batches"`
-	Oldest       *jsonTime `json:"oldest,omitempty"`
+	TableHorizon string   `json:"table_horizon"`
+	Horizon      string   `json:"horizon"`
+	DatabaseAt   jsonTime `json:"database_now"`
+	Cutoff       jsonTime `json:"cutoff"` // rows with event_at < cutoff go
+	Rows         int64    `json:"rows"`
+	ToDelete     int64    `json:"to_delete"`
+	// ToDrop is the rows of the time partitions the purger drops whole
+	// (LayoutPartitioned), DropPartitions their names: not in ToDelete,
+	// as the purger counts only the rows it deletes.
+	ToDrop         int64     `json:"to_drop"`
+	DropPartitions []string  `json:"drop_partitions,omitempty"`
+	Batches        int64     `json:"batches"`
+	Oldest         *jsonTime `json:"oldest,omitempty"`
 }
 
 func runPurge(ctx context.Context, e *env, args []string) error {
@@ -99,6 +105,9 @@ func runPurge(ctx context.Context, e *env, args []string) error {
 		out.ToDelete = 0 // counted by no horizon: the purger deletes nothing
 	}
 	out.Batches = (out.ToDelete + int64(*batch) - 1) / int64(*batch)
+	if out.DropPartitions, out.ToDrop, err = store.DropPreview(ctx, sqldb.Std(db), horizon); err != nil {
+		return dbErr("purge preview", e.processedTable, err)
+	}
 	if !oldest.T.IsZero() {
 		t := jsonTime(oldest.T)
 		out.Oldest = &t
@@ -117,7 +126,11 @@ func runPurge(ctx context.Context, e *env, args []string) error {
 			[2]string{"cutoff", ts(cutoff.T) + " (rows whose event time is before it would be deleted)"})
 	}
 	kv = append(kv, [2]string{"rows", strconv.FormatInt(out.Rows, 10)},
-		[2]string{"would delete", fmt.Sprintf("%d (in %d batch(es) of at most %d)", out.ToDelete, out.Batches, *batch)},
+		[2]string{"would delete", fmt.Sprintf("%d (in %d batch(es) of at most %d)", out.ToDelete, out.Batches, *batch)})
+	if len(out.DropPartitions) > 0 {
+		kv = append(kv, [2]string{"would drop", fmt.Sprintf("%d row(s) in %d partition(s): %s", out.ToDrop, len(out.DropPartitions), strings.Join(out.DropPartitions, ", "))})
+	}
+	kv = append(kv,
 		[2]string{"oldest", tsPtr(out.Oldest)})
 	fields(e.stdout, kv)
 	return nil

@@ -36,7 +36,9 @@ func (s *Store) LookupQuery(eventID uuid.UUID, consumer string) (string, []any) 
 // PurgePreviewQuery returns a read-only query of one row: the database
 // clock now, the cutoff the purger uses with horizon (now minus horizon
 // minus purgeClaimSlack, as the Purger cuts), the rows of the table, the rows older than
-// the cutoff (those a purge run would delete now, locked rows aside), and
+// the cutoff (those a purge run would delete now, locked rows aside; with
+// LayoutPartitioned those of the default partition and the side and
+// legacy tables: the time partitions are dropped whole, DropPreview), and
 // the oldest event_at (NULL when the table is empty): the purge deletes by
 // event time (event_at), on the database clock (SQLite: the process
 // clock, as PurgeBatch reads it). Times scan as
@@ -63,10 +65,14 @@ func (s *Store) PurgePreviewQuery(horizon time.Duration) (string, []any) {
 		// A UUIDv7 row of the lean claim has no event_at: its id's time.
 		at = "coalesce(event_at, " + v7TimeSQL("event_id") + ")"
 	}
+	deleted := "1 = 1"
+	if s.layout == LayoutPartitioned {
+		deleted = "r.deleted" // the time partitions are dropped whole (DropPreview)
+	}
 	return fmt.Sprintf(`SELECT %[2]s, %[3]s, count(*),
-    COALESCE(SUM(CASE WHEN %[4]s < %[3]s THEN 1 ELSE 0 END), 0),
+    COALESCE(SUM(CASE WHEN %[5]s AND %[4]s < %[3]s THEN 1 ELSE 0 END), 0),
     MIN(%[4]s)
-FROM %[1]s`, q, now, cutoff, at), args
+FROM %[1]s`, q, now, cutoff, at, deleted), args
 }
 
 // rowsSource is what the read-only tool queries read the rows from: the
@@ -78,10 +84,13 @@ func (s *Store) rowsSource() string {
 	if s.layout != LayoutPartitioned {
 		return q
 	}
-	src := "(SELECT consumer, event_id, processed_at, event_at FROM " + q +
-		" UNION ALL SELECT consumer, event_id, processed_at, event_at FROM " + s.sibling("other")
+	// deleted: the row is one the Purger DELETEs when it expires (the
+	// default partition, the side table, the legacy table), not one of a
+	// time partition, which it drops whole.
+	src := "(SELECT consumer, event_id, processed_at, event_at, tableoid = '" + s.sibling("default") + "'::regclass AS deleted FROM " + q +
+		" UNION ALL SELECT consumer, event_id, processed_at, event_at, true FROM " + s.sibling("other")
 	if s.readLegacy {
-		src += " UNION ALL SELECT consumer, event_id, processed_at, event_at FROM " + s.sibling("legacy")
+		src += " UNION ALL SELECT consumer, event_id, processed_at, event_at, true FROM " + s.sibling("legacy")
 	}
 	return src + ") AS r"
 }

@@ -185,13 +185,9 @@ func (s *Store) maintainLocked(ctx context.Context, q sqldb.Querier, purgeHorizo
 // partitions wholly older than now() − purgeHorizon.
 func (s *Store) maintain(ctx context.Context, q sqldb.Querier, purgeHorizon time.Duration, lock string) (PartitionReport, error) {
 	var rep PartitionReport
-	var clock string
-	if err := q.QueryRow(ctx, `SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`).Scan(&clock); err != nil {
-		return rep, fmt.Errorf("processed: partitions: clock: %w", err)
-	}
-	now, err := time.Parse(time.RFC3339Nano, clock)
+	now, err := dbClock(ctx, q)
 	if err != nil {
-		return rep, fmt.Errorf("processed: partitions: clock %q: %w", clock, err)
+		return rep, err
 	}
 	existing, err := s.partitions(ctx, q)
 	if err != nil {
@@ -248,9 +244,7 @@ func (s *Store) maintain(ctx context.Context, q sqldb.Querier, purgeHorizon time
 	}
 	cutoff := now.Add(-purgeHorizon)
 	for _, p := range existing {
-		// The newest event a range [lo, hi) can hold is dated hi − 1 ms
-		// (a UUIDv7's time is its first 48 bits, in milliseconds).
-		if p.hi == maxMs || !time.UnixMilli(p.hi-1).Before(cutoff) {
+		if !p.wholeBefore(cutoff) {
 			continue
 		}
 		schema := ""
@@ -294,6 +288,58 @@ type partition struct {
 }
 
 const maxMs = int64(1) << 48
+
+// wholeBefore reports whether every event p can hold is dated before
+// cutoff: the newest a range [lo, hi) can hold is dated hi − 1 ms (a
+// UUIDv7's time is its first 48 bits, in milliseconds).
+func (p partition) wholeBefore(cutoff time.Time) bool {
+	return p.hi != maxMs && time.UnixMilli(p.hi-1).Before(cutoff)
+}
+
+// dbClock reads the database clock (PostgreSQL now()) in UTC.
+func dbClock(ctx context.Context, q sqldb.Querier) (time.Time, error) {
+	var clock string
+	if err := q.QueryRow(ctx, `SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`).Scan(&clock); err != nil {
+		return time.Time{}, fmt.Errorf("processed: partitions: clock: %w", err)
+	}
+	now, err := time.Parse(time.RFC3339Nano, clock)
+	if err != nil {
+		return time.Time{}, fmt.Errorf("processed: partitions: clock %q: %w", clock, err)
+	}
+	return now, nil
+}
+
+// DropPreview returns the time partitions a Purger at horizon would drop
+// now (LayoutPartitioned: those wholly older than the database clock
+// minus horizon and purgeClaimSlack, as maintenance judges them) and how
+// many rows they hold; nothing on the plain layout.
+func (s *Store) DropPreview(ctx context.Context, q sqldb.Querier, horizon time.Duration) (names []string, rows int64, err error) {
+	if s.layout != LayoutPartitioned || horizon <= 0 {
+		return nil, 0, nil
+	}
+	now, err := dbClock(ctx, q)
+	if err != nil {
+		return nil, 0, err
+	}
+	existing, err := s.partitions(ctx, q)
+	if err != nil {
+		return nil, 0, err
+	}
+	for _, p := range existing {
+		if p.wholeBefore(now.Add(-horizon - purgeClaimSlack)) {
+			names = append(names, p.name)
+		}
+	}
+	if len(names) == 0 {
+		return nil, 0, nil
+	}
+	parent := s.table.Quoted('"')
+	if err := q.QueryRow(ctx, `SELECT count(*) FROM `+parent+` WHERE tableoid IN (SELECT i.inhrelid FROM pg_inherits i
+JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = $1::regclass AND c.relname = ANY($2))`, parent, names).Scan(&rows); err != nil {
+		return nil, 0, fmt.Errorf("processed: partitions: count the rows to drop: %w", err)
+	}
+	return names, rows, nil
+}
 
 // uncovered is [from, to) minus the ranges of existing, as pieces in order.
 func uncovered(from, to int64, existing []partition) [][2]int64 {
