@@ -268,13 +268,15 @@ func (e *env) openDB(ctx context.Context) (*sql.DB, sqldb.Dialect, error) {
 	switch d {
 	case sqldb.MySQL:
 		driver = "mysql"
-		if !strings.Contains(dsn, "parseTime=") {
-			sep := "?"
-			if strings.Contains(dsn, "?") {
-				sep = "&"
-			}
-			dsn += sep + "parseTime=true&loc=UTC"
+		// The library's DATETIME columns hold UTC: read them as UTC
+		// whatever the DSN says (a service's loc=Local shifted every time
+		// shown by the zone's offset).
+		cfg, err := mysql.ParseDSN(dsn)
+		if err != nil {
+			return nil, 0, usageErr("--database-url: %v", err)
 		}
+		cfg.ParseTime, cfg.Loc = true, time.UTC
+		dsn = cfg.FormatDSN()
 	case sqldb.SQLite:
 		driver = "sqlite"
 	}

@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 
@@ -125,5 +127,49 @@ func TestMissingTableMySQL(t *testing.T) {
 	code := RunContext(context.Background(), []string{"processed", "show", uuid.NewString(), "--dialect", "mysql", "--database-url", testenv.MySQLDSN() + name}, &out, &errb)
 	if code != exitFailed || !strings.Contains(errb.String(), "processed_event does not exist") {
 		t.Fatalf("exit %d: %s", code, errb.String())
+	}
+}
+
+// TestMySQLTimesWhateverTheDSNLocation: MySQL DATETIME columns hold UTC
+// (UTC_TIMESTAMP), so the times idem shows are the same whatever
+// location the DSN names for the driver (loc=Local is common in service
+// DSNs; here a zone 9 hours from UTC): processed_at and the database
+// clock are those of the server in UTC.
+func TestMySQLTimesWhateverTheDSNLocation(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testenv.MySQLDB(t)
+	var name string
+	if err := db.QueryRow(`SELECT DATABASE()`).Scan(&name); err != nil {
+		t.Fatal(err)
+	}
+	store, err := processedstore.NewStore(processedstore.Config{Dialect: sqldb.MySQL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Migrate(ctx, sqldb.Std(db)); err != nil {
+		t.Fatal(err)
+	}
+	id := uuid.Must(uuid.NewV7())
+	if _, err := db.ExecContext(ctx, `INSERT INTO processed_event (consumer, event_id) VALUES ('stock', ?)`, id[:]); err != nil {
+		t.Fatal(err)
+	}
+	var at time.Time // loc=UTC: the stored UTC value
+	if err := db.QueryRowContext(ctx, `SELECT processed_at FROM processed_event`).Scan(&at); err != nil {
+		t.Fatal(err)
+	}
+	for _, dsn := range []string{testenv.MySQLDSN() + name + "?parseTime=true&loc=Asia%2FTokyo", testenv.MySQLDSN() + name + "?loc=Asia%2FTokyo"} {
+		var out, errb bytes.Buffer
+		code := RunContext(ctx, []string{"processed", "show", id.String(), "--json", "--dialect", "mysql", "--database-url", dsn}, &out, &errb)
+		if code != exitOK {
+			t.Fatalf("%s: exit %d: %s", dsn, code, errb.String())
+		}
+		var s processedShow
+		if err := json.Unmarshal(out.Bytes(), &s); err != nil || len(s.Records) != 1 {
+			t.Fatalf("%s: %v %s", dsn, err, out.String())
+		}
+		if got := time.Time(s.Records[0].ProcessedAt); !got.Equal(at) {
+			t.Fatalf("%s: processed_at %s, stored (UTC) %s", dsn, got.UTC(), at)
+		}
 	}
 }
