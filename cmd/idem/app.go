@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"regexp"
 	"strings"
 	"syscall"
 	"time"
@@ -306,16 +307,36 @@ func dbErr(what, table string, err error) error {
 	return failedErr("%s: %v", what, err)
 }
 
-// redact hides a password in a URL.
+// redact hides a password in a database or broker address: a URL's
+// user:password@, a go-sql-driver/mysql DSN's user:password@ (before the
+// address's /dbname), and a password= keyword or query parameter.
 func redact(u string) string {
-	at := strings.LastIndex(u, "@")
+	u = passwordParam.ReplaceAllString(u, "${1}***")
 	scheme := strings.Index(u, "://")
-	if at < 0 || scheme < 0 || at < scheme {
+	start, end := 0, len(u)
+	if scheme >= 0 {
+		start = scheme + 3
+		if i := strings.IndexAny(u[start:], "/?"); i >= 0 {
+			end = start + i
+		}
+	} else if i := strings.LastIndex(u, "/"); i >= 0 { // user:password@tcp(host)/db
+		end = i
+	}
+	at := strings.LastIndex(u[start:end], "@")
+	if at < 0 || (scheme < 0 && !mysqlAddress.MatchString(u[start+at+1:end])) {
 		return u
 	}
-	cred := u[scheme+3 : at]
-	if i := strings.Index(cred, ":"); i >= 0 {
-		return u[:scheme+3] + cred[:i] + ":***" + u[at:]
+	at += start
+	if i := strings.Index(u[start:at], ":"); i >= 0 {
+		return u[:start+i] + ":***" + u[at:]
 	}
 	return u
 }
+
+// mysqlAddress matches what follows the credentials of a
+// go-sql-driver/mysql DSN, before /dbname: nothing or protocol(address).
+var mysqlAddress = regexp.MustCompile(`^(\w+\(.*\))?$`)
+
+// passwordParam matches a password given as a keyword (PostgreSQL's
+// "password=…", quoted or not) or a query parameter.
+var passwordParam = regexp.MustCompile(`(?i)(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&]+)`)

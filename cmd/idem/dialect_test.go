@@ -173,3 +173,21 @@ func TestMySQLTimesWhateverTheDSNLocation(t *testing.T) {
 		}
 	}
 }
+
+// TestUnreachableDatabaseHidesThePassword: the error naming an unreachable
+// database never shows its password, whatever the form of the DSN (a URL,
+// a go-sql-driver/mysql DSN, PostgreSQL keywords).
+func TestUnreachableDatabaseHidesThePassword(t *testing.T) {
+	t.Parallel()
+	for _, c := range [][]string{
+		{"postgres", "postgres://alice:s3cr3t-pw@127.0.0.1:1/shop?connect_timeout=2"},
+		{"mysql", "alice:s3cr3t-pw@tcp(127.0.0.1:1)/shop"},
+		{"postgres", "host=127.0.0.1 port=1 user=alice password=s3cr3t-pw dbname=shop connect_timeout=2"},
+	} {
+		var out, errb bytes.Buffer
+		code := RunContext(context.Background(), []string{"processed", "show", uuid.NewString(), "--dialect", c[0], "--database-url", c[1]}, &out, &errb)
+		if code != exitFailed || strings.Contains(errb.String()+out.String(), "s3cr3t") {
+			t.Fatalf("%s: exit %d, stderr %q: want exit %d without the password", c[1], code, errb.String(), exitFailed)
+		}
+	}
+}
