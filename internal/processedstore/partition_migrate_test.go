@@ -213,7 +213,8 @@ func TestMigrateToPartitionedWhileConsuming(t *testing.T) {
 	require.NoError(t, part.FinishPartitionMigration(ctx, sqldb.Pgx(pool)))
 	require.NoError(t, part.FinishPartitionMigration(ctx, sqldb.Pgx(pool)), "again: nothing to do")
 	var left int
-	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_trigger WHERE tgname = 'processed_event_legacy_move'`).Scan(&left))
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_trigger tg JOIN pg_class c ON c.oid = tg.tgrelid
+		WHERE tg.tgname = 'processed_event_legacy_move' AND c.relnamespace = current_schema()::regnamespace`).Scan(&left))
 	require.Zero(t, left, "the triggers are gone")
 	e := event{id: uuid.Must(uuid.NewV7())}
 	ok, err := consume(ctx, pool, part, e)
