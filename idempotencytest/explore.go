@@ -147,7 +147,10 @@ func Explore(t TB, s Subject, msg *message.Message) ExploreReport {
 		return nil
 	}
 
-	// The reference.
+	// The reference. It and each point have Timeout of their own: the
+	// points grow with the handler's statements (each one's redelivery
+	// waits the consumer's retry backoff), so one budget for all of them
+	// failed a correct handler of thirty statements at its last points.
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	rec := &injector{}
@@ -192,15 +195,19 @@ func Explore(t TB, s Subject, msg *message.Message) ExploreReport {
 			in := &injector{fault: fault}
 			p.arm(in)
 			d := Divergence{Point: p.name, Statement: p.stmt, Fault: fault, Want: want}
-			if diverged(ctx, s, deliver, in, msg, &d) {
+			pctx, pcancel := context.WithTimeout(context.Background(), timeout)
+			if diverged(pctx, s, deliver, in, msg, &d) {
 				rep.Divergences = append(rep.Divergences, d)
 			}
+			pcancel()
 		}
 	}
 	// The ack lost after the commit: the broker redelivers a processed
 	// message.
 	rep.Points++
 	d := Divergence{Point: "after commit (ack lost)", Fault: FaultError, Want: want}
+	ctx, cancel = context.WithTimeout(context.Background(), timeout)
+	defer cancel()
 	m := fresh(msg)
 	var errs []error
 	for i := 0; i < 2; i++ {

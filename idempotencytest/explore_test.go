@@ -4,6 +4,7 @@ import (
 	"context"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
@@ -173,4 +174,32 @@ func TestExploreNamesAPoisonedRedelivery(t *testing.T) {
 	require.NotEmpty(t, r.Divergences)
 	require.ErrorContains(t, r.Divergences[0].Err, "poisoned")
 	require.Contains(t, tb.all(), "entered again")
+}
+
+// Subject.Timeout bounds each point of an exploration, not all of them
+// together: the points grow with the handler's statements, and each
+// redelivery waits the consumer's retry backoff (here the default, 100
+// ms), so a handler with enough statements (thirty under the default
+// Timeout) outlasted one budget for all, and its last points were reported
+// as never succeeding although it is correct.
+func TestExploreTimeoutBoundsEachPoint(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+		Consumer: "c", DB: f.db,
+		Poison: middleware.PoisonConfig{Publisher: f.poison, Topic: "poison"},
+	}, nil)
+	require.NoError(t, err)
+	s := f.subject(c)
+	s.Handler = idempotencytest.NoPublish(func(msg *message.Message) error {
+		tx, _ := middleware.PgxTxFromContext(msg.Context())
+		if _, err := tx.Exec(msg.Context(), `SELECT 1`); err != nil {
+			return err
+		}
+		return f.handler(msg)
+	})
+	s.Timeout = time.Second // 15 points each wait 100 ms before their redelivery: 1.5 s in all
+	r := idempotencytest.Explore(t, s, newMsg())
+	require.Len(t, r.Statements, 2)
+	require.Empty(t, r.Divergences)
 }

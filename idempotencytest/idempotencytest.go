@@ -15,7 +15,8 @@ import (
 	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
-// DefaultTimeout bounds all deliveries of one helper call (Subject.Timeout).
+// DefaultTimeout bounds all deliveries of one helper call, of each point
+// for Explore (Subject.Timeout).
 const DefaultTimeout = 30 * time.Second
 
 // TB is the part of testing.TB the helpers use. *testing.T, *testing.B and
@@ -48,7 +49,9 @@ type Subject struct {
 	WantEffects int
 
 	// Timeout bounds all deliveries and the Effects call together; the
-	// message contexts are cancelled after it. Defaults to DefaultTimeout.
+	// message contexts are cancelled after it. For Explore it bounds the
+	// clean delivery, and each point's deliveries, apart. Defaults to
+	// DefaultTimeout.
 	Timeout time.Duration
 }
 
