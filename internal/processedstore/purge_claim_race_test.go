@@ -2,6 +2,7 @@ package processedstore_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -61,4 +62,70 @@ func TestPurgedEventIsNeverClaimedAgainByATransactionOpenedBeforeThePurge(t *tes
 	// The redelivery claims in its transaction, after the purge.
 	claimed, err := s.ClaimAt(ctx, sqldb.Pgx(tx), "c", id, at)
 	require.False(t, claimed, "the event was processed: its redelivery must find its row or be refused, never be claimed and applied a second time (err=%v)", err)
+}
+
+// retention.md: "… and one that judged its window before P and then waited
+// for the row the purge was deleting (the 5 minutes are that margin: a
+// lock wait, bounded by the lock timeout)". A claim judges its window when
+// its statement starts, then may wait before its row goes in (here a
+// BEFORE INSERT trigger waits for a lock the test holds, standing for the
+// wait on a row or on the table's lock). A purge that runs during the wait
+// keeps the row of an event the claim already judged inside its window,
+// so the claim meets it: a duplicate, not a second application.
+func TestPurgeKeepsTheRowOfAClaimWaitingAfterItsWindowCheck(t *testing.T) {
+	t.Parallel()
+	pool, _ := testenv.Pool(t)
+	ctx := context.Background()
+	s := newStore(t, sqldb.Pgx(pool)) // horizon 1 h
+	key := time.Now().UnixNano() & 0x7fffffff
+	_, err := pool.Exec(ctx, fmt.Sprintf(`CREATE FUNCTION hold_claim() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN PERFORM pg_advisory_xact_lock(%d); RETURN NEW; END $$;
+CREATE TRIGGER hold_claim BEFORE INSERT ON processed_event FOR EACH ROW EXECUTE FUNCTION hold_claim()`, key))
+	require.NoError(t, err)
+
+	// The event was processed once, dated half a second inside the window
+	// of a claim starting now.
+	var t0 time.Time
+	require.NoError(t, pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&t0))
+	id, at := uuid.New(), t0.Add(-time.Hour+500*time.Millisecond)
+	_, err = pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, event_at) VALUES ('c', $1, $2)`, id, at)
+	require.NoError(t, err)
+
+	holder, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer holder.Release()
+	_, err = holder.Exec(ctx, `SELECT pg_advisory_lock($1)`, key)
+	require.NoError(t, err)
+	type result struct {
+		claimed bool
+		err     error
+	}
+	done := make(chan result, 1)
+	go func() {
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			done <- result{err: err}
+			return
+		}
+		defer func() { _ = tx.Rollback(ctx) }()
+		claimed, err := s.ClaimAt(ctx, sqldb.Pgx(tx), "c", id, at) // judged now, then waits in the trigger
+		done <- result{claimed, err}
+	}()
+	waitBlockedBy(t, target{dialect: sqldb.PostgreSQL, db: sqldb.Pgx(pool)}, sqldb.Pgx(holder))
+	for { // the database clock passes the event's horizon (an ordering)
+		var past bool
+		require.NoError(t, pool.QueryRow(ctx, `SELECT clock_timestamp() > $1::timestamptz + interval '1 second'`, t0).Scan(&past))
+		if past {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	p, err := processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{Horizon: time.Hour}, nil)
+	require.NoError(t, err)
+	_, _, err = p.PurgeNow(ctx)
+	require.NoError(t, err)
+	_, err = holder.Exec(ctx, `SELECT pg_advisory_unlock($1)`, key)
+	require.NoError(t, err)
+	r := <-done
+	require.False(t, r.claimed, "the event was processed: the waiting claim must find its row, never claim it a second time (err=%v)", r.err)
 }
