@@ -114,3 +114,29 @@ func TestSetHorizonOnAFreshTable(t *testing.T) {
 		require.Equal(t, 4*time.Hour, h, "a longer horizon at once")
 	})
 }
+
+// The purger of the table's horizon refuses one below its MinHorizon (a
+// mistyped horizon, 30 minutes for 30 hours): the run fails with
+// ErrHorizonTooShort and deletes nothing; a MinHorizon below it lets it
+// purge.
+func TestPurgerRefusesATableHorizonBelowMinHorizon(t *testing.T) {
+	t.Parallel()
+	eachTarget(t, func(t *testing.T, tg target) {
+		ctx := context.Background()
+		s := tg.store(t)
+		require.NoError(t, s.SetHorizon(ctx, tg.db, 30*time.Minute, time.Now())) // a fresh table: in force at once
+		old := v7At(time.Now().Add(-2 * time.Hour))
+		require.True(t, claimCommitted(t, tg, tgStore(t, tg), old))
+		n, _, err := tablePurger(t, tg).PurgeNow(ctx) // MinHorizon: 1 h by default
+		require.ErrorIs(t, err, processedstore.ErrHorizonTooShort)
+		require.Zero(t, n)
+		require.False(t, claimCommitted(t, tg, tgStore(t, tg), old), "nothing was purged")
+
+		p, err := processedstore.NewPurger(tgStore(t, tg), tg.pool, processedstore.PurgerConfig{FromTable: true, MinHorizon: 10 * time.Minute}, nil)
+		require.NoError(t, err)
+		n, ran, err := p.PurgeNow(ctx)
+		require.NoError(t, err)
+		require.True(t, ran)
+		require.EqualValues(t, 1, n)
+	})
+}
