@@ -171,9 +171,11 @@ type ConsumerConfig struct {
 	// pool's connections keep for other code too;
 	// behind a pooler (PgBouncer) and with SQL it is SET LOCAL, sent in the
 	// claim's round trip (docs/databases.md). Whole milliseconds, at least
-	// 1 ms, at most 2147483647 ms (PostgreSQL's lock_timeout range).
-	// Defaults to DefaultLockTimeout (15 s); negative leaves the session's
-	// lock_timeout untouched.
+	// 1 ms, at most 1 minute (the purger keeps a row 5 minutes past the
+	// horizon for a claim that waits on it). Defaults to
+	// DefaultLockTimeout (15 s); negative leaves the session's
+	// lock_timeout untouched, and then a wait longer than 5 minutes may
+	// outlast that slack.
 	LockTimeout time.Duration
 
 	// DisablePayloadVerification turns off the comparison of a duplicate

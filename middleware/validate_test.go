@@ -38,6 +38,7 @@ func TestConsumerConfigValidateNamesEveryFieldNewConsumerRefuses(t *testing.T) {
 		{"negative future skew", "MaxFutureSkew", func(c *middleware.ConsumerConfig) { c.MaxFutureSkew = -time.Second }},
 		{"lock timeout below 1ms", "LockTimeout", func(c *middleware.ConsumerConfig) { c.LockTimeout = 500 * time.Microsecond }},
 		{"lock timeout beyond PostgreSQL's range", "LockTimeout", func(c *middleware.ConsumerConfig) { c.LockTimeout = 30 * 24 * time.Hour }},
+		{"lock timeout past the purger's slack", "LockTimeout", func(c *middleware.ConsumerConfig) { c.LockTimeout = 6 * time.Minute }},
 		{"no poison publisher", "Poison.Publisher", func(c *middleware.ConsumerConfig) { c.Poison.Publisher = nil }},
 		{"no poison topic", "Poison.Topic", func(c *middleware.ConsumerConfig) { c.Poison.Topic = "" }},
 		{"header bound below 64", "Poison.MaxHeaderBytes", func(c *middleware.ConsumerConfig) { c.Poison.MaxHeaderBytes = 10 }},

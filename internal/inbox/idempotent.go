@@ -28,11 +28,14 @@ import (
 // that holds the claim of the same event (Config.LockTimeout).
 const DefaultLockTimeout = 15 * time.Second
 
-// maxLockTimeout is the longest Config.LockTimeout: PostgreSQL's
-// lock_timeout is an int of milliseconds (2147483647 ms, about 24.8 days;
-// SQLite's busy timeout is the same int). A longer one would fail every
-// attempt on the setting itself (SQLSTATE 22023).
-const maxLockTimeout = 2147483647 * time.Millisecond
+// maxLockTimeout is the longest Config.LockTimeout. The purger keeps a row
+// 5 minutes past its horizon (processedstore's purgeClaimSlack) for a
+// claim that judged its replay window and then waits on that row's lock:
+// a claim that waited longer could find the row purged and apply its
+// event again. A minute leaves the rest of the slack to the statement
+// itself. A long wait is never needed: an attempt that meets the bound is
+// held and re-run in place (ErrInFlight).
+const maxLockTimeout = time.Minute
 
 // CheckLockTimeout reports what is wrong with d as a lock timeout (field
 // names the configuration field), or nil: below 1ms or above
@@ -42,7 +45,7 @@ func CheckLockTimeout(field string, d time.Duration) error {
 	case d > 0 && d < time.Millisecond:
 		return fmt.Errorf("middleware: %s %s: at least 1ms (negative leaves the session's lock_timeout untouched)", field, d)
 	case d > maxLockTimeout:
-		return fmt.Errorf("middleware: %s %s: at most %dms, PostgreSQL's lock_timeout range (negative leaves the session's lock_timeout untouched)", field, d, maxLockTimeout.Milliseconds())
+		return fmt.Errorf("middleware: %s %s: at most %s, well within the purger's 5-minute slack for a claim that waits (negative leaves the session's lock_timeout untouched)", field, d, maxLockTimeout)
 	}
 	return nil
 }
@@ -81,8 +84,8 @@ type Config struct {
 	// ErrInFlight and is retried later. It is PostgreSQL's lock_timeout for
 	// the whole attempt, so a handler statement that waits longer than it
 	// on a lock also fails, transiently (SQLSTATE 55P03). Defaults to
-	// DefaultLockTimeout (whole milliseconds; at least 1ms, at most
-	// 2147483647ms, PostgreSQL's range); a negative
+	// DefaultLockTimeout (whole milliseconds; at least 1ms, at most a
+	// minute: maxLockTimeout); a negative
 	// value leaves the session's lock_timeout untouched.
 	//
 	// How it is set. With NewPgxBeginner on a pool in
