@@ -38,7 +38,7 @@ func Pgx(pool *pgxpool.Pool) DB {
 	if pool == nil {
 		return DB{}
 	}
-	return DB{&sqldb.Handle{Dialect: sqldb.PostgreSQL, Pgx: pool}}
+	return DB{sqldb.PgxHandle(pool)}
 }
 
 // SQL returns the handle of a database/sql pool and its dialect. The

@@ -385,6 +385,15 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 			return nil, fmt.Errorf("middleware: ConsumerConfig.MaxCrashes: %w", err)
 		}
 	}
+	// The crash count runs beside each counted attempt, like the claim, in
+	// the pool's exec mode (bench/counts.go measures it), not in
+	// h.Querier()'s: behind a transaction pooler that keeps no prepared
+	// statements it needs a pool in QueryExecModeExec or the simple
+	// protocol.
+	crashQ := h.Querier()
+	if h.Pgx != nil {
+		crashQ = sqldb.Pgx(h.Pgx)
+	}
 	var beginner inbox.TxBeginner
 	switch {
 	case cfg.JoinSQLSubscriber:
@@ -401,7 +410,7 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 		Beginner: beginner, Store: store, Consumer: cfg.Consumer, LockTimeout: cfg.LockTimeout,
 		Recorder: cfg.Recorder, Outbox: cfg.Outbox, OutboxTopic: cfg.OutboxTopic,
 		DisablePayloadVerification: cfg.DisablePayloadVerification, Classifier: cfg.Classifier,
-		MaxCrashes: maxCrashes(cfg.MaxCrashes), CrashQuerier: h.Querier(),
+		MaxCrashes: maxCrashes(cfg.MaxCrashes), CrashQuerier: crashQ,
 	}, logger)
 	if err != nil {
 		return nil, err

@@ -170,7 +170,7 @@ type Outbox struct {
 	logger  watermill.LoggerAdapter
 	q       queries
 	// mode is the pgx exec mode of the outbox's statements on a pgx
-	// handle (pgxMode), nil for the pool's default or database/sql.
+	// handle (sqldb.OwnMode), nil for the pool's default or database/sql.
 	mode any
 	// now is the process clock (time.Now). Nothing stored or compared
 	// reads it (the database clock does, queries.dbNow); tests skew it
@@ -194,10 +194,8 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 	if err != nil {
 		return nil, err
 	}
-	o := &Outbox{cfg: cfg, db: h, dialect: h.Dialect, logger: logger, q: newQueries(h.Dialect, names), now: time.Now}
-	if h.Pgx != nil {
-		o.mode = pgxMode(h.Pgx)
-	}
+	o := &Outbox{cfg: cfg, db: h, dialect: h.Dialect, logger: logger, q: newQueries(h.Dialect, names), now: time.Now,
+		mode: h.OwnMode()}
 	return o, nil
 }
 
@@ -320,7 +318,7 @@ func (o *Outbox) DeadLetters(ctx context.Context) (int, error) {
 }
 
 // beginner is the outbox's DB as watermill-sql sees it; on pgx its
-// statements are sent in the outbox's exec mode (pgxMode).
+// statements are sent in the outbox's exec mode (sqldb.OwnMode).
 func (o *Outbox) beginner() wsql.Beginner {
 	if o.db.Pgx != nil {
 		return wsql.BeginnerFromPgx(modePool{o.db.Pgx, o.mode})

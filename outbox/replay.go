@@ -8,6 +8,8 @@ import (
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // ReplayFilter selects archived (relayed) rows for Replay.
@@ -59,7 +61,7 @@ func (o *Outbox) Replay(ctx context.Context, db wsql.ContextExecutor, dest messa
 		}
 	}
 	if onPgx(db) {
-		args = withMode(o.mode, args)
+		args = sqldb.WithMode(o.mode, args)
 	}
 	rows, err := db.QueryContext(ctx, fmt.Sprintf(o.q.replay, cond), args...)
 	if err != nil {

@@ -8,25 +8,38 @@ import (
 )
 
 // Handle is what the public idempotency.DB carries: one database, through
-// exactly one of Pgx or Std, and its dialect.
+// exactly one of Pgx or Std, and its dialect. Build a pgx one with
+// PgxHandle.
 type Handle struct {
 	Dialect Dialect
 	Pgx     *pgxpool.Pool
 	Std     *sql.DB
+	// mode is OwnMode(Pgx), read once.
+	mode any
 }
 
-// Querier runs statements on the handle's pool, each in autocommit.
+// PgxHandle is the handle of a pgx pool (PostgreSQL).
+func PgxHandle(pool *pgxpool.Pool) *Handle {
+	return &Handle{Dialect: PostgreSQL, Pgx: pool, mode: OwnMode(pool)}
+}
+
+// Querier runs the library's own statements on the handle's pool, each in
+// autocommit; on pgx in OwnMode.
 func (h *Handle) Querier() Querier {
 	if h.Pgx != nil {
-		return Pgx(h.Pgx)
+		return PgxIn(h.Pgx, h.mode)
 	}
 	return Std(h.Std)
 }
 
-// Pool hands out dedicated connections of the handle's pool.
+// OwnMode is OwnMode of the handle's pgx pool (nil for database/sql).
+func (h *Handle) OwnMode() any { return h.mode }
+
+// Pool hands out dedicated connections of the handle's pool, whose
+// statements are sent as Querier's are.
 func (h *Handle) Pool() Pool {
 	if h.Pgx != nil {
-		return PgxPool(h.Pgx)
+		return pgxPool{h.Pgx, h.mode}
 	}
 	return StdPool(h.Std)
 }

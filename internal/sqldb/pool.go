@@ -23,24 +23,28 @@ type Conn interface {
 	Release()
 }
 
-// PgxPool adapts a pgxpool.Pool.
-func PgxPool(p *pgxpool.Pool) Pool { return pgxPool{p} }
+// PgxPool adapts a pgxpool.Pool; statements on its connections are sent in
+// OwnMode(p).
+func PgxPool(p *pgxpool.Pool) Pool { return pgxPool{p, OwnMode(p)} }
 
 // StdPool adapts a *sql.DB.
 func StdPool(db *sql.DB) Pool { return stdPool{db} }
 
-type pgxPool struct{ p *pgxpool.Pool }
+type pgxPool struct {
+	p    *pgxpool.Pool
+	mode any
+}
 
 func (p pgxPool) Acquire(ctx context.Context) (Conn, error) {
 	c, err := p.p.Acquire(ctx)
 	if err != nil {
 		return nil, err
 	}
-	return pgxConn{pgxQuerier{c}, c}, nil
+	return pgxConn{PgxIn(c, p.mode), c}, nil
 }
 
 type pgxConn struct {
-	pgxQuerier
+	Querier
 	c *pgxpool.Conn
 }
 
