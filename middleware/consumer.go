@@ -385,15 +385,14 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 			return nil, fmt.Errorf("middleware: ConsumerConfig.MaxCrashes: %w", err)
 		}
 	}
-	// The crash count runs beside each counted attempt, like the claim, in
-	// the pool's exec mode (bench/counts.go measures it), not in
-	// h.Querier()'s: behind a transaction pooler that keeps no prepared
-	// statements it needs a pool in QueryExecModeExec or the simple
-	// protocol.
+	// The crash count runs outside the attempt's transaction, for counted
+	// attempts only (redeliveries, a start's first ones), on h.Querier():
+	// on pgx in QueryExecModeExec whatever the pool's mode (sqldb.OwnMode),
+	// so it runs behind a transaction pooler too. In the pool's
+	// cache_statement or describe_exec mode behind PgBouncer 1.18 most
+	// starts and ends failed there: attempts ran uncounted, and a start
+	// whose end was never written looked like a crash after a restart.
 	crashQ := h.Querier()
-	if h.Pgx != nil {
-		crashQ = sqldb.Pgx(h.Pgx)
-	}
 	var beginner inbox.TxBeginner
 	switch {
 	case cfg.JoinSQLSubscriber:

@@ -361,7 +361,10 @@ type stdBeginner struct {
 func (b *stdBeginner) outside() sqldb.Querier { return sqldb.Std(b.db) }
 
 // outside is the database outside any attempt (DBFromContext).
-func (b *pgxBeginner) outside() sqldb.Querier { return sqldb.Pgx(b.pool) }
+// outside runs in QueryExecModeExec (sqldb.OwnMode): its statements
+// (a claim's visibility, a retirement without RetireDB) go on their own,
+// behind a transaction pooler too.
+func (b *pgxBeginner) outside() sqldb.Querier { return sqldb.PgxIn(b.pool, sqldb.OwnMode(b.pool)) }
 
 func (b *stdBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx, bool, error) {
 	tx, err := b.db.BeginTx(ctx, nil)

@@ -1023,9 +1023,12 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	if _, joined := tx.(*savepointTx); endCount != nil && !joined {
 		// On the transaction itself, not the handler's view of it (a
 		// fault-injecting wrapper counts and fails handler statements).
+		// In QueryExecModeExec on pgx (sqldb.OwnModeIn): a counted
+		// attempt only, and behind a transaction pooler a statement of
+		// pgx's cache failed here and aborted the attempt.
 		q, ptx, _ := tx.parts()
 		if q == nil {
-			q = sqldb.Pgx(ptx)
+			q = sqldb.PgxIn(ptx, sqldb.OwnModeIn(ptx.Conn()))
 		}
 		countEnded = m.cfg.Store.ForgetAttempts(origCtx, q, consumer, eventID) == nil
 	}

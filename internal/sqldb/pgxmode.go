@@ -11,8 +11,8 @@ import (
 // pool, those it runs outside any transaction of the user's (the
 // migrations, the table's replay horizon, NewConsumer's checks, the
 // purgers, the family store's reads on LatestDB and retirements on
-// RetireDB, the outbox's relay and reads; not the claim, the crash count
-// or anything in the handler's transaction): pgx.QueryExecModeExec, or nil
+// RetireDB, the outbox's relay and reads, the crash count; not the claim
+// or the handler's statements): pgx.QueryExecModeExec, or nil
 // (the pool's default) when that is pgx.QueryExecModeExec or
 // pgx.QueryExecModeSimpleProtocol already. Both send a statement in one
 // round trip and leave no named statement on the server, so a
@@ -30,7 +30,19 @@ import (
 // the results come back as text; the price is a parse and plan on the
 // server per statement.
 func OwnMode(pool *pgxpool.Pool) any {
-	switch pool.Config().ConnConfig.DefaultQueryExecMode {
+	return ownMode(pool.Config().ConnConfig.DefaultQueryExecMode)
+}
+
+// OwnModeIn is OwnMode for a statement of the library's own inside a
+// transaction on conn (the crash count's end, written with the claim):
+// behind a transaction pooler a named statement of pgx's cache fails
+// there too (26000, 42P05), and aborts the transaction.
+func OwnModeIn(conn *pgx.Conn) any {
+	return ownMode(conn.Config().DefaultQueryExecMode)
+}
+
+func ownMode(m pgx.QueryExecMode) any {
+	switch m {
 	case pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol:
 		return nil
 	}

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -14,8 +15,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency"
+	"github.com/watermill-idempotency/idempotency/internal/door"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 	"github.com/watermill-idempotency/idempotency/versioned"
@@ -28,7 +31,7 @@ import (
 // the user's works in each of pgx's exec modes: the migrations
 // (processed, family store), the table's replay
 // horizon (set, read), the consumer's checks at start
-// (middleware.NewConsumer), and each run of processed.Purger and of the
+// (middleware.NewConsumer), the crash count of counted attempts, and each run of processed.Purger and of the
 // family purger, which deletes every expired row. The pool's exec mode
 // is the user's choice (pgx's default, QueryExecModeCacheStatement,
 // included) and these components share the pool. The exec modes of one
@@ -131,6 +134,32 @@ func ownStatementsBehind(t *testing.T, pool *pgxpool.Pool) {
 				Poison: middleware.PoisonConfig{Publisher: nopPublisher{}, Topic: "poison"},
 			}, nil)
 			require.NoError(t, err)
+		}
+	})
+
+	// The crash count of counted attempts (redeliveries) runs beside the
+	// claim on the pool: every start gets its end, nothing is logged.
+	t.Run("CrashCount", func(t *testing.T) {
+		logger := watermill.NewCaptureLogger()
+		c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+			Consumer: "counted", DB: db, Table: table, ReplayHorizon: time.Hour,
+			Poison: middleware.PoisonConfig{Publisher: nopPublisher{}, Topic: "poison"},
+		}, logger)
+		require.NoError(t, err)
+		h, err := door.Wrap(c, "counted", func(*message.Message) ([]*message.Message, error) { return nil, nil })
+		require.NoError(t, err)
+		for i := 0; i < 3*rounds; i++ {
+			msg, err := marshaler.NewMessage("order.placed", map[string]int{"n": i})
+			require.NoError(t, err)
+			marshaler.SetRedelivered(msg, true) // a counted attempt
+			_, err = h(msg)
+			require.NoError(t, err)
+		}
+		var left int
+		require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM `+table+`_crash`).Scan(&left))
+		require.Zero(t, left, "counted starts without their end")
+		for _, e := range logger.Captured()[watermill.ErrorLogLevel] {
+			t.Errorf("logged at ERROR: %s: %v", e.Msg, e.Err)
 		}
 	})
 
