@@ -195,24 +195,7 @@ func TestRunnerRefusesBehindTransactionPooler(t *testing.T) {
 	probe, err := operation.NewRunner(operation.Config{DB: idempotency.Pgx(admin), Table: table}, nil)
 	require.NoError(t, err)
 	require.NoError(t, probe.Migrate(ctx))
-	others := bouncer.PoolBehind(t, pgx.QueryExecModeSimpleProtocol, 4)
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	for i := 0; i < 4; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				_, _ = others.Exec(ctx, `SELECT pg_sleep(0.002)`)
-			}
-		}()
-	}
-	defer func() { close(stop); wg.Wait() }()
+	bouncer.OtherClients(t, 4)
 
 	pool := bouncer.PoolBehind(t, pgx.QueryExecModeExec, 2)
 	r, err := operation.NewRunner(operation.Config{DB: idempotency.Pgx(pool), Table: table, Wait: 50 * time.Millisecond}, nil)

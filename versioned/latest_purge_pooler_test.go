@@ -3,7 +3,6 @@ package versioned_test
 import (
 	"context"
 	"fmt"
-	"sync"
 	"testing"
 	"time"
 
@@ -31,24 +30,7 @@ func TestFamilyPurgerRunsOnScheduleBehindTransactionPooler(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, s.Migrate(ctx, idempotency.Pgx(admin)))
 
-	others := bouncer.PoolBehind(t, pgx.QueryExecModeSimpleProtocol, 4)
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	for i := 0; i < 4; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				_, _ = others.Exec(ctx, `SELECT pg_sleep(0.002)`)
-			}
-		}()
-	}
-	defer func() { close(stop); wg.Wait() }()
+	bouncer.OtherClients(t, 4)
 
 	pool := bouncer.PoolBehind(t, pgx.QueryExecModeExec, 2)
 	purger, err := versioned.NewFamilyPurger(s, idempotency.Pgx(pool), versioned.FamilyPurgerConfig{Horizon: time.Hour, BatchSize: 2}, nil)

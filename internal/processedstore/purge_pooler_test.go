@@ -2,7 +2,6 @@ package processedstore_test
 
 import (
 	"context"
-	"sync"
 	"testing"
 	"time"
 
@@ -32,24 +31,7 @@ func TestPurgerRunsOnScheduleBehindTransactionPooler(t *testing.T) {
 
 	// Other clients of the pooler: short transactions that keep its server
 	// connections changing hands.
-	others := bouncer.PoolBehind(t, pgx.QueryExecModeSimpleProtocol, 4)
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	for i := 0; i < 4; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				_, _ = others.Exec(ctx, `SELECT pg_sleep(0.002)`)
-			}
-		}()
-	}
-	defer func() { close(stop); wg.Wait() }()
+	bouncer.OtherClients(t, 4)
 
 	pool := bouncer.PoolBehind(t, pgx.QueryExecModeExec, 2)
 	purger, err := processedstore.NewPurger(store, sqldb.PgxPool(pool), processedstore.PurgerConfig{Horizon: time.Hour, BatchSize: 4}, nil)

@@ -3,7 +3,6 @@ package sqldb_test
 import (
 	"context"
 	"fmt"
-	"sync"
 	"testing"
 	"time"
 
@@ -53,7 +52,7 @@ func TestOwnStatementsRunBehindATransactionPoolerInEveryExecMode(t *testing.T) {
 				start = testenv.StartNewerPgBouncer
 			}
 			bouncer := start(t, "transaction", append([]string{"default_pool_size = 3"}, setup.settings...)...)
-			otherClients(t, bouncer)
+			bouncer.OtherClients(t, 4)
 			for _, mode := range []pgx.QueryExecMode{
 				pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeDescribeExec,
 				pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
@@ -65,29 +64,6 @@ func TestOwnStatementsRunBehindATransactionPoolerInEveryExecMode(t *testing.T) {
 			}
 		})
 	}
-}
-
-// otherClients keeps bouncer's server connections changing hands until
-// the test ends: short statements of 4 other clients.
-func otherClients(t *testing.T, bouncer *testenv.PgBouncer) {
-	others := bouncer.PoolBehind(t, pgx.QueryExecModeSimpleProtocol, 4)
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	for i := 0; i < 4; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				_, _ = others.Exec(context.Background(), `SELECT pg_sleep(0.001)`)
-			}
-		}()
-	}
-	t.Cleanup(func() { close(stop); wg.Wait() })
 }
 
 // ownStatementsBehind runs each component on pool (behind the pooler),

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -242,4 +243,29 @@ func (b *PgBouncer) PoolBehind(t testing.TB, mode pgx.QueryExecMode, maxConns in
 	}
 	t.Cleanup(pool.Close)
 	return pool
+}
+
+// OtherClients keeps b's server connections changing hands until the test
+// ends, as other services sharing the pooler do: n clients of their own,
+// each sending short statements (SELECT pg_sleep(0.002)) one after another.
+func (b *PgBouncer) OtherClients(t testing.TB, n int) {
+	t.Helper()
+	others := b.PoolBehind(t, pgx.QueryExecModeSimpleProtocol, int32(n))
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				_, _ = others.Exec(context.Background(), `SELECT pg_sleep(0.002)`)
+			}
+		}()
+	}
+	t.Cleanup(func() { close(stop); wg.Wait() })
 }
