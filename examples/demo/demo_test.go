@@ -145,6 +145,9 @@ func TestDemoCatchesIDsAssignedAtReception(t *testing.T) {
 
 func catchesIDsAtReception(t *testing.T, c config) {
 	t.Helper()
+	// The run settles without waiting for the index (the latest filter
+	// cannot work on fresh ids); the guard is shorter than a correct run's.
+	c.Timeout = 2 * time.Minute
 	var out, errb bytes.Buffer
 	code := run(context.Background(), c, &out, &errb)
 	require.Equal(t, 1, code, "stdout:\n%s\nstderr:\n%s", out.String(), errb.String())
