@@ -2,6 +2,7 @@ package processedstore_test
 
 import (
 	"context"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -30,7 +31,10 @@ func TestPurgeBatchesRunWithoutJIT(t *testing.T) {
 	var super bool
 	require.NoError(t, pool.QueryRow(ctx, `SELECT rolsuper FROM pg_roles WHERE rolname = current_user`).Scan(&super))
 	if !super {
-		t.Skip("auto_explain needs a superuser session")
+		if os.Getenv("CI") == "true" {
+			t.Fatal("auto_explain needs a superuser session")
+		}
+		t.Skip("auto_explain needs a superuser session (fails under CI=true)")
 	}
 	s := newStore(t, sqldb.Pgx(pool)) // horizon 1 h
 	_, err := pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, event_at)
