@@ -7,6 +7,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-idempotency/idempotency/internal/wire"
 )
 
 // Metadata keys RouteUncertain sets on the message it sends to the
@@ -24,10 +26,18 @@ const (
 	MetadataReason = "operation_uncertain_reason"
 )
 
+// maxRouteHeaderBytes bounds the reference and the reason RouteUncertain
+// sets (wire.Bound: cut on a rune boundary, saying so), as the consumer
+// bounds its poison headers (middleware.DefaultMaxHeaderBytes): an error
+// carrying a provider's whole response would otherwise exceed the broker's
+// frame, fail the publish on every redelivery and loop.
+const maxRouteHeaderBytes = 4096
+
 // RouteUncertain returns a handler middleware that sends a message whose
 // handler failed with an UncertainError needing reconciliation
 // (NeedsReconciliation) to topic on pub, with the Metadata* keys above added
-// to a copy of the message (same UUID, payload and metadata), and then
+// to a copy of the message (same UUID, payload and metadata; the reference
+// and the reason cut to 4 KiB, saying so), and then
 // reports success, so the router acks it: it is not retried and does not
 // reach the poison topic. Messages the handler returned are dropped with the
 // failed attempt. Every other outcome passes through unchanged.
@@ -68,10 +78,10 @@ func RouteUncertain(pub message.Publisher, topic string, logger watermill.Logger
 			out.Metadata.Set(MetadataKey, u.Key)
 			out.Metadata.Set(MetadataKind, u.Kind)
 			if u.Reference != "" {
-				out.Metadata.Set(MetadataReference, u.Reference)
+				out.Metadata.Set(MetadataReference, wire.Bound(u.Reference, maxRouteHeaderBytes))
 			}
 			out.Metadata.Set(MetadataAttempts, strconv.Itoa(u.Attempts))
-			out.Metadata.Set(MetadataReason, u.Error())
+			out.Metadata.Set(MetadataReason, wire.Bound(u.Error(), maxRouteHeaderBytes))
 			fields := watermill.LogFields{"message_uuid": msg.UUID, "key": u.Key, "topic": topic}
 			if perr := pub.Publish(topic, out); perr != nil {
 				logger.Error("Cannot route uncertain operation to the reconciliation topic", perr, fields)

@@ -15,6 +15,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+
+	"github.com/watermill-idempotency/idempotency/internal/wire"
 )
 
 // Chain defaults (ChainConfig).
@@ -448,16 +450,16 @@ func (p *holdPoison) poison(msg *message.Message, ctx context.Context, cause err
 	copied, dropped := boundedMetadata(msg.Metadata, p.cfg.MaxCopiedHeaderBytes)
 	pm.Metadata = copied
 	if len(dropped) > 0 {
-		pm.Metadata.Set(MetadataDroppedHeaders, bound(strings.Join(dropped, ","), p.cfg.MaxHeaderBytes))
+		pm.Metadata.Set(MetadataDroppedHeaders, wire.Bound(strings.Join(dropped, ","), p.cfg.MaxHeaderBytes))
 	}
 	reason := cause.Error()
 	if len(reason) > p.cfg.MaxHeaderBytes {
 		pm.Metadata.Set(MetadataReasonBytes, strconv.Itoa(len(reason)))
 	}
-	pm.Metadata.Set(wmw.ReasonForPoisonedKey, bound(reason, p.cfg.MaxHeaderBytes))
-	pm.Metadata.Set(wmw.PoisonedTopicKey, bound(message.SubscribeTopicFromCtx(ctx), p.cfg.MaxHeaderBytes))
-	pm.Metadata.Set(wmw.PoisonedHandlerKey, bound(p.cfg.Idempotent.handlerNameOf(ctx), p.cfg.MaxHeaderBytes))
-	pm.Metadata.Set(wmw.PoisonedSubscriberKey, bound(message.SubscriberNameFromCtx(ctx), p.cfg.MaxHeaderBytes))
+	pm.Metadata.Set(wmw.ReasonForPoisonedKey, wire.Bound(reason, p.cfg.MaxHeaderBytes))
+	pm.Metadata.Set(wmw.PoisonedTopicKey, wire.Bound(message.SubscribeTopicFromCtx(ctx), p.cfg.MaxHeaderBytes))
+	pm.Metadata.Set(wmw.PoisonedHandlerKey, wire.Bound(p.cfg.Idempotent.handlerNameOf(ctx), p.cfg.MaxHeaderBytes))
+	pm.Metadata.Set(wmw.PoisonedSubscriberKey, wire.Bound(message.SubscriberNameFromCtx(ctx), p.cfg.MaxHeaderBytes))
 	pm.Metadata.Set(MetadataPoisonedAt, time.Now().UTC().Format(time.RFC3339Nano))
 	if class == ClassPermanent {
 		pm.Metadata.Set(MetadataPoisonClass, "permanent")
@@ -528,19 +530,6 @@ func boundedMetadata(md message.Metadata, budget int) (message.Metadata, []strin
 	}
 	sort.Strings(dropped)
 	return out, dropped
-}
-
-// bound cuts s to at most max bytes (on a UTF-8 boundary), saying so.
-func bound(s string, max int) string {
-	if len(s) <= max {
-		return s
-	}
-	suffix := fmt.Sprintf("…(truncated, %d bytes)", len(s))
-	cut := max - len(suffix)
-	for cut > 0 && cut < len(s) && s[cut]&0xc0 == 0x80 {
-		cut--
-	}
-	return s[:cut] + suffix
 }
 
 // holdBackoff is the capped exponential backoff of holds and poison publishes,

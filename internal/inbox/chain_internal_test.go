@@ -3,10 +3,8 @@ package inbox
 import (
 	"context"
 	"errors"
-	"strings"
 	"testing"
 	"time"
-	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -52,15 +50,3 @@ func TestChainRetryWaitsFollowTheDocumentedSchedule(t *testing.T) {
 }
 
 type leakKey struct{}
-
-// A bounded header is at most max bytes, valid UTF-8, and says how long the
-// original was.
-func TestBoundHeader(t *testing.T) {
-	t.Parallel()
-	require.Equal(t, "short", bound("short", 64))
-	s := strings.Repeat("é", 100) // 200 bytes
-	b := bound(s, 64)
-	require.LessOrEqual(t, len(b), 64)
-	require.True(t, utf8.ValidString(b))
-	require.True(t, strings.HasSuffix(b, "…(truncated, 200 bytes)"))
-}

@@ -3,6 +3,8 @@
 // not export.
 package wire
 
+import "fmt"
+
 // EnvelopeHeader is the header every adapter publishes with an envelope
 // body (marshaler.EncodeMessage), value "1". An adapter decoding the body
 // drops it with the other reserved keys (marshaler.ReservedKey); a
@@ -10,3 +12,25 @@ package wire
 // the metadata and hands on the envelope as the payload, which the consumer
 // then holds as a configuration error instead of running the handler on it.
 const EnvelopeHeader = "idempotency_envelope"
+
+// Bound returns s when it has at most max bytes, and otherwise its longest
+// prefix that ends on a UTF-8 boundary followed by "…(truncated, N bytes)"
+// (N is len(s)): max bytes or fewer in all when max is at least 64 (a max
+// below the suffix keeps the suffix alone). A header value the library adds
+// to a message goes through it: a broker refuses a header larger than its
+// frame (RabbitMQ's frame_max, 128 KiB by default, closes the channel), so
+// an unbounded value would fail the publish on every redelivery.
+func Bound(s string, max int) string {
+	if len(s) <= max {
+		return s
+	}
+	suffix := fmt.Sprintf("…(truncated, %d bytes)", len(s))
+	cut := max - len(suffix)
+	if cut < 0 {
+		cut = 0
+	}
+	for cut > 0 && s[cut]&0xc0 == 0x80 {
+		cut--
+	}
+	return s[:cut] + suffix
+}
