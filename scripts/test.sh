@@ -2,7 +2,8 @@
 # The test command (README, `make test`, .ci/run): services up, gofmt, the
 # module checks (scripts/check-modules.sh), then for EVERY module of go.work:
 # go vet and go test -race against the real services (PostgreSQL, RabbitMQ,
-# MariaDB, Redis, NATS; SQLite in-process).
+# MariaDB, Redis, NATS; SQLite in-process). The core and the examples run
+# alone, the other modules GOTEST_MODULES at a time (default 2).
 #
 # The core module is tested with its _*_test.go files and the MySQL and
 # SQLite drivers overlaid (scripts/overlay.sh): every dialect, the brokers,
@@ -29,13 +30,52 @@ bash scripts/check-modules.sh
 
 overlay=$(bash scripts/overlay.sh)
 status=0
-for m in $(bash scripts/modules.sh); do
-  echo "=== module $m"
-  start=$SECONDS
-  flags=()
+# test_module DIR [go test flags]: go vet and go test -race of one module.
+test_module() {
+  local m=$1 start=$SECONDS
+  shift
+  local flags=()
   [ "$m" = . ] && flags=(-overlay "$overlay")
-  (cd "$m" && go vet "${flags[@]}" ./... && go test "${flags[@]}" -race -count=1 -p "$p" -parallel "$par" -timeout 9m "$@" ./...) || status=1
+  echo "=== module $m"
+  local rc=0
+  (cd "$m" && go vet "${flags[@]}" ./... && go test "${flags[@]}" -race -count=1 -p "$p" -parallel "$par" -timeout 9m "$@" ./...) || rc=1
   echo "=== module $m: $((SECONDS - start)) s"
+  return $rc
+}
+
+# The core and the examples (the demo runs its services' consumers, up to
+# 50 PostgreSQL sessions) run alone; the other modules, smaller and mostly
+# waiting on a broker, a link or a child process, run GOTEST_MODULES at a
+# time (default 2), each one's output printed whole when it ends.
+lanes=${GOTEST_MODULES:-2}
+# The longest of them (the end-to-end tests, Kafka's consumer groups) start
+# first, so that no lane ends long after the other.
+first=() rest=()
+for m in $(bash scripts/modules.sh); do
+  case $m in
+  . | examples) test_module "$m" "$@" || status=1 ;;
+  e2e | marshaler/kafka/kfaketest) first+=("$m") ;;
+  *) rest+=("$m") ;;
+  esac
+done
+rest=("${first[@]}" "${rest[@]}")
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+running=0
+for i in "${!rest[@]}"; do
+  if [ "$running" -ge "$lanes" ]; then
+    wait -n || true
+    running=$((running - 1))
+  fi
+  (
+    if test_module "${rest[$i]}" "$@" >"$logs/$i.log" 2>&1; then :; else touch "$logs/$i.failed"; fi
+    cat "$logs/$i.log"
+  ) &
+  running=$((running + 1))
+done
+wait
+for i in "${!rest[@]}"; do
+  [ -e "$logs/$i.failed" ] && status=1
 done
 
 # Allocation-count tests skip under the race detector (it allocates on its
