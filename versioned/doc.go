@@ -153,11 +153,16 @@
 // applied is applied, whichever latest store holds the records (SQL or
 // Redis). A newer message published later moves the latest record on, and
 // filtering resumes. Retirement is per consumer: another consumer that
-// applied the message filters as before. Not retired: a message
-// dead-lettered as a crash loop (reason crash_loop): the chain sets it
-// aside before the filter runs in that delivery, and the deliveries in
-// which the filter ran died with their process. Its family stays frozen at
-// that consumer until a newer message is published.
+// applied the message filters as before. A message dead-lettered as a
+// crash loop (reason crash_loop) is retired too, earlier: the delivery that
+// dead-letters it never reaches the filter, so the filter retires a message
+// it lets through in the last attempt the consumer's crash bound lets run
+// (middleware.ConsumerConfig.MaxCrashes), before its handler; a failed
+// retirement holds the message. If that attempt succeeds after all,
+// nothing is lost but filtering: older messages are stale behind the
+// applied one. Not retired: a message whose process dies before the
+// filter runs in that attempt (in a middleware around the filter), nor one
+// on a consumer whose crash bound is off.
 //
 // Retention: FamilyPurger deletes families idle for longer than a horizon
 // (its three tables: latest, applied, retired; bounded batches, one purger

@@ -155,9 +155,11 @@ type LatestFilterConfig struct {
 	// its position is retired (on RetireDB, outside the failed
 	// transaction): a latest record naming it
 	// no longer makes older messages obsolete at this consumer, so a
-	// poisoned newest message never freezes its family (except one
-	// dead-lettered as a crash loop, which the chain sets aside before the
-	// filter runs: see the package doc). If the retirement
+	// poisoned newest message never freezes its family. One that keeps
+	// killing the process is retired before its handler runs in the last
+	// attempt the consumer's crash bound lets run (ConsumerConfig.MaxCrashes;
+	// the delivery that dead-letters it as a crash loop never reaches the
+	// filter): see the package doc. If the retirement
 	// fails, the message is held and retried, not poisoned. Opted out, a
 	// poisoned newest message keeps every older message of its family
 	// obsolete at this consumer (the family frozen there) until a newer one
@@ -335,6 +337,14 @@ func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		f.logger.Trace("Latest message of its family handled", fields)
 		noteHandled(ctx, consumer, fam, pos) // for the poison step, latest_retire.go
 		if !f.cfg.DisableRetireOnPoison {
+			if inbox.LastAttemptBeforeCrashLoop(ctx) {
+				// Should the process die in this attempt, the message is
+				// dead-lettered as a crash loop without reaching the
+				// filter again: retired now, or held.
+				if err := f.retireNow(ctx, msg.UUID, consumer, fam, pos); err != nil {
+					return nil, inbox.Transient(err)
+				}
+			}
 			f.retireOnPoison(ctx, msg.UUID, consumer, fam, pos)
 		}
 		return h(msg)
@@ -391,15 +401,38 @@ func hasDB(db idempotency.DB) bool {
 	return err == nil
 }
 
+// retireNow retires the message at pos before its handler runs, on the
+// last attempt the consumer's crash bound lets run
+// (inbox.LastAttemptBeforeCrashLoop), on RetireDB or else the attempt's
+// database outside its transaction. Retiring a message that then succeeds
+// costs nothing but filtering: once it is applied, older messages are stale
+// behind it.
+func (f *LatestFilter) retireNow(ctx context.Context, eventID, consumer string, fam Family, pos Position) error {
+	db := f.retireDB(ctx)
+	if db == nil {
+		f.logger.Error("Family message at its last attempt before a crash loop not retired: no database to retire it in "+
+			"(set LatestFilterConfig.RetireDB); should it be dead-lettered as a crash loop, its family stays frozen at this consumer "+
+			"until a newer message is published", nil,
+			watermill.LogFields{"event_id": eventID, "consumer": consumer, "family_kind": fam.Kind, "family_id": fam.ID})
+		return nil
+	}
+	return f.retire(ctx, db, eventID, consumer, fam, pos)
+}
+
+// retireDB is where a message is retired: RetireDB, else the attempt's
+// database outside its transaction; nil when neither is known.
+func (f *LatestFilter) retireDB(ctx context.Context) sqldb.Querier {
+	if h, err := sqldb.HandleOf(f.cfg.RetireDB); err == nil {
+		return h.Querier()
+	}
+	db, _ := inbox.DBFromContext(ctx)
+	return db
+}
+
 // retireOnPoison registers with the chain (middleware.OnPoison) the
 // retirement of the message at pos, should the chain poison it.
 func (f *LatestFilter) retireOnPoison(ctx context.Context, eventID, consumer string, fam Family, pos Position) {
-	var db sqldb.Querier
-	if h, err := sqldb.HandleOf(f.cfg.RetireDB); err == nil {
-		db = h.Querier()
-	} else {
-		db, _ = inbox.DBFromContext(ctx)
-	}
+	db := f.retireDB(ctx)
 	inbox.OnPoison(ctx, f, func(ctx context.Context) error {
 		if db == nil {
 			f.logger.Error("Poisoned family message not retired: no database to retire it in (set LatestFilterConfig.RetireDB); "+

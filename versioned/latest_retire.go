@@ -136,17 +136,19 @@ func (f *LatestFilter) retireOnPoisonMiddleware(db idempotency.DB) message.Handl
 	}
 }
 
-// retire retires the poisoned message at pos of fam for consumer on q, and
-// logs the outcome.
+// retire retires the message at pos of fam for consumer on q (poisoned, or
+// at its last attempt before a crash loop), and logs the outcome.
 func (f *LatestFilter) retire(ctx context.Context, q sqldb.Querier, eventID, consumer string, fam Family, pos Position) error {
 	fields := watermill.LogFields{
 		"event_id": eventID, "consumer": consumer,
 		"family_kind": fam.Kind, "family_id": fam.ID, "position": pos.String(),
 	}
 	if err := f.cfg.Families.retire(ctx, q, consumer, fam, pos); err != nil {
-		f.logger.Error("Could not retire a poisoned family message; retrying it instead of poisoning", err, fields)
+		f.logger.Error("Could not retire a family message about to be poisoned (or at its last attempt before a crash loop); "+
+			"retrying it instead", err, fields)
 		return err
 	}
-	f.logger.Info("Poisoned family message retired: older messages of the family are no longer obsolete behind it", fields)
+	f.logger.Info("Family message retired (poisoned, or at its last attempt before a crash loop): "+
+		"older messages of the family are no longer obsolete behind it", fields)
 	return nil
 }

@@ -31,6 +31,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
+	"github.com/watermill-idempotency/idempotency/versioned"
 )
 
 const (
@@ -38,6 +39,7 @@ const (
 	schemaEnv    = "CRASHLOOP_SCHEMA"
 	poisonEnv    = "CRASHLOOP_POISON"
 	maxCrashEnv  = "CRASHLOOP_MAX_CRASHES"
+	familyEnv    = "CRASHLOOP_FAMILY"
 	consumerName = "crashloop"
 )
 
@@ -97,7 +99,7 @@ func runChild(build func(logger watermill.LoggerAdapter) (Wiring, error)) error 
 		return err
 	}
 	poison := os.Getenv(poisonEnv)
-	if _, err := c.AddConsumerHandler(router, "crashloop", w.Topic, w.Subscriber, func(msg *message.Message) error {
+	handler := func(msg *message.Message) ([]*message.Message, error) {
 		if msg.UUID == poison {
 			fmt.Fprintln(os.Stderr, "crashloop child: poisoned event, SIGKILL")
 			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
@@ -105,6 +107,22 @@ func runChild(build func(logger watermill.LoggerAdapter) (Wiring, error)) error 
 		}
 		tx, _ := middleware.PgxTxFromContext(msg.Context())
 		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID)
+		return nil, err
+	}
+	if os.Getenv(familyEnv) != "" {
+		// The handler behind the latest-per-family filter (RunFamily).
+		families, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{})
+		if err != nil {
+			return err
+		}
+		filter, err := versioned.NewLatestFilter(versioned.LatestFilterConfig{Families: families, Latest: families}, logger)
+		if err != nil {
+			return err
+		}
+		handler = filter.Middleware(handler)
+	}
+	if _, err := c.AddConsumerHandler(router, "crashloop", w.Topic, w.Subscriber, func(msg *message.Message) error {
+		_, err := handler(msg)
 		return err
 	}); err != nil {
 		return err
@@ -179,46 +197,10 @@ func Run(t *testing.T, tr Transport) {
 		}
 		return len(dead) > 0 && applied == len(others)
 	}
-	crashes := 0
-	for finished := false; !finished; {
-		if crashes > allowed+1 {
-			t.Fatalf("the poisoned event killed %d consumers and was not dead-lettered (MaxCrashes %d)", crashes, maxCrashes)
-		}
-		var out strings.Builder
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(append(os.Environ(), childEnv+"=1", schemaEnv+"="+schema, poisonEnv+"="+poison), tr.Env...)
-		cmd.Stdout, cmd.Stderr = &out, &out
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		exited := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(exited) }()
-		deadline := time.Now().Add(2 * time.Minute) // a hang guard, not a measurement
-		for {
-			select {
-			case <-exited:
-				ws := cmd.ProcessState.Sys().(syscall.WaitStatus)
-				if !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
-					t.Fatalf("child %d ended with %s, not by its SIGKILL; output:\n%s", crashes+1, cmd.ProcessState, out.String())
-				}
-				crashes++
-			case <-time.After(100 * time.Millisecond):
-				if done() {
-					_ = cmd.Process.Kill()
-					<-exited
-					finished = true
-				} else if time.Now().After(deadline) {
-					_ = cmd.Process.Kill()
-					<-exited
-					t.Fatalf("child %d neither crashed nor finished within 2 min (%d dead letters, %d of %d events applied); output:\n%s",
-						crashes+1, len(dead), applied, len(others), out.String())
-				} else {
-					continue
-				}
-			}
-			break
-		}
-	}
+	crashes := runChildren(t, tr, schema, poison, nil, allowed, maxCrashes, done,
+		func() string {
+			return fmt.Sprintf("%d dead letters, %d of %d events applied", len(dead), applied, len(others))
+		})
 	if crashes < 1 || crashes > allowed {
 		t.Fatalf("the poisoned event killed %d consumers; want 1 to %d (MaxCrashes %d)", crashes, allowed, maxCrashes)
 	}
@@ -251,3 +233,157 @@ func Run(t *testing.T, tr Transport) {
 	}
 	t.Logf("dead-lettered after %d crashes (MaxCrashes %d)", crashes, maxCrashes)
 }
+
+// runChildren starts child consumers one after the other, each with env
+// added, until done reports true (polled every 100 ms; the running child is
+// then killed); each child must end by its own SIGKILL on the poisoned
+// event, at most allowed+1 times. It returns how many did. state describes
+// the progress for a failure.
+func runChildren(t *testing.T, tr Transport, schema, poison string, env []string, allowed, maxCrashes int, done func() bool, state func() string) int {
+	t.Helper()
+	crashes := 0
+	for {
+		if crashes > allowed+1 {
+			t.Fatalf("the poisoned event killed %d consumers and was not dead-lettered (MaxCrashes %d)", crashes, maxCrashes)
+		}
+		var out strings.Builder
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(append(append(os.Environ(), childEnv+"=1", schemaEnv+"="+schema, poisonEnv+"="+poison), tr.Env...), env...)
+		cmd.Stdout, cmd.Stderr = &out, &out
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		exited := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(exited) }()
+		deadline := time.Now().Add(2 * time.Minute) // a hang guard, not a measurement
+	poll:
+		for {
+			select {
+			case <-exited:
+				ws := cmd.ProcessState.Sys().(syscall.WaitStatus)
+				if !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
+					t.Fatalf("child %d ended with %s, not by its SIGKILL; output:\n%s", crashes+1, cmd.ProcessState, out.String())
+				}
+				crashes++
+				break poll
+			case <-time.After(100 * time.Millisecond):
+				switch {
+				case done():
+					_ = cmd.Process.Kill()
+					<-exited
+					return crashes
+				case time.Now().After(deadline):
+					_ = cmd.Process.Kill()
+					<-exited
+					t.Fatalf("child %d neither crashed nor finished within 2 min (%s); output:\n%s", crashes+1, state(), out.String())
+				}
+			}
+		}
+	}
+}
+
+// RunFamily is the crash loop of a family's newest message behind the
+// latest-per-family filter (versioned.LatestFilter, the SQL family store):
+// the newest message (sequence 3) of a family, recorded as the family's
+// latest by the producer (versioned.LatestPublisher), kills every consumer
+// that handles it until it is dead-lettered as a crash loop. An older
+// message of the family (sequence 2) that arrives afterwards is applied
+// once: the filter retired the newest in its last attempt before the crash
+// loop, so the family is not frozen behind a message that will never be
+// applied. Without that retirement the older message was dropped as
+// obsolete, and every later one of the family with it.
+func RunFamily(t *testing.T, tr Transport) {
+	pool, schema := testenv.Pool(t)
+	ctx := context.Background()
+	db := idempotency.Pgx(pool)
+	if err := processed.Migrate(ctx, db, processed.Config{}); err != nil {
+		t.Fatal(err)
+	}
+	families, err := versioned.NewFamilyStore(versioned.FamilyStoreConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := families.Migrate(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	fam := versioned.Family{Kind: "crashloop.item", ID: "i-1"}
+	newMsg := func(seq int64) *message.Message {
+		m, err := marshaler.NewMessage("item.changed", map[string]int64{"seq": seq})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := versioned.SetFamilySeq(m, fam, seq); err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	pub, err := versioned.NewLatestPublisher(publishFunc(func(msgs []*message.Message) { tr.Publish(t, msgs) }),
+		versioned.LatestPublisherConfig{Store: families, Tx: idempotency.PgxTx(pool)}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	newest, older := newMsg(3), newMsg(2)
+	if err := pub.Publish("item.changed", newest); err != nil {
+		t.Fatal(err)
+	}
+
+	maxCrashes := middleware.DefaultMaxCrashes
+	if s := os.Getenv(maxCrashEnv); s != "" {
+		maxCrashes, _ = strconv.Atoi(s)
+	}
+	allowed := maxCrashes
+	if tr.Marked {
+		allowed++
+	}
+	env := []string{familyEnv + "=1"}
+	var dead []*message.Message
+	crashes := runChildren(t, tr, schema, newest.UUID, env, allowed, maxCrashes, func() bool {
+		dead = append(dead, tr.DeadLetters(t)...)
+		return len(dead) > 0
+	}, func() string { return fmt.Sprintf("%d dead letters", len(dead)) })
+	if len(dead) != 1 || dead[0].UUID != newest.UUID || !strings.Contains(dead[0].Metadata.Get("reason_poisoned"), "crash loop") {
+		t.Fatalf("dead letters %d (first %s), want the newest message %s as a crash loop", len(dead), dead[0].UUID, newest.UUID)
+	}
+
+	// The older message arrives late (published later; the latest record
+	// stays on the newest, which never moves back).
+	if err := pub.Publish("item.changed", older); err != nil {
+		t.Fatal(err)
+	}
+	var claimed int
+	runChildren(t, tr, schema, newest.UUID, env, 0, maxCrashes, func() bool {
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE event_id = $1`, older.UUID).Scan(&claimed); err != nil {
+			t.Fatal(err)
+		}
+		return claimed > 0
+	}, func() string { return "the older message not processed yet" })
+	var applied int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM effect WHERE event_id = $1`, older.UUID).Scan(&applied); err != nil {
+		t.Fatal(err)
+	}
+	if applied != 1 {
+		t.Fatalf("the older message of the family was applied %d times after its newest was dead-lettered as a crash loop: "+
+			"the family is frozen behind it", applied)
+	}
+	var retired int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM family_applied_retired WHERE consumer = $1 AND family_id = $2`, consumerName, fam.ID).Scan(&retired); err != nil {
+		t.Fatal(err)
+	}
+	if retired != 1 {
+		t.Fatalf("%d retirements of the family recorded, want 1", retired)
+	}
+	t.Logf("newest dead-lettered after %d crashes (MaxCrashes %d); the older one applied after it", crashes, maxCrashes)
+}
+
+// publishFunc is a message.Publisher that hands the messages to a function.
+type publishFunc func(msgs []*message.Message)
+
+func (f publishFunc) Publish(_ string, msgs ...*message.Message) error {
+	f(msgs)
+	return nil
+}
+
+func (publishFunc) Close() error { return nil }

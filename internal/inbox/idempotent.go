@@ -624,13 +624,42 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 				onPoisoned(origCtx, crashKey{consumer, eventID}, func(ctx context.Context) { m.forgetAttempts(ctx, consumer, eventID) })
 			}
 		}()
-		if crashed := crashedAttempts(msg, started); crashed >= m.cfg.MaxCrashes {
+		crashed := crashedAttempts(msg, started)
+		if crashed >= m.cfg.MaxCrashes {
 			setField(fields, "crashed_attempts", crashed)
 			keep, err = m.overCrashBound(msg, origCtx, consumer, handlerName, eventID, start, fields, crashed)
 			return nil, err
 		}
+		if crashed+1 >= m.cfg.MaxCrashes {
+			// The last attempt the bound lets run: should the process die
+			// in it, the next delivery is dead-lettered without running
+			// the handler (LastAttemptBeforeCrashLoop).
+			defer msg.SetContext(origCtx)
+			attemptCtx := context.WithValue(origCtx, lastBeforeCrashLoopKey{}, true)
+			msg.SetContext(attemptCtx)
+			return m.attempt(h, msg, attemptCtx, consumer, handlerName, eventID, start, fields, &endedInTx)
+		}
 		return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, &endedInTx)
 	}
+}
+
+// lastBeforeCrashLoopKey marks the context of an attempt that is the last
+// one the crash bound lets run (LastAttemptBeforeCrashLoop).
+type lastBeforeCrashLoopKey struct{}
+
+// LastAttemptBeforeCrashLoop reports, inside a handler run by the
+// middleware, whether this attempt is the last one Config.MaxCrashes lets
+// run: its earlier attempts died MaxCrashes−1 times, so if the process dies
+// in this one too, the next delivery is dead-lettered as a crash loop
+// without running the handler (nor anything inside the middleware). A step
+// that must run before a message is dead-lettered, such as the family
+// filter's retirement (versioned.LatestFilter), runs then, at once: it gets
+// no later chance. False outside the middleware and on attempts that are
+// not counted (MaxCrashes off, a first delivery on a transport that marks
+// redeliveries, an attempt whose start could not be written).
+func LastAttemptBeforeCrashLoop(ctx context.Context) bool {
+	last, _ := ctx.Value(lastBeforeCrashLoopKey{}).(bool)
+	return last
 }
 
 // overCrashBound ends an attempt whose earlier attempts died at least

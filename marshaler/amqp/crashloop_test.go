@@ -63,61 +63,76 @@ func TestCrashLoopingEventIsDeadLetteredOnRabbitMQ(t *testing.T) {
 	for _, quorum := range []bool{false, true} {
 		t.Run(map[bool]string{false: "classic", true: "quorum"}[quorum], func(t *testing.T) {
 			t.Parallel()
-			queue := testenv.UniqueName("crashloop")
-			conn, err := amqp091.Dial(testenv.AMQPURL())
-			require.NoError(t, err)
-			t.Cleanup(func() { _ = conn.Close() })
-			ch, err := conn.Channel()
-			require.NoError(t, err)
-			t.Cleanup(func() {
-				_, _ = ch.QueueDelete(queue, false, false, false)
-				_, _ = ch.QueueDelete(queue+".dlq", false, false, false)
-			})
-			cfg := crashLoopConfig(queue, quorum)
-			// Declared before the events are published (the publisher
-			// declares no queue), as the children declare it.
-			_, err = ch.QueueDeclare(queue, true, false, false, false, cfg.Queue.Arguments)
-			require.NoError(t, err)
-			crashlooptest.Run(t, crashlooptest.Transport{
-				Marked: true,
-				Env:    []string{"CRASHLOOP_AMQP_QUEUE=" + queue, "CRASHLOOP_AMQP_QUORUM=" + map[bool]string{false: "false", true: "true"}[quorum]},
-				Publish: func(t testing.TB, msgs []*message.Message) {
-					publishConfirmed(t, queue, msgs)
-				},
-				DeadLetters: func(t testing.TB) []*message.Message {
-					var out []*message.Message
-					for {
-						d, ok, err := ch.Get(queue+".dlq", true)
-						if err != nil {
-							// NotFound: the first child has not declared the
-							// queue yet. InternalError: a quorum queue just
-							// declared whose replica is not running yet
-							// (RabbitMQ 3.10 answers basic.get with 541
-							// "noproc"). Both close the channel: reopen it and
-							// look again on the next poll (541 closes the
-							// connection too: dial again).
-							if ae, isAMQP := err.(*amqp091.Error); isAMQP && (ae.Code == amqp091.NotFound || ae.Code == amqp091.InternalError) {
-								if conn.IsClosed() {
-									conn, err = amqp091.Dial(testenv.AMQPURL())
-									require.NoError(t, err)
-								}
-								ch, err = conn.Channel()
-								require.NoError(t, err)
-								return out
-							}
-							require.NoError(t, err)
-						}
-						if !ok {
-							return out
-						}
-						msg, err := idamqp.Marshaler{}.Unmarshal(d)
-						require.NoError(t, err)
-						out = append(out, msg)
-					}
-				},
-			})
+			crashlooptest.Run(t, rabbitCrashLoop(t, quorum))
 		})
 	}
+}
+
+// rabbitCrashLoop declares the children's queue (classic or quorum) and
+// returns the RabbitMQ side of the crash-loop scenario.
+func rabbitCrashLoop(t *testing.T, quorum bool) crashlooptest.Transport {
+	queue := testenv.UniqueName("crashloop")
+	conn, err := amqp091.Dial(testenv.AMQPURL())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = ch.QueueDelete(queue, false, false, false)
+		_, _ = ch.QueueDelete(queue+".dlq", false, false, false)
+	})
+	cfg := crashLoopConfig(queue, quorum)
+	// Declared before the events are published (the publisher
+	// declares no queue), as the children declare it.
+	_, err = ch.QueueDeclare(queue, true, false, false, false, cfg.Queue.Arguments)
+	require.NoError(t, err)
+	return crashlooptest.Transport{
+		Marked: true,
+		Env:    []string{"CRASHLOOP_AMQP_QUEUE=" + queue, "CRASHLOOP_AMQP_QUORUM=" + map[bool]string{false: "false", true: "true"}[quorum]},
+		Publish: func(t testing.TB, msgs []*message.Message) {
+			publishConfirmed(t, queue, msgs)
+		},
+		DeadLetters: func(t testing.TB) []*message.Message {
+			var out []*message.Message
+			for {
+				d, ok, err := ch.Get(queue+".dlq", true)
+				if err != nil {
+					// NotFound: the first child has not declared the
+					// queue yet. InternalError: a quorum queue just
+					// declared whose replica is not running yet
+					// (RabbitMQ 3.10 answers basic.get with 541
+					// "noproc"). Both close the channel: reopen it and
+					// look again on the next poll (541 closes the
+					// connection too: dial again).
+					if ae, isAMQP := err.(*amqp091.Error); isAMQP && (ae.Code == amqp091.NotFound || ae.Code == amqp091.InternalError) {
+						if conn.IsClosed() {
+							conn, err = amqp091.Dial(testenv.AMQPURL())
+							require.NoError(t, err)
+						}
+						ch, err = conn.Channel()
+						require.NoError(t, err)
+						return out
+					}
+					require.NoError(t, err)
+				}
+				if !ok {
+					return out
+				}
+				msg, err := idamqp.Marshaler{}.Unmarshal(d)
+				require.NoError(t, err)
+				out = append(out, msg)
+			}
+		},
+	}
+}
+
+// The newest message of a family kills every consumer that handles it, behind
+// the latest-per-family filter, until it is dead-lettered as a crash loop;
+// an older message of the family that arrives afterwards is applied: the
+// family is not frozen behind a message that will never be applied.
+func TestCrashLoopedNewestOfAFamilyDoesNotFreezeItsFamilyOnRabbitMQ(t *testing.T) {
+	t.Parallel()
+	crashlooptest.RunFamily(t, rabbitCrashLoop(t, false))
 }
 
 // publishConfirmed publishes msgs to queue with publisher confirms, once the
