@@ -28,41 +28,17 @@ import (
 // share its server connections, as services do.
 func TestRelayBehindATransactionPoolerPublishesEachRowOnceInEveryExecMode(t *testing.T) {
 	t.Parallel()
-	for _, setup := range []struct {
-		name     string
-		newer    bool // testenv.StartNewerPgBouncer (1.24) instead of Debian's 1.18
-		tracks   bool // the pooler tracks named prepared statements
-		settings []string
-	}{
-		{"1.18", false, false, nil},
-		{"1.24-unprepared", true, false, []string{"max_prepared_statements = 0"}},
-		{"1.24-prepared", true, true, []string{"max_prepared_statements = 200"}},
-	} {
-		t.Run(setup.name, func(t *testing.T) {
-			t.Parallel()
-			start := testenv.StartPgBouncer
-			if setup.newer {
-				start = testenv.StartNewerPgBouncer
+	testenv.EachPoolerExecMode(t, testenv.TransactionPoolers, nil,
+		func(t *testing.T, bouncer *testenv.PgBouncer, setup testenv.PoolerSetup, mode pgx.QueryExecMode) {
+			// The producers' own statements need a mode without named
+			// statements behind a pooler that does not track them (pgx's
+			// advice): the insert runs in it.
+			producers := mode
+			if mode == pgx.QueryExecModeCacheStatement && !setup.TracksPrepared {
+				producers = pgx.QueryExecModeExec
 			}
-			bouncer := start(t, "transaction", append([]string{"default_pool_size = 3"}, setup.settings...)...)
-			for _, mode := range []pgx.QueryExecMode{
-				pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeDescribeExec,
-				pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
-			} {
-				t.Run(mode.String(), func(t *testing.T) {
-					t.Parallel()
-					// The producers' own statements need a mode without
-					// named statements behind a pooler that does not
-					// track them (pgx's advice): the insert runs in it.
-					producers := mode
-					if mode == pgx.QueryExecModeCacheStatement && !setup.tracks {
-						producers = pgx.QueryExecModeExec
-					}
-					relayBehindPooler(t, bouncer, mode, producers)
-				})
-			}
+			relayBehindPooler(t, bouncer, mode, producers)
 		})
-	}
 }
 
 // relayBehindPooler writes rows through bouncer on a pool in producers'

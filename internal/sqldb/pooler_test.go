@@ -37,33 +37,11 @@ import (
 // pooler share its server connections, as services do.
 func TestOwnStatementsRunBehindATransactionPoolerInEveryExecMode(t *testing.T) {
 	t.Parallel()
-	for _, setup := range []struct {
-		name     string
-		newer    bool // testenv.StartNewerPgBouncer (1.24) instead of Debian's 1.18
-		settings []string
-	}{
-		{"1.18", false, nil},
-		{"1.24-unprepared", true, []string{"max_prepared_statements = 0"}},
-	} {
-		t.Run(setup.name, func(t *testing.T) {
-			t.Parallel()
-			start := testenv.StartPgBouncer
-			if setup.newer {
-				start = testenv.StartNewerPgBouncer
-			}
-			bouncer := start(t, "transaction", append([]string{"default_pool_size = 3"}, setup.settings...)...)
-			bouncer.OtherClients(t, 4)
-			for _, mode := range []pgx.QueryExecMode{
-				pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeDescribeExec,
-				pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
-			} {
-				t.Run(mode.String(), func(t *testing.T) {
-					t.Parallel()
-					ownStatementsBehind(t, bouncer.PoolBehind(t, mode, 2))
-				})
-			}
+	testenv.EachPoolerExecMode(t, testenv.TransactionPoolers[:2],
+		func(t *testing.T, bouncer *testenv.PgBouncer) { bouncer.OtherClients(t, 4) },
+		func(t *testing.T, bouncer *testenv.PgBouncer, _ testenv.PoolerSetup, mode pgx.QueryExecMode) {
+			ownStatementsBehind(t, bouncer.PoolBehind(t, mode, 2))
 		})
-	}
 }
 
 // ownStatementsBehind runs each component on pool (behind the pooler),

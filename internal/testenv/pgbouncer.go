@@ -269,3 +269,58 @@ func (b *PgBouncer) OtherClients(t testing.TB, n int) {
 	}
 	t.Cleanup(func() { close(stop); wg.Wait() })
 }
+
+// PoolerSetup is one PgBouncer of the transaction-pooler tests.
+type PoolerSetup struct {
+	// Name names the subtest.
+	Name string
+	// Newer starts StartNewerPgBouncer (1.24) instead of Debian's 1.18.
+	Newer bool
+	// TracksPrepared: the pooler tracks named prepared statements
+	// (max_prepared_statements above 0, PgBouncer 1.21+).
+	TracksPrepared bool
+	// Settings are extra [pgbouncer] lines.
+	Settings []string
+}
+
+// TransactionPoolers are the pooler tests' setups: Debian's 1.18, and 1.24
+// without and with prepared-statement tracking.
+var TransactionPoolers = []PoolerSetup{
+	{Name: "1.18"},
+	{Name: "1.24-unprepared", Newer: true, Settings: []string{"max_prepared_statements = 0"}},
+	{Name: "1.24-prepared", Newer: true, TracksPrepared: true, Settings: []string{"max_prepared_statements = 200"}},
+}
+
+// ExecModes are pgx's five query exec modes.
+var ExecModes = []pgx.QueryExecMode{
+	pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeDescribeExec,
+	pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
+}
+
+// EachPoolerExecMode starts each of setups in transaction pooling
+// (default_pool_size = 3 plus its Settings) in a parallel subtest, calls
+// started once with it (nil: nothing), and runs f in a parallel subtest per
+// exec mode (ExecModes): the modes of one pooler share its server
+// connections, as services do.
+func EachPoolerExecMode(t *testing.T, setups []PoolerSetup, started func(t *testing.T, b *PgBouncer),
+	f func(t *testing.T, b *PgBouncer, setup PoolerSetup, mode pgx.QueryExecMode)) {
+	for _, setup := range setups {
+		t.Run(setup.Name, func(t *testing.T) {
+			t.Parallel()
+			start := StartPgBouncer
+			if setup.Newer {
+				start = StartNewerPgBouncer
+			}
+			b := start(t, "transaction", append([]string{"default_pool_size = 3"}, setup.Settings...)...)
+			if started != nil {
+				started(t, b)
+			}
+			for _, mode := range ExecModes {
+				t.Run(mode.String(), func(t *testing.T) {
+					t.Parallel()
+					f(t, b, setup, mode)
+				})
+			}
+		})
+	}
+}
