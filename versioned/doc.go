@@ -160,9 +160,13 @@
 // (middleware.ConsumerConfig.MaxCrashes), before its handler; a failed
 // retirement holds the message. If that attempt succeeds after all,
 // nothing is lost but filtering: older messages are stale behind the
-// applied one. Not retired: a message whose process dies before the
-// filter runs in that attempt (in a middleware around the filter), nor one
-// on a consumer whose crash bound is off.
+// applied one. Not retired, so its family stays frozen at that consumer
+// until a newer message is published: a message whose process dies before
+// the filter runs in that attempt (in a middleware around the filter), or in
+// an attempt that ran uncounted (its start's write failed or its answer was
+// lost, and was counted all the same); one on a consumer whose crash bound
+// is off; and on SQLite, where the attempt's transaction holds the
+// database's only write lock, so a retirement beside it cannot be written.
 //
 // Retention: FamilyPurger deletes families idle for longer than a horizon
 // (its three tables: latest, applied, retired; bounded batches, one purger

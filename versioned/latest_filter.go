@@ -159,7 +159,7 @@ type LatestFilterConfig struct {
 	// killing the process is retired before its handler runs in the last
 	// attempt the consumer's crash bound lets run (ConsumerConfig.MaxCrashes;
 	// the delivery that dead-letters it as a crash loop never reaches the
-	// filter): see the package doc. If the retirement
+	// filter; not on SQLite): see the package doc. If the retirement
 	// fails, the message is held and retried, not poisoned. Opted out, a
 	// poisoned newest message keeps every older message of its family
 	// obsolete at this consumer (the family frozen there) until a newer one
@@ -337,10 +337,13 @@ func (f *LatestFilter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		f.logger.Trace("Latest message of its family handled", fields)
 		noteHandled(ctx, consumer, fam, pos) // for the poison step, latest_retire.go
 		if !f.cfg.DisableRetireOnPoison {
-			if inbox.LastAttemptBeforeCrashLoop(ctx) {
+			if inbox.LastAttemptBeforeCrashLoop(ctx) && f.cfg.Families.dialect != sqldb.SQLite {
 				// Should the process die in this attempt, the message is
 				// dead-lettered as a crash loop without reaching the
-				// filter again: retired now, or held.
+				// filter again: retired now, or held. Not on SQLite: the
+				// attempt's transaction holds its only write lock, so a
+				// write beside it waits out busy_timeout and fails on
+				// every redelivery.
 				if err := f.retireNow(ctx, msg.UUID, consumer, fam, pos); err != nil {
 					return nil, inbox.Transient(err)
 				}

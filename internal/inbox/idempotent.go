@@ -635,7 +635,7 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 			// in it, the next delivery is dead-lettered without running
 			// the handler (LastAttemptBeforeCrashLoop).
 			defer msg.SetContext(origCtx)
-			attemptCtx := context.WithValue(origCtx, lastBeforeCrashLoopKey{}, true)
+			attemptCtx := context.WithValue(origCtx, lastBeforeCrashLoopKey{}, consumer)
 			msg.SetContext(attemptCtx)
 			return m.attempt(h, msg, attemptCtx, consumer, handlerName, eventID, start, fields, &endedInTx)
 		}
@@ -644,22 +644,30 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 }
 
 // lastBeforeCrashLoopKey marks the context of an attempt that is the last
-// one the crash bound lets run (LastAttemptBeforeCrashLoop).
+// one the crash bound lets run (LastAttemptBeforeCrashLoop); its value is
+// the attempt's consumer, so that an attempt of another consumer nested in
+// it (whose context is built on this one) is not taken for its last.
 type lastBeforeCrashLoopKey struct{}
 
 // LastAttemptBeforeCrashLoop reports, inside a handler run by the
 // middleware, whether this attempt is the last one Config.MaxCrashes lets
 // run: its earlier attempts died MaxCrashes−1 times, so if the process dies
 // in this one too, the next delivery is dead-lettered as a crash loop
-// without running the handler (nor anything inside the middleware). A step
+// without running the handler (nor anything inside the middleware). It is
+// the innermost attempt's answer: inside consumers nested around one
+// handler, the attempt of the consumer closest to the handler. A step
 // that must run before a message is dead-lettered, such as the family
 // filter's retirement (versioned.LatestFilter), runs then, at once: it gets
 // no later chance. False outside the middleware and on attempts that are
 // not counted (MaxCrashes off, a first delivery on a transport that marks
 // redeliveries, an attempt whose start could not be written).
 func LastAttemptBeforeCrashLoop(ctx context.Context) bool {
-	last, _ := ctx.Value(lastBeforeCrashLoopKey{}).(bool)
-	return last
+	st, ok := stateFrom(ctx)
+	if !ok {
+		return false
+	}
+	consumer, marked := ctx.Value(lastBeforeCrashLoopKey{}).(string)
+	return marked && consumer == st.consumer
 }
 
 // overCrashBound ends an attempt whose earlier attempts died at least
