@@ -349,8 +349,14 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 	ctx, cancel = context.WithTimeout(context.Background(), startupTimeout)
 	horizon, err := table.AdoptHorizon(ctx, h.Querier(), cfg.ReplayHorizon, time.Now())
 	cancel()
-	if err != nil {
+	switch {
+	case errors.Is(err, processedstore.ErrHorizonMismatch):
 		return nil, fmt.Errorf("middleware: ConsumerConfig.ReplayHorizon: %w", err)
+	case err != nil:
+		// The table's horizon could not be read or written: the table is
+		// not migrated, or not where ConsumerConfig.Table names it.
+		return nil, fmt.Errorf("middleware: ConsumerConfig.Table %s: its replay horizon cannot be read or recorded "+
+			"(run processed.Migrate for this table; check the schema or search_path and the role's privileges): %w", cfg.Table, err)
 	}
 	cfg.ReplayHorizon = horizon
 	store, err := processedstore.NewStore(processedstore.Config{
@@ -525,9 +531,9 @@ func (c ConsumerConfig) Validate() error {
 // chain around h. It fails with ErrAttached on a Consumer that already
 // serves a handler, with ErrSharedConsumer when another Consumer of the
 // same name, pool and table serves a handler of another name in this
-// process, and when subscribeTopic is the consumer's own poison topic
-// (ConsumerConfig.Poison.Topic): a handler must not consume its own dead
-// letters.
+// process, when subscribeTopic is empty, and when it is the consumer's own
+// poison topic (ConsumerConfig.Poison.Topic): a handler must not consume
+// its own dead letters.
 func (c *Consumer) AddConsumerHandler(r *message.Router, handlerName, subscribeTopic string,
 	sub message.Subscriber, h message.NoPublishHandlerFunc) (*message.Handler, error) {
 	if h == nil {
@@ -555,6 +561,10 @@ func (c *Consumer) AddHandler(r *message.Router, handlerName, subscribeTopic str
 		return nil, errors.New("middleware: AddHandler: nil handler")
 	case handlerName == "":
 		return nil, errors.New("middleware: AddHandler: empty handler name")
+	case subscribeTopic == "":
+		// No transport consumes an empty topic: a RabbitMQ subscriber
+		// binds its queue with routing key "" and receives nothing.
+		return nil, fmt.Errorf("middleware: AddHandler: handler %q: empty subscribe topic", handlerName)
 	case subscribeTopic == c.cfg.Poison.Topic:
 		// Its poisoned messages would come back to it. The chain never
 		// publishes to the topic it consumes, so it would hold each
