@@ -93,8 +93,26 @@ func (c DeadLetterConfig) validateNames() error {
 		return fmt.Errorf("amqp: DeadLetterConfig.Topic %q: 1 to 255 of [A-Za-z0-9_.:-], not amq.*", c.Topic)
 	case c.Queue != "" && !validName(c.Queue):
 		return fmt.Errorf("amqp: DeadLetterConfig.Queue %q: 1 to 255 of [A-Za-z0-9_.:-], not amq.*", c.Queue)
+	case c.consumersOwnQueue():
+		// The dead letters would be delivered to the consumer again, fail
+		// again and be dead-lettered again, for ever.
+		return fmt.Errorf("amqp: DeadLetterConfig.Queue %q (Queue, else Topic) is the consumer's own queue "+
+			"(Subscriber.Queue.GenerateName names every topic's queue %q): give the dead-letter queue a name of its own",
+			c.withDefaults().Queue, c.withDefaults().Queue)
 	}
 	return nil
+}
+
+// consumersOwnQueue reports whether Subscriber names its queue with a
+// constant (amqp.GenerateQueueNameConstant: the same queue whatever the
+// topic, two probe topics tell) that is the dead-letter queue.
+func (c DeadLetterConfig) consumersOwnQueue() bool {
+	gen := c.Subscriber.Queue.GenerateName
+	if gen == nil {
+		return false
+	}
+	q := c.withDefaults().Queue
+	return gen(c.Topic+".dead-letter-probe-1") == q && gen(c.Topic+".dead-letter-probe-2") == q
 }
 
 func validName(s string) bool {
