@@ -219,9 +219,12 @@ func NewHandlerMiddleware(cfg ChainConfig, logger watermill.LoggerAdapter) (mess
 //     succeeds, the message context ends (shutdown) or MaxHold passes; then
 //     the error is returned and the router nacks. The broker never sees a
 //     nack per failed attempt, so a database outage does not spend a quorum
-//     queue's delivery limit. A message already poisoned elsewhere and
-//     consumed again (the chain also wraps the handler of the poison topic)
-//     is held, never re-poisoned.
+//     queue's delivery limit. A message already poisoned (it carries the
+//     poison headers, which idem dlq redrive strips) that fails again is
+//     held, never re-poisoned: consumed from the poison topic (the chain
+//     also wraps its handler), or back on the topic it was poisoned from
+//     through a dead-letter destination that routes to this consumer,
+//     where each poisoning fed it back to itself.
 //  2. Retry, restoring the message's context before each attempt
 //     (Watermill issue #467), for ordinary errors only: permanent ones are
 //     not retried, transient and configuration ones go out to the hold at
@@ -407,6 +410,12 @@ func (p *holdPoison) hold(h message.HandlerFunc, msg *message.Message, inner *ch
 					"hint": fmt.Sprintf("ChainConfig.PoisonTopic %q is the topic this handler consumes: give the chain a poison topic of its own "+
 						"(a dead-letter queue), and wire the chain per handler, never around the poison topic's consumer", p.cfg.PoisonTopic),
 				}))
+			} else if t := message.SubscribeTopicFromCtx(orig); t == "" || t == msg.Metadata.Get(wmw.PoisonedTopicKey) {
+				p.logger.Error("Dead letter came back to the topic it was dead-lettered from: not re-poisoned, held", err, fields.Add(watermill.LogFields{
+					"hint": "the dead letters' destination routes back to this consumer (a dead-letter queue that is the consumer's own queue, " +
+						"a stream or topic this consumer reads): give them a destination it does not read; to reprocess dead letters, " +
+						"redrive them with idem dlq redrive, which strips their poison headers",
+				}))
 			} else {
 				p.logger.Error("Poisoned message failed again on the poison topic's consumer: not re-poisoned, held", err, fields.Add(watermill.LogFields{
 					"hint": "wire the chain per handler (middleware.NewHandlerMiddleware), not with router.AddMiddleware on a router that also consumes the poison topic",
@@ -428,18 +437,19 @@ func (p *holdPoison) hold(h message.HandlerFunc, msg *message.Message, inner *ch
 	}
 }
 
-// poisonLoop reports whether msg was poisoned already and is now consumed
-// from somewhere other than where it was poisoned (a dead-letter handler
-// wrapped by the chain): poisoning it again would feed it back to itself.
+// poisonLoop reports whether poisoning msg would feed it back to itself:
+// the handler consumes the poison topic, or msg was poisoned already (it
+// carries the poison headers, which a redrive strips) and came back,
+// either to a dead-letter handler wrapped by the chain or to the topic it
+// was poisoned from, through a dead-letter destination that routes to this
+// consumer (the consumer's own queue as its dead-letter queue: each dead
+// letter was dead-lettered again, thousands of times a minute).
 func (p *holdPoison) poisonLoop(msg *message.Message, ctx context.Context) bool {
 	topic := message.SubscribeTopicFromCtx(ctx)
 	if topic != "" && topic == p.cfg.PoisonTopic {
 		return true
 	}
-	if msg.Metadata.Get(wmw.ReasonForPoisonedKey) == "" {
-		return false
-	}
-	return topic != "" && topic != msg.Metadata.Get(wmw.PoisonedTopicKey)
+	return msg.Metadata.Get(wmw.ReasonForPoisonedKey) != ""
 }
 
 // poison publishes a copy of msg, with the reason, to the poison topic and
