@@ -221,10 +221,12 @@ func NewHandlerMiddleware(cfg ChainConfig, logger watermill.LoggerAdapter) (mess
 //     nack per failed attempt, so a database outage does not spend a quorum
 //     queue's delivery limit. A message already poisoned (it carries the
 //     poison headers, which idem dlq redrive strips) that fails again is
-//     held, never re-poisoned: consumed from the poison topic (the chain
-//     also wraps its handler), or back on the topic it was poisoned from
-//     through a dead-letter destination that routes to this consumer,
-//     where each poisoning fed it back to itself.
+//     held, not re-poisoned, when it is consumed from the poison topic
+//     (the chain also wraps its handler) or is back on the topic it was
+//     poisoned from within 10 minutes of its poisoning (a dead-letter
+//     destination that routes to this consumer, where each poisoning fed
+//     it back to itself); a copy redriven later with its headers is
+//     poisoned again.
 //  2. Retry, restoring the message's context before each attempt
 //     (Watermill issue #467), for ordinary errors only: permanent ones are
 //     not retried, transient and configuration ones go out to the hold at
@@ -412,9 +414,9 @@ func (p *holdPoison) hold(h message.HandlerFunc, msg *message.Message, inner *ch
 				}))
 			} else if t := message.SubscribeTopicFromCtx(orig); t == "" || t == msg.Metadata.Get(wmw.PoisonedTopicKey) {
 				p.logger.Error("Dead letter came back to the topic it was dead-lettered from: not re-poisoned, held", err, fields.Add(watermill.LogFields{
-					"hint": "the dead letters' destination routes back to this consumer (a dead-letter queue that is the consumer's own queue, " +
-						"a stream or topic this consumer reads): give them a destination it does not read; to reprocess dead letters, " +
-						"redrive them with idem dlq redrive, which strips their poison headers",
+					"hint": "it was poisoned less than 10 minutes ago: the dead letters' destination routes back to this consumer " +
+						"(a dead-letter queue that is the consumer's own queue, a stream or topic this consumer reads): give them a " +
+						"destination it does not read; to reprocess dead letters, redrive them with idem dlq redrive, which strips their poison headers",
 				}))
 			} else {
 				p.logger.Error("Poisoned message failed again on the poison topic's consumer: not re-poisoned, held", err, fields.Add(watermill.LogFields{
@@ -449,8 +451,24 @@ func (p *holdPoison) poisonLoop(msg *message.Message, ctx context.Context) bool 
 	if topic != "" && topic == p.cfg.PoisonTopic {
 		return true
 	}
-	return msg.Metadata.Get(wmw.ReasonForPoisonedKey) != ""
+	if msg.Metadata.Get(wmw.ReasonForPoisonedKey) == "" {
+		return false
+	}
+	if topic != "" && topic != msg.Metadata.Get(wmw.PoisonedTopicKey) {
+		return true // a dead-letter handler wrapped by the chain
+	}
+	// Back on the topic it was poisoned from: a routing loop brings it
+	// back moments after its poisoning; a redrive that kept the headers
+	// (by hand, on a transport idem dlq does not serve) comes later, and
+	// a copy that fails again goes back to the dead letters.
+	at, err := time.Parse(time.RFC3339Nano, msg.Metadata.Get(MetadataPoisonedAt))
+	return err == nil && time.Since(at) < poisonLoopWindow
 }
+
+// poisonLoopWindow is how recently a message back on the topic it was
+// poisoned from must have been poisoned to be held as a routing loop
+// (poisonLoop) instead of poisoned again.
+const poisonLoopWindow = 10 * time.Minute
 
 // poison publishes a copy of msg, with the reason, to the poison topic and
 // returns nil (ack) once the publisher returned nil; a failed publish is

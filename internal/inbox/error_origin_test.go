@@ -12,6 +12,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -511,4 +512,40 @@ func TestDeadLetterRoutedBackToItsConsumerIsPoisonedOnce(t *testing.T) {
 	require.EqualValues(t, 1, poison.n.Load(), "dead-lettered once, not on every return")
 	line := logger.at("error", "Dead letter came back to the topic it was dead-lettered from: not re-poisoned, held")[0]
 	require.Contains(t, line.fields["hint"], "idem dlq redrive")
+}
+
+// A dead letter redriven with its poison headers kept (by hand, on a
+// transport idem dlq does not serve), long after its poisoning, that fails
+// again goes back to the dead letters: only a copy back within minutes of
+// its poisoning is taken for a routing loop and held.
+func TestDeadLetterRedrivenWithItsHeadersLaterIsPoisonedAgain(t *testing.T) {
+	t.Parallel()
+	logger := &captureLogger{}
+	poison := &capture{msgs: make(chan *message.Message, 1)}
+	idem, err := inbox.NewIdempotent(inbox.Config{Beginner: mustBeginner(inbox.NewStdBeginner(testenv.SQLiteDB(t))),
+		Store: mustSQLiteStore(t), Consumer: "stock"}, nil)
+	require.NoError(t, err)
+	mw, err := inbox.NewHandlerMiddleware(inbox.ChainConfig{
+		Idempotent: idem, PoisonPublisher: poison, PoisonTopic: "orders.dlq",
+		MaxRetries: 1, InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond, MaxHold: 50 * time.Millisecond,
+	}, logger)
+	require.NoError(t, err)
+	pubsub := gochannel.NewGoChannel(gochannel.Config{}, nil)
+	defer pubsub.Close()
+	runRouter(t, func(router *message.Router) {
+		router.AddNoPublisherHandler("orders", "orders", pubsub, func(*message.Message) error { return nil }).AddMiddleware(mw)
+	})
+	redriven := message.NewMessage("not-a-uuid", []byte(`{}`)) // rejected: permanent
+	redriven.Metadata.Set(wmw.ReasonForPoisonedKey, "an earlier failure")
+	redriven.Metadata.Set(wmw.PoisonedTopicKey, "orders")
+	redriven.Metadata.Set(inbox.MetadataPoisonedAt, time.Now().Add(-2*time.Hour).UTC().Format(time.RFC3339Nano))
+	require.NoError(t, pubsub.Publish("orders", redriven))
+	select {
+	case m := <-poison.msgs:
+		require.Equal(t, "not-a-uuid", m.UUID)
+		require.NotEqual(t, "an earlier failure", m.Metadata.Get(wmw.ReasonForPoisonedKey), "poisoned with its new reason")
+	case <-time.After(30 * time.Second): // a hang guard, not a measurement
+		t.Fatal("the redriven copy that failed again was not poisoned again")
+	}
+	require.Empty(t, logger.at("error", "Dead letter came back to the topic it was dead-lettered from: not re-poisoned, held"))
 }
