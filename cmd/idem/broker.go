@@ -45,7 +45,7 @@ const (
 func poisonHeader(k string) bool {
 	switch k {
 	case headerReason, headerTopic, headerHandler, headerSubscriber, headerPoisonedAt, headerPoisonClass, headerReasonBytes, headerOriginQueue,
-		inbox.MetadataAttempt, "x-death", "x-delivery-count",
+		inbox.MetadataAttempt, inbox.MetadataPoisonCount, "x-death", "x-delivery-count",
 		marshaler.MetadataRedelivered, marshaler.MetadataDeliveryCount:
 		return true
 	}

@@ -65,6 +65,11 @@ const (
 	// MetadataPoisonedAt is when the copy was poisoned (RFC 3339, UTC, the
 	// process clock): `idem dlq list` shows it as the failure time.
 	MetadataPoisonedAt = "idempotency_poisoned_at"
+	// MetadataPoisonCount is how many times this message was poisoned,
+	// this time included ("1" the first time): a copy that comes back
+	// with its poison headers and fails again counts on (poisonLoop).
+	// `idem dlq redrive` strips it with the other poison headers.
+	MetadataPoisonCount = "idempotency_poison_count"
 )
 
 // ChainConfig configures NewChain and NewHandlerMiddleware: the recommended
@@ -223,10 +228,10 @@ func NewHandlerMiddleware(cfg ChainConfig, logger watermill.LoggerAdapter) (mess
 //     poison headers, which idem dlq redrive strips) that fails again is
 //     held, not re-poisoned, when it is consumed from the poison topic
 //     (the chain also wraps its handler) or is back on the topic it was
-//     poisoned from within 10 minutes of its poisoning (a dead-letter
-//     destination that routes to this consumer, where each poisoning fed
-//     it back to itself); a copy redriven later with its headers is
-//     poisoned again.
+//     poisoned from after a second poisoning within the last 10 minutes
+//     (a dead-letter destination that routes to this consumer, where each
+//     poisoning fed it back to itself; MetadataPoisonCount counts them); a
+//     copy redriven with its headers that fails again is poisoned again.
 //  2. Retry, restoring the message's context before each attempt
 //     (Watermill issue #467), for ordinary errors only: permanent ones are
 //     not retried, transient and configuration ones go out to the hold at
@@ -414,7 +419,7 @@ func (p *holdPoison) hold(h message.HandlerFunc, msg *message.Message, inner *ch
 				}))
 			} else if t := message.SubscribeTopicFromCtx(orig); t == "" || t == msg.Metadata.Get(wmw.PoisonedTopicKey) {
 				p.logger.Error("Dead letter came back to the topic it was dead-lettered from: not re-poisoned, held", err, fields.Add(watermill.LogFields{
-					"hint": "it was poisoned less than 10 minutes ago: the dead letters' destination routes back to this consumer " +
+					"hint": "it was poisoned twice, the last time less than 10 minutes ago: the dead letters' destination routes back to this consumer " +
 						"(a dead-letter queue that is the consumer's own queue, a stream or topic this consumer reads): give them a " +
 						"destination it does not read; to reprocess dead letters, redrive them with idem dlq redrive, which strips their poison headers",
 				}))
@@ -457,18 +462,36 @@ func (p *holdPoison) poisonLoop(msg *message.Message, ctx context.Context) bool 
 	if topic != "" && topic != msg.Metadata.Get(wmw.PoisonedTopicKey) {
 		return true // a dead-letter handler wrapped by the chain
 	}
-	// Back on the topic it was poisoned from: a routing loop brings it
-	// back moments after its poisoning; a redrive that kept the headers
-	// (by hand, on a transport idem dlq does not serve) comes later, and
-	// a copy that fails again goes back to the dead letters.
+	// Back on the topic it was poisoned from. A redrive that kept the
+	// headers (by hand, on a transport idem dlq does not serve) that
+	// fails again goes back to the dead letters; a routing loop brings it
+	// back again at once: held once it was poisoned twice, the last time
+	// within poisonLoopWindow.
+	if poisonCount(msg) < 2 {
+		return false
+	}
 	at, err := time.Parse(time.RFC3339Nano, msg.Metadata.Get(MetadataPoisonedAt))
 	return err == nil && time.Since(at) < poisonLoopWindow
 }
 
 // poisonLoopWindow is how recently a message back on the topic it was
-// poisoned from must have been poisoned to be held as a routing loop
-// (poisonLoop) instead of poisoned again.
+// poisoned from must have been poisoned (a second time or more) to be held
+// as a routing loop (poisonLoop) instead of poisoned again.
 const poisonLoopWindow = 10 * time.Minute
+
+// poisonCount is how many times msg was poisoned before: its
+// MetadataPoisonCount, 1 for a copy poisoned by a release that set none,
+// 0 without poison headers.
+func poisonCount(msg *message.Message) int {
+	if msg.Metadata.Get(wmw.ReasonForPoisonedKey) == "" {
+		return 0
+	}
+	n, err := strconv.Atoi(msg.Metadata.Get(MetadataPoisonCount))
+	if err != nil || n < 1 {
+		return 1
+	}
+	return n
+}
 
 // poison publishes a copy of msg, with the reason, to the poison topic and
 // returns nil (ack) once the publisher returned nil; a failed publish is
@@ -489,6 +512,7 @@ func (p *holdPoison) poison(msg *message.Message, ctx context.Context, cause err
 	pm.Metadata.Set(wmw.PoisonedHandlerKey, wire.Bound(p.cfg.Idempotent.handlerNameOf(ctx), p.cfg.MaxHeaderBytes))
 	pm.Metadata.Set(wmw.PoisonedSubscriberKey, wire.Bound(message.SubscriberNameFromCtx(ctx), p.cfg.MaxHeaderBytes))
 	pm.Metadata.Set(MetadataPoisonedAt, time.Now().UTC().Format(time.RFC3339Nano))
+	pm.Metadata.Set(MetadataPoisonCount, strconv.Itoa(poisonCount(msg)+1))
 	if class == ClassPermanent {
 		pm.Metadata.Set(MetadataPoisonClass, "permanent")
 	} else {

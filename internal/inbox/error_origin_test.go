@@ -484,11 +484,12 @@ func (p *loopingPoison) Publish(_ string, msgs ...*message.Message) error {
 func (p *loopingPoison) Close() error { return nil }
 
 // A dead letter whose destination routes back to the consumer (here every
-// poisoned copy is published to the handler's own topic) is poisoned once:
-// when it comes back and fails again it is held with an ERROR naming the
-// misrouting, never dead-lettered again. It was re-poisoned on every
-// return, for ever (2,167 times in 6 s for one message on RabbitMQ).
-func TestDeadLetterRoutedBackToItsConsumerIsPoisonedOnce(t *testing.T) {
+// poisoned copy is published to the handler's own topic) is poisoned twice
+// (the first return could be a redrive by hand): when it comes back again
+// and fails again it is held with an ERROR naming the misrouting, not
+// dead-lettered again. It was re-poisoned on every return, for ever (2,167
+// times in 6 s for one message on RabbitMQ).
+func TestDeadLetterRoutedBackToItsConsumerIsHeldAfterItsSecondPoisoning(t *testing.T) {
 	t.Parallel()
 	logger := &captureLogger{}
 	pubsub := gochannel.NewGoChannel(gochannel.Config{}, nil)
@@ -509,15 +510,16 @@ func TestDeadLetterRoutedBackToItsConsumerIsPoisonedOnce(t *testing.T) {
 	testenv.Eventually(t, 30*time.Second, "the returned dead letter held with an ERROR", func(o *testenv.Observed) bool {
 		return o.Int("errors", len(logger.at("error", "Dead letter came back to the topic it was dead-lettered from: not re-poisoned, held"))) > 0
 	})
-	require.EqualValues(t, 1, poison.n.Load(), "dead-lettered once, not on every return")
+	require.EqualValues(t, 2, poison.n.Load(), "dead-lettered twice, not on every return")
 	line := logger.at("error", "Dead letter came back to the topic it was dead-lettered from: not re-poisoned, held")[0]
 	require.Contains(t, line.fields["hint"], "idem dlq redrive")
 }
 
-// A dead letter redriven with its poison headers kept (by hand, on a
-// transport idem dlq does not serve), long after its poisoning, that fails
-// again goes back to the dead letters: only a copy back within minutes of
-// its poisoning is taken for a routing loop and held.
+// A dead letter poisoned three times already, the last time two hours ago,
+// redriven with its poison headers kept (by hand, on a transport idem dlq
+// does not serve), that fails again goes back to the dead letters: only a
+// copy back within 10 minutes of a second poisoning is taken for a routing
+// loop and held.
 func TestDeadLetterRedrivenWithItsHeadersLaterIsPoisonedAgain(t *testing.T) {
 	t.Parallel()
 	logger := &captureLogger{}
@@ -539,11 +541,13 @@ func TestDeadLetterRedrivenWithItsHeadersLaterIsPoisonedAgain(t *testing.T) {
 	redriven.Metadata.Set(wmw.ReasonForPoisonedKey, "an earlier failure")
 	redriven.Metadata.Set(wmw.PoisonedTopicKey, "orders")
 	redriven.Metadata.Set(inbox.MetadataPoisonedAt, time.Now().Add(-2*time.Hour).UTC().Format(time.RFC3339Nano))
+	redriven.Metadata.Set(inbox.MetadataPoisonCount, "3")
 	require.NoError(t, pubsub.Publish("orders", redriven))
 	select {
 	case m := <-poison.msgs:
 		require.Equal(t, "not-a-uuid", m.UUID)
 		require.NotEqual(t, "an earlier failure", m.Metadata.Get(wmw.ReasonForPoisonedKey), "poisoned with its new reason")
+		require.Equal(t, "4", m.Metadata.Get(inbox.MetadataPoisonCount))
 	case <-time.After(30 * time.Second): // a hang guard, not a measurement
 		t.Fatal("the redriven copy that failed again was not poisoned again")
 	}

@@ -105,14 +105,27 @@ func (c DeadLetterConfig) validateNames() error {
 
 // consumersOwnQueue reports whether Subscriber names its queue with a
 // constant (amqp.GenerateQueueNameConstant: the same queue whatever the
-// topic, two probe topics tell) that is the dead-letter queue.
+// topic) that is the dead-letter queue. Two probe topics that share no
+// segment with each other or with Topic tell: a generator that maps topics
+// to a queue per family (a prefix of the topic) names them apart.
 func (c DeadLetterConfig) consumersOwnQueue() bool {
 	gen := c.Subscriber.Queue.GenerateName
 	if gen == nil {
 		return false
 	}
 	q := c.withDefaults().Queue
-	return gen(c.Topic+".dead-letter-probe-1") == q && gen(c.Topic+".dead-letter-probe-2") == q
+	return probeQueueName(gen, "idempotency-probe-a.x1") == q && probeQueueName(gen, "idempotency-probe-b.y2") == q
+}
+
+// probeQueueName is gen(topic), or "" when gen panics on a topic it does
+// not expect.
+func probeQueueName(gen wamqp.QueueNameGenerator, topic string) (name string) {
+	defer func() {
+		if recover() != nil {
+			name = ""
+		}
+	}()
+	return gen(topic)
 }
 
 func validName(s string) bool {
