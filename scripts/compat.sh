@@ -8,7 +8,7 @@
 #             and go.sum in a temporary directory; the repository's files
 #             are not touched).
 #
-# Each builds, vets and tests the core's packages, without the race
+# Each builds and tests the core's packages (make test vetted them), without the race
 # detector: make test ran them under it at the workspace's versions, and
 # this run checks the API and behaviour against other versions. Without the
 # workspace the _*_test.go files and the MySQL/SQLite drivers are not
@@ -31,7 +31,6 @@ run() { # label, then go flags
   shift
   echo "=== compat: $label: $(go list "$@" -m github.com/jackc/pgx/v5 github.com/ThreeDotsLabs/watermill github.com/ThreeDotsLabs/watermill-sql/v4 | tr '\n' ' ')"
   go build "$@" ./...
-  go vet "$@" ./...
   go test "$@" -count=1 -p "$p" -parallel "${GOTEST_PARALLEL:-4}" -timeout 9m "${extra[@]}" ./...
 }
 
