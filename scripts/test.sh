@@ -2,8 +2,8 @@
 # The test command (README, `make test`, .ci/run): services up, gofmt, the
 # module checks (scripts/check-modules.sh), then for EVERY module of go.work:
 # go vet and go test -race against the real services (PostgreSQL, RabbitMQ,
-# MariaDB, Redis, NATS; SQLite in-process). The core runs alone, the other
-# modules GOTEST_MODULES at a time (default 2).
+# MariaDB, Redis, NATS; SQLite in-process). The core and the examples run
+# alone, the other modules GOTEST_MODULES at a time (default 2).
 #
 # The core module is tested with its _*_test.go files and the MySQL and
 # SQLite drivers overlaid (scripts/overlay.sh): every dialect, the brokers,
@@ -43,26 +43,22 @@ test_module() {
   return $rc
 }
 
-# The core runs alone (the race detector keeps both cores busy). The other
-# modules run GOTEST_MODULES at a time (default 2), each one's output
-# printed whole when it ends; the examples start first, since their demo is
-# the longest and mostly waits (it peaks at about 50 PostgreSQL sessions,
-# the modules beside it at about 20: the shared server allows 100), then
-# the end-to-end tests and Kafka's consumer groups.
+# The core and the examples (the demo runs its services' consumers, up to
+# 50 PostgreSQL sessions) run alone; the other modules, smaller and mostly
+# waiting on a broker, a link or a child process, run GOTEST_MODULES at a
+# time (default 2), each one's output printed whole when it ends.
 lanes=${GOTEST_MODULES:-2}
-mods=$(bash scripts/modules.sh)
-first=()
-for m in examples e2e marshaler/kafka/kfaketest; do
-  grep -qx "$m" <<<"$mods" && first+=("$m")
-done
-rest=("${first[@]}")
-for m in $mods; do
-  case " . ${first[*]} " in
-  *" $m "*) ;;
+# The longest of them (the end-to-end tests, Kafka's consumer groups) start
+# first, so that no lane ends long after the other.
+first=() rest=()
+for m in $(bash scripts/modules.sh); do
+  case $m in
+  . | examples) test_module "$m" "$@" || status=1 ;;
+  e2e | marshaler/kafka/kfaketest) first+=("$m") ;;
   *) rest+=("$m") ;;
   esac
 done
-grep -qx . <<<"$mods" && { test_module . "$@" || status=1; }
+rest=("${first[@]}" "${rest[@]}")
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 running=0
