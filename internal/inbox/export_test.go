@@ -8,3 +8,7 @@ func SetCountedTurnWait(d time.Duration) (restore func()) {
 	old := countedTurnWait.Swap(int64(d))
 	return func() { countedTurnWait.Store(old) }
 }
+
+// SessionLockRecheck is how many claims a connection makes under its
+// session's lock_timeout before the claim sets it again.
+const SessionLockRecheck = sessionLockRecheck

@@ -91,17 +91,19 @@ type Config struct {
 	// How it is set. With NewPgxBeginner on a pool in
 	// pgx.QueryExecModeCacheStatement (pgx's default) over a direct
 	// connection, on the plain layout, it is the session's lock_timeout,
-	// set once per connection (and again after a handler statement that
-	// names lock_timeout, RESET or set_config, or after DISCARD ALL), and
-	// the claim also sets it for its own transaction in its WHERE: no
-	// statement of its own per attempt (issue 25). The connection keeps it
-	// after the attempt, so other code on the same pool runs under it
-	// too; a consumer with a negative LockTimeout on that pool puts the
-	// session's earlier value back. A session-level change made where the
-	// claim cannot see it (tx.Conn(), a function, other code on the pool)
-	// bounds only the claim's wait for its table lock (DDL, LOCK TABLE)
-	// on that connection; the wait on another delivery and the handler
-	// stay bounded by LockTimeout. Behind
+	// set once per connection, again after a handler statement that names
+	// lock_timeout, RESET or set_config, after DISCARD ALL, and every 256
+	// claims: no statement of its own per attempt (issue 25). The
+	// connection keeps it after the attempt, so other code on the same
+	// pool runs under it too; a consumer with a negative LockTimeout on
+	// that pool puts the session's earlier value back. A session-level
+	// change no handler statement names (inside a function the handler
+	// calls, other code on the pool) bounds that connection's claims and
+	// handlers by the new value for at most 256 claims. After a handler
+	// reached tx.Conn(), whose statements the claim cannot see, the claim
+	// on that connection also sets LockTimeout for its own transaction in
+	// its WHERE (8k server instructions a claim): only its wait for its
+	// table lock (DDL, LOCK TABLE) then follows the session's value. Behind
 	// a pooler (the server's process ID is not the one the connection was
 	// given at startup: PgBouncer in any pool mode) and in every other
 	// mode and driver it is SET LOCAL lock_timeout before the claim, in

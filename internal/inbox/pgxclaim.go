@@ -99,8 +99,11 @@ type connClaim struct {
 	// the first setting, never a value of ours read back.
 	sessionOwn string
 	changed    bool
+	// lockClaims counts the claims made under the session's setting since
+	// sessionLock last set it; at sessionLockRecheck it is set again.
+	lockClaims int
 	// backstops are this connection's lean claims with the lock timeout
-	// in their WHERE (withLockBackstop).
+	// in their WHERE (withLockBackstop), sent once the connection is raw.
 	backstops []backstop
 	// plain are the last handler statements handlerStatement found
 	// neither to name a session setting nor to possibly end the
@@ -253,8 +256,10 @@ func (st *connClaim) forget() { st.stmts, st.lockMs, st.guardReady = st.stmts[:0
 // sessionLock makes d the lock_timeout of conn's session, once per
 // connection (and again after forget or handlerStatement), and reports
 // whether it is: then the claim's batch carries no SET LOCAL (issue 25:
-// 12k server instructions an attempt) and the claim sets the same value
-// for its own transaction in its WHERE (withLockBackstop). It is not when
+// 12k server instructions an attempt); on a raw connection the claim also
+// sets the same value for its own transaction in its WHERE
+// (withLockBackstop), and on every connection sessionLock sets it again
+// after sessionLockRecheck claims. It is not when
 // the connection's server session may be another client's (a pooler:
 // PgBouncer, in any pool mode, gives its clients a BackendKeyData of its
 // own, so the process ID the connection was given at startup is not
@@ -287,9 +292,18 @@ func (st *connClaim) sessionLock(ctx context.Context, conn *pgx.Conn, d time.Dur
 	if !st.changed {
 		st.sessionOwn, st.changed = own, true
 	}
-	st.lockMs = ms
+	st.lockMs, st.lockClaims = ms, 0
 	return true, nil
 }
+
+// sessionLockRecheck is how many claims a connection makes under its
+// session's lock_timeout before sessionLock sets it again: a session-level
+// change the claim cannot see (a function the handler calls, other code on
+// the pool running RESET ALL) lasts at most that many claims on that
+// connection. One round trip in 256 claims; a claim statement checking
+// the setting itself costs about 8k server instructions on every claim
+// (issue 25), so it is sent only on a raw connection.
+const sessionLockRecheck = 256
 
 // restoreSessionLock gives conn's session back the lock_timeout it had
 // before sessionLock set it, for a consumer whose LockTimeout is negative
@@ -304,13 +318,14 @@ func (st *connClaim) restoreSessionLock(ctx context.Context, conn *pgx.Conn) err
 }
 
 // withLockBackstop is sql, the lean claim, with the lock timeout d set for
-// its transaction too (processedstore.LeanClaimWithLockTimeout): whatever
-// changed the session's setting where the claim cannot see it (a function
-// the handler called, other code on the pool), the wait on another
-// transaction's claim of the same event and every handler statement stay
-// bounded by d; only the claim's table lock depends on the session's
-// setting. Built once per connection and timeout; ok is false for a
-// statement that is not a lean claim (the caller keeps the SET LOCAL).
+// its transaction too (processedstore.LeanClaimWithLockTimeout), the
+// claim a raw connection sends: what a handler sent through the
+// connection itself may have changed the session's setting unseen, on
+// every later attempt, so there the wait on another transaction's claim
+// of the same event and every handler statement stay bounded by d; only
+// the claim's table lock depends on the session's setting. Built once per
+// connection and timeout; ok is false for a statement that is not a lean
+// claim (the caller keeps the SET LOCAL).
 func (st *connClaim) withLockBackstop(sql string, d time.Duration) (string, bool) {
 	for _, b := range st.backstops {
 		if b.base == sql && b.d == d {
@@ -496,15 +511,22 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, st *connClaim, conn *pg
 	for try := 0; ; try++ {
 		batchLock, claimSQL := lockSQL, p.SQL
 		if lockSQL != "" && p.Pinned {
-			// Only the lean claim (Pinned) carries the backstop, so only
+			// Only the lean claim (Pinned) can carry the backstop, so only
 			// its lock timeout can be the session's.
 			if backstopped, ok := st.withLockBackstop(p.SQL, c.lockTimeout.d); ok {
+				if st.lockClaims >= sessionLockRecheck {
+					st.lockMs = 0
+				}
 				set, err := st.sessionLock(ctx, conn, c.lockTimeout.d)
 				if err != nil {
 					return false, err
 				}
 				if set {
-					batchLock, claimSQL = "", backstopped
+					batchLock = ""
+					st.lockClaims++
+					if st.raw {
+						claimSQL = backstopped
+					}
 				}
 			}
 		} else if c.lockTimeout == nil && st.changed {
