@@ -468,6 +468,27 @@ func runRouter(t *testing.T, setup func(r *message.Router)) (stop func()) {
 	return stop
 }
 
+// ordersChain runs, until the test ends, a router whose handler h
+// consumes "orders" from an in-process pubsub behind the whole chain of
+// idem: dead letters to "orders.dlq" through the publisher poison returns
+// (given the pubsub), one retry, holds of at most maxHold. It returns the
+// pubsub.
+func ordersChain(t *testing.T, idem *inbox.Idempotent, logger watermill.LoggerAdapter, maxHold time.Duration,
+	poison func(*gochannel.GoChannel) message.Publisher, h message.NoPublishHandlerFunc) *gochannel.GoChannel {
+	t.Helper()
+	pubsub := gochannel.NewGoChannel(gochannel.Config{}, nil)
+	t.Cleanup(func() { _ = pubsub.Close() })
+	mw, err := inbox.NewHandlerMiddleware(inbox.ChainConfig{
+		Idempotent: idem, PoisonPublisher: poison(pubsub), PoisonTopic: "orders.dlq",
+		MaxRetries: 1, InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond, MaxHold: maxHold,
+	}, logger)
+	require.NoError(t, err)
+	runRouter(t, func(router *message.Router) {
+		router.AddNoPublisherHandler("orders", "orders", pubsub, h).AddMiddleware(mw)
+	})
+	return pubsub
+}
+
 // loopingPoison publishes each poisoned copy back to the handler's own
 // topic, as a dead-letter queue that is the consumer's own queue does.
 type loopingPoison struct {
@@ -492,20 +513,14 @@ func (p *loopingPoison) Close() error { return nil }
 func TestDeadLetterRoutedBackToItsConsumerIsHeldAfterItsSecondPoisoning(t *testing.T) {
 	t.Parallel()
 	logger := &captureLogger{}
-	pubsub := gochannel.NewGoChannel(gochannel.Config{}, nil)
-	defer pubsub.Close()
-	poison := &loopingPoison{pubsub: pubsub, topic: "orders"}
 	idem, err := inbox.NewIdempotent(inbox.Config{Beginner: mustBeginner(inbox.NewStdBeginner(testenv.SQLiteDB(t))),
 		Store: mustSQLiteStore(t), Consumer: "stock"}, nil)
 	require.NoError(t, err)
-	mw, err := inbox.NewHandlerMiddleware(inbox.ChainConfig{
-		Idempotent: idem, PoisonPublisher: poison, PoisonTopic: "orders.dlq",
-		MaxRetries: 1, InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond, MaxHold: 50 * time.Millisecond,
-	}, logger)
-	require.NoError(t, err)
-	runRouter(t, func(router *message.Router) {
-		router.AddNoPublisherHandler("orders", "orders", pubsub, func(*message.Message) error { return nil }).AddMiddleware(mw)
-	})
+	var poison *loopingPoison
+	pubsub := ordersChain(t, idem, logger, 50*time.Millisecond, func(ps *gochannel.GoChannel) message.Publisher {
+		poison = &loopingPoison{pubsub: ps, topic: "orders"}
+		return poison
+	}, func(*message.Message) error { return nil })
 	require.NoError(t, pubsub.Publish("orders", message.NewMessage("not-a-uuid", []byte(`{}`)))) // rejected: permanent
 	testenv.Eventually(t, 30*time.Second, "the returned dead letter held with an ERROR", func(o *testenv.Observed) bool {
 		return o.Int("errors", len(logger.at("error", "Dead letter came back to the topic it was dead-lettered from: not re-poisoned, held"))) > 0
@@ -527,16 +542,8 @@ func TestDeadLetterRedrivenWithItsHeadersLaterIsPoisonedAgain(t *testing.T) {
 	idem, err := inbox.NewIdempotent(inbox.Config{Beginner: mustBeginner(inbox.NewStdBeginner(testenv.SQLiteDB(t))),
 		Store: mustSQLiteStore(t), Consumer: "stock"}, nil)
 	require.NoError(t, err)
-	mw, err := inbox.NewHandlerMiddleware(inbox.ChainConfig{
-		Idempotent: idem, PoisonPublisher: poison, PoisonTopic: "orders.dlq",
-		MaxRetries: 1, InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond, MaxHold: 50 * time.Millisecond,
-	}, logger)
-	require.NoError(t, err)
-	pubsub := gochannel.NewGoChannel(gochannel.Config{}, nil)
-	defer pubsub.Close()
-	runRouter(t, func(router *message.Router) {
-		router.AddNoPublisherHandler("orders", "orders", pubsub, func(*message.Message) error { return nil }).AddMiddleware(mw)
-	})
+	pubsub := ordersChain(t, idem, logger, 50*time.Millisecond, func(*gochannel.GoChannel) message.Publisher { return poison },
+		func(*message.Message) error { return nil })
 	redriven := message.NewMessage("not-a-uuid", []byte(`{}`)) // rejected: permanent
 	redriven.Metadata.Set(wmw.ReasonForPoisonedKey, "an earlier failure")
 	redriven.Metadata.Set(wmw.PoisonedTopicKey, "orders")

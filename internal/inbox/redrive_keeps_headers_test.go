@@ -46,28 +46,20 @@ func (p *recordingDLQ) last() *message.Message {
 func TestRedrivenDeadLetterThatFailsAgainDoesNotStallTheConsumer(t *testing.T) {
 	t.Parallel()
 	logger := &captureLogger{}
-	pubsub := gochannel.NewGoChannel(gochannel.Config{}, nil)
-	defer pubsub.Close()
 	dlq := &recordingDLQ{}
 	e := newEnv(t)
 	idem, err := inbox.NewIdempotent(inbox.Config{Beginner: mustBeginner(inbox.NewPgxBeginner(e.pool, inbox.PgxBeginnerConfig{})),
 		Store: e.store, Consumer: "stock"}, nil)
 	require.NoError(t, err)
-	mw, err := inbox.NewHandlerMiddleware(inbox.ChainConfig{
-		Idempotent: idem, PoisonPublisher: dlq, PoisonTopic: "orders.dlq",
-		MaxRetries: 1, InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond, MaxHold: 100 * time.Millisecond,
-	}, logger)
-	require.NoError(t, err)
 	var good atomic.Int32
-	runRouter(t, func(router *message.Router) {
-		router.AddNoPublisherHandler("orders", "orders", pubsub, func(m *message.Message) error {
+	pubsub := ordersChain(t, idem, logger, 100*time.Millisecond, func(*gochannel.GoChannel) message.Publisher { return dlq },
+		func(m *message.Message) error {
 			if m.Metadata.Get("kind") == "bad" {
 				return errors.New("handler bug")
 			}
 			good.Add(1)
 			return nil
-		}).AddMiddleware(mw)
-	})
+		})
 	require.NoError(t, pubsub.Publish("orders", kindMsg("bad")))
 	require.Eventually(t, func() bool { return dlq.n() == 1 }, 10*time.Second, 10*time.Millisecond, "dead-lettered once: %v", logger.at("error", ""))
 
