@@ -91,15 +91,19 @@ type Config struct {
 	// How it is set. With NewPgxBeginner on a pool in
 	// pgx.QueryExecModeCacheStatement (pgx's default) over a direct
 	// connection, on the plain layout, it is the session's lock_timeout,
-	// set once per connection, again after a handler statement that names
-	// lock_timeout, RESET or set_config, after DISCARD ALL, and every 256
-	// claims: no statement of its own per attempt (issue 25). The
+	// set once per connection, again after a handler statement that
+	// names lock_timeout, RESET, set_config or pg_settings, runs what the
+	// client cannot read (CALL, DO, EXECUTE, a prepared statement's name,
+	// arguments pgx writes into the text), after DISCARD ALL, and every
+	// 256 claims: no statement of its own per attempt (issue 25). The
 	// connection keeps it after the attempt, so other code on the same
 	// pool runs under it too; a consumer with a negative LockTimeout on
 	// that pool puts the session's earlier value back. A session-level
-	// change no handler statement names (inside a function the handler
+	// change no handler statement shows (inside a function the handler
 	// calls, other code on the pool) bounds that connection's claims and
-	// handlers by the new value for at most 256 claims. After a handler
+	// handlers by its own value until the next of those, at most 256
+	// claims later; a function that makes it on every attempt keeps its
+	// value on that connection. After a handler
 	// reached tx.Conn(), whose statements the claim cannot see, the claim
 	// on that connection also sets LockTimeout for its own transaction in
 	// its WHERE (8k server instructions a claim): only its wait for its

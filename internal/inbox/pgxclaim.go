@@ -347,12 +347,14 @@ type backstop struct {
 
 // handlerStatement records sql, a statement a handler sends through the
 // attempt's pgxTx, and reports whether it may end the transaction
-// (mayEndTx). It also forgets the session's lock timeout when sql may
-// change session settings (it names lock_timeout, RESET or set_config): a
-// handler's SET SESSION lock_timeout or RESET ALL, committed, would
-// otherwise stay the session's value under that connection's later
-// claims. Statements hidden in a function the handler calls are not seen
-// (Config.LockTimeout says so).
+// (mayEndTx). It also forgets the session's lock timeout, so that the
+// next claim sets it again, when sql may change session settings
+// (mentionsSessionSetting) or may end the transaction (whatever runs
+// statements the scan does not see: CALL, DO, EXECUTE, a prepared
+// statement's name): a handler's SET SESSION lock_timeout or RESET ALL,
+// committed, would otherwise stay the session's value under that
+// connection's later claims. Statements hidden in a function the handler
+// calls are not seen (Config.LockTimeout says so).
 //
 // A statement found to do neither is remembered by its text's address and
 // length (plain): a handler sends the same constant strings on every
@@ -370,7 +372,10 @@ func (st *connClaim) handlerStatement(sql string) (mayEnd bool) {
 		}
 	}
 	mayEnd = mayEndTx(sql)
-	if mentionsSessionSetting(sql) {
+	if mayEnd || mentionsSessionSetting(sql) {
+		// A statement that may end the transaction may also be one whose
+		// text the scan does not see (CALL, DO, EXECUTE, a prepared
+		// statement's name): it may have set the session's lock_timeout.
 		st.lockMs = 0
 		return mayEnd
 	}
@@ -388,14 +393,24 @@ type sqlText struct {
 }
 
 // mentionsSessionSetting reports whether sql contains "lock_timeout",
-// "reset" or "set_config" (whose setting may be a parameter or an
-// expression), ASCII letters compared without case: one pass over sql
-// that compares further only where an l, r or s starts (no allocation).
+// "reset", "set_config" or "pg_settings" (whose setting may be a
+// parameter or an expression), ASCII letters compared without case, or
+// "u&" (a Unicode-escaped identifier or string may spell any name, U&"lock
+// \005ftimeout"): one pass over sql that compares further only where an
+// l, p, r, s or u starts (no allocation).
 func mentionsSessionSetting(sql string) bool {
 	for i := 0; i < len(sql); i++ {
 		switch sql[i] | 0x20 {
 		case 'l':
 			if hasFoldAt(sql, i, "lock_timeout") {
+				return true
+			}
+		case 'p':
+			if hasFoldAt(sql, i, "pg_settings") {
+				return true
+			}
+		case 'u':
+			if i+1 < len(sql) && sql[i+1] == '&' {
 				return true
 			}
 		case 'r':

@@ -384,6 +384,11 @@ func (tx *pgxTx) handlerSQL(sql string, args []any) bool {
 		// prepares there is not scanned, as after tx.Conn.
 		tx.session.raw = true
 	}
+	if sanitizes {
+		// What pgx writes into the text may be any SQL, a session
+		// setting too: the next claim sets the lock timeout again.
+		tx.session.lockMs = 0
+	}
 	if tx.session.handlerStatement(sql) || sanitizes {
 		tx.scan.mayEnd = true
 		return true

@@ -60,7 +60,10 @@ func (e lockEnv) consumer(t *testing.T, name string, lock time.Duration, fn func
 				return nil, err
 			}
 		}
-		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id, note) VALUES ($1, $2)`, pgx.QueryExecModeSimpleProtocol, msg.UUID, name)
+		// Not in the simple protocol: pgx would write the arguments into
+		// the text, which makes every next claim set the lock timeout
+		// again and would hide what these tests measure.
+		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id, note) VALUES ($1, $2)`, msg.UUID, name)
 		return nil, err
 	})
 }
@@ -322,6 +325,109 @@ func TestUnseenSessionChangeLastsAtMostSessionLockRecheckClaims(t *testing.T) {
 			e.duplicateWaitIsBounded(t, h)
 		})
 	}
+}
+
+// A session change sent through the attempt's own pgx.Tx in a form the
+// text scan does not name: a statement prepared by the handler and run by
+// its name (pgx's Prepare then Exec of the name, SQL PREPARE then
+// EXECUTE), a value pgx writes into the text (the simple protocol with
+// arguments; a dollar quote pgx's lexer does not know lets it run as
+// SQL), a Unicode-escaped name, an UPDATE of pg_settings. Each makes the
+// next claim set LockTimeout again, as a statement naming lock_timeout
+// does: the next attempt's handler runs under it and a second concurrent
+// delivery of an event in flight gives up after it. They were unbounded
+// (until the recheck, 256 claims later) once the claim no longer checked
+// the setting itself.
+func TestSessionChangeTheScanDoesNotNameIsSeen(t *testing.T) {
+	t.Parallel()
+	for name, c := range map[string]struct {
+		setup, change func(ctx context.Context, tx pgx.Tx) error
+	}{
+		"tx.Prepare then its name": {
+			setup: func(ctx context.Context, tx pgx.Tx) error {
+				_, err := tx.Prepare(ctx, "relax", "SELECT set_config('lock_timeout', '0', false)")
+				return err
+			},
+			change: func(ctx context.Context, tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, "relax")
+				return err
+			},
+		},
+		"SQL PREPARE then EXECUTE": {
+			setup: func(ctx context.Context, tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, "PREPARE relax AS SELECT set_config('lock_timeout', '0', false)", pgx.QueryExecModeSimpleProtocol)
+				return err
+			},
+			change: func(ctx context.Context, tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, "EXECUTE relax", pgx.QueryExecModeSimpleProtocol)
+				return err
+			},
+		},
+		"simple protocol argument run as SQL": {
+			change: func(ctx context.Context, tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, "SELECT $q$ $1 $q$", pgx.QueryExecModeSimpleProtocol, "x $q$; SET lock_timeout = 0; SELECT $q$ y")
+				return err
+			},
+		},
+		"Unicode-escaped name": {
+			change: func(ctx context.Context, tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, `SET U&"lock\005ftimeout" = 0`)
+				return err
+			},
+		},
+		"pg_settings": {
+			change: func(ctx context.Context, tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, `UPDATE pg_settings SET setting = '0' WHERE name = 'lock' || '_timeout'`)
+				return err
+			},
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			sessionChangeRepeatedThenProbe(t, c.setup, c.change)
+		})
+	}
+}
+
+// sessionChangeRepeatedThenProbe: attempt 1 runs setup (when not nil) then
+// change, attempt 2 runs change again (a statement prepared on attempt 1
+// is run by name there, its text unseen), attempt 3's handler reports its
+// lock_timeout, then a second concurrent delivery must give up after the
+// 50ms lock timeout. Pool of one connection: every attempt is on the same
+// session.
+func sessionChangeRepeatedThenProbe(t *testing.T, setup, change func(ctx context.Context, tx pgx.Tx) error) {
+	e := lockSetup(t, 1, nil)
+	var step atomic.Int32
+	var changed, seen string
+	h := e.consumer(t, "stock", 50*time.Millisecond, func(ctx context.Context, tx pgx.Tx) error {
+		switch step.Load() {
+		case 0:
+			if setup != nil {
+				if err := setup(ctx, tx); err != nil {
+					return err
+				}
+			}
+			return change(ctx, tx)
+		case 1:
+			if err := change(ctx, tx); err != nil {
+				return err
+			}
+			var err error
+			changed, err = lockTimeoutOf(ctx, tx)
+			return err
+		}
+		var err error
+		seen, err = lockTimeoutOf(ctx, tx)
+		return err
+	})
+	for i := int32(0); i < 3; i++ {
+		step.Store(i)
+		_, err := h(preparedClaimMsg(t, uuid.Must(uuid.NewV7()), fmt.Sprintf(`{"n":%d}`, i)))
+		require.NoError(t, err)
+	}
+	require.Equal(t, "0", changed, "the change took effect")
+	assert.Equal(t, "50ms", seen, "the next attempt's handler runs under Config.LockTimeout")
+	e.duplicateWaitIsBounded(t, h)
 }
 
 // two consumers with different LockTimeouts on one
