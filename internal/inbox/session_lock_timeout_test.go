@@ -60,10 +60,12 @@ func (e lockEnv) consumer(t *testing.T, name string, lock time.Duration, fn func
 				return nil, err
 			}
 		}
-		// Not in the simple protocol: pgx would write the arguments into
-		// the text, which makes every next claim set the lock timeout
-		// again and would hide what these tests measure.
-		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id, note) VALUES ($1, $2)`, msg.UUID, name)
+		// Unnamed, not in the simple protocol: pgx would write the
+		// arguments into the text, which makes every next claim set the
+		// lock timeout again and would hide what these tests measure; and
+		// a statement of pgx's cache would be lost with the claim's when a
+		// test drops them all (DEALLOCATE ALL).
+		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id, note) VALUES ($1, $2)`, pgx.QueryExecModeExec, msg.UUID, name)
 		return nil, err
 	})
 }
