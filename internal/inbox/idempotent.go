@@ -1056,9 +1056,13 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, err)
 	}
 
-	// The crash count's end, in the transaction: an error here (the
-	// transaction aborted by a handler statement) leaves the count to the
-	// caller, and the commit reports the abort. Not inside watermill-sql's
+	// The crash count's end, in the transaction. An error here leaves the
+	// count to the caller. When the transaction was aborted by a handler
+	// statement (25P02) the commit reports the abort; when the count's own
+	// statement failed on PostgreSQL (a lock it waited on, 55P03; a
+	// cancel, 57014; a deadlock, 40P01) it aborted the transaction itself:
+	// the attempt is rolled back and fails as the claim does (transient
+	// for the server's state), not as the handler's ErrTxAborted. Not inside watermill-sql's
 	// subscriber transaction: its commit (a savepoint's release) is not
 	// one, the subscriber's commit may still fail and take the count's end
 	// with it, and the row's lock would be held for the whole batch.
@@ -1071,9 +1075,15 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		// pgx's cache failed here and aborted the attempt.
 		q, ptx, _ := tx.parts()
 		if q == nil {
-			q = sqldb.PgxIn(ptx, sqldb.OwnModeIn(ptx.Conn()))
+			q = sqldb.PgxIn(ptx, sqldb.OwnModeIn(ownConn(ptx)))
 		}
-		countEnded = m.cfg.Store.ForgetAttempts(origCtx, q, consumer, eventID) == nil
+		fErr := m.cfg.Store.ForgetAttempts(origCtx, q, consumer, eventID)
+		countEnded = fErr == nil
+		if code := sqlState(fErr); code != "" && code != "25P02" {
+			_ = rollback(origCtx, tx)
+			ended = true
+			return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(fErr, m.cfg.Classifier))
+		}
 	}
 	crashpoint.Reached(crashpoint.BeforeCommit)
 	// Commit: errors here come from the attempt's own connection, except

@@ -453,6 +453,17 @@ func (tx *pgxTx) Conn() *pgx.Conn {
 	return tx.pc
 }
 
+// ownConn is the connection of the attempt's transaction t, for the
+// library's own statements in it: pgxTx.Conn would mark the connection raw
+// (what a handler sends there is unseen), so that every later attempt on
+// it paid the commit guard's statement and the lock timeout's check.
+func ownConn(t pgx.Tx) *pgx.Conn {
+	if p, ok := t.(*pgxTx); ok {
+		return p.pc
+	}
+	return t.Conn()
+}
+
 // errRow and closedBatchResults embed their (nil) pgx interface for the
 // same reason as pgxTx: a method a newer pgx adds is promoted, the build
 // does not break.

@@ -26,7 +26,9 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/faultproxy"
 	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
 )
 
 // lockFailsafe ends a claim that waits on a lock the lock timeout should
@@ -644,4 +646,37 @@ func TestFirstClaimOnAFreshConnectionIsBounded(t *testing.T) {
 	e.claimWaitIsBounded(t, h)
 	_, err := h(preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":1}`))
 	require.NoError(t, err)
+}
+
+// A counted attempt (a redelivery under the crash bound) ends its count in
+// its own transaction through the connection the library reaches itself:
+// that must not mark the connection raw (as a handler's tx.Conn() does),
+// or every later claim on it would carry the lock timeout's check in its
+// statement (8k server instructions) and every commit the guard's
+// statement.
+func TestCountedAttemptLeavesItsConnectionUnmarked(t *testing.T) {
+	t.Parallel()
+	e := lockSetup(t, 1, nil)
+	var checked, counts int
+	m, err := inbox.NewIdempotent(inbox.Config{Beginner: e.b, Store: e.store, Consumer: "stock", LockTimeout: 50 * time.Millisecond, MaxCrashes: 3, CrashQuerier: sqldb.Pgx(e.pool)}, watermill.NopLogger{})
+	require.NoError(t, err)
+	h := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		tx, _ := inbox.PgxTxFromContext(msg.Context())
+		err := tx.QueryRow(msg.Context(), `SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%' AND statement LIKE '%current\_setting%'`).Scan(&checked)
+		if err != nil {
+			return nil, err
+		}
+		return nil, tx.QueryRow(msg.Context(), `SELECT count(*) FROM processed_event_crash`).Scan(&counts)
+	})
+	counted := preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":1}`)
+	marshaler.SetRedelivered(counted, true)
+	_, err = h(counted)
+	require.NoError(t, err)
+	require.Equal(t, 1, counts, "the attempt was counted")
+	var left int
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_event_crash`).Scan(&left))
+	require.Zero(t, left, "its count ended with it")
+	_, err = h(preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":2}`))
+	require.NoError(t, err)
+	require.Zero(t, checked, "the claim after a counted attempt carries the lock timeout's check: the connection was marked raw")
 }

@@ -1,0 +1,96 @@
+package middleware_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency"
+	"github.com/watermill-idempotency/idempotency/internal/door"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
+)
+
+// A redelivered (counted) attempt ends its crash count inside its own
+// transaction just before COMMIT. When that statement meets a lock another
+// session holds on the count's row (maintenance, another delivery's count)
+// past LockTimeout, it fails with 55P03 and aborts the transaction itself:
+// the attempt fails as the claim does, transient (retried, a wait:
+// docs/guarantees.md), never as the handler's ErrTxAborted ("the handler
+// returned nil but a statement of its transaction failed", an ordinary
+// error that spends the retries toward a dead letter), and the event is
+// applied once. The count's error was dropped and COMMIT answered
+// ROLLBACK, blamed on the handler.
+func TestLockOnTheCrashCountRowIsHeldNotBlamedOnTheHandler(t *testing.T) {
+	t.Parallel()
+	pool, _ := testenv.Pool(t)
+	ctx := context.Background()
+	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
+	_, err := pool.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL)`)
+	require.NoError(t, err)
+	poison := &poisonRecorder{}
+	logs := &errorLog{}
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+		Consumer: "stock", DB: idempotency.Pgx(pool), LockTimeout: 50 * time.Millisecond,
+		Poison: middleware.PoisonConfig{Publisher: poison, Topic: "poison"},
+		Retry:  middleware.RetryConfig{InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond, MaxHold: time.Second},
+	}, logs)
+	require.NoError(t, err)
+
+	id := uuid.Must(uuid.NewV7())
+	locker, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer locker.Release()
+	locked := false
+	h, err := door.Wrap(c, "reserve", func(msg *message.Message) ([]*message.Message, error) {
+		if !locked {
+			// The attempt has counted its start: another session now
+			// holds the count's row until the test releases it.
+			locked = true
+			_, err := locker.Exec(ctx, `BEGIN`)
+			require.NoError(t, err)
+			var n int
+			require.NoError(t, locker.QueryRow(ctx, `SELECT started FROM processed_event_crash WHERE consumer = 'stock' AND event_id = $1 FOR KEY SHARE`, id).Scan(&n))
+		}
+		tx, _ := middleware.PgxTxFromContext(msg.Context())
+		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID)
+		return nil, err
+	})
+	require.NoError(t, err)
+	delivery := func() *message.Message {
+		msg := message.NewMessage(id.String(), []byte(`{}`))
+		msg.Metadata.Set(marshaler.MetadataEventName, "order.placed")
+		marshaler.SetRedelivered(msg, true) // as RabbitMQ marks a redelivery: counted
+		return msg
+	}
+	effects := func() int {
+		var n int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM effect`).Scan(&n))
+		return n
+	}
+
+	_, err = h(delivery())
+	require.True(t, locked, "the handler ran")
+	if err != nil {
+		require.True(t, middleware.IsTransient(err), "a held lock is transient, not %v", err)
+	}
+	require.NoError(t, logs.first(func(e error) bool { return errors.Is(e, middleware.ErrTxAborted) }),
+		"the consumer's own statement's failure was blamed on the handler")
+	require.Empty(t, poison.reasons())
+
+	_, rerr := locker.Exec(ctx, `ROLLBACK`)
+	require.NoError(t, rerr)
+	if err != nil {
+		_, err = h(delivery())
+		require.NoError(t, err)
+	}
+	require.Equal(t, 1, effects(), "applied once")
+	require.Empty(t, poison.reasons())
+}
