@@ -215,7 +215,7 @@ func countChild(specJSON string) error {
 		cfg := inbox.Config{Beginner: beginner, Store: store, Consumer: consumerName, Recorder: vs.sink}
 		mod(&cfg)
 		if cfg.MaxCrashes > 0 {
-			cfg.CrashQuerier = sqldb.PgxIn(pool, sqldb.OwnMode(pool)) // as NewConsumer sets it
+			cfg.CrashQuerier = inbox.OwnQuerier(beginner, sqldb.PgxIn(pool, sqldb.OwnMode(pool))) // as NewConsumer sets it
 		}
 		idem, err := inbox.NewIdempotent(cfg, watermill.NopLogger{})
 		if err != nil {

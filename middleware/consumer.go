@@ -394,11 +394,11 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 	// The crash count runs outside the attempt's transaction, for counted
 	// attempts only (redeliveries, a start's first ones), on h.Querier():
 	// on pgx in QueryExecModeExec whatever the pool's mode (sqldb.OwnMode),
-	// so it runs behind a transaction pooler too. In the pool's
+	// so it runs behind a transaction pooler too, until the claims have
+	// seen a direct connection (crashQ below). In the pool's
 	// cache_statement or describe_exec mode behind PgBouncer 1.18 most
 	// starts and ends failed there: attempts ran uncounted, and a start
 	// whose end was never written looked like a crash after a restart.
-	crashQ := h.Querier()
 	var beginner inbox.TxBeginner
 	switch {
 	case cfg.JoinSQLSubscriber:
@@ -411,6 +411,10 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 	if err != nil {
 		return nil, fmt.Errorf("middleware: ConsumerConfig.DB: %w", err)
 	}
+	// Over a direct connection, once the claims have seen it is one, in
+	// the pool's own mode (prepared): a redelivered duplicate is this
+	// statement alone (inbox.OwnQuerier).
+	crashQ := inbox.OwnQuerier(beginner, h.Querier())
 	idem, err := inbox.NewIdempotent(inbox.Config{
 		Beginner: beginner, Store: store, Consumer: cfg.Consumer, LockTimeout: cfg.LockTimeout,
 		Recorder: cfg.Recorder, Outbox: cfg.Outbox, OutboxTopic: cfg.OutboxTopic,

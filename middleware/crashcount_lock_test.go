@@ -94,3 +94,48 @@ func TestLockOnTheCrashCountRowIsHeldNotBlamedOnTheHandler(t *testing.T) {
 	require.Equal(t, 1, effects(), "applied once")
 	require.Empty(t, poison.reasons())
 }
+
+// A redelivered duplicate is the crash count's one read-only statement
+// (no transaction, no claim). Over a direct connection, once the claims
+// have seen it is one, that statement is prepared once per connection in
+// the pool's own mode, not parsed and planned on every delivery in
+// QueryExecModeExec (which a transaction pooler needs: it tripled the
+// redelivered duplicate's server instructions, bench part 6); the count's
+// end inside a counted attempt likewise.
+func TestRedeliveredDuplicateOverADirectConnectionIsPrepared(t *testing.T) {
+	t.Parallel()
+	schema := testenv.Schema(t)
+	pool := testenv.PoolOn(t, schema, 1) // one connection: its statements are the pool's
+	ctx := context.Background()
+	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
+	_, err := pool.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL)`)
+	require.NoError(t, err)
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{Consumer: "stock", DB: idempotency.Pgx(pool),
+		Poison: middleware.PoisonConfig{Publisher: &poisonRecorder{}, Topic: "poison"}}, nil)
+	require.NoError(t, err)
+	var calls int
+	h, err := door.Wrap(c, "reserve", func(msg *message.Message) ([]*message.Message, error) {
+		calls++
+		tx, _ := middleware.PgxTxFromContext(msg.Context())
+		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID)
+		return nil, err
+	})
+	require.NoError(t, err)
+	id := uuid.Must(uuid.NewV7())
+	delivery := func(redelivered bool) *message.Message {
+		msg := message.NewMessage(id.String(), []byte(`{}`))
+		msg.Metadata.Set(marshaler.MetadataEventName, "order.placed")
+		marshaler.SetRedelivered(msg, redelivered)
+		return msg
+	}
+	_, err = h(delivery(false))
+	require.NoError(t, err)
+	for i := 0; i < 3; i++ {
+		_, err = h(delivery(true))
+		require.NoError(t, err)
+	}
+	require.Equal(t, 1, calls, "applied once, the redeliveries skipped")
+	var prepared int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements WHERE name NOT LIKE 'idempotency\_%' AND statement LIKE 'SELECT event_name, fingerprint FROM%'`).Scan(&prepared))
+	require.Equal(t, 1, prepared, "the redelivered duplicate's read is a statement prepared on the connection")
+}

@@ -156,6 +156,11 @@ type pgxBeginner struct {
 	// transaction pooler, pgxclaim.go): statements are sent unnamed from
 	// then on.
 	pooled atomic.Bool
+	// session: what the claims found of the pool's server sessions
+	// (sessionLock compares their process IDs): sessionUnknown,
+	// sessionDirect (each connection's own) or sessionShared (a pooler's,
+	// for good). OwnQuerier reads it.
+	session atomic.Int32
 	// schemas: the commit guard's table per store (commitguard.go).
 	schemas guardSchemas
 }

@@ -1075,7 +1075,7 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		// pgx's cache failed here and aborted the attempt.
 		q, ptx, _ := tx.parts()
 		if q == nil {
-			q = sqldb.PgxIn(ptx, sqldb.OwnModeIn(ownConn(ptx)))
+			q = sqldb.PgxIn(ptx, ownModeIn(m.cfg.Beginner, ownConn(ptx)))
 		}
 		fErr := m.cfg.Store.ForgetAttempts(origCtx, q, consumer, eventID)
 		countEnded = fErr == nil

@@ -536,6 +536,7 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, st *connClaim, conn *pg
 				if err != nil {
 					return false, err
 				}
+				b.noteSession(set)
 				if set {
 					batchLock = ""
 					st.lockClaims++

@@ -1,0 +1,79 @@
+package inbox
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+)
+
+// What the pgx beginner's claims found of the pool's server sessions
+// (pgxBeginner.session).
+const (
+	sessionUnknown int32 = iota
+	sessionDirect
+	sessionShared
+)
+
+// noteSession records what a claim's connection showed of its server
+// session: its own (direct: the process ID the connection was given at
+// startup is pg_backend_pid()) or another's (a pooler's BackendKeyData),
+// which is final.
+func (b *pgxBeginner) noteSession(direct bool) {
+	if !direct {
+		b.session.Store(sessionShared)
+		return
+	}
+	b.session.CompareAndSwap(sessionUnknown, sessionDirect)
+}
+
+// OwnQuerier returns the querier of the library's own statements outside
+// an attempt on b's pool (the crash count: a redelivered duplicate's
+// only statement), given q, the same pool in a mode that needs no
+// statement kept on a server session (sqldb.OwnMode: QueryExecModeExec,
+// a parse and plan on the server each time). Once b's claims have found
+// the pool's server sessions to be its connections' own (a direct
+// connection, no pooler: the session lock timeout's check), and while no
+// claim found otherwise, statements go in the pool's own mode instead
+// (pgx's default prepares each once per connection: about a third of the
+// server instructions of a redelivered duplicate, bench part 6). Until
+// then, behind a pooler, and for any other beginner, it is q.
+func OwnQuerier(b TxBeginner, q sqldb.Querier) sqldb.Querier {
+	pb, ok := b.(*pgxBeginner)
+	if !ok {
+		return q
+	}
+	return ownQuerier{b: pb, direct: sqldb.Pgx(pb.pool), other: q}
+}
+
+// ownModeIn is the exec mode of the library's own statement inside an
+// attempt's transaction on conn (the crash count's end): the connection's
+// own mode once b's claims have found direct connections, as OwnQuerier;
+// otherwise sqldb.OwnModeIn's.
+func ownModeIn(b TxBeginner, conn *pgx.Conn) any {
+	if pb, ok := b.(*pgxBeginner); ok && pb.session.Load() == sessionDirect && !pb.pooled.Load() {
+		return nil
+	}
+	return sqldb.OwnModeIn(conn)
+}
+
+type ownQuerier struct {
+	b             *pgxBeginner
+	direct, other sqldb.Querier
+}
+
+func (o ownQuerier) pick() sqldb.Querier {
+	if o.b.session.Load() == sessionDirect && !o.b.pooled.Load() {
+		return o.direct
+	}
+	return o.other
+}
+
+func (o ownQuerier) Exec(ctx context.Context, query string, args ...any) (int64, error) {
+	return o.pick().Exec(ctx, query, args...)
+}
+
+func (o ownQuerier) QueryRow(ctx context.Context, query string, args ...any) sqldb.Row {
+	return o.pick().QueryRow(ctx, query, args...)
+}
