@@ -161,6 +161,8 @@ type pgxBeginner struct {
 	// sessionDirect (each connection's own) or sessionShared (a pooler's,
 	// for good). OwnQuerier reads it.
 	session atomic.Int32
+	// probing: probeSession is running.
+	probing atomic.Bool
 	// schemas: the commit guard's table per store (commitguard.go).
 	schemas guardSchemas
 }

@@ -32,13 +32,14 @@ func (b *pgxBeginner) noteSession(direct bool) {
 // an attempt on b's pool (the crash count: a redelivered duplicate's
 // only statement), given q, the same pool in a mode that needs no
 // statement kept on a server session (sqldb.OwnMode: QueryExecModeExec,
-// a parse and plan on the server each time). Once b's claims have found
-// the pool's server sessions to be its connections' own (a direct
-// connection, no pooler: the session lock timeout's check), and while no
-// claim found otherwise, statements go in the pool's own mode instead
-// (pgx's default prepares each once per connection: about a third of the
-// server instructions of a redelivered duplicate, bench part 6). Until
-// then, behind a pooler, and for any other beginner, it is q.
+// a parse and plan on the server each time). Where the pool's server
+// sessions are its connections' own (a direct connection, no pooler),
+// as its first statement finds (probeSession, one round trip per pool)
+// and as long as no claim finds otherwise (the session lock timeout's
+// check), statements go in the pool's own mode instead (pgx's default
+// prepares each once per connection: about a third of the server
+// instructions of a redelivered duplicate, bench part 6). Behind a
+// pooler, while the probe fails, and for any other beginner it is q.
 func OwnQuerier(b TxBeginner, q sqldb.Querier) sqldb.Querier {
 	pb, ok := b.(*pgxBeginner)
 	if !ok {
@@ -63,7 +64,10 @@ type ownQuerier struct {
 	direct, other sqldb.Querier
 }
 
-func (o ownQuerier) pick() sqldb.Querier {
+func (o ownQuerier) pick(ctx context.Context) sqldb.Querier {
+	if o.b.session.Load() == sessionUnknown {
+		o.b.probeSession(ctx)
+	}
 	if o.b.session.Load() == sessionDirect && !o.b.pooled.Load() {
 		return o.direct
 	}
@@ -71,9 +75,32 @@ func (o ownQuerier) pick() sqldb.Querier {
 }
 
 func (o ownQuerier) Exec(ctx context.Context, query string, args ...any) (int64, error) {
-	return o.pick().Exec(ctx, query, args...)
+	return o.pick(ctx).Exec(ctx, query, args...)
 }
 
 func (o ownQuerier) QueryRow(ctx context.Context, query string, args ...any) sqldb.Row {
-	return o.pick().QueryRow(ctx, query, args...)
+	return o.pick(ctx).QueryRow(ctx, query, args...)
+}
+
+// probeSession compares, on one of the pool's connections, the server
+// process's ID with the one the connection was given at startup (a pooler
+// gives its own: PgBouncer in any pool mode) and records the answer
+// (noteSession). An error leaves the session unknown, to be probed again
+// by the next statement; the statement itself then meets the same fault.
+// One probe at a time: the others go on as unknown meanwhile.
+func (b *pgxBeginner) probeSession(ctx context.Context) {
+	if !b.probing.CompareAndSwap(false, true) {
+		return
+	}
+	defer b.probing.Store(false)
+	c, err := b.pool.Acquire(ctx)
+	if err != nil {
+		return
+	}
+	defer c.Release()
+	var pid int64
+	if err := c.QueryRow(ctx, "SELECT pg_backend_pid()", pgx.QueryExecModeSimpleProtocol).Scan(&pid); err != nil {
+		return
+	}
+	b.noteSession(pid == int64(c.Conn().PgConn().PID()))
 }
