@@ -93,14 +93,14 @@ type Config struct {
 	// connection, on the plain layout, it is the session's lock_timeout,
 	// set once per connection, again after a handler statement that
 	// names lock_timeout, RESET, set_config or pg_settings, runs what the
-	// client cannot read (CALL, DO, EXECUTE, a prepared statement's name,
+	// client cannot read (EXECUTE, a prepared statement's name,
 	// arguments pgx writes into the text), after DISCARD ALL, and every
 	// 256 claims: no statement of its own per attempt (issue 25). The
 	// connection keeps it after the attempt, so other code on the same
 	// pool runs under it too; a consumer with a negative LockTimeout on
 	// that pool puts the session's earlier value back. A session-level
-	// change no handler statement shows (inside a function the handler
-	// calls, other code on the pool) bounds that connection's claims and
+	// change no handler statement shows (inside a function or procedure
+	// the handler calls, other code on the pool) bounds that connection's claims and
 	// handlers by its own value until the next of those, at most 256
 	// claims later; a function that makes it on every attempt keeps its
 	// value on that connection. After a handler
@@ -1056,13 +1056,8 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, err)
 	}
 
-	// The crash count's end, in the transaction. An error here leaves the
-	// count to the caller. When the transaction was aborted by a handler
-	// statement (25P02) the commit reports the abort; when the count's own
-	// statement failed on PostgreSQL (a lock it waited on, 55P03; a
-	// cancel, 57014; a deadlock, 40P01) it aborted the transaction itself:
-	// the attempt is rolled back and fails as the claim does (transient
-	// for the server's state), not as the handler's ErrTxAborted. Not inside watermill-sql's
+	// The crash count's end, in the transaction (endCountInTx). Not
+	// inside watermill-sql's
 	// subscriber transaction: its commit (a savepoint's release) is not
 	// one, the subscriber's commit may still fail and take the count's end
 	// with it, and the row's lock would be held for the whole batch.
@@ -1075,15 +1070,9 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		// pgx's cache failed here and aborted the attempt.
 		q, ptx, _ := tx.parts()
 		if q == nil {
-			q = sqldb.PgxIn(ptx, ownModeIn(m.cfg.Beginner, ownConn(ptx)))
+			q = sqldb.PgxIn(ptx, sqldb.OwnModeIn(ownConn(ptx)))
 		}
-		fErr := m.cfg.Store.ForgetAttempts(origCtx, q, consumer, eventID)
-		countEnded = fErr == nil
-		if code := sqlState(fErr); code != "" && code != "25P02" {
-			_ = rollback(origCtx, tx)
-			ended = true
-			return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, claimError(fErr, m.cfg.Classifier))
-		}
+		countEnded = m.endCountInTx(origCtx, q, consumer, eventID)
 	}
 	crashpoint.Reached(crashpoint.BeforeCommit)
 	// Commit: errors here come from the attempt's own connection, except
@@ -1100,6 +1089,29 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	crashpoint.Reached(crashpoint.AfterCommit)
 	_ = m.finish(handlerName, state.outcome, start, claimDur, fields, nil)
 	return produced, nil
+}
+
+// endCountInTx ends the crash count of a counted attempt in its
+// transaction q, just before COMMIT, so that the end commits with the
+// attempt, and reports whether it did. The count's statement runs under a
+// savepoint: when it fails on its own (a lock held on the count's row past
+// the lock timeout, 55P03; a handler's SET LOCAL ROLE without DELETE on
+// <table>_crash, 42501; its SET LOCAL statement_timeout, 57014; its SET
+// TRANSACTION READ ONLY, 25006; a lost prepared statement, 26000) the
+// savepoint is rolled back, the attempt commits, and the caller ends the
+// count after the commit, on its own connection (endAttempt). A
+// transaction a handler statement already aborted (25P02) fails at the
+// savepoint, and COMMIT reports that abort (ErrTxAborted) as before.
+func (m *Idempotent) endCountInTx(ctx context.Context, q sqldb.Querier, consumer string, eventID uuid.UUID) bool {
+	if _, err := q.Exec(ctx, "SAVEPOINT idempotency_count_end"); err != nil {
+		return false
+	}
+	if err := m.cfg.Store.ForgetAttempts(ctx, q, consumer, eventID); err != nil {
+		_, _ = q.Exec(ctx, "ROLLBACK TO SAVEPOINT idempotency_count_end")
+		return false
+	}
+	_, err := q.Exec(ctx, "RELEASE SAVEPOINT idempotency_count_end")
+	return err == nil
 }
 
 // unclaimed ends an attempt whose claim inserted nothing: a duplicate

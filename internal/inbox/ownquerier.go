@@ -48,17 +48,6 @@ func OwnQuerier(b TxBeginner, q sqldb.Querier) sqldb.Querier {
 	return ownQuerier{b: pb, direct: sqldb.Pgx(pb.pool), other: q}
 }
 
-// ownModeIn is the exec mode of the library's own statement inside an
-// attempt's transaction on conn (the crash count's end): the connection's
-// own mode once b's claims have found direct connections, as OwnQuerier;
-// otherwise sqldb.OwnModeIn's.
-func ownModeIn(b TxBeginner, conn *pgx.Conn) any {
-	if pb, ok := b.(*pgxBeginner); ok && pb.session.Load() == sessionDirect && !pb.pooled.Load() {
-		return nil
-	}
-	return sqldb.OwnModeIn(conn)
-}
-
 type ownQuerier struct {
 	b             *pgxBeginner
 	direct, other sqldb.Querier
@@ -74,12 +63,43 @@ func (o ownQuerier) pick(ctx context.Context) sqldb.Querier {
 	return o.other
 }
 
+// Exec and QueryRow send a statement that failed as prepared because its
+// prepared statement is gone or stale (statementInvalid: other code on
+// the pool ran DEALLOCATE ALL or DISCARD ALL, which pgx's statement cache
+// does not see) once more unnamed: the server ran nothing of it, and pgx
+// prepares it again next time.
 func (o ownQuerier) Exec(ctx context.Context, query string, args ...any) (int64, error) {
-	return o.pick(ctx).Exec(ctx, query, args...)
+	q := o.pick(ctx)
+	n, err := q.Exec(ctx, query, args...)
+	if q == o.direct && statementInvalid(err) {
+		return o.other.Exec(ctx, query, args...)
+	}
+	return n, err
 }
 
 func (o ownQuerier) QueryRow(ctx context.Context, query string, args ...any) sqldb.Row {
-	return o.pick(ctx).QueryRow(ctx, query, args...)
+	q := o.pick(ctx)
+	if q != o.direct {
+		return q.QueryRow(ctx, query, args...)
+	}
+	return ownRow{o: o, ctx: ctx, query: query, args: args}
+}
+
+// ownRow is a row of ownQuerier read as prepared, read again unnamed when
+// its statement was invalid.
+type ownRow struct {
+	o     ownQuerier
+	ctx   context.Context
+	query string
+	args  []any
+}
+
+func (r ownRow) Scan(dest ...any) error {
+	err := r.o.direct.QueryRow(r.ctx, r.query, r.args...).Scan(dest...)
+	if statementInvalid(err) {
+		return r.o.other.QueryRow(r.ctx, r.query, r.args...).Scan(dest...)
+	}
+	return err
 }
 
 // probeSession compares, on one of the pool's connections, the server

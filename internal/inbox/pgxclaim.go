@@ -350,7 +350,7 @@ type backstop struct {
 // (mayEndTx). It also forgets the session's lock timeout, so that the
 // next claim sets it again, when sql may change session settings
 // (mentionsSessionSetting) or may end the transaction (whatever runs
-// statements the scan does not see: CALL, DO, EXECUTE, a prepared
+// statements the scan does not see: EXECUTE, a prepared
 // statement's name): a handler's SET SESSION lock_timeout or RESET ALL,
 // committed, would otherwise stay the session's value under that
 // connection's later claims. Statements hidden in a function the handler
@@ -374,7 +374,7 @@ func (st *connClaim) handlerStatement(sql string) (mayEnd bool) {
 	mayEnd = mayEndTx(sql)
 	if mayEnd || mentionsSessionSetting(sql) {
 		// A statement that may end the transaction may also be one whose
-		// text the scan does not see (CALL, DO, EXECUTE, a prepared
+		// text the scan does not see (EXECUTE, a prepared
 		// statement's name): it may have set the session's lock_timeout.
 		st.lockMs = 0
 		return mayEnd
