@@ -102,6 +102,10 @@ type connClaim struct {
 	// lockClaims counts the claims made under the session's setting since
 	// sessionLock last set it; at sessionLockRecheck it is set again.
 	lockClaims int
+	// dbAt is the database clock (statement_timestamp()) sessionLock last
+	// read on this connection: the database clock is no earlier now
+	// (nearSkew).
+	dbAt time.Time
 	// backstops are this connection's lean claims with the lock timeout
 	// in their WHERE (withLockBackstop), sent once the connection is raw.
 	backstops []backstop
@@ -281,19 +285,43 @@ func (st *connClaim) sessionLock(ctx context.Context, conn *pgx.Conn, d time.Dur
 	// changed on a session that is not this connection's own.
 	var own string
 	var set *string
-	if err := conn.QueryRow(ctx, "SELECT current_setting('lock_timeout'), CASE WHEN pg_backend_pid()::bigint = $1::bigint THEN set_config('lock_timeout', $2, false) END",
-		pgx.QueryExecModeSimpleProtocol, int64(conn.PgConn().PID()), strconv.FormatInt(ms, 10)+"ms").Scan(&own, &set); err != nil {
+	var dbAt time.Time
+	if err := conn.QueryRow(ctx, "SELECT current_setting('lock_timeout'), CASE WHEN pg_backend_pid()::bigint = $1::bigint THEN set_config('lock_timeout', $2, false) END, statement_timestamp()",
+		pgx.QueryExecModeSimpleProtocol, int64(conn.PgConn().PID()), strconv.FormatInt(ms, 10)+"ms").Scan(&own, &set, &dbAt); err != nil {
 		return false, err
 	}
 	if set == nil {
 		st.shared = true
 		return false, nil
 	}
+	st.dbAt = dbAt
 	if !st.changed {
 		st.sessionOwn, st.changed = own, true
 	}
 	st.lockMs, st.lockClaims = ms, 0
 	return true, nil
+}
+
+// nearSkew reports whether p's event is dated before the database clock
+// sessionLock last read on this connection plus skew, so that its claim
+// may go without the window's future arm (ClaimParams.SQLNear): the
+// database clock when the claim runs is no earlier than that reading. No
+// process clock is read. When it is not (an event dated ahead, or a
+// reading grown old on a connection that claimed little since), the next
+// claim reads the database clock again. An event without a time has
+// nothing to refuse. A database clock stepped back since the reading lets
+// an event dated up to that step beyond the skew through: the purge keeps
+// it longer, nothing else (the past arm, which the purge's safety rests
+// on, is in both statements).
+func (st *connClaim) nearSkew(p *processedstore.ClaimParams, skew time.Duration) bool {
+	switch {
+	case st.dbAt.IsZero():
+		return false
+	case !p.HasEventAt || p.EventAt.Before(st.dbAt.Add(skew)):
+		return true
+	}
+	st.lockMs = 0
+	return false
 }
 
 // sessionLockRecheck is how many claims a connection makes under its
@@ -540,8 +568,15 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, st *connClaim, conn *pg
 				if set {
 					batchLock = ""
 					st.lockClaims++
+					if p.SQLNear != "" && st.nearSkew(p, c.store.MaxFutureSkew()) {
+						claimSQL = p.SQLNear
+					}
 					if st.raw {
-						claimSQL = backstopped
+						if claimSQL == p.SQL {
+							claimSQL = backstopped
+						} else if near, ok := st.withLockBackstop(claimSQL, c.lockTimeout.d); ok {
+							claimSQL = near
+						}
 					}
 				}
 			}

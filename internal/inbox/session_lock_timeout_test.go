@@ -680,3 +680,33 @@ func TestCountedAttemptLeavesItsConnectionUnmarked(t *testing.T) {
 	require.NoError(t, err)
 	require.Zero(t, checked, "the claim after a counted attempt carries the lock timeout's check: the connection was marked raw")
 }
+
+// Over a direct connection the claim of an event dated inside
+// MaxFutureSkew by the database clock the connection read (with the
+// session's lock timeout) goes without the window's future arm
+// (ClaimParams.SQLNear, 3k server instructions less); an event dated
+// beyond it gets the whole window and is refused as ErrFuture, on the
+// same connection, after the clock was read.
+func TestClaimInsideTheSkewLeavesTheFutureArmToTheReadClock(t *testing.T) {
+	t.Parallel()
+	e := lockSetup(t, 1, nil)
+	h := e.consumer(t, "stock", 50*time.Millisecond, nil)
+	claims := func() (near, whole int) {
+		require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE statement NOT LIKE '%+ interval%'), count(*) FILTER (WHERE statement LIKE '%+ interval%')
+FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%' AND statement LIKE 'INSERT%'`).Scan(&near, &whole))
+		return near, whole
+	}
+	_, err := h(preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":1}`))
+	require.NoError(t, err)
+	near, whole := claims()
+	require.Equal(t, 1, near, "the claim of an event dated now has no future arm")
+	require.Zero(t, whole)
+	ahead := preparedClaimMsg(t, uuidV7At(time.Now().Add(e.store.MaxFutureSkew()+time.Minute)), `{"n":2}`)
+	_, err = h(ahead)
+	require.ErrorIs(t, err, inbox.ErrFuture)
+	near, whole = claims()
+	require.Equal(t, 1, whole, "an event beyond the skew is judged by the whole window")
+	var n int
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FROM effect`).Scan(&n))
+	require.Equal(t, 1, n)
+}

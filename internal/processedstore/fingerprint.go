@@ -398,6 +398,13 @@ func newIdentityStatements(d sqldb.Dialect, q string) identityStatements {
 // row without event_at.
 type ClaimParams struct {
 	SQL string
+	// SQLNear is SQL without the replay window's future arm, for a
+	// caller that knows the event is dated before the database clock
+	// plus MaxFutureSkew when the statement runs (the pgx beginner, from
+	// the database clock it read on the connection); "" where there is
+	// none (no horizon, not the lean claim). The past arm, which the
+	// purge's safety rests on, is in both.
+	SQLNear string
 	// Pinned: SQL is the lean claim on a schema-qualified table, which no
 	// search_path a handler sets can move: its commit may go without the
 	// commit guard's statement when every handler statement was seen to
@@ -443,6 +450,7 @@ func (s *Store) ClaimParamsAt(consumer string, eventID uuid.UUID, at time.Time, 
 		// claim's move, a scan of the handler's statements would not.
 		// NewConsumer qualifies the table it finds.
 		p.SQL, p.Pinned = s.lean[v7][withID], s.table.Qualified()
+		p.SQLNear = s.leanNear[v7][withID]
 	case id != nil && routed:
 		p.SQL = s.identity.claimOther
 	case id != nil:

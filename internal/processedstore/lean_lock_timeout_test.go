@@ -7,8 +7,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 )
 
@@ -51,4 +53,47 @@ func TestMillisTextIsHowPostgreSQLShowsTheLockTimeout(t *testing.T) {
 		require.NoError(t, pool.QueryRow(ctx, `SELECT set_config('lock_timeout', $1, true)`, strconv.FormatInt(ms, 10)+"ms").Scan(&shown))
 		require.Equal(t, shown, millisText(ms), "%d ms", ms)
 	}
+}
+
+// The claim without the window's future arm (ClaimParams.SQLNear), which
+// the pgx beginner sends for an event it knows is inside MaxFutureSkew,
+// keeps the past arm that the purge's safety rests on: an event older than
+// the horizon by the database clock inserts nothing, on every lean
+// variant; one dated ahead is not judged by it. A store without a horizon
+// has none (its claim has no window).
+func TestNearClaimKeepsThePastArmOfTheWindow(t *testing.T) {
+	ctx := context.Background()
+	pool, schema := testenv.Pool(t)
+	s, err := NewStore(Config{Table: schema + ".processed_event", Horizon: time.Hour})
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, sqldb.Pgx(pool)))
+	for v7 := range s.leanNear {
+		for id := range s.leanNear[v7] {
+			near := s.leanNear[v7][id]
+			require.NotContains(t, near, "+ interval", "[%d][%d]: %s", v7, id, near)
+			_, ok := LeanClaimWithLockTimeout(near, time.Second)
+			require.True(t, ok, "[%d][%d] takes the lock timeout's check: %s", v7, id, near)
+			for _, c := range []struct {
+				at   time.Duration
+				rows int64
+			}{{-2 * time.Hour, 0}, {-30 * time.Minute, 1}, {time.Hour, 1}} {
+				eventID := uuid.New()
+				if v7 == 1 {
+					eventID = uuid.Must(uuid.NewV7())
+				}
+				args := []any{"stock", eventID, time.Now().Add(c.at)}
+				if id == 1 {
+					args = append(args, "order.placed", []byte{1})
+				}
+				n, err := sqldb.Pgx(pool).Exec(ctx, near, args...)
+				require.NoError(t, err)
+				require.Equal(t, c.rows, n, "[%d][%d] an event dated %s", v7, id, c.at)
+			}
+		}
+	}
+	plain, err := NewStore(Config{Table: schema + ".processed_event"})
+	require.NoError(t, err)
+	p, ok := plain.ClaimParamsAt("stock", uuid.Must(uuid.NewV7()), time.Time{}, nil)
+	require.True(t, ok)
+	require.Empty(t, p.SQLNear, "no horizon, no window")
 }

@@ -132,6 +132,9 @@ type Store struct {
 	// (postgresLeanClaim), by [UUIDv7 id][with identity]; hasLean: in use.
 	lean    [2][2]string
 	hasLean bool
+	// leanNear: the same without the window's future arm
+	// (ClaimParams.SQLNear), with a horizon only.
+	leanNear [2][2]string
 	guard   guardStatements // the commit guard (guard.go)
 }
 
@@ -212,7 +215,10 @@ func NewStore(cfg Config) (*Store, error) {
 	if s.dialect == sqldb.PostgreSQL && s.layout != LayoutPartitioned {
 		for v7 := 0; v7 < 2; v7++ {
 			for id := 0; id < 2; id++ {
-				s.lean[v7][id] = postgresLeanClaim(q, v7 == 1, id == 1, s.horizon, s.skew)
+				s.lean[v7][id] = postgresLeanClaim(q, v7 == 1, id == 1, true, s.horizon, s.skew)
+				if s.horizon > 0 {
+					s.leanNear[v7][id] = postgresLeanClaim(q, v7 == 1, id == 1, false, s.horizon, s.skew)
+				}
 			}
 		}
 		s.hasLean = true
