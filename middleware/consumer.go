@@ -113,7 +113,10 @@ type ConsumerConfig struct {
 
 	// MaxFutureSkew bounds how far ahead of the database clock an event may
 	// be dated (ErrFuture, permanent: its producer's clock is wrong). Only
-	// with ReplayHorizon > 0. Defaults to DefaultMaxFutureSkew (5 min).
+	// with ReplayHorizon > 0. Defaults to DefaultMaxFutureSkew (5 min). On
+	// pgx over a direct connection the bound is judged by the database
+	// clock the connection last read: a database clock stepped back since
+	// lets an event up to that step beyond it through.
 	MaxFutureSkew time.Duration
 
 	// Layout is the table's layout (processed.LayoutPlain, the default, or

@@ -283,18 +283,22 @@ func (st *connClaim) sessionLock(ctx context.Context, conn *pgx.Conn, d time.Dur
 	}
 	// CASE evaluates its THEN only when the PIDs match: no setting is
 	// changed on a session that is not this connection's own.
+	// The clock as whole microseconds since the Unix epoch: a
+	// timestamptz in the simple protocol is text in the session's
+	// DateStyle and TimeZone, which pgx parses only in ISO with a
+	// two-digit offset.
 	var own string
 	var set *string
-	var dbAt time.Time
-	if err := conn.QueryRow(ctx, "SELECT current_setting('lock_timeout'), CASE WHEN pg_backend_pid()::bigint = $1::bigint THEN set_config('lock_timeout', $2, false) END, statement_timestamp()",
-		pgx.QueryExecModeSimpleProtocol, int64(conn.PgConn().PID()), strconv.FormatInt(ms, 10)+"ms").Scan(&own, &set, &dbAt); err != nil {
+	var dbUs int64
+	if err := conn.QueryRow(ctx, "SELECT current_setting('lock_timeout'), CASE WHEN pg_backend_pid()::bigint = $1::bigint THEN set_config('lock_timeout', $2, false) END, (extract(epoch FROM statement_timestamp()) * 1000000)::bigint",
+		pgx.QueryExecModeSimpleProtocol, int64(conn.PgConn().PID()), strconv.FormatInt(ms, 10)+"ms").Scan(&own, &set, &dbUs); err != nil {
 		return false, err
 	}
 	if set == nil {
 		st.shared = true
 		return false, nil
 	}
-	st.dbAt = dbAt
+	st.dbAt = time.UnixMicro(dbUs)
 	if !st.changed {
 		st.sessionOwn, st.changed = own, true
 	}

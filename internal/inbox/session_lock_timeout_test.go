@@ -710,3 +710,64 @@ FROM pg_prepared_statements WHERE name LIKE 'idempotency\_%' AND statement LIKE 
 	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FROM effect`).Scan(&n))
 	require.Equal(t, 1, n)
 }
+
+// The session's DateStyle and TimeZone are the deployment's (ALTER
+// DATABASE … SET, a role's default, PGDATESTYLE/PGTZ, a pool's
+// RuntimeParams), and PostgreSQL writes a timestamptz in the text format
+// by them. The claim over a direct connection must not depend on them
+// (docs/retention.md: "neither the process time zone nor the session's
+// TimeZone enters"). The database clock the connection reads for the near
+// claim (ClaimParams.SQLNear) came back as text in them, which pgx parses
+// only in ISO with a two-digit offset: every claim failed, transiently,
+// for ever.
+func TestPreparedClaimUnderAnyDateStyleAndTimeZone(t *testing.T) {
+	t.Parallel()
+	for name, params := range map[string]map[string]string{
+		"DateStyle SQL, DMY": {"DateStyle": "SQL, DMY"},
+		"DateStyle German":   {"DateStyle": "German"},
+		"TimeZone UTC+100":   {"TimeZone": "UTC+100"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			e := lockSetup(t, 1, func(cfg *pgxpool.Config) {
+				for k, v := range params {
+					cfg.ConnConfig.RuntimeParams[k] = v
+				}
+			})
+			h := e.consumer(t, "stock", 50*time.Millisecond, nil)
+			_, err := h(preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":1}`))
+			require.NoError(t, err)
+			var n int
+			require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FROM effect`).Scan(&n))
+			require.Equal(t, 1, n)
+		})
+	}
+}
+
+// A handler's session-level SET DateStyle names no lock setting, so the
+// claims after it go on under the session's lock_timeout; one event dated
+// beyond MaxFutureSkew (refused, permanent, as it should be) then makes the
+// next claim on that connection read the database clock again: every
+// claim there failed from then on.
+func TestClaimsAfterAFutureEventUnderAHandlersDateStyle(t *testing.T) {
+	t.Parallel()
+	e := lockSetup(t, 1, nil)
+	first := true
+	h := e.consumer(t, "stock", 50*time.Millisecond, func(ctx context.Context, tx pgx.Tx) error {
+		if !first {
+			return nil
+		}
+		first = false
+		_, err := tx.Exec(ctx, `SET DateStyle = 'German'`)
+		return err
+	})
+	_, err := h(preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":1}`))
+	require.NoError(t, err)
+	_, err = h(preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":2}`))
+	require.NoError(t, err)
+	_, err = h(preparedClaimMsg(t, uuidV7At(time.Now().Add(e.store.MaxFutureSkew()+time.Hour)), `{"n":3}`))
+	require.ErrorIs(t, err, inbox.ErrFuture)
+	for i := 4; i < 7; i++ {
+		_, err = h(preparedClaimMsg(t, uuid.Must(uuid.NewV7()), `{"n":4}`))
+		require.NoError(t, err, "delivery %d", i)
+	}
+}

@@ -51,8 +51,9 @@ type Config struct {
 	// MaxFutureSkew bounds how far ahead of the database clock an event may
 	// be dated: a claim of an event with event_at > now() + MaxFutureSkew is
 	// refused (ErrFuture; the middleware poisons it and logs it at ERROR),
-	// since its producer's clock is wrong. Only with Horizon > 0. Defaults
-	// to DefaultMaxFutureSkew; it must be ≥ 0.
+	// since its producer's clock is wrong; see ErrFuture for a database
+	// clock stepped back. Only with Horizon > 0. Defaults to
+	// DefaultMaxFutureSkew; it must be ≥ 0.
 	MaxFutureSkew time.Duration
 
 	// Layout is the table's layout: LayoutPlain (default) or
@@ -135,7 +136,7 @@ type Store struct {
 	// leanNear: the same without the window's future arm
 	// (ClaimParams.SQLNear), with a horizon only.
 	leanNear [2][2]string
-	guard   guardStatements // the commit guard (guard.go)
+	guard    guardStatements // the commit guard (guard.go)
 }
 
 // dialectSQL is one dialect's statements and argument encodings (one file per
@@ -370,7 +371,10 @@ var ErrExpired = errors.New("processed: event older than the replay horizon")
 
 // ErrFuture: the claim refused an event dated after now() +
 // MaxFutureSkew by the database clock (its producer's clock is wrong).
-// Permanent.
+// Permanent. The pgx beginner's claim over a direct connection leaves that
+// bound to the database clock the connection last read (ClaimParams.SQLNear):
+// a database clock stepped back since lets an event up to that step beyond
+// it through.
 var ErrFuture = errors.New("processed: event dated too far in the future")
 
 // RefusedError is the error of a refused claim: it wraps ErrExpired or
