@@ -17,6 +17,7 @@ import (
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/watermill-idempotency/idempotency/internal/wire"
+	"github.com/watermill-idempotency/idempotency/marshaler"
 )
 
 // Chain defaults (ChainConfig).
@@ -550,7 +551,12 @@ func (p *holdPoison) sleep(ctx context.Context, start time.Time, b *holdBackoff)
 
 // boundedMetadata copies md, leaving out the largest values until keys and
 // values add up to at most budget bytes (negative: nothing). It returns the
-// copy and the keys left out, sorted.
+// copy and the keys left out, sorted. The keys the adapters' encoders need
+// to publish the copy (keptForEncoding: the envelope's event name and
+// time, the malformed flag and its reason) are never left out: without
+// them the copy is no envelope, its every publish was refused, and the
+// delivery was held and redelivered for ever (3,000 short headers left
+// out a 30-byte occurred_at first).
 func boundedMetadata(md message.Metadata, budget int) (message.Metadata, []string) {
 	out := make(message.Metadata, len(md))
 	total := 0
@@ -563,7 +569,9 @@ func boundedMetadata(md message.Metadata, budget int) (message.Metadata, []strin
 	}
 	keys := make([]string, 0, len(md))
 	for k := range md {
-		keys = append(keys, k)
+		if !keptForEncoding(k) {
+			keys = append(keys, k)
+		}
 	}
 	sort.Slice(keys, func(i, j int) bool {
 		if len(md[keys[i]]) != len(md[keys[j]]) {
@@ -582,6 +590,16 @@ func boundedMetadata(md message.Metadata, budget int) (message.Metadata, []strin
 	}
 	sort.Strings(dropped)
 	return out, dropped
+}
+
+// keptForEncoding reports whether key is one an adapter's encoder needs to
+// publish a message (marshaler.EncodeMessage, the malformed path).
+func keptForEncoding(key string) bool {
+	switch key {
+	case marshaler.MetadataEventName, marshaler.MetadataOccurredAt, marshaler.MetadataMalformed, marshaler.MetadataMalformedReason:
+		return true
+	}
+	return false
 }
 
 // holdBackoff is the capped exponential backoff of holds and poison publishes,
