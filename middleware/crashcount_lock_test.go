@@ -34,9 +34,7 @@ func TestLockOnTheCrashCountRowIsHeldNotBlamedOnTheHandler(t *testing.T) {
 	t.Parallel()
 	pool, _ := testenv.Pool(t)
 	ctx := context.Background()
-	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
-	_, err := pool.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL)`)
-	require.NoError(t, err)
+	effectsSchema(t, pool)
 	poison := &poisonRecorder{}
 	logs := &errorLog{}
 	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
@@ -66,19 +64,13 @@ func TestLockOnTheCrashCountRowIsHeldNotBlamedOnTheHandler(t *testing.T) {
 		return nil, err
 	})
 	require.NoError(t, err)
-	delivery := func() *message.Message {
-		msg := message.NewMessage(id.String(), []byte(`{}`))
-		msg.Metadata.Set(marshaler.MetadataEventName, "order.placed")
-		marshaler.SetRedelivered(msg, true) // as RabbitMQ marks a redelivery: counted
-		return msg
-	}
 	effects := func() int {
 		var n int
 		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM effect`).Scan(&n))
 		return n
 	}
 
-	_, err = h(delivery())
+	_, err = h(counted(id, true))
 	require.True(t, locked, "the handler ran")
 	if err != nil {
 		require.True(t, middleware.IsTransient(err), "a held lock is transient, not %v", err)
@@ -90,7 +82,7 @@ func TestLockOnTheCrashCountRowIsHeldNotBlamedOnTheHandler(t *testing.T) {
 	_, rerr := locker.Exec(ctx, `ROLLBACK`)
 	require.NoError(t, rerr)
 	if err != nil {
-		_, err = h(delivery())
+		_, err = h(counted(id, true))
 		require.NoError(t, err)
 	}
 	require.Equal(t, 1, effects(), "applied once")
@@ -110,9 +102,7 @@ func TestRedeliveredDuplicateOverADirectConnectionIsPrepared(t *testing.T) {
 	schema := testenv.Schema(t)
 	ctx := context.Background()
 	first := testenv.PoolOn(t, schema, 2)
-	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(first), processed.Config{}))
-	_, err := first.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL)`)
-	require.NoError(t, err)
+	effectsSchema(t, first)
 	var calls int
 	instance := func(pool *pgxpool.Pool) message.HandlerFunc {
 		c, err := middleware.NewConsumer(middleware.ConsumerConfig{Consumer: "stock", DB: idempotency.Pgx(pool),
@@ -128,18 +118,12 @@ func TestRedeliveredDuplicateOverADirectConnectionIsPrepared(t *testing.T) {
 		return h
 	}
 	id := uuid.Must(uuid.NewV7())
-	delivery := func(redelivered bool) *message.Message {
-		msg := message.NewMessage(id.String(), []byte(`{}`))
-		msg.Metadata.Set(marshaler.MetadataEventName, "order.placed")
-		marshaler.SetRedelivered(msg, redelivered)
-		return msg
-	}
-	_, err = instance(first)(delivery(false))
+	_, err := instance(first)(counted(id, false))
 	require.NoError(t, err)
 	pool := testenv.PoolOn(t, schema, 1) // one connection: its statements are the pool's
 	h := instance(pool)
 	for i := 0; i < 3; i++ {
-		_, err = h(delivery(true))
+		_, err = h(counted(id, true))
 		require.NoError(t, err)
 	}
 	require.Equal(t, 1, calls, "applied once, the redeliveries skipped")
@@ -169,7 +153,7 @@ func TestCountedAttemptsAfterDeallocateAllAreCountedOnce(t *testing.T) {
 	schema := testenv.Schema(t)
 	ctx := context.Background()
 	pool := testenv.PoolOn(t, schema, 1)
-	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
+	effectsSchema(t, pool)
 	c, err := middleware.NewConsumer(middleware.ConsumerConfig{Consumer: "stock", DB: idempotency.Pgx(pool),
 		Poison: middleware.PoisonConfig{Publisher: &poisonRecorder{}, Topic: "poison"}}, nil)
 	require.NoError(t, err)
@@ -211,11 +195,9 @@ func TestRedeliveryOfAHandlerUnderSetLocalRoleIsApplied(t *testing.T) {
 	t.Parallel()
 	pool, schema := testenv.Pool(t)
 	ctx := context.Background()
-	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
-	_, err := pool.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL)`)
-	require.NoError(t, err)
+	effectsSchema(t, pool)
 	role := testenv.UniqueName("tenant")
-	_, err = pool.Exec(ctx, `CREATE ROLE `+role+` NOLOGIN`)
+	_, err := pool.Exec(ctx, `CREATE ROLE `+role+` NOLOGIN`)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		_, _ = pool.Exec(context.Background(), `DROP OWNED BY `+role)
@@ -256,4 +238,14 @@ func TestRedeliveryOfAHandlerUnderSetLocalRoleIsApplied(t *testing.T) {
 	var left int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM processed_event_crash`).Scan(&left))
 	require.Zero(t, left, "its count ended after the commit")
+}
+
+// effectsSchema migrates the processed table on pool's schema and creates
+// the handlers' effect table.
+func effectsSchema(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	ctx := context.Background()
+	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
+	_, err := pool.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL)`)
+	require.NoError(t, err)
 }

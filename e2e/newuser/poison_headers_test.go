@@ -42,20 +42,32 @@ func TestPoisonEnvelopeWithManyShortHeadersIsDeadLettered(t *testing.T) {
 		t.Fatalf("publish: %v", err)
 	}
 	e.order("after", 1)
-	deadline := time.Now().Add(60 * time.Second) // failsafe: 12 × MaxHold
-	for time.Now().Before(deadline) {            // polling
+	if e.deadLetteredThenAfter(t, stop, 60*time.Second) { // failsafe: 12 × MaxHold
+		return
+	}
+	t.Fatalf("an envelope refused as permanent, with 3,000 short headers: not dead-lettered within 60 s (dlq %v), "+
+		"the event after it applied %d times; poison errors (%d): %v",
+		first(e.depth(e.n.DLQ)), e.reservations("after"), len(e.logs.errors("Poison publish failed")),
+		tail(e.logs.errors("Poison publish failed"), 1))
+}
+
+// deadLetteredThenAfter polls until the dead-letter queue holds one message
+// and the order "after" is reserved once, then stops the service and
+// requires the consumer's queue empty (true); false when within (a
+// failsafe) passes first.
+func (e *env) deadLetteredThenAfter(t *testing.T, stop func() error, within time.Duration) bool {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for time.Now().Before(deadline) { // polling
 		dlq, _ := e.depth(e.n.DLQ)
 		if dlq == 1 && e.reservations("after") == 1 {
 			_ = stop()
 			if n, _ := e.depth(e.n.Queue); n != 0 {
 				t.Fatalf("%d message(s) left on the queue", n)
 			}
-			return
+			return true
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	t.Fatalf("an envelope refused as permanent, with 3,000 short headers: not dead-lettered within 60 s (dlq %v), "+
-		"the event after it applied %d times; poison errors (%d): %v",
-		first(e.depth(e.n.DLQ)), e.reservations("after"), len(e.logs.errors("Poison publish failed")),
-		tail(e.logs.errors("Poison publish failed"), 1))
+	return false
 }

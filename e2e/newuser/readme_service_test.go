@@ -95,17 +95,8 @@ func TestPoisonMessageWithHeadersNearFrameMax(t *testing.T) {
 		t.Fatalf("publish: %v", err)
 	}
 	e.order("after", 1)
-	deadline := time.Now().Add(30 * time.Second)
-	for time.Now().Before(deadline) { // polling
-		dlq, _ := e.depth(e.n.DLQ)
-		if dlq == 1 && e.reservations("after") == 1 {
-			_ = stop()
-			if n, _ := e.depth(e.n.Queue); n != 0 {
-				t.Fatalf("%d message(s) left on the queue", n)
-			}
-			return
-		}
-		time.Sleep(100 * time.Millisecond)
+	if e.deadLetteredThenAfter(t, stop, 30*time.Second) {
+		return
 	}
 	t.Fatalf("a malformed message with %d bytes of headers: not dead-lettered within 30 s (dlq %v), the event after it applied %d times; poison errors: %v",
 		pad, first(e.depth(e.n.DLQ)), e.reservations("after"), tail(e.logs.errors("Poison publish failed"), 3))
