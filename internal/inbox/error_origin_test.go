@@ -269,9 +269,7 @@ func TestPoisonTopicEqualToHandlerTopicNamesTheField(t *testing.T) {
 	t.Parallel()
 	logger := &captureLogger{}
 	poison := &capture{msgs: make(chan *message.Message, 1)}
-	idem, err := inbox.NewIdempotent(inbox.Config{Beginner: mustBeginner(inbox.NewStdBeginner(testenv.SQLiteDB(t))),
-		Store: mustSQLiteStore(t), Consumer: "stock"}, nil)
-	require.NoError(t, err)
+	idem := sqliteIdempotent(t)
 	mw, err := inbox.NewHandlerMiddleware(inbox.ChainConfig{
 		Idempotent: idem, PoisonPublisher: poison, PoisonTopic: "orders",
 		MaxRetries: 1, InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond, MaxHold: 50 * time.Millisecond,
@@ -313,6 +311,16 @@ func (l *captureLogger) at(level, msg string) []logLine {
 		}
 	}
 	return out
+}
+
+// sqliteIdempotent is the idempotent middleware of consumer "stock" on a
+// SQLite database of the test's own (database/sql).
+func sqliteIdempotent(t *testing.T) *inbox.Idempotent {
+	t.Helper()
+	idem, err := inbox.NewIdempotent(inbox.Config{Beginner: mustBeginner(inbox.NewStdBeginner(testenv.SQLiteDB(t))),
+		Store: mustSQLiteStore(t), Consumer: "stock"}, nil)
+	require.NoError(t, err)
+	return idem
 }
 
 func mustSQLiteStore(t *testing.T) *processedstore.Store {
@@ -513,9 +521,7 @@ func (p *loopingPoison) Close() error { return nil }
 func TestDeadLetterRoutedBackToItsConsumerIsHeldAfterItsSecondPoisoning(t *testing.T) {
 	t.Parallel()
 	logger := &captureLogger{}
-	idem, err := inbox.NewIdempotent(inbox.Config{Beginner: mustBeginner(inbox.NewStdBeginner(testenv.SQLiteDB(t))),
-		Store: mustSQLiteStore(t), Consumer: "stock"}, nil)
-	require.NoError(t, err)
+	idem := sqliteIdempotent(t)
 	var poison *loopingPoison
 	pubsub := ordersChain(t, idem, logger, 50*time.Millisecond, func(ps *gochannel.GoChannel) message.Publisher {
 		poison = &loopingPoison{pubsub: ps, topic: "orders"}
@@ -539,9 +545,7 @@ func TestDeadLetterRedrivenWithItsHeadersLaterIsPoisonedAgain(t *testing.T) {
 	t.Parallel()
 	logger := &captureLogger{}
 	poison := &capture{msgs: make(chan *message.Message, 1)}
-	idem, err := inbox.NewIdempotent(inbox.Config{Beginner: mustBeginner(inbox.NewStdBeginner(testenv.SQLiteDB(t))),
-		Store: mustSQLiteStore(t), Consumer: "stock"}, nil)
-	require.NoError(t, err)
+	idem := sqliteIdempotent(t)
 	pubsub := ordersChain(t, idem, logger, 50*time.Millisecond, func(*gochannel.GoChannel) message.Publisher { return poison },
 		func(*message.Message) error { return nil })
 	redriven := message.NewMessage("not-a-uuid", []byte(`{}`)) // rejected: permanent

@@ -93,21 +93,21 @@ type Config struct {
 	// connection, on the plain layout, it is the session's lock_timeout,
 	// set once per connection, again after a handler statement that
 	// names lock_timeout, RESET, set_config or pg_settings, runs what the
-	// client cannot read (EXECUTE, a prepared statement's name,
-	// arguments pgx writes into the text), after DISCARD ALL, and every
-	// 256 claims: no statement of its own per attempt (issue 25). The
-	// connection keeps it after the attempt, so other code on the same
-	// pool runs under it too; a consumer with a negative LockTimeout on
-	// that pool puts the session's earlier value back. A session-level
-	// change no handler statement shows (inside a function or procedure
-	// the handler calls, other code on the pool) bounds that connection's claims and
-	// handlers by its own value until the next of those, at most 256
-	// claims later; a function that makes it on every attempt keeps its
-	// value on that connection. After a handler
-	// reached tx.Conn(), whose statements the claim cannot see, the claim
-	// on that connection also sets LockTimeout for its own transaction in
-	// its WHERE (8k server instructions a claim): only its wait for its
-	// table lock (DDL, LOCK TABLE) then follows the session's value. Behind
+	// client cannot read (EXECUTE, a prepared statement's name, arguments
+	// pgx writes into the text), after DISCARD ALL, and every 256 claims:
+	// no statement of its own per attempt (issue 25). The connection keeps
+	// it after the attempt, so other code on the same pool runs under it
+	// too; a consumer with a negative LockTimeout on that pool puts the
+	// session's earlier value back. A session-level change no handler
+	// statement shows (inside a function or procedure the handler calls,
+	// other code on the pool) bounds that connection's claims and handlers
+	// by its own value until the next of those, at most 256 claims later;
+	// a function that makes it on every attempt keeps its value on that
+	// connection. After a handler reached tx.Conn(), whose statements the
+	// claim cannot see, the claim on that connection also sets LockTimeout
+	// for its own transaction in its WHERE (8k server instructions a
+	// claim): only its wait for its table lock (DDL, LOCK TABLE) then
+	// follows the session's value. Behind
 	// a pooler (the server's process ID is not the one the connection was
 	// given at startup: PgBouncer in any pool mode) and in every other
 	// mode and driver it is SET LOCAL lock_timeout before the claim, in
@@ -1056,11 +1056,11 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, err)
 	}
 
-	// The crash count's end, in the transaction (endCountInTx). Not
-	// inside watermill-sql's
-	// subscriber transaction: its commit (a savepoint's release) is not
-	// one, the subscriber's commit may still fail and take the count's end
-	// with it, and the row's lock would be held for the whole batch.
+	// The crash count's end, in the transaction (endCountInTx). Not inside
+	// watermill-sql's subscriber transaction: its commit (a savepoint's
+	// release) is not one, the subscriber's commit may still fail and take
+	// the count's end with it, and the row's lock would be held for the
+	// whole batch.
 	countEnded := false
 	if _, joined := tx.(*savepointTx); endCount != nil && !joined {
 		// On the transaction itself, not the handler's view of it (a

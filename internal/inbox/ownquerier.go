@@ -19,13 +19,14 @@ const (
 // noteSession records what a claim's connection showed of its server
 // session: its own (direct: the process ID the connection was given at
 // startup is pg_backend_pid()) or another's (a pooler's BackendKeyData),
-// which is final.
+// which is final. Called on every prepared claim: it writes only a change.
 func (b *pgxBeginner) noteSession(direct bool) {
-	if !direct {
+	switch s := b.session.Load(); {
+	case !direct && s != sessionShared:
 		b.session.Store(sessionShared)
-		return
+	case direct && s == sessionUnknown:
+		b.session.CompareAndSwap(sessionUnknown, sessionDirect)
 	}
-	b.session.CompareAndSwap(sessionUnknown, sessionDirect)
 }
 
 // OwnQuerier returns the querier of the library's own statements outside

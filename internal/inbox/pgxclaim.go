@@ -282,8 +282,8 @@ func (st *connClaim) sessionLock(ctx context.Context, conn *pgx.Conn, d time.Dur
 		return true, nil
 	}
 	// CASE evaluates its THEN only when the PIDs match: no setting is
-	// changed on a session that is not this connection's own.
-	// The clock as whole microseconds since the Unix epoch: a
+	// changed on a session that is not this connection's own. The clock
+	// comes as whole microseconds since the Unix epoch (nearSkew): a
 	// timestamptz in the simple protocol is text in the session's
 	// DateStyle and TimeZone, which pgx parses only in ISO with a
 	// two-digit offset.
@@ -403,19 +403,16 @@ func (st *connClaim) handlerStatement(sql string) (mayEnd bool) {
 			return false
 		}
 	}
-	mayEnd = mayEndTx(sql)
-	if mayEnd || mentionsSessionSetting(sql) {
+	if mayEnd = mayEndTx(sql); mayEnd || mentionsSessionSetting(sql) {
 		// A statement that may end the transaction may also be one whose
-		// text the scan does not see (EXECUTE, a prepared
-		// statement's name): it may have set the session's lock_timeout.
+		// text the scan does not see (EXECUTE, a prepared statement's
+		// name): it may have set the session's lock_timeout.
 		st.lockMs = 0
 		return mayEnd
 	}
-	if !mayEnd {
-		st.plain[st.plainNext%uint8(len(st.plain))] = k
-		st.plainNext++
-	}
-	return mayEnd
+	st.plain[st.plainNext%uint8(len(st.plain))] = k
+	st.plainNext++
+	return false
 }
 
 // sqlText is a string's identity: the address and length of its bytes.
@@ -560,27 +557,26 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, st *connClaim, conn *pg
 		if lockSQL != "" && p.Pinned {
 			// Only the lean claim (Pinned) can carry the backstop, so only
 			// its lock timeout can be the session's.
-			if backstopped, ok := st.withLockBackstop(p.SQL, c.lockTimeout.d); ok {
-				if st.lockClaims >= sessionLockRecheck {
-					st.lockMs = 0
+			if st.lockClaims >= sessionLockRecheck {
+				st.lockMs = 0
+			}
+			set, err := st.sessionLock(ctx, conn, c.lockTimeout.d)
+			if err != nil {
+				return false, err
+			}
+			b.noteSession(set)
+			if set {
+				batchLock = ""
+				st.lockClaims++
+				if p.SQLNear != "" && st.nearSkew(p, c.store.MaxFutureSkew()) {
+					claimSQL = p.SQLNear
 				}
-				set, err := st.sessionLock(ctx, conn, c.lockTimeout.d)
-				if err != nil {
-					return false, err
-				}
-				b.noteSession(set)
-				if set {
-					batchLock = ""
-					st.lockClaims++
-					if p.SQLNear != "" && st.nearSkew(p, c.store.MaxFutureSkew()) {
-						claimSQL = p.SQLNear
-					}
-					if st.raw {
-						if claimSQL == p.SQL {
-							claimSQL = backstopped
-						} else if near, ok := st.withLockBackstop(claimSQL, c.lockTimeout.d); ok {
-							claimSQL = near
-						}
+				if st.raw {
+					backstopped, ok := st.withLockBackstop(claimSQL, c.lockTimeout.d)
+					if ok {
+						claimSQL = backstopped
+					} else {
+						batchLock = lockSQL // not a lean claim: SET LOCAL after all
 					}
 				}
 			}

@@ -384,12 +384,11 @@ func (tx *pgxTx) handlerSQL(sql string, args []any) bool {
 		// prepares there is not scanned, as after tx.Conn.
 		tx.session.raw = true
 	}
-	if sanitizes {
-		// What pgx writes into the text may be any SQL, a session
-		// setting too: the next claim sets the lock timeout again.
-		tx.session.lockMs = 0
-	}
 	if tx.session.handlerStatement(sql) || sanitizes {
+		// What pgx writes into the text may be any SQL: one that ends
+		// the transaction, or sets the session's lock timeout, which the
+		// next claim then sets again.
+		tx.session.lockMs = 0
 		tx.scan.mayEnd = true
 		return true
 	}
