@@ -148,6 +148,10 @@ func countChild(specJSON string) error {
 	if err != nil {
 		return err
 	}
+	// As NewConsumer: the lean claim, and the UUIDv7 claim table.
+	if err := store.CheckLean(ctx, sqldb.Pgx(pool), consumerName); err != nil {
+		return err
+	}
 	vs, err := newVariantSet(pool, store)
 	if err != nil {
 		return err

@@ -101,6 +101,10 @@ func (e *env) store(ctx context.Context, pool *pgxpool.Pool, schema, table strin
 	if err := s.Migrate(ctx, sqldb.Pgx(pool)); err != nil {
 		return nil, err
 	}
+	// As NewConsumer: the lean claim, and the UUIDv7 claim table.
+	if err := s.CheckLean(ctx, sqldb.Pgx(pool), consumerName); err != nil {
+		return nil, err
+	}
 	return s, nil
 }
 

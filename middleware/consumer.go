@@ -370,7 +370,7 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 		return nil, fmt.Errorf("middleware: ConsumerConfig: %w", err)
 	}
 	ctx, cancel = context.WithTimeout(context.Background(), startupTimeout)
-	err = store.CheckLean(ctx, h.Querier())
+	err = store.CheckLean(ctx, h.Querier(), cfg.Consumer)
 	cancel()
 	if err != nil {
 		return nil, fmt.Errorf("middleware: ConsumerConfig.DB: %w", err)

@@ -128,7 +128,7 @@ func TestRedeliveredDuplicateOverADirectConnectionIsPrepared(t *testing.T) {
 	}
 	require.Equal(t, 1, calls, "applied once, the redeliveries skipped")
 	var prepared int
-	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements WHERE name NOT LIKE 'idempotency\_%' AND statement LIKE 'SELECT event_name, fingerprint FROM%'`).Scan(&prepared))
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements WHERE name NOT LIKE 'idempotency\_%' AND statement ~ '^SELECT (event_name|NULL::text), fingerprint FROM'`).Scan(&prepared))
 	require.Equal(t, 1, prepared, "the redelivered duplicate's read is a statement prepared on the connection")
 }
 

@@ -84,7 +84,7 @@ func (g *guardSchemas) guard(ctx context.Context, c *claimRequest, query func(ct
 	if err != nil {
 		return commitGuard{}, err
 	}
-	q, ok := c.store.ClaimGuardQuery(c.eventID, schema)
+	q, ok := c.store.ClaimGuardQuery(c.consumer, c.eventID, schema)
 	if !ok {
 		return commitGuard{}, nil
 	}

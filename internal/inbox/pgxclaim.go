@@ -70,6 +70,7 @@ const (
 	oidUUID        = 2950
 	oidTimestamptz = 1184
 	oidBytea       = 17
+	oidInt2        = 21
 )
 
 // preparedStmt is one statement prepared on a connection; ok is false when
@@ -144,6 +145,7 @@ type connClaim struct {
 	fp        []byte    // the fingerprint
 	uuid      [16]byte
 	ts        [8]byte
+	i2        [2]byte // a <table>_v7 claim's consumer id
 }
 
 func connClaimOf(pc *pgconn.PgConn) *connClaim {
@@ -217,6 +219,13 @@ var (
 	claimTypes = [][]uint32{{oidText, oidVarchar}, {oidUUID}, {oidTimestamptz}}
 	// claimIdentityTypes: claimTypes and the identity columns.
 	claimIdentityTypes = [][]uint32{{oidText, oidVarchar}, {oidUUID}, {oidTimestamptz}, {oidText, oidVarchar}, {oidBytea}}
+	// claimV7Types: the claim in <table>_v7 (ClaimParams.ConsumerID),
+	// with the fingerprint when it has an identity.
+	claimV7Types         = [][]uint32{{oidInt2}, {oidUUID}, {oidTimestamptz}}
+	claimV7IdentityTypes = [][]uint32{{oidInt2}, {oidUUID}, {oidTimestamptz}, {oidBytea}}
+	// claimV7OIDs and claimV7Formats: its parameters, all binary.
+	claimV7OIDs    = []uint32{oidInt2, oidUUID, oidTimestamptz, oidBytea}
+	claimV7Formats = []int16{1, 1, 1, 1}
 )
 
 // microseconds from 1970-01-01 to 2000-01-01, PostgreSQL's epoch for the
@@ -227,6 +236,10 @@ const pgEpochMicros = 946684800 * 1000000
 func (st *connClaim) encode(p *processedstore.ClaimParams) [][]byte {
 	st.text[0] = append(st.text[0][:0], p.Consumer...)
 	st.vals[0] = st.text[0]
+	if p.ConsumerID != 0 {
+		st.i2 = [2]byte{byte(uint16(p.ConsumerID) >> 8), byte(p.ConsumerID)}
+		st.vals[0] = st.i2[:]
+	}
 	st.uuid = p.EventID
 	st.vals[1] = st.uuid[:]
 	st.vals[2] = nil // NULL
@@ -241,6 +254,14 @@ func (st *connClaim) encode(p *processedstore.ClaimParams) [][]byte {
 	}
 	if !p.Identity {
 		return st.vals[:3]
+	}
+	if p.ConsumerID != 0 {
+		st.vals[3] = nil // NULL
+		if p.FingerprintLen > 0 {
+			st.fp = append(st.fp[:0], p.Fingerprint[:p.FingerprintLen]...)
+			st.vals[3] = st.fp
+		}
+		return st.vals[:4]
 	}
 	st.text[1] = append(st.text[1][:0], p.EventName...)
 	st.vals[3] = st.text[1]
@@ -509,7 +530,11 @@ func (b *pgxBeginner) claimUnnamed(ctx context.Context, conn *pgx.Conn, lockSQL 
 	if lockSQL != "" {
 		batch.ExecParams(lockSQL, nil, nil, nil, nil)
 	}
-	batch.ExecParams(p.SQL, vals, claimOIDs[:len(vals)], st.formats[:len(vals)], nil)
+	oids, formats := claimOIDs[:len(vals)], st.formats[:len(vals)]
+	if p.ConsumerID != 0 {
+		oids, formats = claimV7OIDs[:len(vals)], claimV7Formats[:len(vals)]
+	}
+	batch.ExecParams(p.SQL, vals, oids, formats, nil)
 	return b.execClaimBatch(ctx, conn, &batch, lockSQL, p.SQL)
 }
 
@@ -546,7 +571,12 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, st *connClaim, conn *pg
 		lockSQL = c.lockTimeout.query
 	}
 	types := claimTypes
-	if p.Identity {
+	switch {
+	case p.ConsumerID != 0 && p.Identity:
+		types = claimV7IdentityTypes
+	case p.ConsumerID != 0:
+		types = claimV7Types
+	case p.Identity:
 		types = claimIdentityTypes
 	}
 	if b.pooled.Load() {
@@ -635,7 +665,11 @@ func (b *pgxBeginner) claimPrepared(ctx context.Context, st *connClaim, conn *pg
 		if batchLock != "" {
 			batch.ExecPrepared(lock.name, nil, nil, nil)
 		}
-		batch.ExecPrepared(claim.name, vals, st.formats[:len(vals)], nil)
+		formats := st.formats[:len(vals)]
+		if p.ConsumerID != 0 {
+			formats = claimV7Formats[:len(vals)]
+		}
+		batch.ExecPrepared(claim.name, vals, formats, nil)
 		claimed, err := b.execClaimBatch(ctx, conn, &batch, batchLock, claimSQL)
 		if err == nil || !statementLost(err) || pc.IsClosed() {
 			return claimed, err

@@ -334,6 +334,9 @@ func (s *Store) StoredIdentity(ctx context.Context, q sqldb.Querier, consumer st
 	)
 	query, args := s.StoredIdentityQuery(consumer, eventID)
 	err := q.QueryRow(ctx, query, args...).Scan(&name, &fp)
+	if s.undefinedV7(eventID, err) {
+		return s.StoredIdentity(ctx, q, consumer, eventID)
+	}
 	switch {
 	case errors.Is(err, sqldb.ErrNoRows):
 		return StoredIdentity{}, nil
@@ -353,6 +356,9 @@ func (s *Store) StoredIdentityQuery(consumer string, eventID uuid.UUID) (string,
 	query := s.identity.stored
 	if s.routed(eventID) && s.identity.storedOther != "" {
 		query = s.identity.storedOther
+	}
+	if s.inV7(eventID) {
+		query = s.v7Read(consumer).stored
 	}
 	return query, []any{consumer, s.sql.eventID(eventID)}
 }
@@ -409,8 +415,13 @@ type ClaimParams struct {
 	// search_path a handler sets can move: its commit may go without the
 	// commit guard's statement when every handler statement was seen to
 	// keep the transaction (the pgx beginner's scan).
-	Pinned     bool
-	Consumer   string
+	Pinned   bool
+	Consumer string
+	// ConsumerID, when not 0, is Consumer's id in <table>_consumer: SQL
+	// claims in <table>_v7 (a UUIDv7 event), whose parameters are $1
+	// ConsumerID (smallint), $2 EventID, $3 EventAt and with Identity $4
+	// Fingerprint; no event name.
+	ConsumerID int16
 	EventID    uuid.UUID
 	EventAt    time.Time
 	HasEventAt bool
@@ -451,6 +462,9 @@ func (s *Store) ClaimParamsAt(consumer string, eventID uuid.UUID, at time.Time, 
 		// NewConsumer qualifies the table it finds.
 		p.SQL, p.Pinned = s.lean[v7][withID], s.table.Qualified()
 		p.SQLNear = s.leanNear[v7][withID]
+		if v7 == 1 && consumer == s.v7Consumer && s.v7On.Load() {
+			p.SQL, p.SQLNear, p.ConsumerID = s.v7sql.claim[withID], s.v7sql.near[withID], s.v7ID
+		}
 	case id != nil && routed:
 		p.SQL = s.identity.claimOther
 	case id != nil:

@@ -59,7 +59,7 @@ func (s *Store) ClaimGuardSchemaQuery() (query string, ok bool) {
 
 // ClaimGuardQuery returns, on PostgreSQL, the statement that checks, in
 // the transaction that is about to commit, that this transaction is the
-// one whose claim inserted eventID's row (ok is false on the other
+// one whose claim inserted consumer's row of eventID (ok is false on the other
 // dialects). Its parameters are $1 the consumer (text) and $2 the event id
 // (uuid). schema, when not "", qualifies an unqualified table (see
 // ClaimGuardSchemaQuery). It selects 1 when it is; when it is not (a
@@ -67,7 +67,7 @@ func (s *Store) ClaimGuardSchemaQuery() (query string, ok bool) {
 // COMMIT, and maybe BEGIN again) it fails with SQLSTATE GuardFailed and
 // aborts the transaction. One primary-key lookup of a row the transaction
 // wrote; no lock.
-func (s *Store) ClaimGuardQuery(eventID uuid.UUID, schema string) (query string, ok bool) {
+func (s *Store) ClaimGuardQuery(consumer string, eventID uuid.UUID, schema string) (query string, ok bool) {
 	if s.guard.main == "" {
 		return "", false
 	}
@@ -82,6 +82,9 @@ func (s *Store) ClaimGuardQuery(eventID uuid.UUID, schema string) (query string,
 	}
 	if s.routed(eventID) {
 		return g.other, true
+	}
+	if s.inV7(eventID) { // a qualified table: no schema variants
+		return s.v7Read(consumer).guard, true
 	}
 	return g.main, true
 }

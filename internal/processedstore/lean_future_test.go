@@ -28,10 +28,10 @@ func TestLeanClaimOffWhereEventAtHasADefault(t *testing.T) {
 	require.NoError(t, err)
 	ms, err := store.Migrations()
 	require.NoError(t, err)
-	require.Len(t, ms, 7)
+	require.Len(t, ms, 8)
 	// Migrations 1 to 6: a rolling deploy before 0007 runs.
 	require.NoError(t, sqldb.Migrate(ctx, sqldb.Pgx(pool), sqldb.PostgreSQL, "processed:"+store.Table().String(), ms[:6]))
-	require.NoError(t, store.CheckLean(ctx, sqldb.Pgx(pool)))
+	require.NoError(t, store.CheckLean(ctx, sqldb.Pgx(pool), ""))
 
 	var now time.Time
 	require.NoError(t, pool.QueryRow(ctx, `SELECT now()`).Scan(&now))
@@ -76,7 +76,7 @@ func TestLeanClaimOnAfterMigration7(t *testing.T) {
 	ms, err := store.Migrations()
 	require.NoError(t, err)
 	require.NoError(t, sqldb.Migrate(ctx, sqldb.Pgx(pool), sqldb.PostgreSQL, "processed:"+store.Table().String(), ms))
-	require.NoError(t, store.CheckLean(ctx, sqldb.Pgx(pool)))
+	require.NoError(t, store.CheckLean(ctx, sqldb.Pgx(pool), ""))
 	p, ok := store.ClaimParamsAt("stock", v7At(time.Now()), time.Time{}, nil)
 	require.True(t, ok)
 	require.NotContains(t, p.SQL, "event_at)", "lean: no event_at column for a UUIDv7 id")

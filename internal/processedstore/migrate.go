@@ -87,7 +87,10 @@ func (s *Store) Migrate(ctx context.Context, q sqldb.Querier) error {
 		return fmt.Errorf("processed: %w", err)
 	}
 	if s.dialect == sqldb.PostgreSQL {
-		return s.checkGlobalKey(ctx, q)
+		if err := s.checkGlobalKey(ctx, q); err != nil {
+			return err
+		}
+		return s.fillV7(ctx, q)
 	}
 	return nil
 }

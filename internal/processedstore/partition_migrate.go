@@ -157,6 +157,25 @@ func (s *Store) MigrateToPartitioned(ctx context.Context, q sqldb.Querier) error
     END IF;
 END $do$`, legacy, name),
 	}
+	// The UUIDv7 claim table (migration 0008) is folded into the legacy
+	// table: renamed first, which waits for its claims in flight and
+	// makes every later one fail (42P01) until its consumer falls back to
+	// the table (Store.DisableV7), then its rows copied and the tables
+	// dropped. A cost of one row insertion per row claimed there.
+	v7, err := plain.v7Exists(ctx, q)
+	if err != nil {
+		return err
+	}
+	if v7 {
+		folded := qualifier + `"` + name + `_v7_folded"`
+		script = append(script,
+			fmt.Sprintf(`ALTER TABLE %s RENAME TO "%s_v7_folded"`, s.sibling("v7"), name),
+			fmt.Sprintf(`DROP TRIGGER IF EXISTS "%s_v7_mirror" ON %s`, name, legacy),
+			fmt.Sprintf(`INSERT INTO %s (consumer, event_id, fingerprint) SELECT c.name, v.event_id, v.fingerprint FROM %s v JOIN %s c ON c.id = v.consumer ON CONFLICT DO NOTHING`,
+				legacy, folded, s.sibling("consumer")),
+			fmt.Sprintf(`DROP TABLE %s, %s, %s`, folded, s.sibling("v7_ready"), s.sibling("consumer")),
+			fmt.Sprintf(`DROP FUNCTION IF EXISTS %s"%s_v7_mirror"()`, qualifier, name))
+	}
 	for _, m := range ms {
 		script = append(script, strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(m.SQL), ";")))
 	}

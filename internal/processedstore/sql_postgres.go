@@ -215,7 +215,12 @@ func v7TimeSQL(id string) string {
 // id's time instead. A missing table turns it off too (its first claim
 // reports the missing table). NewConsumer calls it once, before the first
 // claim; without it a store on the plain PostgreSQL layout claims lean.
-func (s *Store) CheckLean(ctx context.Context, q sqldb.Querier) error {
+//
+// With consumer not "", on a schema-qualified table whose <table>_v7 is
+// ready (migration 0008, filled by Migrate), it also turns on the UUIDv7
+// claim table for that consumer (v7.go): its UUIDv7 claims go there, and
+// every UUIDv7 row is read there.
+func (s *Store) CheckLean(ctx context.Context, q sqldb.Querier, consumer string) error {
 	if !s.hasLean {
 		return nil
 	}
@@ -227,7 +232,7 @@ WHERE a.attrelid = to_regclass($1) AND a.attname = 'event_at' AND NOT a.attisdro
 		return fmt.Errorf("processed: read the layout of %s: %w", s.table, err)
 	}
 	s.hasLean = !off
-	return nil
+	return s.useV7(ctx, q, consumer)
 }
 
 // QualifiedTable returns table ("name", or "" for DefaultTable) as

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -137,6 +138,13 @@ type Store struct {
 	// (ClaimParams.SQLNear), with a horizon only.
 	leanNear [2][2]string
 	guard    guardStatements // the commit guard (guard.go)
+	// v7sql: the statements on <table>_v7 (v7.go), nil off the plain
+	// PostgreSQL layout; v7On: UUIDv7 rows are claimed (for v7Consumer,
+	// whose id is v7ID) and read there, set once by CheckLean.
+	v7sql      *v7SQL
+	v7On       atomic.Bool
+	v7Consumer string
+	v7ID       int16
 }
 
 // dialectSQL is one dialect's statements and argument encodings (one file per
@@ -223,6 +231,7 @@ func NewStore(cfg Config) (*Store, error) {
 			}
 		}
 		s.hasLean = true
+		s.initV7()
 	}
 	s.guard = newGuardStatements(s)
 	if s.dialect == sqldb.PostgreSQL {
@@ -414,12 +423,19 @@ func (s *Store) Verdict(ctx context.Context, q sqldb.Querier, consumer string, e
 	if s.routed(eventID) {
 		verdict = s.other.verdict
 	}
+	if s.inV7(eventID) {
+		verdict = s.v7Read(consumer).verdict
+	}
 	args := []any{consumer, s.sql.eventID(eventID), s.sql.eventAt(t)}
 	if s.sql.processClock {
 		now := s.clock()
 		args = append(args, sqldb.SQLiteTime(now.Add(-s.horizon)), sqldb.SQLiteTime(now))
 	}
-	if err := q.QueryRow(ctx, verdict, args...).Scan(&exists, &expired, &clock); err != nil {
+	err := q.QueryRow(ctx, verdict, args...).Scan(&exists, &expired, &clock)
+	if s.undefinedV7(eventID, err) {
+		return s.Verdict(ctx, q, consumer, eventID, at)
+	}
+	if err != nil {
 		return fmt.Errorf("processed: claim verdict %s/%s: %w", consumer, eventID, err)
 	}
 	now, _ := time.Parse(time.RFC3339Nano, clock) // for the error text only
@@ -440,7 +456,14 @@ func (s *Store) Processed(ctx context.Context, q sqldb.Querier, consumer string,
 	if s.routed(eventID) {
 		exists = s.other.exists
 	}
-	if err := q.QueryRow(ctx, exists, consumer, s.sql.eventID(eventID)).Scan(&ok); err != nil {
+	if s.inV7(eventID) {
+		exists = s.v7Read(consumer).exists
+	}
+	err := q.QueryRow(ctx, exists, consumer, s.sql.eventID(eventID)).Scan(&ok)
+	if s.undefinedV7(eventID, err) {
+		return s.Processed(ctx, q, consumer, eventID)
+	}
+	if err != nil {
 		return false, fmt.Errorf("processed: lookup %s/%s: %w", consumer, eventID, err)
 	}
 	return ok, nil
