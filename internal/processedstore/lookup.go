@@ -17,7 +17,9 @@ import (
 // driver's multi-row query (database/sql QueryContext, pgx Query).
 // processed_at scans as a time.Time on PostgreSQL and MySQL (parseTime=true,
 // UTC) and as ISO 8601 UTC text on SQLite. With LayoutPartitioned both
-// queries read the side table <table>_other too.
+// queries read the side table <table>_other too; after ReadLegacy, the
+// legacy table or <table>_v7, whose rows show their event's time as
+// processed_at (they keep none).
 func (s *Store) LookupQuery(eventID uuid.UUID, consumer string) (string, []any) {
 	q := s.rowsSource()
 	p1, p2 := "?", "?"
@@ -81,6 +83,14 @@ FROM %[1]s`, q, now, cutoff, at, deleted), args
 // upgrade from the plain layout is not finished (ReadLegacy found it).
 func (s *Store) rowsSource() string {
 	q := s.table.Quoted(s.dialect.QuoteChar())
+	if s.readV7 {
+		// The rows of <table>_v7 that the table does not hold too (the
+		// trigger's copies are in both), dated by their id: they keep no
+		// processed_at.
+		return "(SELECT consumer, event_id, processed_at, event_at FROM " + q +
+			" UNION ALL SELECT c.name, v.event_id, " + v7TimeSQL("v.event_id") + ", NULL::timestamptz FROM " + s.sibling("v7") + " v JOIN " + s.sibling("consumer") +
+			" c ON c.id = v.consumer WHERE NOT EXISTS (SELECT 1 FROM " + q + " x WHERE x.consumer = c.name AND x.event_id = v.event_id)) AS r"
+	}
 	if s.layout != LayoutPartitioned {
 		return q
 	}
@@ -100,9 +110,14 @@ func (s *Store) rowsSource() string {
 // finished): its rows are the events processed before the upgrade, which
 // the claim still finds (a redelivery is a duplicate) and the Purger
 // deletes. The store must not be in use by other goroutines.
+//
+// On the plain PostgreSQL layout it makes them read <table>_v7 too when it
+// exists (migration 0008), where the UUIDv7 claims are.
 func (s *Store) ReadLegacy(ctx context.Context, q sqldb.Querier) error {
 	if s.layout != LayoutPartitioned {
-		return nil
+		ok, err := s.v7Exists(ctx, q)
+		s.readV7 = ok
+		return err
 	}
 	ok, err := s.legacyExists(ctx, q)
 	s.readLegacy = ok

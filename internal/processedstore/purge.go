@@ -165,6 +165,8 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 	}
 	maintained := p.store.layout != LayoutPartitioned
 	legacy := false // an upgrade from the plain layout in progress
+	// v7: the table has <table>_v7 (v7Checked: read in this run).
+	v7, v7Checked := false, false
 	// recheck reads the table's horizon again once the mark is written:
 	// the run's horizon was read before, and a widening (or none) since
 	// then lets a consumer restarted with it read the mark before this
@@ -241,8 +243,28 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 			}
 		}
 		n, err := p.store.PurgeBatch(ctx, q, horizon+purgeClaimSlack, limit)
-		if err != nil || !legacy {
+		if err != nil {
 			return n, err
+		}
+		if p.store.v7sql != nil {
+			// The UUIDv7 claim table (migration 0008), read once per run:
+			// its expired rows go by DELETE too, a range per consumer.
+			if !v7Checked {
+				if v7, err = p.store.v7Exists(ctx, q); err != nil {
+					return n, err
+				}
+				v7Checked = true
+			}
+			if v7 {
+				m, err := p.store.purgeV7Batch(ctx, q, horizon+purgeClaimSlack, limit)
+				n += m // ≥ limit (one more batch) while either is full
+				if err != nil {
+					return n, err
+				}
+			}
+		}
+		if !legacy {
+			return n, nil
 		}
 		// The legacy table of an upgrade (MigrateToPartitioned): its
 		// expired rows go by DELETE too; the run ends when both come back

@@ -121,8 +121,9 @@ type Store struct {
 	layout  Layout
 	span    time.Duration
 	other   *otherSQL // LayoutPartitioned: the side table of non-v7 ids
-	// readLegacy: the tool queries read <table>_legacy too (ReadLegacy).
-	readLegacy bool
+	// readLegacy: the tool queries read <table>_legacy too (ReadLegacy);
+	// readV7: <table>_v7.
+	readLegacy, readV7 bool
 	now        func() time.Time // the process clock of SQLite statements; nil: time.Now (tests set it)
 
 	claimSQL   string
