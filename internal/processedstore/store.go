@@ -124,7 +124,7 @@ type Store struct {
 	// readLegacy: the tool queries read <table>_legacy too (ReadLegacy);
 	// readV7: <table>_v7.
 	readLegacy, readV7 bool
-	now        func() time.Time // the process clock of SQLite statements; nil: time.Now (tests set it)
+	now                func() time.Time // the process clock of SQLite statements; nil: time.Now (tests set it)
 
 	claimSQL   string
 	existsSQL  string
