@@ -83,7 +83,9 @@ func (c Config) store(db idempotency.DB) (*processedstore.Store, *sqldb.Handle, 
 // Migrate creates or upgrades the table (and its horizon row table) and
 // records each applied migration in the idempotency_migration table. It is
 // idempotent and safe to run from several instances at once (an advisory
-// lock on PostgreSQL and MySQL).
+// lock on PostgreSQL and MySQL). On PostgreSQL's plain layout it then
+// copies the table's UUIDv7 rows into <table>_v7 (migration 8) in batches
+// of 10,000, once, and marks it ready for the consumers started after.
 func Migrate(ctx context.Context, db idempotency.DB, cfg Config) error {
 	s, h, err := cfg.store(db)
 	if err != nil {
@@ -94,7 +96,9 @@ func Migrate(ctx context.Context, db idempotency.DB, cfg Config) error {
 
 // MigrationsFS returns the table's migrations as an fs.FS of
 // "NNNN_name.up.sql" files, for golang-migrate or goose (each file carries a
-// "-- +goose Up" line) when a migration tool owns the schema.
+// "-- +goose Up" line) when a migration tool owns the schema. On PostgreSQL
+// run Migrate once after them: it copies the table's UUIDv7 rows into
+// <table>_v7 (migration 8), and until it has, claims stay in the table.
 func MigrationsFS(table string, dialect idempotency.Dialect) (fs.FS, error) {
 	return processedstore.MigrationsFS(table, dialect)
 }

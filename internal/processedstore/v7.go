@@ -140,11 +140,14 @@ func (s *Store) undefinedV7(eventID uuid.UUID, err error) bool {
 }
 
 // useV7 reads whether <table>_v7 is ready and, when it is, the id of
-// consumer in <table>_consumer (adding the name), and turns the UUIDv7
-// claims and reads on for it. A table without migration 0008, or whose
-// rows are not all copied yet, leaves them off: every claim then goes to
-// the table, whose trigger (once created) keeps <table>_v7 complete.
-// Only a schema-qualified table (NewConsumer qualifies it) uses it.
+// consumer in <table>_consumer, and turns the UUIDv7 claims and reads on
+// for it. A table without migration 0008, or whose rows are not all
+// copied yet, leaves them off: every claim then goes to the table, whose
+// trigger (once created) keeps <table>_v7 complete. A name not registered
+// yet, or whose copy did not finish, is registered and its rows copied
+// first (copyV7); when that copy cannot run (the barrier's lock not
+// granted within v7BarrierTimeout) the claims stay off until the next
+// start. Only a schema-qualified table (NewConsumer qualifies it) uses it.
 func (s *Store) useV7(ctx context.Context, q sqldb.Querier, consumer string) error {
 	if s.v7sql == nil || !s.hasLean || consumer == "" || !s.table.Qualified() {
 		return nil
@@ -154,21 +157,28 @@ func (s *Store) useV7(ctx context.Context, q sqldb.Querier, consumer string) err
 		return err
 	}
 	consumers := s.sibling("consumer")
-	var id *int16
-	read := "SELECT (SELECT id FROM " + consumers + " WHERE name = $1)"
-	if err := q.QueryRow(ctx, read, consumer).Scan(&id); err != nil {
-		return fmt.Errorf("processed: read the id of consumer %q: %w", consumer, err)
-	}
-	if id == nil {
+	var (
+		id     *int16
+		copied bool
+	)
+	read := "SELECT id, copied FROM " + consumers + " WHERE name = $1"
+	err = q.QueryRow(ctx, read, consumer).Scan(&id, &copied)
+	if errors.Is(err, sqldb.ErrNoRows) {
 		if _, err := q.Exec(ctx, "INSERT INTO "+consumers+" (name) VALUES ($1) ON CONFLICT (name) DO NOTHING", consumer); err != nil {
 			return fmt.Errorf("processed: add consumer %q to %s: %w", consumer, consumers, err)
 		}
-		if err := q.QueryRow(ctx, read, consumer).Scan(&id); err != nil || id == nil {
-			return fmt.Errorf("processed: read the id of consumer %q: %w", consumer, errors.Join(err, errV7Table))
-		}
+		err = q.QueryRow(ctx, read, consumer).Scan(&id, &copied)
+	}
+	if err != nil {
+		return fmt.Errorf("processed: read the id of consumer %q in %s: %w", consumer, consumers, err)
+	}
+	if !copied {
 		// Claims the trigger did not copy (the name was not registered)
 		// are copied now, once those in flight have ended.
-		if err := s.copyV7(ctx, q, consumer); err != nil {
+		if err := s.copyV7(ctx, q, []int16{*id}); err != nil {
+			if isLockTimeout(err) {
+				return nil
+			}
 			return err
 		}
 	}
@@ -177,6 +187,15 @@ func (s *Store) useV7(ctx context.Context, q sqldb.Querier, consumer string) err
 	s.v7On.Store(true)
 	return nil
 }
+
+// isLockTimeout: err is PostgreSQL's lock_timeout (55P03).
+func isLockTimeout(err error) bool {
+	var e interface{ SQLState() string }
+	return errors.As(err, &e) && e.SQLState() == "55P03"
+}
+
+// v7BarrierTimeout bounds copyV7's wait for the claims in flight.
+var v7BarrierTimeout = 30 * time.Second
 
 // v7Ready reports whether <table>_v7_ready holds its row (false when the
 // table does not exist).
@@ -218,13 +237,12 @@ func (s *Store) purgeV7Batch(ctx context.Context, q sqldb.Querier, horizon time.
 // v7CopyBatch is the size of one batch of fillV7.
 const v7CopyBatch = 10000
 
-// fillV7 copies the UUIDv7 rows of the table into <table>_v7 (consumer
-// names into <table>_consumer first), in batches of v7CopyBatch along the
-// table's primary key, each its own statement (no lock on the table but
-// its rows' reads), then writes <table>_v7_ready. The trigger of
-// migration 0008 exists before it runs (Migrate applies it first), so a
-// claim committed after a batch's snapshot is in <table>_v7 already. Run
-// again after it completed, it does nothing.
+// fillV7 copies the UUIDv7 rows of the table into <table>_v7: it
+// registers every consumer name of the table in <table>_consumer, copies
+// their rows (copyV7), then writes <table>_v7_ready. The trigger of
+// migration 0008 exists before it runs (Migrate applies it first). Run
+// again after it completed, it does nothing; interrupted, it starts over
+// (the copy skips rows already there).
 func (s *Store) fillV7(ctx context.Context, q sqldb.Querier) error {
 	exists, err := s.v7Exists(ctx, q)
 	if err != nil || !exists {
@@ -244,59 +262,67 @@ SELECT consumer FROM c WHERE consumer IS NOT NULL
 ON CONFLICT (name) DO NOTHING`); err != nil {
 		return fmt.Errorf("processed: copy the consumer names of %s: %w", s.table, err)
 	}
-	return s.copyV7(ctx, q, "")
+	var ids []int16
+	if err := q.QueryRow(ctx, "SELECT coalesce(array_agg(id), '{}') FROM "+consumers+" WHERE NOT copied").Scan(&ids); err != nil {
+		return fmt.Errorf("processed: read %s: %w", consumers, err)
+	}
+	if len(ids) > 0 {
+		if err := s.copyV7(ctx, q, ids); err != nil {
+			return err
+		}
+	}
+	if _, err := q.Exec(ctx, "INSERT INTO "+s.sibling("v7_ready")+" (id, ready_us) VALUES (1, "+s.nowMicrosSQL()+") ON CONFLICT DO NOTHING"); err != nil {
+		return fmt.Errorf("processed: mark %s ready: %w", s.sibling("v7"), err)
+	}
+	return nil
 }
 
-// copyV7 copies the UUIDv7 rows of the table (of consumer only, when not
-// "") into <table>_v7, in batches along the table's primary key, after a
-// barrier: a transaction that takes the table's SHARE lock, which waits for
-// the claims in flight (a claim that began before a name was registered
-// may not have been copied by the trigger) and is released at once.
-func (s *Store) copyV7(ctx context.Context, q sqldb.Querier, consumer string) error {
+// copyV7 copies the UUIDv7 rows of the consumers ids (registered in
+// <table>_consumer) from the table into <table>_v7, then marks them
+// copied. First a barrier: a transaction that takes the table's SHARE lock
+// (waiting at most v7BarrierTimeout), which waits for the claims in
+// flight, since one that began before a name was registered was not
+// copied by the trigger, and is released at once. Then batches of
+// v7CopyBatch rows along the table's primary key, each its own statement:
+// a claim committed after a batch read its range is in <table>_v7
+// already (the trigger, its name registered).
+func (s *Store) copyV7(ctx context.Context, q sqldb.Querier, ids []int16) error {
 	t, v7, consumers := s.table.Quoted('"'), s.sibling("v7"), s.sibling("consumer")
 	// One query string: one implicit transaction, the lock released at
 	// its end.
-	if _, err := q.Exec(ctx, "SET LOCAL lock_timeout = '60s'; LOCK TABLE "+t+" IN SHARE MODE"); err != nil {
+	if _, err := q.Exec(ctx, fmt.Sprintf("SET LOCAL lock_timeout = '%dms'; LOCK TABLE %s IN SHARE MODE", v7BarrierTimeout.Milliseconds(), t)); err != nil {
 		return fmt.Errorf("processed: wait for the claims in flight on %s: %w", s.table, err)
 	}
-	only := ""
-	if consumer != "" {
-		only = " AND consumer = $3"
-	}
 	copySQL := `WITH b AS (
-    SELECT consumer, event_id, fingerprint FROM ` + t + `
-    WHERE (consumer, event_id) > ($1, $2::uuid)` + only + `
-    ORDER BY consumer, event_id
-    LIMIT ` + fmt.Sprint(v7CopyBatch) + `),
+    SELECT x.consumer, x.event_id, x.fingerprint, c.id FROM ` + consumers + ` c
+    CROSS JOIN LATERAL (
+        SELECT consumer, event_id, fingerprint FROM ` + t + ` t
+        WHERE t.consumer = c.name AND t.event_id > $2::uuid
+        ORDER BY event_id
+        LIMIT ` + fmt.Sprint(v7CopyBatch) + `) x
+    WHERE c.id = $1),
 ins AS (
     INSERT INTO ` + v7 + ` (consumer, event_id, fingerprint)
-    SELECT c.id, b.event_id, b.fingerprint FROM b JOIN ` + consumers + ` c ON c.name = b.consumer
+    SELECT b.id, b.event_id, b.fingerprint FROM b
     WHERE get_byte(uuid_send(b.event_id), 6) >> 4 = 7
     ON CONFLICT DO NOTHING)
-SELECT consumer, event_id::text, (SELECT count(*) FROM b) FROM b ORDER BY consumer DESC, event_id DESC LIMIT 1`
-	lastConsumer, lastID := "", uuid.Nil.String()
-	for {
-		var n int64
-		args := []any{lastConsumer, lastID}
-		if consumer != "" {
-			args = append(args, consumer)
+SELECT coalesce(max(event_id::text), ''), count(*) FROM b`
+	for _, id := range ids {
+		last := uuid.Nil.String()
+		for {
+			var n int64
+			var max string
+			if err := q.QueryRow(ctx, copySQL, id, last).Scan(&max, &n); err != nil {
+				return fmt.Errorf("processed: copy the UUIDv7 rows of %s into %s: %w", s.table, v7, err)
+			}
+			if n < v7CopyBatch {
+				break
+			}
+			last = max
 		}
-		err := q.QueryRow(ctx, copySQL, args...).Scan(&lastConsumer, &lastID, &n)
-		if errors.Is(err, sqldb.ErrNoRows) {
-			break
+		if _, err := q.Exec(ctx, "UPDATE "+consumers+" SET copied = true WHERE id = $1", id); err != nil {
+			return fmt.Errorf("processed: mark consumer %d copied: %w", id, err)
 		}
-		if err != nil {
-			return fmt.Errorf("processed: copy the UUIDv7 rows of %s into %s: %w", s.table, v7, err)
-		}
-		if n < v7CopyBatch {
-			break
-		}
-	}
-	if consumer != "" {
-		return nil
-	}
-	if _, err := q.Exec(ctx, "INSERT INTO "+s.sibling("v7_ready")+" (id, ready_us) VALUES (1, "+s.nowMicrosSQL()+") ON CONFLICT DO NOTHING"); err != nil {
-		return fmt.Errorf("processed: mark %s ready: %w", v7, err)
 	}
 	return nil
 }

@@ -147,3 +147,33 @@ func TestConsumerRegisteredAfterItsClaimsFindsThemInTheV7Table(t *testing.T) {
 		require.Equal(t, 1, n, "event %s", id)
 	}
 }
+
+// A claim made in the table before its consumer name was registered, and
+// still in flight when a process of this release registers the name: the
+// trigger did not copy it, so the registration waits for it (a SHARE lock
+// on the table) before it copies the name's rows. When the wait ends
+// without the lock, the process claims in the table (never in
+// processed_event_v7 without that claim), and a later start copies it.
+func TestClaimInFlightWhenItsNameIsRegisteredIsADuplicateInTheV7Table(t *testing.T) {
+	// Not parallel: it sets the barrier's timeout for the package.
+	defer processedstore.SetV7BarrierTimeout(300 * time.Millisecond)()
+	ctx := context.Background()
+	pool, schema := testenv.Pool(t)
+	old := v7Store(t, pool, schema, "")
+	id := uuid.Must(uuid.NewV7())
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	ok, err := old.Claim(ctx, sqldb.Pgx(tx), "late", id)
+	require.NoError(t, err)
+	require.True(t, ok)
+
+	s := v7Store(t, pool, schema, "late")
+	p, ok := s.ClaimParamsAt("late", id, time.Time{}, nil)
+	require.True(t, ok)
+	require.Zero(t, p.ConsumerID, "the claim in flight was not copied: the table's claim")
+
+	require.NoError(t, tx.Commit(ctx))
+	s = v7Store(t, pool, schema, "late")
+	require.False(t, claimV7(t, pool, s, "late", id), "copied at the next start: a duplicate")
+}
