@@ -116,8 +116,10 @@
 // _floor_checked, _floor_lean and _floor_today price claim statements alone
 // on the same server (bench/floors.go): the uuid-only mechanism, a table
 // per consumer (uuid, fingerprint) with every check, issue 25's lean row
-// with every check, and today's statement (the lock bound in the statement,
-// as the middleware sends it); _floor_checked_session, _floor_lean_session
+// with every check (the shape of <table>_v7, where the middleware claims
+// UUIDv7 events), and the table's statement (the previous release's, and
+// still for ids of other versions; the lock bound in the statement, as the
+// middleware sends it on a raw connection); _floor_checked_session, _floor_lean_session
 // and _floor_today_session price the same three with the lock bound per
 // session only. Without valgrind (or in the tiny profile) they are null.
 // See counts.go.

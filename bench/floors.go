@@ -29,7 +29,7 @@ const (
 	vFloorMechanism = "floor_mechanism" // uuid-only INSERT … ON CONFLICT DO NOTHING
 	vFloorChecked   = "floor_checked"   // a table per consumer: uuid and fingerprint, with every check of today's claim
 	vFloorLean      = "floor_lean"      // issue 25's lean row with every check of today's claim
-	vFloorToday     = "floor_today"     // today's claim statement on today's table
+	vFloorToday     = "floor_today"     // the table's claim statement (the previous release's; ids of other versions)
 	// The same rows with the lock bound per session only (issue 25's
 	// proposal): the window, no backstop in the statement.
 	vFloorCheckedSession = "floor_checked_session"

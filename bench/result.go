@@ -209,7 +209,7 @@ var targets25 = []target{
 				return "50.4k the mechanism alone (issue 25's figure: uuid-only INSERT … ON CONFLICT DO NOTHING sent with BEGIN)"
 			}
 			return "this run, the statement alone (bench/floors.go): " + mech + " the mechanism (uuid-only INSERT … ON CONFLICT DO NOTHING sent with BEGIN); " +
-				checked + " a table per consumer (uuid, fingerprint) with every check; " + lean + " issue 25's lean row (int2 consumer, no secondary index) with every check; " + today + " today's statement; with the lock bound per session only (no backstop in the statement): " +
+				checked + " a table per consumer (uuid, fingerprint) with every check; " + lean + " issue 25's lean row (int2 consumer, no secondary index) with every check; " + today + " the table's statement (the previous release's); with the lock bound per session only (no backstop in the statement): " +
 				checkedS + ", " + leanS + " and " + todayS + " for the same three"
 		}},
 	{key: "client_instructions_per_claim", le: true, bound: 8000, what: "client instructions added by the claim (ours − no dedup: the same router layers, a plain pgx transaction)",

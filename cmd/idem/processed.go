@@ -114,7 +114,8 @@ func runProcessedShow(ctx context.Context, e *env, args []string) error {
 // (where the rows of ids other than UUIDv7 live), so the read-only
 // queries read that table too, and <table>_legacy while the upgrade from
 // the plain layout is not finished; a table the user partitioned himself
-// is the plain layout.
+// is the plain layout, whose queries read <table>_v7 too (processed
+// migration 8).
 func (e *env) processedStore(ctx context.Context, db *sql.DB, d sqldb.Dialect) (*processedstore.Store, error) {
 	cfg := processedstore.Config{Table: e.processedTable, Dialect: d}
 	plain, err := processedstore.NewStore(cfg)
@@ -143,6 +144,10 @@ func (e *env) processedStore(ctx context.Context, db *sql.DB, d sqldb.Dialect) (
 		return nil, dbErr("processed table layout", e.processedTable, err)
 	}
 	if !partitioned {
+		// <table>_v7, where the pgx consumers claim UUIDv7 events.
+		if err := plain.ReadLegacy(ctx, sqldb.Std(db)); err != nil {
+			return nil, dbErr("processed table layout", e.processedTable, err)
+		}
 		return plain, nil
 	}
 	cfg.Layout = processedstore.LayoutPartitioned

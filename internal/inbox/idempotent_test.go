@@ -46,6 +46,8 @@ func newEnv(t *testing.T) *env {
 	store, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)
 	require.NoError(t, store.Migrate(context.Background(), sqldb.Pgx(pool)))
+	// As NewConsumer: the consumer's name registered before its claims.
+	require.NoError(t, store.CheckLean(context.Background(), sqldb.Pgx(pool), "stock"))
 	_, err = pool.Exec(context.Background(), `CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL, note text)`)
 	require.NoError(t, err)
 	return &env{t: t, pool: pool, schema: schema, store: store}

@@ -70,7 +70,7 @@ const (
 	oidUUID        = 2950
 	oidTimestamptz = 1184
 	oidBytea       = 17
-	oidInt2        = 21
+	oidInt4        = 23
 )
 
 // preparedStmt is one statement prepared on a connection; ok is false when
@@ -145,7 +145,7 @@ type connClaim struct {
 	fp        []byte    // the fingerprint
 	uuid      [16]byte
 	ts        [8]byte
-	i2        [2]byte // a <table>_v7 claim's consumer id
+	i4        [4]byte // a <table>_v7 claim's consumer id
 }
 
 func connClaimOf(pc *pgconn.PgConn) *connClaim {
@@ -221,10 +221,10 @@ var (
 	claimIdentityTypes = [][]uint32{{oidText, oidVarchar}, {oidUUID}, {oidTimestamptz}, {oidText, oidVarchar}, {oidBytea}}
 	// claimV7Types: the claim in <table>_v7 (ClaimParams.ConsumerID),
 	// with the fingerprint when it has an identity.
-	claimV7Types         = [][]uint32{{oidInt2}, {oidUUID}, {oidTimestamptz}}
-	claimV7IdentityTypes = [][]uint32{{oidInt2}, {oidUUID}, {oidTimestamptz}, {oidBytea}}
+	claimV7Types         = [][]uint32{{oidInt4}, {oidUUID}, {oidTimestamptz}}
+	claimV7IdentityTypes = [][]uint32{{oidInt4}, {oidUUID}, {oidTimestamptz}, {oidBytea}}
 	// claimV7OIDs and claimV7Formats: its parameters, all binary.
-	claimV7OIDs    = []uint32{oidInt2, oidUUID, oidTimestamptz, oidBytea}
+	claimV7OIDs    = []uint32{oidInt4, oidUUID, oidTimestamptz, oidBytea}
 	claimV7Formats = []int16{1, 1, 1, 1}
 )
 
@@ -237,8 +237,9 @@ func (st *connClaim) encode(p *processedstore.ClaimParams) [][]byte {
 	st.text[0] = append(st.text[0][:0], p.Consumer...)
 	st.vals[0] = st.text[0]
 	if p.ConsumerID != 0 {
-		st.i2 = [2]byte{byte(uint16(p.ConsumerID) >> 8), byte(p.ConsumerID)}
-		st.vals[0] = st.i2[:]
+		id := uint32(p.ConsumerID)
+		st.i4 = [4]byte{byte(id >> 24), byte(id >> 16), byte(id >> 8), byte(id)}
+		st.vals[0] = st.i4[:]
 	}
 	st.uuid = p.EventID
 	st.vals[1] = st.uuid[:]

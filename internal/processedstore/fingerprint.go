@@ -419,9 +419,9 @@ type ClaimParams struct {
 	Consumer string
 	// ConsumerID, when not 0, is Consumer's id in <table>_consumer: SQL
 	// claims in <table>_v7 (a UUIDv7 event), whose parameters are $1
-	// ConsumerID (smallint), $2 EventID, $3 EventAt and with Identity $4
+	// ConsumerID (integer), $2 EventID, $3 EventAt and with Identity $4
 	// Fingerprint; no event name.
-	ConsumerID int16
+	ConsumerID int32
 	EventID    uuid.UUID
 	EventAt    time.Time
 	HasEventAt bool

@@ -13,7 +13,8 @@ import (
 // The upgrade from a plain table to LayoutPartitioned (README "Retention",
 // "From a plain table to the partitioned layout").
 //
-// The switch is metadata only, one short transaction: the plain table is
+// The switch is metadata only, one short transaction (but for the rows of
+// <table>_v7, processed migration 8, copied into the legacy table): the plain table is
 // renamed <table>_legacy (its rows stay where they are: no copy of a
 // billion rows), the partitioned layout is created under the table's name,
 // and a row trigger on it and on <table>_other moves a claimed event's row
@@ -171,8 +172,9 @@ END $do$`, legacy, name),
 		script = append(script,
 			fmt.Sprintf(`ALTER TABLE %s RENAME TO "%s_v7_folded"`, s.sibling("v7"), name),
 			fmt.Sprintf(`DROP TRIGGER IF EXISTS "%s_v7_mirror" ON %s`, name, legacy),
-			fmt.Sprintf(`INSERT INTO %s (consumer, event_id, fingerprint) SELECT c.name, v.event_id, v.fingerprint FROM %s v JOIN %s c ON c.id = v.consumer ON CONFLICT DO NOTHING`,
-				legacy, folded, s.sibling("consumer")),
+			// processed_at: the event's time (<table>_v7 keeps none).
+			fmt.Sprintf(`INSERT INTO %s (consumer, event_id, processed_at, fingerprint) SELECT c.name, v.event_id, %s, v.fingerprint FROM %s v JOIN %s c ON c.id = v.consumer ON CONFLICT DO NOTHING`,
+				legacy, v7TimeSQL("v.event_id"), folded, s.sibling("consumer")),
 			fmt.Sprintf(`DROP TABLE %s, %s, %s`, folded, s.sibling("v7_ready"), s.sibling("consumer")),
 			fmt.Sprintf(`DROP FUNCTION IF EXISTS %s"%s_v7_mirror"()`, qualifier, name))
 	}

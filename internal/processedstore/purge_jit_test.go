@@ -62,7 +62,7 @@ func TestPurgeBatchesRunWithoutJIT(t *testing.T) {
 	require.EqualValues(t, 30, n)
 	mu.Lock()
 	defer mu.Unlock()
-	require.Len(t, plans, 4, "one plan a batch: 10, 10, 10, 0 rows")
+	require.Len(t, plans, 8, "two plans a batch, the table's and processed_event_v7's: 10, 10, 10, 0 rows")
 	for _, plan := range plans {
 		require.NotContains(t, plan, "JIT:", "a purge batch was compiled:\n%s", plan)
 	}

@@ -145,7 +145,7 @@ type Store struct {
 	v7sql      *v7SQL
 	v7On       atomic.Bool
 	v7Consumer string
-	v7ID       int16
+	v7ID       int32
 }
 
 // dialectSQL is one dialect's statements and argument encodings (one file per
@@ -232,7 +232,9 @@ func NewStore(cfg Config) (*Store, error) {
 			}
 		}
 		s.hasLean = true
-		s.initV7()
+		if len(s.table.Name()) <= v7MaxName {
+			s.initV7()
+		}
 	}
 	s.guard = newGuardStatements(s)
 	if s.dialect == sqldb.PostgreSQL {

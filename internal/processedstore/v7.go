@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/google/uuid"
@@ -12,27 +13,32 @@ import (
 )
 
 // The UUIDv7 claim table (migration 0008, PostgreSQL plain layout): a
-// UUIDv7 event's claim row is (consumer id smallint, event_id uuid,
-// fingerprint bytea) in <table>_v7, the consumer id from <table>_consumer.
-// Its time is its id (RFC 9562 §5.7), which orders the primary key, so
-// the row needs no event_at, no event_name and no secondary index: 61.5k
-// server instructions for the statement where the table's costs 82.3k
+// UUIDv7 event's claim row is (consumer id, event_id, fingerprint) in
+// <table>_v7, the consumer id (integer) from <table>_consumer. Its time is
+// its id (RFC 9562 §5.7), which orders the primary key, so the row needs
+// no event_at, no event_name and no secondary index: 61.5k server
+// instructions for the statement where the table's costs 82.3k
 // (bench/RESULTS.md, floors).
 //
 // Only the pgx beginner's claim (ClaimParamsAt) inserts there, for the
-// consumer CheckLean resolved, once <table>_v7_ready exists (every row
-// claimed before the migration copied by Migrate). Every other claim
-// path keeps inserting into the table, and the migration's trigger
-// writes each such UUIDv7 claim into <table>_v7 too, or, when the event
-// is claimed there already, copies that row into the table and skips the
-// claim (a duplicate whose verdict and identity read find the copy). A
-// store in that mode reads UUIDv7 rows from <table>_v7 alone
-// (Processed, Verdict, StoredIdentityQuery, the commit guard): every
-// UUIDv7 claim of either path is there.
+// consumer CheckLean registered, once <table>_v7_ready exists (every row
+// claimed before the migration copied by Migrate). Every other claim path
+// keeps inserting into the table, and the migration's trigger writes each
+// such UUIDv7 claim into <table>_v7 too (registering its consumer name
+// when needed), or, when the event is claimed there already, copies that
+// row into the table and skips the claim (a duplicate whose verdict and
+// identity read find the copy). A store in that mode reads UUIDv7 rows
+// from <table>_v7 alone (Processed, Verdict, StoredIdentityQuery, the
+// commit guard): every UUIDv7 claim of either path is there.
+
+// v7MaxName is the longest table name with a UUIDv7 claim table: its
+// siblings' names (<table>_v7_mirror, the longest) stay within
+// PostgreSQL's 63 bytes. A longer name keeps every claim in the table.
+const v7MaxName = 63 - len("_v7_mirror")
 
 // v7SQL is the store's statements on <table>_v7.
 type v7SQL struct {
-	// claim[withIdentity], near[withIdentity]: $1 consumer id (smallint),
+	// claim[withIdentity], near[withIdentity]: $1 consumer id (integer),
 	// $2 event id, $3 event time (timestamptz), with identity $4
 	// fingerprint; near without the window's future arm.
 	claim, near [2]string
@@ -73,9 +79,6 @@ func (s *Store) v7Read(consumer string) *v7Reads {
 	r := &v7Reads{s.v7sql.exists, s.v7sql.verdict, s.v7sql.stored, s.v7sql.guard}
 	return r
 }
-
-// errV7Table is the fallback sentinel: the UUIDv7 table is not in use.
-var errV7Table = errors.New("processed: the UUIDv7 claim table is not ready")
 
 // initV7 builds the UUIDv7 table's statements (PostgreSQL plain layout).
 func (s *Store) initV7() {
@@ -139,63 +142,62 @@ func (s *Store) undefinedV7(eventID uuid.UUID, err error) bool {
 	return true
 }
 
-// useV7 reads whether <table>_v7 is ready and, when it is, the id of
-// consumer in <table>_consumer, and turns the UUIDv7 claims and reads on
-// for it. A table without migration 0008, or whose rows are not all
-// copied yet, leaves them off: every claim then goes to the table, whose
-// trigger (once created) keeps <table>_v7 complete. A name not registered
-// yet, or whose copy did not finish, is registered and its rows copied
-// first (copyV7); when that copy cannot run (the barrier's lock not
-// granted within v7BarrierTimeout) the claims stay off until the next
-// start. Only a schema-qualified table (NewConsumer qualifies it) uses it.
+// useV7 registers consumer in <table>_consumer when the table exists
+// (migration 0008), so that no claim of it registers the name in its
+// transaction (the trigger does for a name it does not know, and holds
+// the name's first claims behind that one until it ends), and, when
+// <table>_v7 is ready, turns the UUIDv7 claims and reads on for it. A
+// table without migration 0008, or whose rows are not all copied yet,
+// leaves them off: every claim then goes to the table, whose trigger
+// (once created) keeps <table>_v7 complete. So does a role that may not
+// read or write the new tables (42501): its claims go to the table, and
+// the trigger (run as the tables' owner) copies them. Only a
+// schema-qualified table (NewConsumer qualifies it) claims there.
 func (s *Store) useV7(ctx context.Context, q sqldb.Querier, consumer string) error {
-	if s.v7sql == nil || !s.hasLean || consumer == "" || !s.table.Qualified() {
+	if s.v7sql == nil || !s.hasLean || consumer == "" {
 		return nil
+	}
+	if exists, err := s.v7Exists(ctx, q); err != nil || !exists {
+		return err
+	}
+	id, err := s.registerV7(ctx, q, consumer)
+	if err != nil || id == 0 || !s.table.Qualified() {
+		return err
 	}
 	ready, err := s.v7Ready(ctx, q)
 	if err != nil || !ready {
 		return err
 	}
-	consumers := s.sibling("consumer")
-	var (
-		id     *int16
-		copied bool
-	)
-	read := "SELECT id, copied FROM " + consumers + " WHERE name = $1"
-	err = q.QueryRow(ctx, read, consumer).Scan(&id, &copied)
-	if errors.Is(err, sqldb.ErrNoRows) {
-		if _, err := q.Exec(ctx, "INSERT INTO "+consumers+" (name) VALUES ($1) ON CONFLICT (name) DO NOTHING", consumer); err != nil {
-			return fmt.Errorf("processed: add consumer %q to %s: %w", consumer, consumers, err)
-		}
-		err = q.QueryRow(ctx, read, consumer).Scan(&id, &copied)
-	}
-	if err != nil {
-		return fmt.Errorf("processed: read the id of consumer %q in %s: %w", consumer, consumers, err)
-	}
-	if !copied {
-		// Claims the trigger did not copy (the name was not registered)
-		// are copied now, once those in flight have ended.
-		if err := s.copyV7(ctx, q, []int16{*id}); err != nil {
-			if isLockTimeout(err) {
-				return nil
-			}
-			return err
-		}
-	}
-	s.v7Consumer, s.v7ID = consumer, *id
-	s.v7sql.own = s.v7ReadsBy(fmt.Sprintf("consumer = CASE WHEN $1::text IS NOT NULL THEN %d::smallint END", *id))
+	s.v7Consumer, s.v7ID = consumer, id
+	s.v7sql.own = s.v7ReadsBy(fmt.Sprintf("consumer = CASE WHEN $1::text IS NOT NULL THEN %d END", id))
 	s.v7On.Store(true)
 	return nil
 }
 
-// isLockTimeout: err is PostgreSQL's lock_timeout (55P03).
-func isLockTimeout(err error) bool {
+// registerV7 returns consumer's id in <table>_consumer, adding the name
+// when it is not there (a sequence value is drawn only then); 0 when the
+// role may not (42501).
+func (s *Store) registerV7(ctx context.Context, q sqldb.Querier, consumer string) (int32, error) {
+	consumers := s.sibling("consumer")
+	var id int32
+	err := q.QueryRow(ctx, `WITH i AS (
+    INSERT INTO `+consumers+` (name) SELECT $1::text
+    WHERE NOT EXISTS (SELECT 1 FROM `+consumers+` WHERE name = $1::text)
+    ON CONFLICT (name) DO NOTHING RETURNING id)
+SELECT id FROM i UNION ALL SELECT id FROM `+consumers+` WHERE name = $1::text`, consumer).Scan(&id)
+	if errors.Is(err, sqldb.ErrNoRows) {
+		// Added by another process after this statement's snapshot.
+		err = q.QueryRow(ctx, "SELECT id FROM "+consumers+" WHERE name = $1", consumer).Scan(&id)
+	}
 	var e interface{ SQLState() string }
-	return errors.As(err, &e) && e.SQLState() == "55P03"
+	if errors.As(err, &e) && e.SQLState() == "42501" {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("processed: register consumer %q in %s: %w", consumer, consumers, err)
+	}
+	return id, nil
 }
-
-// v7BarrierTimeout bounds copyV7's wait for the claims in flight.
-var v7BarrierTimeout = 30 * time.Second
 
 // v7Ready reports whether <table>_v7_ready holds its row (false when the
 // table does not exist).
@@ -237,12 +239,15 @@ func (s *Store) purgeV7Batch(ctx context.Context, q sqldb.Querier, horizon time.
 // v7CopyBatch is the size of one batch of fillV7.
 const v7CopyBatch = 10000
 
-// fillV7 copies the UUIDv7 rows of the table into <table>_v7: it
-// registers every consumer name of the table in <table>_consumer, copies
-// their rows (copyV7), then writes <table>_v7_ready. The trigger of
-// migration 0008 exists before it runs (Migrate applies it first). Run
-// again after it completed, it does nothing; interrupted, it starts over
-// (the copy skips rows already there).
+// fillV7 copies the UUIDv7 rows of the table into <table>_v7, then writes
+// <table>_v7_ready. It registers every consumer name of the table in
+// <table>_consumer first (a loose scan of its primary key), then copies in
+// batches of v7CopyBatch along the table's primary key, each its own
+// statement (no lock held between them). The trigger of migration 0008
+// exists before it runs (Migrate applies it first; CREATE TRIGGER waited
+// for the claims in flight), so every claim it does not see is in
+// <table>_v7 already. Run again after it completed, it does nothing;
+// interrupted, it starts over (the copy skips rows already there).
 func (s *Store) fillV7(ctx context.Context, q sqldb.Querier) error {
 	exists, err := s.v7Exists(ctx, q)
 	if err != nil || !exists {
@@ -251,78 +256,44 @@ func (s *Store) fillV7(ctx context.Context, q sqldb.Querier) error {
 	if ready, err := s.v7Ready(ctx, q); err != nil || ready {
 		return err
 	}
-	t, consumers := s.table.Quoted('"'), s.sibling("consumer")
-	// Every consumer name of the table, by a loose scan of its primary key.
+	t, v7, consumers := s.table.Quoted('"'), s.sibling("v7"), s.sibling("consumer")
 	if _, err := q.Exec(ctx, `INSERT INTO `+consumers+` (name)
 WITH RECURSIVE c(consumer) AS (
     SELECT min(consumer) FROM `+t+`
     UNION ALL
     SELECT (SELECT min(x.consumer) FROM `+t+` AS x WHERE x.consumer > c.consumer) FROM c WHERE c.consumer IS NOT NULL)
 SELECT consumer FROM c WHERE consumer IS NOT NULL
+    AND NOT EXISTS (SELECT 1 FROM `+consumers+` n WHERE n.name = c.consumer)
 ON CONFLICT (name) DO NOTHING`); err != nil {
 		return fmt.Errorf("processed: copy the consumer names of %s: %w", s.table, err)
 	}
-	var ids []int16
-	if err := q.QueryRow(ctx, "SELECT coalesce(array_agg(id), '{}') FROM "+consumers+" WHERE NOT copied").Scan(&ids); err != nil {
-		return fmt.Errorf("processed: read %s: %w", consumers, err)
-	}
-	if len(ids) > 0 {
-		if err := s.copyV7(ctx, q, ids); err != nil {
-			return err
+	copySQL := `WITH b AS (
+    SELECT consumer, event_id, fingerprint FROM ` + t + `
+    WHERE (consumer, event_id) > ($1, $2::uuid)
+    ORDER BY consumer, event_id
+    LIMIT ` + strconv.Itoa(v7CopyBatch) + `),
+ins AS (
+    INSERT INTO ` + v7 + ` (consumer, event_id, fingerprint)
+    SELECT c.id, b.event_id, b.fingerprint FROM b JOIN ` + consumers + ` c ON c.name = b.consumer
+    WHERE get_byte(uuid_send(b.event_id), 6) >> 4 = 7
+    ON CONFLICT DO NOTHING)
+SELECT consumer, event_id::text, (SELECT count(*) FROM b) FROM b ORDER BY consumer DESC, event_id DESC LIMIT 1`
+	lastConsumer, lastID := "", uuid.Nil.String()
+	for {
+		var n int64
+		err := q.QueryRow(ctx, copySQL, lastConsumer, lastID).Scan(&lastConsumer, &lastID, &n)
+		if errors.Is(err, sqldb.ErrNoRows) {
+			break
+		}
+		if err != nil {
+			return fmt.Errorf("processed: copy the UUIDv7 rows of %s into %s: %w", s.table, v7, err)
+		}
+		if n < v7CopyBatch {
+			break
 		}
 	}
 	if _, err := q.Exec(ctx, "INSERT INTO "+s.sibling("v7_ready")+" (id, ready_us) VALUES (1, "+s.nowMicrosSQL()+") ON CONFLICT DO NOTHING"); err != nil {
-		return fmt.Errorf("processed: mark %s ready: %w", s.sibling("v7"), err)
-	}
-	return nil
-}
-
-// copyV7 copies the UUIDv7 rows of the consumers ids (registered in
-// <table>_consumer) from the table into <table>_v7, then marks them
-// copied. First a barrier: a transaction that takes the table's SHARE lock
-// (waiting at most v7BarrierTimeout), which waits for the claims in
-// flight, since one that began before a name was registered was not
-// copied by the trigger, and is released at once. Then batches of
-// v7CopyBatch rows along the table's primary key, each its own statement:
-// a claim committed after a batch read its range is in <table>_v7
-// already (the trigger, its name registered).
-func (s *Store) copyV7(ctx context.Context, q sqldb.Querier, ids []int16) error {
-	t, v7, consumers := s.table.Quoted('"'), s.sibling("v7"), s.sibling("consumer")
-	// One query string: one implicit transaction, the lock released at
-	// its end.
-	if _, err := q.Exec(ctx, fmt.Sprintf("SET LOCAL lock_timeout = '%dms'; LOCK TABLE %s IN SHARE MODE", v7BarrierTimeout.Milliseconds(), t)); err != nil {
-		return fmt.Errorf("processed: wait for the claims in flight on %s: %w", s.table, err)
-	}
-	copySQL := `WITH b AS (
-    SELECT x.consumer, x.event_id, x.fingerprint, c.id FROM ` + consumers + ` c
-    CROSS JOIN LATERAL (
-        SELECT consumer, event_id, fingerprint FROM ` + t + ` t
-        WHERE t.consumer = c.name AND t.event_id > $2::uuid
-        ORDER BY event_id
-        LIMIT ` + fmt.Sprint(v7CopyBatch) + `) x
-    WHERE c.id = $1),
-ins AS (
-    INSERT INTO ` + v7 + ` (consumer, event_id, fingerprint)
-    SELECT b.id, b.event_id, b.fingerprint FROM b
-    WHERE get_byte(uuid_send(b.event_id), 6) >> 4 = 7
-    ON CONFLICT DO NOTHING)
-SELECT coalesce(max(event_id::text), ''), count(*) FROM b`
-	for _, id := range ids {
-		last := uuid.Nil.String()
-		for {
-			var n int64
-			var max string
-			if err := q.QueryRow(ctx, copySQL, id, last).Scan(&max, &n); err != nil {
-				return fmt.Errorf("processed: copy the UUIDv7 rows of %s into %s: %w", s.table, v7, err)
-			}
-			if n < v7CopyBatch {
-				break
-			}
-			last = max
-		}
-		if _, err := q.Exec(ctx, "UPDATE "+consumers+" SET copied = true WHERE id = $1", id); err != nil {
-			return fmt.Errorf("processed: mark consumer %d copied: %w", id, err)
-		}
+		return fmt.Errorf("processed: mark %s ready: %w", v7, err)
 	}
 	return nil
 }
