@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
+	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
 // A consumer at horizon 0 on a table that keeps none records none: the
@@ -137,6 +138,16 @@ func TestPurgerRefusesATableHorizonBelowMinHorizon(t *testing.T) {
 		n, ran, err := p.PurgeNow(ctx)
 		require.NoError(t, err)
 		require.True(t, ran)
-		require.EqualValues(t, 1, n)
+		require.EqualValues(t, v7ClaimRows(tg), n)
 	})
+}
+
+// v7ClaimRows is how many rows a UUIDv7 claim made through the table
+// writes: on PostgreSQL its copy in processed_event_v7 too (migration 8's
+// trigger), which the purger deletes with it.
+func v7ClaimRows(tg target) int {
+	if tg.dialect == sqldb.PostgreSQL {
+		return 2
+	}
+	return 1
 }
