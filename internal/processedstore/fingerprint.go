@@ -228,6 +228,9 @@ func (s *Store) ClaimIdentityQueryAt(consumer string, eventID uuid.UUID, at time
 		// The statement text is built once (NewStore); its two extra
 		// placeholders come last.
 		id7, t := s.sql.eventID(eventID), s.eventAtArg(eventID, at)
+		if s.claimsV7(consumer, eventID) {
+			return s.v7sql.claim[1], []any{s.v7ID, id7, t, id.FingerprintBytes()}
+		}
 		if s.routed(eventID) {
 			return s.identity.claimOther, []any{consumer, id7, t, id.storedName(), id.FingerprintBytes()}
 		}
@@ -462,7 +465,7 @@ func (s *Store) ClaimParamsAt(consumer string, eventID uuid.UUID, at time.Time, 
 		// NewConsumer qualifies the table it finds.
 		p.SQL, p.Pinned = s.lean[v7][withID], s.table.Qualified()
 		p.SQLNear = s.leanNear[v7][withID]
-		if v7 == 1 && consumer == s.v7Consumer && s.v7On.Load() {
+		if v7 == 1 && s.claimsV7(consumer, eventID) {
 			p.SQL, p.SQLNear, p.ConsumerID = s.v7sql.claim[withID], s.v7sql.near[withID], s.v7ID
 		}
 	case id != nil && routed:

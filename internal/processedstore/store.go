@@ -276,6 +276,9 @@ func (s *Store) ClaimQuery(consumer string, eventID uuid.UUID) (string, []any) {
 // middleware's pgx beginner); most callers want ClaimAt.
 func (s *Store) ClaimQueryAt(consumer string, eventID uuid.UUID, at time.Time) (string, []any) {
 	id, t := s.sql.eventID(eventID), s.eventAtArg(eventID, at)
+	if s.claimsV7(consumer, eventID) {
+		return s.v7sql.claim[0], []any{s.v7ID, id, t}
+	}
 	if s.routed(eventID) {
 		return s.other.claim, []any{consumer, id, t}
 	}

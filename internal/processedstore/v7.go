@@ -20,14 +20,15 @@ import (
 // instructions for the statement where the table's costs 82.3k
 // (bench/RESULTS.md, floors).
 //
-// Only the pgx beginner's claim (ClaimParamsAt) inserts there, for the
-// consumer CheckLean registered, once <table>_v7_ready exists (every row
-// claimed before the migration copied by Migrate). Every other claim path
-// keeps inserting into the table, and the migration's trigger writes each
-// such UUIDv7 claim into <table>_v7 too (registering its consumer name
-// when needed), or, when the event is claimed there already, copies that
-// row into the table and skips the claim (a duplicate whose verdict and
-// identity read find the copy). A store in that mode reads UUIDv7 rows
+// The claims of the consumer CheckLean registered insert there
+// (ClaimParamsAt, ClaimQueryAt, ClaimIdentityQueryAt), once
+// <table>_v7_ready exists (every row claimed before the migration copied
+// by Migrate). Every other claim (another consumer name on this store, a
+// store without CheckLean, a previous release) inserts into the table, and
+// the migration's trigger writes each such UUIDv7 claim into <table>_v7
+// too (registering its consumer name when needed), or, when the event is
+// claimed there already, copies that row into the table and skips the
+// claim (a duplicate whose verdict and identity read find the copy). A store in that mode reads UUIDv7 rows
 // from <table>_v7 alone (Processed, Verdict, StoredIdentityQuery, the
 // commit guard): every UUIDv7 claim of either path is there.
 
@@ -42,10 +43,10 @@ type v7SQL struct {
 	// $2 event id, $3 event time (timestamptz), with identity $4
 	// fingerprint; near without the window's future arm.
 	claim, near [2]string
-	// The reads take the consumer's name ($1 text) as the table's
-	// statements do, and $2 the event id.
-	exists, verdict, stored, guard string
-	purge                          string // $1 horizon µs, $2 limit
+	// byName are the reads for any consumer, found by its name ($1 text,
+	// as in the table's statements).
+	byName v7Reads
+	purge  string // $1 horizon µs, $2 limit
 	// own are the reads for the consumer useV7 resolved, its id written
 	// into the text instead of the subquery that finds it (18k server
 	// instructions on a redelivered duplicate's read); $1 is still typed
@@ -76,16 +77,14 @@ func (s *Store) v7Read(consumer string) *v7Reads {
 	if consumer == s.v7Consumer {
 		return &s.v7sql.own
 	}
-	r := &v7Reads{s.v7sql.exists, s.v7sql.verdict, s.v7sql.stored, s.v7sql.guard}
-	return r
+	return &s.v7sql.byName
 }
 
 // initV7 builds the UUIDv7 table's statements (PostgreSQL plain layout).
 func (s *Store) initV7() {
 	v7, consumers := s.sibling("v7"), s.sibling("consumer")
-	r := s.v7ReadsBy("consumer = (SELECT c.id FROM " + consumers + " c WHERE c.name = $1)")
 	st := &v7SQL{
-		exists: r.exists, verdict: r.verdict, stored: r.stored, guard: r.guard,
+		byName: s.v7ReadsBy("consumer = (SELECT c.id FROM " + consumers + " c WHERE c.name = $1)"),
 		// Per consumer id (the few rows of <table>_consumer), a range of
 		// the primary key below the smallest UUIDv7 of the cutoff's
 		// millisecond: a row goes only when its id's millisecond is
@@ -123,6 +122,12 @@ func (s *Store) initV7() {
 // inV7 reports whether eventID's row is read from <table>_v7.
 func (s *Store) inV7(eventID uuid.UUID) bool {
 	return eventID.Version() == 7 && s.v7On.Load()
+}
+
+// claimsV7 reports whether consumer's claim of eventID goes to
+// <table>_v7: a UUIDv7 event of the consumer CheckLean registered.
+func (s *Store) claimsV7(consumer string, eventID uuid.UUID) bool {
+	return consumer == s.v7Consumer && s.inV7(eventID)
 }
 
 // DisableV7 turns the UUIDv7 claim table off for good (the claims and

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -145,5 +147,60 @@ func TestClaimsOfAnUnregisteredNameInTheTableAreDuplicatesInTheV7Table(t *testin
 		}
 		require.NoError(t, rows.Err())
 		require.Equal(t, 1, n, "event %s", id)
+	}
+}
+
+// A claim made in the table in a REPEATABLE READ transaction (as
+// watermill-sql's subscriber begins its own) whose snapshot predates the
+// registration of its consumer's name (a process of this release
+// starting, or Migrate's copy) fails (40001) instead of leaving the claim
+// out of processed_event_v7: the trigger's registration meets the name
+// committed after the snapshot. Delivered again in a new transaction, it
+// is copied, and it is a duplicate for this release's claim.
+func TestRepeatableReadClaimWhoseSnapshotPredatesTheRegistrationFailsOnce(t *testing.T) {
+	t.Parallel()
+	for _, registration := range []string{"start", "migrate"} {
+		t.Run(registration, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			pool, schema := testenv.Pool(t)
+			table := schema + ".processed_event"
+			old, err := processedstore.NewStore(processedstore.Config{Table: table, Horizon: time.Hour})
+			require.NoError(t, err)
+			ms, err := old.Migrations()
+			require.NoError(t, err)
+			if registration == "migrate" {
+				// The previous release's table (migrations 1 to 7), where
+				// "late" has claimed: Migrate registers the name.
+				require.NoError(t, sqldb.Migrate(ctx, sqldb.Pgx(pool), sqldb.PostgreSQL, "processed:"+old.Table().String(), ms[:7]))
+				ok, err := old.Claim(ctx, sqldb.Pgx(pool), "late", uuid.Must(uuid.NewV7()))
+				require.NoError(t, err)
+				require.True(t, ok)
+			} else {
+				require.NoError(t, old.Migrate(ctx, sqldb.Pgx(pool)))
+			}
+
+			tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+			require.NoError(t, err)
+			defer func() { _ = tx.Rollback(ctx) }()
+			_, err = tx.Exec(ctx, `SELECT 1`) // the snapshot
+			require.NoError(t, err)
+
+			if registration == "migrate" {
+				require.NoError(t, old.Migrate(ctx, sqldb.Pgx(pool)))
+			}
+			s := v7Store(t, pool, schema, "late")
+			id := uuid.Must(uuid.NewV7())
+			_, err = old.Claim(ctx, sqldb.Pgx(tx), "late", id)
+			var pgErr *pgconn.PgError
+			require.ErrorAs(t, err, &pgErr)
+			require.Equal(t, "40001", pgErr.Code)
+			require.NoError(t, tx.Rollback(ctx))
+
+			ok, err := old.Claim(ctx, sqldb.Pgx(pool), "late", id)
+			require.NoError(t, err)
+			require.True(t, ok, "delivered again: claimed")
+			require.False(t, claimV7(t, pool, s, "late", id), "a duplicate for this release")
+		})
 	}
 }

@@ -44,11 +44,24 @@ BEGIN
         CREATE OR REPLACE FUNCTION {{.IndexSchema}}"{{.Prefix}}_v7_mirror"() RETURNS trigger LANGUAGE plpgsql
         SECURITY DEFINER SET search_path FROM CURRENT AS $fn$
         DECLARE
-            cid integer;
-            fp  bytea;
+            cname text;
+            eid   uuid;
+            efp   bytea;
+            eat   timestamptz;
+            cid   integer;
+            fp    bytea;
         BEGIN
             -- Depth 2 is this function's own copy below.
-            IF pg_trigger_depth() > 1 OR get_byte(uuid_send(NEW.event_id), 6) >> 4 <> 7 THEN
+            IF pg_trigger_depth() > 1 THEN
+                RETURN NEW;
+            END IF;
+            -- The row's columns through a statement planned on each call:
+            -- an expression naming NEW's columns keeps their types from its
+            -- first call in the session, and fails (42804) on every claim
+            -- after a column's type changed (ALTER … TYPE a domain).
+            EXECUTE 'SELECT ($1).consumer, ($1).event_id, ($1).fingerprint, ($1).event_at'
+                INTO cname, eid, efp, eat USING NEW;
+            IF get_byte(uuid_send(eid), 6) >> 4 <> 7 THEN
                 RETURN NEW;
             END IF;
             -- A name not registered yet (a consumer of an older release
@@ -56,19 +69,19 @@ BEGIN
             -- Under REPEATABLE READ a name registered after the
             -- transaction's snapshot makes the INSERT fail with 40001
             -- (the claim is retried), never skip the copy.
-            SELECT id INTO cid FROM {{.IndexSchema}}"{{.Prefix}}_consumer" WHERE name = NEW.consumer;
+            SELECT id INTO cid FROM {{.IndexSchema}}"{{.Prefix}}_consumer" WHERE name = cname;
             IF cid IS NULL THEN
-                INSERT INTO {{.IndexSchema}}"{{.Prefix}}_consumer" (name) VALUES (NEW.consumer) ON CONFLICT (name) DO NOTHING;
-                SELECT id INTO cid FROM {{.IndexSchema}}"{{.Prefix}}_consumer" WHERE name = NEW.consumer;
+                INSERT INTO {{.IndexSchema}}"{{.Prefix}}_consumer" (name) VALUES (cname) ON CONFLICT (name) DO NOTHING;
+                SELECT id INTO cid FROM {{.IndexSchema}}"{{.Prefix}}_consumer" WHERE name = cname;
             END IF;
             INSERT INTO {{.IndexSchema}}"{{.Prefix}}_v7" (consumer, event_id, fingerprint)
-                VALUES (cid, NEW.event_id, NEW.fingerprint) ON CONFLICT DO NOTHING;
+                VALUES (cid, eid, efp) ON CONFLICT DO NOTHING;
             IF FOUND THEN
                 RETURN NEW;
             END IF;
-            SELECT v.fingerprint INTO fp FROM {{.IndexSchema}}"{{.Prefix}}_v7" v WHERE v.consumer = cid AND v.event_id = NEW.event_id;
+            SELECT v.fingerprint INTO fp FROM {{.IndexSchema}}"{{.Prefix}}_v7" v WHERE v.consumer = cid AND v.event_id = eid;
             INSERT INTO {{.Table}} (consumer, event_id, event_at, fingerprint)
-                VALUES (NEW.consumer, NEW.event_id, NEW.event_at, fp) ON CONFLICT DO NOTHING;
+                VALUES (cname, eid, eat, fp) ON CONFLICT DO NOTHING;
             RETURN NULL;
         END
         $fn$;
