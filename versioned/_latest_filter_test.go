@@ -231,7 +231,7 @@ func TestLatestFilterLateOlderIsStale(t *testing.T) {
 
 			// The same message again after its processed row was purged:
 			// not newer than itself, stale.
-			_, err := e.pool.Exec(context.Background(), `DELETE FROM processed_event`)
+			_, err := e.pool.Exec(context.Background(), `DELETE FROM processed_event; DELETE FROM processed_event_v7`)
 			require.NoError(t, err)
 			require.NoError(t, deliver(h, m4))
 			require.EqualValues(t, 3, e.counter.Count(versioned.FilterStale))

@@ -199,6 +199,10 @@ func (e *lfEnv) forgetProcessed(eventID string) {
 	}
 	_, err := e.db.Exec(context.Background(), e.tg.Rebind(`DELETE FROM processed_event WHERE event_id = $1`), arg)
 	require.NoError(e.t, err)
+	if e.tg.Dialect == sqldb.PostgreSQL { // and its row of processed migration 8's UUIDv7 table
+		_, err := e.db.Exec(context.Background(), `DELETE FROM processed_event_v7 WHERE event_id = $1`, arg)
+		require.NoError(e.t, err)
+	}
 }
 
 // publisher returns a LatestPublisher in front of q that records in the

@@ -967,7 +967,15 @@ func (m *Idempotent) forgetAttempts(ctx context.Context, consumer string, id uui
 // succeeded (the count's end committed with the claim). Otherwise the
 // caller ends the count.
 func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCtx context.Context,
-	consumer, handlerName string, eventID uuid.UUID, start time.Time, fields watermill.LogFields, endCount *bool) ([]*message.Message, error) {
+	consumer, handlerName string, eventID uuid.UUID, start time.Time, fields watermill.LogFields, endCount *bool) (_ []*message.Message, err error) {
+	// A statement on the UUIDv7 claim table that found it gone (the claim,
+	// the commit guard, a duplicate's read: MigrateToPartitioned folded
+	// it) turns it off: this attempt fails, the next claims in the table.
+	defer func() {
+		if err != nil {
+			m.cfg.Store.FoldedV7(eventID, err)
+		}
+	}()
 	eventAt, _ := eventTime(msg, eventID) // occurred_at for ids without a time
 	// Begin and claim: errors here come from the attempt's own connection.
 	req := claimRequest{

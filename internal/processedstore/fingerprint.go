@@ -360,8 +360,8 @@ func (s *Store) StoredIdentityQuery(consumer string, eventID uuid.UUID) (string,
 	if s.routed(eventID) && s.identity.storedOther != "" {
 		query = s.identity.storedOther
 	}
-	if s.inV7(eventID) {
-		query = s.v7Read(consumer).stored
+	if r := s.v7ReadOf(consumer, eventID); r != nil {
+		query = r.stored
 	}
 	return query, []any{consumer, s.sql.eventID(eventID)}
 }

@@ -250,8 +250,13 @@ func (p *Purger) PurgeNow(ctx context.Context) (deleted int64, ran bool, err err
 			// The UUIDv7 claim table (migration 0008), read once per run:
 			// its expired rows go by DELETE too, a range per consumer.
 			if !v7Checked {
-				if v7, err = p.store.v7Exists(ctx, q); err != nil {
+				var denied bool
+				if v7, denied, err = p.store.v7Purgeable(ctx, q); err != nil {
 					return n, err
+				}
+				if denied {
+					p.logger.Error("Purge: the UUIDv7 claim table is not purged: grant this role SELECT, UPDATE and DELETE on it and SELECT on <table>_consumer", nil,
+						watermill.LogFields{"table": p.store.sibling("v7")})
 				}
 				v7Checked = true
 			}

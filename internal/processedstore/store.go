@@ -142,8 +142,11 @@ type Store struct {
 	// v7sql: the statements on <table>_v7 (v7.go), nil off the plain
 	// PostgreSQL layout; v7On: UUIDv7 rows are claimed (for v7Consumer,
 	// whose id is v7ID) and read there, set once by CheckLean.
-	v7sql      *v7SQL
-	v7On       atomic.Bool
+	v7sql *v7SQL
+	v7On  atomic.Bool
+	// v7Both: <table>_v7 exists and the role may read it, but this store
+	// does not claim there: its reads of UUIDv7 rows look in both tables.
+	v7Both     atomic.Bool
 	v7Consumer string
 	v7ID       int32
 }
@@ -429,8 +432,8 @@ func (s *Store) Verdict(ctx context.Context, q sqldb.Querier, consumer string, e
 	if s.routed(eventID) {
 		verdict = s.other.verdict
 	}
-	if s.inV7(eventID) {
-		verdict = s.v7Read(consumer).verdict
+	if r := s.v7ReadOf(consumer, eventID); r != nil {
+		verdict = r.verdict
 	}
 	args := []any{consumer, s.sql.eventID(eventID), s.sql.eventAt(t)}
 	if s.sql.processClock {
@@ -462,8 +465,8 @@ func (s *Store) Processed(ctx context.Context, q sqldb.Querier, consumer string,
 	if s.routed(eventID) {
 		exists = s.other.exists
 	}
-	if s.inV7(eventID) {
-		exists = s.v7Read(consumer).exists
+	if r := s.v7ReadOf(consumer, eventID); r != nil {
+		exists = r.exists
 	}
 	err := q.QueryRow(ctx, exists, consumer, s.sql.eventID(eventID)).Scan(&ok)
 	if s.undefinedV7(eventID, err) {

@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
@@ -44,9 +46,10 @@ type v7SQL struct {
 	// fingerprint; near without the window's future arm.
 	claim, near [2]string
 	// byName are the reads for any consumer, found by its name ($1 text,
-	// as in the table's statements).
-	byName v7Reads
-	purge  string // $1 horizon µs, $2 limit
+	// as in the table's statements); both, the same in the table or in
+	// <table>_v7.
+	byName, both v7Reads
+	purge        string // $1 horizon µs, $2 limit
 	// own are the reads for the consumer useV7 resolved, its id written
 	// into the text instead of the subquery that finds it (18k server
 	// instructions on a redelivered duplicate's read); $1 is still typed
@@ -80,11 +83,36 @@ func (s *Store) v7Read(consumer string) *v7Reads {
 	return &s.v7sql.byName
 }
 
+// v7ReadOf returns the reads of consumer's row of eventID when they are
+// not the table's: those of <table>_v7 in that mode, of both tables when
+// the store does not claim there but may read it (v7Both); nil otherwise.
+func (s *Store) v7ReadOf(consumer string, eventID uuid.UUID) *v7Reads {
+	switch {
+	case eventID.Version() != 7:
+		return nil
+	case s.v7On.Load():
+		return s.v7Read(consumer)
+	case s.v7Both.Load():
+		return &s.v7sql.both
+	}
+	return nil
+}
+
 // initV7 builds the UUIDv7 table's statements (PostgreSQL plain layout).
 func (s *Store) initV7() {
 	v7, consumers := s.sibling("v7"), s.sibling("consumer")
+	byName := "consumer = (SELECT c.id FROM " + consumers + " c WHERE c.name = $1) AND event_id = $2"
+	t := s.table.Quoted('"')
+	inBoth := "(EXISTS (SELECT 1 FROM " + t + " WHERE consumer = $1 AND event_id = $2) OR EXISTS (SELECT 1 FROM " + v7 + " WHERE " + byName + "))"
 	st := &v7SQL{
 		byName: s.v7ReadsBy("consumer = (SELECT c.id FROM " + consumers + " c WHERE c.name = $1)"),
+		both: v7Reads{
+			exists: "SELECT " + inBoth,
+			verdict: fmt.Sprintf(`SELECT %s,
+       $3::timestamptz < statement_timestamp() - interval '%d microseconds',
+       to_char(statement_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`, inBoth, s.horizon.Microseconds()),
+			stored: "(SELECT event_name, fingerprint FROM " + t + " WHERE consumer = $1 AND event_id = $2) UNION ALL (SELECT NULL::text, fingerprint FROM " + v7 + " WHERE " + byName + ") LIMIT 1",
+		},
 		// Per consumer id (the few rows of <table>_consumer), a range of
 		// the primary key below the smallest UUIDv7 of the cutoff's
 		// millisecond: a row goes only when its id's millisecond is
@@ -134,18 +162,26 @@ func (s *Store) claimsV7(consumer string, eventID uuid.UUID) bool {
 // reads go to the table again): the pgx beginner calls it when a claim
 // there finds no such table (42P01), which MigrateToPartitioned folded
 // into the legacy table.
-func (s *Store) DisableV7() { s.v7On.Store(false) }
+func (s *Store) DisableV7() { s.v7On.Store(false); s.v7Both.Store(false) }
 
 // undefinedV7 reports whether err is a missing relation (42P01) met by a
-// statement on <table>_v7, and then turns it off (DisableV7).
+// statement on <table>_v7 (the error names it), and then turns it off
+// (DisableV7).
 func (s *Store) undefinedV7(eventID uuid.UUID, err error) bool {
-	var e interface{ SQLState() string }
-	if err == nil || !s.inV7(eventID) || !errors.As(err, &e) || e.SQLState() != "42P01" {
+	var e *pgconn.PgError
+	if err == nil || s.v7ReadOf("", eventID) == nil || !errors.As(err, &e) || e.Code != "42P01" ||
+		!strings.Contains(e.Message, `"`+s.table.Name()+`_v7"`) && !strings.Contains(e.Message, "."+s.table.Name()+`_v7"`) {
 		return false
 	}
 	s.DisableV7()
 	return true
 }
+
+// FoldedV7 reports whether err, an attempt's error for eventID, is a
+// statement on <table>_v7 that found no such table (42P01:
+// MigrateToPartitioned folded it), and then turns the UUIDv7 claim table
+// off (DisableV7): the attempt fails, the next claims in the table.
+func (s *Store) FoldedV7(eventID uuid.UUID, err error) bool { return s.undefinedV7(eventID, err) }
 
 // useV7 registers consumer in <table>_consumer when the table exists
 // (migration 0008), so that no claim of it registers the name in its
@@ -159,17 +195,31 @@ func (s *Store) undefinedV7(eventID uuid.UUID, err error) bool {
 // the trigger (run as the tables' owner) copies them. Only a
 // schema-qualified table (NewConsumer qualifies it) claims there.
 func (s *Store) useV7(ctx context.Context, q sqldb.Querier, consumer string) error {
-	if s.v7sql == nil || !s.hasLean || consumer == "" {
+	if s.v7sql == nil || !s.hasLean {
 		return nil
 	}
 	if exists, err := s.v7Exists(ctx, q); err != nil || !exists {
 		return err
+	}
+	// Until this store claims there, its reads of UUIDv7 rows look in
+	// <table>_v7 too, where other processes may claim, when the role may.
+	var readable bool
+	if err := q.QueryRow(ctx, `SELECT has_table_privilege($1, 'SELECT') AND has_table_privilege($2, 'SELECT')`,
+		s.sibling("v7"), s.sibling("consumer")).Scan(&readable); err != nil {
+		return fmt.Errorf("processed: read the privileges on %s: %w", s.sibling("v7"), err)
+	}
+	s.v7Both.Store(readable)
+	if consumer == "" {
+		return nil
 	}
 	id, err := s.registerV7(ctx, q, consumer)
 	if err != nil || id == 0 || !s.table.Qualified() {
 		return err
 	}
 	ready, err := s.v7Ready(ctx, q)
+	if sqlState(err) == "42501" {
+		return nil // the table's claim
+	}
 	if err != nil || !ready {
 		return err
 	}
@@ -177,6 +227,15 @@ func (s *Store) useV7(ctx context.Context, q sqldb.Querier, consumer string) err
 	s.v7sql.own = s.v7ReadsBy(fmt.Sprintf("consumer = CASE WHEN $1::text IS NOT NULL THEN %d END", id))
 	s.v7On.Store(true)
 	return nil
+}
+
+// sqlState is err's SQLSTATE, or "".
+func sqlState(err error) string {
+	var e *pgconn.PgError
+	if errors.As(err, &e) {
+		return e.Code
+	}
+	return ""
 }
 
 // registerV7 returns consumer's id in <table>_consumer, adding the name
@@ -194,8 +253,7 @@ SELECT id FROM i UNION ALL SELECT id FROM `+consumers+` WHERE name = $1::text`, 
 		// Added by another process after this statement's snapshot.
 		err = q.QueryRow(ctx, "SELECT id FROM "+consumers+" WHERE name = $1", consumer).Scan(&id)
 	}
-	var e interface{ SQLState() string }
-	if errors.As(err, &e) && e.SQLState() == "42501" {
+	if sqlState(err) == "42501" {
 		return 0, nil
 	}
 	if err != nil {
@@ -229,6 +287,21 @@ func (s *Store) v7Exists(ctx context.Context, q sqldb.Querier) (bool, error) {
 		return false, fmt.Errorf("processed: read %s: %w", s.sibling("v7"), err)
 	}
 	return ok, nil
+}
+
+// v7Purgeable reports whether <table>_v7 exists and whether this role may
+// not purge it (its purge locks rows FOR UPDATE: SELECT and UPDATE, and
+// DELETE on it, SELECT on <table>_consumer).
+func (s *Store) v7Purgeable(ctx context.Context, q sqldb.Querier) (ok, denied bool, err error) {
+	if ok, err = s.v7Exists(ctx, q); err != nil || !ok {
+		return false, false, err
+	}
+	err = q.QueryRow(ctx, `SELECT has_table_privilege($1, 'SELECT') AND has_table_privilege($1, 'UPDATE') AND has_table_privilege($1, 'DELETE') AND has_table_privilege($2, 'SELECT')`,
+		s.sibling("v7"), s.sibling("consumer")).Scan(&ok)
+	if err != nil {
+		return false, false, fmt.Errorf("processed: read the privileges on %s: %w", s.sibling("v7"), err)
+	}
+	return ok, !ok, nil
 }
 
 // purgeV7Batch deletes at most limit rows of <table>_v7 whose id's time is
