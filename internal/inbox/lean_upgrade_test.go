@@ -91,18 +91,7 @@ func TestLeanClaimRollingDeployAppliesEachEventOnce(t *testing.T) {
 	require.NoError(t, err)
 
 	const payload = `{"n":1}`
-	newIDs := func(n int) []uuid.UUID {
-		var ids []uuid.UUID
-		for i := 0; i < n; i++ {
-			if i%4 == 3 {
-				ids = append(ids, uuid.New())
-			} else {
-				ids = append(ids, uuid.Must(uuid.NewV7()))
-			}
-		}
-		return ids
-	}
-	before := newIDs(40)
+	before := mixedIDs(40)
 	for _, id := range before {
 		require.NoError(t, previousRelease(ctx, pool, id, payload))
 	}
@@ -124,7 +113,7 @@ func TestLeanClaimRollingDeployAppliesEachEventOnce(t *testing.T) {
 	// During the deploy: two workers of each release on the same events,
 	// each delivered three times, the migration applied midway. The events
 	// claimed before the migration are delivered again too.
-	during := newIDs(120)
+	during := mixedIDs(120)
 	var deliveries []uuid.UUID
 	for i := 0; i < 3; i++ {
 		deliveries = append(deliveries, during...)
@@ -175,7 +164,7 @@ func TestLeanClaimRollingDeployAppliesEachEventOnce(t *testing.T) {
 		require.NoError(t, deliverNew(id))
 		require.NoError(t, previousRelease(ctx, pool, id, payload))
 	}
-	after := newIDs(20)
+	after := mixedIDs(20)
 	for _, id := range after {
 		require.NoError(t, deliverNew(id))
 		require.NoError(t, previousRelease(ctx, pool, id, payload))
@@ -201,4 +190,18 @@ FROM processed_event p JOIN effect f USING (event_id)`).Scan(&leanNull, &leanV4N
 	require.Positive(t, leanNull, "UUIDv7 rows of the lean claim have no event_at")
 	require.Zero(t, leanV4Null)
 	require.Zero(t, previousNull)
+}
+
+// mixedIDs returns n new event ids, one in four a UUIDv4 (whose claim
+// stays in the table), the others UUIDv7.
+func mixedIDs(n int) []uuid.UUID {
+	var ids []uuid.UUID
+	for i := 0; i < n; i++ {
+		if i%4 == 3 {
+			ids = append(ids, uuid.New())
+		} else {
+			ids = append(ids, uuid.Must(uuid.NewV7()))
+		}
+	}
+	return ids
 }

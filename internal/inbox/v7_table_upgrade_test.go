@@ -64,18 +64,7 @@ func TestV7TableRollingDeployAppliesEachEventOnce(t *testing.T) {
 	prev := releaseHandler(t, pool, previous, "previous")
 
 	const payload = `{"n":1}`
-	newIDs := func(n int) []uuid.UUID {
-		var ids []uuid.UUID
-		for i := 0; i < n; i++ {
-			if i%4 == 3 {
-				ids = append(ids, uuid.New())
-			} else {
-				ids = append(ids, uuid.Must(uuid.NewV7()))
-			}
-		}
-		return ids
-	}
-	before := newIDs(40)
+	before := mixedIDs(40)
 	for _, id := range before {
 		require.NoError(t, prev(id, payload))
 	}
@@ -119,7 +108,7 @@ func TestV7TableRollingDeployAppliesEachEventOnce(t *testing.T) {
 	}
 
 	// The migration runs while two workers of the previous release claim.
-	first := newIDs(60)
+	first := mixedIDs(60)
 	migrated := make(chan error, 1)
 	var deliveries []uuid.UUID
 	for i := 0; i < 2; i++ {
@@ -138,7 +127,7 @@ func TestV7TableRollingDeployAppliesEachEventOnce(t *testing.T) {
 	require.NotZero(t, p.ConsumerID, "the new release claims UUIDv7 events in the v7 table")
 	require.Contains(t, p.SQL, `"processed_event_v7"`)
 	next := releaseHandler(t, pool, current, "current")
-	second := newIDs(120)
+	second := mixedIDs(120)
 	deliveries = nil
 	for i := 0; i < 3; i++ {
 		deliveries = append(append(append(deliveries, second...), first...), before...)
@@ -152,7 +141,7 @@ func TestV7TableRollingDeployAppliesEachEventOnce(t *testing.T) {
 		require.NoError(t, next(id, payload))
 		require.NoError(t, prev(id, payload))
 	}
-	after := newIDs(20)
+	after := mixedIDs(20)
 	for i, id := range after {
 		if i%2 == 0 {
 			require.NoError(t, next(id, payload))

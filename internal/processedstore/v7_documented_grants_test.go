@@ -25,15 +25,9 @@ import (
 func TestRolesGrantedAsDocumentedForMigration8StartAndPurge(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pg := testenv.StartPostgres(t)
-	admin := testenv.PoolAt(t, pg.URL, "public", 4)
-	_, err := admin.Exec(ctx, `CREATE SCHEMA app`)
-	require.NoError(t, err)
+	pg, admin, owner := appServer(t)
 	table := "app.processed_event"
-	owner, err := processedstore.NewStore(processedstore.Config{Table: table, Horizon: time.Hour})
-	require.NoError(t, err)
-	require.NoError(t, owner.Migrate(ctx, sqldb.Pgx(admin)))
-	_, err = owner.AdoptHorizon(ctx, sqldb.Pgx(admin), time.Hour, time.Now().Add(-48*time.Hour))
+	_, err := owner.AdoptHorizon(ctx, sqldb.Pgx(admin), time.Hour, time.Now().Add(-48*time.Hour))
 	require.NoError(t, err)
 	for _, stmt := range []string{
 		`CREATE ROLE consumer LOGIN`,

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -26,15 +27,8 @@ import (
 func TestConsumerRoleWithInsertAndSelectOnTheTableStartsOnTheV7Table(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pg := testenv.StartPostgres(t)
-	admin := testenv.PoolAt(t, pg.URL, "public", 4)
-	schema := "app"
-	_, err := admin.Exec(ctx, `CREATE SCHEMA app`)
-	require.NoError(t, err)
-	table := schema + ".processed_event"
-	owner, err := processedstore.NewStore(processedstore.Config{Table: table, Horizon: time.Hour})
-	require.NoError(t, err)
-	require.NoError(t, owner.Migrate(ctx, sqldb.Pgx(admin)))
+	pg, admin, owner := appServer(t)
+	schema, table := "app", "app.processed_event"
 	// Events the consumer processed through the table before its name was
 	// registered (a consumer of the previous release).
 	var ids []uuid.UUID
@@ -96,4 +90,20 @@ func TestConsumerRoleWithInsertAndSelectOnTheTableStartsOnTheV7Table(t *testing.
 	require.NoError(t, err)
 	require.True(t, claimed)
 	require.False(t, claimV7(t, pool, s, "stock", id), "a duplicate in the UUIDv7 claim table")
+}
+
+// appServer starts a private server (roles are the server's) whose table
+// app.processed_event is migrated by its owner, and returns it, a pool of
+// the owner and the owner's store.
+func appServer(t *testing.T) (*testenv.Postgres, *pgxpool.Pool, *processedstore.Store) {
+	t.Helper()
+	ctx := context.Background()
+	pg := testenv.StartPostgres(t)
+	admin := testenv.PoolAt(t, pg.URL, "public", 4)
+	_, err := admin.Exec(ctx, `CREATE SCHEMA app`)
+	require.NoError(t, err)
+	owner, err := processedstore.NewStore(processedstore.Config{Table: "app.processed_event", Horizon: time.Hour})
+	require.NoError(t, err)
+	require.NoError(t, owner.Migrate(ctx, sqldb.Pgx(admin)))
+	return pg, admin, owner
 }
