@@ -183,12 +183,6 @@ func (b *pgxBeginner) beginClaim(ctx context.Context, c claimRequest) (attemptTx
 		if p, ok := c.store.ClaimParamsAt(c.consumer, c.eventID, c.eventAt, id); ok {
 			st := connClaimOf(conn.Conn().PgConn())
 			claimed, err := b.claimPrepared(ctx, st, conn.Conn(), &c, &p)
-			if err != nil && p.ConsumerID != 0 && c.store.FoldedV7(c.eventID, err) {
-				// MigrateToPartitioned folded the UUIDv7 claim table into
-				// the legacy table: this attempt fails (its transaction is
-				// aborted), the next claims in the table.
-				err = &InfrastructureError{Op: "the UUIDv7 claim table is gone (MigrateToPartitioned): the next attempt claims in the table", Err: err}
-			}
 			if err != errFallback {
 				tx, claimed, err := b.claimed(ctx, st, conn, &c, claimed, err)
 				if ptx, ok := tx.(*pgxTx); ok {

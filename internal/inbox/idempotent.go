@@ -968,9 +968,10 @@ func (m *Idempotent) forgetAttempts(ctx context.Context, consumer string, id uui
 // caller ends the count.
 func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCtx context.Context,
 	consumer, handlerName string, eventID uuid.UUID, start time.Time, fields watermill.LogFields, endCount *bool) (_ []*message.Message, err error) {
-	// A statement on the UUIDv7 claim table that found it gone (the claim,
-	// the commit guard, a duplicate's read: MigrateToPartitioned folded
-	// it) turns it off: this attempt fails, the next claims in the table.
+	// A statement on the UUIDv7 claim table that found it gone (the commit
+	// guard, a duplicate's read; the claim below: MigrateToPartitioned
+	// folded it) turns it off: this attempt fails, the next claims in the
+	// table.
 	defer func() {
 		if err != nil {
 			m.cfg.Store.FoldedV7(eventID, err)
@@ -989,6 +990,9 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 	tx, claimed, err := m.cfg.Beginner.beginClaim(origCtx, req)
 	claimDur := time.Since(start)
 	if err != nil {
+		if m.cfg.Store.FoldedV7(eventID, err) {
+			err = &InfrastructureError{Op: "the UUIDv7 claim table is gone (MigrateToPartitioned): the next attempt claims in the table", Err: err}
+		}
 		err = fmt.Errorf("idempotency: begin and claim %s/%s: %w", consumer, eventID, claimError(err, m.cfg.Classifier))
 		return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, err)
 	}

@@ -337,7 +337,7 @@ func (s *Store) StoredIdentity(ctx context.Context, q sqldb.Querier, consumer st
 	)
 	query, args := s.StoredIdentityQuery(consumer, eventID)
 	err := q.QueryRow(ctx, query, args...).Scan(&name, &fp)
-	if s.undefinedV7(eventID, err) {
+	if s.FoldedV7(eventID, err) {
 		return s.StoredIdentity(ctx, q, consumer, eventID)
 	}
 	switch {

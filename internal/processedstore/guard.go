@@ -26,15 +26,20 @@ type guardStatements struct {
 // (division_by_zero), which aborts the transaction: a COMMIT sent after it
 // in the same pipeline then does not commit. The comment names the cause
 // in the server's log.
-const guardSQL = `/* idempotency commit guard: fails unless this transaction made the claim */ SELECT 1 / count(*) FROM %s WHERE consumer = $1 AND event_id = $2 AND xmin = pg_current_xact_id_if_assigned()::xid`
+// Its second argument is the row's key condition (tableKey, or
+// <table>_v7's).
+const guardSQL = `/* idempotency commit guard: fails unless this transaction made the claim */ SELECT 1 / count(*) FROM %s WHERE %s AND xmin = pg_current_xact_id_if_assigned()::xid`
+
+// tableKey is the table's key condition on $1 the consumer, $2 the event id.
+const tableKey = "consumer = $1 AND event_id = $2"
 
 func newGuardStatements(s *Store) guardStatements {
 	if s.dialect != sqldb.PostgreSQL {
 		return guardStatements{}
 	}
-	g := guardStatements{main: fmt.Sprintf(guardSQL, s.table.Quoted('"')), schemas: &sync.Map{}}
+	g := guardStatements{main: fmt.Sprintf(guardSQL, s.table.Quoted('"'), tableKey), schemas: &sync.Map{}}
 	if s.layout == LayoutPartitioned {
-		g.other = fmt.Sprintf(guardSQL, s.sibling("other"))
+		g.other = fmt.Sprintf(guardSQL, s.sibling("other"), tableKey)
 	}
 	return g
 }
@@ -92,10 +97,10 @@ func (s *Store) ClaimGuardQuery(consumer string, eventID uuid.UUID, schema strin
 // guardIn is the guard's statements on the table in schema.
 func (s *Store) guardIn(schema string) guardStatements {
 	q := `"` + strings.ReplaceAll(schema, `"`, `""`) + `".`
-	g := guardStatements{main: fmt.Sprintf(guardSQL, q+s.table.Quoted('"'))}
+	g := guardStatements{main: fmt.Sprintf(guardSQL, q+s.table.Quoted('"'), tableKey)}
 	if s.layout == LayoutPartitioned {
 		id, _ := sqldb.ParseIdent(s.table.Name() + "_other")
-		g.other = fmt.Sprintf(guardSQL, q+id.Quoted('"'))
+		g.other = fmt.Sprintf(guardSQL, q+id.Quoted('"'), tableKey)
 	}
 	return g
 }

@@ -161,7 +161,7 @@ END $do$`, legacy, name),
 	// The UUIDv7 claim table (migration 0008) is folded into the legacy
 	// table: renamed first, which waits for its claims in flight and
 	// makes every later one fail (42P01) until its consumer falls back to
-	// the table (Store.DisableV7), then its rows copied and the tables
+	// the table (Store.FoldedV7), then its rows copied and the tables
 	// dropped. A cost of one row insertion per row claimed there.
 	v7, err := plain.v7Exists(ctx, q)
 	if err != nil {

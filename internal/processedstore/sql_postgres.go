@@ -137,19 +137,32 @@ func postgresLeanClaim(q string, v7, identity, future bool, horizon, skew time.D
 	if identity {
 		cols, sel = cols+", event_name, fingerprint", sel+", $4, $5"
 	}
-	// Without a horizon nothing is refused; $3 still gets its type (the
-	// planner folds the condition to true).
-	where := "$3::timestamptz IS NULL OR true"
-	if horizon > 0 {
-		where = fmt.Sprintf("$3::timestamptz BETWEEN statement_timestamp() - interval '%d microseconds' AND statement_timestamp() + interval '%d microseconds'",
-			horizon.Microseconds(), skew.Microseconds())
-		if !future {
-			where = fmt.Sprintf("$3::timestamptz >= statement_timestamp() - interval '%d microseconds'", horizon.Microseconds())
-		}
-		if !v7 {
-			where = "$3::timestamptz IS NULL OR " + where
-		}
+	return leanInsert(q, cols, sel, leanWindow(v7, future, horizon, skew))
+}
+
+// leanWindow is a lean claim's condition on the event time $3: the replay
+// window on the database clock (with future, both arms; without, the past
+// arm only); without a horizon none, $3 still typed (the planner folds
+// the condition to true). Only a UUIDv7 (v7) always has a time: an event
+// without one ($3 NULL) is never refused.
+func leanWindow(v7, future bool, horizon, skew time.Duration) string {
+	if horizon <= 0 {
+		return "$3::timestamptz IS NULL OR true"
 	}
+	where := fmt.Sprintf("$3::timestamptz BETWEEN statement_timestamp() - interval '%d microseconds' AND statement_timestamp() + interval '%d microseconds'",
+		horizon.Microseconds(), skew.Microseconds())
+	if !future {
+		where = fmt.Sprintf("$3::timestamptz >= statement_timestamp() - interval '%d microseconds'", horizon.Microseconds())
+	}
+	if !v7 {
+		where = "$3::timestamptz IS NULL OR " + where
+	}
+	return where
+}
+
+// leanInsert is a lean claim: INSERT INTO q (cols) SELECT sel under where
+// (leanWindow), ON CONFLICT DO NOTHING.
+func leanInsert(q, cols, sel, where string) string {
 	return fmt.Sprintf("INSERT INTO %s (%s)\nSELECT %s%s%s)\nON CONFLICT DO NOTHING", q, cols, sel, leanClaimWhere, where)
 }
 
@@ -216,10 +229,12 @@ func v7TimeSQL(id string) string {
 // reports the missing table). NewConsumer calls it once, before the first
 // claim; without it a store on the plain PostgreSQL layout claims lean.
 //
-// With consumer not "", on a schema-qualified table whose <table>_v7 is
-// ready (migration 0008, filled by Migrate), it also turns on the UUIDv7
-// claim table for that consumer (v7.go): its UUIDv7 claims go there, and
-// every UUIDv7 row is read there.
+// Where <table>_v7 exists (migration 0008) it also registers consumer
+// (when not "") in <table>_consumer and, on a schema-qualified table whose
+// <table>_v7 is ready (filled by Migrate), turns the UUIDv7 claim table on
+// for it (useV7): its UUIDv7 claims go there and UUIDv7 rows are read
+// there; otherwise, when the role may read <table>_v7, UUIDv7 rows are read
+// in both tables.
 func (s *Store) CheckLean(ctx context.Context, q sqldb.Querier, consumer string) error {
 	if !s.hasLean {
 		return nil

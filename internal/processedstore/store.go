@@ -441,7 +441,7 @@ func (s *Store) Verdict(ctx context.Context, q sqldb.Querier, consumer string, e
 		args = append(args, sqldb.SQLiteTime(now.Add(-s.horizon)), sqldb.SQLiteTime(now))
 	}
 	err := q.QueryRow(ctx, verdict, args...).Scan(&exists, &expired, &clock)
-	if s.undefinedV7(eventID, err) {
+	if s.FoldedV7(eventID, err) {
 		return s.Verdict(ctx, q, consumer, eventID, at)
 	}
 	if err != nil {
@@ -469,7 +469,7 @@ func (s *Store) Processed(ctx context.Context, q sqldb.Querier, consumer string,
 		exists = r.exists
 	}
 	err := q.QueryRow(ctx, exists, consumer, s.sql.eventID(eventID)).Scan(&ok)
-	if s.undefinedV7(eventID, err) {
+	if s.FoldedV7(eventID, err) {
 		return s.Processed(ctx, q, consumer, eventID)
 	}
 	if err != nil {

@@ -65,14 +65,21 @@ type v7Reads struct{ exists, verdict, stored, guard string }
 func (s *Store) v7ReadsBy(key string) v7Reads {
 	v7 := s.sibling("v7")
 	by := key + " AND event_id = $2"
+	exists := "EXISTS (SELECT 1 FROM " + v7 + " WHERE " + by + ")"
 	return v7Reads{
-		exists: "SELECT EXISTS (SELECT 1 FROM " + v7 + " WHERE " + by + ")",
-		verdict: fmt.Sprintf(`SELECT EXISTS (SELECT 1 FROM %s WHERE %s),
-       $3::timestamptz < statement_timestamp() - interval '%d microseconds',
-       to_char(statement_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`, v7, by, s.horizon.Microseconds()),
-		stored: "SELECT NULL::text, fingerprint FROM " + v7 + " WHERE " + by,
-		guard:  "/* idempotency commit guard: fails unless this transaction made the claim */ SELECT 1 / count(*) FROM " + v7 + " WHERE " + by + " AND xmin = pg_current_xact_id_if_assigned()::xid",
+		exists:  "SELECT " + exists,
+		verdict: s.v7Verdict(exists),
+		stored:  "SELECT NULL::text, fingerprint FROM " + v7 + " WHERE " + by,
+		guard:   fmt.Sprintf(guardSQL, v7, by),
 	}
+}
+
+// v7Verdict is the verdict (postgresSQL.verdict's columns) whose first
+// column is exists.
+func (s *Store) v7Verdict(exists string) string {
+	return fmt.Sprintf(`SELECT %s,
+       $3::timestamptz < statement_timestamp() - interval '%d microseconds',
+       to_char(statement_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`, exists, s.horizon.Microseconds())
 }
 
 // v7Read returns the reads of <table>_v7 for consumer.
@@ -107,11 +114,9 @@ func (s *Store) initV7() {
 	st := &v7SQL{
 		byName: s.v7ReadsBy("consumer = (SELECT c.id FROM " + consumers + " c WHERE c.name = $1)"),
 		both: v7Reads{
-			exists: "SELECT " + inBoth,
-			verdict: fmt.Sprintf(`SELECT %s,
-       $3::timestamptz < statement_timestamp() - interval '%d microseconds',
-       to_char(statement_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')`, inBoth, s.horizon.Microseconds()),
-			stored: "(SELECT event_name, fingerprint FROM " + t + " WHERE consumer = $1 AND event_id = $2) UNION ALL (SELECT NULL::text, fingerprint FROM " + v7 + " WHERE " + byName + ") LIMIT 1",
+			exists:  "SELECT " + inBoth,
+			verdict: s.v7Verdict(inBoth),
+			stored:  "(SELECT event_name, fingerprint FROM " + t + " WHERE consumer = $1 AND event_id = $2) UNION ALL (SELECT NULL::text, fingerprint FROM " + v7 + " WHERE " + byName + ") LIMIT 1",
 		},
 		// Per consumer id (the few rows of <table>_consumer), a range of
 		// the primary key below the smallest UUIDv7 of the cutoff's
@@ -132,16 +137,9 @@ func (s *Store) initV7() {
 		if id == 1 {
 			cols, sel = cols+", fingerprint", sel+", $4"
 		}
-		where := "$3::timestamptz IS NULL OR true"
-		near := ""
+		st.claim[id] = leanInsert(v7, cols, sel, leanWindow(true, true, s.horizon, s.skew))
 		if s.horizon > 0 {
-			where = fmt.Sprintf("$3::timestamptz BETWEEN statement_timestamp() - interval '%d microseconds' AND statement_timestamp() + interval '%d microseconds'",
-				s.horizon.Microseconds(), s.skew.Microseconds())
-			near = fmt.Sprintf("$3::timestamptz >= statement_timestamp() - interval '%d microseconds'", s.horizon.Microseconds())
-		}
-		st.claim[id] = fmt.Sprintf("INSERT INTO %s (%s)\nSELECT %s%s%s)\nON CONFLICT DO NOTHING", v7, cols, sel, leanClaimWhere, where)
-		if near != "" {
-			st.near[id] = fmt.Sprintf("INSERT INTO %s (%s)\nSELECT %s%s%s)\nON CONFLICT DO NOTHING", v7, cols, sel, leanClaimWhere, near)
+			st.near[id] = leanInsert(v7, cols, sel, leanWindow(true, false, s.horizon, s.skew))
 		}
 	}
 	s.v7sql = st
@@ -158,30 +156,23 @@ func (s *Store) claimsV7(consumer string, eventID uuid.UUID) bool {
 	return consumer == s.v7Consumer && s.inV7(eventID)
 }
 
-// DisableV7 turns the UUIDv7 claim table off for good (the claims and
-// reads go to the table again): the pgx beginner calls it when a claim
-// there finds no such table (42P01), which MigrateToPartitioned folded
-// into the legacy table.
-func (s *Store) DisableV7() { s.v7On.Store(false); s.v7Both.Store(false) }
-
-// undefinedV7 reports whether err is a missing relation (42P01) met by a
-// statement on <table>_v7 (the error names it), and then turns it off
-// (DisableV7).
-func (s *Store) undefinedV7(eventID uuid.UUID, err error) bool {
+// FoldedV7 reports whether err, an error met for eventID, is a statement
+// on <table>_v7 that found no such table (42P01, the message naming it:
+// MigrateToPartitioned folded it into the legacy table), and then turns
+// the UUIDv7 claim table off for good: this store's claims and reads go to
+// the table again. The middleware calls it with an attempt's error (that
+// attempt fails, the next claims in the table); the store's own reads
+// call it and read again.
+func (s *Store) FoldedV7(eventID uuid.UUID, err error) bool {
 	var e *pgconn.PgError
 	if err == nil || s.v7ReadOf("", eventID) == nil || !errors.As(err, &e) || e.Code != "42P01" ||
-		!strings.Contains(e.Message, `"`+s.table.Name()+`_v7"`) && !strings.Contains(e.Message, "."+s.table.Name()+`_v7"`) {
+		!strings.Contains(e.Message, s.table.Name()+`_v7"`) {
 		return false
 	}
-	s.DisableV7()
+	s.v7On.Store(false)
+	s.v7Both.Store(false)
 	return true
 }
-
-// FoldedV7 reports whether err, an attempt's error for eventID, is a
-// statement on <table>_v7 that found no such table (42P01:
-// MigrateToPartitioned folded it), and then turns the UUIDv7 claim table
-// off (DisableV7): the attempt fails, the next claims in the table.
-func (s *Store) FoldedV7(eventID uuid.UUID, err error) bool { return s.undefinedV7(eventID, err) }
 
 // useV7 registers consumer in <table>_consumer when the table exists
 // (migration 0008), so that no claim of it registers the name in its
