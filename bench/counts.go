@@ -275,7 +275,7 @@ type CountSizes struct {
 
 // countVariants are the variants counted, the first the baseline.
 var countVariants = []string{vNone, vOurs, vDuplicate, "idem_no_lock_timeout", "idem_no_verify", "dup_no_lock_timeout_no_verify", vPlainTx,
-	"idem_crash_bound_marked", "idem_crash_bound_unmarked", vDupRedelivered,
+	"idem_crash_bound_marked", "idem_crash_bound_unmarked", vDupRedelivered, vDupIsolated,
 	vFloorNone, vFloorMechanism, vFloorChecked, vFloorLean, vFloorToday, vFloorCheckedSession, vFloorLeanSession, vFloorTodaySession}
 
 // vDupRedelivered is a duplicate as a broker redelivers it (redelivered
@@ -283,6 +283,11 @@ var countVariants = []string{vNone, vOurs, vDuplicate, "idem_no_lock_timeout", "
 // sets: the event's processed row is found by one read-only statement,
 // and no transaction is begun.
 const vDupRedelivered = "dup_redelivered"
+
+// vDupIsolated is a duplicate outside a run of duplicates (a middleware
+// without the querier that reads them first): BEGIN, the claim, the
+// identity read and ROLLBACK, what a duplicate among new events costs.
+const vDupIsolated = "dup_isolated"
 
 // vPlainTx is the handler in a plain pgx transaction without the chain
 // (none has the chain's outer layers): what a router without this library
@@ -314,6 +319,7 @@ var countConfigs = map[string]func(*inbox.Config){
 	"idem_crash_bound_marked":   func(c *inbox.Config) { c.MaxCrashes = 3 },
 	"idem_crash_bound_unmarked": func(c *inbox.Config) { c.MaxCrashes = 3 },
 	vDupRedelivered:             func(c *inbox.Config) { c.MaxCrashes = 3 },
+	vDupIsolated:                func(*inbox.Config) {}, // no CrashQuerier: no run's read
 }
 
 type countResult struct {
@@ -473,6 +479,7 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 			k(got[vFloorChecked].server-got[vFloorNone].server), k(got[vFloorCheckedSession].server-got[vFloorNone].server),
 			k(got[vFloorLean].server-got[vFloorNone].server), k(got[vFloorLeanSession].server-got[vFloorNone].server),
 			k(got[vFloorToday].server-got[vFloorNone].server), k(got[vFloorTodaySession].server-got[vFloorNone].server)),
+		"duplicate: ours fed only events already processed, in a run of duplicates (a replay): after the first dozen, each is one autocommit read of its row (inbox duplicaterun.go); dup_isolated: a duplicate outside a run (BEGIN, claim, identity read, ROLLBACK).",
 		"dup_redelivered: a duplicate marked as a redelivery (redelivered, delivery count 1), crash bound on: one read-only autocommit statement reads the processed row, nothing is counted, no transaction.",
 		"idem_crash_bound_marked / _unmarked: ours with the crash bound NewConsumer sets (MaxCrashes 3, counted on the pool), on first deliveries marked as such (AMQP, JetStream, Redis Streams with CountingClient: nothing written) or unmarked (Kafka: each child's first 64 attempts are counted, inside both runs, so they cancel out of the per-message figure).",
 		fmt.Sprintf("(I(%d) − I(%d)) ÷ %d per message: process start and connection cancel out; building the message is inside (same for all).", sz.N2, sz.N1, sz.N2-sz.N1),
@@ -517,6 +524,8 @@ func counts(ctx context.Context, e *env, sz CountSizes, res *Result) error {
 	res.set("client_instructions_per_duplicate_redelivered", redelivered.client)
 	res.set("server_instructions_per_duplicate_redelivered", redelivered.server)
 	res.set("duplicate_cpu_ratio_redelivered", (redelivered.client+redelivered.server)/(ours.client+ours.server))
+	isolated := got[vDupIsolated]
+	res.set("duplicate_cpu_ratio_isolated", (isolated.client+isolated.server)/(ours.client+ours.server))
 	fnone := got[vFloorNone]
 	for _, v := range []string{vFloorMechanism, vFloorChecked, vFloorLean, vFloorToday, vFloorCheckedSession, vFloorLeanSession, vFloorTodaySession} {
 		res.set("server_instructions_per_claim_"+v, got[v].server-fnone.server)

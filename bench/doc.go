@@ -109,9 +109,10 @@
 // server_instructions_per_msg and _plain, server_instructions_per_claim
 // (ours − none on the server), client_instructions_per_claim and
 // wal_bytes_per_claim (ours − none), duplicate_cpu_ratio (client + server
-// instructions of a duplicate ÷ those of a new message) and
-// duplicate_cpu_ratio_redelivered (the same for a duplicate marked as a
-// redelivery, crash bound on), wal_bytes_per_msg,
+// instructions of a duplicate in a run of duplicates ÷ those of a new
+// message), duplicate_cpu_ratio_isolated (a duplicate outside a run: the
+// claim's path) and duplicate_cpu_ratio_redelivered (a duplicate marked as
+// a redelivery, crash bound on), wal_bytes_per_msg,
 // allocs_per_msg_chain and _plain. server_instructions_per_claim_floor_mechanism,
 // _floor_checked, _floor_lean and _floor_today price claim statements alone
 // on the same server (bench/floors.go): the uuid-only mechanism, a table

@@ -185,7 +185,7 @@ func allocsPerMsg(ctx context.Context, rig *e2eRig, n int) (allocs, error) {
 	if msgs, err = build(ids); err != nil {
 		return r, err
 	}
-	if r.dup, _, err = measure(rig.vs.ours.Middleware(noopHandler), msgs); err != nil {
+	if r.dup, _, err = measure(rig.vs.dup.Middleware(noopHandler), msgs); err != nil {
 		return r, err
 	}
 	return r, nil

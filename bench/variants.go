@@ -212,6 +212,10 @@ func newIdempotent(pool *pgxpool.Pool, store *processedstore.Store, pipelined bo
 		Beginner: beginner,
 		Store:    store,
 		Consumer: consumerName,
+		// As NewConsumer sets it: the crash count's querier, which also
+		// reads the duplicates of a run of duplicates (MaxCrashes stays
+		// 0 here; the crash bound's variants are counted apart).
+		CrashQuerier: inbox.OwnQuerier(beginner, sqldb.PgxIn(pool, sqldb.OwnMode(pool))),
 	}
 	if rec != nil {
 		cfg.Recorder = rec
@@ -251,17 +255,26 @@ type variantSet struct {
 	store *processedstore.Store
 	sink  *claimSink
 
-	ours, unpipelined *inbox.Idempotent
-	chainOurs         []message.HandlerMiddleware
-	chainUnpiped      []message.HandlerMiddleware
-	outer             []message.HandlerMiddleware
-	inmem             message.HandlerMiddleware
+	// dup is ours fed only duplicates, a middleware of its own: the
+	// share of duplicates it keeps (a run of duplicates, inbox
+	// duplicaterun.go) is not ours's.
+	ours, dup, unpipelined *inbox.Idempotent
+	chainOurs, chainDup    []message.HandlerMiddleware
+	chainUnpiped           []message.HandlerMiddleware
+	outer                  []message.HandlerMiddleware
+	inmem                  message.HandlerMiddleware
 }
 
 func newVariantSet(pool *pgxpool.Pool, store *processedstore.Store) (*variantSet, error) {
 	vs := &variantSet{pool: pool, store: store, sink: &claimSink{}}
 	var err error
 	if vs.ours, err = newIdempotent(pool, store, true, vs.sink); err != nil {
+		return nil, err
+	}
+	if vs.dup, err = newIdempotent(pool, store, true, nil); err != nil {
+		return nil, err
+	}
+	if vs.chainDup, _, err = chainWith(vs.dup); err != nil {
 		return nil, err
 	}
 	if vs.unpipelined, err = newIdempotent(pool, store, false, nil); err != nil {
@@ -284,8 +297,10 @@ func (vs *variantSet) handlerFor(v string, h message.HandlerFunc) message.Handle
 	tx := txMiddleware(vs.pool)
 	outer := vs.outer
 	switch v {
-	case vOurs, vDuplicate:
+	case vOurs:
 		return compose(h, vs.chainOurs...)
+	case vDuplicate:
+		return compose(h, vs.chainDup...)
 	case vUnpipelined:
 		return compose(h, vs.chainUnpiped...)
 	case vNaive:
@@ -305,8 +320,10 @@ func (vs *variantSet) handlerFor(v string, h message.HandlerFunc) message.Handle
 func (vs *variantSet) innerFor(v string, h message.HandlerFunc) message.HandlerFunc {
 	tx := txMiddleware(vs.pool)
 	switch v {
-	case vOurs, vDuplicate:
+	case vOurs:
 		return vs.ours.Middleware(h)
+	case vDuplicate:
+		return vs.dup.Middleware(h)
 	case vUnpipelined:
 		return vs.unpipelined.Middleware(h)
 	case vNaive:

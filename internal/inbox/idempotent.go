@@ -186,7 +186,10 @@ type Config struct {
 	// and never end (the process died in them) before the message is
 	// rejected as permanent (ErrCrashLoop); counted in the store's _crash
 	// table on CrashQuerier (autocommit), for redeliveries only. 0: off.
-	MaxCrashes   int
+	MaxCrashes int
+	// CrashQuerier runs the statements outside an attempt's transaction
+	// (autocommit): the crash count, and the read that ends a duplicate of
+	// a run of duplicates (duplicateRun). nil: neither.
 	CrashQuerier sqldb.Querier
 }
 
@@ -259,6 +262,10 @@ type Idempotent struct {
 	// outage is never taken for a crash, even when the delivery it held
 	// went on to another process.
 	unrecorded unrecordedEnds
+
+	// dupShare is the share of duplicates among the consumer's recent
+	// claims, a moving average in 1/dupScale (duplicateRun).
+	dupShare atomic.Int32
 }
 
 // unrecordedEnds are the ends of attempts this process ran whose end
@@ -572,6 +579,13 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		// The replay window is the claim's (the database clock, see
 		// retention.go): no expiry check runs here on the process clock.
 		if !m.countsCrashes(msg) {
+			if m.duplicateRun() && !nested {
+				if _, joined := wsql.TxFromContext(origCtx); !joined {
+					if stored, found := m.processedBefore(origCtx, consumer, eventID); found {
+						return nil, m.processedRedelivery(msg, consumer, handlerName, eventID, stored, start, fields)
+					}
+				}
+			}
 			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, nil)
 		}
 		marked := markedRedelivery(msg)
@@ -812,8 +826,8 @@ func (m *Idempotent) startAttempt(ctx context.Context, consumer string, id uuid.
 	return m.cfg.Store.StartAttemptUnlessProcessed(c, m.cfg.CrashQuerier, consumer, id)
 }
 
-// processedRedelivery ends the attempt of a redelivered message whose
-// event startAttempt found processed: a duplicate (nil: acked, the handler
+// processedRedelivery ends the attempt of a message whose event
+// startAttempt or processedBefore found processed: a duplicate (nil: acked, the handler
 // not called), or, with payload verification, a conflict when the stored
 // fingerprint is another event's (permanent, reason "event_id_reused"), as
 // the claim's duplicate path decides (endDuplicate).
@@ -1267,6 +1281,12 @@ func eventTime(msg *message.Message, id uuid.UUID) (time.Time, bool) {
 // failure someone must look at. A transient failure (the message stays on
 // the broker and is retried) is logged at info with the field "error".
 func (m *Idempotent) finish(handlerName string, o Outcome, start time.Time, claim time.Duration, fields watermill.LogFields, err error) error {
+	switch o {
+	case OutcomeProcessed, OutcomeStale, OutcomeObsolete:
+		m.noteClaim(false)
+	case OutcomeDuplicate, OutcomeConflict:
+		m.noteClaim(true)
+	}
 	total := time.Since(start)
 	m.cfg.Recorder.RecordOutcome(Observation{Consumer: m.cfg.Consumer, HandlerName: handlerName, Outcome: o, Claim: claim, Total: total})
 	if m.quiet {

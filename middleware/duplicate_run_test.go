@@ -1,0 +1,112 @@
+package middleware_test
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/watermill-idempotency/idempotency/internal/door"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
+)
+
+// A replay (a stream re-read from an earlier offset, a relay republishing
+// after a crash) delivers runs of events already processed that no broker
+// marks as redelivered. Once most recent claims found duplicates, each
+// duplicate is ended by one autocommit read of its row: no claim, no
+// transaction, so a lock held on the claim table does not stop it. A
+// conflicting payload is still a conflict. An event the read does not find
+// is claimed as always (and waits on the lock), so it is applied once; once
+// new events are the most again, a duplicate takes the claim too.
+func TestDuplicatesOfAReplayAreEndedByAReadWithoutAClaim(t *testing.T) {
+	t.Parallel()
+	e := newConsumerEnv(t)
+	ctx := context.Background()
+	poison := &poisonLog{}
+	cfg := e.config("stock")
+	cfg.Poison.Publisher = poison
+	cfg.LockTimeout = 100 * time.Millisecond
+	cfg.Retry.MaxHold = 300 * time.Millisecond
+	c, err := middleware.NewConsumer(cfg, nil)
+	require.NoError(t, err)
+	var calls atomic.Int32
+	h, err := door.Wrap(c, "reserve", effectHandler(&calls))
+	require.NoError(t, err)
+
+	// First deliveries as AMQP and JetStream mark them (no crash count).
+	delivery := func(id string, payload []byte) *message.Message {
+		m := newEvent(t)
+		if id != "" {
+			m.UUID, m.Payload = id, payload
+		}
+		marshaler.SetRedelivered(m, false)
+		marshaler.SetDeliveryCount(m, 0)
+		return m
+	}
+	var events []*message.Message
+	for range 30 {
+		m := delivery("", nil)
+		_, err := h(m)
+		require.NoError(t, err)
+		events = append(events, m)
+	}
+	for _, m := range events { // the replay
+		_, err := h(delivery(m.UUID, m.Payload))
+		require.NoError(t, err)
+	}
+	require.Equal(t, int32(30), calls.Load())
+
+	// lockClaims holds the claim tables (the table and, where the store
+	// claims UUIDv7 events there, <table>_v7) in EXCLUSIVE mode: reads go
+	// on, every claim waits, here past its LockTimeout.
+	lockClaims := func() pgx.Tx {
+		tx, err := e.pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		_, err = tx.Exec(ctx, `LOCK TABLE processed_event IN EXCLUSIVE MODE`)
+		require.NoError(t, err)
+		var v7 bool
+		require.NoError(t, tx.QueryRow(ctx, `SELECT to_regclass('processed_event_v7') IS NOT NULL`).Scan(&v7))
+		if v7 {
+			_, err = tx.Exec(ctx, `LOCK TABLE processed_event_v7 IN EXCLUSIVE MODE`)
+			require.NoError(t, err)
+		}
+		return tx
+	}
+
+	lock := lockClaims()
+	for _, m := range events[:10] {
+		_, err := h(delivery(m.UUID, m.Payload))
+		require.NoError(t, err, "a duplicate of the replay is acked without a claim")
+	}
+	_, err = h(delivery(events[0].UUID, []byte(`{"order_id":"o-2"}`)))
+	require.NoError(t, err, "dead-lettered and acked")
+	require.Equal(t, []string{events[0].UUID}, poison.poisoned(), "another payload under a processed id is a conflict")
+	fresh := delivery("", nil)
+	_, err = h(fresh)
+	require.Error(t, err, "a new event during the replay is claimed, and its claim waits on the lock")
+	require.Equal(t, int32(30), calls.Load())
+	require.NoError(t, lock.Rollback(ctx))
+
+	_, err = h(delivery(fresh.UUID, fresh.Payload))
+	require.NoError(t, err)
+	require.Equal(t, int32(31), calls.Load())
+	for range 40 {
+		_, err := h(delivery("", nil))
+		require.NoError(t, err)
+	}
+	require.Equal(t, 71, e.effects(t), "each event applied once")
+
+	lock = lockClaims()
+	_, err = h(delivery(events[1].UUID, events[1].Payload))
+	require.Error(t, err, "a duplicate among new events is claimed: the reads stopped with the replay")
+	require.NoError(t, lock.Rollback(ctx))
+	_, err = h(delivery(events[1].UUID, events[1].Payload))
+	require.NoError(t, err)
+	require.Equal(t, int32(71), calls.Load(), "the handler ran once per event")
+}
