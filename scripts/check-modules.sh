@@ -7,7 +7,8 @@
 #   - the core's packages (non-test) link no MySQL driver either;
 #   - the core's go directive is not newer than CORE_GO;
 #   - a sample AMQP service (scripts/testdata/amqpservice: core middleware,
-#     marshaler/amqp, pgxpool) has at most SAMPLE_MAX modules and builds;
+#     marshaler/amqp, pgxpool) has at most SAMPLE_MAX modules and builds
+#     (with -race: the build the tests then take from the cache);
 #   - every go.mod of the repository is in go.work and the reverse, and every
 #     module is tidy;
 #   - the workspace selects the core's own versions of pgx, watermill and
@@ -49,7 +50,7 @@ sample=scripts/testdata/amqpservice
 n=$(cd "$sample" && GOWORK=off go list -m all | wc -l)
 echo "check-modules: sample AMQP service: go list -m all: $n modules (max $SAMPLE_MAX)"
 [ "$n" -le "$SAMPLE_MAX" ] || bad "the sample AMQP service's module graph has $n modules, over $SAMPLE_MAX"
-(cd "$sample" && GOWORK=off go build -o /dev/null . && GOWORK=off go mod tidy -diff >/dev/null) ||
+(cd "$sample" && GOWORK=off go build -race -o /dev/null . && GOWORK=off go mod tidy -diff >/dev/null) ||
   bad "$sample does not build or is not tidy"
 
 work=$(bash scripts/modules.sh | sort)
