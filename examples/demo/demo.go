@@ -348,6 +348,7 @@ func (d *demo) setup(ctx context.Context) error {
 		BatchSize:     d.cfg.BatchSize,
 		PollInterval:  relayConfig.PollInterval,
 		RetryInterval: relayConfig.RetryInterval,
+		MaxBackoff:    relayConfig.MaxBackoff,
 		MaxAttempts:   relayConfig.MaxAttempts,
 		Logger:        d.logger,
 	})

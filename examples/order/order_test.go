@@ -215,7 +215,16 @@ func TestConfigValidation(t *testing.T) {
 	require.ErrorContains(t, err, "OutboxTopic")
 	_, err = order.NewRelay(order.RelayConfig{Pool: pool})
 	require.ErrorContains(t, err, "Publisher")
+	// MaxBackoff reaches the library relay, which validates it.
+	_, err = order.NewRelay(order.RelayConfig{Pool: pool, Publisher: discardPublisher{}, MaxBackoff: -time.Second})
+	require.ErrorContains(t, err, "RelayConfig.MaxBackoff")
 }
+
+// discardPublisher publishes nothing.
+type discardPublisher struct{}
+
+func (discardPublisher) Publish(string, ...*message.Message) error { return nil }
+func (discardPublisher) Close() error                              { return nil }
 
 // On SQLite (the embedded demo) with the shop's channel broker: the same
 // relay and replay contract, and ChangeStatus versions.

@@ -48,6 +48,10 @@ type RelayConfig struct {
 	// RetryInterval is the first backoff after a failed publish or round.
 	// Defaults to DefaultRetryInterval.
 	RetryInterval time.Duration
+	// MaxBackoff caps the backoff, which doubles after each failed
+	// publish of a row (outbox.RelayConfig.MaxBackoff). Defaults to
+	// outbox.DefaultMaxBackoff.
+	MaxBackoff time.Duration
 	// MaxAttempts is the publish attempts of a row before it is
 	// dead-lettered (outbox.RelayConfig.MaxAttempts). Defaults to
 	// outbox.DefaultMaxAttempts.
@@ -110,6 +114,7 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 		BatchSize:      cfg.BatchSize,
 		PollInterval:   cfg.PollInterval,
 		RetryInterval:  cfg.RetryInterval,
+		MaxBackoff:     cfg.MaxBackoff,
 		MaxAttempts:    cfg.MaxAttempts,
 		Retention:      cfg.Retention,
 		PublishTimeout: cfg.PublishTimeout,
