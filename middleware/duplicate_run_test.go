@@ -79,6 +79,30 @@ func TestDuplicatesOfAReplayAreEndedByAReadWithoutAClaim(t *testing.T) {
 		return tx
 	}
 
+	// A lock that blocks reads too (DDL): the duplicate's read gives up
+	// after LockTimeout, as a claim would, and the attempt fails, held and
+	// retried, instead of waiting for the lock without end.
+	ddl, err := e.pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ddl.Rollback(ctx) })
+	_, err = ddl.Exec(ctx, `LOCK TABLE processed_event IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	var v7 bool
+	require.NoError(t, e.pool.QueryRow(ctx, `SELECT to_regclass('processed_event_v7') IS NOT NULL`).Scan(&v7))
+	if v7 {
+		_, err = ddl.Exec(ctx, `LOCK TABLE processed_event_v7 IN ACCESS EXCLUSIVE MODE`)
+		require.NoError(t, err)
+	}
+	done := make(chan error, 1)
+	go func() { _, err := h(delivery(events[2].UUID, events[2].Payload)); done <- err }()
+	select {
+	case err := <-done:
+		require.Error(t, err, "not acked while the tables are locked")
+	case <-time.After(time.Minute): // a guard against a hang, not a speed check
+		t.Fatal("the attempt waited on the lock past LockTimeout and MaxHold")
+	}
+	require.NoError(t, ddl.Rollback(ctx))
+
 	lock := lockClaims()
 	for _, m := range events[:10] {
 		_, err := h(delivery(m.UUID, m.Payload))

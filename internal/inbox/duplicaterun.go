@@ -58,8 +58,17 @@ func (m *Idempotent) noteClaim(duplicate bool) {
 // processedBefore reads (consumer, eventID)'s row in autocommit
 // (processedstore.Store.StoredIdentity) during a run of duplicates. A read
 // that fails reports nothing found: the attempt claims, and its own
-// statements meet the failure.
+// statements meet the failure. The read is bounded by Config.LockTimeout,
+// as the claim's wait on a lock is: behind a lock that blocks reads (an
+// ACCESS EXCLUSIVE one: DDL, a partition switch) it gives up, and the
+// claim waits its own lock timeout and fails, held and logged, instead of
+// the attempt waiting without end and without a word.
 func (m *Idempotent) processedBefore(ctx context.Context, consumer string, eventID uuid.UUID) (processedstore.StoredIdentity, bool) {
+	if d := m.cfg.LockTimeout; d > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, d)
+		defer cancel()
+	}
 	stored, err := m.cfg.Store.StoredIdentity(ctx, m.cfg.CrashQuerier, consumer, eventID)
 	if err != nil || !stored.Found {
 		return processedstore.StoredIdentity{}, false
