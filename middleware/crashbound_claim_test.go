@@ -26,12 +26,7 @@ func TestRedeliveryOverTheCrashBoundWhoseClaimFailsKeepsItsCrashCount(t *testing
 	t.Parallel()
 	e := newConsumerEnv(t)
 	ctx := context.Background()
-	poison := &poisonLog{}
-	cfg := e.config("stock")
-	cfg.Poison.Publisher = poison
-	cfg.LockTimeout = 50 * time.Millisecond
-	c, err := middleware.NewConsumer(cfg, nil)
-	require.NoError(t, err)
+	c, poison := consumerWithPoisonLog(t, e, func(cfg *middleware.ConsumerConfig) { cfg.LockTimeout = 50 * time.Millisecond })
 	var calls atomic.Int32
 	h, err := door.Wrap(c, "reserve", countingHandler(&calls))
 	require.NoError(t, err)

@@ -27,13 +27,10 @@ func TestDuplicatesOfAReplayAreEndedByAReadWithoutAClaim(t *testing.T) {
 	t.Parallel()
 	e := newConsumerEnv(t)
 	ctx := context.Background()
-	poison := &poisonLog{}
-	cfg := e.config("stock")
-	cfg.Poison.Publisher = poison
-	cfg.LockTimeout = 100 * time.Millisecond
-	cfg.Retry.MaxHold = 300 * time.Millisecond
-	c, err := middleware.NewConsumer(cfg, nil)
-	require.NoError(t, err)
+	c, poison := consumerWithPoisonLog(t, e, func(cfg *middleware.ConsumerConfig) {
+		cfg.LockTimeout = 100 * time.Millisecond
+		cfg.Retry.MaxHold = 300 * time.Millisecond
+	})
 	var calls atomic.Int32
 	h, err := door.Wrap(c, "reserve", effectHandler(&calls))
 	require.NoError(t, err)
@@ -62,37 +59,29 @@ func TestDuplicatesOfAReplayAreEndedByAReadWithoutAClaim(t *testing.T) {
 	require.Equal(t, int32(30), calls.Load())
 
 	// lockClaims holds the claim tables (the table and, where the store
-	// claims UUIDv7 events there, <table>_v7) in EXCLUSIVE mode: reads go
-	// on, every claim waits, here past its LockTimeout.
-	lockClaims := func() pgx.Tx {
+	// claims UUIDv7 events there, <table>_v7) in mode until the returned
+	// transaction ends: EXCLUSIVE lets reads on and makes every claim
+	// wait, here past its LockTimeout; ACCESS EXCLUSIVE (DDL's) blocks
+	// reads too.
+	lockClaims := func(mode string) pgx.Tx {
 		tx, err := e.pool.Begin(ctx)
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = tx.Rollback(ctx) })
-		_, err = tx.Exec(ctx, `LOCK TABLE processed_event IN EXCLUSIVE MODE`)
-		require.NoError(t, err)
 		var v7 bool
 		require.NoError(t, tx.QueryRow(ctx, `SELECT to_regclass('processed_event_v7') IS NOT NULL`).Scan(&v7))
+		tables := "processed_event"
 		if v7 {
-			_, err = tx.Exec(ctx, `LOCK TABLE processed_event_v7 IN EXCLUSIVE MODE`)
-			require.NoError(t, err)
+			tables += ", processed_event_v7"
 		}
+		_, err = tx.Exec(ctx, `LOCK TABLE `+tables+` IN `+mode+` MODE`)
+		require.NoError(t, err)
 		return tx
 	}
 
-	// A lock that blocks reads too (DDL): the duplicate's read gives up
-	// after LockTimeout, as a claim would, and the attempt fails, held and
+	// A lock that blocks reads too: the duplicate's read gives up after
+	// LockTimeout, as a claim would, and the attempt fails, held and
 	// retried, instead of waiting for the lock without end.
-	ddl, err := e.pool.Begin(ctx)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = ddl.Rollback(ctx) })
-	_, err = ddl.Exec(ctx, `LOCK TABLE processed_event IN ACCESS EXCLUSIVE MODE`)
-	require.NoError(t, err)
-	var v7 bool
-	require.NoError(t, e.pool.QueryRow(ctx, `SELECT to_regclass('processed_event_v7') IS NOT NULL`).Scan(&v7))
-	if v7 {
-		_, err = ddl.Exec(ctx, `LOCK TABLE processed_event_v7 IN ACCESS EXCLUSIVE MODE`)
-		require.NoError(t, err)
-	}
+	ddl := lockClaims("ACCESS EXCLUSIVE")
 	done := make(chan error, 1)
 	go func() { _, err := h(delivery(events[2].UUID, events[2].Payload)); done <- err }()
 	select {
@@ -103,7 +92,7 @@ func TestDuplicatesOfAReplayAreEndedByAReadWithoutAClaim(t *testing.T) {
 	}
 	require.NoError(t, ddl.Rollback(ctx))
 
-	lock := lockClaims()
+	lock := lockClaims("EXCLUSIVE")
 	for _, m := range events[:10] {
 		_, err := h(delivery(m.UUID, m.Payload))
 		require.NoError(t, err, "a duplicate of the replay is acked without a claim")
@@ -126,7 +115,7 @@ func TestDuplicatesOfAReplayAreEndedByAReadWithoutAClaim(t *testing.T) {
 	}
 	require.Equal(t, 71, e.effects(t), "each event applied once")
 
-	lock = lockClaims()
+	lock = lockClaims("EXCLUSIVE")
 	_, err = h(delivery(events[1].UUID, events[1].Payload))
 	require.Error(t, err, "a duplicate among new events is claimed: the reads stopped with the replay")
 	require.NoError(t, lock.Rollback(ctx))

@@ -66,12 +66,15 @@ func TestRedeliveredProcessedEventIsADuplicateWhateverItsCrashCount(t *testing.T
 }
 
 // consumerWithPoisonLog is the env's "stock" consumer, dead-lettering
-// through a poisonLog.
-func consumerWithPoisonLog(t *testing.T, e consumerEnv) (*middleware.Consumer, *poisonLog) {
+// through a poisonLog, with edits applied to its config.
+func consumerWithPoisonLog(t *testing.T, e consumerEnv, edits ...func(*middleware.ConsumerConfig)) (*middleware.Consumer, *poisonLog) {
 	t.Helper()
 	poison := &poisonLog{}
 	cfg := e.config("stock")
 	cfg.Poison.Publisher = poison
+	for _, edit := range edits {
+		edit(&cfg)
+	}
 	c, err := middleware.NewConsumer(cfg, nil)
 	require.NoError(t, err)
 	return c, poison

@@ -3,6 +3,7 @@ package inbox
 import (
 	"context"
 
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/google/uuid"
 
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
@@ -25,8 +26,8 @@ import (
 // a few of them and the reads stop.
 //
 // The share is a moving average of the outcomes processed, stale or
-// obsolete (0) and duplicate or conflict (1) over about the last dupWindow claims, in
-// 1/dupScale; other outcomes leave it as it is. Attempts racing on it may
+// obsolete (0) and duplicate or conflict (1) over about the last
+// dupWindow claims, in 1/dupScale; other outcomes leave it as it is. Attempts racing on it may
 // lose an update, which only moves the average a step.
 const (
 	dupScale  = 1 << 12
@@ -37,11 +38,18 @@ const (
 	dupRunFrom = dupScale / 2
 )
 
-// duplicateRun reports whether the consumer is in a run of duplicates: most
-// of its recent claims found the event processed, and a querier outside the
-// attempt's transaction is set.
-func (m *Idempotent) duplicateRun() bool {
-	return m.cfg.CrashQuerier != nil && m.dupShare.Load() >= dupRunFrom
+// duplicateRun reports whether an attempt on ctx reads its row first: the
+// consumer is in a run of duplicates (most of its recent claims found the
+// event processed), a querier outside the attempt's transaction is set,
+// and the attempt has no outer transaction to read through (nested in
+// another consumer's attempt, or in watermill-sql's subscriber
+// transaction).
+func (m *Idempotent) duplicateRun(ctx context.Context, nested bool) bool {
+	if m.cfg.CrashQuerier == nil || nested || m.dupShare.Load() < dupRunFrom {
+		return false
+	}
+	_, joined := wsql.TxFromContext(ctx)
+	return !joined
 }
 
 // noteClaim moves the share of duplicates by one outcome.

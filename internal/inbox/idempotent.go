@@ -579,11 +579,9 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		// The replay window is the claim's (the database clock, see
 		// retention.go): no expiry check runs here on the process clock.
 		if !m.countsCrashes(msg) {
-			if m.duplicateRun() && !nested {
-				if _, joined := wsql.TxFromContext(origCtx); !joined {
-					if stored, found := m.processedBefore(origCtx, consumer, eventID); found {
-						return nil, m.processedRedelivery(msg, consumer, handlerName, eventID, stored, start, fields)
-					}
+			if m.duplicateRun(origCtx, nested) {
+				if stored, found := m.processedBefore(origCtx, consumer, eventID); found {
+					return nil, m.endProcessed(msg, consumer, handlerName, eventID, stored, start, fields)
 				}
 			}
 			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, nil)
@@ -617,7 +615,7 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 			// A redelivery of a processed event: nothing was counted and
 			// no transaction is needed (its identity was read with the
 			// count's statement).
-			return nil, m.processedRedelivery(msg, consumer, handlerName, eventID, stored, start, fields)
+			return nil, m.endProcessed(msg, consumer, handlerName, eventID, stored, start, fields)
 		}
 		// The count ends with the attempt on every path but the process's
 		// death (a panic unwinds through here too), and a claim over the
@@ -826,12 +824,12 @@ func (m *Idempotent) startAttempt(ctx context.Context, consumer string, id uuid.
 	return m.cfg.Store.StartAttemptUnlessProcessed(c, m.cfg.CrashQuerier, consumer, id)
 }
 
-// processedRedelivery ends the attempt of a message whose event
+// endProcessed ends the attempt of a message whose event
 // startAttempt or processedBefore found processed: a duplicate (nil: acked, the handler
 // not called), or, with payload verification, a conflict when the stored
 // fingerprint is another event's (permanent, reason "event_id_reused"), as
 // the claim's duplicate path decides (endDuplicate).
-func (m *Idempotent) processedRedelivery(msg *message.Message, consumer, handlerName string, eventID uuid.UUID,
+func (m *Idempotent) endProcessed(msg *message.Message, consumer, handlerName string, eventID uuid.UUID,
 	stored processedstore.StoredIdentity, start time.Time, fields watermill.LogFields) error {
 	req := claimRequest{store: m.cfg.Store, consumer: consumer, eventID: eventID}
 	req.identity, req.verify = m.identityOf(msg)
