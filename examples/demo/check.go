@@ -274,19 +274,20 @@ func (d *demo) check(ctx context.Context) (*result, error) {
 
 	// Dead letters: each malformed message reaches each queue once, is
 	// delivered once, and lands in the queue's dead-letter queue once, with
-	// a reason. A delivery is repeated only when a lost connection (a cut)
-	// lost its ack (the broker redelivers it, and it is dead-lettered again:
-	// the dead-letter queue is at-least-once); never because it was
-	// requeued. expected_poisoned counts those repeated deliveries too.
+	// a reason. A delivery is repeated only when its ack did not reach the
+	// broker: a lost connection (a cut), or on JetStream an AckWait that ran
+	// out (the broker redelivers it, and it is dead-lettered again: the
+	// dead-letter queue is at-least-once); never because it was requeued.
+	// expected_poisoned counts those repeated deliveries too.
 	deliveredOnce, dlqExact := 0, 0
 	for _, c := range d.consumers() {
 		per := d.malformedPerQueue(c.consumer)
 		got := dlq[c.consumer.Name]
 		r.Poisoned += got.total
 		for _, id := range d.malformedIDs {
-			n, afterLost := c.probe.malformedDeliveries(id)
+			n, explained := c.probe.malformedDeliveries(id)
 			r.ExpectedPoisoned += max(n, per)
-			if n >= per && n-per <= afterLost {
+			if n >= per && n-per <= explained {
 				deliveredOnce += per
 			}
 			if got.byID[id] == n && got.withReason[id] == n {
@@ -327,7 +328,7 @@ func (d *demo) check(ctx context.Context) (*result, error) {
 	}
 	if d.cfg.Workers == 1 {
 		r.rows = append(r.rows,
-			checkRow{"malformed messages delivered once per queue (again only on a new connection)", malformedCopies, deliveredOnce},
+			checkRow{"malformed messages delivered once per queue (again only after a lost ack)", malformedCopies, deliveredOnce},
 			checkRow{"malformed messages dead-lettered once per delivery, with reason", malformedCopies, dlqExact},
 			checkRow{"dead-lettered messages", r.ExpectedPoisoned, r.Poisoned})
 	} else {

@@ -529,8 +529,11 @@ func (d *demo) startConsumer(ctx context.Context, s consumerSpec) (*consumerRun,
 			name:     c.Name,
 			cut:      cut,
 			cutEvery: int64(d.cfg.CutEvery),
-			awaiting: map[string]bool{},
-			perID:    map[string][]uint64{},
+			// JetStream redelivers an unacked message after AckWait
+			// (shop.DefaultJetStreamAckWait) on a live connection too.
+			ackWaitRedelivers: d.cfg.Backend == backendJetStream,
+			awaiting:          map[string]bool{},
+			perID:             map[string][]malformedDelivery{},
 		},
 		done: make(chan error, 1),
 	}

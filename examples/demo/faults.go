@@ -254,6 +254,11 @@ type consumerProbe struct {
 	name     string
 	cut      func() // loses the acks of the consumer's deliveries in flight
 	cutEvery int64
+	// ackWaitRedelivers is set when the broker also redelivers a message
+	// whose ack did not reach it within a deadline on the same connection
+	// (JetStream's AckWait): a delivery waiting in the client behind slower
+	// ones is sent again although the connection lived.
+	ackWaitRedelivers bool
 
 	deliveries  atomic.Int64
 	redelivered atomic.Int64
@@ -263,8 +268,15 @@ type consumerProbe struct {
 	lastSeen    atomic.Int64 // unix nanos of the last delivery's end
 
 	mu       sync.Mutex
-	awaiting map[string]bool     // event ids whose ack was cut, until redelivered
-	perID    map[string][]uint64 // malformed message UUID → AMQP session of each of its deliveries
+	awaiting map[string]bool                // event ids whose ack was cut, until redelivered
+	perID    map[string][]malformedDelivery // malformed message UUID → each of its deliveries
+}
+
+// malformedDelivery is one delivery of a malformed message: the broker
+// connection (session) it came on and whether the router acked it.
+type malformedDelivery struct {
+	session uint64
+	acked   bool
 }
 
 type attemptKey struct{}
@@ -285,17 +297,20 @@ func (p *consumerProbe) middleware(h message.HandlerFunc) message.HandlerFunc {
 			p.redelivered.Add(1)
 		}
 		id := msg.UUID // inner middleware may rewrite it (-id-at-reception)
+		_, malformed := marshaler.Malformed(msg)
 		p.mu.Lock()
 		delete(p.awaiting, id)
-		if _, bad := marshaler.Malformed(msg); bad {
-			session, _ := shop.SessionFromContext(msg.Context())
-			p.perID[id] = append(p.perID[id], session)
-		}
 		p.mu.Unlock()
 
 		a := &attempt{}
 		msg.SetContext(context.WithValue(msg.Context(), attemptKey{}, a))
 		out, err := h(msg)
+		if malformed {
+			session, _ := shop.SessionFromContext(msg.Context())
+			p.mu.Lock()
+			p.perID[id] = append(p.perID[id], malformedDelivery{session: session, acked: err == nil})
+			p.mu.Unlock()
+		}
 		if err == nil && a.committed.Load() {
 			n := p.commits.Add(1)
 			if p.cutEvery > 0 && n%p.cutEvery == 0 {
@@ -323,23 +338,29 @@ func (p *consumerProbe) handler(h message.HandlerFunc) message.HandlerFunc {
 }
 
 // malformedDeliveries returns how many times the malformed message id was
-// delivered, and how many of its deliveries after the first came on another
-// AMQP connection than the previous one: the previous connection was lost
-// before the ack reached the broker, which redelivered the message. A cut
-// does that to the delivery it follows, and also to a delivery handled
-// just before it whose ack was still on its way, or to one the client had
-// already received on the connection when it was cut. Deliveries on the
-// same connection would be requeues: a loop.
-func (p *consumerProbe) malformedDeliveries(id string) (deliveries, afterLostConnection int) {
+// delivered, and how many of its deliveries after the first the broker
+// explains by an ack that did not reach it:
+//   - the delivery came on another connection than the previous one: that
+//     connection was lost before the ack reached the broker. A cut does that
+//     to the delivery it follows, and also to a delivery handled just before
+//     it whose ack was still on its way, or to one the client had already
+//     received on the connection when it was cut;
+//   - with ackWaitRedelivers, the previous delivery was acked: JetStream sent
+//     the message again when AckWait ran out while that copy waited in the
+//     client or its ack was on its way.
+//
+// Any other delivery on the same connection follows a nack: a requeue, the
+// loop the dead-letter path exists to prevent.
+func (p *consumerProbe) malformedDeliveries(id string) (deliveries, explained int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	sessions := p.perID[id]
-	for i := 1; i < len(sessions); i++ {
-		if sessions[i] != sessions[i-1] {
-			afterLostConnection++
+	ds := p.perID[id]
+	for i := 1; i < len(ds); i++ {
+		if ds[i].session != ds[i-1].session || (p.ackWaitRedelivers && ds[i-1].acked) {
+			explained++
 		}
 	}
-	return len(sessions), afterLostConnection
+	return len(ds), explained
 }
 
 func (p *consumerProbe) awaitingRedelivery() int {
