@@ -83,49 +83,78 @@ BEGIN PERFORM pg_advisory_xact_lock(%d); RETURN NEW; END $$;
 CREATE TRIGGER hold_claim BEFORE INSERT ON processed_event FOR EACH ROW EXECUTE FUNCTION hold_claim()`, key))
 	require.NoError(t, err)
 
-	// The event was processed once, dated half a second inside the window
-	// of a claim starting now.
-	var t0 time.Time
-	require.NoError(t, pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&t0))
-	id, at := uuid.New(), t0.Add(-time.Hour+500*time.Millisecond)
-	_, err = pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, event_at) VALUES ('c', $1, $2)`, id, at)
-	require.NoError(t, err)
-
 	holder, err := pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer holder.Release()
-	_, err = holder.Exec(ctx, `SELECT pg_advisory_lock($1)`, key)
-	require.NoError(t, err)
+	var holderPID int
+	require.NoError(t, holder.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&holderPID))
 	type result struct {
 		claimed bool
 		err     error
 	}
-	done := make(chan result, 1)
-	go func() {
-		tx, err := pool.Begin(ctx)
-		if err != nil {
-			done <- result{err: err}
-			return
+
+	// The event was processed once, dated margin inside the window of a
+	// claim starting now. A claim that starts more than margin later (a
+	// loaded machine) judges the event outside its window and returns
+	// without reaching the trigger: the race did not happen, and the test
+	// tries again with a wider margin.
+	var r result
+	for margin := 500 * time.Millisecond; ; margin *= 4 {
+		require.LessOrEqual(t, margin, 32*time.Second, "no claim reached its insert within its margin")
+		var t0 time.Time
+		require.NoError(t, pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&t0))
+		id, at := uuid.New(), t0.Add(-time.Hour+margin)
+		_, err = pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, event_at) VALUES ('c', $1, $2)`, id, at)
+		require.NoError(t, err)
+		_, err = holder.Exec(ctx, `SELECT pg_advisory_lock($1)`, key)
+		require.NoError(t, err)
+
+		done := make(chan result, 1)
+		go func() {
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				done <- result{err: err}
+				return
+			}
+			defer func() { _ = tx.Rollback(ctx) }()
+			claimed, err := s.ClaimAt(ctx, sqldb.Pgx(tx), "c", id, at) // judged now, then waits in the trigger
+			done <- result{claimed, err}
+		}()
+		var finished *result
+		testenv.Eventually(t, 30*time.Second, "the claim waits in the trigger or returns", func(o *testenv.Observed) bool {
+			select {
+			case got := <-done:
+				finished = &got
+				return true
+			default:
+			}
+			var n int
+			require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid))`, holderPID).Scan(&n))
+			return o.Int("waiting", n) > 0
+		})
+		if finished != nil {
+			_, err = holder.Exec(ctx, `SELECT pg_advisory_unlock($1)`, key)
+			require.NoError(t, err)
+			require.False(t, finished.claimed, "a claim that never reached its insert claimed nothing (err=%v)", finished.err)
+			t.Logf("the claim started more than %s after the event's window opened; trying again", margin)
+			continue
 		}
-		defer func() { _ = tx.Rollback(ctx) }()
-		claimed, err := s.ClaimAt(ctx, sqldb.Pgx(tx), "c", id, at) // judged now, then waits in the trigger
-		done <- result{claimed, err}
-	}()
-	waitBlockedBy(t, target{dialect: sqldb.PostgreSQL, db: sqldb.Pgx(pool)}, sqldb.Pgx(holder))
-	for { // the database clock passes the event's horizon (an ordering)
-		var past bool
-		require.NoError(t, pool.QueryRow(ctx, `SELECT clock_timestamp() > $1::timestamptz + interval '1 second'`, t0).Scan(&past))
-		if past {
-			break
+		for { // the database clock passes the event's horizon (an ordering)
+			var past bool
+			require.NoError(t, pool.QueryRow(ctx, `SELECT clock_timestamp() > $1::timestamptz + make_interval(secs => $2)`, t0, (margin+500*time.Millisecond).Seconds()).Scan(&past))
+			if past {
+				break
+			}
+			time.Sleep(20 * time.Millisecond)
 		}
-		time.Sleep(20 * time.Millisecond)
+		p, err := processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{Horizon: time.Hour}, nil)
+		require.NoError(t, err)
+		_, _, err = p.PurgeNow(ctx)
+		require.NoError(t, err)
+		_, err = holder.Exec(ctx, `SELECT pg_advisory_unlock($1)`, key)
+		require.NoError(t, err)
+		r = <-done
+		break
 	}
-	p, err := processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{Horizon: time.Hour}, nil)
-	require.NoError(t, err)
-	_, _, err = p.PurgeNow(ctx)
-	require.NoError(t, err)
-	_, err = holder.Exec(ctx, `SELECT pg_advisory_unlock($1)`, key)
-	require.NoError(t, err)
-	r := <-done
 	require.False(t, r.claimed, "the event was processed: the waiting claim must find its row, never claim it a second time (err=%v)", r.err)
 }
