@@ -133,14 +133,15 @@ func NewMalformed(body []byte, transportID, reason string) *message.Message {
 // ReservedKey reports whether key is metadata this package derives on
 // reception ([MetadataEventName], [MetadataOccurredAt], [MetadataMalformed],
 // [MetadataMalformedReason], [MetadataRedelivered], [MetadataDeliveryCount],
-// any [MetadataExtraPrefix] key), and the envelope header [EncodeMessage]
-// adds ("idempotency_envelope"). An adapter must not let an incoming header
+// any [MetadataExtraPrefix] key), the envelope header [EncodeMessage]
+// adds ("idempotency_envelope") and the mark of a delivery its transport
+// did not count ("idempotency_uncounted_delivery"). An adapter must not let an incoming header
 // of that name set it: a sender could otherwise flag, unflag or rename a
 // message, or fake its delivery count. Keys are compared exactly.
 func ReservedKey(key string) bool {
 	switch key {
 	case MetadataEventName, MetadataOccurredAt, MetadataMalformed, MetadataMalformedReason,
-		MetadataRedelivered, MetadataDeliveryCount, wire.EnvelopeHeader:
+		MetadataRedelivered, MetadataDeliveryCount, wire.EnvelopeHeader, wire.UncountedDelivery:
 		return true
 	}
 	return strings.HasPrefix(key, MetadataExtraPrefix)

@@ -65,7 +65,8 @@ func TestMetadataAccessors(t *testing.T) {
 func TestReservedKeys(t *testing.T) {
 	t.Parallel()
 	for _, k := range []string{MetadataEventName, MetadataOccurredAt, MetadataMalformed, MetadataMalformedReason,
-		MetadataRedelivered, MetadataDeliveryCount, MetadataExtraPrefix + "x", MetadataExtraPrefix} {
+		MetadataRedelivered, MetadataDeliveryCount, MetadataExtraPrefix + "x", MetadataExtraPrefix,
+		"idempotency_envelope", "idempotency_uncounted_delivery"} {
 		require.True(t, ReservedKey(k), k)
 	}
 	for _, k := range []string{"x-death", "x-delivery-count", "correlation_id", "envelope", "Event_Name"} {

@@ -576,6 +576,11 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		if !m.quiet {
 			fields["event_id"] = eventID.String()
 		}
+		if m.cfg.MaxCrashes > 0 && m.cfg.CrashQuerier != nil && msg.Metadata.Get(wire.UncountedDelivery) != "" {
+			// Held until the wiring is fixed: the crash bound could never
+			// be reached on this subscriber.
+			return nil, m.finish(handlerName, OutcomeFailed, start, 0, fields, uncountedDelivery())
+		}
 		// The replay window is the claim's (the database clock, see
 		// retention.go): no expiry check runs here on the process clock.
 		if !m.countsCrashes(msg) {

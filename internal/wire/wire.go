@@ -13,6 +13,16 @@ import "fmt"
 // then holds as a configuration error instead of running the handler on it.
 const EnvelopeHeader = "idempotency_envelope"
 
+// UncountedDelivery is the metadata key, value "true", that an adapter sets
+// on a delivery its transport could have counted and did not: a Redis
+// Streams entry read without redisstream.CountingClient, which alone sees
+// whether an entry is a first read or a claim. The consumer holds such a
+// delivery when its crash bound is on (the bound could never be reached:
+// a restarted consumer reads new entries before it claims the pending
+// entry that killed the last one). Reserved (marshaler.ReservedKey): no
+// incoming header sets it.
+const UncountedDelivery = "idempotency_uncounted_delivery"
+
 // Bound returns s when it has at most max bytes, and otherwise its longest
 // prefix that ends on a UTF-8 boundary followed by "…(truncated, N bytes)"
 // (N is len(s)): max bytes or fewer in all when max is at least 64 (a max

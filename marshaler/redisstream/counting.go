@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/watermill-idempotency/idempotency/internal/wire"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 )
 
@@ -47,8 +48,8 @@ const pendingLimit = 4096
 // [marshaler.MetadataRedelivered] and [marshaler.MetadataDeliveryCount]; the
 // consumer then counts crashes from the first redelivery only
 // (middleware.ConsumerConfig.MaxCrashes) and a first delivery writes
-// nothing. Without it the transport marks nothing and the consumer counts
-// the first attempts after each start. The mark is an extra field of the
+// nothing. Without it the Marshaler marks each entry uncounted, and a
+// consumer whose crash bound is on holds it (see the package doc). The mark is an extra field of the
 // returned entry, under a name drawn at random when the process starts (a
 // producer cannot forge it). Other commands pass through unchanged. The mark is in memory only: no entry stored in
 // Redis is changed.
@@ -141,11 +142,15 @@ func (c *countingClient) XReadGroup(ctx context.Context, a *redis.XReadGroupArgs
 }
 
 // takeDeliveries removes the CountingClient mark from an entry's fields and
-// returns a function that maps it to a decoded message's metadata.
+// returns a function that maps it to a decoded message's metadata; an entry
+// without the mark is marked uncounted (the consumer holds it while its
+// crash bound is on).
 func takeDeliveries(values map[string]interface{}) func(*message.Message) {
 	v, ok := values[fieldDeliveries]
 	if !ok {
-		return func(*message.Message) {}
+		// Read without CountingClient: whether this is a first read or a
+		// claim of a pending entry is unknown.
+		return func(msg *message.Message) { msg.Metadata.Set(wire.UncountedDelivery, "true") }
 	}
 	delete(values, fieldDeliveries)
 	return func(msg *message.Message) { setDeliveries(msg, fieldText(v)) }
