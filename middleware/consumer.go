@@ -219,9 +219,9 @@ type ConsumerConfig struct {
 	// dead-lettered at its MaxCrashes+2nd delivery on a marking transport
 	// (its first crash wrote nothing), at its MaxCrashes+1st on Kafka when
 	// each crash came within a start's first 64 attempts (one more when
-	// the first came later). On Redis Streams an entry read without
-	// redisstream.CountingClient is held (a configuration error): the bound
-	// could not be reached. A delivery held
+	// the first came later). On Redis Streams without
+	// redisstream.CountingClient every attempt is counted, one at a time
+	// (dead-lettered at its MaxCrashes+1st delivery). A delivery held
 	// through an outage ends its attempts normally and is never counted: an
 	// end the database was too far away to take is kept in the process and
 	// written before its next attempt of any event. A process stopped

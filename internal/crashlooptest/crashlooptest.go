@@ -145,6 +145,12 @@ type Transport struct {
 	// DeadLetters returns the messages received on the dead-letter topic
 	// since the last call.
 	DeadLetters func(t testing.TB) []*message.Message
+	// NewPerChild, when above 0, is a steady producer (Run only): that
+	// many new events are published before each child starts, so a
+	// restarted consumer that reads new events before it is given the
+	// poisoned one back (Redis Streams claims pending entries after
+	// MaxIdleTime) handles them first. Each must be applied once too.
+	NewPerChild int
 }
 
 // Run publishes three events, the poisoned one and three more, then starts
@@ -197,7 +203,24 @@ func Run(t *testing.T, tr Transport) {
 		}
 		return len(dead) > 0 && applied == len(others)
 	}
-	crashes := runChildren(t, tr, schema, poison, nil, allowed, maxCrashes, done,
+	before := func() {
+		if tr.NewPerChild <= 0 {
+			return
+		}
+		batch := make([]*message.Message, tr.NewPerChild)
+		for i := range batch {
+			m, err := marshaler.NewMessage("order.placed", map[string]int{"n": len(others) + i})
+			if err != nil {
+				t.Fatal(err)
+			}
+			batch[i] = m
+		}
+		tr.Publish(t, batch)
+		for _, m := range batch {
+			others = append(others, m.UUID)
+		}
+	}
+	crashes := runChildren(t, tr, schema, poison, nil, allowed, maxCrashes, before, done,
 		func() string {
 			return fmt.Sprintf("%d dead letters, %d of %d events applied", len(dead), applied, len(others))
 		})
@@ -235,16 +258,19 @@ func Run(t *testing.T, tr Transport) {
 }
 
 // runChildren starts child consumers one after the other, each with env
-// added, until done reports true (polled every 100 ms; the running child is
+// added (and before, when not nil, run before each start), until done reports true (polled every 100 ms; the running child is
 // then killed); each child must end by its own SIGKILL on the poisoned
 // event, at most allowed+1 times. It returns how many did. state describes
 // the progress for a failure.
-func runChildren(t *testing.T, tr Transport, schema, poison string, env []string, allowed, maxCrashes int, done func() bool, state func() string) int {
+func runChildren(t *testing.T, tr Transport, schema, poison string, env []string, allowed, maxCrashes int, before func(), done func() bool, state func() string) int {
 	t.Helper()
 	crashes := 0
 	for {
 		if crashes > allowed+1 {
 			t.Fatalf("the poisoned event killed %d consumers and was not dead-lettered (MaxCrashes %d)", crashes, maxCrashes)
+		}
+		if before != nil {
+			before()
 		}
 		var out strings.Builder
 		cmd := exec.Command(os.Args[0], "-test.run=^$")
@@ -340,7 +366,7 @@ func RunFamily(t *testing.T, tr Transport) {
 	}
 	env := []string{familyEnv + "=1"}
 	var dead []*message.Message
-	crashes := runChildren(t, tr, schema, newest.UUID, env, allowed, maxCrashes, func() bool {
+	crashes := runChildren(t, tr, schema, newest.UUID, env, allowed, maxCrashes, nil, func() bool {
 		dead = append(dead, tr.DeadLetters(t)...)
 		return len(dead) > 0
 	}, func() string { return fmt.Sprintf("%d dead letters", len(dead)) })
@@ -354,7 +380,7 @@ func RunFamily(t *testing.T, tr Transport) {
 		t.Fatal(err)
 	}
 	var claimed int
-	runChildren(t, tr, schema, newest.UUID, env, 0, maxCrashes, func() bool {
+	runChildren(t, tr, schema, newest.UUID, env, 0, maxCrashes, nil, func() bool {
 		// In the table or, where processed migration 8 made it, in its
 		// UUIDv7 claim table.
 		q := `SELECT count(*) FROM processed_event WHERE event_id = $1`

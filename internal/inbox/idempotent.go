@@ -250,6 +250,8 @@ type Idempotent struct {
 	// (countsCrashes), of events not processed yet: a re-read of events
 	// applied before the crash takes none.
 	warmup atomic.Int64
+	// uncountedOnce logs the first uncounted delivery (uncounted).
+	uncountedOnce sync.Once
 
 	// name is the handler the consumer was attached to (SetHandlerName),
 	// its name outside a router.
@@ -576,11 +578,6 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		if !m.quiet {
 			fields["event_id"] = eventID.String()
 		}
-		if m.cfg.MaxCrashes > 0 && m.cfg.CrashQuerier != nil && msg.Metadata.Get(wire.UncountedDelivery) != "" {
-			// Held until the wiring is fixed: the crash bound could never
-			// be reached on this subscriber.
-			return nil, m.finish(handlerName, OutcomeFailed, start, 0, fields, uncountedDelivery())
-		}
 		// The replay window is the claim's (the database clock, see
 		// retention.go): no expiry check runs here on the process clock.
 		if !m.countsCrashes(msg) {
@@ -591,7 +588,9 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 			}
 			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, nil)
 		}
-		marked := markedRedelivery(msg)
+		// An uncounted delivery is counted like a marked redelivery: it may
+		// be the claim of the entry that killed the last consumer.
+		marked := markedRedelivery(msg) || m.uncounted(msg)
 		if _, joined := wsql.TxFromContext(origCtx); (marked || msg.Metadata.Get(metadataSerialWarmup) != "") && !nested && !joined {
 			release, werr := m.countedTurn(origCtx, fields)
 			if werr != nil {
@@ -773,10 +772,34 @@ func (m *Idempotent) countsCrashes(msg *message.Message) bool {
 		n, _ := marshaler.DeliveryCount(msg)
 		return marshaler.Redelivered(msg) || n > 0
 	}
+	if m.uncounted(msg) {
+		return true
+	}
 	// Peeked, not taken: an attempt of an event already processed (a
 	// Kafka member re-reading what it applied since its last committed
 	// offset) gives it back below.
 	return m.warmup.Load() < crashWarmup
+}
+
+// uncounted reports whether msg's adapter marked it uncounted
+// (wire.UncountedDelivery: a Redis Streams entry read without
+// redisstream.CountingClient, a first read and a claim of a pending entry
+// alike). Every attempt of such a delivery is counted and takes the
+// process's counted turn, as a marked redelivery does: the warm-up's first
+// attempts would not bound a crash loop there, because a restarted consumer
+// reads new entries before it claims the one that killed the last. The
+// first such delivery logs a warning (two more writes per delivery, one
+// counted attempt at a time in the process).
+func (m *Idempotent) uncounted(msg *message.Message) bool {
+	if msg.Metadata.Get(wire.UncountedDelivery) == "" {
+		return false
+	}
+	m.uncountedOnce.Do(func() {
+		m.logger.Info("idempotency: Redis Streams entries read without redisstream.CountingClient: every attempt is counted for the crash bound "+
+			"(two writes more per delivery) and counted attempts run one at a time in the process; "+
+			"wrap the Subscriber's client with redisstream.CountingClient to count only redeliveries", watermill.LogFields{"consumer": m.cfg.Consumer})
+	})
+	return true
 }
 
 // markedRedelivery reports whether msg's transport marks redeliveries

@@ -48,17 +48,6 @@ func undecodedEnvelope() error {
 	}
 }
 
-// uncountedDelivery is the error of a delivery its adapter marked
-// uncounted (wire.UncountedDelivery) under a crash bound.
-func uncountedDelivery() error {
-	return &ConfigurationError{
-		Hint: "wrap the watermill-redisstream Subscriber's client with redisstream.CountingClient " +
-			"(SubscriberConfig.Client = redisstream.CountingClient(client)), or turn the crash bound off (ConsumerConfig.MaxCrashes < 0)",
-		Err: errors.New("idempotency: a Redis Streams entry read without redisstream.CountingClient: with the crash bound on it is held, " +
-			"because a restarted consumer reads new entries before it claims the pending entry that killed the last one, and a crash loop could never be bounded"),
-	}
-}
-
 // commitError is the error of a COMMIT (or RELEASE SAVEPOINT) that did not
 // commit. When the transaction was aborted by a statement of the handler
 // (pgx.ErrTxCommitRollback, SQLSTATE 25P02 in_failed_sql_transaction), it

@@ -16,11 +16,12 @@ const EnvelopeHeader = "idempotency_envelope"
 // UncountedDelivery is the metadata key, value "true", that an adapter sets
 // on a delivery its transport could have counted and did not: a Redis
 // Streams entry read without redisstream.CountingClient, which alone sees
-// whether an entry is a first read or a claim. The consumer holds such a
-// delivery when its crash bound is on (the bound could never be reached:
-// a restarted consumer reads new entries before it claims the pending
-// entry that killed the last one). Reserved (marshaler.ReservedKey): no
-// incoming header sets it.
+// whether an entry is a first read or a claim. Under its crash bound the
+// consumer counts every attempt of such a delivery, one at a time, as it
+// does a marked redelivery: a restarted consumer reads new entries before
+// it claims the pending entry that killed the last one, so the first
+// attempts after a start (Kafka's count) would miss it. Reserved
+// (marshaler.ReservedKey): no incoming header sets it.
 const UncountedDelivery = "idempotency_uncounted_delivery"
 
 // Bound returns s when it has at most max bytes, and otherwise its longest

@@ -49,7 +49,8 @@ const pendingLimit = 4096
 // consumer then counts crashes from the first redelivery only
 // (middleware.ConsumerConfig.MaxCrashes) and a first delivery writes
 // nothing. Without it the Marshaler marks each entry uncounted, and a
-// consumer whose crash bound is on holds it (see the package doc). The mark is an extra field of the
+// consumer whose crash bound is on counts every attempt, one at a time (see
+// the package doc). The mark is an extra field of the
 // returned entry, under a name drawn at random when the process starts (a
 // producer cannot forge it). Other commands pass through unchanged. The mark is in memory only: no entry stored in
 // Redis is changed.
@@ -143,8 +144,8 @@ func (c *countingClient) XReadGroup(ctx context.Context, a *redis.XReadGroupArgs
 
 // takeDeliveries removes the CountingClient mark from an entry's fields and
 // returns a function that maps it to a decoded message's metadata; an entry
-// without the mark is marked uncounted (the consumer holds it while its
-// crash bound is on).
+// without the mark is marked uncounted (the consumer then counts each of its
+// attempts under its crash bound).
 func takeDeliveries(values map[string]interface{}) func(*message.Message) {
 	v, ok := values[fieldDeliveries]
 	if !ok {

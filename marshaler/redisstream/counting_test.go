@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/internal/wire"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 )
 
@@ -53,4 +54,36 @@ func TestCountingClientMarksFirstReadsAndClaims(t *testing.T) {
 	n, ok = marshaler.DeliveryCount(msg)
 	require.True(t, ok)
 	require.Equal(t, int64(1), n, "delivered once before the claim")
+}
+
+// An entry read without CountingClient is marked uncounted (the consumer
+// then counts each attempt under its crash bound); one read through it is
+// not, and a header stored with the entry cannot set or clear the mark.
+func TestEntriesReadWithoutCountingClientAreMarkedUncounted(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	raw := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
+	t.Cleanup(func() { _ = raw.Close() })
+	stream := testenv.UniqueName("uncounted")
+	t.Cleanup(func() { raw.Del(ctx, stream) })
+	ev := event(t)
+	ev.Metadata.Set(wire.UncountedDelivery, "true") // a producer's (or a redriven copy's) header
+	fields, err := Marshaler{}.Marshal(stream, ev)
+	require.NoError(t, err)
+	require.NoError(t, raw.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: fields}).Err())
+	require.NoError(t, raw.XGroupCreateMkStream(ctx, stream, "plain", "0").Err())
+	require.NoError(t, raw.XGroupCreateMkStream(ctx, stream, "counted", "0").Err())
+
+	read, err := raw.XReadGroup(ctx, &redis.XReadGroupArgs{Group: "plain", Consumer: "c", Streams: []string{stream, ">"}, Count: 1}).Result()
+	require.NoError(t, err)
+	msg, err := Marshaler{}.Unmarshal(read[0].Messages[0].Values)
+	require.NoError(t, err)
+	require.Equal(t, "true", msg.Metadata.Get(wire.UncountedDelivery), "read by a plain client")
+
+	read, err = CountingClient(raw).XReadGroup(ctx, &redis.XReadGroupArgs{Group: "counted", Consumer: "c", Streams: []string{stream, ">"}, Count: 1}).Result()
+	require.NoError(t, err)
+	msg, err = Marshaler{}.Unmarshal(read[0].Messages[0].Values)
+	require.NoError(t, err)
+	require.Empty(t, msg.Metadata.Get(wire.UncountedDelivery), "read through CountingClient: the stored header must not mark it")
+	require.Equal(t, "false", msg.Metadata.Get(marshaler.MetadataRedelivered))
 }

@@ -20,7 +20,10 @@ func init() { crashlooptest.Child(crashLoopWiring) }
 
 func crashLoopWiring(logger watermill.LoggerAdapter) (crashlooptest.Wiring, error) {
 	stream := os.Getenv("CRASHLOOP_REDIS_STREAM")
-	client := CountingClient(redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()}))
+	var client redis.UniversalClient = redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
+	if os.Getenv("CRASHLOOP_REDIS_COUNTING") == "true" {
+		client = CountingClient(client)
+	}
 	sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
 		Client: client, Unmarshaller: Marshaler{}, ConsumerGroup: "crashloop", OldestId: "0",
 		// A dead consumer's pending entries are claimed a second later.
@@ -38,40 +41,54 @@ func crashLoopWiring(logger watermill.LoggerAdapter) (crashlooptest.Wiring, erro
 
 // An event whose handler kills the consumer process is dead-lettered once,
 // with a reason naming the crash loop, and the entries added before and
-// after it are each applied once (issue 24). CountingClient's claims carry
-// the pending list's delivery count: dead-lettered after MaxCrashes+1
-// crashes, first reads write nothing. (A plain client's entries are held:
-// TestEntriesReadWithoutCountingClientAreHeldUntilItWraps.)
+// after it are each applied once (issue 24). With CountingClient the claims
+// carry the pending list's delivery count: dead-lettered after MaxCrashes+1
+// crashes, first reads write nothing. A plain client cannot tell a first
+// read from a claim: every attempt is counted, and the event is
+// dead-lettered after MaxCrashes crashes, also under a steady producer
+// whose new entries each restarted consumer reads (more than the 64
+// attempts a start counts on a transport that marks nothing) before it
+// claims the pending killer: before, that loop never ended.
 func TestCrashLoopingEventIsDeadLetteredOnRedisStreams(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	client := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
-	t.Cleanup(func() { _ = client.Close() })
-	stream := testenv.UniqueName("crashloop")
-	t.Cleanup(func() { client.Del(ctx, stream, stream+".dlq") })
-	last := "-"
-	crashlooptest.Run(t, crashlooptest.Transport{
-		Marked: true,
-		Env:    []string{"CRASHLOOP_REDIS_STREAM=" + stream},
-		Publish: func(t testing.TB, msgs []*message.Message) {
-			pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: client, Marshaller: Marshaler{}}, watermill.NopLogger{})
-			require.NoError(t, err)
-			require.NoError(t, pub.Publish(stream, msgs...))
-		},
-		DeadLetters: func(t testing.TB) []*message.Message {
-			entries, err := client.XRange(ctx, stream+".dlq", last, "+").Result()
-			require.NoError(t, err)
-			var out []*message.Message
-			for _, e := range entries {
-				if e.ID == last {
-					continue
-				}
-				last = e.ID
-				msg, err := Marshaler{}.Unmarshal(e.Values)
-				require.NoError(t, err)
-				out = append(out, msg)
+	for _, counting := range []bool{true, false} {
+		t.Run(map[bool]string{true: "counting_client", false: "plain_client_steady_producer"}[counting], func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			client := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
+			t.Cleanup(func() { _ = client.Close() })
+			stream := testenv.UniqueName("crashloop")
+			t.Cleanup(func() { client.Del(ctx, stream, stream+".dlq") })
+			last := "-"
+			newPerChild := 0
+			if !counting {
+				newPerChild = 80
 			}
-			return out
-		},
-	})
+			crashlooptest.Run(t, crashlooptest.Transport{
+				Marked:      counting,
+				NewPerChild: newPerChild,
+				Env:         []string{"CRASHLOOP_REDIS_STREAM=" + stream, "CRASHLOOP_REDIS_COUNTING=" + map[bool]string{true: "true", false: "false"}[counting]},
+				Publish: func(t testing.TB, msgs []*message.Message) {
+					pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: client, Marshaller: Marshaler{}}, watermill.NopLogger{})
+					require.NoError(t, err)
+					require.NoError(t, pub.Publish(stream, msgs...))
+				},
+				DeadLetters: func(t testing.TB) []*message.Message {
+					entries, err := client.XRange(ctx, stream+".dlq", last, "+").Result()
+					require.NoError(t, err)
+					var out []*message.Message
+					for _, e := range entries {
+						if e.ID == last {
+							continue
+						}
+						last = e.ID
+						msg, err := Marshaler{}.Unmarshal(e.Values)
+						require.NoError(t, err)
+						out = append(out, msg)
+					}
+					return out
+				},
+			})
+		})
+	}
 }

@@ -33,11 +33,13 @@
 //     pending-list record. Give the Subscriber CountingClient(client) and
 //     [marshaler.MetadataRedelivered] and [marshaler.MetadataDeliveryCount]
 //     are set (first read: not redelivered, 0; claim: redelivered, the
-//     earlier deliveries). Without it they are absent and the consumer,
-//     while its crash bound is on (middleware.ConsumerConfig.MaxCrashes, on
-//     by default), holds every entry with an error naming CountingClient: a
-//     restarted consumer reads new entries before it claims the one that
-//     killed the last, so crashes could not be counted. A Nack makes
+//     earlier deliveries). Without it they are absent, the entry is marked
+//     uncounted, and the consumer's crash bound
+//     (middleware.ConsumerConfig.MaxCrashes, on by default) counts every
+//     attempt, one at a time in the process (two writes more per delivery;
+//     logged once): a restarted consumer reads new entries before it claims
+//     the one that killed the last, so only counting every attempt bounds
+//     the loop. A Nack makes
 //     watermill-redisstream resend the same message in process, not
 //     through Redis (no count).
 //   - MAXLEN/MINID trimming deletes entries whether or not they were
