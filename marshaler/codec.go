@@ -168,7 +168,8 @@ func SetDeliveryCount(msg *message.Message, n int64) {
 //
 // For an ordinary message the body is the envelope of [ToEnvelope] written by
 // [Envelope.Encode], and the headers are the metadata except the
-// [MetadataExtraPrefix] keys (they are in the body), plus the header
+// [MetadataExtraPrefix] keys (they are in the body) and the mark of an
+// uncounted delivery (it belongs to the delivery received), plus the header
 // "idempotency_envelope: 1", which says the body is an envelope: an adapter
 // drops it on reception ([ReservedKey]); a subscriber that does not decode
 // the envelope (Watermill's default unmarshaler) keeps it, and the consumer
@@ -191,7 +192,9 @@ func EncodeMessage(msg *message.Message, maxSize int) (body []byte, headers map[
 	if _, malformed := Malformed(msg); malformed {
 		headers = make(map[string]string, len(msg.Metadata))
 		for k, v := range msg.Metadata {
-			headers[k] = v
+			if k != wire.UncountedDelivery {
+				headers[k] = v
+			}
 		}
 		return msg.Payload, headers, nil
 	}
@@ -211,7 +214,7 @@ func EncodeMessage(msg *message.Message, maxSize int) (body []byte, headers map[
 	}
 	headers = make(map[string]string, len(msg.Metadata)+1)
 	for k, v := range msg.Metadata {
-		if !strings.HasPrefix(k, MetadataExtraPrefix) {
+		if !strings.HasPrefix(k, MetadataExtraPrefix) && k != wire.UncountedDelivery {
 			headers[k] = v
 		}
 	}

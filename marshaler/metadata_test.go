@@ -73,3 +73,24 @@ func TestReservedKeys(t *testing.T) {
 		require.False(t, ReservedKey(k), k)
 	}
 }
+
+// The mark of an uncounted delivery belongs to the delivery received: an
+// adapter publishing the message (a republish, a dead-letter copy) leaves
+// it out of the headers, malformed or not.
+func TestEncodeMessageLeavesTheUncountedMarkOut(t *testing.T) {
+	t.Parallel()
+	msg, err := NewMessage("order.placed", map[string]int{"n": 1})
+	require.NoError(t, err)
+	msg.Metadata.Set("idempotency_uncounted_delivery", "true")
+	msg.Metadata.Set("correlation_id", "c-1")
+	_, headers, err := EncodeMessage(msg, 0)
+	require.NoError(t, err)
+	require.NotContains(t, headers, "idempotency_uncounted_delivery")
+	require.Equal(t, "c-1", headers["correlation_id"])
+
+	bad := NewMalformed([]byte("{"), "", "not JSON")
+	bad.Metadata.Set("idempotency_uncounted_delivery", "true")
+	_, headers, err = EncodeMessage(bad, 0)
+	require.NoError(t, err)
+	require.NotContains(t, headers, "idempotency_uncounted_delivery")
+}

@@ -556,11 +556,15 @@ func (p *holdPoison) sleep(ctx context.Context, start time.Time, b *holdBackoff)
 // time, the malformed flag and its reason) are never left out: without
 // them the copy is no envelope, its every publish was refused, and the
 // delivery was held and redelivered for ever (3,000 short headers left
-// out a 30-byte occurred_at first).
+// out a 30-byte occurred_at first). The mark of an uncounted delivery
+// (wire.UncountedDelivery) is never copied.
 func boundedMetadata(md message.Metadata, budget int) (message.Metadata, []string) {
 	out := make(message.Metadata, len(md))
 	total := 0
 	for k, v := range md {
+		if k == wire.UncountedDelivery {
+			continue // this delivery's, not the copy's: it would count every attempt of the copy's consumer
+		}
 		out[k] = v
 		total += len(k) + len(v)
 	}
@@ -569,7 +573,7 @@ func boundedMetadata(md message.Metadata, budget int) (message.Metadata, []strin
 	}
 	keys := make([]string, 0, len(md))
 	for k := range md {
-		if !keptForEncoding(k) {
+		if !keptForEncoding(k) && k != wire.UncountedDelivery {
 			keys = append(keys, k)
 		}
 	}

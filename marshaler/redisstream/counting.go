@@ -48,9 +48,12 @@ const pendingLimit = 4096
 // [marshaler.MetadataRedelivered] and [marshaler.MetadataDeliveryCount]; the
 // consumer then counts crashes from the first redelivery only
 // (middleware.ConsumerConfig.MaxCrashes) and a first delivery writes
-// nothing. Without it the Marshaler marks each entry uncounted, and a
-// consumer whose crash bound is on counts every attempt, one at a time (see
-// the package doc). The mark is an extra field of the
+// nothing. A subscriber without a consumer group (fan-out: XREAD, no
+// pending list, no claim) gets its entries marked as read without a count:
+// the consumer counts a start's first attempts, as on Kafka. Without
+// CountingClient the Marshaler marks each entry uncounted, and a consumer
+// whose crash bound is on counts every attempt, one at a time (see the
+// package doc). The mark is an extra field of the
 // returned entry, under a name drawn at random when the process starts (a
 // producer cannot forge it). Other commands pass through unchanged. The mark is in memory only: no entry stored in
 // Redis is changed.
@@ -142,6 +145,26 @@ func (c *countingClient) XReadGroup(ctx context.Context, a *redis.XReadGroupArgs
 	return cmd
 }
 
+// XRead is the read of a subscriber without a consumer group (fan-out):
+// no pending list, no claim. A restarted subscriber starts again at its
+// configured id and re-reads in order, so its entries are marked as read
+// without a count ("fan-out"): the consumer counts a start's first
+// attempts, as on Kafka, and never takes them for uncounted.
+func (c *countingClient) XRead(ctx context.Context, a *redis.XReadArgs) *redis.XStreamSliceCmd {
+	cmd := c.UniversalClient.XRead(ctx, a)
+	for _, s := range cmd.Val() {
+		for _, m := range s.Messages {
+			if m.Values != nil {
+				m.Values[fieldDeliveries] = markFanOut
+			}
+		}
+	}
+	return cmd
+}
+
+// markFanOut is the mark of an entry read without a consumer group.
+const markFanOut = "fan-out"
+
 // takeDeliveries removes the CountingClient mark from an entry's fields and
 // returns a function that maps it to a decoded message's metadata; an entry
 // without the mark is marked uncounted (the consumer then counts each of its
@@ -154,6 +177,9 @@ func takeDeliveries(values map[string]interface{}) func(*message.Message) {
 		return func(msg *message.Message) { msg.Metadata.Set(wire.UncountedDelivery, "true") }
 	}
 	delete(values, fieldDeliveries)
+	if fieldText(v) == markFanOut {
+		return func(*message.Message) {}
+	}
 	return func(msg *message.Message) { setDeliveries(msg, fieldText(v)) }
 }
 

@@ -87,3 +87,35 @@ func TestEntriesReadWithoutCountingClientAreMarkedUncounted(t *testing.T) {
 	require.Empty(t, msg.Metadata.Get(wire.UncountedDelivery), "read through CountingClient: the stored header must not mark it")
 	require.Equal(t, "false", msg.Metadata.Get(marshaler.MetadataRedelivered))
 }
+
+// A subscriber without a consumer group reads with XREAD (fan-out: no
+// pending list, no claim). Through CountingClient its entries carry no
+// count and are not taken for uncounted: the consumer counts a start's
+// first attempts, as on Kafka. Through a plain client they are uncounted.
+func TestFanOutEntriesThroughCountingClientAreNotUncounted(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	raw := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
+	t.Cleanup(func() { _ = raw.Close() })
+	stream := testenv.UniqueName("fanout")
+	t.Cleanup(func() { raw.Del(ctx, stream) })
+	fields, err := Marshaler{}.Marshal(stream, event(t))
+	require.NoError(t, err)
+	require.NoError(t, raw.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: fields}).Err())
+
+	read, err := CountingClient(raw).XRead(ctx, &redis.XReadArgs{Streams: []string{stream, "0"}, Count: 1}).Result()
+	require.NoError(t, err)
+	msg, err := Marshaler{}.Unmarshal(read[0].Messages[0].Values)
+	require.NoError(t, err)
+	_, malformed := marshaler.Malformed(msg)
+	require.False(t, malformed)
+	require.NotContains(t, msg.Metadata, wire.UncountedDelivery)
+	require.NotContains(t, msg.Metadata, marshaler.MetadataRedelivered)
+	require.NotContains(t, msg.Metadata, marshaler.MetadataDeliveryCount)
+
+	read, err = raw.XRead(ctx, &redis.XReadArgs{Streams: []string{stream, "0"}, Count: 1}).Result()
+	require.NoError(t, err)
+	msg, err = Marshaler{}.Unmarshal(read[0].Messages[0].Values)
+	require.NoError(t, err)
+	require.Equal(t, "true", msg.Metadata.Get(wire.UncountedDelivery))
+}
