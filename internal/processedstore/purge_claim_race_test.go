@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
@@ -44,20 +45,8 @@ func TestPurgedEventIsNeverClaimedAgainByATransactionOpenedBeforeThePurge(t *tes
 	_, err = pool.Exec(ctx, `INSERT INTO processed_event (consumer, event_id, event_at) VALUES ('c', $1, $2)`, id, at)
 	require.NoError(t, err)
 
-	// The database clock moves past the event's horizon (an ordering, not a
-	// timed assertion).
-	for {
-		var past bool
-		require.NoError(t, pool.QueryRow(ctx, `SELECT clock_timestamp() > $1::timestamptz + interval '500 milliseconds'`, t0).Scan(&past))
-		if past {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	p, err := processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{Horizon: time.Hour}, nil)
-	require.NoError(t, err)
-	_, _, err = p.PurgeNow(ctx)
-	require.NoError(t, err)
+	// The database clock moves past the event's horizon, then the purge runs.
+	purgeOnceTheClockPasses(t, pool, s, t0.Add(500*time.Millisecond))
 
 	// The redelivery claims in its transaction, after the purge.
 	claimed, err := s.ClaimAt(ctx, sqldb.Pgx(tx), "c", id, at)
@@ -139,22 +128,30 @@ CREATE TRIGGER hold_claim BEFORE INSERT ON processed_event FOR EACH ROW EXECUTE 
 			t.Logf("the claim started more than %s after the event's window opened; trying again", margin)
 			continue
 		}
-		for { // the database clock passes the event's horizon (an ordering)
-			var past bool
-			require.NoError(t, pool.QueryRow(ctx, `SELECT clock_timestamp() > $1::timestamptz + make_interval(secs => $2)`, t0, (margin+500*time.Millisecond).Seconds()).Scan(&past))
-			if past {
-				break
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-		p, err := processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{Horizon: time.Hour}, nil)
-		require.NoError(t, err)
-		_, _, err = p.PurgeNow(ctx)
-		require.NoError(t, err)
+		purgeOnceTheClockPasses(t, pool, s, t0.Add(margin+500*time.Millisecond)) // the event's horizon
 		_, err = holder.Exec(ctx, `SELECT pg_advisory_unlock($1)`, key)
 		require.NoError(t, err)
 		r = <-done
 		break
 	}
 	require.False(t, r.claimed, "the event was processed: the waiting claim must find its row, never claim it a second time (err=%v)", r.err)
+}
+
+// purgeOnceTheClockPasses waits until the database clock is past at (an
+// ordering, not a timed assertion), then runs one purge with a 1 h horizon.
+func purgeOnceTheClockPasses(t *testing.T, pool *pgxpool.Pool, s *processedstore.Store, at time.Time) {
+	t.Helper()
+	ctx := context.Background()
+	for {
+		var past bool
+		require.NoError(t, pool.QueryRow(ctx, `SELECT clock_timestamp() > $1::timestamptz`, at).Scan(&past))
+		if past {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	p, err := processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{Horizon: time.Hour}, nil)
+	require.NoError(t, err)
+	_, _, err = p.PurgeNow(ctx)
+	require.NoError(t, err)
 }
