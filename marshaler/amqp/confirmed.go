@@ -6,7 +6,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -117,12 +116,16 @@ func (c ConfirmedPublisherConfig) Validate() error {
 //
 // One connection and channel, opened on first use and reopened after any
 // failure (the broker down, the channel closed); publishes are serialised.
-// Errors are returned, never retried here: the chain retries with backoff.
+// Every wait of a Publish ends with its message's context: the turn behind
+// another publish, the dial and handshake (at most 30 s, amqp091's
+// default), the confirm (ConfirmTimeout); a broken connection is closed in
+// the background. Errors are returned, never retried here: the chain
+// retries with backoff.
 type ConfirmedPublisher struct {
 	cfg    ConfirmedPublisherConfig
 	logger watermill.LoggerAdapter
 
-	mu      sync.Mutex
+	turn    chan struct{} // one slot: the publish (or Close) in progress
 	conn    *amqp091.Connection
 	ch      *amqp091.Channel
 	returns chan amqp091.Return
@@ -146,7 +149,7 @@ func NewConfirmedPublisher(cfg ConfirmedPublisherConfig, logger watermill.Logger
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	return &ConfirmedPublisher{cfg: cfg, logger: logger}, nil
+	return &ConfirmedPublisher{cfg: cfg, logger: logger, turn: make(chan struct{}, 1)}, nil
 }
 
 var _ message.Publisher = (*ConfirmedPublisher)(nil)
@@ -160,8 +163,15 @@ var _ message.Publisher = (*ConfirmedPublisher)(nil)
 // marshal error, or the context's error (msg.Context()); the channel is
 // then reopened on the next call.
 func (p *ConfirmedPublisher) Publish(topic string, msgs ...*message.Message) error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
+	if len(msgs) == 0 {
+		return nil
+	}
+	select {
+	case p.turn <- struct{}{}:
+	case <-msgs[0].Context().Done():
+		return fmt.Errorf("amqp: publish of %s to %q (exchange %q): waiting for the publish in progress: %w", msgs[0].UUID, topic, p.cfg.Exchange, msgs[0].Context().Err())
+	}
+	defer func() { <-p.turn }()
 	if p.closed {
 		return errors.New("amqp: confirmed publisher closed")
 	}
@@ -179,7 +189,7 @@ func (p *ConfirmedPublisher) publishOne(topic string, msg *message.Message) erro
 	if err != nil {
 		return fmt.Errorf("marshal: %w", err)
 	}
-	if err := p.open(); err != nil {
+	if err := p.open(msg.Context()); err != nil {
 		return err
 	}
 	ctx, cancel := context.WithTimeout(msg.Context(), p.cfg.ConfirmTimeout)
@@ -337,45 +347,94 @@ func refusedByBroker(e *amqp091.Error) bool {
 	return e.Code == amqp091.FrameError || e.Code == amqp091.PreconditionFailed
 }
 
-// open (re)connects and opens a confirm-mode channel.
-func (p *ConfirmedPublisher) open() error {
+// handshakeTimeout bounds the TCP connect and the AMQP handshake of a
+// dial, as amqp091.Dial's default does.
+const handshakeTimeout = 30 * time.Second
+
+// closeTimeout bounds the close handshake of a connection given up.
+const closeTimeout = 5 * time.Second
+
+// open (re)connects and opens a confirm-mode channel, or returns ctx's
+// error when ctx ends first: the dial goes on in the background, bounded
+// by handshakeTimeout, and its connection is closed.
+func (p *ConfirmedPublisher) open(ctx context.Context) error {
 	if p.ch != nil && !p.ch.IsClosed() && p.conn != nil && !p.conn.IsClosed() {
 		return nil
 	}
 	p.reset()
-	conn, err := amqp091.Dial(p.cfg.URL)
-	if err != nil {
-		return fmt.Errorf("dial: %w", err)
+	type opened struct {
+		conn *amqp091.Connection
+		ch   *amqp091.Channel
+		err  error
 	}
-	ch, err := conn.Channel()
-	if err != nil {
-		_ = conn.Close()
-		return fmt.Errorf("channel: %w", err)
+	done := make(chan opened, 1)
+	go func() {
+		conn, ch, err := dialConfirmMode(p.cfg.URL)
+		done <- opened{conn, ch, err}
+	}()
+	var o opened
+	select {
+	case o = <-done:
+	case <-ctx.Done():
+		go func() {
+			if o := <-done; o.conn != nil {
+				_ = o.conn.CloseDeadline(time.Now().Add(closeTimeout))
+			}
+		}()
+		return fmt.Errorf("dial: %w", ctx.Err())
 	}
-	if err := ch.Confirm(false); err != nil {
-		_ = conn.Close()
-		return fmt.Errorf("confirm mode: %w", err)
+	if o.err != nil {
+		return o.err
 	}
 	// One publish in flight at a time, so one return at most between two
 	// confirms; a larger buffer only guards against a stray one.
-	p.returns = ch.NotifyReturn(make(chan amqp091.Return, 8))
-	p.closes = ch.NotifyClose(make(chan *amqp091.Error, 1))
-	p.conn, p.ch = conn, ch
+	p.returns = o.ch.NotifyReturn(make(chan amqp091.Return, 8))
+	p.closes = o.ch.NotifyClose(make(chan *amqp091.Error, 1))
+	p.conn, p.ch = o.conn, o.ch
 	return nil
 }
 
+// dialConfirmMode connects to url and opens a confirm-mode channel, within
+// handshakeTimeout until the connection is open; the channel's opening
+// after it is bounded by the connection's heartbeat (amqp091's 10 s).
+func dialConfirmMode(url string) (*amqp091.Connection, *amqp091.Channel, error) {
+	conn, err := amqp091.DialConfig(url, amqp091.Config{
+		Heartbeat: 10 * time.Second, Locale: "en_US",
+		Dial: amqp091.DefaultDial(handshakeTimeout),
+	})
+	if err != nil {
+		return nil, nil, fmt.Errorf("dial: %w", err)
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		_ = conn.CloseDeadline(time.Now().Add(closeTimeout))
+		return nil, nil, fmt.Errorf("channel: %w", err)
+	}
+	if err := ch.Confirm(false); err != nil {
+		_ = conn.CloseDeadline(time.Now().Add(closeTimeout))
+		return nil, nil, fmt.Errorf("confirm mode: %w", err)
+	}
+	return conn, ch, nil
+}
+
+// reset forgets the connection and closes it in the background (a broken
+// or silent broker may never answer the close: closeTimeout bounds it).
 func (p *ConfirmedPublisher) reset() {
-	if p.conn != nil {
-		_ = p.conn.Close()
+	if conn := p.conn; conn != nil {
+		go func() { _ = conn.CloseDeadline(time.Now().Add(closeTimeout)) }()
 	}
 	p.conn, p.ch, p.returns, p.closes = nil, nil, nil, nil
 }
 
-// Close closes the connection; later publishes fail.
+// Close closes the connection (waiting for a publish in progress, which
+// its context bounds); later publishes fail.
 func (p *ConfirmedPublisher) Close() error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
+	p.turn <- struct{}{}
+	defer func() { <-p.turn }()
 	p.closed = true
-	p.reset()
+	if conn := p.conn; conn != nil {
+		_ = conn.CloseDeadline(time.Now().Add(closeTimeout))
+	}
+	p.conn, p.ch, p.returns, p.closes = nil, nil, nil, nil
 	return nil
 }

@@ -195,3 +195,60 @@ func TestConfirmedPublisherTellsAMessageThatCanNeverFitItsQueueFromAFullQueue(t 
 	require.True(t, ok)
 	require.NoError(t, p.Publish(q, small), "it fits once the queue has room")
 }
+
+// A broker that stops answering (a hung TCP peer: no reset, no reply) must
+// not hold a publish past its message's context: not in the dial and
+// handshake (amqp091's own deadline is 30 s), not waiting for the confirm
+// (ConfirmTimeout is an hour here), not waiting for the turn behind another
+// hung publish, and not closing the broken connection. The poison path
+// hands the message context to Publish; a router's shutdown ends it.
+func TestConfirmedPublisherReturnsWhenItsContextEndsWhileTheBrokerHangs(t *testing.T) {
+	t.Parallel()
+	_, q := declare(t)
+	u, err := url.Parse(testenv.AMQPURL())
+	require.NoError(t, err)
+	// A hang guard, not a measurement: far below the broker-side bounds a
+	// publish that ignored its context would wait for.
+	const guard = 20 * time.Second
+	publish := func(p *amqp.ConfirmedPublisher) (cancel func(), result <-chan error) {
+		m := poisonMsg(t)
+		ctx, cancel := context.WithCancel(context.Background())
+		m.SetContext(ctx)
+		done := make(chan error, 1)
+		go func() { done <- p.Publish(q, m) }()
+		return cancel, done
+	}
+	returned := func(what string, result <-chan error) {
+		t.Helper()
+		select {
+		case err := <-result:
+			require.ErrorIs(t, err, context.Canceled, what)
+		case <-time.After(guard):
+			t.Fatalf("%s: Publish still running %s after its context ended", what, guard)
+		}
+	}
+	for _, connected := range []bool{false, true} {
+		proxy, err := faultproxy.Start(u.Host)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = proxy.Close() })
+		pu := *u
+		pu.Host = proxy.Addr()
+		p, err := amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{URL: pu.String(), ConfirmTimeout: time.Hour}, nil)
+		require.NoError(t, err)
+		what := "the dial"
+		if connected {
+			require.NoError(t, p.Publish(q, poisonMsg(t)))
+			what = "the confirm"
+		}
+		proxy.Hang()
+		cancelFirst, first := publish(p)
+		cancelSecond, second := publish(p) // waits for the first's turn
+		time.Sleep(200 * time.Millisecond) // lets both reach their waits (an ordering aid; the result does not depend on it)
+		cancelSecond()
+		returned(what+": the publish waiting for its turn", second)
+		cancelFirst()
+		returned(what, first)
+		proxy.Resume()
+		require.NoError(t, p.Close())
+	}
+}
