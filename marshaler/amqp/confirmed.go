@@ -362,6 +362,9 @@ func (p *ConfirmedPublisher) open(ctx context.Context) error {
 		return nil
 	}
 	p.reset()
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("dial: %w", err)
+	}
 	type opened struct {
 		conn *amqp091.Connection
 		ch   *amqp091.Channel
