@@ -126,6 +126,7 @@ type ConfirmedPublisher struct {
 	logger watermill.LoggerAdapter
 
 	turn    chan struct{} // one slot: the publish (or Close) in progress
+	dialing chan opened   // the dial in progress, when a publish gave up waiting for it
 	conn    *amqp091.Connection
 	ch      *amqp091.Channel
 	returns chan amqp091.Return
@@ -209,7 +210,18 @@ var errNacked = errors.New("amqp: nacked")
 // channel still open, else the failure (ErrUnroutable, the channel's
 // close, the context's end).
 func (p *ConfirmedPublisher) send(ctx context.Context, topic string, pub amqp091.Publishing) error {
+	// amqp091 looks at ctx only before it writes, and a broker that stops
+	// reading (a memory or disk alarm, a stalled network) blocks the write
+	// for good, holding the channel's lock, which its own heartbeat
+	// timeout then waits for too. Closing the connection when ctx ends
+	// (CloseDeadline sets the socket's deadline first) fails the write.
+	conn := p.conn
+	stop := context.AfterFunc(ctx, func() { _ = conn.CloseDeadline(time.Now()) })
 	dc, err := p.ch.PublishWithDeferredConfirmWithContext(ctx, p.cfg.Exchange, topic, true, false, pub)
+	stop()
+	if cerr := ctx.Err(); err != nil && cerr != nil {
+		return fmt.Errorf("write: %w", cerr)
+	}
 	if errors.Is(err, amqp091.ErrClosed) {
 		// The broker closed the channel or the connection while the
 		// message was written (a frame over frame_max: 501 closes the
@@ -354,9 +366,18 @@ const handshakeTimeout = 30 * time.Second
 // closeTimeout bounds the close handshake of a connection given up.
 const closeTimeout = 5 * time.Second
 
+// opened is the outcome of a dial (dialConfirmMode).
+type opened struct {
+	conn *amqp091.Connection
+	ch   *amqp091.Channel
+	err  error
+}
+
 // open (re)connects and opens a confirm-mode channel, or returns ctx's
-// error when ctx ends first: the dial goes on in the background, bounded
-// by handshakeTimeout, and its connection is closed.
+// error when ctx ends first. One dial at a time: a dial whose publish gave
+// up goes on in the background (bounded by handshakeTimeout) and the next
+// open waits for it instead of starting another, so a broker that stops
+// answering costs one pending connection, not one per retry.
 func (p *ConfirmedPublisher) open(ctx context.Context) error {
 	if p.ch != nil && !p.ch.IsClosed() && p.conn != nil && !p.conn.IsClosed() {
 		return nil
@@ -365,25 +386,20 @@ func (p *ConfirmedPublisher) open(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("dial: %w", err)
 	}
-	type opened struct {
-		conn *amqp091.Connection
-		ch   *amqp091.Channel
-		err  error
+	if p.dialing == nil {
+		d := make(chan opened, 1)
+		url := p.cfg.URL
+		go func() {
+			conn, ch, err := dialConfirmMode(url)
+			d <- opened{conn, ch, err}
+		}()
+		p.dialing = d
 	}
-	done := make(chan opened, 1)
-	go func() {
-		conn, ch, err := dialConfirmMode(p.cfg.URL)
-		done <- opened{conn, ch, err}
-	}()
 	var o opened
 	select {
-	case o = <-done:
+	case o = <-p.dialing:
+		p.dialing = nil
 	case <-ctx.Done():
-		go func() {
-			if o := <-done; o.conn != nil {
-				_ = o.conn.CloseDeadline(time.Now().Add(closeTimeout))
-			}
-		}()
 		return fmt.Errorf("dial: %w", ctx.Err())
 	}
 	if o.err != nil {
@@ -437,6 +453,14 @@ func (p *ConfirmedPublisher) Close() error {
 	p.closed = true
 	if conn := p.conn; conn != nil {
 		_ = conn.CloseDeadline(time.Now().Add(closeTimeout))
+	}
+	if d := p.dialing; d != nil {
+		go func() {
+			if o := <-d; o.conn != nil {
+				_ = o.conn.CloseDeadline(time.Now().Add(closeTimeout))
+			}
+		}()
+		p.dialing = nil
 	}
 	p.conn, p.ch, p.returns, p.closes = nil, nil, nil, nil
 	return nil

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/url"
+	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -251,4 +252,79 @@ func TestConfirmedPublisherReturnsWhenItsContextEndsWhileTheBrokerHangs(t *testi
 		proxy.Resume()
 		require.NoError(t, p.Close())
 	}
+}
+
+// A message larger than the socket buffers, written while the broker stops
+// reading (a memory or disk alarm, a stalled network), blocks in amqp091's
+// write, which looks at the context only before it starts and holds the
+// channel's lock, so not even amqp091's heartbeat timeout ends it (its
+// shutdown waits for that lock). Publish closes the connection when its
+// context ends, which fails the write, and Close is not held behind it.
+func TestConfirmedPublisherLargeWriteToABrokerThatStoppedReadingEndsWithItsContext(t *testing.T) {
+	_, q := declare(t)
+	u, err := url.Parse(testenv.AMQPURL())
+	require.NoError(t, err)
+	proxy, err := faultproxy.Start(u.Host)
+	require.NoError(t, err)
+	defer proxy.Close()
+	u.Host = proxy.Addr()
+	p, err := amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{URL: u.String(), ConfirmTimeout: time.Hour}, nil)
+	require.NoError(t, err)
+	require.NoError(t, p.Publish(q, poisonMsg(t))) // connected
+
+	proxy.Hang()
+	defer proxy.Resume()
+	// A poison copy of a malformed body is published verbatim, whatever
+	// its size.
+	big := marshaler.NewMalformed([]byte(strings.Repeat("x", 15<<20)), "tag-1", "bad")
+	ctx, cancel := context.WithCancel(context.Background())
+	big.SetContext(ctx)
+	done := make(chan error, 1)
+	go func() { done <- p.Publish(q, big) }()
+	time.Sleep(500 * time.Millisecond) // lets the write fill the buffers (an ordering aid; the result does not depend on it)
+	cancel()
+	const guard = 60 * time.Second // a hang guard: beyond amqp091's heartbeat (3 × 10 s) and close (5 s) bounds
+	select {
+	case err := <-done:
+		require.ErrorIs(t, err, context.Canceled)
+	case <-time.After(guard):
+		t.Fatalf("Publish still blocked %s after its context ended (the broker stopped reading)", guard)
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- p.Close() }()
+	select {
+	case err := <-closed:
+		require.NoError(t, err)
+	case <-time.After(guard):
+		t.Fatal("Close still blocked")
+	}
+}
+
+// While the broker does not answer, each failed publish's dial goes on in
+// the background; the next publish waits for that dial instead of starting
+// another, so a retry loop during an outage keeps one pending connection,
+// not one per retry.
+func TestConfirmedPublisherKeepsOneDialPendingWhileTheBrokerHangs(t *testing.T) {
+	_, q := declare(t)
+	u, err := url.Parse(testenv.AMQPURL())
+	require.NoError(t, err)
+	proxy, err := faultproxy.Start(u.Host)
+	require.NoError(t, err)
+	defer proxy.Close()
+	u.Host = proxy.Addr()
+	p, err := amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{URL: u.String()}, nil)
+	require.NoError(t, err)
+	defer p.Close()
+	require.NoError(t, p.Publish(q, poisonMsg(t)))
+	proxy.Hang()
+	defer proxy.Resume()
+	base := runtime.NumGoroutine()
+	for i := 0; i < 100; i++ {
+		m := poisonMsg(t)
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		m.SetContext(ctx)
+		require.Error(t, p.Publish(q, m))
+		cancel()
+	}
+	require.Less(t, runtime.NumGoroutine()-base, 20, "a dial per failed publish is left pending")
 }
