@@ -118,9 +118,10 @@ func (c ConfirmedPublisherConfig) Validate() error {
 // failure (the broker down, the channel closed); publishes are serialised.
 // Every wait of a Publish ends with its message's context: the turn behind
 // another publish, the dial and handshake (at most 30 s, amqp091's
-// default), the confirm (ConfirmTimeout); a broken connection is closed in
-// the background. Errors are returned, never retried here: the chain
-// retries with backoff.
+// default; one dial at a time), the write (the connection is closed when
+// the context ends), the confirm (ConfirmTimeout); a broken connection is
+// closed in the background. Errors are returned, never retried here: the
+// chain retries with backoff.
 type ConfirmedPublisher struct {
 	cfg    ConfirmedPublisherConfig
 	logger watermill.LoggerAdapter
