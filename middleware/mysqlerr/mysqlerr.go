@@ -1,7 +1,9 @@
 // Package mysqlerr classifies go-sql-driver/mysql errors (MySQL, MariaDB) for
 // the idempotent middleware, which does not link the driver itself: set
-// middleware.ConsumerConfig.Classifier = mysqlerr.Classify when the middleware runs
-// on MySQL or MariaDB (NewStdBeginner over a "mysql" *sql.DB).
+// middleware.ConsumerConfig.Classifier = mysqlerr.Classify when the consumer runs
+// on MySQL or MariaDB (idempotency.SQL(db, idempotency.MySQL) over
+// go-sql-driver/mysql). A module of its own: go get
+// github.com/watermill-idempotency/idempotency/middleware/mysqlerr.
 //
 // Only typed server errors (*mysql.MySQLError) are classified, by their
 // error number; connection failures of the middleware's own calls are
@@ -13,7 +15,7 @@ import (
 
 	"github.com/go-sql-driver/mysql"
 
-	"github.com/watermill-idempotency/idempotency/internal/inbox"
+	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
 // Classify is a middleware.ErrorClassifier for go-sql-driver/mysql. Each
@@ -58,10 +60,10 @@ import (
 //     message's own size exceeds max_allowed_packet: every retry fails
 //     alike, so it is poisoned once), 3020 (invalid argument for
 //     logarithm), 2005 unknown host (a connect-time code).
-func Classify(err error) inbox.Class {
+func Classify(err error) middleware.Class {
 	var me *mysql.MySQLError
 	if !errors.As(err, &me) {
-		return inbox.ClassOrdinary
+		return middleware.ClassOrdinary
 	}
 	switch me.Number {
 	case 1205, 1213, 1614, 1637, 1180, 1181,
@@ -71,11 +73,11 @@ func Classify(err error) inbox.Class {
 		1290, 1792, 1836,
 		1021, 1114, 1037, 1038, 1041, 1206, 3019,
 		2002, 2003, 2006, 2013, 2055:
-		return inbox.ClassTransient
+		return middleware.ClassTransient
 	case 1146, 1054, 1142, 1143, 1044, 1045, 1049:
-		return inbox.ClassConfiguration
+		return middleware.ClassConfiguration
 	}
-	return inbox.ClassOrdinary
+	return middleware.ClassOrdinary
 }
 
 // IsTransient reports whether err is transient for the middleware, with
@@ -83,10 +85,10 @@ func Classify(err error) inbox.Class {
 // middleware.IsTransient(err) || Classify(err) == ClassTransient, unless
 // err is permanent.
 func IsTransient(err error) bool {
-	if err == nil || inbox.IsPermanent(err) {
+	if err == nil || middleware.IsPermanent(err) {
 		return false
 	}
-	return inbox.IsTransient(err) || Classify(err) == inbox.ClassTransient
+	return middleware.IsTransient(err) || Classify(err) == middleware.ClassTransient
 }
 
-var _ inbox.ErrorClassifier = Classify
+var _ middleware.ErrorClassifier = Classify
