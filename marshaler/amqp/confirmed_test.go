@@ -261,17 +261,7 @@ func TestConfirmedPublisherReturnsWhenItsContextEndsWhileTheBrokerHangs(t *testi
 // shutdown waits for that lock). Publish closes the connection when its
 // context ends, which fails the write, and Close is not held behind it.
 func TestConfirmedPublisherLargeWriteToABrokerThatStoppedReadingEndsWithItsContext(t *testing.T) {
-	_, q := declare(t)
-	u, err := url.Parse(testenv.AMQPURL())
-	require.NoError(t, err)
-	proxy, err := faultproxy.Start(u.Host)
-	require.NoError(t, err)
-	defer proxy.Close()
-	u.Host = proxy.Addr()
-	p, err := amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{URL: u.String(), ConfirmTimeout: time.Hour}, nil)
-	require.NoError(t, err)
-	require.NoError(t, p.Publish(q, poisonMsg(t))) // connected
-
+	p, proxy, q := connectedThroughProxy(t, amqp.ConfirmedPublisherConfig{ConfirmTimeout: time.Hour})
 	proxy.Hang()
 	defer proxy.Resume()
 	// A poison copy of a malformed body is published verbatim, whatever
@@ -305,17 +295,8 @@ func TestConfirmedPublisherLargeWriteToABrokerThatStoppedReadingEndsWithItsConte
 // another, so a retry loop during an outage keeps one pending connection,
 // not one per retry.
 func TestConfirmedPublisherKeepsOneDialPendingWhileTheBrokerHangs(t *testing.T) {
-	_, q := declare(t)
-	u, err := url.Parse(testenv.AMQPURL())
-	require.NoError(t, err)
-	proxy, err := faultproxy.Start(u.Host)
-	require.NoError(t, err)
-	defer proxy.Close()
-	u.Host = proxy.Addr()
-	p, err := amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{URL: u.String()}, nil)
-	require.NoError(t, err)
+	p, proxy, q := connectedThroughProxy(t, amqp.ConfirmedPublisherConfig{})
 	defer p.Close()
-	require.NoError(t, p.Publish(q, poisonMsg(t)))
 	proxy.Hang()
 	defer proxy.Resume()
 	base := runtime.NumGoroutine()
@@ -327,4 +308,23 @@ func TestConfirmedPublisherKeepsOneDialPendingWhileTheBrokerHangs(t *testing.T) 
 		cancel()
 	}
 	require.Less(t, runtime.NumGoroutine()-base, 20, "a dial per failed publish is left pending")
+}
+
+// connectedThroughProxy returns a publisher with cfg whose broker is behind
+// a fault proxy, connected (one message published to q, a queue of the
+// test's own).
+func connectedThroughProxy(t *testing.T, cfg amqp.ConfirmedPublisherConfig) (*amqp.ConfirmedPublisher, *faultproxy.Proxy, string) {
+	t.Helper()
+	_, q := declare(t)
+	u, err := url.Parse(testenv.AMQPURL())
+	require.NoError(t, err)
+	proxy, err := faultproxy.Start(u.Host)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+	u.Host = proxy.Addr()
+	cfg.URL = u.String()
+	p, err := amqp.NewConfirmedPublisher(cfg, nil)
+	require.NoError(t, err)
+	require.NoError(t, p.Publish(q, poisonMsg(t)))
+	return p, proxy, q
 }
