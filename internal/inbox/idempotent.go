@@ -788,8 +788,8 @@ func (m *Idempotent) countsCrashes(msg *message.Message) bool {
 // process's counted turn, as a marked redelivery does: the warm-up's first
 // attempts would not bound a crash loop there, because a restarted consumer
 // reads new entries before it claims the one that killed the last. The
-// first such delivery logs a warning (two more writes per delivery, one
-// counted attempt at a time in the process).
+// first such delivery says so in an INFO line (two more writes per
+// delivery, one counted attempt at a time in the process).
 func (m *Idempotent) uncounted(msg *message.Message) bool {
 	if msg.Metadata.Get(wire.UncountedDelivery) == "" {
 		return false
