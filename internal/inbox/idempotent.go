@@ -580,7 +580,8 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		// The replay window is the claim's (the database clock, see
 		// retention.go): no expiry check runs here on the process clock.
-		if !m.countsCrashes(msg) {
+		counted, marked := m.countsCrashes(msg)
+		if !counted {
 			if m.duplicateRun(origCtx, nested) {
 				if stored, found := m.processedBefore(origCtx, consumer, eventID); found {
 					return nil, m.endProcessed(msg, consumer, handlerName, eventID, stored, start, fields)
@@ -588,9 +589,6 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 			}
 			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, nil)
 		}
-		// An uncounted delivery is counted like a marked redelivery: it may
-		// be the claim of the entry that killed the last consumer.
-		marked := markedRedelivery(msg) || m.uncounted(msg)
 		if _, joined := wsql.TxFromContext(origCtx); (marked || msg.Metadata.Get(metadataSerialWarmup) != "") && !nested && !joined {
 			release, werr := m.countedTurn(origCtx, fields)
 			if werr != nil {
@@ -763,22 +761,26 @@ func attemptFields(msg *message.Message, consumer, handlerName string, attempt i
 // redisstream.CountingClient) and this is one (redelivered, or a delivery count above
 // 0), or it marks none (Kafka) and the consumer has just started
 // (crashWarmup). First deliveries on a transport that marks redeliveries
-// write nothing.
-func (m *Idempotent) countsCrashes(msg *message.Message) bool {
+// write nothing. An uncounted delivery (uncounted) is counted at every
+// attempt. marked reports a counted attempt that takes the process's
+// counted turn and none of the warm-up: a marked redelivery, or an
+// uncounted delivery (it may be the claim of the entry that killed the
+// last consumer).
+func (m *Idempotent) countsCrashes(msg *message.Message) (counted, marked bool) {
 	if m.cfg.MaxCrashes <= 0 || m.cfg.CrashQuerier == nil {
-		return false
+		return false, false
 	}
 	if markedRedelivery(msg) {
 		n, _ := marshaler.DeliveryCount(msg)
-		return marshaler.Redelivered(msg) || n > 0
+		return marshaler.Redelivered(msg) || n > 0, true
 	}
 	if m.uncounted(msg) {
-		return true
+		return true, true
 	}
 	// Peeked, not taken: an attempt of an event already processed (a
 	// Kafka member re-reading what it applied since its last committed
 	// offset) gives it back below.
-	return m.warmup.Load() < crashWarmup
+	return m.warmup.Load() < crashWarmup, false
 }
 
 // uncounted reports whether msg's adapter marked it uncounted
