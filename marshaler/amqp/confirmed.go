@@ -427,42 +427,55 @@ func dialConfirmMode(url string) (*amqp091.Connection, *amqp091.Channel, error) 
 	}
 	ch, err := conn.Channel()
 	if err != nil {
-		_ = conn.CloseDeadline(time.Now().Add(closeTimeout))
+		closeConn(conn)
 		return nil, nil, fmt.Errorf("channel: %w", err)
 	}
 	if err := ch.Confirm(false); err != nil {
-		_ = conn.CloseDeadline(time.Now().Add(closeTimeout))
+		closeConn(conn)
 		return nil, nil, fmt.Errorf("confirm mode: %w", err)
 	}
 	return conn, ch, nil
 }
 
 // reset forgets the connection and closes it in the background (a broken
-// or silent broker may never answer the close: closeTimeout bounds it).
+// or silent broker may never answer the close: closeConn bounds it).
 func (p *ConfirmedPublisher) reset() {
-	if conn := p.conn; conn != nil {
-		go func() { _ = conn.CloseDeadline(time.Now().Add(closeTimeout)) }()
+	if conn := p.forget(); conn != nil {
+		go closeConn(conn)
 	}
+}
+
+// forget clears the connection, its channel and their notifications, and
+// returns the connection (nil: none).
+func (p *ConfirmedPublisher) forget() *amqp091.Connection {
+	conn := p.conn
 	p.conn, p.ch, p.returns, p.closes = nil, nil, nil, nil
+	return conn
+}
+
+// closeConn closes conn, waiting at most closeTimeout for the broker's
+// answer.
+func closeConn(conn *amqp091.Connection) {
+	_ = conn.CloseDeadline(time.Now().Add(closeTimeout))
 }
 
 // Close closes the connection (waiting for a publish in progress, which
-// its context bounds); later publishes fail.
+// its context bounds) and, in the background, the connection of a dial
+// still pending; later publishes fail.
 func (p *ConfirmedPublisher) Close() error {
 	p.turn <- struct{}{}
 	defer func() { <-p.turn }()
 	p.closed = true
-	if conn := p.conn; conn != nil {
-		_ = conn.CloseDeadline(time.Now().Add(closeTimeout))
+	if conn := p.forget(); conn != nil {
+		closeConn(conn)
 	}
 	if d := p.dialing; d != nil {
+		p.dialing = nil
 		go func() {
 			if o := <-d; o.conn != nil {
-				_ = o.conn.CloseDeadline(time.Now().Add(closeTimeout))
+				closeConn(o.conn)
 			}
 		}()
-		p.dialing = nil
 	}
-	p.conn, p.ch, p.returns, p.closes = nil, nil, nil, nil
 	return nil
 }
