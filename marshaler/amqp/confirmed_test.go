@@ -5,7 +5,6 @@ import (
 	"errors"
 	"net/url"
 	"runtime"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -74,15 +73,7 @@ func TestConfirmedPublisherConfirmsAndReportsUnroutable(t *testing.T) {
 // succeeds again once it is back, on a new connection.
 func TestConfirmedPublisherBrokerDownThenBack(t *testing.T) {
 	t.Parallel()
-	ch, q := declare(t)
-	u, err := url.Parse(testenv.AMQPURL())
-	require.NoError(t, err)
-	proxy, err := faultproxy.Start(u.Host)
-	require.NoError(t, err)
-	defer proxy.Close()
-	u.Host = "127.0.0.1:" + strconv.Itoa(proxy.Port())
-	p, err := amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{URL: u.String(), ConfirmTimeout: 5 * time.Second}, nil)
-	require.NoError(t, err)
+	p, proxy, ch, q := throughProxy(t, amqp.ConfirmedPublisherConfig{ConfirmTimeout: 5 * time.Second})
 	defer p.Close()
 	require.NoError(t, p.Publish(q, poisonMsg(t)))
 
@@ -91,7 +82,7 @@ func TestConfirmedPublisherBrokerDownThenBack(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	m.SetContext(ctx)
-	err = p.Publish(q, m)
+	err := p.Publish(q, m)
 	require.Error(t, err)
 	require.False(t, errors.Is(err, amqp.ErrUnroutable))
 
@@ -205,13 +196,10 @@ func TestConfirmedPublisherTellsAMessageThatCanNeverFitItsQueueFromAFullQueue(t 
 // hands the message context to Publish; a router's shutdown ends it.
 func TestConfirmedPublisherReturnsWhenItsContextEndsWhileTheBrokerHangs(t *testing.T) {
 	t.Parallel()
-	_, q := declare(t)
-	u, err := url.Parse(testenv.AMQPURL())
-	require.NoError(t, err)
 	// A hang guard, not a measurement: far below the broker-side bounds a
 	// publish that ignored its context would wait for.
 	const guard = 20 * time.Second
-	publish := func(p *amqp.ConfirmedPublisher) (cancel func(), result <-chan error) {
+	publish := func(p *amqp.ConfirmedPublisher, q string) (cancel func(), result <-chan error) {
 		m := poisonMsg(t)
 		ctx, cancel := context.WithCancel(context.Background())
 		m.SetContext(ctx)
@@ -229,22 +217,16 @@ func TestConfirmedPublisherReturnsWhenItsContextEndsWhileTheBrokerHangs(t *testi
 		}
 	}
 	for _, connected := range []bool{false, true} {
-		proxy, err := faultproxy.Start(u.Host)
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = proxy.Close() })
-		pu := *u
-		pu.Host = proxy.Addr()
-		p, err := amqp.NewConfirmedPublisher(amqp.ConfirmedPublisherConfig{URL: pu.String(), ConfirmTimeout: time.Hour}, nil)
-		require.NoError(t, err)
+		p, proxy, _, q := throughProxy(t, amqp.ConfirmedPublisherConfig{ConfirmTimeout: time.Hour})
 		what := "the dial"
 		if connected {
 			require.NoError(t, p.Publish(q, poisonMsg(t)))
 			what = "the confirm"
 		}
 		proxy.Hang()
-		cancelFirst, first := publish(p)
-		cancelSecond, second := publish(p) // waits for the first's turn
-		time.Sleep(200 * time.Millisecond) // lets both reach their waits (an ordering aid; the result does not depend on it)
+		cancelFirst, first := publish(p, q)
+		cancelSecond, second := publish(p, q) // waits for the first's turn
+		time.Sleep(200 * time.Millisecond)    // lets both reach their waits (an ordering aid; the result does not depend on it)
 		cancelSecond()
 		returned(what+": the publish waiting for its turn", second)
 		cancelFirst()
@@ -261,7 +243,8 @@ func TestConfirmedPublisherReturnsWhenItsContextEndsWhileTheBrokerHangs(t *testi
 // shutdown waits for that lock). Publish closes the connection when its
 // context ends, which fails the write, and Close is not held behind it.
 func TestConfirmedPublisherLargeWriteToABrokerThatStoppedReadingEndsWithItsContext(t *testing.T) {
-	p, proxy, q := connectedThroughProxy(t, amqp.ConfirmedPublisherConfig{ConfirmTimeout: time.Hour})
+	p, proxy, _, q := throughProxy(t, amqp.ConfirmedPublisherConfig{ConfirmTimeout: time.Hour})
+	require.NoError(t, p.Publish(q, poisonMsg(t))) // connected
 	proxy.Hang()
 	defer proxy.Resume()
 	// A poison copy of a malformed body is published verbatim, whatever
@@ -295,8 +278,9 @@ func TestConfirmedPublisherLargeWriteToABrokerThatStoppedReadingEndsWithItsConte
 // another, so a retry loop during an outage keeps one pending connection,
 // not one per retry.
 func TestConfirmedPublisherKeepsOneDialPendingWhileTheBrokerHangs(t *testing.T) {
-	p, proxy, q := connectedThroughProxy(t, amqp.ConfirmedPublisherConfig{})
+	p, proxy, _, q := throughProxy(t, amqp.ConfirmedPublisherConfig{})
 	defer p.Close()
+	require.NoError(t, p.Publish(q, poisonMsg(t))) // connected
 	proxy.Hang()
 	defer proxy.Resume()
 	base := runtime.NumGoroutine()
@@ -310,12 +294,11 @@ func TestConfirmedPublisherKeepsOneDialPendingWhileTheBrokerHangs(t *testing.T) 
 	require.Less(t, runtime.NumGoroutine()-base, 20, "a dial per failed publish is left pending")
 }
 
-// connectedThroughProxy returns a publisher with cfg whose broker is behind
-// a fault proxy, connected (one message published to q, a queue of the
-// test's own).
-func connectedThroughProxy(t *testing.T, cfg amqp.ConfirmedPublisherConfig) (*amqp.ConfirmedPublisher, *faultproxy.Proxy, string) {
+// throughProxy returns a publisher with cfg whose broker is behind a fault
+// proxy, the proxy, and a channel and a queue of the test's own.
+func throughProxy(t *testing.T, cfg amqp.ConfirmedPublisherConfig) (*amqp.ConfirmedPublisher, *faultproxy.Proxy, *amqp091.Channel, string) {
 	t.Helper()
-	_, q := declare(t)
+	ch, q := declare(t)
 	u, err := url.Parse(testenv.AMQPURL())
 	require.NoError(t, err)
 	proxy, err := faultproxy.Start(u.Host)
@@ -325,6 +308,5 @@ func connectedThroughProxy(t *testing.T, cfg amqp.ConfirmedPublisherConfig) (*am
 	cfg.URL = u.String()
 	p, err := amqp.NewConfirmedPublisher(cfg, nil)
 	require.NoError(t, err)
-	require.NoError(t, p.Publish(q, poisonMsg(t)))
-	return p, proxy, q
+	return p, proxy, ch, q
 }

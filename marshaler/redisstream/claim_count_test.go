@@ -28,15 +28,8 @@ import (
 // earlier deliveries in its group").
 func TestCountingClientClaimCarriesItsOwnGroupsDeliveryCount(t *testing.T) {
 	ctx := context.Background()
-	raw := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
-	t.Cleanup(func() { _ = raw.Close() })
-	stream := testenv.UniqueName("claimcount-groups")
-	t.Cleanup(func() { raw.Del(ctx, stream) })
-
-	fields, err := Marshaler{}.Marshal(stream, event(t))
-	require.NoError(t, err)
-	id, err := raw.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: fields}).Result()
-	require.NoError(t, err)
+	raw, stream := rawStream(t, "claimcount-groups")
+	id := addEntry(t, raw, stream, event(t), nil)
 	for _, g := range []string{"g1", "g2"} {
 		require.NoError(t, raw.XGroupCreate(ctx, stream, g, "0").Err())
 	}
@@ -126,15 +119,8 @@ func TestCountingClientClaimCarriesItsOwnGroupsDeliveryCount(t *testing.T) {
 // not the listing's: the count bounds the crashes counted.
 func TestCountingClientClaimCarriesTheCountAtTheClaimNotAtTheListing(t *testing.T) {
 	ctx := context.Background()
-	raw := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
-	t.Cleanup(func() { _ = raw.Close() })
-	stream := testenv.UniqueName("claimcount-stale")
-	t.Cleanup(func() { raw.Del(ctx, stream) })
-
-	fields, err := Marshaler{}.Marshal(stream, event(t))
-	require.NoError(t, err)
-	id, err := raw.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: fields}).Result()
-	require.NoError(t, err)
+	raw, stream := rawStream(t, "claimcount-stale")
+	id := addEntry(t, raw, stream, event(t), nil)
 	require.NoError(t, raw.XGroupCreate(ctx, stream, "g", "0").Err())
 	require.NoError(t, raw.XReadGroup(ctx, &redis.XReadGroupArgs{Group: "g", Consumer: "dead1", Streams: []string{stream, ">"}, Count: 1}).Err())
 	waitIdle := func() {

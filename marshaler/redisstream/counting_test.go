@@ -4,6 +4,7 @@ import (
 	"context"
 	"testing"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
@@ -20,14 +21,8 @@ import (
 func TestCountingClientMarksFirstReadsAndClaims(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	raw := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
-	t.Cleanup(func() { _ = raw.Close() })
-	stream := testenv.UniqueName("counting")
-	t.Cleanup(func() { raw.Del(ctx, stream) })
-	fields, err := Marshaler{}.Marshal(stream, event(t))
-	require.NoError(t, err)
-	fields["_idempotency_deliveries"] = "7" // a producer's attempt at the mark
-	require.NoError(t, raw.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: fields}).Err())
+	raw, stream := rawStream(t, "counting")
+	addEntry(t, raw, stream, event(t), map[string]string{"_idempotency_deliveries": "7"}) // a producer's attempt at the mark
 	require.NoError(t, raw.XGroupCreateMkStream(ctx, stream, "g", "0").Err())
 
 	c := CountingClient(raw)
@@ -62,15 +57,10 @@ func TestCountingClientMarksFirstReadsAndClaims(t *testing.T) {
 func TestEntriesReadWithoutCountingClientAreMarkedUncounted(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	raw := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
-	t.Cleanup(func() { _ = raw.Close() })
-	stream := testenv.UniqueName("uncounted")
-	t.Cleanup(func() { raw.Del(ctx, stream) })
+	raw, stream := rawStream(t, "uncounted")
 	ev := event(t)
 	ev.Metadata.Set(wire.UncountedDelivery, "true") // a producer's (or a redriven copy's) header
-	fields, err := Marshaler{}.Marshal(stream, ev)
-	require.NoError(t, err)
-	require.NoError(t, raw.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: fields}).Err())
+	addEntry(t, raw, stream, ev, nil)
 	require.NoError(t, raw.XGroupCreateMkStream(ctx, stream, "plain", "0").Err())
 	require.NoError(t, raw.XGroupCreateMkStream(ctx, stream, "counted", "0").Err())
 
@@ -95,13 +85,8 @@ func TestEntriesReadWithoutCountingClientAreMarkedUncounted(t *testing.T) {
 func TestFanOutEntriesThroughCountingClientAreNotUncounted(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	raw := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
-	t.Cleanup(func() { _ = raw.Close() })
-	stream := testenv.UniqueName("fanout")
-	t.Cleanup(func() { raw.Del(ctx, stream) })
-	fields, err := Marshaler{}.Marshal(stream, event(t))
-	require.NoError(t, err)
-	require.NoError(t, raw.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: fields}).Err())
+	raw, stream := rawStream(t, "fanout")
+	addEntry(t, raw, stream, event(t), nil)
 
 	read, err := CountingClient(raw).XRead(ctx, &redis.XReadArgs{Streams: []string{stream, "0"}, Count: 1}).Result()
 	require.NoError(t, err)
@@ -118,4 +103,31 @@ func TestFanOutEntriesThroughCountingClientAreNotUncounted(t *testing.T) {
 	msg, err = Marshaler{}.Unmarshal(read[0].Messages[0].Values)
 	require.NoError(t, err)
 	require.Equal(t, "true", msg.Metadata.Get(wire.UncountedDelivery))
+}
+
+// rawStream returns a plain client and a stream name of the test's own,
+// both removed at its end.
+func rawStream(t *testing.T, prefix string) (*redis.Client, string) {
+	t.Helper()
+	raw := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
+	stream := testenv.UniqueName(prefix)
+	t.Cleanup(func() {
+		raw.Del(context.Background(), stream)
+		_ = raw.Close()
+	})
+	return raw, stream
+}
+
+// addEntry adds msg to stream as Marshaler writes it, with the extra
+// fields, and returns the entry's id.
+func addEntry(t *testing.T, raw *redis.Client, stream string, msg *message.Message, extra map[string]string) string {
+	t.Helper()
+	fields, err := Marshaler{}.Marshal(stream, msg)
+	require.NoError(t, err)
+	for k, v := range extra {
+		fields[k] = v
+	}
+	id, err := raw.XAdd(context.Background(), &redis.XAddArgs{Stream: stream, Values: fields}).Result()
+	require.NoError(t, err)
+	return id
 }

@@ -34,10 +34,7 @@ func TestPoisonCopyOfAnUncountedEntryDoesNotCarryItsMark(t *testing.T) {
 	pool, _ := testenv.Pool(t)
 	db := idempotency.Pgx(pool)
 	require.NoError(t, processed.Migrate(ctx, db, processed.Config{}))
-	client := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr()})
-	t.Cleanup(func() { _ = client.Close() })
-	stream := testenv.UniqueName("poisoncopy")
-	t.Cleanup(func() { client.Del(context.Background(), stream) })
+	client, stream := rawStream(t, "poisoncopy")
 
 	ev, err := marshaler.NewMessage("order.placed", json.RawMessage(`{"order_id":42}`))
 	require.NoError(t, err)
