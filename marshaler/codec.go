@@ -134,17 +134,17 @@ func NewMalformed(body []byte, transportID, reason string) *message.Message {
 // reception ([MetadataEventName], [MetadataOccurredAt], [MetadataMalformed],
 // [MetadataMalformedReason], [MetadataRedelivered], [MetadataDeliveryCount],
 // any [MetadataExtraPrefix] key), the envelope header [EncodeMessage]
-// adds ("idempotency_envelope") and the mark of a delivery its transport
-// did not count ("idempotency_uncounted_delivery"). An adapter must not let an incoming header
+// adds ("idempotency_envelope") and the marks adapters set on a delivery
+// for the consumer's crash bound ("idempotency_uncounted_delivery",
+// "idempotency_serial_warmup"). An adapter must not let an incoming header
 // of that name set it: a sender could otherwise flag, unflag or rename a
 // message, or fake its delivery count. Keys are compared exactly.
 func ReservedKey(key string) bool {
 	switch key {
-	case MetadataEventName, MetadataOccurredAt, MetadataMalformed, MetadataMalformedReason,
-		MetadataRedelivered, MetadataDeliveryCount, wire.EnvelopeHeader, wire.UncountedDelivery:
+	case MetadataEventName, MetadataOccurredAt, MetadataMalformed, MetadataMalformedReason, wire.EnvelopeHeader:
 		return true
 	}
-	return strings.HasPrefix(key, MetadataExtraPrefix)
+	return wire.DeliveryScoped(key) || strings.HasPrefix(key, MetadataExtraPrefix)
 }
 
 // SetRedelivered sets [MetadataRedelivered] to "true" or "false".
@@ -168,8 +168,9 @@ func SetDeliveryCount(msg *message.Message, n int64) {
 //
 // For an ordinary message the body is the envelope of [ToEnvelope] written by
 // [Envelope.Encode], and the headers are the metadata except the
-// [MetadataExtraPrefix] keys (they are in the body) and the mark of an
-// uncounted delivery (it belongs to the delivery received), plus the header
+// [MetadataExtraPrefix] keys (they are in the body) and the keys that
+// describe the delivery received, not the message ([MetadataRedelivered],
+// [MetadataDeliveryCount] and the crash bound's marks), plus the header
 // "idempotency_envelope: 1", which says the body is an envelope: an adapter
 // drops it on reception ([ReservedKey]); a subscriber that does not decode
 // the envelope (Watermill's default unmarshaler) keeps it, and the consumer
@@ -180,7 +181,8 @@ func SetDeliveryCount(msg *message.Message, n int64) {
 //
 // A message flagged malformed ([Malformed]) is on its way to a dead-letter
 // (poison) topic: the body is its Payload, the raw bytes received, verbatim,
-// and the headers are all its metadata (the reason included). Nothing is
+// and the headers are its metadata (the reason included) but the keys of
+// the delivery received. Nothing is
 // validated and this path never fails, so the dead-letter destination gets
 // the original bytes.
 //
@@ -192,7 +194,7 @@ func EncodeMessage(msg *message.Message, maxSize int) (body []byte, headers map[
 	if _, malformed := Malformed(msg); malformed {
 		headers = make(map[string]string, len(msg.Metadata))
 		for k, v := range msg.Metadata {
-			if k != wire.UncountedDelivery {
+			if !wire.DeliveryScoped(k) {
 				headers[k] = v
 			}
 		}
@@ -214,7 +216,7 @@ func EncodeMessage(msg *message.Message, maxSize int) (body []byte, headers map[
 	}
 	headers = make(map[string]string, len(msg.Metadata)+1)
 	for k, v := range msg.Metadata {
-		if !strings.HasPrefix(k, MetadataExtraPrefix) && k != wire.UncountedDelivery {
+		if !strings.HasPrefix(k, MetadataExtraPrefix) && !wire.DeliveryScoped(k) {
 			headers[k] = v
 		}
 	}

@@ -16,7 +16,8 @@ import (
 // are derived from the delivery itself; incoming headers with the same names
 // are dropped ([ReservedKey]), so a sender cannot flag or unflag a message or
 // fake its event name or delivery count. The keys are the same on every
-// transport.
+// transport. [MetadataRedelivered] and [MetadataDeliveryCount] describe the
+// delivery received: [EncodeMessage] leaves them out of what it sends on.
 const (
 	// MetadataEventName holds the envelope's event_name, for example
 	// "order.placed". Set by [NewMessage], [FromEnvelope] and on reception;

@@ -66,7 +66,7 @@ func TestReservedKeys(t *testing.T) {
 	t.Parallel()
 	for _, k := range []string{MetadataEventName, MetadataOccurredAt, MetadataMalformed, MetadataMalformedReason,
 		MetadataRedelivered, MetadataDeliveryCount, MetadataExtraPrefix + "x", MetadataExtraPrefix,
-		"idempotency_envelope", "idempotency_uncounted_delivery"} {
+		"idempotency_envelope", "idempotency_uncounted_delivery", "idempotency_serial_warmup"} {
 		require.True(t, ReservedKey(k), k)
 	}
 	for _, k := range []string{"x-death", "x-delivery-count", "correlation_id", "envelope", "Event_Name"} {
@@ -74,23 +74,26 @@ func TestReservedKeys(t *testing.T) {
 	}
 }
 
-// The mark of an uncounted delivery belongs to the delivery received: an
+// The keys that describe the delivery received (the redelivered flag, the
+// delivery count, the crash bound's marks) belong to that delivery: an
 // adapter publishing the message (a republish, a dead-letter copy) leaves
-// it out of the headers, malformed or not.
-func TestEncodeMessageLeavesTheUncountedMarkOut(t *testing.T) {
+// them out of the headers, malformed or not, and keeps the message's own.
+func TestEncodeMessageLeavesTheDeliveryKeysOut(t *testing.T) {
 	t.Parallel()
+	delivery := []string{MetadataRedelivered, MetadataDeliveryCount, "idempotency_uncounted_delivery", "idempotency_serial_warmup"}
 	msg, err := NewMessage("order.placed", map[string]int{"n": 1})
 	require.NoError(t, err)
-	msg.Metadata.Set("idempotency_uncounted_delivery", "true")
-	msg.Metadata.Set("correlation_id", "c-1")
-	_, headers, err := EncodeMessage(msg, 0)
-	require.NoError(t, err)
-	require.NotContains(t, headers, "idempotency_uncounted_delivery")
-	require.Equal(t, "c-1", headers["correlation_id"])
-
 	bad := NewMalformed([]byte("{"), "", "not JSON")
-	bad.Metadata.Set("idempotency_uncounted_delivery", "true")
-	_, headers, err = EncodeMessage(bad, 0)
-	require.NoError(t, err)
-	require.NotContains(t, headers, "idempotency_uncounted_delivery")
+	for _, m := range []*message.Message{msg, bad} {
+		for _, k := range delivery {
+			m.Metadata.Set(k, "1")
+		}
+		m.Metadata.Set("correlation_id", "c-1")
+		_, headers, err := EncodeMessage(m, 0)
+		require.NoError(t, err)
+		for _, k := range delivery {
+			require.NotContains(t, headers, k)
+		}
+		require.Equal(t, "c-1", headers["correlation_id"])
+	}
 }

@@ -556,14 +556,15 @@ func (p *holdPoison) sleep(ctx context.Context, start time.Time, b *holdBackoff)
 // time, the malformed flag and its reason) are never left out: without
 // them the copy is no envelope, its every publish was refused, and the
 // delivery was held and redelivered for ever (3,000 short headers left
-// out a 30-byte occurred_at first). The mark of an uncounted delivery
-// (wire.UncountedDelivery) is never copied.
+// out a 30-byte occurred_at first). The keys of the delivery received
+// (wire.DeliveryScoped: the redelivered flag, the delivery count, the crash
+// bound's marks) are never copied.
 func boundedMetadata(md message.Metadata, budget int) (message.Metadata, []string) {
 	out := make(message.Metadata, len(md))
 	total := 0
 	for k, v := range md {
-		if k == wire.UncountedDelivery {
-			continue // this delivery's, not the copy's: it would count every attempt of the copy's consumer
+		if wire.DeliveryScoped(k) {
+			continue // this delivery's, not the copy's: the copy's consumer would take its attempts for redeliveries
 		}
 		out[k] = v
 		total += len(k) + len(v)
@@ -573,7 +574,7 @@ func boundedMetadata(md message.Metadata, budget int) (message.Metadata, []strin
 	}
 	keys := make([]string, 0, len(md))
 	for k := range md {
-		if !keptForEncoding(k) && k != wire.UncountedDelivery {
+		if !keptForEncoding(k) && !wire.DeliveryScoped(k) {
 			keys = append(keys, k)
 		}
 	}

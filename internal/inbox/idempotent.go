@@ -389,17 +389,6 @@ func (m *Idempotent) countedTurn(ctx context.Context, fields watermill.LogFields
 	}
 }
 
-// metadataSerialWarmup, set by a transport adapter that marks no
-// redelivery but runs its partitions' records side by side and redelivers
-// each partition behind its uncommitted record (marshaler/kafka), makes
-// the warm-up attempts take the process's counted turn (countedTurns) as
-// marked redeliveries do. Otherwise the records of other partitions in
-// flight when the poisoned one kills the process are counted as crashes
-// with it, come first again after each restart, and are dead-lettered as a
-// crash loop beside it. GoChannel does not set it: its handlers may wait
-// for each other through a blocking publish.
-const metadataSerialWarmup = "idempotency_serial_warmup"
-
 // crashWarmup is how many attempts after a consumer starts are counted as
 // possible crashes on transports that mark no redelivery (Kafka, Redis
 // Streams without CountingClient): a message that killed the process is
@@ -589,7 +578,16 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 			}
 			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, nil)
 		}
-		if _, joined := wsql.TxFromContext(origCtx); (marked || msg.Metadata.Get(metadataSerialWarmup) != "") && !nested && !joined {
+		// wire.SerialWarmup, set by an adapter whose transport marks no
+		// redelivery but runs its partitions' records side by side and
+		// redelivers each partition behind its uncommitted record
+		// (marshaler/kafka), makes the warm-up attempts take the turn too.
+		// Otherwise the records of other partitions in flight when the
+		// poisoned one kills the process are counted as crashes with it,
+		// come first again after each restart, and are dead-lettered as a
+		// crash loop beside it. GoChannel does not set it: its handlers may
+		// wait for each other through a blocking publish.
+		if _, joined := wsql.TxFromContext(origCtx); (marked || msg.Metadata.Get(wire.SerialWarmup) != "") && !nested && !joined {
 			release, werr := m.countedTurn(origCtx, fields)
 			if werr != nil {
 				return nil, m.finish(handlerName, OutcomeFailed, start, 0, fields, werr)

@@ -24,6 +24,29 @@ const EnvelopeHeader = "idempotency_envelope"
 // (marshaler.ReservedKey): no incoming header sets it.
 const UncountedDelivery = "idempotency_uncounted_delivery"
 
+// SerialWarmup is the metadata key, value "partitioned", that an adapter
+// sets on every delivery of a transport that marks no redelivery but runs
+// its partitions' records side by side (marshaler/kafka): the consumer's
+// warm-up attempts, whose crashes it counts, then run one at a time in the
+// process. Reserved (marshaler.ReservedKey): no incoming header sets it.
+const SerialWarmup = "idempotency_serial_warmup"
+
+// DeliveryScoped reports whether key describes the delivery received
+// rather than the message: the redelivered flag and the delivery count
+// (marshaler.MetadataRedelivered, marshaler.MetadataDeliveryCount),
+// UncountedDelivery and SerialWarmup. A message sent on (a dead-letter
+// copy, a republish: marshaler.EncodeMessage and the chain's poison copy)
+// goes without them: on a transport without an adapter to drop reserved
+// keys (GoChannel, the watermill-sql subscriber) the next consumer would
+// otherwise take each of its attempts for a redelivery of the old one.
+func DeliveryScoped(key string) bool {
+	switch key {
+	case "redelivered", "delivery_count", UncountedDelivery, SerialWarmup:
+		return true
+	}
+	return false
+}
+
 // Bound returns s when it has at most max bytes, and otherwise its longest
 // prefix that ends on a UTF-8 boundary followed by "…(truncated, N bytes)"
 // (N is len(s)): max bytes or fewer in all when max is at least 64 (a max

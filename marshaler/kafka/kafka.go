@@ -43,6 +43,7 @@ import (
 	wmkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/watermill-idempotency/idempotency/internal/wire"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 )
 
@@ -133,14 +134,10 @@ func (m Marshaler) Unmarshal(rec *sarama.ConsumerMessage) (msg *message.Message,
 	// (Kafka marks no redelivery), run one at a time in the process: the
 	// records of other partitions in flight beside a record that kills the
 	// process are then never counted as its crash (the middleware's
-	// metadataSerialWarmup).
-	msg.Metadata.Set(metadataSerialWarmup, "partitioned")
+	// wire.SerialWarmup).
+	msg.Metadata.Set(wire.SerialWarmup, "partitioned")
 	return msg, nil
 }
-
-// metadataSerialWarmup is the middleware's key (internal/inbox) for a
-// transport that runs partitions side by side and marks no redelivery.
-const metadataSerialWarmup = "idempotency_serial_warmup"
 
 func recordID(rec *sarama.ConsumerMessage) string {
 	return rec.Topic + "/" + strconv.FormatInt(int64(rec.Partition), 10) + "/" + strconv.FormatInt(rec.Offset, 10)
