@@ -148,8 +148,8 @@
 // After the tables the command prints issue 7's targets and issue 25's, each
 // with its value, spread over the rounds, bound and whether it is met; issue
 // 25's also with the floor beside it (the mechanism alone for the server
-// count; issue 17's 0.936 generic and 0.99 physical rate floors and the
-// in-memory Deduplicator measured in the same run for the claim ratio). WriteMarkdown puts issue 25's as a markdown table at the top of
+// count; for the claim ratio, the mechanism alone (floor_mechanism) and
+// the in-memory Deduplicator, measured in the same rounds). WriteMarkdown puts issue 25's as a markdown table at the top of
 // RESULTS.md (Result.TargetsMarkdown), for the README's performance section.
 //
 // "experiments" (only with -parts experiments) compares configurations of

@@ -10,6 +10,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 )
@@ -168,4 +169,62 @@ func floorHandler(ctx context.Context, conn *pgx.Conn, v string, h message.Handl
 		}
 		return out, nil
 	}, nil
+}
+
+// mechanismClaim is the claim's mechanism alone (vFloorMechanism) as a
+// variant of the overhead part, the generic floor of the claim's rate
+// ratio measured in the same rounds: per message a pooled connection,
+// BEGIN and the uuid-only INSERT … ON CONFLICT DO NOTHING into floor_uuid
+// (both prepared once per connection) in one batch, the handler on that
+// connection, COMMIT. It has no consumer key, window, fingerprint, lock
+// bound or crash bound: it prices what any claim row costs.
+func mechanismClaim(pool *pgxpool.Pool) message.HandlerMiddleware {
+	const prepared = "bench_floor_mechanism"
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			ctx := msg.Context()
+			id, err := uuid.Parse(msg.UUID)
+			if err != nil {
+				return nil, err
+			}
+			c, err := pool.Acquire(ctx)
+			if err != nil {
+				return nil, err
+			}
+			defer c.Release()
+			conn := c.Conn()
+			pc := conn.PgConn()
+			if pc.CustomData()[prepared] == nil {
+				if _, err := pc.Prepare(ctx, "floor_begin", "begin", nil); err != nil {
+					return nil, err
+				}
+				if _, err := pc.Prepare(ctx, "floor_claim", floorClaims[vFloorMechanism], nil); err != nil {
+					return nil, err
+				}
+				pc.CustomData()[prepared] = true
+			}
+			batch := &pgconn.Batch{}
+			batch.ExecPrepared("floor_begin", nil, nil, nil)
+			batch.ExecPrepared("floor_claim", [][]byte{id[:]}, []int16{1}, nil)
+			results, err := pc.ExecBatch(ctx, batch).ReadAll()
+			if err != nil {
+				return nil, err
+			}
+			if results[1].CommandTag.RowsAffected() != 1 {
+				_, _ = pc.Exec(ctx, "rollback").ReadAll()
+				return nil, fmt.Errorf("bench: %s: event %s claimed already", vFloorMechanism, id)
+			}
+			msg.SetContext(context.WithValue(ctx, benchTxKey{}, pgx.Tx(floorTx{conn: conn})))
+			defer msg.SetContext(ctx)
+			out, err := h(msg)
+			if err != nil {
+				_, _ = pc.Exec(ctx, "rollback").ReadAll()
+				return nil, err
+			}
+			if _, err := pc.Exec(ctx, "commit").ReadAll(); err != nil {
+				return nil, err
+			}
+			return out, nil
+		}
+	}
 }

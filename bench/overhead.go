@@ -7,7 +7,7 @@ import (
 	"strconv"
 )
 
-var variants1 = []string{vNone, vOurs, vUnpipelined, vNaive, vSeparate, vInMemory, vDuplicate}
+var variants1 = []string{vNone, vOurs, vFloorMechanism, vUnpipelined, vNaive, vSeparate, vInMemory, vDuplicate}
 
 // overhead measures part 1: the same handler through the recommended chain,
 // driven by N workers with no broker, under each variant. In every round
@@ -24,7 +24,7 @@ func overhead(ctx context.Context, e *env, sz OverheadSizes, res *Result) error 
 		return err
 	}
 	defer e.closePool(setup)
-	if _, err := setup.Exec(ctx, handlerSchema); err != nil {
+	if _, err := setup.Exec(ctx, handlerSchema+"CREATE TABLE floor_uuid (event_id uuid PRIMARY KEY);"); err != nil {
 		return err
 	}
 	store, err := e.store(ctx, setup, schema, "processed_event")
@@ -103,6 +103,7 @@ func overhead(ctx context.Context, e *env, sz OverheadSizes, res *Result) error 
 	t.Notes = []string{
 		"none: pgx pool.Begin + handler + Commit. idempotent: our middleware (BEGIN, lock_timeout and the claim in one pgx.Batch).",
 		"unpipelined: ours with DisablePipeline (pgx BeginTx, then lock_timeout, then the claim). naive: SELECT then INSERT in the handler's tx.",
+		"floor_mechanism: BEGIN and a uuid-only INSERT … ON CONFLICT DO NOTHING (prepared) in one batch, the handler, COMMIT: what any claim row costs.",
 		"separate_tx: the claim committed alone, then the handler's tx. inmemory: Watermill Deduplicator (map, keyed by event id) + the handler's tx.",
 		"duplicate: our middleware fed ids already processed (rate of duplicates; its ratio to idempotent is duplicate_speedup).",
 		"× none is the median of the per-round rate ratios; spread: their min–max over the rounds.",
@@ -118,6 +119,8 @@ func overhead(ctx context.Context, e *env, sz OverheadSizes, res *Result) error 
 	res.setRatio("claim_overhead_ratio", perRoundXs(s(h1, vOurs), s(h1, vNone), rateRatio))
 	res.setRatio("claim_overhead_ratio_3stmt", perRoundXs(s(h3, vOurs), s(h3, vNone), rateRatio))
 	res.setRatio("inmemory_overhead_ratio", perRoundXs(s(h1, vInMemory), s(h1, vNone), rateRatio))
+	res.setRatio("floor_mechanism_overhead_ratio", perRoundXs(s(h1, vFloorMechanism), s(h1, vNone), rateRatio))
+	res.set("floor_mechanism_cpu_cost_ratio", perRound(s(h1, vFloorMechanism), s(h1, vNone), cpuRatio))
 	if slices.Contains(sz.Variants3, vInMemory) {
 		res.setRatio("inmemory_overhead_ratio_3stmt", perRoundXs(s(h3, vInMemory), s(h3, vNone), rateRatio))
 	}

@@ -309,6 +309,8 @@ func (vs *variantSet) handlerFor(v string, h message.HandlerFunc) message.Handle
 		return compose(h, append(append([]message.HandlerMiddleware{}, outer...), separateClaim(vs.pool, vs.store), tx)...)
 	case vInMemory:
 		return compose(h, append(append([]message.HandlerMiddleware{}, outer...), vs.inmem, tx)...)
+	case vFloorMechanism:
+		return compose(h, append(append([]message.HandlerMiddleware{}, outer...), mechanismClaim(vs.pool))...)
 	default: // vNone
 		return compose(h, append(append([]message.HandlerMiddleware{}, outer...), tx)...)
 	}
