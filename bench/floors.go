@@ -125,7 +125,6 @@ func floorHandler(ctx context.Context, conn *pgx.Conn, v string, h message.Handl
 		consumer = []byte(consumerName)
 	}
 	return func(msg *message.Message) ([]*message.Message, error) {
-		mctx := msg.Context()
 		id, err := uuid.Parse(msg.UUID)
 		if err != nil {
 			return nil, err
@@ -149,26 +148,34 @@ func floorHandler(ctx context.Context, conn *pgx.Conn, v string, h message.Handl
 			}
 			batch.ExecPrepared("floor_claim", params, formats[:len(params)], nil)
 		}
-		results, err := pc.ExecBatch(mctx, batch).ReadAll()
-		if err != nil {
-			return nil, err
-		}
-		if claim != "" && results[1].CommandTag.RowsAffected() != 1 {
-			_, _ = pc.Exec(mctx, "rollback").ReadAll()
-			return nil, fmt.Errorf("bench: %s: event %s claimed already", v, id)
-		}
-		msg.SetContext(context.WithValue(mctx, benchTxKey{}, pgx.Tx(floorTx{conn: conn})))
-		defer msg.SetContext(mctx)
-		out, err := h(msg)
-		if err != nil {
-			_, _ = pc.Exec(mctx, "rollback").ReadAll()
-			return nil, err
-		}
-		if _, err := pc.Exec(mctx, "commit").ReadAll(); err != nil {
-			return nil, err
-		}
-		return out, nil
+		return runFloorTx(msg, conn, batch, claim != "", v, h)
 	}, nil
+}
+
+// runFloorTx sends batch (BEGIN, and the claim when claimed) on conn,
+// runs h in that transaction (floorTx) and commits; it rolls back when the
+// claim inserted nothing or h fails.
+func runFloorTx(msg *message.Message, conn *pgx.Conn, batch *pgconn.Batch, claimed bool, v string, h message.HandlerFunc) ([]*message.Message, error) {
+	ctx, pc := msg.Context(), conn.PgConn()
+	results, err := pc.ExecBatch(ctx, batch).ReadAll()
+	if err != nil {
+		return nil, err
+	}
+	if claimed && results[1].CommandTag.RowsAffected() != 1 {
+		_, _ = pc.Exec(ctx, "rollback").ReadAll()
+		return nil, fmt.Errorf("bench: %s: event %s claimed already", v, msg.UUID)
+	}
+	msg.SetContext(context.WithValue(ctx, benchTxKey{}, pgx.Tx(floorTx{conn: conn})))
+	defer msg.SetContext(ctx)
+	out, err := h(msg)
+	if err != nil {
+		_, _ = pc.Exec(ctx, "rollback").ReadAll()
+		return nil, err
+	}
+	if _, err := pc.Exec(ctx, "commit").ReadAll(); err != nil {
+		return nil, err
+	}
+	return out, nil
 }
 
 // mechanismClaim is the claim's mechanism alone (vFloorMechanism) as a
@@ -206,25 +213,7 @@ func mechanismClaim(pool *pgxpool.Pool) message.HandlerMiddleware {
 			batch := &pgconn.Batch{}
 			batch.ExecPrepared("floor_begin", nil, nil, nil)
 			batch.ExecPrepared("floor_claim", [][]byte{id[:]}, []int16{1}, nil)
-			results, err := pc.ExecBatch(ctx, batch).ReadAll()
-			if err != nil {
-				return nil, err
-			}
-			if results[1].CommandTag.RowsAffected() != 1 {
-				_, _ = pc.Exec(ctx, "rollback").ReadAll()
-				return nil, fmt.Errorf("bench: %s: event %s claimed already", vFloorMechanism, id)
-			}
-			msg.SetContext(context.WithValue(ctx, benchTxKey{}, pgx.Tx(floorTx{conn: conn})))
-			defer msg.SetContext(ctx)
-			out, err := h(msg)
-			if err != nil {
-				_, _ = pc.Exec(ctx, "rollback").ReadAll()
-				return nil, err
-			}
-			if _, err := pc.Exec(ctx, "commit").ReadAll(); err != nil {
-				return nil, err
-			}
-			return out, nil
+			return runFloorTx(msg, conn, batch, true, vFloorMechanism, h)
 		}
 	}
 }
