@@ -168,7 +168,10 @@ func TestMySQLTimesWhateverTheDSNLocation(t *testing.T) {
 		if err := json.Unmarshal(out.Bytes(), &s); err != nil || len(s.Records) != 1 {
 			t.Fatalf("%s: %v %s", dsn, err, out.String())
 		}
-		if got := time.Time(s.Records[0].ProcessedAt); !got.Equal(at) {
+		if s.Records[0].ProcessedAt == nil {
+			t.Fatalf("%s: processed_at null, stored (UTC) %s", dsn, at)
+		}
+		if got := time.Time(*s.Records[0].ProcessedAt); !got.Equal(at) {
 			t.Fatalf("%s: processed_at %s, stored (UTC) %s", dsn, got.UTC(), at)
 		}
 	}

@@ -11,11 +11,17 @@ import (
 	"github.com/watermill-idempotency/idempotency/marshaler"
 )
 
-// processedRow is one consumer's record of an event.
+// processedRow is one consumer's record of an event. ProcessedAt is nil
+// (JSON null) for a UUIDv7 claim on PostgreSQL, which keeps no time,
+// unless the server has track_commit_timestamp on: then it is the claim's
+// commit time (processedstore.LookupQuery).
 type processedRow struct {
-	Consumer    string   `json:"consumer"`
-	ProcessedAt jsonTime `json:"processed_at"`
+	Consumer    string    `json:"consumer"`
+	ProcessedAt *jsonTime `json:"processed_at"`
 }
+
+// notRecorded is the PROCESSED_AT of a record that keeps no time.
+const notRecorded = "not recorded (a UUIDv7 claim; set track_commit_timestamp = on to see its commit time)"
 
 // processedShow is the JSON document of "processed show".
 type processedShow struct {
@@ -68,7 +74,12 @@ func runProcessedShow(ctx context.Context, e *env, args []string) error {
 		if err := rows.Scan(&c, &at); err != nil {
 			return dbErr("processed lookup", e.processedTable, err)
 		}
-		out.Records = append(out.Records, processedRow{Consumer: string(c), ProcessedAt: jsonTime(at.T)})
+		r := processedRow{Consumer: string(c)}
+		if !at.T.IsZero() {
+			t := jsonTime(at.T)
+			r.ProcessedAt = &t
+		}
+		out.Records = append(out.Records, r)
 	}
 	if err := rows.Err(); err != nil {
 		return dbErr("processed lookup", e.processedTable, err)
@@ -96,7 +107,11 @@ func runProcessedShow(ctx context.Context, e *env, args []string) error {
 		if out.Applied {
 			var tr [][]string
 			for _, r := range out.Records {
-				tr = append(tr, []string{r.Consumer, ts(time.Time(r.ProcessedAt))})
+				at := notRecorded
+				if r.ProcessedAt != nil {
+					at = ts(time.Time(*r.ProcessedAt))
+				}
+				tr = append(tr, []string{r.Consumer, at})
 			}
 			e.stdout.Write([]byte("\n"))
 			table(e.stdout, []string{"CONSUMER", "PROCESSED_AT"}, tr)

@@ -18,8 +18,12 @@ import (
 // processed_at scans as a time.Time on PostgreSQL and MySQL (parseTime=true,
 // UTC) and as ISO 8601 UTC text on SQLite. With LayoutPartitioned both
 // queries read the side table <table>_other too; after ReadLegacy, the
-// legacy table or <table>_v7, whose rows show their event's time as
-// processed_at (they keep none).
+// legacy table or <table>_v7. A row of <table>_v7 keeps no time of its
+// own: its processed_at is the commit time of the transaction that wrote
+// it (pg_xact_commit_timestamp) when the server has track_commit_timestamp
+// on and still knows that transaction, else NULL. It is never the event's
+// time, which would tell an operator that a late event was applied on
+// time.
 func (s *Store) LookupQuery(eventID uuid.UUID, consumer string) (string, []any) {
 	q := s.rowsSource()
 	p1, p2 := "?", "?"
@@ -32,7 +36,7 @@ func (s *Store) LookupQuery(eventID uuid.UUID, consumer string) (string, []any) 
 		sql += fmt.Sprintf(` AND consumer = %s`, p2)
 		args = append(args, consumer)
 	}
-	return sql + ` ORDER BY processed_at, consumer`, args
+	return sql + ` ORDER BY processed_at, consumer`, args // NULLs last on every dialect that has them (PostgreSQL)
 }
 
 // PurgePreviewQuery returns a read-only query of one row: the database
@@ -85,10 +89,13 @@ func (s *Store) rowsSource() string {
 	q := s.table.Quoted(s.dialect.QuoteChar())
 	if s.readV7 {
 		// The rows of <table>_v7 that the table does not hold too (the
-		// trigger's copies are in both), dated by their id: they keep no
-		// processed_at.
+		// trigger's copies are in both). They keep no processed_at: the
+		// commit time of their transaction stands for it where the server
+		// records one (LookupQuery), NULL elsewhere; the CASE keeps
+		// pg_xact_commit_timestamp from raising 55000 when it does not.
 		return "(SELECT consumer, event_id, processed_at, event_at FROM " + q +
-			" UNION ALL SELECT c.name, v.event_id, " + v7TimeSQL("v.event_id") + ", NULL::timestamptz FROM " + s.sibling("v7") + " v JOIN " + s.sibling("consumer") +
+			" UNION ALL SELECT c.name, v.event_id, CASE WHEN current_setting('track_commit_timestamp') = 'on' THEN pg_xact_commit_timestamp(v.xmin) END, NULL::timestamptz FROM " +
+			s.sibling("v7") + " v JOIN " + s.sibling("consumer") +
 			" c ON c.id = v.consumer WHERE NOT EXISTS (SELECT 1 FROM " + q + " x WHERE x.consumer = c.name AND x.event_id = v.event_id)) AS r"
 	}
 	if s.layout != LayoutPartitioned {

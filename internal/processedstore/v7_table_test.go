@@ -140,7 +140,7 @@ func TestClaimsOfAnUnregisteredNameInTheTableAreDuplicatesInTheV7Table(t *testin
 		n := 0
 		for rows.Next() {
 			var consumer string
-			var at time.Time
+			var at *time.Time // NULL for a row of the v7 table (it keeps no time; the server records no commit time)
 			require.NoError(t, rows.Scan(&consumer, &at))
 			require.Equal(t, "late", consumer)
 			n++
