@@ -363,10 +363,19 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 		return nil, fmt.Errorf("middleware: ConsumerConfig.Table %s: its replay horizon cannot be read or recorded "+
 			"(run processed.Migrate for this table; check the schema or search_path and the role's privileges): %w", cfg.Table, err)
 	}
+	// The table's own horizon, for a refusal's text when the window is
+	// narrower (a purge by a shorter horizon: AdoptHorizon).
+	ctx, cancel = context.WithTimeout(context.Background(), startupTimeout)
+	keeps, _, _, _, err := table.TableHorizon(ctx, h.Querier())
+	cancel()
+	if err != nil {
+		return nil, fmt.Errorf("middleware: ConsumerConfig.Table %s: read its replay horizon: %w", cfg.Table, err)
+	}
 	cfg.ReplayHorizon = horizon
 	store, err := processedstore.NewStore(processedstore.Config{
 		Table: cfg.Table, Dialect: h.Dialect, Horizon: horizon,
 		MaxFutureSkew: cfg.MaxFutureSkew, Layout: cfg.Layout,
+		Narrowed: horizon != keeps, TableHorizon: keeps,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("middleware: ConsumerConfig: %w", err)

@@ -57,6 +57,13 @@ type Config struct {
 	// DefaultMaxFutureSkew; it must be ≥ 0.
 	MaxFutureSkew time.Duration
 
+	// Narrowed says that Horizon is the narrower window AdoptHorizon
+	// returned after a purge by a shorter horizon, and TableHorizon is
+	// the horizon the table keeps (0: none): a refusal's text names both,
+	// so that the window is not read as a misconfiguration.
+	Narrowed     bool
+	TableHorizon time.Duration
+
 	// Layout is the table's layout: LayoutPlain (default) or
 	// LayoutPartitioned (PostgreSQL only; see Layout).
 	Layout Layout
@@ -117,10 +124,14 @@ type Store struct {
 	dialect sqldb.Dialect
 	sql     dialectSQL
 	horizon time.Duration
-	skew    time.Duration
-	layout  Layout
-	span    time.Duration
-	other   *otherSQL // LayoutPartitioned: the side table of non-v7 ids
+	// keeps, narrowed: Config.TableHorizon and Config.Narrowed, for a
+	// refusal's text.
+	keeps    time.Duration
+	narrowed bool
+	skew     time.Duration
+	layout   Layout
+	span     time.Duration
+	other    *otherSQL // LayoutPartitioned: the side table of non-v7 ids
 	// readLegacy: the tool queries read <table>_legacy too (ReadLegacy);
 	// readV7: <table>_v7.
 	readLegacy, readV7 bool
@@ -206,6 +217,8 @@ func NewStore(cfg Config) (*Store, error) {
 		layout:    cfg.Layout,
 		span:      cfg.PartitionSpan,
 		horizon:   cfg.Horizon.Truncate(time.Microsecond),
+		keeps:     cfg.TableHorizon,
+		narrowed:  cfg.Narrowed,
 		skew:      cfg.MaxFutureSkew.Truncate(time.Microsecond),
 		claimSQL:  fmt.Sprintf(d.claim, q),
 		existsSQL: fmt.Sprintf(d.exists, q),
@@ -404,11 +417,24 @@ type RefusedError struct {
 	Horizon  time.Duration
 	MaxSkew  time.Duration
 	Database time.Time // the database clock (now()) of the verdict
+	// narrowed: Horizon is the window since the table was purged by a
+	// shorter horizon than tableHorizon (Config.Narrowed).
+	narrowed     bool
+	tableHorizon time.Duration
 }
 
 func (e *RefusedError) Error() string {
+	horizon := e.Horizon.String()
+	if e.narrowed {
+		keeps := "none"
+		if e.tableHorizon > 0 {
+			keeps = e.tableHorizon.String()
+		}
+		horizon += " (the time since the table was purged by a shorter horizon, when this consumer started; the table keeps " + keeps +
+			": a consumer started once the purged rows are that old accepts the whole horizon)"
+	}
 	return fmt.Sprintf("%v: event %s dated %s, database clock %s, horizon %s, max future skew %s",
-		e.Reason, e.EventID, e.EventAt.UTC().Format(time.RFC3339Nano), e.Database.UTC().Format(time.RFC3339Nano), e.Horizon, e.MaxSkew)
+		e.Reason, e.EventID, e.EventAt.UTC().Format(time.RFC3339Nano), e.Database.UTC().Format(time.RFC3339Nano), horizon, e.MaxSkew)
 }
 
 func (e *RefusedError) Unwrap() error { return e.Reason }
@@ -451,7 +477,8 @@ func (s *Store) Verdict(ctx context.Context, q sqldb.Querier, consumer string, e
 	if exists {
 		return nil
 	}
-	e := &RefusedError{Reason: ErrFuture, EventID: eventID, EventAt: t, Horizon: s.horizon, MaxSkew: s.skew, Database: now}
+	e := &RefusedError{Reason: ErrFuture, EventID: eventID, EventAt: t, Horizon: s.horizon, MaxSkew: s.skew, Database: now,
+		narrowed: s.narrowed, tableHorizon: s.keeps}
 	if expired {
 		e.Reason = ErrExpired
 	}
