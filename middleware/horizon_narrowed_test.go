@@ -23,6 +23,24 @@ import (
 // misconfiguration (found by a new user's trial).
 func TestRefusalAfterAWideningNamesTheTablesHorizon(t *testing.T) {
 	t.Parallel()
+	for _, tc := range []struct {
+		widened time.Duration
+		says    string // what the refusal says the table keeps
+		// never: what it must not promise (a table that keeps none
+		// keeps its window at the time since the purge for good).
+		never string
+	}{
+		{widened: 4 * time.Hour, says: "the table keeps 4h0m0s: a consumer started once the purged rows are that old gets the whole horizon"},
+		{widened: 0, says: "the table keeps none now", never: "whole horizon"},
+	} {
+		t.Run(tc.widened.String(), func(t *testing.T) {
+			t.Parallel()
+			refusalAfterAWidening(t, tc.widened, tc.says, tc.never)
+		})
+	}
+}
+
+func refusalAfterAWidening(t *testing.T, widened time.Duration, says, never string) {
 	e := newConsumerEnv(t)
 	ctx := context.Background()
 	cfg := e.config("stock")
@@ -49,14 +67,14 @@ func TestRefusalAfterAWideningNamesTheTablesHorizon(t *testing.T) {
 	require.True(t, ran)
 	require.Positive(t, n, "the row (and its copy in the UUIDv7 table) purged")
 
-	require.NoError(t, processed.SetReplayHorizon(ctx, e.db, "", 4*time.Hour))
-	cfg.ReplayHorizon = 4 * time.Hour
-	widened, err := middleware.NewConsumer(cfg, nil)
+	require.NoError(t, processed.SetReplayHorizon(ctx, e.db, "", widened))
+	cfg.ReplayHorizon = widened
+	restarted, err := middleware.NewConsumer(cfg, nil)
 	require.NoError(t, err)
 	r, err := message.NewRouter(message.RouterConfig{}, nil)
 	require.NoError(t, err)
 	calls := 0
-	_, err = widened.AddConsumerHandler(r, "reserve", "orders", e.pubsub, func(*message.Message) error {
+	_, err = restarted.AddConsumerHandler(r, "reserve", "orders", e.pubsub, func(*message.Message) error {
 		calls++
 		return nil
 	})
@@ -74,7 +92,10 @@ func TestRefusalAfterAWideningNamesTheTablesHorizon(t *testing.T) {
 		require.Equal(t, id.String(), p.UUID)
 		reason := p.Metadata.Get("reason_poisoned")
 		require.Contains(t, reason, "older than the replay horizon", "its row was purged: refused as expired")
-		require.True(t, strings.Contains(reason, "the table keeps 4h0m0s"), "the refusal names the table's horizon: %s", reason)
+		require.True(t, strings.Contains(reason, says), "the refusal names the table's horizon: %s", reason)
+		if never != "" {
+			require.NotContains(t, reason, never)
+		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("the redelivery of a purged event was not refused")
 	}

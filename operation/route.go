@@ -75,6 +75,10 @@ func RouteUncertain(pub message.Publisher, topic string, logger watermill.Logger
 				return produced, err
 			}
 			out := msg.Copy()
+			// The keys of the delivery received stay with it: the
+			// reconciliation topic's consumer would take its first
+			// delivery for a redelivery of this one.
+			out.Metadata = wire.WithoutDelivery(out.Metadata)
 			out.Metadata.Set(MetadataKey, u.Key)
 			out.Metadata.Set(MetadataKind, u.Kind)
 			if u.Reference != "" {

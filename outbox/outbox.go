@@ -118,6 +118,7 @@ import (
 
 	"github.com/watermill-idempotency/idempotency/internal/outboxdb"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
+	"github.com/watermill-idempotency/idempotency/internal/wire"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 )
 
@@ -276,7 +277,9 @@ func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
 		}
 	}
 	for _, m := range msgs {
-		md, err := json.Marshal(m.Metadata)
+		// A message forwarded from the one received (msg.Copy()) goes
+		// without the keys of that delivery (wire.DeliveryScoped).
+		md, err := json.Marshal(wire.WithoutDelivery(m.Metadata))
 		if err != nil {
 			return fmt.Errorf("outbox: publish %s: metadata: %w", m.UUID, err)
 		}

@@ -95,3 +95,59 @@ func TestTraceparentReachesConsumer(t *testing.T) {
 		t.Fatal("never relayed")
 	}
 }
+
+// A message a handler forwards (a copy of the one it received) is written
+// to the outbox without the keys of that delivery: the relay publishing it
+// on GoChannel (or the watermill-sql publisher, neither with an adapter to
+// drop them) would otherwise hand the next consumer a first delivery that
+// says it was redelivered. The caller's message is left as it was.
+func TestForwardedMessageIsRelayedWithoutTheKeysOfItsDelivery(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := testenv.Pool(t)
+	o, err := outbox.New(outbox.Config{DB: idempotency.Pgx(pool), Table: "forwarded_outbox"}, nil)
+	require.NoError(t, err)
+	require.NoError(t, o.Migrate(ctx))
+
+	received, err := marshaler.NewMessage("order.placed", map[string]string{"order_id": "o-1"})
+	require.NoError(t, err)
+	delivery := map[string]string{
+		marshaler.MetadataRedelivered:    "true",
+		marshaler.MetadataDeliveryCount:  "3",
+		"idempotency_uncounted_delivery": "true",
+		"idempotency_serial_warmup":      "partitioned",
+	}
+	for k, v := range delivery {
+		received.Metadata.Set(k, v)
+	}
+	received.Metadata.Set("correlation_id", "c-1")
+	forwarded := received.Copy()
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	pub, err := o.PgxPublisher(tx)
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish("events", forwarded))
+	require.NoError(t, tx.Commit(ctx))
+	require.Equal(t, "3", forwarded.Metadata.Get(marshaler.MetadataDeliveryCount), "the caller's message is left as it was")
+
+	broker := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
+	defer broker.Close()
+	relay, err := o.NewRelay(broker, outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
+	require.NoError(t, err)
+	go func() { _ = relay.Run(ctx) }()
+	defer relay.Close()
+	msgs, err := broker.Subscribe(ctx, "events")
+	require.NoError(t, err)
+	select {
+	case got := <-msgs:
+		got.Ack()
+		require.Equal(t, received.UUID, got.UUID)
+		for k := range delivery {
+			require.NotContains(t, got.Metadata, k)
+		}
+		require.Equal(t, "c-1", got.Metadata.Get("correlation_id"), "the message's own keys are kept")
+	case <-time.After(30 * time.Second):
+		t.Fatal("never relayed")
+	}
+}

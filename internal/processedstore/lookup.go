@@ -19,9 +19,10 @@ import (
 // UTC) and as ISO 8601 UTC text on SQLite. With LayoutPartitioned both
 // queries read the side table <table>_other too; after ReadLegacy, the
 // legacy table or <table>_v7. A row of <table>_v7 keeps no time of its
-// own: its processed_at is the commit time of the transaction that wrote
-// it (pg_xact_commit_timestamp) when the server has track_commit_timestamp
-// on and still knows that transaction, else NULL. It is never the event's
+// own: its processed_at is the commit time of the claim that wrote it
+// (pg_xact_commit_timestamp) when the server has track_commit_timestamp
+// on and still knows that transaction, else NULL; NULL too for a row
+// Migrate copied there (committed before <table>_v7_ready's row). It is never the event's
 // time, which would tell an operator that a late event was applied on
 // time.
 func (s *Store) LookupQuery(eventID uuid.UUID, consumer string) (string, []any) {
@@ -92,9 +93,17 @@ func (s *Store) rowsSource() string {
 		// trigger's copies are in both). They keep no processed_at: the
 		// commit time of their transaction stands for it where the server
 		// records one (LookupQuery), NULL elsewhere; the CASE keeps
-		// pg_xact_commit_timestamp from raising 55000 when it does not.
+		// pg_xact_commit_timestamp from raising 55000 when it does not. A
+		// row committed with or before <table>_v7_ready's row was written
+		// by Migrate's copy, not by its claim: NULL too (a server that did
+		// not record the ready row's commit had none for those either).
+		ready := s.sibling("v7_ready")
+		committed := "pg_xact_commit_timestamp(v.xmin)"
+		at := "CASE WHEN current_setting('track_commit_timestamp') = 'on' THEN (SELECT CASE WHEN " + committed +
+			" > coalesce(pg_xact_commit_timestamp(r.xmin), to_timestamp(r.ready_us / 1000000.0)) THEN " + committed +
+			" END FROM " + ready + " r WHERE r.id = 1) END"
 		return "(SELECT consumer, event_id, processed_at, event_at FROM " + q +
-			" UNION ALL SELECT c.name, v.event_id, CASE WHEN current_setting('track_commit_timestamp') = 'on' THEN pg_xact_commit_timestamp(v.xmin) END, NULL::timestamptz FROM " +
+			" UNION ALL SELECT c.name, v.event_id, " + at + ", NULL::timestamptz FROM " +
 			s.sibling("v7") + " v JOIN " + s.sibling("consumer") +
 			" c ON c.id = v.consumer WHERE NOT EXISTS (SELECT 1 FROM " + q + " x WHERE x.consumer = c.name AND x.event_id = v.event_id)) AS r"
 	}

@@ -425,13 +425,13 @@ type RefusedError struct {
 
 func (e *RefusedError) Error() string {
 	horizon := e.Horizon.String()
-	if e.narrowed {
-		keeps := "none"
-		if e.tableHorizon > 0 {
-			keeps = e.tableHorizon.String()
-		}
-		horizon += " (the time since the table was purged by a shorter horizon, when this consumer started; the table keeps " + keeps +
-			": a consumer started once the purged rows are that old accepts the whole horizon)"
+	switch {
+	case e.narrowed && e.tableHorizon > 0:
+		horizon += " (the time since the table was purged by a shorter horizon, as of this consumer's start; the table keeps " +
+			e.tableHorizon.String() + ": a consumer started once the purged rows are that old gets the whole horizon)"
+	case e.narrowed:
+		horizon += " (the time since the table was last purged, as of this consumer's start; the table keeps none now: " +
+			"a consumer started later gets a longer window, never one that reaches before that purge)"
 	}
 	return fmt.Sprintf("%v: event %s dated %s, database clock %s, horizon %s, max future skew %s",
 		e.Reason, e.EventID, e.EventAt.UTC().Format(time.RFC3339Nano), e.Database.UTC().Format(time.RFC3339Nano), horizon, e.MaxSkew)

@@ -36,7 +36,8 @@ const SerialWarmup = "idempotency_serial_warmup"
 // (marshaler.MetadataRedelivered, marshaler.MetadataDeliveryCount),
 // UncountedDelivery and SerialWarmup. A message sent on (a dead-letter
 // copy, a republish: marshaler.EncodeMessage and the chain's poison copy)
-// goes without them: on a transport without an adapter to drop reserved
+// goes without them (WithoutDelivery; operation.RouteUncertain's copy and
+// the outbox's rows too): on a transport without an adapter to drop reserved
 // keys (GoChannel, the watermill-sql subscriber) the next consumer would
 // otherwise take each of its attempts for a redelivery of the old one.
 func DeliveryScoped(key string) bool {
@@ -45,6 +46,24 @@ func DeliveryScoped(key string) bool {
 		return true
 	}
 	return false
+}
+
+// WithoutDelivery returns md without its DeliveryScoped keys: md itself
+// when it has none, else a copy (md is never changed). For the metadata of
+// a message sent on: a routed copy, a row of the outbox.
+func WithoutDelivery(md map[string]string) map[string]string {
+	for k := range md {
+		if DeliveryScoped(k) {
+			out := make(map[string]string, len(md))
+			for k, v := range md {
+				if !DeliveryScoped(k) {
+					out[k] = v
+				}
+			}
+			return out
+		}
+	}
+	return md
 }
 
 // Bound returns s when it has at most max bytes, and otherwise its longest
