@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 
@@ -86,7 +87,9 @@ const maxRedeliveries = 5
 
 // Explore proves that a handler applies its effects once whatever fails
 // where. It delivers a copy of msg cleanly (the reference: Effects after
-// it, and the statements the handler sends on the attempt's transaction),
+// it, and the statements the handler sends on the attempt's transaction,
+// a savepoint's and CopyFrom included; statements sent through tx.Conn()
+// are not seen, and that is reported),
 // then, for every point — before and after each of those statements, before
 // the commit, and after the commit with the ack lost — and every Fault, a
 // fresh copy (a new event_id, same payload and metadata) on which the first
@@ -102,7 +105,10 @@ const maxRedeliveries = 5
 //     effect outside the claim, or fails every attempt.
 //
 // Effects must count the effects of the message it is given by that
-// message's event_id (msg.UUID): each copy has its own. Statement points
+// message's event_id (msg.UUID): each copy has its own. The copies share
+// the payload: a handler that also deduplicates by a business key in it
+// writes nothing for them, which reads as lost effects; count its effects
+// by that key instead (the same for every copy). Statement points
 // need a pgx DB (idempotency.Pgx); on database/sql only the commit points
 // are explored. The consumer's retries stand for redeliveries: keep
 // RetryConfig.MaxRetries ≥ 1. The clean delivery must leave WantEffects
@@ -176,6 +182,10 @@ func Explore(t TB, s Subject, msg *message.Message) ExploreReport {
 		t.Errorf("idempotencytest.Explore: %d effects after the clean delivery, want %d", want, w)
 	}
 	rep.Statements = rec.seen
+	for _, what := range rec.unhooked {
+		t.Errorf("idempotencytest.Explore: the handler used %s: the statements it sends there are not explored "+
+			"(nor scanned by the consumer); send them on the attempt's transaction (Exec, Query, SendBatch, CopyFrom, Begin for a savepoint)", what)
+	}
 
 	type point struct {
 		name, stmt string
@@ -271,6 +281,17 @@ type injector struct {
 	commit bool // fail before the commit
 	fault  Fault
 	fired  bool
+	// unhooked: what the handler sent statements through that the hooks
+	// do not see (inbox.Unhooked), once each.
+	unhooked []string
+}
+
+func (in *injector) Unhooked(what string) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if !slices.Contains(in.unhooked, what) {
+		in.unhooked = append(in.unhooked, what)
+	}
 }
 
 func (in *injector) Statement(_ context.Context, sql string, after bool) error {

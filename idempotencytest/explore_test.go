@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/idempotencytest"
@@ -202,4 +204,62 @@ func TestExploreTimeoutBoundsEachPoint(t *testing.T) {
 	r := idempotencytest.Explore(t, s, newMsg())
 	require.Len(t, r.Statements, 2)
 	require.Empty(t, r.Divergences)
+}
+
+// The statements a handler sends in a savepoint (tx.Begin) and its
+// CopyFrom are explored like the others: a handler that swallows the
+// failure of a statement in its savepoint and returns nil loses the effect
+// on that attempt, and Explore names the point. Before, only the commit
+// points ran and such a handler passed (found by a new user's trial).
+func TestExploreSeesTheStatementsOfASavepointAndCopyFrom(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	s := f.subject(f.consumer(t, "c"))
+	s.Handler = idempotencytest.NoPublish(func(msg *message.Message) error {
+		tx, _ := middleware.PgxTxFromContext(msg.Context())
+		sp, err := tx.Begin(msg.Context())
+		if err != nil {
+			return err
+		}
+		if _, err := sp.Exec(msg.Context(), `INSERT INTO effect VALUES ($1)`, msg.UUID); err != nil {
+			_ = sp.Rollback(msg.Context())
+			return nil // the mistake: the failure is swallowed
+		}
+		return sp.Commit(msg.Context())
+	})
+	tb := &fakeTB{}
+	r := idempotencytest.Explore(tb, s, newMsg())
+	require.Equal(t, []string{"SAVEPOINT", `INSERT INTO effect VALUES ($1)`, "RELEASE SAVEPOINT"}, r.Statements)
+	require.NotEmpty(t, r.Divergences, "the swallowed failure loses the effect")
+	require.Contains(t, tb.all(), "INSERT INTO effect")
+
+	// CopyFrom, correct: seen, nothing reported.
+	s.Handler = idempotencytest.NoPublish(func(msg *message.Message) error {
+		tx, _ := middleware.PgxTxFromContext(msg.Context())
+		id, err := uuid.Parse(msg.UUID)
+		if err != nil {
+			return err
+		}
+		_, err = tx.CopyFrom(msg.Context(), pgx.Identifier{"effect"}, []string{"event_id"}, pgx.CopyFromRows([][]any{{id}}))
+		return err
+	})
+	r = idempotencytest.Explore(t, s, newMsg())
+	require.Equal(t, []string{`COPY "effect" FROM STDIN`}, r.Statements)
+	require.Empty(t, r.Divergences)
+}
+
+// What a handler sends through tx.Conn() is not seen: Explore says so
+// instead of passing a handler it could not explore.
+func TestExploreReportsStatementsSentThroughTheConnection(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	s := f.subject(f.consumer(t, "c"))
+	s.Handler = idempotencytest.NoPublish(func(msg *message.Message) error {
+		tx, _ := middleware.PgxTxFromContext(msg.Context())
+		_, err := tx.Conn().Exec(msg.Context(), `INSERT INTO effect VALUES ($1)`, msg.UUID)
+		return err
+	})
+	tb := &fakeTB{}
+	idempotencytest.Explore(tb, s, newMsg())
+	require.Contains(t, tb.all(), "the handler used tx.Conn(): the statements it sends there are not explored")
 }

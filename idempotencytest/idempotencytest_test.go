@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -111,6 +112,36 @@ func TestDeliverTwice(t *testing.T) {
 	r = idempotencytest.DeliverTwice(tb, s, newMsg())
 	require.Equal(t, 1, r.Effects)
 	require.Contains(t, tb.all(), "1 effects after 2 deliveries")
+}
+
+// A correct handler whose first attempt fails (a transient error after
+// its write, rolled back) and is retried in place passes: it was entered
+// twice but ran to completion once (found by a new user's trial).
+func TestDeliverTwiceAcceptsAnAttemptRetriedInPlace(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	c := f.consumer(t, "c")
+	for _, fail := range []string{"error", "panic"} {
+		var entered atomic.Int32
+		s := f.subject(c)
+		s.Handler = idempotencytest.NoPublish(func(msg *message.Message) error {
+			if err := f.handler(msg); err != nil {
+				return err
+			}
+			if entered.Add(1) == 1 {
+				if fail == "panic" {
+					panic("first attempt")
+				}
+				return middleware.Transient(errors.New("first attempt"))
+			}
+			return nil
+		})
+		tb := &fakeTB{}
+		r := idempotencytest.DeliverTwice(tb, s, newMsg())
+		require.Empty(t, tb.all(), fail)
+		require.Equal(t, 2, r.Calls, fail)
+		require.Equal(t, 1, r.Effects, fail)
+	}
 }
 
 func TestDeliverConcurrently(t *testing.T) {

@@ -69,3 +69,41 @@ func TestHandlerEndingTheTransactionThenFailingIsPoisonedOnce(t *testing.T) {
 		})
 	}
 }
+
+// The reason of a handler that ended the attempt's transaction and
+// returned nil says what went wrong and nothing that did not: no
+// "messages it produced were not written" when it produced none, and a
+// guard's failure (the claim's row outside the transaction, SQLSTATE
+// 22012) explained rather than shown as a bare division by zero (found by
+// a new user's trial).
+func TestHandlerEndingTheTransactionIsExplainedWithoutProducedMessages(t *testing.T) {
+	pool, _ := testenv.Pool(t)
+	ctx := context.Background()
+	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
+	for _, end := range []string{"tx.Commit", "COMMIT; BEGIN"} {
+		t.Run(end, func(t *testing.T) {
+			poison := &poisonRecorder{}
+			c := poisoningConsumer(t, pool, "explained_"+uuid.NewString()[:8], poison)
+			h, err := door.Wrap(c, "ended", func(msg *message.Message) ([]*message.Message, error) {
+				tx, _ := middleware.PgxTxFromContext(msg.Context())
+				if end == "tx.Commit" {
+					return nil, tx.Commit(msg.Context())
+				}
+				_, err := tx.Exec(msg.Context(), end)
+				return nil, err
+			})
+			require.NoError(t, err)
+			msg := message.NewMessage(uuid.Must(uuid.NewV7()).String(), []byte(`{}`))
+			msg.Metadata.Set(marshaler.MetadataEventName, "order.placed")
+			_, err = h(msg)
+			require.NoError(t, err, "poisoned, not failed")
+			require.Len(t, poison.reasons(), 1)
+			reason := poison.reasons()[0]
+			require.Contains(t, reason, "the handler ended the attempt's transaction itself")
+			require.NotContains(t, reason, "the messages it produced", "it produced none")
+			if end != "tx.Commit" {
+				require.Contains(t, reason, "the commit guard found the claim's row written outside this transaction")
+			}
+		})
+	}
+}

@@ -175,7 +175,7 @@ func (tx *pgxTx) commitGuarded(ctx context.Context) error {
 		err = tx.endAfterBatch(ctx, err)
 	}
 	if guardFailed(err) {
-		return fmt.Errorf("%w (%w)", errHandlerEndedBySQL, err)
+		return fmt.Errorf("%w (the commit guard found the claim's row written outside this transaction: %w)", errHandlerEndedBySQL, err)
 	}
 	return err
 }
@@ -245,7 +245,7 @@ func (tx *pgxTx) sendGuardPrepared(ctx context.Context) (pgconn.CommandTag, erro
 // it failed with processedstore.GuardFailed, err otherwise.
 func checkGuard(err error) error {
 	if guardFailed(err) {
-		return fmt.Errorf("%w (%w)", errHandlerEndedBySQL, err)
+		return fmt.Errorf("%w (the commit guard found the claim's row written outside this transaction: %w)", errHandlerEndedBySQL, err)
 	}
 	return err
 }

@@ -60,11 +60,20 @@ func (st *attemptState) injectFaults(f Faults) {
 	st.q = sqldb.Pgx(st.ptx)
 }
 
-// faultTx is the handler's pgx.Tx with fault hooks around its statements.
+// faultTx is the handler's pgx.Tx with fault hooks around its statements:
+// Exec, Query, QueryRow, SendBatch and CopyFrom, and a savepoint's
+// SAVEPOINT, RELEASE and ROLLBACK TO, whose statements are hooked too.
+// What the handler sends through Conn is not: f hears of it (Unhooked).
 type faultTx struct {
 	pgx.Tx
 	f Faults
+	// savepoint: a savepoint's (Begin); closed: released or rolled back.
+	savepoint, closed bool
 }
+
+// Unhooked is implemented by a Faults that wants to know when the handler
+// sends statements its hooks cannot see (through what, e.g. "tx.Conn()").
+type Unhooked interface{ Unhooked(what string) }
 
 func (t *faultTx) hook(ctx context.Context, sql string, after bool) error {
 	err := t.f.Statement(ctx, sql, after)
@@ -155,3 +164,66 @@ func (e errBatch) Exec() (pgconn.CommandTag, error) { return pgconn.CommandTag{}
 func (e errBatch) Query() (pgx.Rows, error)         { return nil, e.err }
 func (e errBatch) QueryRow() pgx.Row                { return errRow{err: e.err} }
 func (e errBatch) Close() error                     { return e.err }
+
+// around runs op between the hooks of the statement sql.
+func (t *faultTx) around(ctx context.Context, sql string, op func() error) error {
+	if err := t.hook(ctx, sql, false); err != nil {
+		return err
+	}
+	if err := op(); err != nil {
+		return err
+	}
+	return t.hook(ctx, sql, true)
+}
+
+// Begin opens a savepoint (a statement point) whose statements are hooked.
+func (t *faultTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	var sp pgx.Tx
+	err := t.around(ctx, "SAVEPOINT", func() (err error) {
+		sp, err = t.Tx.Begin(ctx)
+		return err
+	})
+	if err != nil {
+		if sp != nil {
+			_ = sp.Rollback(ctx)
+		}
+		return nil, err
+	}
+	return &faultTx{Tx: sp, f: t.f, savepoint: true}, nil
+}
+
+// Commit of a savepoint is RELEASE SAVEPOINT, a statement point; of the
+// attempt's transaction, the handler's misuse, passed on.
+func (t *faultTx) Commit(ctx context.Context) error {
+	if !t.savepoint || t.closed {
+		return t.Tx.Commit(ctx)
+	}
+	t.closed = true
+	return t.around(ctx, "RELEASE SAVEPOINT", func() error { return t.Tx.Commit(ctx) })
+}
+
+// Rollback of a savepoint is ROLLBACK TO SAVEPOINT, a statement point.
+func (t *faultTx) Rollback(ctx context.Context) error {
+	if !t.savepoint || t.closed {
+		return t.Tx.Rollback(ctx)
+	}
+	t.closed = true
+	return t.around(ctx, "ROLLBACK TO SAVEPOINT", func() error { return t.Tx.Rollback(ctx) })
+}
+
+func (t *faultTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error) {
+	var n int64
+	err := t.around(ctx, "COPY "+tableName.Sanitize()+" FROM STDIN", func() (err error) {
+		n, err = t.Tx.CopyFrom(ctx, tableName, columnNames, rowSrc)
+		return err
+	})
+	return n, err
+}
+
+// Conn is the connection: what the handler sends there is not hooked.
+func (t *faultTx) Conn() *pgx.Conn {
+	if u, ok := t.f.(Unhooked); ok {
+		u.Unhooked("tx.Conn()")
+	}
+	return t.Tx.Conn()
+}
