@@ -77,22 +77,32 @@ func TestTraceparentReachesConsumer(t *testing.T) {
 	require.NoError(t, pub.Publish("events", m))
 	require.NoError(t, tx.Commit(ctx))
 
+	got := relayedOnGoChannel(t, o, "events")
+	require.Equal(t, m.UUID, got.UUID)
+	require.Equal(t, tp, got.Metadata.Get("traceparent"))
+	require.Equal(t, "order.placed", marshaler.EventName(got))
+}
+
+// relayedOnGoChannel runs o's relay to a GoChannel and returns the first
+// message it publishes on topic (acked).
+func relayedOnGoChannel(t *testing.T, o *outbox.Outbox, topic string) *message.Message {
+	t.Helper()
+	ctx := context.Background()
 	broker := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
 	defer broker.Close()
 	relay, err := o.NewRelay(broker, outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
 	require.NoError(t, err)
 	go func() { _ = relay.Run(ctx) }()
 	defer relay.Close()
-	msgs, err := broker.Subscribe(ctx, "events")
+	msgs, err := broker.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	select {
 	case got := <-msgs:
 		got.Ack()
-		require.Equal(t, m.UUID, got.UUID)
-		require.Equal(t, tp, got.Metadata.Get("traceparent"))
-		require.Equal(t, "order.placed", marshaler.EventName(got))
+		return got
 	case <-time.After(30 * time.Second):
 		t.Fatal("never relayed")
+		return nil
 	}
 }
 
@@ -131,23 +141,10 @@ func TestForwardedMessageIsRelayedWithoutTheKeysOfItsDelivery(t *testing.T) {
 	require.NoError(t, tx.Commit(ctx))
 	require.Equal(t, "3", forwarded.Metadata.Get(marshaler.MetadataDeliveryCount), "the caller's message is left as it was")
 
-	broker := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
-	defer broker.Close()
-	relay, err := o.NewRelay(broker, outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
-	require.NoError(t, err)
-	go func() { _ = relay.Run(ctx) }()
-	defer relay.Close()
-	msgs, err := broker.Subscribe(ctx, "events")
-	require.NoError(t, err)
-	select {
-	case got := <-msgs:
-		got.Ack()
-		require.Equal(t, received.UUID, got.UUID)
-		for k := range delivery {
-			require.NotContains(t, got.Metadata, k)
-		}
-		require.Equal(t, "c-1", got.Metadata.Get("correlation_id"), "the message's own keys are kept")
-	case <-time.After(30 * time.Second):
-		t.Fatal("never relayed")
+	got := relayedOnGoChannel(t, o, "events")
+	require.Equal(t, received.UUID, got.UUID)
+	for k := range delivery {
+		require.NotContains(t, got.Metadata, k)
 	}
+	require.Equal(t, "c-1", got.Metadata.Get("correlation_id"), "the message's own keys are kept")
 }

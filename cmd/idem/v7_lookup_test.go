@@ -23,24 +23,8 @@ func TestProcessedShowAndPurgePreviewSeeEventsClaimedInTheV7Table(t *testing.T) 
 	t.Parallel()
 	ctx := context.Background()
 	db, q, schema := schemaDB(t)
-	store, err := processedstore.NewStore(processedstore.Config{Table: schema + ".processed_event", Horizon: time.Hour})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := store.Migrate(ctx, q); err != nil {
-		t.Fatal(err)
-	}
-	if err := store.CheckLean(ctx, q, "stock"); err != nil {
-		t.Fatal(err)
-	}
 	id := uuid.Must(uuid.NewV7())
-	p, ok := store.ClaimParamsAt("stock", id, time.Time{}, nil)
-	if !ok || p.ConsumerID == 0 {
-		t.Fatalf("not a claim in the v7 table: %+v", p)
-	}
-	if _, err := db.ExecContext(ctx, p.SQL, p.ConsumerID, id, p.EventAt); err != nil {
-		t.Fatal(err)
-	}
+	claimInV7(t, db, q, schema, id)
 	var inV7, inTable int
 	if err := db.QueryRowContext(ctx, `SELECT (SELECT count(*) FROM processed_event_v7), (SELECT count(*) FROM processed_event)`).Scan(&inV7, &inTable); err != nil {
 		t.Fatal(err)
@@ -112,30 +96,13 @@ func TestProcessedShowNeverGivesAUUIDv7ClaimItsEventTime(t *testing.T) {
 				_, _ = db.ExecContext(context.Background(), "DROP SCHEMA IF EXISTS "+schema+" CASCADE")
 				_ = db.Close()
 			})
-			q := sqldb.Std(db)
-			store, err := processedstore.NewStore(processedstore.Config{Table: schema + ".processed_event", Horizon: 2 * time.Hour})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := store.Migrate(ctx, q); err != nil {
-				t.Fatal(err)
-			}
-			if err := store.CheckLean(ctx, q, "stock"); err != nil {
-				t.Fatal(err)
-			}
 			produced := time.Now().Add(-30 * time.Minute)
 			id := v7At(produced)
-			p, ok := store.ClaimParamsAt("stock", id, time.Time{}, nil)
-			if !ok || p.ConsumerID == 0 {
-				t.Fatalf("not a claim in the v7 table: %+v", p)
-			}
 			var before, after time.Time
 			if err := db.QueryRowContext(ctx, "SELECT clock_timestamp()").Scan(&before); err != nil {
 				t.Fatal(err)
 			}
-			if _, err := db.ExecContext(ctx, p.SQL, p.ConsumerID, id, p.EventAt); err != nil {
-				t.Fatal(err)
-			}
+			claimInV7(t, db, sqldb.Std(db), schema, id)
 			if err := db.QueryRowContext(ctx, "SELECT clock_timestamp()").Scan(&after); err != nil {
 				t.Fatal(err)
 			}
@@ -170,5 +137,30 @@ func TestProcessedShowNeverGivesAUUIDv7ClaimItsEventTime(t *testing.T) {
 				t.Fatalf("the record shows the event's own time:\n%s", text.stdout)
 			}
 		})
+	}
+}
+
+// claimInV7 migrates schema's processed_event (2 h horizon) and claims id
+// for consumer "stock" as a consumer of this release does: in
+// processed_event_v7.
+func claimInV7(t *testing.T, db *sql.DB, q sqldb.Querier, schema string, id uuid.UUID) {
+	t.Helper()
+	ctx := context.Background()
+	store, err := processedstore.NewStore(processedstore.Config{Table: schema + ".processed_event", Horizon: 2 * time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Migrate(ctx, q); err != nil {
+		t.Fatal(err)
+	}
+	if err := store.CheckLean(ctx, q, "stock"); err != nil {
+		t.Fatal(err)
+	}
+	p, ok := store.ClaimParamsAt("stock", id, time.Time{}, nil)
+	if !ok || p.ConsumerID == 0 {
+		t.Fatalf("not a claim in the v7 table: %+v", p)
+	}
+	if _, err := db.ExecContext(ctx, p.SQL, p.ConsumerID, id, p.EventAt); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -10,7 +10,6 @@ import (
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
-	"github.com/watermill-idempotency/idempotency/internal/processedstore"
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 )
@@ -42,15 +41,9 @@ func TestV7RowCopiedByTheMigrationIsNotShownAtTheMigrationsTime(t *testing.T) {
 	defer db.Close()
 	q := sqldb.Std(db)
 
-	table := schema + ".processed_event"
-	s, err := processedstore.NewStore(processedstore.Config{Table: table, Horizon: time.Hour})
-	require.NoError(t, err)
-	ms, err := s.Migrations()
-	require.NoError(t, err)
-	require.Len(t, ms, 8)
 	// The previous release: migrations 1-7, a UUIDv7 event produced 30
 	// min ago (its id), dated 2 h ago by its occurred_at, processed 25 min ago.
-	require.NoError(t, sqldb.Migrate(ctx, q, sqldb.PostgreSQL, "processed:"+s.Table().String(), ms[:7]))
+	s := previousRelease(t, q, schema+".processed_event")
 	id := v7At(time.Now().Add(-30 * time.Minute))
 	processedAt := time.Now().Add(-25 * time.Minute).UTC().Truncate(time.Microsecond)
 	_, err = db.ExecContext(ctx, `INSERT INTO processed_event (consumer, event_id, processed_at, event_at) VALUES ('stock', $1, $2, $3)`,

@@ -22,17 +22,25 @@ func TestMigrateCompletesOnATableOfMoreConsumerNamesThanASmallint(t *testing.T) 
 	ctx := context.Background()
 	pool, schema := testenv.Pool(t)
 	table := schema + ".processed_event"
-	s, err := processedstore.NewStore(processedstore.Config{Table: table, Horizon: time.Hour})
-	require.NoError(t, err)
-	ms, err := s.Migrations()
-	require.NoError(t, err)
-	require.Len(t, ms, 8)
-	require.NoError(t, sqldb.Migrate(ctx, sqldb.Pgx(pool), sqldb.PostgreSQL, "processed:"+s.Table().String(), ms[:7]))
-	_, err = pool.Exec(ctx, `INSERT INTO `+table+` (consumer, event_id, event_at)
+	s := previousRelease(t, sqldb.Pgx(pool), table)
+	_, err := pool.Exec(ctx, `INSERT INTO `+table+` (consumer, event_id, event_at)
 SELECT 'tenant-' || i, gen_random_uuid(), now() FROM generate_series(1, 32768) AS i`)
 	require.NoError(t, err)
 
 	require.NoError(t, s.Migrate(ctx, sqldb.Pgx(pool)), "Migrate")
 	require.NoError(t, s.Migrate(ctx, sqldb.Pgx(pool)), "Migrate again")
 	require.NoError(t, s.CheckLean(ctx, sqldb.Pgx(pool), "tenant-new"), "a consumer starts")
+}
+
+// previousRelease returns a store of table (1 h horizon) with the table
+// migrated as the release before migration 0008 left it (migrations 1–7).
+func previousRelease(t *testing.T, q sqldb.Querier, table string) *processedstore.Store {
+	t.Helper()
+	s, err := processedstore.NewStore(processedstore.Config{Table: table, Horizon: time.Hour})
+	require.NoError(t, err)
+	ms, err := s.Migrations()
+	require.NoError(t, err)
+	require.Len(t, ms, 8)
+	require.NoError(t, sqldb.Migrate(context.Background(), q, sqldb.PostgreSQL, "processed:"+s.Table().String(), ms[:7]))
+	return s
 }
