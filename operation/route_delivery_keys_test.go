@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/stretchr/testify/require"
 
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/operation"
 )
@@ -34,12 +35,7 @@ func TestRoutedCopyGoesWithoutTheDeliveryKeys(t *testing.T) {
 	require.NoError(t, err)
 	// As adapters set them on the delivery received (JetStream, Redis
 	// Streams through CountingClient, Redis without it, Kafka).
-	delivery := map[string]string{
-		marshaler.MetadataRedelivered:    "true",
-		marshaler.MetadataDeliveryCount:  "3",
-		"idempotency_uncounted_delivery": "true",
-		"idempotency_serial_warmup":      "partitioned",
-	}
+	delivery := testenv.DeliveryMetadata()
 	for k, v := range delivery {
 		msg.Metadata.Set(k, v)
 	}

@@ -121,12 +121,7 @@ func TestForwardedMessageIsRelayedWithoutTheKeysOfItsDelivery(t *testing.T) {
 
 	received, err := marshaler.NewMessage("order.placed", map[string]string{"order_id": "o-1"})
 	require.NoError(t, err)
-	delivery := map[string]string{
-		marshaler.MetadataRedelivered:    "true",
-		marshaler.MetadataDeliveryCount:  "3",
-		"idempotency_uncounted_delivery": "true",
-		"idempotency_serial_warmup":      "partitioned",
-	}
+	delivery := testenv.DeliveryMetadata()
 	for k, v := range delivery {
 		received.Metadata.Set(k, v)
 	}

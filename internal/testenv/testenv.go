@@ -205,3 +205,16 @@ func SQLiteDB(t testing.TB) *sql.DB {
 	}
 	return db
 }
+
+// DeliveryMetadata returns the keys an adapter sets on a delivery received
+// (the redelivered flag, the delivery count, the crash bound's marks:
+// wire.DeliveryScoped), as JetStream, Redis Streams and Kafka set them, for
+// tests that check a message sent on goes without them.
+func DeliveryMetadata() map[string]string {
+	return map[string]string{
+		"redelivered":                    "true",
+		"delivery_count":                 "3",
+		"idempotency_uncounted_delivery": "true",
+		"idempotency_serial_warmup":      "partitioned",
+	}
+}
