@@ -16,13 +16,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
-dir=${TMPDIR:-/tmp}/idempotency-overlay
+# One directory per checkout: the overlay names this checkout's files, and a
+# run from another clone (a CI clone beside a working copy) must not
+# rewrite it under a go command of this one. Files are replaced whole (mv).
+dir=${TMPDIR:-/tmp}/idempotency-overlay-$(printf '%s' "$root" | cksum | cut -d' ' -f1)
 mkdir -p "$dir"
-cat >"$dir/testdeps_link.go" <<'GO'
+cat >"$dir/testdeps_link.go.$$" <<'GO'
 package testenv
 
 import _ "github.com/watermill-idempotency/idempotency/internal/testdeps" // the MySQL and SQLite drivers
 GO
+mv -f "$dir/testdeps_link.go.$$" "$dir/testdeps_link.go"
 {
   printf '{"Replace":{\n'
   printf '  "%s": "%s"' "$root/internal/testenv/testdeps_link.go" "$dir/testdeps_link.go"
@@ -40,5 +44,6 @@ GO
     printf ',\n  "%s": "%s"' "$root/$d/${b#_}" "$root/$f"
   done
   printf '\n}}\n'
-} >"$dir/overlay.json"
+} >"$dir/overlay.json.$$"
+mv -f "$dir/overlay.json.$$" "$dir/overlay.json"
 echo "$dir/overlay.json"
