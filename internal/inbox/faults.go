@@ -62,13 +62,14 @@ func (st *attemptState) injectFaults(f Faults) {
 
 // faultTx is the handler's pgx.Tx with fault hooks around its statements:
 // Exec, Query, QueryRow, SendBatch and CopyFrom, and a savepoint's
-// SAVEPOINT, RELEASE and ROLLBACK TO, whose statements are hooked too.
-// What the handler sends through Conn is not: f hears of it (Unhooked).
+// SAVEPOINT, whose statements are hooked too. Its RELEASE and ROLLBACK TO
+// are not points: the server ends the transaction when one fails, which
+// an error injected before it, the transaction left healthy, would not
+// stand for. What the handler sends through Conn is not hooked: f hears
+// of it (Unhooked).
 type faultTx struct {
 	pgx.Tx
 	f Faults
-	// savepoint: a savepoint's (Begin); closed: released or rolled back.
-	savepoint, closed bool
 }
 
 // Unhooked is implemented by a Faults that wants to know when the handler
@@ -189,26 +190,7 @@ func (t *faultTx) Begin(ctx context.Context) (pgx.Tx, error) {
 		}
 		return nil, err
 	}
-	return &faultTx{Tx: sp, f: t.f, savepoint: true}, nil
-}
-
-// Commit of a savepoint is RELEASE SAVEPOINT, a statement point; of the
-// attempt's transaction, the handler's misuse, passed on.
-func (t *faultTx) Commit(ctx context.Context) error {
-	if !t.savepoint || t.closed {
-		return t.Tx.Commit(ctx)
-	}
-	t.closed = true
-	return t.around(ctx, "RELEASE SAVEPOINT", func() error { return t.Tx.Commit(ctx) })
-}
-
-// Rollback of a savepoint is ROLLBACK TO SAVEPOINT, a statement point.
-func (t *faultTx) Rollback(ctx context.Context) error {
-	if !t.savepoint || t.closed {
-		return t.Tx.Rollback(ctx)
-	}
-	t.closed = true
-	return t.around(ctx, "ROLLBACK TO SAVEPOINT", func() error { return t.Tx.Rollback(ctx) })
+	return &faultTx{Tx: sp, f: t.f}, nil
 }
 
 func (t *faultTx) CopyFrom(ctx context.Context, tableName pgx.Identifier, columnNames []string, rowSrc pgx.CopyFromSource) (int64, error) {

@@ -1085,10 +1085,9 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		err = faults.BeforeCommit()
 	}
 	if err == nil {
-		n := len(produced)
 		produced, err = m.emit(origCtx, state, produced)
 		if err != nil && txEnded(err) && origCtx.Err() == nil {
-			err = handlerEndedTx(err, n > 0) // the outbox write found the transaction ended
+			err = handlerEndedTx(err) // the outbox write found the transaction ended
 		}
 	}
 	if err != nil {
@@ -1099,7 +1098,7 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 			// be applied again).
 			_ = rollback(origCtx, tx)
 			ended = true
-			return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, handlerEndedTx(fmt.Errorf("%w (the handler then failed: %w)", errHandlerEndedBySQL, err), false))
+			return nil, m.finish(handlerName, OutcomeFailed, start, claimDur, fields, handlerEndedTx(fmt.Errorf("%w (the handler then failed: %w)", errHandlerEndedBySQL, err)))
 		}
 		err = attemptError(err, rollback(origCtx, tx), m.cfg.Classifier)
 		if statementsLost(err) {

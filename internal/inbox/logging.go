@@ -70,7 +70,7 @@ func commitError(consumer string, eventID uuid.UUID, err error, cls ErrorClassif
 	case aborted:
 		err = fmt.Errorf("%w: %w", ErrTxAborted, err)
 	case txEnded(err) && !ctxDone:
-		return handlerEndedTx(err, false)
+		return handlerEndedTx(err)
 	case txEnded(err):
 	default:
 		err = classifyCommitError(err, cls)
@@ -99,13 +99,9 @@ func txEnded(err error) bool { return errors.Is(err, pgx.ErrTxClosed) || errors.
 // unseen when the handler had committed: the retry found the committed
 // claim and acked a duplicate, and the messages the handler produced were
 // never written or returned.
-func handlerEndedTx(err error, produced bool) error {
-	lost := ""
-	if produced {
-		lost = ": the messages it produced were not written"
-	}
+func handlerEndedTx(err error) error {
 	return permanent("handler_ended_tx", fmt.Errorf("idempotency: the handler ended the attempt's transaction itself "+
-		"(do not Commit or Rollback it; the middleware commits)%s: %w", lost, err))
+		"(do not Commit or Rollback it; the middleware commits): any messages it produced were not written: %w", err))
 }
 
 // singleLine returns err unchanged when its text is one line, else err
