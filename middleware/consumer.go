@@ -352,7 +352,7 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 	// (ErrHorizonMismatch), adopted when unset (none while the table
 	// keeps none).
 	ctx, cancel = context.WithTimeout(context.Background(), startupTimeout)
-	horizon, err := table.AdoptHorizon(ctx, h.Querier(), cfg.ReplayHorizon, time.Now())
+	horizon, keeps, err := table.AdoptHorizon(ctx, h.Querier(), cfg.ReplayHorizon, time.Now())
 	cancel()
 	switch {
 	case errors.Is(err, processedstore.ErrHorizonMismatch):
@@ -362,14 +362,6 @@ func NewConsumer(cfg ConsumerConfig, logger watermill.LoggerAdapter) (*Consumer,
 		// not migrated, or not where ConsumerConfig.Table names it.
 		return nil, fmt.Errorf("middleware: ConsumerConfig.Table %s: its replay horizon cannot be read or recorded "+
 			"(run processed.Migrate for this table; check the schema or search_path and the role's privileges): %w", cfg.Table, err)
-	}
-	// The table's own horizon, for a refusal's text when the window is
-	// narrower (a purge by a shorter horizon: AdoptHorizon).
-	ctx, cancel = context.WithTimeout(context.Background(), startupTimeout)
-	keeps, _, _, _, err := table.TableHorizon(ctx, h.Querier())
-	cancel()
-	if err != nil {
-		return nil, fmt.Errorf("middleware: ConsumerConfig.Table %s: read its replay horizon: %w", cfg.Table, err)
 	}
 	cfg.ReplayHorizon = horizon
 	store, err := processedstore.NewStore(processedstore.Config{

@@ -120,15 +120,16 @@ func (s *Store) insertHorizon() string {
 // recorded on a table with no row (no consumer started on it) is used at
 // once. The horizon returned is the claim's window: narrower than the
 // table's while rows a shorter horizon purged are younger than it (the
-// horizon was widened, or set to none, after a purge: purgedWindow).
-func (s *Store) AdoptHorizon(ctx context.Context, q sqldb.Querier, d time.Duration, now time.Time) (time.Duration, error) {
+// horizon was widened, or set to none, after a purge: purgedWindow); keeps
+// is the table's own horizon, read in the same call (0: none).
+func (s *Store) AdoptHorizon(ctx context.Context, q sqldb.Querier, d time.Duration, now time.Time) (window, keeps time.Duration, err error) {
 	us := d.Microseconds()
 	if _, err := q.Exec(ctx, s.insertHorizon(), us, us, now.UnixMicro()); err != nil {
-		return 0, fmt.Errorf("processed: record the replay horizon of %s (run processed.Migrate): %w", s.table, err)
+		return 0, 0, fmt.Errorf("processed: record the replay horizon of %s (run processed.Migrate): %w", s.table, err)
 	}
 	cur, _, _, _, err := s.TableHorizon(ctx, q)
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	if d > 0 && cur == 0 {
 		// The table keeps none: record d, from none. Of two consumers
@@ -136,18 +137,19 @@ func (s *Store) AdoptHorizon(ctx context.Context, q sqldb.Querier, d time.Durati
 		_, err := q.Exec(ctx, "UPDATE "+s.horizonTable()+" SET horizon_us = "+s.ph(1)+", previous_us = 0, changed_us = "+
 			s.ph(2)+" WHERE id = 1 AND horizon_us = 0", us, now.UnixMicro())
 		if err != nil {
-			return 0, fmt.Errorf("processed: record the replay horizon of %s: %w", s.table, err)
+			return 0, 0, fmt.Errorf("processed: record the replay horizon of %s: %w", s.table, err)
 		}
 		if cur, _, _, _, err = s.TableHorizon(ctx, q); err != nil {
-			return 0, err
+			return 0, 0, err
 		}
 	}
 	if d > 0 && cur != d {
-		return cur, fmt.Errorf("%w: table %s keeps %s, configured %s: every consumer and purger of a table shares "+
+		return cur, cur, fmt.Errorf("%w: table %s keeps %s, configured %s: every consumer and purger of a table shares "+
 			"one horizon; change it with processed.SetReplayHorizon, then restart the consumers with the new value",
 			ErrHorizonMismatch, s.table, cur, d)
 	}
-	return s.purgedWindow(ctx, q, cur)
+	window, err = s.purgedWindow(ctx, q, cur)
+	return window, cur, err
 }
 
 // SetHorizon changes the table's horizon to d (≥ 0), keeping the previous

@@ -17,7 +17,7 @@ func consumerStore(t *testing.T, tg target, configured time.Duration) *processed
 	t.Helper()
 	probe, err := processedstore.NewStore(processedstore.Config{Dialect: tg.dialect})
 	require.NoError(t, err)
-	h, err := probe.AdoptHorizon(context.Background(), tg.db, configured, time.Now())
+	h, _, err := probe.AdoptHorizon(context.Background(), tg.db, configured, time.Now())
 	require.NoError(t, err)
 	s, err := processedstore.NewStore(processedstore.Config{Dialect: tg.dialect, Horizon: h})
 	require.NoError(t, err)

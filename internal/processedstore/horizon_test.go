@@ -25,7 +25,7 @@ func TestAdoptHorizonZeroRecordsNone(t *testing.T) {
 		now := time.Now()
 		week := 7 * 24 * time.Hour
 
-		got, err := s.AdoptHorizon(ctx, tg.db, 0, now)
+		got, _, err := s.AdoptHorizon(ctx, tg.db, 0, now)
 		require.NoError(t, err)
 		require.Zero(t, got, "none: the claim refuses nothing")
 		cur, _, _, _, err := s.TableHorizon(ctx, tg.db)
@@ -37,7 +37,7 @@ func TestAdoptHorizonZeroRecordsNone(t *testing.T) {
 			require.False(t, ok, "a table that keeps none is never purged")
 		}
 
-		got, err = s.AdoptHorizon(ctx, tg.db, week, now)
+		got, _, err = s.AdoptHorizon(ctx, tg.db, week, now)
 		require.NoError(t, err, "the table keeps none: the configured horizon is recorded")
 		require.Equal(t, week, got)
 		cur, _, _, _, err = s.TableHorizon(ctx, tg.db)
@@ -51,10 +51,10 @@ func TestAdoptHorizonZeroRecordsNone(t *testing.T) {
 		require.True(t, ok)
 		require.Equal(t, week, h)
 
-		got, err = s.AdoptHorizon(ctx, tg.db, 0, now)
+		got, _, err = s.AdoptHorizon(ctx, tg.db, 0, now)
 		require.NoError(t, err)
 		require.Equal(t, week, got, "0 adopts the recorded horizon")
-		_, err = s.AdoptHorizon(ctx, tg.db, 2*week, now)
+		_, _, err = s.AdoptHorizon(ctx, tg.db, 2*week, now)
 		require.ErrorIs(t, err, processedstore.ErrHorizonMismatch)
 		cur, _, _, _, err = s.TableHorizon(ctx, tg.db)
 		require.NoError(t, err)
@@ -73,7 +73,7 @@ func TestHorizonFromNoneGrace(t *testing.T) {
 		s := tg.store(t)
 		now := time.Now()
 
-		got, err := s.AdoptHorizon(ctx, tg.db, 2*time.Hour, now)
+		got, _, err := s.AdoptHorizon(ctx, tg.db, 2*time.Hour, now)
 		require.NoError(t, err)
 		require.Equal(t, 2*time.Hour, got)
 		h, ok, err := s.PurgeHorizon(ctx, tg.db, now)

@@ -21,10 +21,11 @@ import (
 // legacy table or <table>_v7. A row of <table>_v7 keeps no time of its
 // own: its processed_at is the commit time of the claim that wrote it
 // (pg_xact_commit_timestamp) when the server has track_commit_timestamp
-// on and still knows that transaction, else NULL; NULL too for a row
-// Migrate copied there (committed before <table>_v7_ready's row). It is never the event's
-// time, which would tell an operator that a late event was applied on
-// time.
+// on and still knows that transaction, else NULL, as for a row Migrate
+// copied there (committed before <table>_v7_ready's row). It is never the
+// event's time, which would tell an operator that a late event was
+// applied on time. NULL sorts last (PostgreSQL, the only dialect with
+// such rows).
 func (s *Store) LookupQuery(eventID uuid.UUID, consumer string) (string, []any) {
 	q := s.rowsSource()
 	p1, p2 := "?", "?"
@@ -37,7 +38,7 @@ func (s *Store) LookupQuery(eventID uuid.UUID, consumer string) (string, []any) 
 		sql += fmt.Sprintf(` AND consumer = %s`, p2)
 		args = append(args, consumer)
 	}
-	return sql + ` ORDER BY processed_at, consumer`, args // NULLs last on every dialect that has them (PostgreSQL)
+	return sql + ` ORDER BY processed_at, consumer`, args
 }
 
 // PurgePreviewQuery returns a read-only query of one row: the database

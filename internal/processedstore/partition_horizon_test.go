@@ -37,14 +37,14 @@ func TestPartitionsAreCreatedAheadWhileNothingIsPurged(t *testing.T) {
 		return now
 	}
 
-	_, err = s.AdoptHorizon(ctx, sqldb.Pgx(pool), 0, time.Now())
+	_, _, err = s.AdoptHorizon(ctx, sqldb.Pgx(pool), 0, time.Now())
 	require.NoError(t, err)
 	now := dropAhead()
 	_, _, err = p.PurgeNow(ctx)
 	require.NoError(t, err)
 	requireCovered(t, coverage(t, pool, "processed_event"), now, now.Add(3*time.Hour))
 
-	_, err = s.AdoptHorizon(ctx, sqldb.Pgx(pool), 2*time.Hour, time.Now())
+	_, _, err = s.AdoptHorizon(ctx, sqldb.Pgx(pool), 2*time.Hour, time.Now())
 	require.NoError(t, err)
 	now = dropAhead()
 	_, _, err = p.PurgeNow(ctx)
@@ -64,7 +64,7 @@ func TestPartitionsAreNotDroppedWhileNothingIsPurged(t *testing.T) {
 	require.NoError(t, s.Migrate(ctx, sqldb.Pgx(pool)))
 	p, err := processedstore.NewPurger(s, sqldb.PgxPool(pool), processedstore.PurgerConfig{FromTable: true}, nil)
 	require.NoError(t, err)
-	_, err = s.AdoptHorizon(ctx, sqldb.Pgx(pool), 0, time.Now())
+	_, _, err = s.AdoptHorizon(ctx, sqldb.Pgx(pool), 0, time.Now())
 	require.NoError(t, err)
 
 	// A span two hours back, as an earlier run made it, holding an event
@@ -79,7 +79,7 @@ func TestPartitionsAreNotDroppedWhileNothingIsPurged(t *testing.T) {
 	require.True(t, ok)
 
 	for _, adopt := range []time.Duration{0, 2 * time.Hour} { // none; then one recorded over none (within the grace)
-		_, err = s.AdoptHorizon(ctx, sqldb.Pgx(pool), adopt, time.Now())
+		_, _, err = s.AdoptHorizon(ctx, sqldb.Pgx(pool), adopt, time.Now())
 		require.NoError(t, err)
 		_, ran, err := p.PurgeNow(ctx)
 		require.NoError(t, err)

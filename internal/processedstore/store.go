@@ -124,14 +124,13 @@ type Store struct {
 	dialect sqldb.Dialect
 	sql     dialectSQL
 	horizon time.Duration
-	// keeps, narrowed: Config.TableHorizon and Config.Narrowed, for a
-	// refusal's text.
-	keeps    time.Duration
-	narrowed bool
-	skew     time.Duration
-	layout   Layout
-	span     time.Duration
-	other    *otherSQL // LayoutPartitioned: the side table of non-v7 ids
+	// horizonNote follows the horizon in a refusal's text: why it is
+	// narrower than the table's (Config.Narrowed), else "".
+	horizonNote string
+	skew        time.Duration
+	layout      Layout
+	span        time.Duration
+	other       *otherSQL // LayoutPartitioned: the side table of non-v7 ids
 	// readLegacy: the tool queries read <table>_legacy too (ReadLegacy);
 	// readV7: <table>_v7.
 	readLegacy, readV7 bool
@@ -211,19 +210,18 @@ func NewStore(cfg Config) (*Store, error) {
 	q := table.Quoted(cfg.Dialect.QuoteChar())
 	d := sqlFor(cfg.Dialect)
 	s := &Store{
-		table:     table,
-		dialect:   cfg.Dialect,
-		sql:       d,
-		layout:    cfg.Layout,
-		span:      cfg.PartitionSpan,
-		horizon:   cfg.Horizon.Truncate(time.Microsecond),
-		keeps:     cfg.TableHorizon,
-		narrowed:  cfg.Narrowed,
-		skew:      cfg.MaxFutureSkew.Truncate(time.Microsecond),
-		claimSQL:  fmt.Sprintf(d.claim, q),
-		existsSQL: fmt.Sprintf(d.exists, q),
-		purgeSQL:  fmt.Sprintf(d.purgeBatch, q),
-		identity:  newIdentityStatements(cfg.Dialect, q),
+		table:       table,
+		dialect:     cfg.Dialect,
+		sql:         d,
+		layout:      cfg.Layout,
+		span:        cfg.PartitionSpan,
+		horizon:     cfg.Horizon.Truncate(time.Microsecond),
+		horizonNote: narrowedNote(cfg),
+		skew:        cfg.MaxFutureSkew.Truncate(time.Microsecond),
+		claimSQL:    fmt.Sprintf(d.claim, q),
+		existsSQL:   fmt.Sprintf(d.exists, q),
+		purgeSQL:    fmt.Sprintf(d.purgeBatch, q),
+		identity:    newIdentityStatements(cfg.Dialect, q),
 	}
 	// %[2]d, %[3]d: horizon and skew in microseconds (SQLite takes its
 	// bounds as parameters).
@@ -417,24 +415,27 @@ type RefusedError struct {
 	Horizon  time.Duration
 	MaxSkew  time.Duration
 	Database time.Time // the database clock (now()) of the verdict
-	// narrowed: Horizon is the window since the table was purged by a
-	// shorter horizon than tableHorizon (Config.Narrowed).
-	narrowed     bool
-	tableHorizon time.Duration
+	// horizonNote: Store.horizonNote.
+	horizonNote string
 }
 
 func (e *RefusedError) Error() string {
-	horizon := e.Horizon.String()
+	return fmt.Sprintf("%v: event %s dated %s, database clock %s, horizon %s%s, max future skew %s",
+		e.Reason, e.EventID, e.EventAt.UTC().Format(time.RFC3339Nano), e.Database.UTC().Format(time.RFC3339Nano), e.Horizon, e.horizonNote, e.MaxSkew)
+}
+
+// narrowedNote is what a refusal says after a horizon AdoptHorizon
+// narrowed (cfg.Narrowed): why, and what the table keeps; "" otherwise.
+func narrowedNote(cfg Config) string {
 	switch {
-	case e.narrowed && e.tableHorizon > 0:
-		horizon += " (the time since the table was purged by a shorter horizon, as of this consumer's start; the table keeps " +
-			e.tableHorizon.String() + ": a consumer started once the purged rows are that old gets the whole horizon)"
-	case e.narrowed:
-		horizon += " (the time since the table was last purged, as of this consumer's start; the table keeps none now: " +
-			"a consumer started later gets a longer window, never one that reaches before that purge)"
+	case !cfg.Narrowed:
+		return ""
+	case cfg.TableHorizon > 0:
+		return " (the time since the table was purged by a shorter horizon, as of this consumer's start; the table keeps " +
+			cfg.TableHorizon.String() + ": a consumer started once the purged rows are that old gets the whole horizon)"
 	}
-	return fmt.Sprintf("%v: event %s dated %s, database clock %s, horizon %s, max future skew %s",
-		e.Reason, e.EventID, e.EventAt.UTC().Format(time.RFC3339Nano), e.Database.UTC().Format(time.RFC3339Nano), horizon, e.MaxSkew)
+	return " (the time since the table was last purged, as of this consumer's start; the table keeps none now: " +
+		"a consumer started later gets a longer window, never one that reaches before that purge)"
 }
 
 func (e *RefusedError) Unwrap() error { return e.Reason }
@@ -477,8 +478,7 @@ func (s *Store) Verdict(ctx context.Context, q sqldb.Querier, consumer string, e
 	if exists {
 		return nil
 	}
-	e := &RefusedError{Reason: ErrFuture, EventID: eventID, EventAt: t, Horizon: s.horizon, MaxSkew: s.skew, Database: now,
-		narrowed: s.narrowed, tableHorizon: s.keeps}
+	e := &RefusedError{Reason: ErrFuture, EventID: eventID, EventAt: t, Horizon: s.horizon, MaxSkew: s.skew, Database: now, horizonNote: s.horizonNote}
 	if expired {
 		e.Reason = ErrExpired
 	}

@@ -27,7 +27,7 @@ func TestRolesGrantedAsDocumentedForMigration8StartAndPurge(t *testing.T) {
 	ctx := context.Background()
 	pg, admin, owner := appServer(t)
 	table := "app.processed_event"
-	_, err := owner.AdoptHorizon(ctx, sqldb.Pgx(admin), time.Hour, time.Now().Add(-48*time.Hour))
+	_, _, err := owner.AdoptHorizon(ctx, sqldb.Pgx(admin), time.Hour, time.Now().Add(-48*time.Hour))
 	require.NoError(t, err)
 	for _, stmt := range []string{
 		`CREATE ROLE consumer LOGIN`,
