@@ -216,16 +216,15 @@ func TestExploreSeesTheStatementsOfASavepointAndCopyFrom(t *testing.T) {
 	f := newFixture(t)
 	s := f.subject(f.consumer(t, "c"))
 	s.Handler = idempotencytest.NoPublish(func(msg *message.Message) error {
-		tx, _ := middleware.PgxTxFromContext(msg.Context())
-		sp, err := tx.Begin(msg.Context())
+		ctx, _, sp, err := savepoint(msg)
 		if err != nil {
 			return err
 		}
-		if _, err := sp.Exec(msg.Context(), `INSERT INTO effect VALUES ($1)`, msg.UUID); err != nil {
-			_ = sp.Rollback(msg.Context())
+		if _, err := sp.Exec(ctx, `INSERT INTO effect VALUES ($1)`, msg.UUID); err != nil {
+			_ = sp.Rollback(ctx)
 			return nil // the mistake: the failure is swallowed
 		}
-		return sp.Commit(msg.Context())
+		return sp.Commit(ctx)
 	})
 	tb := &fakeTB{}
 	r := idempotencytest.Explore(tb, s, newMsg())

@@ -30,9 +30,7 @@ func TestExploreFindsNothingInCorrectSavepointHandlers(t *testing.T) {
 	}
 	cases := map[string]func(msg *message.Message) error{
 		"nested+deferred rollback": func(msg *message.Message) error {
-			ctx := msg.Context()
-			tx, _ := middleware.PgxTxFromContext(ctx)
-			sp, err := tx.Begin(ctx)
+			ctx, _, sp, err := savepoint(msg)
 			if err != nil {
 				return err
 			}
@@ -56,9 +54,7 @@ func TestExploreFindsNothingInCorrectSavepointHandlers(t *testing.T) {
 			return pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error { return ins(ctx, sp, msg.UUID) })
 		},
 		"batch+copy in savepoint": func(msg *message.Message) error {
-			ctx := msg.Context()
-			tx, _ := middleware.PgxTxFromContext(ctx)
-			sp, err := tx.Begin(ctx)
+			ctx, _, sp, err := savepoint(msg)
 			if err != nil {
 				return err
 			}
@@ -76,9 +72,7 @@ func TestExploreFindsNothingInCorrectSavepointHandlers(t *testing.T) {
 		},
 		// An expected failure handled by ROLLBACK TO, every error checked.
 		"expected failure rolled back": func(msg *message.Message) error {
-			ctx := msg.Context()
-			tx, _ := middleware.PgxTxFromContext(ctx)
-			sp, err := tx.Begin(ctx)
+			ctx, tx, sp, err := savepoint(msg)
 			if err != nil {
 				return err
 			}
@@ -120,9 +114,7 @@ func TestExploreDoesNotFailASavepointsRollbackOnAHealthyTransaction(t *testing.T
 	f := newFixture(t)
 	s := f.subject(f.consumer(t, "c"))
 	s.Handler = idempotencytest.NoPublish(func(msg *message.Message) error {
-		ctx := msg.Context()
-		tx, _ := middleware.PgxTxFromContext(ctx)
-		sp, err := tx.Begin(ctx)
+		ctx, tx, sp, err := savepoint(msg)
 		if err != nil {
 			return err
 		}
@@ -140,4 +132,13 @@ func TestExploreDoesNotFailASavepointsRollbackOnAHealthyTransaction(t *testing.T
 		t.Logf("%s %q %s: effects %d want %d err %v", d.Point, d.Statement, d.Fault, d.Effects, d.Want, d.Err)
 	}
 	require.Empty(t, tb.all())
+}
+
+// savepoint opens a savepoint in msg's attempt transaction: the message's
+// context, the transaction and the savepoint.
+func savepoint(msg *message.Message) (context.Context, pgx.Tx, pgx.Tx, error) {
+	ctx := msg.Context()
+	tx, _ := middleware.PgxTxFromContext(ctx)
+	sp, err := tx.Begin(ctx)
+	return ctx, tx, sp, err
 }
