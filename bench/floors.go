@@ -47,11 +47,15 @@ const floorTodaySchema = `CREATE TABLE floor_today (LIKE processed_event INCLUDI
 // event id and the fingerprint; floor_lean, issue 25's proposal: a
 // small-integer consumer key, the UUIDv7 event id, the fingerprint, no
 // secondary index.
-const floorSchema = `
-CREATE TABLE floor_uuid (event_id uuid PRIMARY KEY);
+const floorSchema = floorUUIDSchema + `
 CREATE TABLE floor_checked (event_id uuid PRIMARY KEY, fingerprint bytea NOT NULL);
 CREATE TABLE floor_lean (consumer int2 NOT NULL, event_id uuid NOT NULL, fingerprint bytea NOT NULL, PRIMARY KEY (consumer, event_id));
 `
+
+// floorUUIDSchema is floor_uuid, the mechanism's table (vFloorMechanism),
+// in the counts part's schema and the overhead part's.
+const floorUUIDSchema = `
+CREATE TABLE floor_uuid (event_id uuid PRIMARY KEY);`
 
 // floorLockTimeout is the floors' lock timeout, the session's setting on
 // the floors' connection as the pgx beginner keeps it (sessionLock).

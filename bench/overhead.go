@@ -24,7 +24,7 @@ func overhead(ctx context.Context, e *env, sz OverheadSizes, res *Result) error 
 		return err
 	}
 	defer e.closePool(setup)
-	if _, err := setup.Exec(ctx, handlerSchema+"CREATE TABLE floor_uuid (event_id uuid PRIMARY KEY);"); err != nil {
+	if _, err := setup.Exec(ctx, handlerSchema+floorUUIDSchema); err != nil {
 		return err
 	}
 	store, err := e.store(ctx, setup, schema, "processed_event")
