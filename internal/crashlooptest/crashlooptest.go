@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"os/signal"
 	"strconv"
 	"strings"
 	"syscall"
@@ -127,7 +128,12 @@ func runChild(build func(logger watermill.LoggerAdapter) (Wiring, error)) error 
 	}); err != nil {
 		return err
 	}
-	return router.Run(context.Background())
+	// SIGTERM (runChildren, once its condition holds) closes the router:
+	// the delivery in flight is finished, its ack (after a dead-letter
+	// publish) included, instead of being redelivered to the next child.
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	return router.Run(ctx)
 }
 
 // Transport is one transport's side of the scenario, in the parent.
@@ -259,7 +265,7 @@ func Run(t *testing.T, tr Transport) {
 
 // runChildren starts child consumers one after the other, each with env
 // added (and before, when not nil, run before each start), until done reports true (polled every 100 ms; the running child is
-// then killed); each child must end by its own SIGKILL on the poisoned
+// then stopped with SIGTERM, finishing its delivery in flight); each child must end by its own SIGKILL on the poisoned
 // event, at most allowed+1 times. It returns how many did. state describes
 // the progress for a failure.
 func runChildren(t *testing.T, tr Transport, schema, poison string, env []string, allowed, maxCrashes int, before func(), done func() bool, state func() string) int {
@@ -295,8 +301,16 @@ func runChildren(t *testing.T, tr Transport, schema, poison string, env []string
 			case <-time.After(100 * time.Millisecond):
 				switch {
 				case done():
-					_ = cmd.Process.Kill()
-					<-exited
+					// Stopped, not killed: a child killed between its
+					// dead-letter publish and the ack would leave the
+					// message to the next one (at least once).
+					_ = cmd.Process.Signal(syscall.SIGTERM)
+					select {
+					case <-exited:
+					case <-time.After(time.Minute): // a hang guard, not a measurement
+						_ = cmd.Process.Kill()
+						<-exited
+					}
 					return crashes
 				case time.Now().After(deadline):
 					_ = cmd.Process.Kill()
