@@ -28,6 +28,10 @@ unset IDEMPOTENCY_FULL_TEST
 which=${1:-all}
 [ $# -gt 0 ] && shift
 p=${GOTEST_P:-2}
+# internal/sqldb's pooler tests run against PgBouncer 1.24 too, as in make
+# test (scripts/pgbouncer-newer.sh: built once, cached; a failed build leaves
+# it empty and those tests say why).
+export IDEMPOTENCY_PGBOUNCER_NEWER=${IDEMPOTENCY_PGBOUNCER_NEWER:-$(bash scripts/pgbouncer-newer.sh || true)}
 
 run() { # label, then go flags
   local label=$1
