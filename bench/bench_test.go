@@ -220,7 +220,7 @@ func benchSetup(b *testing.B, conns int) (*variantSet, []uuid.UUID) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	if _, err := pool.Exec(ctx, handlerSchema); err != nil {
+	if _, err := pool.Exec(ctx, handlerSchema+floorUUIDSchema); err != nil {
 		b.Fatal(err)
 	}
 	store, err := e.store(ctx, pool, schema, "processed_event")
