@@ -161,8 +161,12 @@ type ConsumerConfig struct {
 
 	// LockTimeout bounds the wait on a claim held by another, uncommitted
 	// transaction (two deliveries of one event at once) and on the claim
-	// table's lock; when it expires the attempt fails with ErrInFlight,
-	// transient: the consumer holds the delivery and re-runs the attempt in
+	// table's lock; when it expires the attempt fails, transiently: on
+	// PostgreSQL with ErrInFlight, on MySQL with the driver's 1205
+	// ER_LOCK_WAIT_TIMEOUT and on SQLite with SQLITE_BUSY, each an
+	// ErrInfrastructure (the core links neither driver, so it cannot tell
+	// their lock wait from another transient error). The consumer holds
+	// the delivery and re-runs the attempt in
 	// place, with the retry backoff, until the other transaction has ended
 	// (committed: the delivery skips as a duplicate; rolled back: it is
 	// processed) or Retry.MaxHold passed (the router then nacks it); never
@@ -183,11 +187,11 @@ type ConsumerConfig struct {
 
 	// DisablePayloadVerification turns off the comparison of a duplicate
 	// with what was applied. With it on (the default) the claim also
-	// stores the event's name and a fingerprint of name and payload (the
-	// first 8 bytes of their SHA-256: another event reusing an id is missed
-	// with probability 2⁻⁶⁴), and a duplicate with other content is
-	// refused as ErrEventIDReused (permanent) instead of being acked
-	// unseen. Rows of earlier releases (the whole SHA-256) are compared too.
+	// stores the event's name and a fingerprint of name and payload
+	// (XXH64: another event reusing an id is missed with probability about
+	// 2⁻⁶⁴), and a duplicate with other content is refused as
+	// ErrEventIDReused (permanent) instead of being acked unseen. Rows of
+	// earlier releases (SHA-256 fingerprints) are compared too.
 	DisablePayloadVerification bool
 
 	// JoinSQLSubscriber makes each attempt join the transaction of a

@@ -19,8 +19,8 @@ import (
 // Two deliveries of one event at once on MariaDB through database/sql:
 // the second waits for the first's claim at most its LockTimeout (not the
 // server's innodb_lock_wait_timeout, 50 s by default), then fails
-// transiently (1205, held and retried, never poisoned); the first applies
-// the event once.
+// transiently (1205, an ErrInfrastructure: held and retried, never
+// poisoned); the first applies the event once.
 func TestLockTimeoutBoundsAConcurrentDeliveryOnMariaDB(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -61,6 +61,7 @@ func TestLockTimeoutBoundsAConcurrentDeliveryOnMariaDB(t *testing.T) {
 	require.False(t, errors.Is(fctx.Err(), context.DeadlineExceeded), "the second delivery waited until the failsafe: the lock timeout is not in force (%v)", err)
 	require.Error(t, err)
 	require.True(t, inbox.IsTransient(err), "%v", err)
+	require.ErrorIs(t, err, inbox.ErrInfrastructure, "ConsumerConfig.LockTimeout: MySQL's 1205 on the claim is an ErrInfrastructure")
 	require.False(t, inbox.IsPermanent(err))
 	require.NoError(t, <-done)
 	var n int
