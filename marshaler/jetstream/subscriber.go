@@ -51,8 +51,9 @@ type SubscriberConfig struct {
 	// It is created at Subscribe when missing (AckExplicit, MaxDeliver
 	// unlimited, deliver-all) and is never deleted by this package. An
 	// existing consumer must be a push consumer with explicit acks, this
-	// deliver group, the subscribed topic as filter and an AckWait no longer
-	// than AckWait. Required.
+	// deliver group, the subscribed topic as filter, an AckWait no longer
+	// than AckWait and no MaxDeliver (past it JetStream would drop an event
+	// held through an outage). Required.
 	Durable string
 	// AckWait is the consumer's ack deadline: the messages of a consumer
 	// killed mid-delivery are redelivered AckWait after their last delivery
@@ -430,6 +431,13 @@ func (s *Subscriber) checkConsumer(ci *nats.ConsumerInfo, topic string) error {
 		return bad(fmt.Sprintf("FilterSubject %q; the topic %q is needed", c.FilterSubject, topic))
 	case c.AckWait > s.cfg.AckWait:
 		return bad(fmt.Sprintf("AckWait %s exceeds the configured %s", c.AckWait, s.cfg.AckWait))
+	case c.MaxDeliver > 0:
+		// Past MaxDeliver JetStream stops delivering a message and only
+		// publishes an advisory: an event held through an outage (each
+		// hold that ends in a nack spends a delivery) or one whose
+		// deliveries crash the process would be neither applied nor
+		// dead-lettered. The consumer's poison path bounds attempts.
+		return bad(fmt.Sprintf("MaxDeliver %d; unlimited (-1) is needed: past it JetStream drops the event without a trace, and the consumer's poison path bounds attempts", c.MaxDeliver))
 	}
 	return nil
 }

@@ -347,7 +347,12 @@ func TestSubscriberRefusesIncompatibleConsumer(t *testing.T) {
 	_, err = js.AddConsumer(stream, &nats.ConsumerConfig{Durable: "slow", DeliverSubject: nats.NewInbox(), DeliverGroup: "slow",
 		AckPolicy: nats.AckExplicitPolicy, AckWait: time.Hour, FilterSubject: stream})
 	require.NoError(t, err)
-	for durable, want := range map[string]string{"pull": "pull consumer", "slow": "AckWait 1h0m0s exceeds"} {
+	// A delivery limit: past it JetStream drops an event held through an
+	// outage or crashing the process, neither applied nor dead-lettered.
+	_, err = js.AddConsumer(stream, &nats.ConsumerConfig{Durable: "limited", DeliverSubject: nats.NewInbox(), DeliverGroup: "limited",
+		AckPolicy: nats.AckExplicitPolicy, AckWait: time.Second, FilterSubject: stream, MaxDeliver: 2})
+	require.NoError(t, err)
+	for durable, want := range map[string]string{"pull": "pull consumer", "slow": "AckWait 1h0m0s exceeds", "limited": "MaxDeliver 2; unlimited (-1) is needed"} {
 		s := newSubscriber(t, SubscriberConfig{URL: url, Stream: stream, Durable: durable})
 		_, err := s.Subscribe(context.Background(), stream)
 		require.ErrorContains(t, err, want)
