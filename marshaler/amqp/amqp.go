@@ -20,6 +20,7 @@ package amqp
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"strconv"
@@ -39,7 +40,8 @@ import (
 // use; set it as the Marshaler of the publisher's and the subscriber's
 // amqp.Config.
 //
-// Unmarshal never returns an error: watermill-amqp nacks a delivery *with
+// Unmarshal returns an error only for the zero Delivery, which is no
+// message (see errNoDelivery): watermill-amqp nacks a delivery *with
 // requeue* when Unmarshal fails, so one undecodable message would loop hot
 // forever. A delivery that is not a valid envelope becomes a message flagged
 // with [marshaler.MetadataMalformed] instead, for the middleware to
@@ -143,7 +145,8 @@ func brokerHeader(k string) bool {
 		strings.HasPrefix(k, "x-first-death-") || strings.HasPrefix(k, "x-last-death-")
 }
 
-// Unmarshal turns a delivery into a message. It never returns an error (see
+// Unmarshal turns a delivery into a message. It returns an error only for
+// the zero Delivery, which a closed delivery channel gives (see
 // [Marshaler]).
 //
 // The body and headers are decoded by [marshaler.Decoder.DecodeDelivery]
@@ -163,6 +166,9 @@ func brokerHeader(k string) bool {
 // and [marshaler.MetadataDeliveryCount] from an integer x-delivery-count
 // header.
 func (m Marshaler) Unmarshal(d amqp091.Delivery) (msg *message.Message, _ error) {
+	if noDelivery(d) {
+		return nil, errNoDelivery
+	}
 	defer func() {
 		// Belt and braces: a panic here would kill the subscriber, and an
 		// error would loop; a flagged message is the one safe outcome.
@@ -182,6 +188,21 @@ func (m Marshaler) Unmarshal(d amqp091.Delivery) (msg *message.Message, _ error)
 		msg.Metadata.Set(marshaler.MetadataDeliveryCount, n)
 	}
 	return msg, nil
+}
+
+// errNoDelivery is Unmarshal's one error: the zero Delivery, which
+// watermill-amqp v3 reads from a delivery channel amqp091-go closed (the
+// broker cancelled the consumer: basic.cancel, its queue deleted) and is no
+// message. Flagged malformed it would be dead-lettered as an empty phantom
+// (and `idem dlq redrive` would publish it to the queue); failing, its nack
+// fails too and watermill-amqp opens a new channel and consumes again.
+var errNoDelivery = errors.New("amqp: the zero delivery of a closed delivery channel (the broker cancelled the consumer), not a message")
+
+// noDelivery reports whether d is the zero Delivery: no acknowledger, no
+// delivery tag (a broker's start at 1), no body, header, id or routing.
+func noDelivery(d amqp091.Delivery) bool {
+	return d.Acknowledger == nil && d.DeliveryTag == 0 && d.Body == nil && d.Headers == nil &&
+		d.MessageId == "" && d.ConsumerTag == "" && d.Exchange == "" && d.RoutingKey == ""
 }
 
 // deliveryCount returns v as decimal text when it is a non-negative integer.

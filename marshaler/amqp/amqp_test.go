@@ -471,3 +471,22 @@ func TestAMQPCloudEventsBinary(t *testing.T) {
 		require.Equal(t, msg.UUID, again.UUID)
 	}
 }
+
+// The zero Delivery, what watermill-amqp reads from a delivery channel the
+// broker closed, is refused (no message to dead-letter); a delivery with
+// any field set, an empty body included, is still a message.
+func TestUnmarshalRefusesOnlyTheZeroDelivery(t *testing.T) {
+	msg, err := Marshaler{}.Unmarshal(amqp091.Delivery{})
+	require.ErrorIs(t, err, errNoDelivery)
+	require.Nil(t, msg)
+	for name, d := range map[string]amqp091.Delivery{
+		"empty body":   {Body: []byte{}},
+		"delivery tag": {DeliveryTag: 1},
+		"routing key":  {RoutingKey: "q"},
+	} {
+		msg, err := Marshaler{}.Unmarshal(d)
+		require.NoError(t, err, name)
+		_, flagged := marshaler.Malformed(msg)
+		require.True(t, flagged, name)
+	}
+}
