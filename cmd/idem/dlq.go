@@ -12,6 +12,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
+	"github.com/watermill-idempotency/idempotency/internal/inbox"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 )
 
@@ -329,6 +330,12 @@ func runDLQRedrive(ctx context.Context, e *env, args []string) error {
 		rep.Items = append(rep.Items, item)
 		it := &rep.Items[len(rep.Items)-1]
 		switch {
+		case d.Headers[inbox.MetadataPayloadOmitted] != nil:
+			// A record of a failure whose copy the poison topic refused:
+			// its payload is not here, so there is nothing to deliver.
+			it.Result = "left: dead-lettered without its payload (" + inbox.MetadataPayloadOmitted + "): nothing to redrive"
+			rep.Left++
+			return nil
 		case err != nil:
 			it.Result = "left: " + err.Error()
 			rep.Left++

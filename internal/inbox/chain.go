@@ -520,23 +520,69 @@ func (p *holdPoison) poison(msg *message.Message, ctx context.Context, cause err
 		pm.Metadata.Set(MetadataPoisonClass, "exhausted")
 	}
 	pm.SetContext(ctx)
+	poisoned := func(copyOf string) error {
+		p.logger.Error("Message poisoned"+copyOf, cause, watermill.LogFields{"message_uuid": msg.UUID,
+			"poison_topic": p.cfg.PoisonTopic, "class": class.String()})
+		if notice, ok := ctx.Value(poisonNoticeKey{}).(func(string)); ok {
+			notice(reason)
+		}
+		return nil
+	}
 	for n := 1; ; n++ {
 		err := p.cfg.PoisonPublisher.Publish(p.cfg.PoisonTopic, pm)
 		if err == nil {
-			p.logger.Error("Message poisoned", cause, watermill.LogFields{"message_uuid": msg.UUID,
-				"poison_topic": p.cfg.PoisonTopic, "class": class.String()})
-			if notice, ok := ctx.Value(poisonNoticeKey{}).(func(string)); ok {
-				notice(reason)
-			}
-			return nil
+			return poisoned("")
 		}
 		p.logger.Error("Poison publish failed: delivery held, retrying", err, watermill.LogFields{
 			"message_uuid": msg.UUID, "poison_topic": p.cfg.PoisonTopic, "publishes": n})
+		if n >= 2 && len(pm.Payload) > omitPayloadAbove {
+			// A copy that near the transport's size limit (the original's
+			// payload plus the poison headers) may never fit: try it
+			// without its payload. Published, it is the dead letter; refused
+			// too, the poison topic is down and the delivery is held.
+			if p.cfg.PoisonPublisher.Publish(p.cfg.PoisonTopic, withoutPayload(pm, err, p.cfg.MaxHeaderBytes)) == nil {
+				return poisoned(" without its payload: the poison topic refused the whole copy")
+			}
+		}
 		p.stall.touch() // a failed publish is progress, logged on its own
 		if !p.sleep(ctx, start, wait) {
 			return &InfrastructureError{Op: "poison publish", Err: errors.Join(err, cause)}
 		}
 	}
+}
+
+// omitPayloadAbove is the payload size in bytes above which a poisoned
+// copy whose publish failed twice is published without its payload
+// (withoutPayload): smaller copies are far below any transport's limit
+// (NATS max_payload and Kafka's message.max.bytes 1 MiB, RabbitMQ's
+// frame_max 128 KiB for the headers), so their failure is the poison
+// topic's outage, never their size.
+const omitPayloadAbove = 64 << 10
+
+// MetadataPayloadOmitted, on a poisoned copy published without the failed
+// message's payload (the poison topic refused the whole copy twice: a
+// payload near the transport's size limit, plus the poison headers), is
+// the payload's length in bytes and the refusal. The copy is flagged
+// malformed (an empty body is no envelope): it records the failure, and a
+// redrive has nothing to deliver.
+const MetadataPayloadOmitted = "idempotency_payload_omitted"
+
+// withoutPayload returns pm's copy without its payload, flagged malformed,
+// with MetadataPayloadOmitted saying why.
+func withoutPayload(pm *message.Message, refused error, maxHeader int) *message.Message {
+	out := message.NewMessage(pm.UUID, nil)
+	out.Metadata = make(message.Metadata, len(pm.Metadata)+3)
+	for k, v := range pm.Metadata {
+		out.Metadata[k] = v
+	}
+	note := strconv.Itoa(len(pm.Payload)) + " bytes; the poison topic refused the whole copy: " + refused.Error()
+	out.Metadata.Set(MetadataPayloadOmitted, wire.Bound(note, maxHeader))
+	if _, malformed := marshaler.Malformed(pm); !malformed {
+		out.Metadata.Set(marshaler.MetadataMalformed, "true")
+		out.Metadata.Set(marshaler.MetadataMalformedReason, "payload omitted from the dead letter (see "+MetadataPayloadOmitted+")")
+	}
+	out.SetContext(pm.Context())
+	return out
 }
 
 // sleep waits for the next backoff interval; false when the message
