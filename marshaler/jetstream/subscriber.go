@@ -20,8 +20,12 @@ const (
 	// AckWaitDefault bounds how long the messages of a killed consumer wait
 	// before JetStream redelivers them.
 	AckWaitDefault = 30 * time.Second
-	// MaxHoldDefault is how long one delivery may be held by its handler.
-	MaxHoldDefault = 5 * time.Minute
+	// MaxHoldDefault is how long one delivery may be held by its handler:
+	// above the consumer's own hold (middleware.DefaultMaxHold, 25 min),
+	// so the consumer gives a held delivery back (a nack: redelivered at
+	// once) before the subscriber stops its in-progress acks, and until
+	// then JetStream redelivers it nowhere.
+	MaxHoldDefault = 30 * time.Minute
 	// MaxAckPendingDefault is the consumer's MaxAckPending.
 	MaxAckPendingDefault = 1000
 	// CloseTimeoutDefault bounds Close's wait for deliveries in flight.
@@ -63,8 +67,10 @@ type SubscriberConfig struct {
 	// handler, the middleware's retries and hold). While it is held the
 	// subscriber sends an in-progress ack every AckWait/3, so a long hold
 	// needs no long AckWait; past MaxHold the delivery is given up (not
-	// acked) and JetStream redelivers it AckWait later. Defaults to
-	// MaxHoldDefault; at least AckWait.
+	// acked) and JetStream redelivers it AckWait later, to a subscription
+	// that may take it while the first copy is still held. Defaults to
+	// MaxHoldDefault; at least AckWait. Keep it above the consumer's
+	// Retry.MaxHold.
 	MaxHold time.Duration
 	// MaxAckPending is the consumer's bound on deliveries awaiting an ack.
 	// Defaults to MaxAckPendingDefault.

@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
 // natsURL is NATS_URL or the shared server; a server that cannot be reached
@@ -106,6 +107,10 @@ func TestSubscriberConfigValidate(t *testing.T) {
 	require.NoError(t, ok.Validate())
 	require.Equal(t, AckWaitDefault, ok.AckWait)
 	require.Equal(t, MaxHoldDefault, ok.MaxHold)
+	// guarantees.md: "While a delivery is held, its subscription receives
+	// nothing else": the consumer gives a held delivery back before the
+	// subscriber's in-progress acks stop and JetStream redelivers it.
+	require.Greater(t, MaxHoldDefault, middleware.DefaultMaxHold)
 	for name, c := range map[string]SubscriberConfig{
 		"no url":           {Stream: "s", Durable: "d"},
 		"no stream":        {URL: "u", Durable: "d"},
