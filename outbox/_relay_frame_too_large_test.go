@@ -23,12 +23,29 @@ import (
 // is back-pressure: the row is retried forever, counted against nothing,
 // and holds its topic back for good (its oversize-payload sibling, 17 MiB
 // over max_message_size, is dead-lettered as it should be).
+//
+// With no queue bound to the probe topic (the README's wiring) the same
+// holds: the probe's unroutable return is the broker's answer, so the
+// broker is up; it used to count as a failed probe, the row's failures
+// as an outage, and the row wedged its topic for ever.
 func TestRelayRabbitMQRowTooLargeForAFrameDoesNotWedgeItsTopic(t *testing.T) {
 	t.Parallel()
+	for _, probe := range []string{"bound", "unbound"} {
+		t.Run("probe topic "+probe, func(t *testing.T) {
+			t.Parallel()
+			rowTooLargeForAFrame(t, probe == "bound")
+		})
+	}
+}
+
+func rowTooLargeForAFrame(t *testing.T, bindProbe bool) {
 	tg := testenv.NewTarget(t, testenv.TargetPostgresPgx, 8)
 	b := newBox(t, tg)
 	rb := newRabbit(t)
-	probeQ, q := rb.queue("probe"), rb.queue("framemax")
+	probeQ, q := testenv.UniqueName("outbox_probe_unbound"), rb.queue("framemax")
+	if bindProbe {
+		probeQ = rb.queue("probe")
+	}
 	m, err := marshaler.NewMessage("order.placed", map[string]string{"k": "v"})
 	require.NoError(t, err)
 	m.Metadata.Set("note", strings.Repeat("x", 256<<10))

@@ -106,19 +106,18 @@ type RelayConfig struct {
 	// per backoff interval during an outage); its answer decides whether
 	// those failures are the rows' (counted towards MaxAttempts'
 	// dead-lettering) or the broker's (nothing dead-lettered). A probe that fails while the broker
-	// is up (a wrong ProbeTopic) keeps every failing row waiting: the relay
-	// logs each failed probe at ERROR. Defaults to publishing probeMessage()
+	// is up keeps every failing row waiting: the relay logs each failed
+	// probe at ERROR. Defaults to publishing probeMessage()
 	// to ProbeTopic through the destination publisher: the same connection,
 	// exchange, marshaler and confirms as the rows.
 	Probe func(ctx context.Context) error
-	// ProbeTopic is the topic the default Probe publishes to. The broker
-	// must accept a publish there while it is up: with a publisher that
-	// fails unroutable messages (mandatory publish, e.g.
-	// marshaler/amqp.ConfirmedPublisher) bind a queue to it (with a message
-	// TTL or length limit), with marshaler/jetstream.Publisher a stream
-	// (with MaxMsgs or MaxAge); plain watermill-amqp drops an unroutable probe
-	// and reports success, which is what is wanted. Defaults to
-	// DefaultProbeTopic. Ignored when Probe is set.
+	// ProbeTopic is the topic the default Probe publishes to. Nothing need
+	// be bound to it: an unroutable probe (marshaler/amqp.ErrUnroutable,
+	// marshaler/jetstream's subject without a stream: an error with an
+	// Unroutable() bool method) is the broker's answer, so the broker is
+	// up; a bound queue or stream stores the probes (give it a TTL or a
+	// length limit). Defaults to DefaultProbeTopic. Ignored when Probe is
+	// set.
 	ProbeTopic string
 	// PublishTimeout bounds one publish (and one probe): the publish gets a
 	// context that expires after it, and the relay waits no longer, even
@@ -1127,7 +1126,11 @@ func publishProbe(dest message.Publisher, topic string) func(context.Context) er
 			return err
 		}
 		m.SetContext(ctx)
-		if err := dest.Publish(topic, m); err != nil {
+		if err := dest.Publish(topic, m); err != nil && !isUnroutable(err) {
+			// Unroutable is the broker's answer (RabbitMQ confirmed and
+			// returned the probe: no queue is bound to its topic;
+			// JetStream: no stream takes its subject): the broker is up,
+			// which is all the probe asks. Nothing needs binding there.
 			return fmt.Errorf("outbox: probe publish to %q: %w", topic, err)
 		}
 		return nil

@@ -87,7 +87,7 @@ func placeOrder(ctx context.Context, pool *pgxpool.Pool, ob *outbox.Outbox, id s
 func runRelay(ctx context.Context, ob *outbox.Outbox, amqpURL string, logger watermill.LoggerAdapter) error {
 	// Confirmed and mandatory: a row whose topic no queue is bound to yet
 	// stays in the outbox, holding back only its topic's later rows, never
-	// dead-lettered, logged at WARN with its topic until a queue is bound
+	// dead-lettered, logged with its topic until a queue is bound
 	// (watermill-amqp's publisher would drop it).
 	pub, err := idamqp.NewConfirmedPublisher(idamqp.ConfirmedPublisherConfig{URL: amqpURL, Exchange: "events"}, logger)
 	if err != nil {

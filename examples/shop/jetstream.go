@@ -140,9 +140,9 @@ func (t JetStreamTransport) maxAckPending() int {
 // Declare creates the events stream and, for each consumer, its durable
 // consumer and its dead-letter and reconciliation streams (file storage).
 // The events stream also takes the relay's probe: EventsPublisher publishes
-// the probe topic (outbox.probe) on Subject("outbox.probe"), and a probe
-// without a stream would be unroutable; a consumer whose bindings do not
-// name it acks and skips it.
+// the probe topic (outbox.probe) on Subject("outbox.probe") (without a
+// stream the probe would come back unroutable, which shows the server up as
+// well); a consumer whose bindings do not name it acks and skips it.
 func (t JetStreamTransport) Declare(js nats.JetStreamContext, consumers ...Consumer) error {
 	if t.Prefix == "" {
 		return errors.New("shop: JetStreamTransport.Prefix is required")

@@ -41,13 +41,13 @@ func (r *relayRecorder) counts() (published, failed, pressured, dead int) {
 }
 
 // relayFixture is an outbox on a schema of its own, a JetStream context,
-// and a stream for the relay's probe.
+// and the relay's probe subject, which no stream takes.
 type relayFixture struct {
 	pool  *pgxpool.Pool
 	ob    *outbox.Outbox
 	js    nats.JetStreamContext
 	url   string
-	probe string // the probe topic, a subject of a stream
+	probe string // the probe topic, a subject no stream takes
 }
 
 func newRelayFixture(t *testing.T) *relayFixture {
@@ -58,9 +58,10 @@ func newRelayFixture(t *testing.T) *relayFixture {
 	ob, err := outbox.New(outbox.Config{DB: idempotency.Pgx(pool)}, watermill.NopLogger{})
 	require.NoError(t, err)
 	require.NoError(t, ob.Migrate(context.Background()))
-	// The default probe publishes through the relay's publisher: bind a
-	// stream to its topic, or a failing row always looks like an outage.
-	probe := newStream(t, js, nats.StreamConfig{MaxMsgs: 10}) + ".probe"
+	// The default probe publishes through the relay's publisher to a
+	// subject no stream takes: its unroutable answer shows the server up
+	// (RelayConfig.ProbeTopic: nothing needs binding there).
+	probe := testStreamName() + ".probe"
 	return &relayFixture{pool: pool, ob: ob, js: js, url: url, probe: probe}
 }
 
