@@ -87,8 +87,13 @@ func (m *Idempotent) compareIdentity(c claimRequest, stored processedstore.Store
 	if !c.verify || c.identity.Verdict(stored) != processedstore.OtherEvent {
 		return false, nil
 	}
-	err = fmt.Errorf("%w: %s/%s was processed as %q, this message is %q with another fingerprint",
-		ErrEventIDReused, c.consumer, c.eventID, stored.EventName, c.identity.EventName)
+	as := fmt.Sprintf("as %q", stored.EventName)
+	if stored.EventName == "" {
+		// A UUIDv7 claim in <table>_v7 keeps the fingerprint, not the name.
+		as = "with another payload or name (the name is not stored)"
+	}
+	err = fmt.Errorf("%w: %s/%s was processed %s, this message is %q with another fingerprint",
+		ErrEventIDReused, c.consumer, c.eventID, as, c.identity.EventName)
 	// Logged once, at ERROR, by finish (the rejection's line), with both
 	// event names.
 	setField(fields, "stored_event_name", stored.EventName)
