@@ -528,6 +528,7 @@ func (p *holdPoison) poison(msg *message.Message, ctx context.Context, cause err
 		}
 		return nil
 	}
+	tooLargeBefore := false
 	for n := 1; ; n++ {
 		err := p.cfg.PoisonPublisher.Publish(p.cfg.PoisonTopic, pm)
 		if err == nil {
@@ -535,15 +536,18 @@ func (p *holdPoison) poison(msg *message.Message, ctx context.Context, cause err
 		}
 		p.logger.Error("Poison publish failed: delivery held, retrying", err, watermill.LogFields{
 			"message_uuid": msg.UUID, "poison_topic": p.cfg.PoisonTopic, "publishes": n})
-		if n >= 2 && len(pm.Payload) > omitPayloadAbove {
-			// A copy that near the transport's size limit (the original's
-			// payload plus the poison headers) may never fit: try it
-			// without its payload. Published, it is the dead letter; refused
-			// too, the poison topic is down and the delivery is held.
+		tooLarge := refusedForSize(err)
+		if tooLarge && tooLargeBefore && len(pm.Payload) > 0 {
+			// Refused for its size twice in a row (the original's payload
+			// near the transport's limit plus the poison headers): it will
+			// never fit. Published without its payload it is the dead
+			// letter; refused too, the delivery is held. Any other failure
+			// (an outage) only ever waits.
 			if p.cfg.PoisonPublisher.Publish(p.cfg.PoisonTopic, withoutPayload(pm, err, p.cfg.MaxHeaderBytes)) == nil {
-				return poisoned(" without its payload: the poison topic refused the whole copy")
+				return poisoned(" without its payload: the poison topic refused the whole copy for its size")
 			}
 		}
+		tooLargeBefore = tooLarge
 		p.stall.touch() // a failed publish is progress, logged on its own
 		if !p.sleep(ctx, start, wait) {
 			return &InfrastructureError{Op: "poison publish", Err: errors.Join(err, cause)}
@@ -551,20 +555,46 @@ func (p *holdPoison) poison(msg *message.Message, ctx context.Context, cause err
 	}
 }
 
-// omitPayloadAbove is the payload size in bytes above which a poisoned
-// copy whose publish failed twice is published without its payload
-// (withoutPayload): smaller copies are far below any transport's limit
-// (NATS max_payload and Kafka's message.max.bytes 1 MiB, RabbitMQ's
-// frame_max 128 KiB for the headers), so their failure is the poison
-// topic's outage, never their size.
-const omitPayloadAbove = 64 << 10
+// refusedForSize reports whether err refused a publish for the message's
+// size: an error with a TooLarge() bool method that returns true, or one
+// with the text the clients of the library's adapters give that refusal
+// (matched as text: the core links none of them):
+//   - sarama (Kafka): "Attempt to produce message larger than configured
+//     Producer.MaxMessageBytes" (async_producer.go, before sending) and
+//     KError 10 MESSAGE_TOO_LARGE "Message was too large";
+//   - nats.go: ErrMaxPayload "maximum payload exceeded"; JetStream API
+//     error 10054 "message size exceeds maximum allowed";
+//   - RabbitMQ: 406 PRECONDITION_FAILED "message size … is larger than
+//     configured max size" (max_message_size).
+//
+// Anything else, a connection refused or a timeout above all, is an
+// outage of the poison topic: a wait, never a reason to drop a payload.
+func refusedForSize(err error) bool {
+	var t interface{ TooLarge() bool }
+	if errors.As(err, &t) && t.TooLarge() {
+		return true
+	}
+	text := err.Error()
+	for _, s := range [...]string{
+		"larger than configured Producer.MaxMessageBytes",
+		"Message was too large",
+		"maximum payload exceeded",
+		"message size exceeds maximum allowed",
+		"larger than configured max size",
+	} {
+		if strings.Contains(text, s) {
+			return true
+		}
+	}
+	return false
+}
 
 // MetadataPayloadOmitted, on a poisoned copy published without the failed
-// message's payload (the poison topic refused the whole copy twice: a
-// payload near the transport's size limit, plus the poison headers), is
-// the payload's length in bytes and the refusal. The copy is flagged
-// malformed (an empty body is no envelope): it records the failure, and a
-// redrive has nothing to deliver.
+// message's payload (the poison topic refused the whole copy for its size
+// twice in a row, refusedForSize: a payload near the transport's limit,
+// plus the poison headers), is the payload's length in bytes and the
+// refusal. The copy is flagged malformed (an empty body is no envelope):
+// it records the failure, and a redrive has nothing to deliver.
 const MetadataPayloadOmitted = "idempotency_payload_omitted"
 
 // withoutPayload returns pm's copy without its payload, flagged malformed,

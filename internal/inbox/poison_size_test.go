@@ -41,13 +41,16 @@ func (s *sizeLimitedTopic) Publish(_ string, msgs ...*message.Message) error {
 			n += len(k) + len(v)
 		}
 		if n > s.limit {
-			return fmt.Errorf("poison topic: message of %d bytes over the limit of %d", n, s.limit)
+			return fmt.Errorf("poison topic: message of %d bytes over the limit of %d: %w", n, s.limit, errMaxPayload)
 		}
 		s.got = append(s.got, m)
 	}
 	return nil
 }
 func (s *sizeLimitedTopic) Close() error { return nil }
+
+// errMaxPayload has nats.go's text for a message over max_payload.
+var errMaxPayload = errors.New("nats: maximum payload exceeded")
 
 // A failed message whose poisoned copy the poison topic can never take
 // (its payload just under the transport's limit, plus the poison headers:
@@ -91,7 +94,7 @@ func TestPoisonCopyOverThePoisonTopicsSizeLimitIsDeadLetteredWithoutItsPayload(t
 	require.Equal(t, big.UUID, dl.UUID)
 	omitted := dl.Metadata.Get(inbox.MetadataPayloadOmitted)
 	require.True(t, strings.HasPrefix(omitted, fmt.Sprintf("%d bytes; the poison topic refused the whole copy: ", limit-100)), omitted)
-	require.Contains(t, omitted, "over the limit")
+	require.Contains(t, omitted, "maximum payload exceeded")
 	require.Contains(t, dl.Metadata.Get(wmw.ReasonForPoisonedKey), "malformed")
 	reason, flagged := marshaler.Malformed(dl)
 	require.True(t, flagged)
