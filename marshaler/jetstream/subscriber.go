@@ -87,7 +87,9 @@ type SubscriberConfig struct {
 	// consumer deleted under a running subscriber is recreated from its last
 	// known ack floor and consumption resumes; one recreated by someone else
 	// with another deliver subject (jsm.go#101: the subscription would
-	// silently receive nothing) ends the subscription: its channel closes.
+	// silently receive nothing), or one changed in place so that Subscribe
+	// would refuse it (a MaxDeliver, a longer AckWait), ends the
+	// subscription: its channel closes.
 	// Both are logged as errors and counted ([Subscriber.ConsumerLosses],
 	// OnConsumerLost). Defaults to WatchIntervalDefault.
 	WatchInterval time.Duration
@@ -112,8 +114,9 @@ type ConsumerLost struct {
 }
 
 // ErrConsumerLost is the reason a subscription ends when its durable
-// consumer was replaced under it by one it cannot keep receiving from.
-var ErrConsumerLost = errors.New("jetstream: durable consumer deleted or replaced under the subscriber")
+// consumer was replaced or changed under it into one it cannot keep
+// receiving from.
+var ErrConsumerLost = errors.New("jetstream: durable consumer deleted, replaced or changed under the subscriber")
 
 func (c SubscriberConfig) withDefaults() SubscriberConfig {
 	if c.AckWait == 0 {
@@ -497,6 +500,17 @@ func (s *Subscriber) watch(ctx context.Context, sub *subscription, topic string,
 			s.lost(ConsumerLost{Stream: s.cfg.Stream, Durable: s.cfg.Durable, Recreated: true, Err: lost}, fields)
 			go sub.end(s.cfg.CloseTimeout) // the deliveries in hand may still be acked
 			return
+		default:
+			// Changed in place (UpdateConsumer keeps Created): a
+			// MaxDeliver or a longer AckWait set under the subscriber is
+			// the misfit Subscribe refuses, and ends the subscription the
+			// same way.
+			if err := s.checkConsumer(cur, topic); err != nil {
+				lost := fmt.Errorf("%w: changed in place: %w", ErrConsumerLost, err)
+				s.lost(ConsumerLost{Stream: s.cfg.Stream, Durable: s.cfg.Durable, Err: lost}, fields)
+				go sub.end(s.cfg.CloseTimeout)
+				return
+			}
 		}
 		ackFloor = max(ackFloor, cur.AckFloor.Stream)
 		if s.onLookUp != nil {

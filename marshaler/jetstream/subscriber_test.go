@@ -304,6 +304,42 @@ func TestSubscriberResumesAfterConsumerDeleted(t *testing.T) {
 	require.Equal(t, uint64(2), consumerInfo(t, js, stream, "svc").Config.OptStartSeq)
 }
 
+// A durable consumer updated in place (its Created unchanged) with a
+// MaxDeliver, past which JetStream would drop an event held through an
+// outage, ends the subscription as Subscribe would have refused it:
+// counted, reported with the reason, the channel closed.
+func TestSubscriberEndsWhenConsumerGetsADeliveryLimitInPlace(t *testing.T) {
+	t.Parallel()
+	url := natsURL(t)
+	stream, js := testStream(t, url)
+	lostCh := make(chan ConsumerLost, 1)
+	s := newSubscriber(t, SubscriberConfig{URL: url, Stream: stream, Durable: "svc", AckWait: 2 * time.Second,
+		WatchInterval: 100 * time.Millisecond, CloseTimeout: time.Second,
+		OnConsumerLost: func(l ConsumerLost) { lostCh <- l }})
+	ch, err := s.Subscribe(context.Background(), stream)
+	require.NoError(t, err)
+	updated := consumerInfo(t, js, stream, "svc").Config
+	updated.MaxDeliver = 3
+	_, err = js.UpdateConsumer(stream, &updated)
+	require.NoError(t, err)
+	select {
+	case l := <-lostCh:
+		require.False(t, l.Recreated)
+		require.False(t, l.Resumed)
+		require.ErrorIs(t, l.Err, ErrConsumerLost)
+		require.ErrorContains(t, l.Err, "MaxDeliver 3")
+	case <-time.After(10 * time.Second):
+		t.Fatal("the in-place change was not noticed")
+	}
+	select {
+	case _, ok := <-ch:
+		require.False(t, ok, "the subscription must end")
+	case <-time.After(5 * time.Second):
+		t.Fatal("the subscription channel stayed open")
+	}
+	require.Equal(t, uint64(1), s.ConsumerLosses())
+}
+
 // TestSubscriberEndsWhenConsumerReplaced: a durable consumer recreated by
 // someone else with another deliver subject would leave the subscription
 // silently empty; the subscriber counts it and closes its channel.
