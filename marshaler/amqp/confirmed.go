@@ -105,8 +105,8 @@ func (c ConfirmedPublisherConfig) Validate() error {
 // ConfirmedPublisher is a message.Publisher for the poison (dead-letter) topic
 // of middleware.PoisonConfig and for the outbox relay (outbox.NewRelay): a
 // message no queue takes is an error, never a silent success, so the relay
-// keeps the row (and, when its probe is unroutable too, treats the broker as
-// down: nothing is dead-lettered) until the consumer's queue is bound.
+// keeps the row (never counted against it) until the consumer's queue is
+// bound; an unroutable probe shows the relay the broker up.
 // Publish returns nil only once the broker has
 // confirmed every message (publisher confirms) and routed it to a queue
 // (mandatory: an unroutable message comes back as basic.return, which is

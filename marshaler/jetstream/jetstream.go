@@ -26,9 +26,9 @@
 // reads the PubAck, and tells JetStream's refusals apart for the relay: a
 // full stream (DiscardNew), storage or memory exhausted and a missing
 // PubAck are back-pressure (never counted against a row); a subject no
-// stream takes is unroutable (the row waits for a stream). Bind a stream to
-// the relay's probe topic ("outbox.probe" by default): the probe publishes
-// through the same publisher.
+// stream takes is unroutable (the row waits for a stream). The relay's probe
+// ("outbox.probe" by default) needs no stream: unroutable, it shows the
+// server up.
 //
 // Deduplication notes for JetStream:
 //
