@@ -99,10 +99,13 @@ func (pgLocker) unlock(ctx context.Context, c conn, k *lockKey) (bool, error) {
 // The name hashes the database, the table and the key (SHA1 keeps it within
 // MySQL's 64 characters; names are compared case-insensitively, which hex
 // digits survive). GET_LOCK's timeout is in whole seconds on MySQL: a wait
-// is rounded up to the next second.
+// is rounded up to the next second. The parts are hashed as bytes: as text,
+// DATABASE() (utf8mb3) and a key with a 4-byte character (utf8mb4) cannot be
+// concatenated (1271 illegal mix of collations), while the bytes of any
+// other key, and so its lock name, are the same either way.
 type myLocker struct{}
 
-const myLockName = `CONCAT('idem-op:', SHA1(CONCAT(COALESCE(DATABASE(), ''), '.', ?, ':', ?)))`
+const myLockName = `CONCAT('idem-op:', SHA1(CONCAT(CAST(COALESCE(DATABASE(), '') AS BINARY), '.', CAST(? AS BINARY), ':', CAST(? AS BINARY))))`
 
 func (myLocker) session() bool { return true }
 

@@ -67,7 +67,12 @@
 //     so a mismatch surfaces as a database error on the first Apply
 //     (PostgreSQL, SQLite). MySQL cannot tell: its upsert reacts to any unique
 //     index, and without one every Apply inserts, so there the table's only
-//     unique index must be the primary key on the key columns.
+//     unique index must be the primary key on the key columns. Its text
+//     key columns compare by their collation, and MySQL's defaults fold
+//     case and ignore trailing spaces: "Cust-1" and "cust-1 " are one key,
+//     and the second customer's first event is reported Stale against the
+//     other's row. Give them VARBINARY (or a binary, no-pad collation), as
+//     the library's own tables do.
 //
 // # Latest per family
 //
