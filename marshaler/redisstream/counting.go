@@ -4,8 +4,10 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"slices"
 	"strconv"
 	"sync"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/redis/go-redis/v9"
@@ -57,19 +59,99 @@ const pendingLimit = 4096
 // returned entry, under a name drawn at random when the process starts (a
 // producer cannot forge it). Other commands pass through unchanged. The mark is in memory only: no entry stored in
 // Redis is changed.
+//
+// It also keeps the entries it handed out from being claimed while they
+// are being handled: watermill-redisstream's claim loop (XPENDING with
+// Idle: MaxIdleTime, then XCLAIM) takes any entry idle that long, its own
+// subscriber's and a live member's alike, so an attempt longer than
+// MaxIdleTime (a slow handler, the consumer's retries or its hold through
+// an outage) was run again beside itself and a permanent failure
+// dead-lettered more than once. Before each such listing, CountingClient
+// claims its own entries in flight (handed out by it, not yet XACKed, for
+// at most inFlightFor) to their consumer again (XCLAIM JUSTID: the idle
+// time restarts, the delivery count does not move), so only the entries
+// of a member that stopped handling them (it died, or its subscriber
+// closed) reach MaxIdleTime. Keep ClaimInterval below MaxIdleTime
+// (watermill-redisstream's defaults: 1 s and 60 s).
 func CountingClient(c redis.UniversalClient) redis.UniversalClient {
-	return &countingClient{UniversalClient: c, pending: make(map[string]int64)}
+	return &countingClient{UniversalClient: c, pending: make(map[string]int64), inFlight: make(map[inFlightKey]time.Time)}
 }
 
 type countingClient struct {
 	redis.UniversalClient
 	mu      sync.Mutex
 	pending map[string]int64 // stream, group and entry id → times delivered, from XPENDING
+	// inFlight: the entries this client handed out to a consumer of a
+	// group and not seen XACKed, with when.
+	inFlight map[inFlightKey]time.Time
+}
+
+// inFlightKey is an entry handed out to consumer of group on stream.
+type inFlightKey struct{ stream, group, consumer, id string }
+
+// inFlightFor bounds how long an entry handed out and not XACKed is kept
+// from being claimed: past it (an attempt that long, or a subscriber
+// closed in a process that lives on) it is claimable after MaxIdleTime as
+// any other. Above the consumer's longest hold (middleware.DefaultMaxHold,
+// 25 min).
+const inFlightFor = 30 * time.Minute
+
+// handedOut records msgs as in flight with consumer.
+func (c *countingClient) handedOut(stream, group, consumer string, msgs []redis.XMessage) {
+	if group == "" || len(msgs) == 0 {
+		return
+	}
+	now := time.Now()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, m := range msgs {
+		c.inFlight[inFlightKey{stream, group, consumer, m.ID}] = now
+	}
+}
+
+// XAck ends the entries' handling: they are no longer in flight.
+func (c *countingClient) XAck(ctx context.Context, stream, group string, ids ...string) *redis.IntCmd {
+	cmd := c.UniversalClient.XAck(ctx, stream, group, ids...)
+	c.mu.Lock()
+	for k := range c.inFlight {
+		if k.stream == stream && k.group == group && slices.Contains(ids, k.id) {
+			delete(c.inFlight, k)
+		}
+	}
+	c.mu.Unlock()
+	return cmd
+}
+
+// refresh claims the entries of stream and group in flight to their
+// consumer again (XCLAIM JUSTID, MinIdle 0): their idle time restarts, so
+// a claim loop's listing of idle entries leaves them out. An error leaves
+// them as they are (claimable after MaxIdleTime, as without it).
+func (c *countingClient) refresh(ctx context.Context, stream, group string) {
+	byConsumer := map[string][]string{}
+	now := time.Now()
+	c.mu.Lock()
+	for k, at := range c.inFlight {
+		switch {
+		case now.Sub(at) > inFlightFor:
+			delete(c.inFlight, k)
+		case k.stream == stream && k.group == group:
+			byConsumer[k.consumer] = append(byConsumer[k.consumer], k.id)
+		}
+	}
+	c.mu.Unlock()
+	for consumer, ids := range byConsumer {
+		c.UniversalClient.XClaimJustID(ctx, &redis.XClaimArgs{Stream: stream, Group: group, Consumer: consumer, MinIdle: 0, Messages: ids})
+	}
 }
 
 func pendingKey(stream, group, id string) string { return stream + "\x00" + group + "\x00" + id }
 
 func (c *countingClient) XPendingExt(ctx context.Context, a *redis.XPendingExtArgs) *redis.XPendingExtCmd {
+	if a.Idle > 0 {
+		// A claim loop's listing of idle entries: restart the idle time
+		// of those still being handled first.
+		c.refresh(ctx, a.Stream, a.Group)
+	}
 	cmd := c.UniversalClient.XPendingExt(ctx, a)
 	if cmd.Err() == nil {
 		c.mu.Lock()
@@ -86,6 +168,7 @@ func (c *countingClient) XPendingExt(ctx context.Context, a *redis.XPendingExtAr
 
 func (c *countingClient) XClaim(ctx context.Context, a *redis.XClaimArgs) *redis.XMessageSliceCmd {
 	cmd := c.UniversalClient.XClaim(ctx, a)
+	c.handedOut(a.Stream, a.Group, a.Consumer, cmd.Val())
 	// The count now, after the claim counted itself: another consumer
 	// may have claimed the entry since the listing.
 	now := make(map[string]int64, len(cmd.Val()))
@@ -125,6 +208,7 @@ func (c *countingClient) XReadGroup(ctx context.Context, a *redis.XReadGroupArgs
 	// consumer's pending ones.
 	half := len(a.Streams) / 2
 	for _, s := range cmd.Val() {
+		c.handedOut(s.Stream, a.Group, a.Consumer, s.Messages)
 		first := false
 		for i := 0; i < half; i++ {
 			if a.Streams[i] == s.Stream {
