@@ -304,40 +304,66 @@ func TestSubscriberResumesAfterConsumerDeleted(t *testing.T) {
 	require.Equal(t, uint64(2), consumerInfo(t, js, stream, "svc").Config.OptStartSeq)
 }
 
+// watchedSubscription is a subscription of durable "svc" whose watch looks
+// every 100 ms, with the losses it reports.
+type watchedSubscription struct {
+	s      *Subscriber
+	ch     <-chan *message.Message
+	js     nats.JetStreamContext
+	stream string
+	lost   chan ConsumerLost
+}
+
+func newWatchedSubscription(t *testing.T) *watchedSubscription {
+	t.Helper()
+	url := natsURL(t)
+	w := &watchedSubscription{lost: make(chan ConsumerLost, 1)}
+	w.stream, w.js = testStream(t, url)
+	w.s = newSubscriber(t, SubscriberConfig{URL: url, Stream: w.stream, Durable: "svc", AckWait: 2 * time.Second,
+		WatchInterval: 100 * time.Millisecond, CloseTimeout: time.Second,
+		OnConsumerLost: func(l ConsumerLost) { w.lost <- l }})
+	var err error
+	w.ch, err = w.s.Subscribe(context.Background(), w.stream)
+	require.NoError(t, err)
+	return w
+}
+
+// ended waits for the one loss the watch reports, which ends the
+// subscription, and returns it once the channel has closed.
+func (w *watchedSubscription) ended(t *testing.T, what string) ConsumerLost {
+	t.Helper()
+	var l ConsumerLost
+	select {
+	case l = <-w.lost:
+	case <-time.After(10 * time.Second):
+		t.Fatal(what + " was not noticed")
+	}
+	require.False(t, l.Resumed)
+	require.ErrorIs(t, l.Err, ErrConsumerLost)
+	select {
+	case _, ok := <-w.ch:
+		require.False(t, ok, "the subscription must end")
+	case <-time.After(5 * time.Second):
+		t.Fatal("the subscription channel stayed open")
+	}
+	require.Equal(t, uint64(1), w.s.ConsumerLosses())
+	return l
+}
+
 // A durable consumer updated in place (its Created unchanged) with a
 // MaxDeliver, past which JetStream would drop an event held through an
 // outage, ends the subscription as Subscribe would have refused it:
 // counted, reported with the reason, the channel closed.
 func TestSubscriberEndsWhenConsumerGetsADeliveryLimitInPlace(t *testing.T) {
 	t.Parallel()
-	url := natsURL(t)
-	stream, js := testStream(t, url)
-	lostCh := make(chan ConsumerLost, 1)
-	s := newSubscriber(t, SubscriberConfig{URL: url, Stream: stream, Durable: "svc", AckWait: 2 * time.Second,
-		WatchInterval: 100 * time.Millisecond, CloseTimeout: time.Second,
-		OnConsumerLost: func(l ConsumerLost) { lostCh <- l }})
-	ch, err := s.Subscribe(context.Background(), stream)
-	require.NoError(t, err)
-	updated := consumerInfo(t, js, stream, "svc").Config
+	w := newWatchedSubscription(t)
+	updated := consumerInfo(t, w.js, w.stream, "svc").Config
 	updated.MaxDeliver = 3
-	_, err = js.UpdateConsumer(stream, &updated)
+	_, err := w.js.UpdateConsumer(w.stream, &updated)
 	require.NoError(t, err)
-	select {
-	case l := <-lostCh:
-		require.False(t, l.Recreated)
-		require.False(t, l.Resumed)
-		require.ErrorIs(t, l.Err, ErrConsumerLost)
-		require.ErrorContains(t, l.Err, "MaxDeliver 3")
-	case <-time.After(10 * time.Second):
-		t.Fatal("the in-place change was not noticed")
-	}
-	select {
-	case _, ok := <-ch:
-		require.False(t, ok, "the subscription must end")
-	case <-time.After(5 * time.Second):
-		t.Fatal("the subscription channel stayed open")
-	}
-	require.Equal(t, uint64(1), s.ConsumerLosses())
+	l := w.ended(t, "the in-place change")
+	require.False(t, l.Recreated)
+	require.ErrorContains(t, l.Err, "MaxDeliver 3")
 }
 
 // TestSubscriberEndsWhenConsumerReplaced: a durable consumer recreated by
@@ -345,38 +371,14 @@ func TestSubscriberEndsWhenConsumerGetsADeliveryLimitInPlace(t *testing.T) {
 // silently empty; the subscriber counts it and closes its channel.
 func TestSubscriberEndsWhenConsumerReplaced(t *testing.T) {
 	t.Parallel()
-	url := natsURL(t)
-	stream, js := testStream(t, url)
-	lostCh := make(chan ConsumerLost, 1)
-	s := newSubscriber(t, SubscriberConfig{URL: url, Stream: stream, Durable: "svc", AckWait: 2 * time.Second,
-		WatchInterval: 100 * time.Millisecond, CloseTimeout: time.Second,
-		OnConsumerLost: func(l ConsumerLost) { lostCh <- l }})
-	ch, err := s.Subscribe(context.Background(), stream)
-	require.NoError(t, err)
-	ci := consumerInfo(t, js, stream, "svc")
-
-	replacement := ci.Config
+	w := newWatchedSubscription(t)
+	replacement := consumerInfo(t, w.js, w.stream, "svc").Config
 	replacement.DeliverSubject = nats.NewInbox()
-	require.NoError(t, js.DeleteConsumer(stream, "svc"))
-	_, err = js.AddConsumer(stream, &replacement)
+	require.NoError(t, w.js.DeleteConsumer(w.stream, "svc"))
+	_, err := w.js.AddConsumer(w.stream, &replacement)
 	require.NoError(t, err)
-
-	select {
-	case l := <-lostCh:
-		require.True(t, l.Recreated)
-		require.False(t, l.Resumed)
-		require.ErrorIs(t, l.Err, ErrConsumerLost)
-	case <-time.After(5 * time.Second):
-		t.Fatal("the replaced consumer was not noticed")
-	}
-	select {
-	case _, ok := <-ch:
-		require.False(t, ok, "the subscription must end")
-	case <-time.After(5 * time.Second):
-		t.Fatal("the subscription channel stayed open")
-	}
-	require.Equal(t, uint64(1), s.ConsumerLosses())
-	consumerInfo(t, js, stream, "svc") // the replacement is not deleted
+	require.True(t, w.ended(t, "the replaced consumer").Recreated)
+	consumerInfo(t, w.js, w.stream, "svc") // the replacement is not deleted
 }
 
 func TestSubscriberRefusesIncompatibleConsumer(t *testing.T) {
