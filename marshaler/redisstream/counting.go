@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -74,7 +73,7 @@ const pendingLimit = 4096
 // closed) reach MaxIdleTime. Keep ClaimInterval below MaxIdleTime
 // (watermill-redisstream's defaults: 1 s and 60 s).
 func CountingClient(c redis.UniversalClient) redis.UniversalClient {
-	return &countingClient{UniversalClient: c, pending: make(map[string]int64), inFlight: make(map[inFlightKey]time.Time)}
+	return &countingClient{UniversalClient: c, pending: make(map[string]int64), inFlight: make(map[inFlightKey]handed)}
 }
 
 type countingClient struct {
@@ -82,12 +81,18 @@ type countingClient struct {
 	mu      sync.Mutex
 	pending map[string]int64 // stream, group and entry id → times delivered, from XPENDING
 	// inFlight: the entries this client handed out to a consumer of a
-	// group and not seen XACKed, with when.
-	inFlight map[inFlightKey]time.Time
+	// group and not seen XACKed, with to whom and when.
+	inFlight map[inFlightKey]handed
 }
 
-// inFlightKey is an entry handed out to consumer of group on stream.
-type inFlightKey struct{ stream, group, consumer, id string }
+// inFlightKey is an entry of group on stream.
+type inFlightKey struct{ stream, group, id string }
+
+// handed is to which consumer an entry was handed out, and when.
+type handed struct {
+	consumer string
+	at       time.Time
+}
 
 // inFlightFor bounds how long an entry handed out and not XACKed is kept
 // from being claimed: past it (an attempt that long, or a subscriber
@@ -105,7 +110,7 @@ func (c *countingClient) handedOut(stream, group, consumer string, msgs []redis.
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, m := range msgs {
-		c.inFlight[inFlightKey{stream, group, consumer, m.ID}] = now
+		c.inFlight[inFlightKey{stream, group, m.ID}] = handed{consumer, now}
 	}
 }
 
@@ -113,10 +118,8 @@ func (c *countingClient) handedOut(stream, group, consumer string, msgs []redis.
 func (c *countingClient) XAck(ctx context.Context, stream, group string, ids ...string) *redis.IntCmd {
 	cmd := c.UniversalClient.XAck(ctx, stream, group, ids...)
 	c.mu.Lock()
-	for k := range c.inFlight {
-		if k.stream == stream && k.group == group && slices.Contains(ids, k.id) {
-			delete(c.inFlight, k)
-		}
+	for _, id := range ids {
+		delete(c.inFlight, inFlightKey{stream, group, id})
 	}
 	c.mu.Unlock()
 	return cmd
@@ -130,12 +133,12 @@ func (c *countingClient) refresh(ctx context.Context, stream, group string) {
 	byConsumer := map[string][]string{}
 	now := time.Now()
 	c.mu.Lock()
-	for k, at := range c.inFlight {
+	for k, h := range c.inFlight {
 		switch {
-		case now.Sub(at) > inFlightFor:
+		case now.Sub(h.at) > inFlightFor:
 			delete(c.inFlight, k)
 		case k.stream == stream && k.group == group:
-			byConsumer[k.consumer] = append(byConsumer[k.consumer], k.id)
+			byConsumer[h.consumer] = append(byConsumer[h.consumer], k.id)
 		}
 	}
 	c.mu.Unlock()
