@@ -600,18 +600,14 @@ const MetadataPayloadOmitted = "idempotency_payload_omitted"
 // withoutPayload returns pm's copy without its payload, flagged malformed,
 // with MetadataPayloadOmitted saying why.
 func withoutPayload(pm *message.Message, refused error, maxHeader int) *message.Message {
-	out := message.NewMessage(pm.UUID, nil)
-	out.Metadata = make(message.Metadata, len(pm.Metadata)+3)
-	for k, v := range pm.Metadata {
-		out.Metadata[k] = v
-	}
+	out := pm.CopyWithContext()
+	out.Payload = nil
 	note := strconv.Itoa(len(pm.Payload)) + " bytes; the poison topic refused the whole copy: " + refused.Error()
 	out.Metadata.Set(MetadataPayloadOmitted, wire.Bound(note, maxHeader))
 	if _, malformed := marshaler.Malformed(pm); !malformed {
 		out.Metadata.Set(marshaler.MetadataMalformed, "true")
 		out.Metadata.Set(marshaler.MetadataMalformedReason, "payload omitted from the dead letter (see "+MetadataPayloadOmitted+")")
 	}
-	out.SetContext(pm.Context())
 	return out
 }
 

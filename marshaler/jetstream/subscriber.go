@@ -489,26 +489,22 @@ func (s *Subscriber) watch(ctx context.Context, sub *subscription, topic string,
 			continue
 		case !cur.Created.Equal(created):
 			created = cur.Created
-			if cur.Config.DeliverSubject == deliver && s.checkConsumer(cur, topic) == nil {
+			misfit := s.checkConsumer(cur, topic)
+			if cur.Config.DeliverSubject == deliver && misfit == nil {
 				s.lost(ConsumerLost{Stream: s.cfg.Stream, Durable: s.cfg.Durable, Recreated: true, Resumed: true}, fields)
 				break
 			}
-			lost := fmt.Errorf("%w: replaced by one delivering to %q (was %q)", ErrConsumerLost, cur.Config.DeliverSubject, deliver)
-			if err := s.checkConsumer(cur, topic); err != nil {
-				lost = fmt.Errorf("%w: %w", ErrConsumerLost, err)
+			if misfit == nil {
+				misfit = fmt.Errorf("replaced by one delivering to %q (was %q)", cur.Config.DeliverSubject, deliver)
 			}
-			s.lost(ConsumerLost{Stream: s.cfg.Stream, Durable: s.cfg.Durable, Recreated: true, Err: lost}, fields)
-			go sub.end(s.cfg.CloseTimeout) // the deliveries in hand may still be acked
+			s.endLost(sub, true, misfit, fields)
 			return
 		default:
 			// Changed in place (UpdateConsumer keeps Created): a
 			// MaxDeliver or a longer AckWait set under the subscriber is
-			// the misfit Subscribe refuses, and ends the subscription the
-			// same way.
-			if err := s.checkConsumer(cur, topic); err != nil {
-				lost := fmt.Errorf("%w: changed in place: %w", ErrConsumerLost, err)
-				s.lost(ConsumerLost{Stream: s.cfg.Stream, Durable: s.cfg.Durable, Err: lost}, fields)
-				go sub.end(s.cfg.CloseTimeout)
+			// the misfit Subscribe refuses.
+			if misfit := s.checkConsumer(cur, topic); misfit != nil {
+				s.endLost(sub, false, fmt.Errorf("changed in place: %w", misfit), fields)
 				return
 			}
 		}
@@ -517,6 +513,14 @@ func (s *Subscriber) watch(ctx context.Context, sub *subscription, topic string,
 			s.onLookUp(ackFloor)
 		}
 	}
+}
+
+// endLost reports the durable consumer lost for reason (recreated by
+// someone else, or changed in place) and ends the subscription; the
+// deliveries in hand may still be acked.
+func (s *Subscriber) endLost(sub *subscription, recreated bool, reason error, fields watermill.LogFields) {
+	s.lost(ConsumerLost{Stream: s.cfg.Stream, Durable: s.cfg.Durable, Recreated: recreated, Err: fmt.Errorf("%w: %w", ErrConsumerLost, reason)}, fields)
+	go sub.end(s.cfg.CloseTimeout)
 }
 
 func (s *Subscriber) lost(l ConsumerLost, fields watermill.LogFields) {
