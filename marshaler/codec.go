@@ -136,7 +136,7 @@ func NewMalformed(body []byte, transportID, reason string) *message.Message {
 // any [MetadataExtraPrefix] key), the envelope header [EncodeMessage]
 // adds ("idempotency_envelope") and the marks adapters set on a delivery
 // for the consumer's crash bound ("idempotency_uncounted_delivery",
-// "idempotency_serial_warmup"). An adapter must not let an incoming header
+// "idempotency_position"). An adapter must not let an incoming header
 // of that name set it: a sender could otherwise flag, unflag or rename a
 // message, or fake its delivery count. Keys are compared exactly.
 func ReservedKey(key string) bool {

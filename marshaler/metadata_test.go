@@ -66,7 +66,7 @@ func TestReservedKeys(t *testing.T) {
 	t.Parallel()
 	for _, k := range []string{MetadataEventName, MetadataOccurredAt, MetadataMalformed, MetadataMalformedReason,
 		MetadataRedelivered, MetadataDeliveryCount, MetadataExtraPrefix + "x", MetadataExtraPrefix,
-		"idempotency_envelope", "idempotency_uncounted_delivery", "idempotency_serial_warmup"} {
+		"idempotency_envelope", "idempotency_uncounted_delivery", "idempotency_position"} {
 		require.True(t, ReservedKey(k), k)
 	}
 	for _, k := range []string{"x-death", "x-delivery-count", "correlation_id", "envelope", "Event_Name"} {
@@ -80,7 +80,7 @@ func TestReservedKeys(t *testing.T) {
 // them out of the headers, malformed or not, and keeps the message's own.
 func TestEncodeMessageLeavesTheDeliveryKeysOut(t *testing.T) {
 	t.Parallel()
-	delivery := []string{MetadataRedelivered, MetadataDeliveryCount, "idempotency_uncounted_delivery", "idempotency_serial_warmup"}
+	delivery := []string{MetadataRedelivered, MetadataDeliveryCount, "idempotency_uncounted_delivery", "idempotency_position"}
 	msg, err := NewMessage("order.placed", map[string]int{"n": 1})
 	require.NoError(t, err)
 	bad := NewMalformed([]byte("{"), "", "not JSON")

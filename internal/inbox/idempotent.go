@@ -250,6 +250,10 @@ type Idempotent struct {
 	// (countsCrashes), of events not processed yet: a re-read of events
 	// applied before the crash takes none.
 	warmup atomic.Int64
+	// lanes are the partitions of a transport that sets wire.Position and
+	// where this process last ended an attempt of a new event in each
+	// (countsCrashes).
+	lanes laneMarks
 	// uncountedOnce logs the first uncounted delivery (uncounted).
 	uncountedOnce sync.Once
 
@@ -393,8 +397,45 @@ func (m *Idempotent) countedTurn(ctx context.Context, fields watermill.LogFields
 // possible crashes on transports that mark no redelivery (Kafka, Redis
 // Streams without CountingClient): a message that killed the process is
 // among the first a restarted consumer receives (Kafka resumes at the
-// committed offset). Later first deliveries write nothing.
+// committed offset). Later first deliveries write nothing, but those of a
+// transport that gives each record's place in its partition
+// (wire.Position) that laneMarks counts.
 const crashWarmup = 64
+
+// laneMarks are, per partition of a transport that sets wire.Position, the
+// offset of the last record whose attempt of an event not processed yet
+// ended in this process. Past the warm-up, a record that follows it (the
+// next offset, or the same one given back after its attempt ended) is not
+// counted; any other is: the first record of a partition after a start, a
+// reassignment or a replay of records another member applied. The record
+// that killed the last member is such a record (Kafka resumes each
+// partition at its uncommitted record), however many records of other
+// partitions come first: the warm-up alone missed it behind the first
+// records of many partitions. A gap in the offsets (a transaction's
+// marker, compaction) costs one counted attempt.
+type laneMarks struct {
+	mu   sync.Mutex
+	last map[string]int64
+}
+
+// follows reports whether the record at off in lane follows the last one
+// this process ended an attempt of a new event of.
+func (l *laneMarks) follows(lane string, off int64) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	last, ok := l.last[lane]
+	return ok && (off == last || off == last+1)
+}
+
+// ended records that an attempt of a new event at off in lane ended.
+func (l *laneMarks) ended(lane string, off int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.last == nil {
+		l.last = make(map[string]int64)
+	}
+	l.last[lane] = off
+}
 
 // isNopLogger reports whether l is Watermill's NopLogger (it logs nothing).
 func isNopLogger(l watermill.LoggerAdapter) bool {
@@ -569,6 +610,20 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		// The replay window is the claim's (the database clock, see
 		// retention.go): no expiry check runs here on the process clock.
+		// A record of a partitioned transport (wire.Position): once an
+		// attempt that claimed it (an event not processed yet) ends in this
+		// process, whatever its outcome, the partition's next record follows
+		// it and is not counted. A duplicate marks nothing: the record
+		// before it may have been another member's.
+		var fresh bool
+		lane, off, positioned := wire.ParsePosition(msg.Metadata.Get(wire.Position))
+		if positioned {
+			defer func() {
+				if fresh {
+					m.lanes.ended(lane, off)
+				}
+			}()
+		}
 		counted, marked := m.countsCrashes(msg)
 		if !counted {
 			if m.duplicateRun(origCtx, nested) {
@@ -576,18 +631,17 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 					return nil, m.endProcessed(msg, consumer, handlerName, eventID, stored, start, fields)
 				}
 			}
-			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, nil)
+			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, nil, &fresh)
 		}
-		// wire.SerialWarmup, set by an adapter whose transport marks no
-		// redelivery but runs its partitions' records side by side and
-		// redelivers each partition behind its uncommitted record
-		// (marshaler/kafka), makes the warm-up attempts take the turn too.
-		// Otherwise the records of other partitions in flight when the
-		// poisoned one kills the process are counted as crashes with it,
-		// come first again after each restart, and are dead-lettered as a
-		// crash loop beside it. GoChannel does not set it: its handlers may
-		// wait for each other through a blocking publish.
-		if _, joined := wsql.TxFromContext(origCtx); (marked || msg.Metadata.Get(wire.SerialWarmup) != "") && !nested && !joined {
+		// Counted attempts of marked redeliveries and of partitioned records
+		// (wire.Position) run one at a time in the process: otherwise the
+		// records of other partitions in flight when the poisoned one kills
+		// the process are counted as crashes with it, come first again after
+		// each restart, and are dead-lettered as a crash loop beside it. The
+		// warm-up of a transport that marks nothing and has no partitions
+		// (GoChannel) does not: its handlers may wait for each other through
+		// a blocking publish.
+		if _, joined := wsql.TxFromContext(origCtx); (marked || positioned) && !nested && !joined {
 			release, werr := m.countedTurn(origCtx, fields)
 			if werr != nil {
 				return nil, m.finish(handlerName, OutcomeFailed, start, 0, fields, werr)
@@ -609,7 +663,7 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 			if sent {
 				defer m.endAttempt(origCtx, consumer, eventID)
 			}
-			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, nil)
+			return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, nil, &fresh)
 		}
 		if stored.Found {
 			// A redelivery of a processed event: nothing was counted and
@@ -655,9 +709,9 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 			defer msg.SetContext(origCtx)
 			attemptCtx := context.WithValue(origCtx, lastBeforeCrashLoopKey{}, consumer)
 			msg.SetContext(attemptCtx)
-			return m.attempt(h, msg, attemptCtx, consumer, handlerName, eventID, start, fields, &endedInTx)
+			return m.attempt(h, msg, attemptCtx, consumer, handlerName, eventID, start, fields, &endedInTx, &fresh)
 		}
-		return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, &endedInTx)
+		return m.attempt(h, msg, origCtx, consumer, handlerName, eventID, start, fields, &endedInTx, &fresh)
 	}
 }
 
@@ -758,12 +812,14 @@ func attemptFields(msg *message.Message, consumer, handlerName string, attempt i
 // delivery count is present: AMQP, JetStream, Redis Streams through
 // redisstream.CountingClient) and this is one (redelivered, or a delivery count above
 // 0), or it marks none (Kafka) and the consumer has just started
-// (crashWarmup). First deliveries on a transport that marks redeliveries
-// write nothing. An uncounted delivery (uncounted) is counted at every
-// attempt. marked reports a counted attempt that takes the process's
-// counted turn and none of the warm-up: a marked redelivery, or an
-// uncounted delivery (it may be the claim of the entry that killed the
-// last consumer).
+// (crashWarmup) or, when the transport gives the record's place in its
+// partition (wire.Position: Kafka), this process did not just end an
+// attempt of a new event at the record before it (laneMarks). First
+// deliveries on a transport that marks redeliveries write nothing. An
+// uncounted delivery (uncounted) is counted at every attempt. marked
+// reports a counted attempt that takes the process's counted turn and none
+// of the warm-up: a marked redelivery, or an uncounted delivery (it may be
+// the claim of the entry that killed the last consumer).
 func (m *Idempotent) countsCrashes(msg *message.Message) (counted, marked bool) {
 	if m.cfg.MaxCrashes <= 0 || m.cfg.CrashQuerier == nil {
 		return false, false
@@ -775,10 +831,14 @@ func (m *Idempotent) countsCrashes(msg *message.Message) (counted, marked bool) 
 	if m.uncounted(msg) {
 		return true, true
 	}
+	warm := m.warmup.Load() < crashWarmup
+	if lane, off, ok := wire.ParsePosition(msg.Metadata.Get(wire.Position)); ok && !warm {
+		return !m.lanes.follows(lane, off), false
+	}
 	// Peeked, not taken: an attempt of an event already processed (a
 	// Kafka member re-reading what it applied since its last committed
 	// offset) gives it back below.
-	return m.warmup.Load() < crashWarmup, false
+	return warm, false
 }
 
 // uncounted reports whether msg's adapter marked it uncounted
@@ -1005,9 +1065,10 @@ func (m *Idempotent) forgetAttempts(ctx context.Context, consumer string, id uui
 // endCount, when not nil, asks the attempt to end its crash count in its
 // own transaction, just before the commit; it is set when that commit
 // succeeded (the count's end committed with the claim). Otherwise the
-// caller ends the count.
+// caller ends the count. fresh is set once the claim inserted (an event
+// not processed yet).
 func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCtx context.Context,
-	consumer, handlerName string, eventID uuid.UUID, start time.Time, fields watermill.LogFields, endCount *bool) (_ []*message.Message, err error) {
+	consumer, handlerName string, eventID uuid.UUID, start time.Time, fields watermill.LogFields, endCount, fresh *bool) (_ []*message.Message, err error) {
 	// A statement on the UUIDv7 claim table that found it gone (the commit
 	// guard, a duplicate's read; the claim below: MigrateToPartitioned
 	// folded it) turns it off: this attempt fails, the next claims in the
@@ -1063,6 +1124,7 @@ func (m *Idempotent) attempt(h message.HandlerFunc, msg *message.Message, origCt
 		return nil, err
 	}
 
+	*fresh = true
 	crashpoint.Reached(crashpoint.AfterClaim)
 	state := stateOf(tx) // zero
 	state.consumer, state.outcome, state.outbox, state.tx = consumer, OutcomeProcessed, m.cfg.Outbox, tx

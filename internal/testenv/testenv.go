@@ -215,6 +215,6 @@ func DeliveryMetadata() map[string]string {
 		"redelivered":                    "true",
 		"delivery_count":                 "3",
 		"idempotency_uncounted_delivery": "true",
-		"idempotency_serial_warmup":      "partitioned",
+		"idempotency_position":           "orders/3/41",
 	}
 }

@@ -3,7 +3,11 @@
 // not export.
 package wire
 
-import "fmt"
+import (
+	"fmt"
+	"strconv"
+	"strings"
+)
 
 // EnvelopeHeader is the header every adapter publishes with an envelope
 // body (marshaler.EncodeMessage), value "1". An adapter decoding the body
@@ -24,17 +28,37 @@ const EnvelopeHeader = "idempotency_envelope"
 // (marshaler.ReservedKey): no incoming header sets it.
 const UncountedDelivery = "idempotency_uncounted_delivery"
 
-// SerialWarmup is the metadata key, value "partitioned", that an adapter
-// sets on every delivery of a transport that marks no redelivery but runs
-// its partitions' records side by side (marshaler/kafka): the consumer's
-// warm-up attempts, whose crashes it counts, then run one at a time in the
-// process. Reserved (marshaler.ReservedKey): no incoming header sets it.
-const SerialWarmup = "idempotency_serial_warmup"
+// Position is the metadata key an adapter sets on every delivery of a
+// transport that marks no redelivery but delivers each partition's records
+// in order, side by side with other partitions' (marshaler/kafka). Its
+// value is "<partition>/<offset>": the partition is the text before the
+// last "/" (Kafka: "<topic>/<partition>"), the offset a decimal int64. The
+// consumer counts the crashes of an attempt of an event not processed yet
+// when the record before it on its partition (offset − 1, or the same
+// offset given back) was not an event this process attempted: the record
+// that killed the last consumer is always such a record after a restart or
+// a reassignment. Those counted attempts run one at a time in the process.
+// Reserved (marshaler.ReservedKey): no incoming header sets it.
+const Position = "idempotency_position"
+
+// ParsePosition splits a Position value into its partition and offset; ok
+// is false for any other text.
+func ParsePosition(v string) (partition string, offset int64, ok bool) {
+	i := strings.LastIndexByte(v, '/')
+	if i <= 0 {
+		return "", 0, false
+	}
+	off, err := strconv.ParseInt(v[i+1:], 10, 64)
+	if err != nil || off < 0 {
+		return "", 0, false
+	}
+	return v[:i], off, true
+}
 
 // DeliveryScoped reports whether key describes the delivery received
 // rather than the message: the redelivered flag and the delivery count
 // (marshaler.MetadataRedelivered, marshaler.MetadataDeliveryCount),
-// UncountedDelivery and SerialWarmup. A message sent on (a dead-letter
+// UncountedDelivery and Position. A message sent on (a dead-letter
 // copy, a republish: marshaler.EncodeMessage and the chain's poison copy)
 // goes without them (WithoutDelivery; operation.RouteUncertain's copy and
 // the outbox's rows too): on a transport without an adapter to drop reserved
@@ -42,7 +66,7 @@ const SerialWarmup = "idempotency_serial_warmup"
 // otherwise take each of its attempts for a redelivery of the old one.
 func DeliveryScoped(key string) bool {
 	switch key {
-	case "redelivered", "delivery_count", UncountedDelivery, SerialWarmup:
+	case "redelivered", "delivery_count", UncountedDelivery, Position:
 		return true
 	}
 	return false

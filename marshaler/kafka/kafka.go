@@ -130,12 +130,11 @@ func (m Marshaler) Unmarshal(rec *sarama.ConsumerMessage) (msg *message.Message,
 		in.TransportID = recordID(rec)
 	}
 	msg = m.Decoder.DecodeDelivery(in)
-	// The consumer's first attempts after a start, whose crashes it counts
-	// (Kafka marks no redelivery), run one at a time in the process: the
-	// records of other partitions in flight beside a record that kills the
-	// process are then never counted as its crash (the middleware's
-	// wire.SerialWarmup).
-	msg.Metadata.Set(wire.SerialWarmup, "partitioned")
+	// The record's partition and offset (wire.Position): the consumer
+	// counts the crashes of the first attempt after a gap in a partition
+	// (a start, a reassignment), where the record that killed the last
+	// member always is, and runs those attempts one at a time.
+	msg.Metadata.Set(wire.Position, recordID(rec))
 	return msg, nil
 }
 
