@@ -827,7 +827,7 @@ func (r *Relay) pressured(ctx context.Context, tx wsql.Tx, row *pendingRow, noRo
 		return fmt.Errorf("delay row %d: %w", row.id, err)
 	}
 	if noRoute {
-		const msg = "outbox row unroutable: no queue is bound to its topic; it stays in the outbox, holding back its topic's later rows (not counted against the row), until a queue is bound to the topic (deploy its consumer, or fix a misspelt topic)"
+		const msg = "outbox row unroutable: the broker routes its topic to no queue (none bound yet, or its exchange missing or forbidden: see the error); it stays in the outbox, holding back its topic's later rows (not counted against the row), until the topic routes (deploy its consumer, declare the exchange, fix a misspelt topic or the user's permissions)"
 		fields := watermill.LogFields{
 			"row_id": row.id, "event_id": row.eventID, "topic": row.topic, "attempts": row.attempts, "error": reason,
 		}

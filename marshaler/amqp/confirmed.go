@@ -19,12 +19,15 @@ const DefaultConfirmTimeout = 10 * time.Second
 
 // ErrUnroutable: the broker returned a message (basic.return) because no
 // queue is bound for it (a dead-letter queue or a consumer's queue not
-// declared yet). The message was not stored: the chain keeps the original
+// declared yet), or closed the channel on its publish with 404 NOT_FOUND
+// (the exchange does not exist) or 403 ACCESS_REFUSED (the user may not
+// publish to it): nothing routes it until the topology or the permissions
+// are fixed. The message was not stored: the chain keeps the original
 // and retries, the relay keeps the row. It has an Unroutable method
 // returning true, which outbox.Relay reads: a relay publishing through a
 // ConfirmedPublisher never counts it against a row nor dead-letters the
 // row; it keeps the row (holding back its topic's later rows) and warns.
-var ErrUnroutable error = unroutableError("amqp: message unroutable (no queue bound for it)")
+var ErrUnroutable error = unroutableError("amqp: message unroutable")
 
 // unroutableError is an error that tells whoever retries it that no queue
 // is bound for the message yet.
@@ -331,9 +334,10 @@ func (p *ConfirmedPublisher) queueEmpty(ctx context.Context, queue string) bool 
 
 // channelClosed is the error of a publish whose channel closed before it
 // was confirmed: ErrNotConfirmed, with the broker's reason when the broker
-// closed it (a channel exception: 404 NOT_FOUND for an exchange that does
-// not exist, 403 ACCESS_REFUSED), so that a misconfiguration is named; or
-// errRefused when that reason is the message's own (refusedByBroker). It
+// closed it; ErrUnroutable when the broker refused the exchange (404
+// NOT_FOUND: it does not exist; 403 ACCESS_REFUSED), a misconfiguration
+// named with the broker's reason; or errRefused when that reason is the
+// message's own (refusedByBroker). It
 // waits for the channel's close notification (until ctx ends): amqp091
 // marks a channel closed before it delivers the reason, and closes the
 // notification channel once it did, so the wait is short.
@@ -343,6 +347,12 @@ func (p *ConfirmedPublisher) channelClosed(ctx context.Context) error {
 		if ok && e != nil {
 			if refusedByBroker(e) {
 				return fmt.Errorf("%w: channel closed by the broker: %w", errRefused, e)
+			}
+			if e.Code == amqp091.NotFound || e.Code == amqp091.AccessRefused {
+				// The exchange, not the broker's load: a wait, but a
+				// visible one (outbox.Relay warns for an unroutable row,
+				// where back-pressure is logged at INFO).
+				return fmt.Errorf("%w: the broker refused the exchange: %w", ErrUnroutable, e)
 			}
 			return fmt.Errorf("%w: channel closed by the broker: %w", ErrNotConfirmed, e)
 		}

@@ -106,7 +106,8 @@ func TestConfirmedPublisherConfigValidate(t *testing.T) {
 // declared the events exchange, or a misspelt ConfirmedPublisherConfig.Exchange)
 // fails with the broker's reason, not a bare "channel closed"; and the
 // error does not call a publisher that is also the outbox relay's a poison
-// publisher. It stays ErrNotConfirmed (the relay keeps the row).
+// publisher. It is ErrUnroutable, not back-pressure (ErrNotConfirmed): the
+// relay keeps the row and warns, naming the reason, instead of an INFO line.
 func TestConfirmedPublisherReportsTheBrokersReasonForAMissingExchange(t *testing.T) {
 	t.Parallel()
 	missing := testenv.UniqueName("no_such_exchange")
@@ -116,7 +117,8 @@ func TestConfirmedPublisherReportsTheBrokersReasonForAMissingExchange(t *testing
 
 	err = p.Publish("order.placed", poisonMsg(t))
 	require.Error(t, err)
-	require.ErrorIs(t, err, amqp.ErrNotConfirmed, "the row stays in the outbox")
+	require.ErrorIs(t, err, amqp.ErrUnroutable, "the row stays in the outbox, warned")
+	require.NotErrorIs(t, err, amqp.ErrNotConfirmed, "a missing exchange is no back-pressure")
 	var amqpErr *amqp091.Error
 	require.True(t, errors.As(err, &amqpErr), "the broker's reason is lost: %v", err)
 	require.Equal(t, amqp091.NotFound, amqpErr.Code)
