@@ -159,3 +159,23 @@ func TestMariaDBOwnerSessionKilledDuringTheCallCallsOnce(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, operation.OriginStored, res.Origin)
 }
+
+// A success write the server refuses for the statement itself (here a
+// column renamed under the Runner: 1054) fails Do with ErrNotRecorded
+// naming the server's error once on the attempt's connection and once on
+// the pool's, its one fallback: not four times, as when every MySQL error
+// was taken for a lost connection and retried three times on the pool.
+// Nothing waits on it: the call's own answer is lost only for the record.
+func TestMariaDBOutcomeWriteRefusedByTheServerIsNotRetriedAsALostConnection(t *testing.T) {
+	t.Parallel()
+	tg := testenv.NewTarget(t, testenv.TargetMariaDB, 4)
+	e := runnerOn(t, tg, operation.Config{})
+	ctx := context.Background()
+	call := func(context.Context, string) (operation.Result, error) {
+		_, err := tg.Std.ExecContext(ctx, "ALTER TABLE operation RENAME COLUMN result TO result_gone")
+		return operation.Result{Reference: "r-1"}, err
+	}
+	_, err := e.r.Do(ctx, operation.MustKey("charge", "renamed"), map[string]any{"n": 1}, call)
+	require.ErrorIs(t, err, operation.ErrNotRecorded)
+	require.Equal(t, 2, strings.Count(err.Error(), "Error 1054"), "the server's refusal, once per connection tried: %v", err)
+}

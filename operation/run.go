@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -1029,12 +1030,42 @@ func (a *attempt) poolExec(ctx context.Context, query string, args ...any) (int6
 			return n, nil
 		}
 		errs = append(errs, err)
-		var pgErr *pgconn.PgError
-		if ctx.Err() != nil || (errors.As(err, &pgErr) && !strings.HasPrefix(pgErr.Code, "57P") && !strings.HasPrefix(pgErr.Code, "08")) {
+		if ctx.Err() != nil || statementRefused(err) {
 			break // the statement's own error, or out of time
 		}
 	}
 	return 0, errors.Join(errs...)
+}
+
+// mysqlServerError matches go-sql-driver's *MySQLError text, "Error <number>
+// (<SQLSTATE>): …": the server's answer (the module links no MySQL driver,
+// and that type has no method to read its number by).
+var mysqlServerError = regexp.MustCompile(`Error (\d{4,5}) \([0-9A-Z]{5}\): `)
+
+// statementRefused reports whether err is the server's answer to the
+// statement on a live connection, which another connection would only
+// meet again: a PostgreSQL error outside classes 08 (connection) and 57P
+// (operator intervention: the session was ended), any SQLite error
+// (Code() int: nothing to reconnect to), a MySQL server error other than
+// 1053 (server shutdown), 1317 (query interrupted) and 1927 (connection
+// killed).
+func statementRefused(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return !strings.HasPrefix(pgErr.Code, "57P") && !strings.HasPrefix(pgErr.Code, "08")
+	}
+	var lite interface{ Code() int }
+	if errors.As(err, &lite) {
+		return true
+	}
+	if m := mysqlServerError.FindStringSubmatch(err.Error()); m != nil {
+		switch m[1] {
+		case "1053", "1317", "1927":
+			return false
+		}
+		return true
+	}
+	return false
 }
 
 // poolQuerier runs Exec through poolExec (the heartbeat's fallback).
