@@ -215,18 +215,19 @@ type ConsumerConfig struct {
 	// JetStream's NumDelivered, Redis Streams' pending delivery count), and
 	// for the first 64 attempts of events not processed yet after the
 	// consumer is built on transports that mark none and, on Kafka, for
-	// each attempt of a new event whose record does not follow one the
-	// process attempted in its partition (a message that killed the process
-	// is the first record of its partition a restarted member attempts,
-	// however many partitions it owns). A first delivery on a marking
+	// each attempt of a new event unless the process ended an attempt of a
+	// new event at the record just before it in its partition (a message
+	// that killed the process is the first record of its partition a
+	// restarted member attempts, however many partitions it owns; a retry
+	// is counted). A first delivery on a marking
 	// transport writes nothing. The broker's delivery count bounds the
 	// crashes counted but is not taken as one: it also counts messages
 	// buffered behind the crashing one and never handled. So the message is
 	// dead-lettered at its MaxCrashes+2nd delivery on a marking transport
 	// (its first crash wrote nothing), at its MaxCrashes+1st on Kafka when
 	// each crash came within a start's first 64 attempts or after a gap in
-	// its partition (one more when the first came later, right after the
-	// record before it). On Redis Streams without
+	// its partition (one more when one came later, right after the record
+	// before it). On Redis Streams without
 	// redisstream.CountingClient every attempt is counted, one at a time
 	// (dead-lettered at its MaxCrashes+1st delivery). A delivery held
 	// through an outage ends its attempts normally and is never counted: an

@@ -404,27 +404,34 @@ const crashWarmup = 64
 
 // laneMarks are, per partition of a transport that sets wire.Position, the
 // offset of the last record whose attempt of an event not processed yet
-// ended in this process. Past the warm-up, a record that follows it (the
-// next offset, or the same one given back after its attempt ended) is not
-// counted; any other is: the first record of a partition after a start, a
-// reassignment or a replay of records another member applied. The record
-// that killed the last member is such a record (Kafka resumes each
-// partition at its uncommitted record), however many records of other
-// partitions come first: the warm-up alone missed it behind the first
-// records of many partitions. A gap in the offsets (a transaction's
-// marker, compaction) costs one counted attempt.
+// ended in this process. Past the warm-up, the record right after it is
+// not counted; any other is: the first record of a partition after a
+// start, a reassignment or a replay of records another member applied, and
+// the same record given back after its attempt ended (a retry in the
+// process, a held delivery nacked: the attempt that dies may be that one).
+// The record that killed the last member is such a record (Kafka resumes
+// each partition at its uncommitted record), however many records of
+// other partitions come first: the warm-up alone missed it behind the
+// first records of many partitions. One case is not: a partition that went
+// to another member, which died on its next record, and came back to the
+// member that applied the record before it, whose mark still stands; that
+// member dies once uncounted, and its restart forgets the mark. A gap in
+// the offsets (a transaction's marker, compaction) costs one counted
+// attempt. A mark is not timed: a partition quiet for a while would
+// otherwise have each of its records counted, one at a time in the
+// process.
 type laneMarks struct {
 	mu   sync.Mutex
 	last map[string]int64
 }
 
-// follows reports whether the record at off in lane follows the last one
-// this process ended an attempt of a new event of.
+// follows reports whether the record at off in lane is the next one after
+// the last one this process ended an attempt of a new event of.
 func (l *laneMarks) follows(lane string, off int64) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	last, ok := l.last[lane]
-	return ok && (off == last || off == last+1)
+	return ok && off == last+1
 }
 
 // ended records that an attempt of a new event at off in lane ended.

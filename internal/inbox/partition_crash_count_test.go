@@ -98,13 +98,14 @@ func TestPartitionedRecordIsCountedUnlessThisProcessHandledTheRecordBeforeIt(t *
 	require.True(t, newEvent("orders/7/20"), "the record after a gap was not counted")
 	require.True(t, newEvent("orders/7/3"), "a record behind the last one handled was not counted")
 
-	// A failed attempt ended in this process: the same record given back,
-	// and the one after it, follow it.
+	// A failed attempt ended in this process: the same record given back
+	// (the chain's retry, a nack after a hold) is counted, since that
+	// attempt may be the one that dies; the one after it follows.
 	again := uuid.Must(uuid.NewV7())
 	_, c := deliver(again, "orders/9/6", true)
 	require.False(t, c, "the record after one this process handled was counted")
 	_, c = deliver(again, "orders/9/6", false)
-	require.False(t, c, "the same record given back after its attempt ended was counted")
+	require.True(t, c, "the same record given back after its attempt ended was not counted")
 	require.False(t, newEvent("orders/9/7"))
 
 	// Another topic's partition of the same number is another partition.
