@@ -72,8 +72,10 @@
 // goroutine, prefetch 1/10/50) through the chain and the handler's
 // transaction, then acked; with and without our middleware, and with 30 %
 // already-processed messages. e2e_ratio = idempotent ÷ none at 4 consumers,
-// prefetch 50 (the fastest setup, where a per-message cost weighs most). The
-// headline cells run in every round, the grid's in the first GridRounds.
+// prefetch 50 (the fastest setup, where a per-message cost weighs most);
+// e2e_floor_mechanism_ratio, the bare claim row (floor_mechanism) in the
+// same cell, is its floor. The headline cells run in every round, the
+// grid's in the first GridRounds.
 // 3b, the same over NATS JetStream: a stream per run (file storage, filled
 // with acked JetStream publishes through marshaler/jetstream), a durable
 // push consumer with a deliver group (MaxAckPending = consumers × prefetch,
@@ -148,8 +150,9 @@
 // After the tables the command prints issue 7's targets and issue 25's, each
 // with its value, spread over the rounds, bound and whether it is met; issue
 // 25's also with the floor beside it (the mechanism alone for the server
-// count; for the claim ratio, the mechanism alone (floor_mechanism) and
-// the in-memory Deduplicator, measured in the same rounds). WriteMarkdown puts issue 25's as a markdown table at the top of
+// count; for the claim ratios and the end-to-end ones, the mechanism alone
+// (floor_mechanism), and the in-memory Deduplicator for the claim ratios,
+// measured in the same rounds). WriteMarkdown puts issue 25's as a markdown table at the top of
 // RESULTS.md (Result.TargetsMarkdown), for the README's performance section.
 //
 // "experiments" (only with -parts experiments) compares configurations of

@@ -121,6 +121,9 @@ func overhead(ctx context.Context, e *env, sz OverheadSizes, res *Result) error 
 	res.setRatio("inmemory_overhead_ratio", perRoundXs(s(h1, vInMemory), s(h1, vNone), rateRatio))
 	res.setRatio("floor_mechanism_overhead_ratio", perRoundXs(s(h1, vFloorMechanism), s(h1, vNone), rateRatio))
 	res.set("floor_mechanism_cpu_cost_ratio", perRound(s(h1, vFloorMechanism), s(h1, vNone), cpuRatio))
+	if slices.Contains(sz.Variants3, vFloorMechanism) {
+		res.setRatio("floor_mechanism_overhead_ratio_3stmt", perRoundXs(s(h3, vFloorMechanism), s(h3, vNone), rateRatio))
+	}
 	if slices.Contains(sz.Variants3, vInMemory) {
 		res.setRatio("inmemory_overhead_ratio_3stmt", perRoundXs(s(h3, vInMemory), s(h3, vNone), rateRatio))
 	}
