@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"os/signal"
 	"strings"
 	"sync/atomic"
@@ -13,20 +12,15 @@ import (
 	"testing"
 	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	wmkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/stretchr/testify/require"
-	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/marshaler/kafka"
 	"github.com/watermill-idempotency/idempotency/middleware"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 const (
@@ -123,115 +117,8 @@ func retryKillChild() error {
 // "followed" the ended attempt, past the first 64 attempts no death was
 // counted and the record killed members for ever.
 func TestKafkaRecordKillingMembersOnItsRetryIsDeadLetteredAfterMaxCrashes(t *testing.T) {
-	ctx := context.Background()
-	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(16, retryKillTopic), kfake.SeedTopics(1, retryKillDLQ))
-	require.NoError(t, err)
-	t.Cleanup(c.Close)
-	brokers := c.ListenAddrs()
-
-	consumer, err := sarama.NewConsumer(brokers, crashLoopSaramaConfig())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = consumer.Close() })
-	dlq, err := consumer.ConsumePartition(retryKillDLQ, 0, sarama.OffsetOldest)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = dlq.Close() })
-
-	pool, schema := testenv.Pool(t)
-	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
-	_, err = pool.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL)`)
-	require.NoError(t, err)
-
-	pub, err := crashLoopPublisher(brokers, watermill.NopLogger{})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = pub.Close() })
-	var msgs []*message.Message
-	publish := func(n int) {
-		var batch []*message.Message
-		for i := 0; i < n; i++ {
-			m, err := marshaler.NewMessage("order.placed", map[string]int{"n": len(msgs)})
-			require.NoError(t, err)
-			msgs = append(msgs, m)
-			batch = append(batch, m)
-		}
-		require.NoError(t, pub.Publish(retryKillTopic, batch...))
-	}
-	publish(1)
-	poison := msgs[0].UUID
-
-	var dead []string
-	collect := func() {
-		for {
-			select {
-			case rec := <-dlq.Messages():
-				m, err := kafka.Marshaler{}.Unmarshal(rec)
-				require.NoError(t, err)
-				dead = append(dead, m.UUID+" ("+m.Metadata.Get("reason_poisoned")+")")
-			default:
-				return
-			}
-		}
-	}
-	allowed := middleware.DefaultMaxCrashes // the first record of its partition: counted in every member
-	crashes := 0
-	for finished := false; !finished; {
-		if crashes > allowed+1 {
-			var counts []string
-			rows, err := pool.Query(ctx, `SELECT event_id::text, started FROM processed_event_crash`)
-			require.NoError(t, err)
-			for rows.Next() {
-				var id string
-				var n int
-				require.NoError(t, rows.Scan(&id, &n))
-				if id == poison {
-					id = "poison"
-				}
-				counts = append(counts, fmt.Sprintf("%s: %d", id, n))
-			}
-			require.NoError(t, rows.Err())
-			t.Fatalf("the poisoned record killed %d members (at most %d allowed) and was not dead-lettered; crash counts %v",
-				crashes, allowed, counts)
-		}
-		publish(200) // the producers do not stop while members crash
-		var out strings.Builder
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), retryKillChildEnv+"=1", "CRASHLOOP_SCHEMA="+schema, "CRASHLOOP_POISON="+poison,
-			"CRASHLOOP_KAFKA_BROKERS="+strings.Join(brokers, ","))
-		cmd.Stdout, cmd.Stderr = &out, &out
-		require.NoError(t, cmd.Start())
-		exited := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(exited) }()
-		deadline := time.Now().Add(2 * time.Minute) // a hang guard, not a measurement
-	wait:
-		for {
-			select {
-			case <-exited:
-				ws := cmd.ProcessState.Sys().(syscall.WaitStatus)
-				if !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
-					t.Fatalf("child ended with %s; output:\n%s", cmd.ProcessState, out.String())
-				}
-				crashes++
-				break wait
-			case <-time.After(200 * time.Millisecond):
-				collect()
-				var applied int
-				require.NoError(t, pool.QueryRow(ctx, `SELECT count(DISTINCT event_id) FROM effect`).Scan(&applied))
-				if len(dead) > 0 && applied+len(dead) >= len(msgs) {
-					_ = cmd.Process.Signal(syscall.SIGTERM)
-					<-exited
-					finished = true
-					break wait
-				}
-				if time.Now().After(deadline) {
-					_ = cmd.Process.Kill()
-					<-exited
-					t.Fatalf("child %d neither crashed nor finished (%d applied); output:\n%s", crashes+1, applied, out.String())
-				}
-			}
-		}
-	}
-	collect()
-	t.Logf("%d crashes, dead letters %v", crashes, dead)
-	require.Len(t, dead, 1)
-	require.True(t, strings.HasPrefix(dead[0], poison), "only the poisoned record is dead-lettered: %v", dead)
-	require.LessOrEqual(t, crashes, allowed)
+	runKafkaCrashLoop(t, kafkaCrashLoop{
+		partitions: 16, perChild: 200, childEnv: retryKillChildEnv, topic: retryKillTopic, dlq: retryKillDLQ,
+		allowed: middleware.DefaultMaxCrashes, // the first record of its partition: counted in every member
+	})
 }
