@@ -215,11 +215,13 @@ type ConsumerConfig struct {
 	// JetStream's NumDelivered, Redis Streams' pending delivery count), and
 	// for the first 64 attempts of events not processed yet after the
 	// consumer is built on transports that mark none and, on Kafka, for
-	// each attempt of a new event unless the process ended an attempt of a
-	// new event at the record just before it in its partition (a message
-	// that killed the process is the first record of its partition a
-	// restarted member attempts, however many partitions it owns; a retry
-	// is counted). A first delivery on a marking
+	// each attempt of a new event unless the process committed an attempt
+	// of a new event at the record just before it in its partition (a
+	// message that killed the process is the first record of its partition
+	// a restarted member attempts, however many partitions it owns; a
+	// record after a failed attempt, its retry included, is counted). The
+	// bound is per consumer: a process running several consumers that one
+	// message kills dies up to MaxCrashes times for each. A first delivery on a marking
 	// transport writes nothing. The broker's delivery count bounds the
 	// crashes counted but is not taken as one: it also counts messages
 	// buffered behind the crashing one and never handled. So the message is

@@ -251,7 +251,7 @@ type Idempotent struct {
 	// applied before the crash takes none.
 	warmup atomic.Int64
 	// lanes are the partitions of a transport that sets wire.Position and
-	// where this process last ended an attempt of a new event in each
+	// where this process last committed an attempt of a new event in each
 	// (countsCrashes).
 	lanes laneMarks
 	// uncountedOnce logs the first uncounted delivery (uncounted).
@@ -404,11 +404,12 @@ const crashWarmup = 64
 
 // laneMarks are, per partition of a transport that sets wire.Position, the
 // offset of the last record whose attempt of an event not processed yet
-// ended in this process. Past the warm-up, the record right after it is
-// not counted; any other is: the first record of a partition after a
-// start, a reassignment or a replay of records another member applied, and
-// the same record given back after its attempt ended (a retry in the
-// process, a held delivery nacked: the attempt that dies may be that one).
+// committed in this process; a failed attempt of a new event clears it.
+// Past the warm-up, the record right after it is not counted; any other
+// is: the first record of a partition after a start, a reassignment or a
+// replay of records another member applied, and any record after a failed
+// attempt, the same record given back included (a retry in the process, a
+// held delivery nacked: the attempt that dies may be that one).
 // The record that killed the last member is such a record (Kafka resumes
 // each partition at its uncommitted record), however many records of
 // other partitions come first: the warm-up alone missed it behind the
@@ -426,7 +427,7 @@ type laneMarks struct {
 }
 
 // follows reports whether the record at off in lane is the next one after
-// the last one this process ended an attempt of a new event of.
+// the last one whose attempt of a new event this process committed.
 func (l *laneMarks) follows(lane string, off int64) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -434,10 +435,15 @@ func (l *laneMarks) follows(lane string, off int64) bool {
 	return ok && off == last+1
 }
 
-// ended records that an attempt of a new event at off in lane ended.
-func (l *laneMarks) ended(lane string, off int64) {
+// ended records that an attempt of a new event at off in lane ended:
+// committed, it is the lane's mark; failed, the lane has none.
+func (l *laneMarks) ended(lane string, off int64, committed bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if !committed {
+		delete(l.last, lane)
+		return
+	}
 	if l.last == nil {
 		l.last = make(map[string]int64)
 	}
@@ -618,16 +624,20 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		// The replay window is the claim's (the database clock, see
 		// retention.go): no expiry check runs here on the process clock.
 		// A record of a partitioned transport (wire.Position): once an
-		// attempt that claimed it (an event not processed yet) ends in this
-		// process, whatever its outcome, the partition's next record follows
-		// it and is not counted. A duplicate marks nothing: the record
-		// before it may have been another member's.
+		// attempt that claimed it (an event not processed yet) committed in
+		// this process, the partition's next record follows it and is not
+		// counted. A duplicate marks nothing (the record before it may have
+		// been another member's). A failed attempt clears the partition's
+		// mark: the same record given back (a retry) is counted, and every
+		// member that held the partition while the record failed does not
+		// take the next one, which may kill it, for a record following its
+		// own.
 		var fresh bool
 		lane, off, positioned := wire.ParsePosition(msg.Metadata.Get(wire.Position))
 		if positioned {
 			defer func() {
 				if fresh {
-					m.lanes.ended(lane, off)
+					m.lanes.ended(lane, off, err == nil)
 				}
 			}()
 		}

@@ -20,7 +20,7 @@ import (
 // On a partitioned transport that marks no redelivery (Kafka: the adapter
 // sets each record's place, wire.Position) an attempt's crashes are counted
 // in a start's first 64 attempts of new events and, after those, unless this
-// process has just ended an attempt of a new event at the record before it
+// process has just committed an attempt of a new event at the record before it
 // in its partition (docs/guarantees.md). The record that killed the last
 // member is the first record of its partition a restarted member attempts,
 // however many records of other partitions come first: the first 64

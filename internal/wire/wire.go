@@ -34,7 +34,7 @@ const UncountedDelivery = "idempotency_uncounted_delivery"
 // value is "<partition>/<offset>": the partition is the text before the
 // last "/" (Kafka: "<topic>/<partition>"), the offset a decimal int64. The
 // consumer counts the crashes of an attempt of an event not processed yet
-// unless this process has just ended an attempt of a new event at the
+// unless this process has just committed an attempt of a new event at the
 // record before it (offset − 1) on its partition: the record that killed
 // the last consumer is never such a record after a restart or a
 // reassignment. Those counted attempts run one at a time in the process.

@@ -1,0 +1,292 @@
+package kfaketest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	wmkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/watermill-idempotency/idempotency"
+	"github.com/watermill-idempotency/idempotency/internal/testenv"
+	"github.com/watermill-idempotency/idempotency/marshaler"
+	"github.com/watermill-idempotency/idempotency/marshaler/kafka"
+	"github.com/watermill-idempotency/idempotency/middleware"
+	"github.com/watermill-idempotency/idempotency/processed"
+)
+
+const (
+	marksChildEnv = "CRASHLOOP_MARKS_CHILD" // the member's name
+	marksTopic    = "marksrec"
+	marksDLQ      = "marksrec.dlq"
+)
+
+func init() {
+	name := os.Getenv(marksChildEnv)
+	if name == "" {
+		return
+	}
+	if err := marksChild(name); err != nil {
+		fmt.Fprintln(os.Stderr, "marks child:", err)
+		os.Exit(2)
+	}
+	os.Exit(3)
+}
+
+// marksChild is a member of group "marksrec": the event CRASHLOOP_BEFORE
+// fails while the row of table dep says the dependency is down (the chain
+// retries it for ever); the event CRASHLOOP_POISON kills the process.
+// Every handler call is recorded (autocommit) in table attempt.
+func marksChild(name string) error {
+	logger := watermill.LoggerAdapter(watermill.NopLogger{})
+	if os.Getenv("KFAKE_DEBUG") != "" {
+		logger = watermill.NewStdLoggerWithOut(os.Stderr, true, false)
+	}
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
+	if err != nil {
+		return err
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = os.Getenv("CRASHLOOP_SCHEMA")
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		return err
+	}
+	brokers := strings.Split(os.Getenv("CRASHLOOP_KAFKA_BROKERS"), ",")
+	sub, err := wmkafka.NewSubscriber(wmkafka.SubscriberConfig{
+		Brokers: brokers, Unmarshaler: kafka.Marshaler{}, ConsumerGroup: marksTopic,
+		OverwriteSaramaConfig: crashLoopSaramaConfig(), ReconnectRetrySleep: 100 * time.Millisecond,
+	}, logger)
+	if err != nil {
+		return err
+	}
+	dlq, err := crashLoopPublisher(brokers, logger)
+	if err != nil {
+		return err
+	}
+	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+		Consumer: marksTopic, DB: idempotency.Pgx(pool),
+		Poison: middleware.PoisonConfig{Publisher: dlq, Topic: marksDLQ},
+		Retry:  middleware.RetryConfig{MaxRetries: 100000, InitialInterval: 5 * time.Millisecond, MaxInterval: 20 * time.Millisecond},
+	}, logger)
+	if err != nil {
+		return err
+	}
+	router, err := message.NewRouter(message.RouterConfig{}, logger)
+	if err != nil {
+		return err
+	}
+	poison, before := os.Getenv("CRASHLOOP_POISON"), os.Getenv("CRASHLOOP_BEFORE")
+	if _, err := c.AddConsumerHandler(router, "marks", marksTopic, sub, func(msg *message.Message) error {
+		if _, err := pool.Exec(context.Background(), `INSERT INTO attempt (member, event_id) VALUES ($1, $2)`, name, msg.UUID); err != nil {
+			return err
+		}
+		switch msg.UUID {
+		case poison:
+			fmt.Fprintln(os.Stderr, "marks child", name, ": poisoned event, SIGKILL")
+			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+			select {}
+		case before:
+			var up bool
+			if err := pool.QueryRow(context.Background(), `SELECT up FROM dep`).Scan(&up); err != nil {
+				return err
+			}
+			if !up {
+				return errors.New("marks child: the dependency is down")
+			}
+		}
+		tx, _ := middleware.PgxTxFromContext(msg.Context())
+		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID)
+		return err
+	}); err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	return router.Run(ctx)
+}
+
+// Two live members of one group on a one-partition topic, while a
+// dependency is down: member a holds the record before the poisoned one,
+// retrying it (each attempt fails after its claim inserted); member b joins,
+// the rebalance moves the partition to b (a is stuck in its handler and
+// leaves the group), and b's attempts of that record fail too. The
+// dependency comes back: the record is applied once, and the poisoned record
+// after it reaches a, then b, or b, then a. Each of them ended an attempt
+// of a new event at the record right before it, so neither death is
+// counted; only the members restarted afterwards count. transports.md
+// (Kafka): dead-lettered at "delivery MaxCrashes+1, MaxCrashes+2 when it
+// reached a consumer past its first 64 attempts right after the record
+// before it (first, or when its partition came back to that consumer from
+// one that died on it)", so at most MaxCrashes+1 members die.
+func TestKafkaPoisonAfterARecordTwoLiveMembersFailedOnKillsAtMostMaxCrashesPlusOneMembers(t *testing.T) {
+	ctx := context.Background()
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, marksTopic, marksDLQ))
+	require.NoError(t, err)
+	t.Cleanup(c.Close)
+	brokers := c.ListenAddrs()
+
+	consumer, err := sarama.NewConsumer(brokers, crashLoopSaramaConfig())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = consumer.Close() })
+	dlqc, err := consumer.ConsumePartition(marksDLQ, 0, sarama.OffsetOldest)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = dlqc.Close() })
+
+	pool, schema := testenv.Pool(t)
+	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
+	_, err = pool.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL);
+		CREATE TABLE attempt (member text NOT NULL, event_id text NOT NULL);
+		CREATE TABLE dep (up bool NOT NULL); INSERT INTO dep VALUES (false)`)
+	require.NoError(t, err)
+	count := func(q string, args ...any) int {
+		var n int
+		require.NoError(t, pool.QueryRow(ctx, q, args...).Scan(&n))
+		return n
+	}
+
+	pub, err := crashLoopPublisher(brokers, watermill.NopLogger{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pub.Close() })
+	var msgs []*message.Message
+	for i := 0; i < 5; i++ {
+		m, err := marshaler.NewMessage("order.placed", map[string]int{"n": i})
+		require.NoError(t, err)
+		msgs = append(msgs, m)
+	}
+	before, poison := msgs[0].UUID, msgs[1].UUID
+	require.NoError(t, pub.Publish(marksTopic, msgs...))
+
+	type child struct {
+		name   string
+		cmd    *exec.Cmd
+		out    *lockedBuffer
+		exited chan struct{}
+	}
+	var children []*child
+	start := func(name string) *child {
+		ch := &child{name: name, out: &lockedBuffer{}, exited: make(chan struct{})}
+		ch.cmd = exec.Command(os.Args[0], "-test.run=^$")
+		ch.cmd.Env = append(os.Environ(), marksChildEnv+"="+name, "CRASHLOOP_SCHEMA="+schema, "CRASHLOOP_POISON="+poison,
+			"CRASHLOOP_BEFORE="+before, "CRASHLOOP_KAFKA_BROKERS="+strings.Join(brokers, ","))
+		ch.cmd.Stdout, ch.cmd.Stderr = ch.out, ch.out
+		require.NoError(t, ch.cmd.Start())
+		go func() { _ = ch.cmd.Wait(); close(ch.exited) }()
+		children = append(children, ch)
+		t.Cleanup(func() {
+			_ = ch.cmd.Process.Kill()
+			<-ch.exited
+			if t.Failed() {
+				t.Logf("member %s output:\n%s", ch.name, ch.out.String())
+			}
+		})
+		return ch
+	}
+	const guard = 2 * time.Minute // hang guards, not measurements
+	attemptsOf := func(member string) int {
+		return count(`SELECT count(*) FROM attempt WHERE member = $1 AND event_id = $2`, member, before)
+	}
+
+	// a holds the record before the poison, past its first 64 attempts.
+	start("a")
+	testenv.Eventually(t, guard, "a attempted the record before the poison 70 times", func(o *testenv.Observed) bool {
+		return o.Int("attempts", attemptsOf("a")) >= 70
+	})
+	// b joins: the partition moves to b while a is stuck retrying.
+	start("b")
+	testenv.Eventually(t, guard, "b attempted the record before the poison 70 times", func(o *testenv.Observed) bool {
+		return o.Int("attempts", attemptsOf("b")) >= 70
+	})
+	_, err = pool.Exec(ctx, `UPDATE dep SET up = true`)
+	require.NoError(t, err)
+
+	var dead []string
+	collect := func() {
+		for {
+			select {
+			case rec := <-dlqc.Messages():
+				m, err := kafka.Marshaler{}.Unmarshal(rec)
+				require.NoError(t, err)
+				dead = append(dead, m.UUID)
+			default:
+				return
+			}
+		}
+	}
+	deaths := 0
+	var order []string
+	restarts := 0
+	deadline := time.Now().Add(5 * time.Minute)
+	for {
+		collect()
+		applied := count(`SELECT count(DISTINCT event_id) FROM effect`)
+		if len(dead) > 0 && applied+len(dead) >= len(msgs) {
+			break
+		}
+		liveN := 0
+		for _, ch := range children {
+			select {
+			case <-ch.exited:
+				if ch.cmd.ProcessState != nil && !strings.HasPrefix(ch.name, "counted:") {
+					ws := ch.cmd.ProcessState.Sys().(syscall.WaitStatus)
+					if !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
+						t.Fatalf("member %s ended with %s; output:\n%s", ch.name, ch.cmd.ProcessState, ch.out.String())
+					}
+					deaths++
+					order = append(order, ch.name)
+					ch.name = "counted:" + ch.name
+				}
+			default:
+				liveN++
+			}
+		}
+		if deaths > middleware.DefaultMaxCrashes+3 {
+			break
+		}
+		if liveN == 0 {
+			restarts++
+			start(fmt.Sprintf("restart%d", restarts))
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("neither dead-lettered nor finished; %d deaths", deaths)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	collect()
+	var crashRows []string
+	rows, err := pool.Query(ctx, `SELECT event_id::text, started FROM processed_event_crash`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var id string
+		var n int
+		require.NoError(t, rows.Scan(&id, &n))
+		crashRows = append(crashRows, fmt.Sprintf("%s:%d", map[bool]string{true: "poison", false: id}[id == poison], n))
+	}
+	rows.Close()
+	var poisonAttempts []string
+	rows, err = pool.Query(ctx, `SELECT member FROM attempt WHERE event_id = $1`, poison)
+	require.NoError(t, err)
+	for rows.Next() {
+		var m string
+		require.NoError(t, rows.Scan(&m))
+		poisonAttempts = append(poisonAttempts, m)
+	}
+	rows.Close()
+	t.Logf("%d deaths (in order %v), the poison attempted by %v, dead letters %d, crash counts %v", deaths, order, poisonAttempts, len(dead), crashRows)
+	require.Equal(t, 1, count(`SELECT count(*) FROM effect WHERE event_id = $1`, before), "the record before the poison applied once")
+	require.Equal(t, []string{poison}, dead, "only the poisoned record is dead-lettered")
+	require.LessOrEqual(t, deaths, middleware.DefaultMaxCrashes+1,
+		"members killed by the poisoned record before its dead letter (documented worst case: dead letter at delivery MaxCrashes+2)")
+}
