@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -15,10 +14,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	wmkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-idempotency/idempotency"
-	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler/kafka"
 	"github.com/watermill-idempotency/idempotency/middleware"
 )
@@ -46,24 +43,14 @@ func init() {
 // member has applied 64 other events (past its start's first 64 attempts).
 func retryKillChild() error {
 	logger := watermill.NewStdLoggerWithOut(os.Stderr, false, false)
-	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
+	pool, brokers, dlq, err := memberDeps(logger)
 	if err != nil {
 		return err
 	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = os.Getenv("CRASHLOOP_SCHEMA")
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		return err
-	}
-	brokers := strings.Split(os.Getenv("CRASHLOOP_KAFKA_BROKERS"), ",")
 	sub, err := wmkafka.NewSubscriber(wmkafka.SubscriberConfig{
 		Brokers: brokers, Unmarshaler: kafka.Marshaler{}, ConsumerGroup: "retrykill",
 		OverwriteSaramaConfig: crashLoopSaramaConfig(),
 	}, logger)
-	if err != nil {
-		return err
-	}
-	dlq, err := crashLoopPublisher(brokers, logger)
 	if err != nil {
 		return err
 	}

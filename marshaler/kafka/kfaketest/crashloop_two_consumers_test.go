@@ -4,27 +4,19 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"os/signal"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	wmkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
-	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/watermill-idempotency/idempotency"
-	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/marshaler/kafka"
 	"github.com/watermill-idempotency/idempotency/middleware"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 const (
@@ -49,17 +41,7 @@ func init() {
 // event kills the process in either handler.
 func twoConsChild() error {
 	logger := watermill.NewStdLoggerWithOut(os.Stderr, false, false)
-	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
-	if err != nil {
-		return err
-	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = os.Getenv("CRASHLOOP_SCHEMA")
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		return err
-	}
-	brokers := strings.Split(os.Getenv("CRASHLOOP_KAFKA_BROKERS"), ",")
-	dlq, err := crashLoopPublisher(brokers, logger)
+	pool, brokers, dlq, err := memberDeps(logger)
 	if err != nil {
 		return err
 	}
@@ -116,90 +98,42 @@ func twoConsChild() error {
 // another copy, as docs/guarantees.md and transports.md (a crash before
 // the offset commit) say.
 func TestKafkaRecordKillingAProcessWithTwoConsumersIsDeadLetteredByEachAfterItsOwnDeaths(t *testing.T) {
-	ctx := context.Background()
-	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, twoConsTopic, twoConsDLQ))
-	require.NoError(t, err)
-	t.Cleanup(c.Close)
-	brokers := c.ListenAddrs()
-	consumer, err := sarama.NewConsumer(brokers, crashLoopSaramaConfig())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = consumer.Close() })
-	dlqc, err := consumer.ConsumePartition(twoConsDLQ, 0, sarama.OffsetOldest)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = dlqc.Close() })
-
-	pool, schema := testenv.Pool(t)
-	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
-	_, err = pool.Exec(ctx, `CREATE TABLE effect (consumer text NOT NULL, event_id text NOT NULL)`)
-	require.NoError(t, err)
-	pub, err := crashLoopPublisher(brokers, watermill.NopLogger{})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = pub.Close() })
-	var msgs []*message.Message
-	for i := 0; i < 4; i++ {
-		m, err := marshaler.NewMessage("order.placed", map[string]int{"n": i})
-		require.NoError(t, err)
-		msgs = append(msgs, m)
-	}
-	poison := msgs[0].UUID
-	require.NoError(t, pub.Publish(twoConsTopic, msgs...))
+	r := newCrashRig(t, 1, twoConsTopic, twoConsDLQ, `CREATE TABLE effect (consumer text NOT NULL, event_id text NOT NULL)`)
+	poison := r.publish(4)[0]
 
 	var dead, deadFrom []string
 	collect := func() {
-		for {
-			select {
-			case rec := <-dlqc.Messages():
-				m, err := kafka.Marshaler{}.Unmarshal(rec)
-				require.NoError(t, err)
-				dead = append(dead, m.UUID)
-				deadFrom = append(deadFrom, m.Metadata.Get("reason_poisoned")[:min(60, len(m.Metadata.Get("reason_poisoned")))]+" by "+m.Metadata.Get("handler_poisoned"))
-			default:
-				return
-			}
+		for _, m := range r.deadLetters() {
+			reason := m.Metadata.Get("reason_poisoned")
+			dead = append(dead, m.UUID)
+			deadFrom = append(deadFrom, reason[:min(60, len(reason))]+" by "+m.Metadata.Get("handler_poisoned"))
 		}
-	}
-	count := func(q string) int {
-		var n int
-		require.NoError(t, pool.QueryRow(ctx, q).Scan(&n))
-		return n
 	}
 	deaths := 0
 	for finished := false; !finished; {
 		if deaths > 2*middleware.DefaultMaxCrashes+1 {
 			t.Fatalf("%d deaths and not finished", deaths)
 		}
-		out := &lockedBuffer{}
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), twoConsChildEnv+"=1", "CRASHLOOP_SCHEMA="+schema, "CRASHLOOP_POISON="+poison,
-			"CRASHLOOP_KAFKA_BROKERS="+strings.Join(brokers, ","))
-		cmd.Stdout, cmd.Stderr = out, out
-		require.NoError(t, cmd.Start())
-		exited := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(exited) }()
+		m := r.start(twoConsChildEnv+"=1", "CRASHLOOP_POISON="+poison)
 		deadline := time.Now().Add(2 * time.Minute) // a hang guard, not a measurement
 	wait:
 		for {
 			select {
-			case <-exited:
-				ws := cmd.ProcessState.Sys().(syscall.WaitStatus)
-				if !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
-					t.Fatalf("child ended with %s; output:\n%s", cmd.ProcessState, out.String())
-				}
+			case <-m.exited:
+				m.requireKilled(t)
 				deaths++
 				break wait
 			case <-time.After(200 * time.Millisecond):
 				collect()
 				// Done: each consumer dead-lettered the poison and applied the 3 others.
-				if len(dead) >= 2 && count(`SELECT count(*) FROM effect`) >= 6 {
-					_ = cmd.Process.Kill()
-					<-exited
+				if len(dead) >= 2 && r.count(`SELECT count(*) FROM effect`) >= 6 {
+					m.stop()
 					finished = true
 					break wait
 				}
 				if time.Now().After(deadline) {
-					_ = cmd.Process.Kill()
-					<-exited
-					t.Fatalf("child neither crashed nor finished; output:\n%s", out.String())
+					m.stop()
+					t.Fatalf("child neither crashed nor finished; output:\n%s", m.out.String())
 				}
 			}
 		}
@@ -210,7 +144,7 @@ func TestKafkaRecordKillingAProcessWithTwoConsumersIsDeadLetteredByEachAfterItsO
 		require.Equal(t, poison, id, "only the poison is dead-lettered: %q", deadFrom)
 	}
 	require.GreaterOrEqual(t, len(dead), 2, "each consumer dead-letters the poison")
-	require.Equal(t, 6, count(`SELECT count(*) FROM effect`), "each other record applied once per consumer")
+	require.Equal(t, 6, r.count(`SELECT count(*) FROM effect`), "each other record applied once per consumer")
 	require.LessOrEqual(t, deaths, 2*middleware.DefaultMaxCrashes,
 		"the process was killed %d times by one record (MaxCrashes %d for each of 2 consumers)", deaths, middleware.DefaultMaxCrashes)
 }

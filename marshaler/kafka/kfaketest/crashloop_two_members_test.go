@@ -5,27 +5,21 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"os/signal"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	wmkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
-	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/marshaler/kafka"
 	"github.com/watermill-idempotency/idempotency/middleware"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 const (
@@ -55,24 +49,14 @@ func marksChild(name string) error {
 	if os.Getenv("KFAKE_DEBUG") != "" {
 		logger = watermill.NewStdLoggerWithOut(os.Stderr, true, false)
 	}
-	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL())
+	pool, brokers, dlq, err := memberDeps(logger)
 	if err != nil {
 		return err
 	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = os.Getenv("CRASHLOOP_SCHEMA")
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		return err
-	}
-	brokers := strings.Split(os.Getenv("CRASHLOOP_KAFKA_BROKERS"), ",")
 	sub, err := wmkafka.NewSubscriber(wmkafka.SubscriberConfig{
 		Brokers: brokers, Unmarshaler: kafka.Marshaler{}, ConsumerGroup: marksTopic,
 		OverwriteSaramaConfig: crashLoopSaramaConfig(), ReconnectRetrySleep: 100 * time.Millisecond,
 	}, logger)
-	if err != nil {
-		return err
-	}
-	dlq, err := crashLoopPublisher(brokers, logger)
 	if err != nil {
 		return err
 	}
@@ -132,71 +116,29 @@ func marksChild(name string) error {
 // before it (first, or when its partition came back to that consumer from
 // one that died on it)", so at most MaxCrashes+1 members die.
 func TestKafkaPoisonAfterARecordTwoLiveMembersFailedOnKillsAtMostMaxCrashesPlusOneMembers(t *testing.T) {
-	ctx := context.Background()
-	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, marksTopic, marksDLQ))
-	require.NoError(t, err)
-	t.Cleanup(c.Close)
-	brokers := c.ListenAddrs()
-
-	consumer, err := sarama.NewConsumer(brokers, crashLoopSaramaConfig())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = consumer.Close() })
-	dlqc, err := consumer.ConsumePartition(marksDLQ, 0, sarama.OffsetOldest)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = dlqc.Close() })
-
-	pool, schema := testenv.Pool(t)
-	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
-	_, err = pool.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL);
+	r := newCrashRig(t, 1, marksTopic, marksDLQ, `CREATE TABLE effect (event_id text NOT NULL);
 		CREATE TABLE attempt (member text NOT NULL, event_id text NOT NULL);
 		CREATE TABLE dep (up bool NOT NULL); INSERT INTO dep VALUES (false)`)
-	require.NoError(t, err)
-	count := func(q string, args ...any) int {
-		var n int
-		require.NoError(t, pool.QueryRow(ctx, q, args...).Scan(&n))
-		return n
-	}
-
-	pub, err := crashLoopPublisher(brokers, watermill.NopLogger{})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = pub.Close() })
-	var msgs []*message.Message
-	for i := 0; i < 5; i++ {
-		m, err := marshaler.NewMessage("order.placed", map[string]int{"n": i})
-		require.NoError(t, err)
-		msgs = append(msgs, m)
-	}
-	before, poison := msgs[0].UUID, msgs[1].UUID
-	require.NoError(t, pub.Publish(marksTopic, msgs...))
+	ids := r.publish(5)
+	before, poison := ids[0], ids[1]
 
 	type child struct {
-		name   string
-		cmd    *exec.Cmd
-		out    *lockedBuffer
-		exited chan struct{}
+		name string
+		*crashMember
 	}
 	var children []*child
-	start := func(name string) *child {
-		ch := &child{name: name, out: &lockedBuffer{}, exited: make(chan struct{})}
-		ch.cmd = exec.Command(os.Args[0], "-test.run=^$")
-		ch.cmd.Env = append(os.Environ(), marksChildEnv+"="+name, "CRASHLOOP_SCHEMA="+schema, "CRASHLOOP_POISON="+poison,
-			"CRASHLOOP_BEFORE="+before, "CRASHLOOP_KAFKA_BROKERS="+strings.Join(brokers, ","))
-		ch.cmd.Stdout, ch.cmd.Stderr = ch.out, ch.out
-		require.NoError(t, ch.cmd.Start())
-		go func() { _ = ch.cmd.Wait(); close(ch.exited) }()
-		children = append(children, ch)
+	start := func(name string) {
+		m := r.start(marksChildEnv+"="+name, "CRASHLOOP_POISON="+poison, "CRASHLOOP_BEFORE="+before)
+		children = append(children, &child{name: name, crashMember: m})
 		t.Cleanup(func() {
-			_ = ch.cmd.Process.Kill()
-			<-ch.exited
 			if t.Failed() {
-				t.Logf("member %s output:\n%s", ch.name, ch.out.String())
+				t.Logf("member %s output:\n%s", name, m.out.String())
 			}
 		})
-		return ch
 	}
 	const guard = 2 * time.Minute // hang guards, not measurements
 	attemptsOf := func(member string) int {
-		return count(`SELECT count(*) FROM attempt WHERE member = $1 AND event_id = $2`, member, before)
+		return r.count(`SELECT count(*) FROM attempt WHERE member = $1 AND event_id = $2`, member, before)
 	}
 
 	// a holds the record before the poison, past its first 64 attempts.
@@ -209,53 +151,38 @@ func TestKafkaPoisonAfterARecordTwoLiveMembersFailedOnKillsAtMostMaxCrashesPlusO
 	testenv.Eventually(t, guard, "b attempted the record before the poison 70 times", func(o *testenv.Observed) bool {
 		return o.Int("attempts", attemptsOf("b")) >= 70
 	})
-	_, err = pool.Exec(ctx, `UPDATE dep SET up = true`)
+	_, err := r.pool.Exec(r.ctx, `UPDATE dep SET up = true`)
 	require.NoError(t, err)
 
 	var dead []string
-	collect := func() {
-		for {
-			select {
-			case rec := <-dlqc.Messages():
-				m, err := kafka.Marshaler{}.Unmarshal(rec)
-				require.NoError(t, err)
-				dead = append(dead, m.UUID)
-			default:
-				return
-			}
-		}
-	}
-	deaths := 0
+	deaths, restarts := 0, 0
 	var order []string
-	restarts := 0
 	deadline := time.Now().Add(5 * time.Minute)
 	for {
-		collect()
-		applied := count(`SELECT count(DISTINCT event_id) FROM effect`)
-		if len(dead) > 0 && applied+len(dead) >= len(msgs) {
+		for _, m := range r.deadLetters() {
+			dead = append(dead, m.UUID)
+		}
+		if len(dead) > 0 && r.count(`SELECT count(DISTINCT event_id) FROM effect`)+len(dead) >= len(r.msgs) {
 			break
 		}
-		liveN := 0
+		live := 0
 		for _, ch := range children {
 			select {
 			case <-ch.exited:
-				if ch.cmd.ProcessState != nil && !strings.HasPrefix(ch.name, "counted:") {
-					ws := ch.cmd.ProcessState.Sys().(syscall.WaitStatus)
-					if !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
-						t.Fatalf("member %s ended with %s; output:\n%s", ch.name, ch.cmd.ProcessState, ch.out.String())
-					}
+				if !strings.HasPrefix(ch.name, "counted:") {
+					ch.requireKilled(t)
 					deaths++
 					order = append(order, ch.name)
 					ch.name = "counted:" + ch.name
 				}
 			default:
-				liveN++
+				live++
 			}
 		}
 		if deaths > middleware.DefaultMaxCrashes+3 {
 			break
 		}
-		if liveN == 0 {
+		if live == 0 {
 			restarts++
 			start(fmt.Sprintf("restart%d", restarts))
 		}
@@ -264,19 +191,8 @@ func TestKafkaPoisonAfterARecordTwoLiveMembersFailedOnKillsAtMostMaxCrashesPlusO
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	collect()
-	var crashRows []string
-	rows, err := pool.Query(ctx, `SELECT event_id::text, started FROM processed_event_crash`)
-	require.NoError(t, err)
-	for rows.Next() {
-		var id string
-		var n int
-		require.NoError(t, rows.Scan(&id, &n))
-		crashRows = append(crashRows, fmt.Sprintf("%s:%d", map[bool]string{true: "poison", false: id}[id == poison], n))
-	}
-	rows.Close()
 	var poisonAttempts []string
-	rows, err = pool.Query(ctx, `SELECT member FROM attempt WHERE event_id = $1`, poison)
+	rows, err := r.pool.Query(r.ctx, `SELECT member FROM attempt WHERE event_id = $1`, poison)
 	require.NoError(t, err)
 	for rows.Next() {
 		var m string
@@ -284,8 +200,8 @@ func TestKafkaPoisonAfterARecordTwoLiveMembersFailedOnKillsAtMostMaxCrashesPlusO
 		poisonAttempts = append(poisonAttempts, m)
 	}
 	rows.Close()
-	t.Logf("%d deaths (in order %v), the poison attempted by %v, dead letters %d, crash counts %v", deaths, order, poisonAttempts, len(dead), crashRows)
-	require.Equal(t, 1, count(`SELECT count(*) FROM effect WHERE event_id = $1`, before), "the record before the poison applied once")
+	t.Logf("%d deaths (in order %v), the poison attempted by %v, dead letters %d, crash counts %v", deaths, order, poisonAttempts, len(dead), r.crashCounts(poison))
+	require.Equal(t, 1, r.count(`SELECT count(*) FROM effect WHERE event_id = $1`, before), "the record before the poison applied once")
 	require.Equal(t, []string{poison}, dead, "only the poisoned record is dead-lettered")
 	require.LessOrEqual(t, deaths, middleware.DefaultMaxCrashes+1,
 		"members killed by the poisoned record before its dead letter (documented worst case: dead letter at delivery MaxCrashes+2)")

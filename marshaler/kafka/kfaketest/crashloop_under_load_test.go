@@ -1,27 +1,12 @@
 package kfaketest
 
 import (
-	"context"
-	"fmt"
-	"os"
-	"os/exec"
-	"strings"
-	"syscall"
 	"testing"
 	"time"
 
-	"github.com/IBM/sarama"
-	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
-	"github.com/twmb/franz-go/pkg/kfake"
 
-	"github.com/watermill-idempotency/idempotency"
-	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/marshaler"
-	"github.com/watermill-idempotency/idempotency/marshaler/kafka"
 	"github.com/watermill-idempotency/idempotency/middleware"
-	"github.com/watermill-idempotency/idempotency/processed"
 )
 
 // The crash loop as it happens in production: the poisoned record reaches a
@@ -79,114 +64,47 @@ func runKafkaCrashLoop(t *testing.T, cl kafkaCrashLoop) {
 	if cl.topic == "" {
 		cl.topic, cl.dlq = crashLoopTopic, crashLoopDLQ
 	}
-	ctx := context.Background()
-	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(cl.partitions, cl.topic), kfake.SeedTopics(1, cl.dlq))
-	require.NoError(t, err)
-	t.Cleanup(c.Close)
-	brokers := c.ListenAddrs()
-
-	consumer, err := sarama.NewConsumer(brokers, crashLoopSaramaConfig())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = consumer.Close() })
-	dlq, err := consumer.ConsumePartition(cl.dlq, 0, sarama.OffsetOldest)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = dlq.Close() })
-
-	pool, schema := testenv.Pool(t)
-	require.NoError(t, processed.Migrate(ctx, idempotency.Pgx(pool), processed.Config{}))
-	_, err = pool.Exec(ctx, `CREATE TABLE effect (event_id text NOT NULL)`)
-	require.NoError(t, err)
-
-	var msgs []*message.Message
-	pub, err := crashLoopPublisher(brokers, watermill.NopLogger{})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = pub.Close() })
-	publish := func(n int) {
-		var batch []*message.Message
-		for i := 0; i < n; i++ {
-			m, err := marshaler.NewMessage("order.placed", map[string]int{"n": len(msgs)})
-			require.NoError(t, err)
-			msgs = append(msgs, m)
-			batch = append(batch, m)
-		}
-		require.NoError(t, pub.Publish(cl.topic, batch...))
-	}
-	publish(cl.before + 1)
-	poison := msgs[cl.before].UUID
-	publish(3)
+	r := newCrashRig(t, cl.partitions, cl.topic, cl.dlq, `CREATE TABLE effect (event_id text NOT NULL)`)
+	r.publish(cl.before)
+	poison := r.publish(1)[0]
+	r.publish(3)
 
 	var dead []string
 	collect := func() {
-		for {
-			select {
-			case rec := <-dlq.Messages():
-				m, err := kafka.Marshaler{}.Unmarshal(rec)
-				require.NoError(t, err)
-				dead = append(dead, m.UUID)
-			default:
-				return
-			}
+		for _, m := range r.deadLetters() {
+			dead = append(dead, m.UUID)
 		}
-	}
-	counts := func() []string {
-		var out []string
-		rows, err := pool.Query(ctx, `SELECT event_id::text, started FROM processed_event_crash`)
-		require.NoError(t, err)
-		for rows.Next() {
-			var id string
-			var n int
-			require.NoError(t, rows.Scan(&id, &n))
-			if id == poison {
-				id = "poison"
-			}
-			out = append(out, fmt.Sprintf("%s: %d", id, n))
-		}
-		require.NoError(t, rows.Err())
-		return out
 	}
 	crashes := 0
 	for finished := false; !finished; {
 		if crashes > cl.allowed+2 {
-			t.Fatalf("the poisoned record killed %d members (%d allowed) and was not dead-lettered; crash counts %v", crashes, cl.allowed, counts())
+			t.Fatalf("the poisoned record killed %d members (%d allowed) and was not dead-lettered; crash counts %v", crashes, cl.allowed, r.crashCounts(poison))
 		}
 		if cl.perChild > 0 {
-			publish(cl.perChild) // the producers do not stop while members crash
+			r.publish(cl.perChild) // the producers do not stop while members crash
 		}
-		var out strings.Builder
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), cl.childEnv+"=1", "CRASHLOOP_SCHEMA="+schema, "CRASHLOOP_POISON="+poison,
-			"CRASHLOOP_KAFKA_BROKERS="+strings.Join(brokers, ","))
-		cmd.Stdout, cmd.Stderr = &out, &out
-		require.NoError(t, cmd.Start())
-		exited := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(exited) }()
+		m := r.start(cl.childEnv+"=1", "CRASHLOOP_POISON="+poison)
 		deadline := time.Now().Add(2 * time.Minute) // a hang guard, not a measurement
 	wait:
 		for {
 			select {
-			case <-exited:
-				ws := cmd.ProcessState.Sys().(syscall.WaitStatus)
-				if !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
-					t.Fatalf("child ended with %s; output:\n%s", cmd.ProcessState, out.String())
-				}
+			case <-m.exited:
+				m.requireKilled(t)
 				crashes++
 				break wait
 			case <-time.After(200 * time.Millisecond):
 				collect()
-				var applied int
-				require.NoError(t, pool.QueryRow(ctx, `SELECT count(DISTINCT event_id) FROM effect`).Scan(&applied))
+				applied := r.count(`SELECT count(DISTINCT event_id) FROM effect`)
 				// Done when every record is accounted for: applied or
 				// dead-lettered (the assertions below say which).
-				if len(dead) > 0 && applied+len(dead) >= len(msgs) {
-					_ = cmd.Process.Kill()
-					<-exited
+				if len(dead) > 0 && applied+len(dead) >= len(r.msgs) {
+					m.stop()
 					finished = true
 					break wait
 				}
 				if time.Now().After(deadline) {
-					_ = cmd.Process.Kill()
-					<-exited
-					t.Fatalf("child %d neither crashed nor finished (%d applied); output:\n%s", crashes+1, applied, out.String())
+					m.stop()
+					t.Fatalf("child %d neither crashed nor finished (%d applied); output:\n%s", crashes+1, applied, m.out.String())
 				}
 			}
 		}
