@@ -818,7 +818,8 @@ func (r *Relay) database(ctx context.Context, step string, f func(context.Contex
 // pressured delays row after a back-pressure or unroutable failure, by the
 // backoff of its topic's consecutive such failures; its attempts do not
 // change. An unroutable row is logged at WARN (Error for a logger without
-// Warn), naming its topic: a queue not bound yet, or a misspelt topic.
+// Warn), naming its topic and the reason: a queue not bound yet, an
+// exchange not declared or forbidden, a misspelt topic.
 func (r *Relay) pressured(ctx context.Context, tx wsql.Tx, row *pendingRow, noRoute bool) error {
 	n := r.pressure[row.topic]
 	r.pressure[row.topic] = n + 1
@@ -858,9 +859,9 @@ func (r *Relay) isBackPressure(err error) bool {
 	return r.cfg.BackPressure != nil && r.cfg.BackPressure(err)
 }
 
-// isUnroutable reports whether a publish error says that no queue is bound
-// to the row's topic (an Unroutable() bool method returning true, e.g.
-// marshaler/amqp.ErrUnroutable).
+// isUnroutable reports whether a publish error says that nothing routes the
+// row's topic yet: no queue bound, no such exchange (an Unroutable() bool
+// method returning true, e.g. marshaler/amqp.ErrUnroutable).
 func isUnroutable(err error) bool {
 	var u interface{ Unroutable() bool }
 	return errors.As(err, &u) && u.Unroutable()

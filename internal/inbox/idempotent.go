@@ -426,28 +426,42 @@ type laneMarks struct {
 	last map[string]int64
 }
 
-// follows reports whether the record at off in lane is the next one after
-// the last one whose attempt of a new event this process committed.
-func (l *laneMarks) follows(lane string, off int64) bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	last, ok := l.last[lane]
-	return ok && off == last+1
+// position is a record's place in its partition (wire.Position); ok is
+// false when its transport gives none.
+type position struct {
+	lane string
+	off  int64
+	ok   bool
 }
 
-// ended records that an attempt of a new event at off in lane ended:
-// committed, it is the lane's mark; failed, the lane has none.
-func (l *laneMarks) ended(lane string, off int64, committed bool) {
+// positionOf reads msg's position, once per attempt.
+func positionOf(msg *message.Message) position {
+	lane, off, ok := wire.ParsePosition(msg.Metadata.Get(wire.Position))
+	return position{lane: lane, off: off, ok: ok}
+}
+
+// follows reports whether the record at p is the next one after the last
+// one in its lane whose attempt of a new event this process committed.
+func (l *laneMarks) follows(p position) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	last, ok := l.last[p.lane]
+	return ok && p.off == last+1
+}
+
+// ended records that an attempt of a new event at p ended: committed, it
+// is its lane's mark; failed, the lane has none.
+func (l *laneMarks) ended(p position, committed bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if !committed {
-		delete(l.last, lane)
+		delete(l.last, p.lane)
 		return
 	}
 	if l.last == nil {
 		l.last = make(map[string]int64)
 	}
-	l.last[lane] = off
+	l.last[p.lane] = p.off
 }
 
 // isNopLogger reports whether l is Watermill's NopLogger (it logs nothing).
@@ -623,6 +637,7 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		// The replay window is the claim's (the database clock, see
 		// retention.go): no expiry check runs here on the process clock.
+
 		// A record of a partitioned transport (wire.Position): once an
 		// attempt that claimed it (an event not processed yet) committed in
 		// this process, the partition's next record follows it and is not
@@ -633,15 +648,15 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		// take the next one, which may kill it, for a record following its
 		// own.
 		var fresh bool
-		lane, off, positioned := wire.ParsePosition(msg.Metadata.Get(wire.Position))
-		if positioned {
+		pos := positionOf(msg)
+		if pos.ok {
 			defer func() {
 				if fresh {
-					m.lanes.ended(lane, off, err == nil)
+					m.lanes.ended(pos, err == nil)
 				}
 			}()
 		}
-		counted, marked := m.countsCrashes(msg)
+		counted, marked := m.countsCrashes(msg, pos)
 		if !counted {
 			if m.duplicateRun(origCtx, nested) {
 				if stored, found := m.processedBefore(origCtx, consumer, eventID); found {
@@ -658,7 +673,7 @@ func (m *Idempotent) middleware(h message.HandlerFunc) message.HandlerFunc {
 		// warm-up of a transport that marks nothing and has no partitions
 		// (GoChannel) does not: its handlers may wait for each other through
 		// a blocking publish.
-		if _, joined := wsql.TxFromContext(origCtx); (marked || positioned) && !nested && !joined {
+		if _, joined := wsql.TxFromContext(origCtx); (marked || pos.ok) && !nested && !joined {
 			release, werr := m.countedTurn(origCtx, fields)
 			if werr != nil {
 				return nil, m.finish(handlerName, OutcomeFailed, start, 0, fields, werr)
@@ -830,14 +845,14 @@ func attemptFields(msg *message.Message, consumer, handlerName string, attempt i
 // redisstream.CountingClient) and this is one (redelivered, or a delivery count above
 // 0), or it marks none (Kafka) and the consumer has just started
 // (crashWarmup) or, when the transport gives the record's place in its
-// partition (wire.Position: Kafka), this process did not just end an
-// attempt of a new event at the record before it (laneMarks). First
+// partition (pos, wire.Position: Kafka), this process did not just commit
+// an attempt of a new event at the record before it (laneMarks). First
 // deliveries on a transport that marks redeliveries write nothing. An
 // uncounted delivery (uncounted) is counted at every attempt. marked
 // reports a counted attempt that takes the process's counted turn and none
 // of the warm-up: a marked redelivery, or an uncounted delivery (it may be
 // the claim of the entry that killed the last consumer).
-func (m *Idempotent) countsCrashes(msg *message.Message) (counted, marked bool) {
+func (m *Idempotent) countsCrashes(msg *message.Message, pos position) (counted, marked bool) {
 	if m.cfg.MaxCrashes <= 0 || m.cfg.CrashQuerier == nil {
 		return false, false
 	}
@@ -849,8 +864,8 @@ func (m *Idempotent) countsCrashes(msg *message.Message) (counted, marked bool) 
 		return true, true
 	}
 	warm := m.warmup.Load() < crashWarmup
-	if lane, off, ok := wire.ParsePosition(msg.Metadata.Get(wire.Position)); ok && !warm {
-		return !m.lanes.follows(lane, off), false
+	if pos.ok && !warm {
+		return !m.lanes.follows(pos), false
 	}
 	// Peeked, not taken: an attempt of an event already processed (a
 	// Kafka member re-reading what it applied since its last committed

@@ -35,9 +35,9 @@ const UncountedDelivery = "idempotency_uncounted_delivery"
 // last "/" (Kafka: "<topic>/<partition>"), the offset a decimal int64. The
 // consumer counts the crashes of an attempt of an event not processed yet
 // unless this process has just committed an attempt of a new event at the
-// record before it (offset − 1) on its partition: the record that killed
-// the last consumer is never such a record after a restart or a
-// reassignment. Those counted attempts run one at a time in the process.
+// record before it (offset − 1) on its partition: after a restart, the
+// record that killed the last consumer never follows such a commit. Those
+// counted attempts run one at a time in the process.
 // Reserved (marshaler.ReservedKey): no incoming header sets it.
 const Position = "idempotency_position"
 

@@ -29,8 +29,8 @@ const DefaultConfirmTimeout = 10 * time.Second
 // row; it keeps the row (holding back its topic's later rows) and warns.
 var ErrUnroutable error = unroutableError("amqp: message unroutable")
 
-// unroutableError is an error that tells whoever retries it that no queue
-// is bound for the message yet.
+// unroutableError is an error that tells whoever retries it that nothing
+// routes the message yet (no queue bound, no such exchange, no permission).
 type unroutableError string
 
 func (e unroutableError) Error() string { return string(e) }

@@ -131,9 +131,9 @@ func (m Marshaler) Unmarshal(rec *sarama.ConsumerMessage) (msg *message.Message,
 	}
 	msg = m.Decoder.DecodeDelivery(in)
 	// The record's partition and offset (wire.Position): the consumer
-	// counts the crashes of the first attempt after a gap in a partition
-	// (a start, a reassignment), where the record that killed the last
-	// member always is, and runs those attempts one at a time.
+	// counts the crashes of an attempt unless it just committed the record
+	// before it in the partition (so after a start, where the record that
+	// killed the last member is), and runs those attempts one at a time.
 	msg.Metadata.Set(wire.Position, recordID(rec))
 	return msg, nil
 }

@@ -26,16 +26,7 @@ const (
 	retryKillDLQ      = "retrykill.dlq"
 )
 
-func init() {
-	if os.Getenv(retryKillChildEnv) == "" {
-		return
-	}
-	if err := retryKillChild(); err != nil {
-		fmt.Fprintln(os.Stderr, "retrykill child:", err)
-		os.Exit(2)
-	}
-	os.Exit(3)
-}
+func init() { memberMain(retryKillChildEnv, func(string) error { return retryKillChild() }) }
 
 // retryKillChild is a member of the group: its handler kills the process
 // on the poisoned event's retry (its first attempt in the process failed,

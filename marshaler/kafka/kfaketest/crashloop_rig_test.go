@@ -159,7 +159,22 @@ func (m *crashMember) requireKilled(t *testing.T) {
 	}
 }
 
-// memberDeps is what a crashMember process opens from the environment start
+// memberMain runs this test binary as a member process when env is set
+// (crashRig.start), with env's value, and exits: 2 when run fails, 3 when
+// it returns (a member is expected to die by SIGKILL).
+func memberMain(env string, run func(value string) error) {
+	v := os.Getenv(env)
+	if v == "" {
+		return
+	}
+	if err := run(v); err != nil {
+		fmt.Fprintln(os.Stderr, env, "member:", err)
+		os.Exit(2)
+	}
+	os.Exit(3)
+}
+
+// memberDeps is what a member process opens from the environment start
 // gave it: its pool on the rig's schema, the brokers and a publisher for
 // its dead letters.
 func memberDeps(logger watermill.LoggerAdapter) (*pgxpool.Pool, []string, *wmkafka.Publisher, error) {

@@ -25,16 +25,7 @@ const (
 	twoConsDLQ      = "twocons.dlq"
 )
 
-func init() {
-	if os.Getenv(twoConsChildEnv) == "" {
-		return
-	}
-	if err := twoConsChild(); err != nil {
-		fmt.Fprintln(os.Stderr, "twocons child:", err)
-		os.Exit(2)
-	}
-	os.Exit(3)
-}
+func init() { memberMain(twoConsChildEnv, func(string) error { return twoConsChild() }) }
 
 // twoConsChild is one service process with two consumers ("stock" and
 // "analytics", a consumer group each) of the same topic; the poisoned

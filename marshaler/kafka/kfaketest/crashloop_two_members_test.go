@@ -28,17 +28,7 @@ const (
 	marksDLQ      = "marksrec.dlq"
 )
 
-func init() {
-	name := os.Getenv(marksChildEnv)
-	if name == "" {
-		return
-	}
-	if err := marksChild(name); err != nil {
-		fmt.Fprintln(os.Stderr, "marks child:", err)
-		os.Exit(2)
-	}
-	os.Exit(3)
-}
+func init() { memberMain(marksChildEnv, marksChild) }
 
 // marksChild is a member of group "marksrec": the event CRASHLOOP_BEFORE
 // fails while the row of table dep says the dependency is down (the chain
