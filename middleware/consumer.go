@@ -197,7 +197,14 @@ type ConsumerConfig struct {
 	// JoinSQLSubscriber makes each attempt join the transaction of a
 	// watermill-sql v4 subscriber (the message's context carries it) under
 	// a SAVEPOINT, instead of beginning one on DB. Use it only with a
-	// watermill-sql subscriber on DB.
+	// watermill-sql subscriber on DB (PostgreSQL). An attempt that claimed
+	// its event keeps a row in <table>_running (processed migration 0009)
+	// until it ends, whose deferred foreign key fails any COMMIT made
+	// before (23503): watermill-sql's subscriber commits its batch when a
+	// message outlives its AckDeadline (30 s by default) or it closes, and
+	// that commit takes nothing of a running attempt; the message comes
+	// again. Every attempt is counted for MaxCrashes (two writes more): a
+	// death rolls back the whole batch. docs/transports.md.
 	JoinSQLSubscriber bool
 
 	// MaxCrashes bounds how many attempts of one message may start and never

@@ -848,10 +848,12 @@ func attemptFields(msg *message.Message, consumer, handlerName string, attempt i
 // partition (pos, wire.Position: Kafka), this process did not just commit
 // an attempt of a new event at the record before it (laneMarks). First
 // deliveries on a transport that marks redeliveries write nothing. An
-// uncounted delivery (uncounted) is counted at every attempt. marked
-// reports a counted attempt that takes the process's counted turn and none
-// of the warm-up: a marked redelivery, or an uncounted delivery (it may be
-// the claim of the entry that killed the last consumer).
+// uncounted delivery (uncounted) and an attempt joined to watermill-sql's
+// subscriber transaction are counted at every attempt. marked reports a
+// counted attempt that takes none of the warm-up (and the process's
+// counted turn unless it is joined: its batch runs one message at a
+// time): a marked redelivery, an uncounted delivery (it may be the claim
+// of the entry that killed the last consumer), a joined attempt.
 func (m *Idempotent) countsCrashes(msg *message.Message, pos position) (counted, marked bool) {
 	if m.cfg.MaxCrashes <= 0 || m.cfg.CrashQuerier == nil {
 		return false, false
@@ -861,6 +863,14 @@ func (m *Idempotent) countsCrashes(msg *message.Message, pos position) (counted,
 		return marshaler.Redelivered(msg) || n > 0, true
 	}
 	if m.uncounted(msg) {
+		return true, true
+	}
+	if _, joined := m.cfg.Beginner.(sqlSubscriberBeginner); joined {
+		// Joined to watermill-sql's subscriber transaction: a death rolls
+		// back the whole batch, so every attempt before the killer in it
+		// is an attempt of a new event again after each restart, and 64
+		// or more of them spent the warm-up before the killer's turn
+		// (the messages carry no redelivery mark and no position).
 		return true, true
 	}
 	warm := m.warmup.Load() < crashWarmup
@@ -1008,6 +1018,8 @@ func (m *Idempotent) endAttempt(ctx context.Context, consumer string, id uuid.UU
 //     attempt's connection, finds the claim not the current
 //     transaction's (an aborted transaction, 25P02, or a broken
 //     connection is not that).
+//   - watermill-sql's subscriber transaction (NewSQLSubscriberBeginner):
+//     the attempt's running row is gone on a transaction that answers.
 //   - SQLite: the claim's savepoint is gone, unless the handler's error is
 //     one SQLite may roll the transaction back for (BUSY, NOMEM,
 //     INTERRUPT, IOERR, FULL; a context's end interrupts the statement).
@@ -1021,6 +1033,8 @@ func (m *Idempotent) endedByHandler(ctx context.Context, tx attemptTx, herr erro
 		return false
 	}
 	switch t := tx.(type) {
+	case *savepointTx:
+		return t.endedByHandler(ctx)
 	case *pgxTx:
 		if t.savepoint != "" || t.closed || t.pc.IsClosed() {
 			return false

@@ -84,7 +84,7 @@ func TestLeanClaimRollingDeployAppliesEachEventOnce(t *testing.T) {
 	require.NoError(t, err)
 	ms, err := store.Migrations()
 	require.NoError(t, err)
-	require.Len(t, ms, 8)
+	require.Len(t, ms, 9)
 	// The previous release's schema: migrations 1 to 6.
 	require.NoError(t, sqldb.Migrate(ctx, sqldb.Pgx(pool), sqldb.PostgreSQL, "processed:"+store.Table().String(), ms[:6]))
 	_, err = pool.Exec(ctx, `CREATE TABLE effect (id bigserial PRIMARY KEY, event_id uuid NOT NULL, note text)`)

@@ -31,7 +31,10 @@ const savepointName = "idempotency_msg"
 // nack, resends the message in the same transaction without rolling back.
 // So each message runs inside a SAVEPOINT: a failed attempt rolls back to it
 // (claim and effects vanish, and on PostgreSQL an aborted transaction becomes
-// usable again) and a successful one releases it. The Store's dialect must be
+// usable again) and a successful one releases it. On PostgreSQL an attempt
+// that claimed its event keeps a row in <table>_running until it ends
+// (savepointTx.running): the subscriber's COMMIT of its batch while the
+// attempt runs (AckDeadline, Close) fails, and takes none of it. The Store's dialect must be
 // the subscriber's database. The handler reads the transaction with
 // QuerierFromContext, and also PgxTxFromContext or SQLTxFromContext depending
 // on the subscriber's Beginner; it must not Commit or Rollback it.
@@ -52,7 +55,10 @@ func (sqlSubscriberBeginner) beginClaim(ctx context.Context, c claimRequest) (at
 	if !ok {
 		return nil, false, &ConfigurationError{Hint: "consume from watermill-sql's Subscriber, or unset ConsumerConfig.JoinSQLSubscriber to begin each attempt's transaction on ConsumerConfig.DB", Err: ErrNoSubscriberTx}
 	}
-	a := &savepointTx{tx: tx, q: wsqlQuerier{tx}, claim: c}
+	if err := ctx.Err(); err != nil {
+		return nil, false, subscriberGaveUp(ctx)
+	}
+	a := &savepointTx{tx: tx, q: wsqlQuerier{tx}, claim: c, msgCtx: ctx}
 	if _, err := tx.ExecContext(ctx, "SAVEPOINT "+savepointName); err != nil {
 		return nil, false, fmt.Errorf("savepoint: %w", err)
 	}
@@ -63,6 +69,10 @@ func (sqlSubscriberBeginner) beginClaim(ctx context.Context, c claimRequest) (at
 		}
 	}
 	claimed, err := c.claim(ctx, a.q)
+	if err == nil && claimed {
+		a.claimed = true
+		a.running, err = c.store.StartRunning(ctx, a.q)
+	}
 	if err != nil {
 		_ = a.rollback(ctx)
 		return nil, false, err
@@ -75,9 +85,23 @@ type savepointTx struct {
 	tx   wsql.Tx
 	q    sqldb.Querier
 	done bool
-	// claim is the attempt's claim, looked up at commit: a handler that
-	// rolled back to the savepoint (ROLLBACK TO SAVEPOINT) undid it.
-	claim claimRequest
+	// claim is the attempt's claim; claimed: it inserted its row.
+	claim   claimRequest
+	claimed bool
+	// msgCtx is the message's context, which watermill-sql ends when it
+	// gives the message up (AckDeadline, Close) and goes on to end its
+	// transaction: from then on the attempt sends nothing more on it (a
+	// statement of ours beside the subscriber's COMMIT would share a
+	// connection between two goroutines).
+	msgCtx context.Context
+	// running is the attempt's row in <table>_running, written after a
+	// claim that inserted its row (0: none, a duplicate): its deferred
+	// foreign key fails any COMMIT of the subscriber's transaction until
+	// commit deletes it. watermill-sql commits its batch when a message
+	// outlives the subscriber's AckDeadline or the subscriber closes,
+	// while the attempt may still run; without the row that commit took
+	// the claim and the effects written so far, and the rest was lost.
+	running int64
 }
 
 func (a *savepointTx) parts() (sqldb.Querier, pgx.Tx, *sql.Tx) {
@@ -104,22 +128,39 @@ func (a *savepointTx) bind(ctx context.Context) context.Context {
 	return sqldb.ContextWithTx(ctx, a.q)
 }
 
-// commit releases the savepoint. A RELEASE that fails (on PostgreSQL 25P02
-// when a handler statement failed and the handler returned nil) leaves the
-// savepoint open, so that the middleware's rollback rolls back to it: only
-// this message's claim and effects vanish, and the subscriber's transaction
-// is usable again for the batch's other messages.
+// commit deletes the attempt's running row and releases the savepoint.
+// The row gone means the handler ended the transaction or rolled back to
+// the savepoint (ROLLBACK, ROLLBACK TO SAVEPOINT, or a COMMIT, which the
+// row made fail): the claim is not part of the transaction any more, and
+// the attempt fails with errHandlerEndedBySQL. A RELEASE that fails (on
+// PostgreSQL 25P02 when a handler statement failed and the handler
+// returned nil) leaves the savepoint open, so that the middleware's
+// rollback rolls back to it: only this message's claim and effects
+// vanish, and the subscriber's transaction is usable again for the
+// batch's other messages.
 func (a *savepointTx) commit(ctx context.Context) error {
 	if a.done {
 		return errors.New("idempotency: savepoint already ended")
 	}
-	// The claim must still be part of the transaction: a handler that ran
-	// ROLLBACK TO SAVEPOINT undid it (a RELEASE of ours by the handler makes
-	// the RELEASE below fail).
-	if ok, err := a.claim.store.Processed(ctx, a.q, a.claim.consumer, a.claim.eventID); err != nil {
-		return err
-	} else if !ok {
-		return errHandlerEndedBySQL
+	if a.msgCtx.Err() != nil {
+		a.done = true
+		return subscriberGaveUp(a.msgCtx)
+	}
+	switch {
+	case a.running != 0:
+		if there, err := a.claim.store.EndRunning(ctx, a.q, a.running); err != nil {
+			return err
+		} else if !there {
+			return errHandlerEndedBySQL
+		}
+	case a.claimed:
+		// MySQL (no running row): the claim must still be part of the
+		// transaction; a handler's ROLLBACK TO SAVEPOINT undid it.
+		if ok, err := a.claim.store.Processed(ctx, a.q, a.claim.consumer, a.claim.eventID); err != nil {
+			return err
+		} else if !ok {
+			return errHandlerEndedBySQL
+		}
 	}
 	if _, err := a.tx.ExecContext(ctx, "RELEASE SAVEPOINT "+savepointName); err != nil {
 		return err
@@ -128,8 +169,31 @@ func (a *savepointTx) commit(ctx context.Context) error {
 	return nil
 }
 
+// subscriberGaveUp is the error of an attempt whose message watermill-sql
+// gave up (its context ended: AckDeadline, Close): transient, the
+// subscriber delivers the message again from its transaction's start.
+func subscriberGaveUp(msgCtx context.Context) error {
+	return &InfrastructureError{Op: "watermill-sql's subscriber gave the message up (AckDeadline passed, or it closed) and ends its transaction without the attempt", Err: context.Cause(msgCtx)}
+}
+
+// endedByHandler reports whether the attempt's running row is gone (see
+// commit) on a transaction that still answers.
+func (a *savepointTx) endedByHandler(ctx context.Context) bool {
+	if a.running == 0 || a.done {
+		return false
+	}
+	there, err := a.claim.store.Running(ctx, a.q, a.running)
+	return err == nil && !there
+}
+
 func (a *savepointTx) rollback(ctx context.Context) error {
 	if a.done {
+		return nil
+	}
+	if a.msgCtx.Err() != nil {
+		// The subscriber ends its transaction: its COMMIT fails on the
+		// running row, or its ROLLBACK takes the attempt with it.
+		a.done = true
 		return nil
 	}
 	a.done = true // one try: a failed ROLLBACK TO leaves the subscriber's tx to fail its commit

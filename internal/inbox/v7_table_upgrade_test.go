@@ -55,7 +55,7 @@ func TestV7TableRollingDeployAppliesEachEventOnce(t *testing.T) {
 	require.NoError(t, err)
 	ms, err := previous.Migrations()
 	require.NoError(t, err)
-	require.Len(t, ms, 8)
+	require.Len(t, ms, 9)
 	// The previous release's schema: migrations 1 to 7.
 	require.NoError(t, sqldb.Migrate(ctx, sqldb.Pgx(pool), sqldb.PostgreSQL, "processed:"+previous.Table().String(), ms[:7]))
 	require.NoError(t, previous.CheckLean(ctx, sqldb.Pgx(pool), "stock"))

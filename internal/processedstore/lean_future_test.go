@@ -28,7 +28,7 @@ func TestLeanClaimOffWhereEventAtHasADefault(t *testing.T) {
 	require.NoError(t, err)
 	ms, err := store.Migrations()
 	require.NoError(t, err)
-	require.Len(t, ms, 8)
+	require.Len(t, ms, 9)
 	// Migrations 1 to 6: a rolling deploy before 0007 runs.
 	require.NoError(t, sqldb.Migrate(ctx, sqldb.Pgx(pool), sqldb.PostgreSQL, "processed:"+store.Table().String(), ms[:6]))
 	require.NoError(t, store.CheckLean(ctx, sqldb.Pgx(pool), ""))

@@ -68,7 +68,7 @@ WHERE n.nspname = $1 AND t.relname = 'inbox' AND x.indnkeyatts = 1 AND a.attname
 	var recorded int
 	require.NoError(t, pool.QueryRow(context.Background(),
 		`SELECT count(*) FROM idempotency_migration WHERE component = $1`, "processed:"+schema+".inbox").Scan(&recorded))
-	require.Equal(t, 8, recorded, "versions 1 to 8, each recorded once, next to the table")
+	require.Equal(t, 9, recorded, "versions 1 to 9, each recorded once, next to the table")
 }
 
 func TestConfigValidateNamesField(t *testing.T) {

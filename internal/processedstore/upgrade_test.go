@@ -74,7 +74,7 @@ func TestMigrationsRecordedNextToTable(t *testing.T) {
 	require.NoError(t, s.Migrate(ctx, sqldb.Pgx(pool)))
 	var n int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM `+other+`.idempotency_migration WHERE component = $1`, "processed:"+other+".inbox").Scan(&n))
-	require.Equal(t, 8, n)
+	require.Equal(t, 9, n)
 	var local *string
 	require.NoError(t, pool.QueryRow(ctx, `SELECT to_regclass('idempotency_migration')::text`).Scan(&local))
 	require.Nil(t, local, "nothing recorded in the search_path's schema")

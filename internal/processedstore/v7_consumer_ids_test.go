@@ -40,7 +40,7 @@ func previousRelease(t *testing.T, q sqldb.Querier, table string) *processedstor
 	require.NoError(t, err)
 	ms, err := s.Migrations()
 	require.NoError(t, err)
-	require.Len(t, ms, 8)
+	require.Len(t, ms, 9)
 	require.NoError(t, sqldb.Migrate(context.Background(), q, sqldb.PostgreSQL, "processed:"+s.Table().String(), ms[:7]))
 	return s
 }
