@@ -363,14 +363,48 @@ func (p *holdPoison) middleware(h message.HandlerFunc) message.HandlerFunc {
 		p.stall.begin(p)
 		defer p.stall.end()
 		defer msg.SetContext(orig)
+		returned := false
+		defer func() {
+			if !returned {
+				p.exited(h, msg, inner, start)
+			}
+		}()
 		msg.SetContext(inner)
 		produced, err := h(msg)
 		msg.SetContext(orig)
 		if err == nil {
+			returned = true
 			return produced, nil
 		}
-		return p.hold(h, msg, inner, start, err)
+		produced, err = p.hold(h, msg, inner, start, err)
+		returned = true
+		return produced, err
 	}
+}
+
+// errGoexit is the permanent failure of an attempt whose handler ended its
+// goroutine with runtime.Goexit (t.FailNow, a require assertion in a
+// handler).
+var errGoexit = errors.New("idempotency: the handler ended its goroutine (runtime.Goexit, as t.FailNow does): the attempt was rolled back")
+
+// exited ends a delivery whose chain did not return: its handler called
+// runtime.Goexit (the attempt was rolled back on the way out), or a panic
+// outside the chain's recoverer unwinds through here (re-raised). Watermill's
+// router acks or nacks only what its handler returns, so without this the
+// delivery stayed unacked and the subscription stopped for good, silently.
+// The delivery is dead-lettered as a permanent failure (it would call
+// Goexit again at each redelivery) and acked; nacked when that fails.
+func (p *holdPoison) exited(h message.HandlerFunc, msg *message.Message, inner *chainCtx, start time.Time) {
+	if r := recover(); r != nil {
+		panic(r)
+	}
+	p.logger.Error("Handler ended its goroutine (runtime.Goexit): the attempt was rolled back and the delivery is dead-lettered", errGoexit,
+		watermill.LogFields{"message_uuid": msg.UUID, "topic": message.SubscribeTopicFromCtx(inner.Context)})
+	if _, err := p.hold(h, msg, inner, start, Permanent(errGoexit)); err != nil {
+		msg.Nack()
+		return
+	}
+	msg.Ack()
 }
 
 // hold is the outer layer after a failed attempt: it poisons, or holds the
