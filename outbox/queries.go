@@ -143,6 +143,18 @@ func (q queries) deadLetter() string {
 		placeholders(q.d, 1, 2) + `, ` + q.now + ` FROM ` + q.t.Table + ` WHERE id = ` + placeholders(q.d, 3, 1)
 }
 
+// topicIn is "topic IN (…)" over n placeholders from position from, for
+// the filters of Redrive and Replay. On MySQL the topic is compared as
+// bytes (BINARY), as in holdBack: the column's collation matched "Orders"
+// and "orders " for "orders", routing keys the operator did not select.
+func topicIn(d sqldb.Dialect, from, n int) string {
+	col := `topic`
+	if d == sqldb.MySQL {
+		col = `BINARY topic`
+	}
+	return col + ` IN (` + placeholders(d, from, n) + `)`
+}
+
 // holdBack is the claim's exclusion of the rows behind a waiting row of
 // each topic, placeholders from position from: topic, head id per topic.
 // On MySQL the topic is compared as bytes (BINARY): the column's default

@@ -80,7 +80,7 @@ func (o *Outbox) Redrive(ctx context.Context, f RedriveFilter) (int, error) {
 		}
 	}
 	if len(f.Topics) > 0 {
-		conds = append(conds, `topic IN (`+placeholders(o.dialect, len(args)+1, len(f.Topics))+`)`)
+		conds = append(conds, topicIn(o.dialect, len(args)+1, len(f.Topics)))
 		for _, t := range f.Topics {
 			args = append(args, t)
 		}

@@ -55,7 +55,7 @@ func (o *Outbox) Replay(ctx context.Context, db wsql.ContextExecutor, dest messa
 	args := []any{f.From.UnixMicro(), f.To.UnixMicro()}
 	cond := ""
 	if len(f.Topics) > 0 {
-		cond = ` AND topic IN (` + placeholders(o.dialect, 3, len(f.Topics)) + `)`
+		cond = ` AND ` + topicIn(o.dialect, 3, len(f.Topics))
 		for _, t := range f.Topics {
 			args = append(args, t)
 		}

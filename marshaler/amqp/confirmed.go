@@ -365,9 +365,12 @@ func (p *ConfirmedPublisher) channelClosed(ctx context.Context) error {
 // connection because of the message published (errRefused): 501
 // FRAME_ERROR (a frame over frame_max: the message's headers) or 406
 // PRECONDITION_FAILED (a message over max_message_size). A publish-only
-// channel declares nothing, so these codes come from the message.
+// channel declares nothing, so these codes come from the message. Only
+// when the broker sent them (Server): amqp091 reports a connection lost
+// under it, a read or write failing (EOF, a reset), as a 501 of its own
+// (Server false), which is an outage, never the message's fault.
 func refusedByBroker(e *amqp091.Error) bool {
-	return e.Code == amqp091.FrameError || e.Code == amqp091.PreconditionFailed
+	return e.Server && (e.Code == amqp091.FrameError || e.Code == amqp091.PreconditionFailed)
 }
 
 // handshakeTimeout bounds the TCP connect and the AMQP handshake of a
