@@ -19,6 +19,9 @@ const (
 	// OutboxAfterPublish: the outbox relay published a round's rows (the
 	// broker confirmed them) and has not yet deleted them.
 	OutboxAfterPublish = "outbox-after-publish"
+	// MigrationStatementApplied: on MySQL or SQLite, one statement of a
+	// migration committed, the version is not recorded yet.
+	MigrationStatementApplied = "migration-statement-applied"
 )
 
 var hook atomic.Pointer[func(name string)]

@@ -28,13 +28,13 @@ func TestMigrationsFSWithGoose(t *testing.T) {
 	require.NoError(t, err)
 	names, err := fs.Glob(fsys, "*.up.sql")
 	require.NoError(t, err)
-	require.Equal(t, []string{"10001_create_processed_event.up.sql", "10002_event_at.up.sql", "10003_fingerprint.up.sql", "10004_horizon.up.sql", "10005_consumer_handlers.up.sql", "10006_crashes.up.sql", "10007_lean_claim.up.sql", "10008_v7_table.up.sql"}, names)
+	require.Equal(t, []string{"10001_create_processed_event.up.sql", "10002_event_at.up.sql", "10003_fingerprint.up.sql", "10004_horizon.up.sql", "10005_consumer_handlers.up.sql", "10006_crashes.up.sql", "10007_lean_claim.up.sql", "10008_v7_table.up.sql", "10009_running.up.sql"}, names)
 
 	provider, err := goose.NewProvider(goose.DialectPostgres, db, fsys)
 	require.NoError(t, err)
 	results, err := provider.Up(context.Background())
 	require.NoError(t, err)
-	require.Len(t, results, 8)
+	require.Len(t, results, 9)
 
 	s, err := processedstore.NewStore(processedstore.Config{})
 	require.NoError(t, err)

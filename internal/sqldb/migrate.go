@@ -13,6 +13,8 @@ import (
 	"strings"
 	"testing/fstest"
 	"text/template"
+
+	"github.com/watermill-idempotency/idempotency/internal/crashpoint"
 )
 
 // Migration is one versioned schema change, rendered for its table.
@@ -127,9 +129,12 @@ func Migrate(ctx context.Context, q Querier, d Dialect, component string, ms []M
 //     instances that both found it unrecorded both run it, so PostgreSQL
 //     migrations must stay idempotent (IF NOT EXISTS);
 //   - on MySQL and SQLite each statement runs alone (DDL commits implicitly
-//     there). When one fails, the record is read again: if another instance
-//     recorded the version meanwhile, the failure is ignored; otherwise it is
-//     returned (run Migrate again once the other instance is done).
+//     there). A statement refused because its change is already there
+//     (alreadyApplied: a run killed before the version's record, another
+//     instance) is passed over. When one fails otherwise, the record is
+//     read again: if another instance recorded the version meanwhile, the
+//     failure is ignored; otherwise it is returned (run Migrate again once
+//     the other instance is done).
 func MigrateTable(ctx context.Context, q Querier, d Dialect, next Ident, component string, ms []Migration) error {
 	bk := MigrationTable
 	if schema, _, ok := strings.Cut(next.String(), "."); ok {
@@ -191,14 +196,24 @@ func MigrateTable(ctx context.Context, q Querier, d Dialect, next Ident, compone
 			}, ";\n")
 			_, err = q.Exec(ctx, script)
 		default:
-			stmts := append(SplitStatements(m.SQL), fmt.Sprintf(record, m.Version))
-			for _, s := range stmts {
+			for _, s := range SplitStatements(m.SQL) {
 				if _, err = q.Exec(ctx, s); err != nil {
+					if alreadyApplied(d, err) {
+						// A run killed after this statement and before
+						// the version's record (DDL commits on its own
+						// here), or another instance's.
+						err = nil
+						continue
+					}
 					if done, rerr := applied(m.Version); rerr == nil && done {
 						err = nil // another instance applied it meanwhile
 					}
 					break
 				}
+				crashpoint.Reached(crashpoint.MigrationStatementApplied)
+			}
+			if err == nil {
+				_, err = q.Exec(ctx, fmt.Sprintf(record, m.Version))
 			}
 		}
 		if err != nil {
@@ -218,6 +233,28 @@ func MigrateTable(ctx context.Context, q Querier, d Dialect, next Ident, compone
 		}
 	}
 	return nil
+}
+
+// alreadyApplied reports whether err is a DDL statement's refusal to do
+// what is already done: MySQL 1060 (duplicate column), 1061 (duplicate key
+// name), 1091 (nothing to drop), matched as go-sql-driver's text "Error
+// NNNN (" because the core links no MySQL driver; SQLite's "duplicate
+// column name". On MySQL one ALTER TABLE is atomic, and the SQLite
+// migrations run one change per statement, so the statement's change is
+// whole.
+func alreadyApplied(d Dialect, err error) bool {
+	msg := err.Error()
+	switch d {
+	case MySQL:
+		for _, code := range []string{"Error 1060 (", "Error 1061 (", "Error 1091 ("} {
+			if strings.Contains(msg, code) {
+				return true
+			}
+		}
+	case SQLite:
+		return strings.Contains(msg, "duplicate column name")
+	}
+	return false
 }
 
 // tableExists reports whether table exists (in its schema, or where an
