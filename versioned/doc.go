@@ -172,6 +172,12 @@
 // lost, and was counted all the same); one on a consumer whose crash bound
 // is off; and on SQLite, where the attempt's transaction holds the
 // database's only write lock, so a retirement beside it cannot be written.
+// Nor is a message that never reaches the filter: one the claim refuses
+// (expired, from the future, event_id_reused) or the producer's relay
+// dead-letters (<table>_dead: a message too large for the broker). Its
+// latest record stands, so the family's older messages are obsolete at
+// every consumer until a newer message is published or the dead row is
+// redriven once its cause is fixed.
 //
 // Retention: FamilyPurger deletes families idle for longer than a horizon
 // (its three tables: latest, applied, retired; bounded batches, one purger

@@ -31,9 +31,14 @@ const (
 // rows are then deleted. Losing a latest row only lets the family's older
 // messages through (more work). Losing an applied row is what could let an
 // old message be applied after a newer one, so every message of an idle
-// family must be gone from the queues by then: set Horizon ≥ the idempotent
-// middleware's ReplayHorizon (which refuses older messages as expired) and ≥
-// the longest time a message may wait in a queue or dead-letter queue.
+// family must be gone from the queues by then, or refused: set Horizon ≥
+// the longest time a message may wait in a queue or dead-letter queue, and
+// ≥ the idempotent middleware's ReplayHorizon + MaxFutureSkew + the longest
+// time by which a message's event id can postdate the family's newer
+// messages (the claim dates a message by its id, or occurred_at, and
+// refuses it as expired only a ReplayHorizon after that; the filter orders
+// by position). A producer that mints an older position's event id later
+// (re-emitting an old version) needs that lag in the horizon.
 type FamilyPurgerConfig struct {
 	// Horizon: rows whose updated_at is older than the database's now()
 	// (on SQLite the process clock, in microseconds) minus Horizon are
