@@ -122,10 +122,7 @@ func joinedCrashChild() int {
 	}
 	logger := watermill.NopLogger{}
 	beginner := wsql.BeginnerFromPgx(pool)
-	sub, err := wsql.NewSubscriber(beginner, wsql.SubscriberConfig{
-		SchemaAdapter: wsql.PostgreSQLQueueSchema{}, OffsetsAdapter: wsql.PostgreSQLQueueOffsetsAdapter{},
-		InitializeSchema: true, PollInterval: 20 * time.Millisecond, ResendInterval: 10 * time.Millisecond,
-	}, logger)
+	sub, err := queueSubscriber(beginner, nil, logger)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2

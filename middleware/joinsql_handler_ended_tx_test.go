@@ -38,10 +38,7 @@ func TestJoinedHandlerEndingTheSubscribersTransactionBySQLIsPoisonedAsHandlerEnd
 				logger = watermill.NewStdLogger(false, false)
 			}
 			beginner := wsql.BeginnerFromPgx(pool)
-			sub, err := wsql.NewSubscriber(beginner, wsql.SubscriberConfig{
-				SchemaAdapter: wsql.PostgreSQLQueueSchema{}, OffsetsAdapter: wsql.PostgreSQLQueueOffsetsAdapter{},
-				InitializeSchema: true, PollInterval: 20 * time.Millisecond, ResendInterval: 10 * time.Millisecond,
-			}, logger)
+			sub, err := queueSubscriber(beginner, nil, logger)
 			require.NoError(t, err)
 			require.NoError(t, sub.SubscribeInitialize("orders"))
 			pub, err := wsql.NewPublisher(beginner, wsql.PublisherConfig{SchemaAdapter: wsql.PostgreSQLQueueSchema{}}, logger)

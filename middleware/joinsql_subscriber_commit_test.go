@@ -103,11 +103,7 @@ func joinedDeadlineChild(returnsNil bool) int {
 	defer pool.Close()
 	logger := watermill.NopLogger{}
 	ackDeadline := time.Second
-	sub, err := wsql.NewSubscriber(wsql.BeginnerFromPgx(pool), wsql.SubscriberConfig{
-		SchemaAdapter: wsql.PostgreSQLQueueSchema{}, OffsetsAdapter: wsql.PostgreSQLQueueOffsetsAdapter{},
-		InitializeSchema: true, AckDeadline: &ackDeadline,
-		PollInterval: 20 * time.Millisecond, ResendInterval: 10 * time.Millisecond,
-	}, logger)
+	sub, err := queueSubscriber(wsql.BeginnerFromPgx(pool), &ackDeadline, logger)
 	if err != nil {
 		return fail(err)
 	}
@@ -176,6 +172,17 @@ func joinedDeadlineChild(returnsNil bool) int {
 	return 0
 }
 
+// queueSubscriber is watermill-sql's subscriber on its PostgreSQL queue
+// schema, polling every 20 ms, with ackDeadline (nil: watermill-sql's
+// default, 30 s).
+func queueSubscriber(b wsql.Beginner, ackDeadline *time.Duration, logger watermill.LoggerAdapter) (*wsql.Subscriber, error) {
+	return wsql.NewSubscriber(b, wsql.SubscriberConfig{
+		SchemaAdapter: wsql.PostgreSQLQueueSchema{}, OffsetsAdapter: wsql.PostgreSQLQueueOffsetsAdapter{},
+		InitializeSchema: true, AckDeadline: ackDeadline,
+		PollInterval: 20 * time.Millisecond, ResendInterval: 10 * time.Millisecond,
+	}, logger)
+}
+
 func newConsumerEnvPoison(t *testing.T) message.Publisher {
 	ps := newGoChannel()
 	t.Cleanup(func() { _ = ps.Close() })
@@ -207,10 +214,7 @@ func TestJoinedAttemptRunningWhenTheSubscriberClosesCommitsNothing(t *testing.T)
 	require.NoError(t, err)
 	logger := watermill.NopLogger{}
 	beginner := wsql.BeginnerFromPgx(pool)
-	sub, err := wsql.NewSubscriber(beginner, wsql.SubscriberConfig{
-		SchemaAdapter: wsql.PostgreSQLQueueSchema{}, OffsetsAdapter: wsql.PostgreSQLQueueOffsetsAdapter{},
-		InitializeSchema: true, PollInterval: 20 * time.Millisecond, ResendInterval: 10 * time.Millisecond,
-	}, logger)
+	sub, err := queueSubscriber(beginner, nil, logger)
 	require.NoError(t, err)
 	require.NoError(t, sub.SubscribeInitialize("orders"))
 	pub, err := wsql.NewPublisher(beginner, wsql.PublisherConfig{SchemaAdapter: wsql.PostgreSQLQueueSchema{}}, logger)

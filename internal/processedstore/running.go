@@ -7,14 +7,10 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/sqldb"
 )
 
-// RunningConstraint is the deferred foreign key of <table>_running
-// (migration 0009; 0005 of the partitioned layout): the SQLSTATE 23503 a
-// COMMIT fails with while an attempt joined to watermill-sql's subscriber
-// transaction runs names it.
-const RunningConstraint = "idempotency_attempt_running"
-
-// StartRunning writes, in the transaction q is in, the row that fails the
-// transaction's COMMIT until EndRunning deletes it, and returns its id;
+// StartRunning writes, in the transaction q is in, a row of <table>_running
+// (migration 0009; 0005 of the partitioned layout), whose deferred foreign
+// key idempotency_attempt_running fails the transaction's COMMIT (23503)
+// until EndRunning deletes it, and returns its id;
 // 0 and nothing written on MySQL and SQLite, which defer no constraint
 // (ConsumerConfig.JoinSQLSubscriber is PostgreSQL only).
 func (s *Store) StartRunning(ctx context.Context, q sqldb.Querier) (int64, error) {
