@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
-	"regexp"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -1037,11 +1036,6 @@ func (a *attempt) poolExec(ctx context.Context, query string, args ...any) (int6
 	return 0, errors.Join(errs...)
 }
 
-// mysqlServerError matches go-sql-driver's *MySQLError text, "Error <number>
-// (<SQLSTATE>): …": the server's answer (the module links no MySQL driver,
-// and that type has no method to read its number by).
-var mysqlServerError = regexp.MustCompile(`Error (\d{4,5}) \([0-9A-Z]{5}\): `)
-
 // statementRefused reports whether err is the server's answer to the
 // statement on a live connection, which another connection would only
 // meet again: a PostgreSQL error outside classes 08 (connection) and 57P
@@ -1058,8 +1052,8 @@ func statementRefused(err error) bool {
 	if errors.As(err, &lite) {
 		return true
 	}
-	if m := mysqlServerError.FindStringSubmatch(err.Error()); m != nil {
-		switch m[1] {
+	if n, ok := sqldb.MySQLErrorNumber(err); ok {
+		switch n {
 		case "1053", "1317", "1927":
 			return false
 		}

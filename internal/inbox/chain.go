@@ -372,11 +372,9 @@ func (p *holdPoison) middleware(h message.HandlerFunc) message.HandlerFunc {
 		msg.SetContext(inner)
 		produced, err := h(msg)
 		msg.SetContext(orig)
-		if err == nil {
-			returned = true
-			return produced, nil
+		if err != nil {
+			produced, err = p.hold(h, msg, inner, start, err)
 		}
-		produced, err = p.hold(h, msg, inner, start, err)
 		returned = true
 		return produced, err
 	}

@@ -190,13 +190,12 @@ func (a *savepointTx) rollback(ctx context.Context) error {
 	if a.done {
 		return nil
 	}
+	a.done = true // one try: a failed ROLLBACK TO leaves the subscriber's tx to fail its commit
 	if a.msgCtx.Err() != nil {
 		// The subscriber ends its transaction: its COMMIT fails on the
 		// running row, or its ROLLBACK takes the attempt with it.
-		a.done = true
 		return nil
 	}
-	a.done = true // one try: a failed ROLLBACK TO leaves the subscriber's tx to fail its commit
 	if _, err := a.tx.ExecContext(ctx, "ROLLBACK TO SAVEPOINT "+savepointName); err != nil {
 		return err
 	}

@@ -237,22 +237,17 @@ func MigrateTable(ctx context.Context, q Querier, d Dialect, next Ident, compone
 
 // alreadyApplied reports whether err is a DDL statement's refusal to do
 // what is already done: MySQL 1060 (duplicate column), 1061 (duplicate key
-// name), 1091 (nothing to drop), matched as go-sql-driver's text "Error
-// NNNN (" because the core links no MySQL driver; SQLite's "duplicate
+// name), 1091 (nothing to drop) (MySQLErrorNumber); SQLite's "duplicate
 // column name". On MySQL one ALTER TABLE is atomic, and the SQLite
 // migrations run one change per statement, so the statement's change is
 // whole.
 func alreadyApplied(d Dialect, err error) bool {
-	msg := err.Error()
 	switch d {
 	case MySQL:
-		for _, code := range []string{"Error 1060 (", "Error 1061 (", "Error 1091 ("} {
-			if strings.Contains(msg, code) {
-				return true
-			}
-		}
+		n, _ := MySQLErrorNumber(err)
+		return n == "1060" || n == "1061" || n == "1091"
 	case SQLite:
-		return strings.Contains(msg, "duplicate column name")
+		return strings.Contains(err.Error(), "duplicate column name")
 	}
 	return false
 }

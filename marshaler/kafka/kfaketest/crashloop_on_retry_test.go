@@ -1,22 +1,18 @@
 package kfaketest
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"os"
-	"os/signal"
 	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wmkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/watermill-idempotency/idempotency"
-	"github.com/watermill-idempotency/idempotency/marshaler/kafka"
 	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
@@ -33,55 +29,33 @@ func init() { memberMain(retryKillChildEnv, func(string) error { return retryKil
 // as on a dependency that is down while the member starts), once the
 // member has applied 64 other events (past its start's first 64 attempts).
 func retryKillChild() error {
-	logger := watermill.NewStdLoggerWithOut(os.Stderr, false, false)
-	pool, brokers, dlq, err := memberDeps(logger)
-	if err != nil {
-		return err
-	}
-	sub, err := wmkafka.NewSubscriber(wmkafka.SubscriberConfig{
-		Brokers: brokers, Unmarshaler: kafka.Marshaler{}, ConsumerGroup: "retrykill",
-		OverwriteSaramaConfig: crashLoopSaramaConfig(),
-	}, logger)
-	if err != nil {
-		return err
-	}
-	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
-		Consumer: "retrykill", DB: idempotency.Pgx(pool),
-		Poison: middleware.PoisonConfig{Publisher: dlq, Topic: retryKillDLQ},
-		Retry:  middleware.RetryConfig{MaxRetries: 100000, InitialInterval: 5 * time.Millisecond, MaxInterval: 20 * time.Millisecond},
-	}, logger)
-	if err != nil {
-		return err
-	}
-	router, err := message.NewRouter(message.RouterConfig{}, logger)
-	if err != nil {
-		return err
-	}
 	poison := os.Getenv("CRASHLOOP_POISON")
 	var applied atomic.Int64
 	var ready atomic.Bool // the poison's last failed attempt ended after 64 others were applied: its next attempt is past the warm-up
-	if _, err := c.AddConsumerHandler(router, "retrykill", retryKillTopic, sub, func(msg *message.Message) error {
-		if msg.UUID == poison {
-			if !ready.Load() {
-				ready.Store(applied.Load() >= 64)
-				return errors.New("retrykill child: the dependency is down")
+	return runCrashMember(crashMemberSpec{
+		topic: retryKillTopic, dlqTopic: retryKillDLQ, consumers: []string{"retrykill"},
+		retry:  middleware.RetryConfig{MaxRetries: 100000, InitialInterval: 5 * time.Millisecond, MaxInterval: 20 * time.Millisecond},
+		logger: watermill.NewStdLoggerWithOut(os.Stderr, false, false),
+		handle: func(_ string, _ *pgxpool.Pool) message.NoPublishHandlerFunc {
+			return func(msg *message.Message) error {
+				if msg.UUID == poison {
+					if !ready.Load() {
+						ready.Store(applied.Load() >= 64)
+						return errors.New("retrykill child: the dependency is down")
+					}
+					fmt.Fprintln(os.Stderr, "retrykill child: poisoned event on a retry, SIGKILL")
+					_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+					select {}
+				}
+				tx, _ := middleware.PgxTxFromContext(msg.Context())
+				if _, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID); err != nil {
+					return err
+				}
+				applied.Add(1)
+				return nil
 			}
-			fmt.Fprintln(os.Stderr, "retrykill child: poisoned event on a retry, SIGKILL")
-			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
-			select {}
-		}
-		tx, _ := middleware.PgxTxFromContext(msg.Context())
-		if _, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID); err != nil {
-			return err
-		}
-		applied.Add(1)
-		return nil
-	}); err != nil {
-		return err
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
-	defer stop()
-	return router.Run(ctx)
+		},
+	})
 }
 
 // A record whose first attempt in a member fails and whose chain retry

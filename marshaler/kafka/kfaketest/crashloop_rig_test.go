@@ -5,9 +5,11 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"os/signal"
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
@@ -21,6 +23,7 @@ import (
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
 	"github.com/watermill-idempotency/idempotency/marshaler"
 	"github.com/watermill-idempotency/idempotency/marshaler/kafka"
+	"github.com/watermill-idempotency/idempotency/middleware"
 	"github.com/watermill-idempotency/idempotency/processed"
 )
 
@@ -193,4 +196,52 @@ func memberDeps(logger watermill.LoggerAdapter) (*pgxpool.Pool, []string, *wmkaf
 		return nil, nil, nil, err
 	}
 	return pool, brokers, dlq, nil
+}
+
+// crashMemberSpec is one member process's consumers (runCrashMember).
+type crashMemberSpec struct {
+	topic, dlqTopic string
+	// consumers are the consumer names: each is its own consumer group of
+	// topic and its own handler, named after it.
+	consumers []string
+	retry     middleware.RetryConfig
+	logger    watermill.LoggerAdapter
+	// handle is the handler of consumer, on the member's pool.
+	handle func(consumer string, pool *pgxpool.Pool) message.NoPublishHandlerFunc
+}
+
+// runCrashMember runs m's consumers through middleware.NewConsumer (dead
+// letters on m.dlqTopic) on one router until SIGTERM.
+func runCrashMember(m crashMemberSpec) error {
+	pool, brokers, dlq, err := memberDeps(m.logger)
+	if err != nil {
+		return err
+	}
+	router, err := message.NewRouter(message.RouterConfig{}, m.logger)
+	if err != nil {
+		return err
+	}
+	for _, name := range m.consumers {
+		sub, err := wmkafka.NewSubscriber(wmkafka.SubscriberConfig{
+			Brokers: brokers, Unmarshaler: kafka.Marshaler{}, ConsumerGroup: name,
+			OverwriteSaramaConfig: crashLoopSaramaConfig(), ReconnectRetrySleep: 100 * time.Millisecond,
+		}, m.logger)
+		if err != nil {
+			return err
+		}
+		c, err := middleware.NewConsumer(middleware.ConsumerConfig{
+			Consumer: name, DB: idempotency.Pgx(pool),
+			Poison: middleware.PoisonConfig{Publisher: dlq, Topic: m.dlqTopic},
+			Retry:  m.retry,
+		}, m.logger)
+		if err != nil {
+			return err
+		}
+		if _, err := c.AddConsumerHandler(router, name, m.topic, sub, m.handle(name, pool)); err != nil {
+			return err
+		}
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	return router.Run(ctx)
 }

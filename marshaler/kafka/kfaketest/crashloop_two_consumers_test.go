@@ -1,21 +1,17 @@
 package kfaketest
 
 import (
-	"context"
 	"fmt"
 	"os"
-	"os/signal"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wmkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/watermill-idempotency/idempotency"
-	"github.com/watermill-idempotency/idempotency/marshaler/kafka"
 	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
@@ -31,47 +27,23 @@ func init() { memberMain(twoConsChildEnv, func(string) error { return twoConsChi
 // "analytics", a consumer group each) of the same topic; the poisoned
 // event kills the process in either handler.
 func twoConsChild() error {
-	logger := watermill.NewStdLoggerWithOut(os.Stderr, false, false)
-	pool, brokers, dlq, err := memberDeps(logger)
-	if err != nil {
-		return err
-	}
-	router, err := message.NewRouter(message.RouterConfig{}, logger)
-	if err != nil {
-		return err
-	}
 	poison := os.Getenv("CRASHLOOP_POISON")
-	for _, name := range []string{"stock", "analytics"} {
-		sub, err := wmkafka.NewSubscriber(wmkafka.SubscriberConfig{
-			Brokers: brokers, Unmarshaler: kafka.Marshaler{}, ConsumerGroup: name,
-			OverwriteSaramaConfig: crashLoopSaramaConfig(),
-		}, logger)
-		if err != nil {
-			return err
-		}
-		c, err := middleware.NewConsumer(middleware.ConsumerConfig{
-			Consumer: name, DB: idempotency.Pgx(pool),
-			Poison: middleware.PoisonConfig{Publisher: dlq, Topic: twoConsDLQ},
-		}, logger)
-		if err != nil {
-			return err
-		}
-		if _, err := c.AddConsumerHandler(router, name, twoConsTopic, sub, func(msg *message.Message) error {
-			if msg.UUID == poison {
-				fmt.Fprintln(os.Stderr, "twocons child: poisoned event in", name, ", SIGKILL")
-				_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
-				select {}
+	return runCrashMember(crashMemberSpec{
+		topic: twoConsTopic, dlqTopic: twoConsDLQ, consumers: []string{"stock", "analytics"},
+		logger: watermill.NewStdLoggerWithOut(os.Stderr, false, false),
+		handle: func(name string, _ *pgxpool.Pool) message.NoPublishHandlerFunc {
+			return func(msg *message.Message) error {
+				if msg.UUID == poison {
+					fmt.Fprintln(os.Stderr, "twocons child: poisoned event in", name, ", SIGKILL")
+					_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+					select {}
+				}
+				tx, _ := middleware.PgxTxFromContext(msg.Context())
+				_, err := tx.Exec(msg.Context(), `INSERT INTO effect (consumer, event_id) VALUES ($1, $2)`, name, msg.UUID)
+				return err
 			}
-			tx, _ := middleware.PgxTxFromContext(msg.Context())
-			_, err := tx.Exec(msg.Context(), `INSERT INTO effect (consumer, event_id) VALUES ($1, $2)`, name, msg.UUID)
-			return err
-		}); err != nil {
-			return err
-		}
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
-	defer stop()
-	return router.Run(ctx)
+		},
+	})
 }
 
 // One service process with two consumers of one topic (a consumer group

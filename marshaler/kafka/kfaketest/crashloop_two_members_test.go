@@ -5,20 +5,17 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/signal"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wmkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/watermill-idempotency/idempotency"
 	"github.com/watermill-idempotency/idempotency/internal/testenv"
-	"github.com/watermill-idempotency/idempotency/marshaler/kafka"
 	"github.com/watermill-idempotency/idempotency/middleware"
 )
 
@@ -39,57 +36,36 @@ func marksChild(name string) error {
 	if os.Getenv("KFAKE_DEBUG") != "" {
 		logger = watermill.NewStdLoggerWithOut(os.Stderr, true, false)
 	}
-	pool, brokers, dlq, err := memberDeps(logger)
-	if err != nil {
-		return err
-	}
-	sub, err := wmkafka.NewSubscriber(wmkafka.SubscriberConfig{
-		Brokers: brokers, Unmarshaler: kafka.Marshaler{}, ConsumerGroup: marksTopic,
-		OverwriteSaramaConfig: crashLoopSaramaConfig(), ReconnectRetrySleep: 100 * time.Millisecond,
-	}, logger)
-	if err != nil {
-		return err
-	}
-	c, err := middleware.NewConsumer(middleware.ConsumerConfig{
-		Consumer: marksTopic, DB: idempotency.Pgx(pool),
-		Poison: middleware.PoisonConfig{Publisher: dlq, Topic: marksDLQ},
-		Retry:  middleware.RetryConfig{MaxRetries: 100000, InitialInterval: 5 * time.Millisecond, MaxInterval: 20 * time.Millisecond},
-	}, logger)
-	if err != nil {
-		return err
-	}
-	router, err := message.NewRouter(message.RouterConfig{}, logger)
-	if err != nil {
-		return err
-	}
 	poison, before := os.Getenv("CRASHLOOP_POISON"), os.Getenv("CRASHLOOP_BEFORE")
-	if _, err := c.AddConsumerHandler(router, "marks", marksTopic, sub, func(msg *message.Message) error {
-		if _, err := pool.Exec(context.Background(), `INSERT INTO attempt (member, event_id) VALUES ($1, $2)`, name, msg.UUID); err != nil {
-			return err
-		}
-		switch msg.UUID {
-		case poison:
-			fmt.Fprintln(os.Stderr, "marks child", name, ": poisoned event, SIGKILL")
-			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
-			select {}
-		case before:
-			var up bool
-			if err := pool.QueryRow(context.Background(), `SELECT up FROM dep`).Scan(&up); err != nil {
+	return runCrashMember(crashMemberSpec{
+		topic: marksTopic, dlqTopic: marksDLQ, consumers: []string{marksTopic},
+		retry:  middleware.RetryConfig{MaxRetries: 100000, InitialInterval: 5 * time.Millisecond, MaxInterval: 20 * time.Millisecond},
+		logger: logger,
+		handle: func(_ string, pool *pgxpool.Pool) message.NoPublishHandlerFunc {
+			return func(msg *message.Message) error {
+				if _, err := pool.Exec(context.Background(), `INSERT INTO attempt (member, event_id) VALUES ($1, $2)`, name, msg.UUID); err != nil {
+					return err
+				}
+				switch msg.UUID {
+				case poison:
+					fmt.Fprintln(os.Stderr, "marks child", name, ": poisoned event, SIGKILL")
+					_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+					select {}
+				case before:
+					var up bool
+					if err := pool.QueryRow(context.Background(), `SELECT up FROM dep`).Scan(&up); err != nil {
+						return err
+					}
+					if !up {
+						return errors.New("marks child: the dependency is down")
+					}
+				}
+				tx, _ := middleware.PgxTxFromContext(msg.Context())
+				_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID)
 				return err
 			}
-			if !up {
-				return errors.New("marks child: the dependency is down")
-			}
-		}
-		tx, _ := middleware.PgxTxFromContext(msg.Context())
-		_, err := tx.Exec(msg.Context(), `INSERT INTO effect (event_id) VALUES ($1)`, msg.UUID)
-		return err
-	}); err != nil {
-		return err
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
-	defer stop()
-	return router.Run(ctx)
+		},
+	})
 }
 
 // Two live members of one group on a one-partition topic, while a
